@@ -1,0 +1,53 @@
+// attncore: exact scaled-dot-product attention.
+//
+// Layout: q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv], out [B, Hq, Lq, Dv],
+// lse [B, Hq, Lq]. Views are strided in elements; only the last stride must be 1, so the
+// flash layout [B, L, H, D] is passed with `view.transposed(1, 2)` and no copy.
+#pragma once
+
+#include <optional>
+
+#include "attncore/dtype.h"
+#include "attncore/error.h"
+#include "attncore/info.h"
+#include "attncore/options.h"
+#include "attncore/tensor.h"
+
+namespace attncore {
+
+struct ForwardResult {
+  Tensor out;  // [B, Hq, Lq, Dv], dtype of q
+  Tensor lse;  // [B, Hq, Lq], f32 (f64 for f64 inputs); -inf on rows with no visible key
+};
+
+struct BackwardResult {
+  Tensor dq;     // [B, Hq, Lq, D], dtype of q
+  Tensor dk;     // [B, Hkv, Lk, D]
+  Tensor dv;     // [B, Hkv, Lk, Dv]
+  Tensor dbias;  // shape of options.mask (contiguous), when options.compute_dbias; else empty
+};
+
+// Attention forward into new tensors.
+ForwardResult forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                      const Options& options = {}, Backend backend = Backend::automatic);
+
+// Attention forward into caller-provided views: `out` [B, Hq, Lq, Dv] of q's dtype and, when
+// given, `lse` [B, Hq, Lq] (f32, or f64 for f64 inputs). Both are fully written.
+void forward_into(const TensorView& q, const TensorView& k, const TensorView& v,
+                  const TensorView& out, const std::optional<TensorView>& lse,
+                  const Options& options = {}, Backend backend = Backend::automatic);
+
+// Gradients of the forward call with the same q, k, v and options, given its out and lse.
+BackwardResult backward(const TensorView& dout, const TensorView& q, const TensorView& k,
+                        const TensorView& v, const TensorView& out, const TensorView& lse,
+                        const Options& options = {}, Backend backend = Backend::automatic);
+
+// The same into caller-provided views (dq/dk/dv shaped like q/k/v and of their dtype; dbias
+// shaped like options.mask, required iff options.compute_dbias).
+void backward_into(const TensorView& dout, const TensorView& q, const TensorView& k,
+                   const TensorView& v, const TensorView& out, const TensorView& lse,
+                   const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                   const std::optional<TensorView>& dbias, const Options& options = {},
+                   Backend backend = Backend::automatic);
+
+}  // namespace attncore

@@ -1,0 +1,28 @@
+// The exceptions attncore throws. Every message has the form
+//   <op>: <what> <problem> (<name>=<value>, expected <constraint>)[; <remedy>]
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace attncore {
+
+// Base of everything the library throws.
+class Error : public std::runtime_error {
+ public:
+  explicit Error(const std::string& message) : std::runtime_error(message) {}
+};
+
+// The arguments are wrong: shapes, dtypes, strides, values out of range.
+class InvalidArgument : public Error {
+ public:
+  using Error::Error;
+};
+
+// The arguments are valid but this backend or build cannot run them.
+class Unsupported : public Error {
+ public:
+  using Error::Error;
+};
+
+}  // namespace attncore

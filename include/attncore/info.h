@@ -1,0 +1,32 @@
+// What attncore knows about the machine it runs on.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace attncore {
+
+struct CpuInfo {
+  std::string vendor;                  // "AuthenticAMD", ...
+  std::string brand;                   // "AMD EPYC ..."
+  int logical_cores = 1;               // std::thread::hardware_concurrency()
+  std::vector<std::string> features;   // "avx2", "fma", "avx512f", "avx512bf16", ...
+  bool has(const std::string& feature) const;
+};
+
+CpuInfo cpu_info();
+
+// The library version, "MAJOR.MINOR.PATCH".
+const char* version();
+
+// Threads a call with num_threads = 0 uses: ATTNCORE_NUM_THREADS if set, else every core.
+int default_num_threads();
+
+// Measured peak f32 FMA throughput of `threads` threads in GFLOP/s: independent FMA chains in
+// registers on the widest vector unit the CPU has, best of a few short runs (~0.1 s each).
+double measure_fma_peak_gflops(int threads);
+
+// The BLAS library the math backend calls, as it reports itself.
+std::string blas_info();
+
+}  // namespace attncore

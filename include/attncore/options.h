@@ -1,0 +1,58 @@
+// What a call computes beyond plain softmax(scale * q k^T) v: masks, score modifiers, dropout.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+#include "attncore/tensor.h"
+
+namespace attncore {
+
+// Which diagonal a causal mask keeps (query row i, key column j, lengths Lq and Lk).
+enum class Causal : std::uint8_t {
+  none,
+  upper_left,   // j <= i               (torch is_causal)
+  lower_right,  // j <= i + Lk - Lq     (flash-attn causal=True, KV-cache decode)
+};
+
+// The backend that runs a call. `automatic` picks the fastest one that supports the call.
+enum class Backend : std::uint8_t {
+  automatic,
+  reference,  // plain loops, fp64 accumulation: obviously correct, slow
+  math,       // unfused: scores materialised, QK^T and PV as BLAS GEMMs
+};
+
+std::string_view name_of(Causal c);
+std::string_view name_of(Backend b);
+
+struct Options {
+  // Multiplies q.k; default 1/sqrt(D). Must be finite and > 0.
+  std::optional<double> scale;
+  Causal causal = Causal::none;
+  // Sliding window, flash-attn semantics aligned lower-right; -1 = unbounded on that side:
+  // key j is visible to query i iff i + Lk - Lq - window_left <= j <= i + Lk - Lq + window_right.
+  std::int64_t window_left = -1;
+  std::int64_t window_right = -1;
+  // Softcap: s = softcap * tanh(s / softcap); 0 = off, else > 0.
+  double softcap = 0.0;
+  // ALiBi slopes, f32 [Hq] or [B, Hq]: s -= slope * |i + Lk - Lq - j|.
+  std::optional<TensorView> alibi_slopes;
+  // Attention mask, rank 2 [Lq|1, Lk|1] or rank 4 [B|1, Hq|1, Lq|1, Lk|1].
+  // bool: true = takes part; floating (f32, f64 or the query dtype): added to the scores.
+  std::optional<TensorView> mask;
+  // With an additive mask, backward also returns its gradient (reduced to the mask's shape).
+  bool compute_dbias = false;
+  // Dropout on the attention probabilities, in [0, 1). The keep decision of element
+  // (b, h, i, j) is element (offset + ((b*Hq + h)*Lq + i)*Lk + j) of the Philox4x32-10 stream
+  // keyed by `seed`; backward replays it from the same (seed, offset).
+  double dropout_p = 0.0;
+  std::uint64_t seed = 0;
+  std::uint64_t offset = 0;
+  // Allow Hkv < Hq (GQA/MQA): query head h uses key/value head h / (Hq / Hkv).
+  bool enable_gqa = true;
+  // Threads for this call; 0 = ATTNCORE_NUM_THREADS if set, else every core.
+  int num_threads = 0;
+};
+
+}  // namespace attncore

@@ -1,0 +1,137 @@
+// TensorView helpers, Tensor storage, and the names of the public enums.
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+#include "attncore/error.h"
+#include "attncore/options.h"
+#include "attncore/tensor.h"
+
+namespace attncore {
+
+namespace {
+
+TensorView make_view(void* data, DType dtype, const std::int64_t* shape, const std::int64_t* strides,
+                     std::size_t rank) {
+  if (rank > static_cast<std::size_t>(kMaxRank)) {
+    throw InvalidArgument("TensorView: rank is too large (rank=" + std::to_string(rank) +
+                          ", expected <= " + std::to_string(kMaxRank) + ")");
+  }
+  TensorView view;
+  view.data = data;
+  view.dtype = dtype;
+  view.rank = static_cast<int>(rank);
+  std::int64_t running = 1;
+  for (std::size_t d = rank; d-- > 0;) {
+    view.shape[d] = shape[d];
+    if (strides != nullptr) {
+      view.stride[d] = strides[d];
+    } else {
+      view.stride[d] = running;
+      // Saturate instead of overflowing; validation rejects such shapes by numel().
+      if (shape[d] > 0 && running > INT64_MAX / shape[d]) {
+        running = INT64_MAX;
+      } else {
+        running *= shape[d] > 0 ? shape[d] : 1;
+      }
+    }
+  }
+  return view;
+}
+
+}  // namespace
+
+TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list<std::int64_t> shape) {
+  return make_view(data, dtype, shape.begin(), nullptr, shape.size());
+}
+
+TensorView TensorView::strided(void* data, DType dtype, std::initializer_list<std::int64_t> shape,
+                               std::initializer_list<std::int64_t> strides) {
+  if (shape.size() != strides.size()) {
+    throw InvalidArgument("TensorView: strides do not match the shape (rank=" +
+                          std::to_string(shape.size()) + ", expected " +
+                          std::to_string(shape.size()) + " strides, got " +
+                          std::to_string(strides.size()) + ")");
+  }
+  return make_view(data, dtype, shape.begin(), strides.begin(), shape.size());
+}
+
+std::int64_t TensorView::numel() const {
+  std::int64_t n = 1;
+  for (int d = 0; d < rank; ++d) {
+    const std::int64_t s = shape[static_cast<std::size_t>(d)];
+    if (s < 0) return -1;
+    if (s == 0) return 0;
+  }
+  for (int d = 0; d < rank; ++d) {
+    const std::int64_t s = shape[static_cast<std::size_t>(d)];
+    if (n > INT64_MAX / s) return -1;
+    n *= s;
+  }
+  return n;
+}
+
+TensorView TensorView::transposed(int d0, int d1) const {
+  if (d0 < 0 || d1 < 0 || d0 >= rank || d1 >= rank) {
+    throw InvalidArgument("TensorView: transposed dimension out of range (dims=" +
+                          std::to_string(d0) + "," + std::to_string(d1) +
+                          ", expected < rank=" + std::to_string(rank) + ")");
+  }
+  TensorView t = *this;
+  std::swap(t.shape[static_cast<std::size_t>(d0)], t.shape[static_cast<std::size_t>(d1)]);
+  std::swap(t.stride[static_cast<std::size_t>(d0)], t.stride[static_cast<std::size_t>(d1)]);
+  return t;
+}
+
+std::string TensorView::shape_string() const {
+  std::ostringstream os;
+  os << '[';
+  for (int d = 0; d < rank; ++d) os << (d ? ", " : "") << shape[static_cast<std::size_t>(d)];
+  os << ']';
+  return os.str();
+}
+
+void Tensor::Free::operator()(void* p) const { std::free(p); }
+
+Tensor::Tensor(DType dtype, std::initializer_list<std::int64_t> shape)
+    : Tensor(dtype, shape.begin(), static_cast<int>(shape.size())) {}
+
+Tensor::Tensor(DType dtype, const std::int64_t* shape, int rank) {
+  view_ = make_view(nullptr, dtype, shape, nullptr, static_cast<std::size_t>(rank));
+  const std::int64_t n = view_.numel();
+  if (n < 0 || static_cast<std::uint64_t>(n) > (UINT64_MAX >> 4) / size_of(dtype)) {
+    throw InvalidArgument("Tensor: shape " + view_.shape_string() +
+                          " has too many elements (expected numel * element size to fit in memory)");
+  }
+  // 64-byte aligned and rounded up to a whole cache line, as aligned_alloc requires.
+  const std::size_t bytes = (static_cast<std::size_t>(n) * size_of(dtype) + 63) & ~std::size_t{63};
+  if (bytes > 0) {
+    void* p = std::aligned_alloc(64, bytes);
+    if (p == nullptr) {
+      throw Error("Tensor: allocation failed (bytes=" + std::to_string(bytes) + ")");
+    }
+    std::memset(p, 0, bytes);
+    storage_.reset(p);
+    view_.data = p;
+  }
+}
+
+std::string_view name_of(Causal c) {
+  switch (c) {
+    case Causal::none: return "none";
+    case Causal::upper_left: return "upper-left";
+    case Causal::lower_right: return "lower-right";
+  }
+  return "?";
+}
+
+std::string_view name_of(Backend b) {
+  switch (b) {
+    case Backend::automatic: return "auto";
+    case Backend::reference: return "reference";
+    case Backend::math: return "math";
+  }
+  return "?";
+}
+
+}  // namespace attncore

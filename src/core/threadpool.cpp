@@ -1,0 +1,128 @@
+// A minimal persistent thread pool: workers sleep on a condition variable between jobs.
+#include "core/threadpool.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "attncore/info.h"
+
+namespace attncore::detail {
+
+namespace {
+
+class Pool {
+ public:
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (std::thread& w : workers_) w.join();
+  }
+
+  // Returns false (and does nothing) when the pool is busy.
+  bool try_run(int num_tasks, int threads, const std::function<void(int)>& task) {
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    if (!busy.owns_lock()) return false;
+    const int helpers = std::min(threads, num_tasks) - 1;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      while (static_cast<int>(workers_.size()) < helpers) {
+        workers_.emplace_back([this, id = static_cast<int>(workers_.size())] { worker_loop(id); });
+      }
+      task_ = &task;
+      num_tasks_ = num_tasks;
+      active_helpers_ = helpers;
+      next_.store(0);
+      helpers_done_ = 0;
+      error_ = nullptr;
+      ++generation_;
+    }
+    wake_.notify_all();
+    drain();
+    std::unique_lock<std::mutex> lock(mutex_);
+    // Every helper of this job must check in, so none can still touch it when the next starts.
+    done_.wait(lock, [this] { return helpers_done_ == active_helpers_; });
+    task_ = nullptr;
+    if (error_) std::rethrow_exception(error_);
+    return true;
+  }
+
+ private:
+  void worker_loop(int id) {
+    std::uint64_t seen = 0;
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      if (id >= active_helpers_) continue;
+      lock.unlock();
+      drain();
+      lock.lock();
+      ++helpers_done_;
+      done_.notify_all();
+    }
+  }
+
+  // Takes tasks until none are left.
+  void drain() {
+    for (;;) {
+      const int t = next_.fetch_add(1);
+      if (t >= num_tasks_) return;
+      try {
+        (*task_)(t);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!error_) error_ = std::current_exception();
+      }
+    }
+  }
+
+  std::mutex busy_;   // held by the caller of the job in flight
+  std::mutex mutex_;  // guards everything below
+  std::condition_variable wake_, done_;
+  std::vector<std::thread> workers_;
+  const std::function<void(int)>* task_ = nullptr;
+  int num_tasks_ = 0;
+  int active_helpers_ = 0;  // workers [0, active_helpers_) take part in the current job
+  int helpers_done_ = 0;
+  std::atomic<int> next_{0};
+  std::uint64_t generation_ = 0;
+  std::exception_ptr error_;
+  bool stop_ = false;
+};
+
+Pool& pool() {
+  static Pool p;
+  return p;
+}
+
+}  // namespace
+
+void run_tasks(int num_tasks, int threads, const std::function<void(int)>& task) {
+  if (num_tasks <= 0) return;
+  if (threads <= 1 || num_tasks == 1 || !pool().try_run(num_tasks, threads, task)) {
+    for (int t = 0; t < num_tasks; ++t) task(t);
+  }
+}
+
+void parallel_for(std::int64_t n, int threads,
+                  const std::function<void(std::int64_t, std::int64_t)>& body) {
+  if (n <= 0) return;
+  const int chunks = static_cast<int>(std::min<std::int64_t>(std::max(threads, 1), n));
+  run_tasks(chunks, chunks, [&](int c) {
+    const std::int64_t begin = n * c / chunks, end = n * (c + 1) / chunks;
+    body(begin, end);
+  });
+}
+
+int resolve_threads(int requested) { return requested > 0 ? requested : default_num_threads(); }
+
+}  // namespace attncore::detail

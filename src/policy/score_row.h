@@ -1,0 +1,107 @@
+// One row of attention, unfused: the final scores of query row i from its raw dot products,
+// the dense softmax with its LSE, and dropout. The reference (T = double) and math (T = float
+// for f32/bf16/f16, double for f64) backends both use these, so they agree by construction on
+// what every option means.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "core/convert.h"
+#include "core/philox.h"
+#include "core/problem.h"
+#include "policy/mask.h"
+#include "policy/score_mod.h"
+
+namespace attncore::detail {
+
+// s[j], j in [0, Lk): on entry <q_i, k_j>; on return the score of DESIGN.md section 1
+// (scale, softcap, ALiBi, additive mask) or -inf where a mask hides key j. When `dcap` is not
+// null it receives d(score)/d(scale * q.k), the softcap derivative (0 where masked).
+template <class T>
+void finish_scores(const Problem& p, const CausalWindowMask& causal_window, std::int64_t b,
+                   std::int64_t h, std::int64_t i, T* s, T* dcap) {
+  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+  const KeyRange visible = causal_window.row(i);
+  const T scale = static_cast<T>(p.scale);
+  const T cap = static_cast<T>(p.softcap);
+  const T slope = p.alibi ? static_cast<T>(p.alibi[b * p.alibi_stride_b + h * p.alibi_stride_h]) : T(0);
+  const std::int64_t mask_row = p.mask_kind == MaskKind::none ? 0 : offset4(p.mask, b, h, i, 0);
+  for (std::int64_t j = 0; j < p.seqlen_k; ++j) {
+    if (!visible.contains(j)) {
+      s[j] = kNegInf;
+      if (dcap) dcap[j] = T(0);
+      continue;
+    }
+    T x = softcap_apply(scale * s[j], cap);
+    if (dcap) dcap[j] = softcap_grad_from_capped(x, cap);
+    if (p.alibi) x += alibi_bias(slope, i, j, p.seqlen_q, p.seqlen_k);
+    if (p.mask_kind != MaskKind::none) {
+      const T m = load_element<T>(p.mask.data, p.mask.dtype, mask_row + j * p.mask.stride[3]);
+      if (p.mask_kind == MaskKind::additive) {
+        x += m;
+      } else if (m == T(0)) {
+        x = kNegInf;
+      }
+    }
+    s[j] = x;
+  }
+}
+
+// In place: s[j] -> softmax_j(s) over n keys; returns the row's LSE = log(sum_j exp(s_j)).
+// A row with no finite score gives P = 0 and LSE = -inf; NaN scores give NaN.
+template <class T>
+T softmax_row(T* s, std::int64_t n) {
+  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+  T row_max = kNegInf;
+  bool has_nan = false;
+  for (std::int64_t j = 0; j < n; ++j) {
+    has_nan |= std::isnan(s[j]);
+    if (s[j] > row_max) row_max = s[j];
+  }
+  if (row_max == kNegInf && !has_nan) {
+    for (std::int64_t j = 0; j < n; ++j) s[j] = T(0);
+    return kNegInf;
+  }
+  if (has_nan) row_max = std::numeric_limits<T>::quiet_NaN();
+  T row_sum = T(0);
+  for (std::int64_t j = 0; j < n; ++j) {
+    s[j] = std::exp(s[j] - row_max);
+    row_sum += s[j];
+  }
+  const T inv = T(1) / row_sum;
+  for (std::int64_t j = 0; j < n; ++j) s[j] *= inv;
+  return row_max + std::log(row_sum);
+}
+
+// The dropout factor of element (b, h, i, j): 1/(1-p) if kept, else 0 (1 without dropout).
+class DropoutRow {
+ public:
+  DropoutRow(const Problem& p, std::int64_t b, std::int64_t h, std::int64_t i)
+      : seed_(p.seed), p_(static_cast<float>(p.dropout_p)), keep_scale_(1.0 / (1.0 - p.dropout_p)),
+        base_(p.offset + ((static_cast<std::uint64_t>(b) * static_cast<std::uint64_t>(p.heads_q) +
+                           static_cast<std::uint64_t>(h)) *
+                              static_cast<std::uint64_t>(p.seqlen_q) +
+                          static_cast<std::uint64_t>(i)) *
+                             static_cast<std::uint64_t>(p.seqlen_k)),
+        active_(p.dropout_p > 0.0) {}
+
+  bool active() const { return active_; }
+
+  template <class T>
+  T factor(std::int64_t j) const {
+    if (!active_) return T(1);
+    return dropout_keep(seed_, base_ + static_cast<std::uint64_t>(j), p_) ? static_cast<T>(keep_scale_)
+                                                                          : T(0);
+  }
+
+ private:
+  std::uint64_t seed_;
+  float p_;
+  double keep_scale_;
+  std::uint64_t base_;
+  bool active_;
+};
+
+}  // namespace attncore::detail
