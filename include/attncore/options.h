@@ -39,9 +39,10 @@ struct Options {
   // ALiBi slopes, f32 [Hq] or [B, Hq]: s -= slope * |i + Lk - Lq - j|.
   std::optional<TensorView> alibi_slopes;
   // Attention mask, rank 2 [Lq|1, Lk|1] or rank 4 [B|1, Hq|1, Lq|1, Lk|1].
-  // bool: true = takes part; floating (f32, f64 or the query dtype): added to the scores.
+  // bool: true = takes part; floating (any of f32, f64, bf16, f16): added to the scores.
   std::optional<TensorView> mask;
-  // With an additive mask, backward also returns its gradient (reduced to the mask's shape).
+  // With an additive mask, backward also returns its gradient (reduced to the mask's shape);
+  // forward ignores it, so one Options value serves both calls.
   bool compute_dbias = false;
   // Dropout on the attention probabilities, in [0, 1). The keep decision of element
   // (b, h, i, j) is element (offset + ((b*Hq + h)*Lq + i)*Lk + j) of the Philox4x32-10 stream

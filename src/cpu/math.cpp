@@ -1,8 +1,14 @@
 // Math backend: BLAS GEMMs for QK^T, PV and the backward products; score_row.h in between.
+//
+// Threads: work is cut into fixed blocks of kBlockRows query rows (or key rows in the
+// backward's dK/dV pass) and every block makes the same single-threaded BLAS calls whatever the
+// thread count, so results are bitwise identical for any number of threads (OpenBLAS's own
+// threading changes the bits: measured, 1 vs 2 threads differ by 1e-7 in out and LSE).
 #include "cpu/math.h"
 
 #include <cblas.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -15,6 +21,10 @@
 namespace attncore::detail {
 
 namespace {
+
+// Query rows per block. Small enough that 2 threads get work at Lq = 256, large enough that
+// the GEMMs stay efficient (M = 128 keeps OpenBLAS's sgemm within a few % of M = Lq).
+constexpr std::int64_t kBlockRows = 128;
 
 // C[m, n] = alpha * op(A) op(B) + beta * C, row-major.
 void gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
@@ -37,88 +47,105 @@ constexpr DType dtype_of() {
   return sizeof(T) == 4 ? DType::f32 : DType::f64;
 }
 
-// One head of a rank-4 view as a row-major [rows, cols] matrix for BLAS: the view's own memory
-// when its dtype is T and its row stride is usable as a leading dimension, else a converted
-// copy in `buffer`.
+// A row-major [rows, cols] matrix for BLAS: pointer and leading dimension.
 template <class T>
 struct Matrix {
   const T* data;
   std::int64_t ld;
 };
 
+// Rows [row_begin, row_begin + rows) of head (b, h) of a rank-4 view: the view's own memory
+// when its dtype is T and its row stride is usable as a leading dimension, else a converted
+// copy in `buffer` (converted by `threads` threads).
 template <class T>
-Matrix<T> head_matrix(const TensorView& t, std::int64_t b, std::int64_t h, std::int64_t rows,
-                      std::int64_t cols, std::vector<T>& buffer) {
-  const std::int64_t base = offset4(t, b, h, 0, 0);
+Matrix<T> head_rows(const TensorView& t, std::int64_t b, std::int64_t h, std::int64_t row_begin,
+                    std::int64_t rows, std::int64_t cols, std::vector<T>& buffer, int threads = 1) {
+  const std::int64_t base = offset4(t, b, h, row_begin, 0);
   if (t.dtype == dtype_of<T>() && (rows == 1 || t.stride[2] >= cols)) {
     return {static_cast<const T*>(t.data) + base, rows == 1 ? cols : t.stride[2]};
   }
   buffer.resize(static_cast<std::size_t>(rows * cols));
-  for (std::int64_t r = 0; r < rows; ++r) {
-    load_row(t.data, t.dtype, base + r * t.stride[2], cols, buffer.data() + r * cols);
-  }
+  parallel_for(rows, threads, [&](std::int64_t r_begin, std::int64_t r_end) {
+    for (std::int64_t r = r_begin; r < r_end; ++r) {
+      load_row(t.data, t.dtype, base + r * t.stride[2], cols, buffer.data() + r * cols);
+    }
+  });
   return {buffer.data(), cols};
 }
 
-// Writes a [rows, cols] row-major matrix into one head of a rank-4 view.
+// Writes a [rows, cols] row-major matrix into rows [row_begin, ...) of head (b, h) of a view.
 template <class T>
-void store_head(const T* src, const TensorView& t, std::int64_t b, std::int64_t h,
-                std::int64_t rows, std::int64_t cols) {
+void store_rows(const T* src, const TensorView& t, std::int64_t b, std::int64_t h,
+                std::int64_t row_begin, std::int64_t rows, std::int64_t cols) {
   for (std::int64_t r = 0; r < rows; ++r) {
-    store_row(src + r * cols, cols, t.data, t.dtype, offset4(t, b, h, r, 0));
+    store_row(src + r * cols, cols, t.data, t.dtype, offset4(t, b, h, row_begin + r, 0));
   }
 }
 
-template <class T>
-T load_lse(const TensorView& lse, std::int64_t b, std::int64_t h, std::int64_t i) {
-  return load_element<T>(lse.data, lse.dtype, b * lse.stride[0] + h * lse.stride[1] + i * lse.stride[2]);
+std::int64_t lse_offset(const TensorView& lse, std::int64_t b, std::int64_t h, std::int64_t i) {
+  return b * lse.stride[0] + h * lse.stride[1] + i * lse.stride[2];
 }
 
-// BLAS threads follow the call's thread count (OpenBLAS's setting is process-wide).
-void set_blas_threads(int threads) { openblas_set_num_threads(threads); }
+std::int64_t num_blocks(std::int64_t rows) { return (rows + kBlockRows - 1) / kBlockRows; }
+
+// Runs body(task) for tasks [0, n) on p.threads threads; each thread first makes its own
+// workspace with make_workspace() and passes it to every task it runs.
+template <class MakeWorkspace, class Body>
+void for_each_task(std::int64_t n, int threads, MakeWorkspace&& make_workspace, Body&& body) {
+  parallel_for(n, threads, [&](std::int64_t begin, std::int64_t end) {
+    auto workspace = make_workspace();
+    for (std::int64_t task = begin; task < end; ++task) body(task, workspace);
+  });
+}
 
 template <class T>
 void forward_impl(const Problem& p, const ForwardArgs& a) {
   const CausalWindowMask causal_window(p);
   const std::int64_t lq = p.seqlen_q, lk = p.seqlen_k, d = p.head_dim, dv = p.head_dim_v;
-  std::vector<T> q_buf, k_buf, v_buf;
-  std::vector<T> scores(static_cast<std::size_t>(lq * lk));  // [Lq, Lk]: S, then P
-  std::vector<T> out(static_cast<std::size_t>(lq * dv));     // [Lq, Dv]
-  std::vector<T> lse(static_cast<std::size_t>(lq));          // [Lq]
-  set_blas_threads(p.threads);
+  const std::int64_t blocks = num_blocks(lq);
+  struct Workspace {
+    std::vector<T> q, scores, out;  // [rows, D], [rows, Lk] (S, then P), [rows, Dv]
+  };
+  std::vector<T> k_buf, v_buf;
   for (std::int64_t b = 0; b < p.batch; ++b) {
     for (std::int64_t kv_head = 0; kv_head < p.heads_kv; ++kv_head) {
-      const Matrix<T> k = head_matrix<T>(a.k, b, kv_head, lk, d, k_buf);  // [Lk, D]
-      const Matrix<T> v = head_matrix<T>(a.v, b, kv_head, lk, dv, v_buf);  // [Lk, Dv]
-      for (std::int64_t h = kv_head * p.group; h < (kv_head + 1) * p.group; ++h) {
-        if (lk > 0) {
-          const Matrix<T> q = head_matrix<T>(a.q, b, h, lq, d, q_buf);  // [Lq, D]
-          gemm(false, true, lq, lk, d, T(1), q.data, q.ld, k.data, k.ld, T(0), scores.data(), lk);
-        }
-        parallel_for(lq, p.threads, [&](std::int64_t i_begin, std::int64_t i_end) {
-          for (std::int64_t i = i_begin; i < i_end; ++i) {
-            T* row = scores.data() + i * lk;
-            finish_scores<T>(p, causal_window, b, h, i, row, nullptr);
-            lse[static_cast<std::size_t>(i)] = softmax_row(row, lk);
-            const DropoutRow dropout(p, b, h, i);
-            if (dropout.active()) {
-              for (std::int64_t j = 0; j < lk; ++j) row[j] *= dropout.factor<T>(j);
+      const Matrix<T> k = head_rows<T>(a.k, b, kv_head, 0, lk, d, k_buf, p.threads);   // [Lk, D]
+      const Matrix<T> v = head_rows<T>(a.v, b, kv_head, 0, lk, dv, v_buf, p.threads);  // [Lk, Dv]
+      // Tasks: (query head of the group, block of query rows).
+      for_each_task(
+          p.group * blocks, p.threads,
+          [&] {
+            Workspace w;
+            w.scores.resize(static_cast<std::size_t>(std::min(lq, kBlockRows) * lk));
+            w.out.resize(static_cast<std::size_t>(std::min(lq, kBlockRows) * dv));
+            return w;
+          },
+          [&](std::int64_t task, Workspace& w) {
+            const std::int64_t h = kv_head * p.group + task / blocks;
+            const std::int64_t row0 = (task % blocks) * kBlockRows;
+            const std::int64_t rows = std::min(kBlockRows, lq - row0);
+            if (lk > 0) {
+              const Matrix<T> q = head_rows<T>(a.q, b, h, row0, rows, d, w.q);  // [rows, D]
+              gemm(false, true, rows, lk, d, T(1), q.data, q.ld, k.data, k.ld, T(0), w.scores.data(), lk);
             }
-          }
-        });
-        if (lk > 0) {
-          gemm(false, false, lq, dv, lk, T(1), scores.data(), lk, v.data, v.ld, T(0), out.data(), dv);
-        } else {
-          std::fill(out.begin(), out.end(), T(0));
-        }
-        store_head(out.data(), a.out, b, h, lq, dv);
-        if (a.lse.data != nullptr) {
-          for (std::int64_t i = 0; i < lq; ++i) {
-            store_element(a.lse.data, a.lse.dtype, b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2],
-                          lse[static_cast<std::size_t>(i)]);
-          }
-        }
-      }
+            for (std::int64_t r = 0; r < rows; ++r) {
+              const std::int64_t i = row0 + r;
+              T* row = w.scores.data() + r * lk;
+              finish_scores<T>(p, causal_window, b, h, i, row, nullptr);
+              const T lse = softmax_row(row, lk);
+              const DropoutRow dropout(p, b, h, i);
+              if (dropout.active()) {
+                for (std::int64_t j = 0; j < lk; ++j) row[j] *= dropout.factor<T>(j);
+              }
+              if (a.lse.data != nullptr) store_element(a.lse.data, a.lse.dtype, lse_offset(a.lse, b, h, i), lse);
+            }
+            if (lk > 0) {
+              gemm(false, false, rows, dv, lk, T(1), w.scores.data(), lk, v.data, v.ld, T(0), w.out.data(), dv);
+            } else {
+              std::fill(w.out.begin(), w.out.end(), T(0));
+            }
+            store_rows(w.out.data(), a.out, b, h, row0, rows, dv);
+          });
     }
   }
 }
@@ -128,65 +155,100 @@ void backward_impl(const Problem& p, const BackwardArgs& a) {
   const CausalWindowMask causal_window(p);
   DbiasAccumulator dbias(p);
   const std::int64_t lq = p.seqlen_q, lk = p.seqlen_k, d = p.head_dim, dv = p.head_dim_v;
-  const bool dropout_on = p.dropout_p > 0.0, softcap_on = p.softcap != 0.0;
-  std::vector<T> q_buf, k_buf, v_buf, do_buf, o_buf;
-  std::vector<T> probs(static_cast<std::size_t>(lq * lk));                           // [Lq, Lk] P
-  std::vector<T> dprobs(static_cast<std::size_t>(lq * lk));                          // [Lq, Lk] dP -> dS
-  std::vector<T> kept(dropout_on ? static_cast<std::size_t>(lq * lk) : 0);           // [Lq, Lk] P * M
-  std::vector<T> dcap(softcap_on ? static_cast<std::size_t>(lq * lk) : 0);           // [Lq, Lk]
-  std::vector<T> dq(static_cast<std::size_t>(lq * d));                               // [Lq, D]
+  const bool softcap_on = p.softcap != 0.0;
+  const T scale = static_cast<T>(p.scale);
+  const std::int64_t q_blocks = num_blocks(lq), k_blocks = num_blocks(lk);
+  const auto area = static_cast<std::size_t>(lq * lk);
+  std::vector<T> weights(area);                 // [Lq, Lk] P * M (M: dropout factor): dV's weights
+  std::vector<T> dscores(area);                 // [Lq, Lk] dS = P (M dP - Delta)
+  std::vector<T> dcap(softcap_on ? area : 0);   // [Lq, Lk] softcap derivative
+  std::vector<T> k_buf, v_buf, q_buf, do_buf;
   std::vector<T> dk(static_cast<std::size_t>(lk * d)), dvv(static_cast<std::size_t>(lk * dv));  // [Lk, D], [Lk, Dv]
-  // Rows of one head add into the same dbias row when the mask broadcasts over Lq.
-  const int row_threads = dbias.active() && p.mask.stride[2] == 0 ? 1 : p.threads;
-  set_blas_threads(p.threads);
+  struct Workspace {
+    std::vector<T> q, dout, out, dq;  // [rows, D], [rows, Dv], [rows, Dv], [rows, D]
+  };
+  auto make_workspace = [] { return Workspace{}; };
   for (std::int64_t b = 0; b < p.batch; ++b) {
     for (std::int64_t kv_head = 0; kv_head < p.heads_kv; ++kv_head) {
       std::fill(dk.begin(), dk.end(), T(0));
       std::fill(dvv.begin(), dvv.end(), T(0));
-      const Matrix<T> k = head_matrix<T>(a.k, b, kv_head, lk, d, k_buf);  // [Lk, D]
-      const Matrix<T> v = head_matrix<T>(a.v, b, kv_head, lk, dv, v_buf);  // [Lk, Dv]
-      for (std::int64_t h = kv_head * p.group; h < (kv_head + 1) * p.group; ++h) {
-        if (lk == 0 || lq == 0) {
-          std::fill(dq.begin(), dq.end(), T(0));
-          store_head(dq.data(), a.dq, b, h, lq, d);
+      const Matrix<T> k = head_rows<T>(a.k, b, kv_head, 0, lk, d, k_buf, p.threads);   // [Lk, D]
+      const Matrix<T> v = head_rows<T>(a.v, b, kv_head, 0, lk, dv, v_buf, p.threads);  // [Lk, Dv]
+      for (std::int64_t h = kv_head * p.group; h < (kv_head + 1) * p.group && lq > 0; ++h) {
+        if (lk == 0) {
+          std::vector<T> zeros(static_cast<std::size_t>(lq * d), T(0));
+          store_rows(zeros.data(), a.dq, b, h, 0, lq, d);
           continue;
         }
-        const Matrix<T> q = head_matrix<T>(a.q, b, h, lq, d, q_buf);         // [Lq, D]
-        const Matrix<T> dout = head_matrix<T>(a.dout, b, h, lq, dv, do_buf);  // [Lq, Dv]
-        const Matrix<T> out = head_matrix<T>(a.out, b, h, lq, dv, o_buf);     // [Lq, Dv]
-        gemm(false, true, lq, lk, d, T(1), q.data, q.ld, k.data, k.ld, T(0), probs.data(), lk);
-        gemm(false, true, lq, lk, dv, T(1), dout.data, dout.ld, v.data, v.ld, T(0), dprobs.data(), lk);
-        parallel_for(lq, row_threads, [&](std::int64_t i_begin, std::int64_t i_end) {
-          for (std::int64_t i = i_begin; i < i_end; ++i) {
-            T* prob = probs.data() + i * lk;
-            T* dprob = dprobs.data() + i * lk;
-            T* cap = softcap_on ? dcap.data() + i * lk : nullptr;
-            finish_scores<T>(p, causal_window, b, h, i, prob, cap);
-            const T lse = load_lse<T>(a.lse, b, h, i);
+        // Pass 1, blocks of query rows: S = Q K^T and dP = dO V^T, then P * M and dS per row.
+        for_each_task(q_blocks, p.threads, make_workspace, [&](std::int64_t blk, Workspace& w) {
+          const std::int64_t row0 = blk * kBlockRows, rows = std::min(kBlockRows, lq - row0);
+          const Matrix<T> q = head_rows<T>(a.q, b, h, row0, rows, d, w.q);           // [rows, D]
+          const Matrix<T> dout = head_rows<T>(a.dout, b, h, row0, rows, dv, w.dout);  // [rows, Dv]
+          const Matrix<T> out = head_rows<T>(a.out, b, h, row0, rows, dv, w.out);     // [rows, Dv]
+          T* s_rows = weights.data() + row0 * lk;
+          T* ds_rows = dscores.data() + row0 * lk;
+          gemm(false, true, rows, lk, d, T(1), q.data, q.ld, k.data, k.ld, T(0), s_rows, lk);
+          gemm(false, true, rows, lk, dv, T(1), dout.data, dout.ld, v.data, v.ld, T(0), ds_rows, lk);
+          for (std::int64_t r = 0; r < rows; ++r) {
+            const std::int64_t i = row0 + r;
+            T* s = s_rows + r * lk;
+            T* ds = ds_rows + r * lk;
+            finish_scores<T>(p, causal_window, b, h, i, s, softcap_on ? dcap.data() + i * lk : nullptr);
+            const T lse = load_element<T>(a.lse.data, a.lse.dtype, lse_offset(a.lse, b, h, i));
             T delta = 0;  // Delta_i = <dO_i, O_i>
-            for (std::int64_t e = 0; e < dv; ++e) delta += dout.data[i * dout.ld + e] * out.data[i * out.ld + e];
+            for (std::int64_t e = 0; e < dv; ++e) delta += dout.data[r * dout.ld + e] * out.data[r * out.ld + e];
             const DropoutRow dropout(p, b, h, i);
-            double* dbias_row = dbias.active() ? dbias.row(b, h, i) : nullptr;
             for (std::int64_t j = 0; j < lk; ++j) {
               // P = exp(s - LSE); a row with LSE = -inf has no visible key and P = 0.
-              const T pr = lse == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(prob[j] - lse);
+              const T prob = lse == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(s[j] - lse);
               const T keep = dropout.factor<T>(j);
-              if (dropout_on) kept[static_cast<std::size_t>(i * lk + j)] = pr * keep;
-              prob[j] = pr;
-              const T dscore = pr == T(0) ? T(0) : pr * (keep * dprob[j] - delta);  // dS = P (dP - Delta)
-              if (dbias_row) dbias_row[j * dbias.column_stride()] += static_cast<double>(dscore);
-              dprob[j] = dscore * static_cast<T>(p.scale) * (cap ? cap[j] : T(1));  // d/d<q_i, k_j>
+              s[j] = prob * keep;
+              ds[j] = prob == T(0) ? T(0) : prob * (keep * ds[j] - delta);
             }
           }
         });
-        const T* weights = dropout_on ? kept.data() : probs.data();
-        gemm(true, false, lk, dv, lq, T(1), weights, lk, dout.data, dout.ld, T(1), dvv.data(), dv);  // dV += (P M)^T dO
-        gemm(false, false, lq, d, lk, T(1), dprobs.data(), lk, k.data, k.ld, T(0), dq.data(), d);    // dQ = dS K
-        gemm(true, false, lk, d, lq, T(1), dprobs.data(), lk, q.data, q.ld, T(1), dk.data(), d);     // dK += dS^T Q
-        store_head(dq.data(), a.dq, b, h, lq, d);
+        // Pass 2, blocks of key columns: dbias += dS (columns are owned by one task unless the
+        // mask broadcasts over keys).
+        if (dbias.active()) {
+          const int threads = dbias.column_stride() == 0 ? 1 : p.threads;
+          parallel_for(lk, threads, [&](std::int64_t j_begin, std::int64_t j_end) {
+            for (std::int64_t i = 0; i < lq; ++i) {
+              double* row = dbias.row(b, h, i);
+              for (std::int64_t j = j_begin; j < j_end; ++j) {
+                row[j * dbias.column_stride()] += static_cast<double>(dscores[static_cast<std::size_t>(i * lk + j)]);
+              }
+            }
+          });
+        }
+        // Pass 3, blocks of query rows: dS times the softcap derivative is d/d(scale q.k);
+        // dQ = scale * dS K.
+        for_each_task(q_blocks, p.threads, make_workspace, [&](std::int64_t blk, Workspace& w) {
+          const std::int64_t row0 = blk * kBlockRows, rows = std::min(kBlockRows, lq - row0);
+          T* ds_rows = dscores.data() + row0 * lk;
+          if (softcap_on) {
+            const T* cap = dcap.data() + row0 * lk;
+            for (std::int64_t e = 0; e < rows * lk; ++e) ds_rows[e] *= cap[e];
+          }
+          w.dq.resize(static_cast<std::size_t>(rows * d));
+          gemm(false, false, rows, d, lk, scale, ds_rows, lk, k.data, k.ld, T(0), w.dq.data(), d);
+          store_rows(w.dq.data(), a.dq, b, h, row0, rows, d);
+        });
+        // Pass 4, blocks of key rows: dV += (P M)^T dO and dK += scale * dS^T Q over all rows.
+        const Matrix<T> q = head_rows<T>(a.q, b, h, 0, lq, d, q_buf, p.threads);           // [Lq, D]
+        const Matrix<T> dout = head_rows<T>(a.dout, b, h, 0, lq, dv, do_buf, p.threads);  // [Lq, Dv]
+        parallel_for(k_blocks, p.threads, [&](std::int64_t blk_begin, std::int64_t blk_end) {
+          for (std::int64_t blk = blk_begin; blk < blk_end; ++blk) {
+            const std::int64_t col0 = blk * kBlockRows, cols = std::min(kBlockRows, lk - col0);
+            gemm(true, false, cols, dv, lq, T(1), weights.data() + col0, lk, dout.data, dout.ld, T(1),
+                 dvv.data() + col0 * dv, dv);
+            gemm(true, false, cols, d, lq, scale, dscores.data() + col0, lk, q.data, q.ld, T(1),
+                 dk.data() + col0 * d, d);
+          }
+        });
       }
-      store_head(dk.data(), a.dk, b, kv_head, lk, d);
-      store_head(dvv.data(), a.dv, b, kv_head, lk, dv);
+      store_rows(dk.data(), a.dk, b, kv_head, 0, lk, d);
+      store_rows(dvv.data(), a.dv, b, kv_head, 0, lk, dv);
     }
   }
   dbias.store(a.dbias);
@@ -195,6 +257,7 @@ void backward_impl(const Problem& p, const BackwardArgs& a) {
 }  // namespace
 
 void math_forward(const Problem& p, const ForwardArgs& a) {
+  openblas_set_num_threads(1);  // see the threading note at the top
   if (p.dtype == DType::f64) {
     forward_impl<double>(p, a);
   } else {
@@ -203,6 +266,7 @@ void math_forward(const Problem& p, const ForwardArgs& a) {
 }
 
 void math_backward(const Problem& p, const BackwardArgs& a) {
+  openblas_set_num_threads(1);
   if (p.dtype == DType::f64) {
     backward_impl<double>(p, a);
   } else {

@@ -1,0 +1,571 @@
+// Backward of the reference and math backends: dq, dk, dv and dbias against the oracle's
+// backward over a seeded grid (every variant, dropout replay, GQA summing, dbias reduced over
+// broadcast mask dims), the oracle's and the library's f64 gradients against central finite
+// differences on tiny problems, zero gradients for rows without visible keys and for empty
+// sizes, and thread-count invariance.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "attncore/attncore.h"
+#include "testing/oracle.h"
+#include "testing/problem.h"
+#include "testing/random.h"
+#include "testing/tensors.h"
+
+namespace attncore::test {
+namespace {
+
+bool is_additive(const Problem& p) { return p.spec.mask.has_value() && !p.spec.mask->is_bool; }
+
+// The options of the forward call that precedes a backward with `o`: compute_dbias is a
+// backward-only option, which forward rejects (ForwardAcceptsTheBackwardOptions).
+Options forward_options(Options o) {
+  o.compute_dbias = false;
+  return o;
+}
+
+// The largest gradient magnitude of a problem (the noise scale of gradients that are exactly 0).
+double gradient_scale(const OracleBackward& g) {
+  return std::max({max_abs(g.dq), max_abs(g.dk), max_abs(g.dv), max_abs(g.dbias)});
+}
+
+struct BackwardCase {
+  std::string name;
+  Dims dims;
+  Variant variant = Variant::plain;
+  DType dtype = DType::f32;
+  Backend backend = Backend::reference;
+  Layout layout = Layout::bhsd;
+  bool into = false;  // backward_into with caller-provided gradient views
+  bool given_scale = false;
+  DType mask_dtype = DType::f32;
+  std::uint64_t seed = 1;
+};
+
+void PrintTo(const BackwardCase& c, std::ostream* os) { *os << c.name; }
+
+std::string case_name(const BackwardCase& c) {
+  const Dims& d = c.dims;
+  std::string s = std::string(name_of(c.backend)) + "_" + std::string(name_of(c.dtype)) + "_" +
+                  name_of_variant(c.variant) + "_b" + std::to_string(d.batch) + "h" +
+                  std::to_string(d.heads_q) + "kv" + std::to_string(d.heads_kv) + "_q" +
+                  std::to_string(d.len_q) + "k" + std::to_string(d.len_k) + "_d" +
+                  std::to_string(d.dim) + "v" + std::to_string(d.dim_v) + "_" +
+                  name_of_layout(c.layout);
+  if (c.into) s += "_into";
+  if (c.given_scale) s += "_scale";
+  return s;
+}
+
+std::vector<Variant> backward_variants() {
+  std::vector<Variant> v = deterministic_variants();
+  v.push_back(Variant::dropout);
+  v.push_back(Variant::dropout_combo);
+  return v;
+}
+
+std::vector<BackwardCase> backward_grid() {
+  struct Len {
+    std::int64_t q, k;
+  };
+  const Len lens[] = {{1, 1},  {7, 7},  {16, 17}, {17, 16}, {33, 33},
+                      {7, 33}, {33, 7}, {1, 20},  {20, 1}};
+  struct HeadDim {
+    std::int64_t d, dv;
+  };
+  const HeadDim head_dims[] = {{40, 40},   {59, 59},   {64, 64}, {80, 80},
+                               {111, 111}, {128, 128}, {64, 40}, {40, 72}};
+  struct Heads {
+    std::int64_t b, hq, hkv;
+  };
+  const Heads heads[] = {{1, 1, 1}, {2, 2, 2}, {1, 4, 2}, {2, 3, 1}, {2, 4, 1}};
+  std::vector<BackwardCase> cases;
+  Random rng(777);
+  std::uint64_t n = 0;
+  for (Backend backend : {Backend::reference, Backend::math}) {
+    for (DType dtype : {DType::f32, DType::bf16, DType::f16, DType::f64}) {
+      for (Variant variant : backward_variants()) {
+        for (int pick = 0; pick < 2; ++pick) {
+          BackwardCase c;
+          const Len len = lens[rng.below(std::size(lens))];
+          const HeadDim hd = head_dims[rng.below(std::size(head_dims))];
+          const Heads h = heads[rng.below(std::size(heads))];
+          c.dims = {h.b, h.hq, h.hkv, len.q, len.k, hd.d, hd.dv};
+          c.variant = variant;
+          c.dtype = dtype;
+          c.backend = backend;
+          c.layout = static_cast<Layout>(n % 3);
+          c.into = n % 3 == 1;
+          c.given_scale = n % 2 == 1;
+          c.mask_dtype = n % 4 < 2 ? dtype : DType::f32;
+          c.seed = 5000 + n;
+          c.name = case_name(c);
+          cases.push_back(c);
+          ++n;
+        }
+      }
+    }
+  }
+  // Empty sizes: zero gradients of the right shapes.
+  const Dims empties[] = {
+      {1, 2, 1, 6, 0, 32, 16}, {2, 2, 2, 0, 6, 32, 16}, {0, 2, 2, 4, 4, 16, 16}};
+  for (Backend backend : {Backend::reference, Backend::math}) {
+    for (DType dtype : {DType::f32, DType::bf16}) {
+      for (const Dims& d : empties) {
+        for (Variant variant : {Variant::plain, Variant::additive_full, Variant::dropout}) {
+          BackwardCase c;
+          c.dims = d;
+          c.variant = variant;
+          c.dtype = dtype;
+          c.backend = backend;
+          c.into = n % 2 == 0;
+          c.mask_dtype = dtype;
+          c.seed = 5000 + n;
+          c.name = case_name(c);
+          cases.push_back(c);
+          ++n;
+        }
+      }
+    }
+  }
+  return cases;
+}
+
+// The gradients as the library returns them, read back to fp64 (dbias empty without one).
+struct Gradients {
+  std::vector<double> dq, dk, dv, dbias;
+};
+
+// Library forward, then backward (or backward_into) with the same options.
+Gradients run_backward(const BackwardCase& c, const Problem& p, const Operands& x) {
+  const Dims& d = c.dims;
+  const Buffer q = make_buffer(c.dtype, to_shape(d.q_shape()), c.layout, x.q);  // [B, Hq, Lq, D]
+  const Buffer k = make_buffer(c.dtype, to_shape(d.k_shape()), c.layout, x.k);  // [B, Hkv, Lk, D]
+  const Buffer v = make_buffer(c.dtype, to_shape(d.v_shape()), c.layout, x.v);  // [B, Hkv, Lk, Dv]
+  const Buffer dout =
+      make_buffer(c.dtype, to_shape(d.out_shape()), c.layout, x.dout);  // [B, Hq, Lq, Dv]
+  Options options = p.options;
+  options.compute_dbias = is_additive(p);
+  const ForwardResult f = forward(q.view, k.view, v.view, forward_options(options), c.backend);
+  Gradients g;
+  if (c.into) {
+    // Gradient views with padded rows (NaN filler), poisoned so unwritten elements show up.
+    const Buffer dq = make_buffer(c.dtype, to_shape(d.q_shape()), Layout::padded);
+    const Buffer dk = make_buffer(c.dtype, to_shape(d.k_shape()), Layout::padded);
+    const Buffer dv = make_buffer(c.dtype, to_shape(d.v_shape()), Layout::padded);
+    for (const Buffer* b : {&dq, &dk, &dv}) {
+      std::int64_t n = 1;
+      for (int i = 0; i < 4; ++i) n *= b->view.size(i);
+      write_view(b->view, std::vector<double>(static_cast<std::size_t>(n), 4321.0));
+    }
+    std::optional<TensorView> dbias_view;
+    Tensor dbias;
+    if (options.compute_dbias) {
+      const TensorView& m = p.mask_tensor.view();
+      dbias = Tensor(m.dtype, m.shape.data(), m.rank);  // shaped like the mask
+      dbias_view = dbias.view();
+    }
+    backward_into(dout.view, q.view, k.view, v.view, f.out, f.lse, dq.view, dk.view, dv.view,
+                  dbias_view, options, c.backend);
+    EXPECT_TRUE(padding_intact(dq) && padding_intact(dk) && padding_intact(dv))
+        << "a gradient was written outside its view";
+    g.dq = read_view(dq.view);
+    g.dk = read_view(dk.view);
+    g.dv = read_view(dv.view);
+    if (dbias_view) g.dbias = read_view(*dbias_view);
+  } else {
+    const BackwardResult r =
+        backward(dout.view, q.view, k.view, v.view, f.out, f.lse, options, c.backend);
+    EXPECT_EQ(r.dq.dtype(), c.dtype);
+    EXPECT_EQ(r.dk.dtype(), c.dtype);
+    EXPECT_EQ(r.dv.dtype(), c.dtype);
+    for (int i = 0; i < 4; ++i) {
+      EXPECT_EQ(r.dq.size(i), d.q_shape()[static_cast<std::size_t>(i)]);
+      EXPECT_EQ(r.dk.size(i), d.k_shape()[static_cast<std::size_t>(i)]);
+      EXPECT_EQ(r.dv.size(i), d.v_shape()[static_cast<std::size_t>(i)]);
+    }
+    g.dq = read_view(r.dq);
+    g.dk = read_view(r.dk);
+    g.dv = read_view(r.dv);
+    if (options.compute_dbias) {
+      EXPECT_TRUE(r.dbias.defined());
+      EXPECT_EQ(r.dbias.rank(), p.mask_tensor.rank());
+      for (int i = 0; i < p.mask_tensor.rank(); ++i)
+        EXPECT_EQ(r.dbias.size(i), p.mask_tensor.size(i));
+      g.dbias = read_view(r.dbias);
+    } else {
+      EXPECT_FALSE(r.dbias.defined());
+    }
+  }
+  return g;
+}
+
+class BackwardGrid : public ::testing::TestWithParam<BackwardCase> {};
+
+TEST_P(BackwardGrid, MatchesOracle) {
+  const BackwardCase& c = GetParam();
+  const Problem p = make_problem(c.dims, {c.variant, c.mask_dtype, c.given_scale, c.seed});
+  const Operands x = make_operands(c.dims, c.dtype, c.seed);
+  const Gradients got = run_backward(c, p, x);
+  const OracleBackward exact = oracle_backward(c.dims, p.spec, x.q, x.k, x.v, x.dout);
+  OracleBackward naive;
+  if (c.dtype == DType::bf16 || c.dtype == DType::f16) {
+    naive = oracle_backward(c.dims, p.spec, x.q, x.k, x.v, x.dout, rounder_for(c.dtype));
+  }
+  const double scale = gradient_scale(exact);
+  EXPECT_TRUE(
+      all_close(got.dq, exact.dq, grad_tolerance(c.dtype, exact.dq, naive.dq, scale), "dq"));
+  EXPECT_TRUE(
+      all_close(got.dk, exact.dk, grad_tolerance(c.dtype, exact.dk, naive.dk, scale), "dk"));
+  EXPECT_TRUE(
+      all_close(got.dv, exact.dv, grad_tolerance(c.dtype, exact.dv, naive.dv, scale), "dv"));
+  if (is_additive(p)) {
+    // dbias is stored in the mask's dtype: allow its rounding when that is coarser than the
+    // query dtype (an f32 mask of f64 inputs, a bf16 mask of f32 inputs).
+    const DType mdt = p.mask_tensor.dtype();
+    double tol = grad_tolerance(c.dtype, exact.dbias, naive.dbias, scale);
+    if (mdt != c.dtype && mdt != DType::f64) {
+      tol = std::max(tol, 2.0 * max_abs_diff(rounded(exact.dbias, mdt), exact.dbias) +
+                              grad_tolerance(DType::f32, exact.dbias, {}, scale));
+    }
+    EXPECT_TRUE(all_close(got.dbias, exact.dbias, tol, "dbias"));
+  }
+  for (const auto* g : {&got.dq, &got.dk, &got.dv, &got.dbias}) {
+    for (double e : *g) ASSERT_FALSE(std::isnan(e)) << "NaN gradient";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, BackwardGrid, ::testing::ValuesIn(backward_grid()),
+                         [](const ::testing::TestParamInfo<BackwardCase>& info) {
+                           return info.param.name;
+                         });
+
+// dbias reduced over every broadcast mask shape, checked against the oracle in f64 and f32.
+TEST(Backward, DbiasReducesOverBroadcastDims) {
+  const Dims d{2, 3, 3, 11, 13, 24, 20};  // B = 2, Hq = 3, Lq = 11, Lk = 13
+  const std::vector<std::vector<std::int64_t>> shapes = {
+      {2, 3, 11, 13}, {1, 1, 11, 13}, {2, 1, 1, 13}, {1, 3, 11, 1}, {2, 3, 1, 1},
+      {1, 1, 1, 1},   {11, 13},       {1, 13},       {11, 1}};
+  for (Backend backend : {Backend::reference, Backend::math}) {
+    for (DType dtype : {DType::f64, DType::f32}) {
+      for (const auto& shape : shapes) {
+        std::string shape_str;
+        for (std::int64_t s : shape) shape_str += std::to_string(s) + ",";
+        SCOPED_TRACE(std::string(name_of(backend)) + " " + std::string(name_of(dtype)) + " mask [" +
+                     shape_str + "]");
+        std::int64_t n = 1;
+        for (std::int64_t s : shape) n *= s;
+        const std::vector<double> values = rounded(random_vector(n, 90 + n, -1.5, 1.5), dtype);
+        const Tensor mask = make_tensor(dtype, shape, values);
+        Spec spec;
+        spec.scale = 1.0 / std::sqrt(24.0);
+        spec.mask = DenseMask{
+            false,
+            shape.size() == 2 ? std::array<std::int64_t, 4>{1, 1, shape[0], shape[1]}
+                              : std::array<std::int64_t, 4>{shape[0], shape[1], shape[2], shape[3]},
+            values};
+        spec.causal = CausalMode::lower_right;
+        Options options;
+        options.mask = mask.view();
+        options.causal = Causal::lower_right;
+        options.compute_dbias = true;
+        const Operands x = make_operands(d, dtype, 61);
+        const Buffer q = make_buffer(dtype, to_shape(d.q_shape()), Layout::bhsd, x.q);
+        const Buffer k = make_buffer(dtype, to_shape(d.k_shape()), Layout::bhsd, x.k);
+        const Buffer v = make_buffer(dtype, to_shape(d.v_shape()), Layout::bhsd, x.v);
+        const Buffer dout = make_buffer(dtype, to_shape(d.out_shape()), Layout::bhsd, x.dout);
+        const ForwardResult f = forward(q.view, k.view, v.view, forward_options(options), backend);
+        const BackwardResult r =
+            backward(dout.view, q.view, k.view, v.view, f.out, f.lse, options, backend);
+        const OracleBackward want = oracle_backward(d, spec, x.q, x.k, x.v, x.dout);
+        ASSERT_EQ(r.dbias.rank(), static_cast<int>(shape.size()));
+        for (int i = 0; i < r.dbias.rank(); ++i)
+          EXPECT_EQ(r.dbias.size(i), shape[static_cast<std::size_t>(i)]);
+        const double scale = gradient_scale(want);
+        EXPECT_TRUE(all_close(read_view(r.dbias), want.dbias,
+                              grad_tolerance(dtype, want.dbias, {}, scale), "dbias"));
+        EXPECT_TRUE(
+            all_close(read_view(r.dq), want.dq, grad_tolerance(dtype, want.dq, {}, scale), "dq"));
+      }
+    }
+  }
+}
+
+// GQA: dK and dV of a shared head are the sums over its query heads, i.e. equal to the
+// repeated-heads gradients summed per group.
+TEST(Backward, GqaSumsOverQueryHeads) {
+  for (Backend backend : {Backend::reference, Backend::math}) {
+    for (std::int64_t hkv : {2, 1}) {
+      SCOPED_TRACE(std::string(name_of(backend)) + " Hkv=" + std::to_string(hkv));
+      const std::int64_t group = 4 / hkv;
+      const Dims d{2, 4, hkv, 9, 14, 32, 24};
+      const Operands x = make_operands(d, DType::f64, 71);
+      std::vector<double> k_rep, v_rep;  // [B, Hq, Lk, D] and [B, Hq, Lk, Dv]
+      for (std::int64_t b = 0; b < 2; ++b) {
+        for (std::int64_t h = 0; h < 4; ++h) {
+          const std::int64_t src = b * hkv + h / group;
+          k_rep.insert(k_rep.end(), x.k.begin() + src * 14 * 32, x.k.begin() + (src + 1) * 14 * 32);
+          v_rep.insert(v_rep.end(), x.v.begin() + src * 14 * 24, x.v.begin() + (src + 1) * 14 * 24);
+        }
+      }
+      Options options;
+      options.causal = Causal::upper_left;
+      const Buffer q = make_buffer(DType::f64, to_shape(d.q_shape()), Layout::bhsd, x.q);
+      const Buffer k = make_buffer(DType::f64, to_shape(d.k_shape()), Layout::bhsd, x.k);
+      const Buffer v = make_buffer(DType::f64, to_shape(d.v_shape()), Layout::bhsd, x.v);
+      const Buffer kr = make_buffer(DType::f64, {2, 4, 14, 32}, Layout::bhsd, k_rep);
+      const Buffer vr = make_buffer(DType::f64, {2, 4, 14, 24}, Layout::bhsd, v_rep);
+      const Buffer dout = make_buffer(DType::f64, to_shape(d.out_shape()), Layout::bhsd, x.dout);
+      const ForwardResult fa = forward(q.view, k.view, v.view, options, backend);
+      const ForwardResult fb = forward(q.view, kr.view, vr.view, options, backend);
+      const BackwardResult a =
+          backward(dout.view, q.view, k.view, v.view, fa.out, fa.lse, options, backend);
+      const BackwardResult b =
+          backward(dout.view, q.view, kr.view, vr.view, fb.out, fb.lse, options, backend);
+      const std::vector<double> dk_rep = read_view(b.dk), dv_rep = read_view(b.dv);
+      std::vector<double> dk_sum(x.k.size(), 0.0), dv_sum(x.v.size(), 0.0);
+      for (std::int64_t bb = 0; bb < 2; ++bb) {
+        for (std::int64_t h = 0; h < 4; ++h) {
+          const std::int64_t dst = bb * hkv + h / group, src = bb * 4 + h;
+          for (std::int64_t e = 0; e < 14 * 32; ++e)
+            dk_sum[static_cast<std::size_t>(dst * 14 * 32 + e)] +=
+                dk_rep[static_cast<std::size_t>(src * 14 * 32 + e)];
+          for (std::int64_t e = 0; e < 14 * 24; ++e)
+            dv_sum[static_cast<std::size_t>(dst * 14 * 24 + e)] +=
+                dv_rep[static_cast<std::size_t>(src * 14 * 24 + e)];
+        }
+      }
+      EXPECT_TRUE(all_close(read_view(a.dk), dk_sum, 1e-12 * (1 + max_abs(dk_sum)), "dk"));
+      EXPECT_TRUE(all_close(read_view(a.dv), dv_sum, 1e-12 * (1 + max_abs(dv_sum)), "dv"));
+      EXPECT_TRUE(all_close(read_view(a.dq), read_view(b.dq),
+                            1e-12 * (1 + max_abs(read_view(b.dq))), "dq"));
+    }
+  }
+}
+
+// Rows without a visible key contribute nothing: zero dq rows, no NaN anywhere.
+TEST(Backward, FullyMaskedRowsGiveZeroGradients) {
+  for (Backend backend : {Backend::reference, Backend::math}) {
+    for (DType dtype : {DType::f32, DType::bf16, DType::f64}) {
+      SCOPED_TRACE(std::string(name_of(backend)) + " " + std::string(name_of(dtype)));
+      const Dims d{1, 2, 1, 10, 4, 16, 16};  // lower-right causal hides rows 0..5 entirely
+      const Operands x = make_operands(d, dtype, 81);
+      Options options;
+      options.causal = Causal::lower_right;
+      const Buffer q = make_buffer(dtype, to_shape(d.q_shape()), Layout::bhsd, x.q);
+      const Buffer k = make_buffer(dtype, to_shape(d.k_shape()), Layout::bhsd, x.k);
+      const Buffer v = make_buffer(dtype, to_shape(d.v_shape()), Layout::bhsd, x.v);
+      const Buffer dout = make_buffer(dtype, to_shape(d.out_shape()), Layout::bhsd, x.dout);
+      const ForwardResult f = forward(q.view, k.view, v.view, options, backend);
+      const BackwardResult r =
+          backward(dout.view, q.view, k.view, v.view, f.out, f.lse, options, backend);
+      const std::vector<double> dq = read_view(r.dq);
+      for (std::int64_t h = 0; h < 2; ++h) {
+        for (std::int64_t i = 0; i < 6; ++i) {
+          for (std::int64_t c = 0; c < 16; ++c) {
+            EXPECT_EQ(dq[static_cast<std::size_t>((h * 10 + i) * 16 + c)], 0.0) << h << " " << i;
+          }
+        }
+      }
+      for (const auto& g : {dq, read_view(r.dk), read_view(r.dv)}) {
+        for (double e : g) ASSERT_TRUE(std::isfinite(e));
+      }
+      // Every row hidden: all gradients are exactly zero.
+      std::vector<double> none(10 * 4, 0.0);  // bool [Lq, Lk], all false
+      const Tensor mask = make_tensor(DType::b8, {10, 4}, none);
+      Options hidden;
+      hidden.mask = mask.view();
+      const ForwardResult f2 = forward(q.view, k.view, v.view, hidden, backend);
+      const BackwardResult r2 =
+          backward(dout.view, q.view, k.view, v.view, f2.out, f2.lse, hidden, backend);
+      for (const auto& g : {read_view(r2.dq), read_view(r2.dk), read_view(r2.dv)}) {
+        for (double e : g) ASSERT_EQ(e, 0.0);
+      }
+    }
+  }
+}
+
+// Thread count never changes the gradients' bits.
+TEST(Backward, ThreadCountDoesNotChangeBits) {
+  for (Backend backend : {Backend::reference, Backend::math}) {
+    for (Variant variant : {Variant::combo, Variant::dropout_combo}) {
+      SCOPED_TRACE(std::string(name_of(backend)) + " " + name_of_variant(variant));
+      const Dims d{2, 4, 2, 37, 45, 40, 40};
+      Problem p = make_problem(d, {variant, DType::f32, false, 12});
+      p.options.compute_dbias = true;
+      const Operands x = make_operands(d, DType::f32, 12);
+      const Buffer q = make_buffer(DType::f32, to_shape(d.q_shape()), Layout::bhsd, x.q);
+      const Buffer k = make_buffer(DType::f32, to_shape(d.k_shape()), Layout::bhsd, x.k);
+      const Buffer v = make_buffer(DType::f32, to_shape(d.v_shape()), Layout::bhsd, x.v);
+      const Buffer dout = make_buffer(DType::f32, to_shape(d.out_shape()), Layout::bhsd, x.dout);
+      std::vector<std::vector<double>> runs;
+      for (int threads : {1, 2, 3}) {
+        p.options.num_threads = threads;
+        const ForwardResult f =
+            forward(q.view, k.view, v.view, forward_options(p.options), backend);
+        const BackwardResult r =
+            backward(dout.view, q.view, k.view, v.view, f.out, f.lse, p.options, backend);
+        std::vector<double> all = read_view(r.dq);
+        for (const Tensor* t : {&r.dk, &r.dv, &r.dbias}) {
+          const std::vector<double> e = read_view(*t);
+          all.insert(all.end(), e.begin(), e.end());
+        }
+        runs.push_back(all);
+      }
+      for (std::size_t t = 1; t < runs.size(); ++t) {
+        ASSERT_EQ(runs[t].size(), runs[0].size());
+        EXPECT_EQ(std::memcmp(runs[0].data(), runs[t].data(), runs[0].size() * sizeof(double)), 0)
+            << "gradients differ between 1 and " << t + 1 << " threads";
+      }
+    }
+  }
+}
+
+// attncore.h: backward takes "the forward call with the same q, k, v and options", so the
+// options of a backward with compute_dbias must be accepted by forward too.
+TEST(Backward, ForwardAcceptsTheBackwardOptions) {
+  const Dims d{1, 2, 2, 5, 6, 8, 8};
+  const Operands x = make_operands(d, DType::f32, 14);
+  const Tensor q = make_tensor(DType::f32, to_shape(d.q_shape()), x.q);
+  const Tensor k = make_tensor(DType::f32, to_shape(d.k_shape()), x.k);
+  const Tensor v = make_tensor(DType::f32, to_shape(d.v_shape()), x.v);
+  const Tensor mask = make_tensor(DType::f32, {5, 6}, random_vector(30, 15));
+  Options options;
+  options.mask = mask.view();
+  options.compute_dbias = true;
+  for (Backend backend : {Backend::reference, Backend::math, Backend::automatic}) {
+    EXPECT_NO_THROW((void)forward(q, k, v, options, backend)) << name_of(backend);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Central finite differences in fp64 on tiny problems.
+
+// Tiny sizes with Lq < Lk so that causal and windows hide some keys but no whole row.
+const Dims kTiny{2, 2, 1, 4, 7, 3, 2};
+
+// L(q, k, v, bias) = sum(dout * out) for a forward function and the numerical gradient of each
+// input element by central differences with step h.
+using ForwardFn = std::function<std::vector<double>(
+    const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& v,
+    const std::vector<double>& mask)>;
+
+double loss(const ForwardFn& fwd, const std::vector<double>& dout, const std::vector<double>& q,
+            const std::vector<double>& k, const std::vector<double>& v,
+            const std::vector<double>& mask) {
+  const std::vector<double> out = fwd(q, k, v, mask);
+  double l = 0.0;
+  for (std::size_t n = 0; n < out.size(); ++n) l += dout[n] * out[n];
+  return l;
+}
+
+struct NumericalGradients {
+  std::vector<double> dq, dk, dv, dbias;
+};
+
+NumericalGradients finite_differences(const ForwardFn& fwd, const Operands& x,
+                                      const std::vector<double>& mask) {
+  constexpr double h = 1e-6;
+  NumericalGradients g;
+  std::vector<double> q = x.q, k = x.k, v = x.v, m = mask;
+  auto diff = [&](std::vector<double>& t, std::vector<double>& grad) {
+    grad.assign(t.size(), 0.0);
+    for (std::size_t n = 0; n < t.size(); ++n) {
+      const double keep = t[n];
+      if (!std::isfinite(keep)) continue;  // a -inf mask entry has no gradient
+      t[n] = keep + h;
+      const double up = loss(fwd, x.dout, q, k, v, m);
+      t[n] = keep - h;
+      const double down = loss(fwd, x.dout, q, k, v, m);
+      t[n] = keep;
+      grad[n] = (up - down) / (2 * h);
+    }
+  };
+  diff(q, g.dq);
+  diff(k, g.dk);
+  diff(v, g.dv);
+  if (!m.empty()) diff(m, g.dbias);
+  return g;
+}
+
+class FiniteDifferences : public ::testing::TestWithParam<Variant> {};
+
+TEST_P(FiniteDifferences, OracleBackward) {
+  const Variant variant = GetParam();
+  const Problem p = make_problem(kTiny, {variant, DType::f64, variant != Variant::softcap, 3});
+  const Operands x = make_operands(kTiny, DType::f64, 3);
+  const std::vector<double> mask = is_additive(p) ? p.spec.mask->values : std::vector<double>{};
+  const ForwardFn fwd = [&](const std::vector<double>& q, const std::vector<double>& k,
+                            const std::vector<double>& v, const std::vector<double>& m) {
+    Spec spec = p.spec;
+    if (!m.empty()) spec.mask->values = m;
+    return oracle_forward(kTiny, spec, q, k, v).out;
+  };
+  const NumericalGradients num = finite_differences(fwd, x, mask);
+  const OracleBackward g = oracle_backward(kTiny, p.spec, x.q, x.k, x.v, x.dout);
+  EXPECT_TRUE(all_close(g.dq, num.dq, 1e-7, "dq"));
+  EXPECT_TRUE(all_close(g.dk, num.dk, 1e-7, "dk"));
+  EXPECT_TRUE(all_close(g.dv, num.dv, 1e-7, "dv"));
+  // -inf mask entries have no numerical gradient (left 0); the oracle's is 0 there too.
+  if (!mask.empty()) {
+    EXPECT_TRUE(all_close(g.dbias, num.dbias, 1e-7, "dbias"));
+  }
+}
+
+// The library's f64 backward against finite differences of the library's own f64 forward.
+TEST_P(FiniteDifferences, LibraryBackward) {
+  const Variant variant = GetParam();
+  const Problem p = make_problem(kTiny, {variant, DType::f64, variant != Variant::softcap, 3});
+  const Operands x = make_operands(kTiny, DType::f64, 3);
+  const bool additive = is_additive(p);
+  const std::vector<double> mask = additive ? p.spec.mask->values : std::vector<double>{};
+  for (Backend backend : {Backend::reference, Backend::math}) {
+    SCOPED_TRACE(name_of(backend));
+    const ForwardFn fwd = [&](const std::vector<double>& q, const std::vector<double>& k,
+                              const std::vector<double>& v, const std::vector<double>& m) {
+      const Tensor qt = make_tensor(DType::f64, to_shape(kTiny.q_shape()), q);
+      const Tensor kt = make_tensor(DType::f64, to_shape(kTiny.k_shape()), k);
+      const Tensor vt = make_tensor(DType::f64, to_shape(kTiny.v_shape()), v);
+      Options options = p.options;
+      options.num_threads = 1;
+      Tensor mt;
+      if (!m.empty()) {
+        const TensorView& shape = p.mask_tensor.view();
+        mt = Tensor(DType::f64, shape.shape.data(), shape.rank);
+        write_view(mt.view(), m);
+        options.mask = mt.view();
+      }
+      return read_view(forward(qt, kt, vt, options, backend).out);
+    };
+    const NumericalGradients num = finite_differences(fwd, x, mask);
+    const Tensor qt = make_tensor(DType::f64, to_shape(kTiny.q_shape()), x.q);
+    const Tensor kt = make_tensor(DType::f64, to_shape(kTiny.k_shape()), x.k);
+    const Tensor vt = make_tensor(DType::f64, to_shape(kTiny.v_shape()), x.v);
+    const Tensor dout = make_tensor(DType::f64, to_shape(kTiny.out_shape()), x.dout);
+    Options options = p.options;
+    options.compute_dbias = additive;
+    const ForwardResult f = forward(qt, kt, vt, forward_options(options), backend);
+    const BackwardResult g = backward(dout, qt, kt, vt, f.out, f.lse, options, backend);
+    EXPECT_TRUE(all_close(read_view(g.dq), num.dq, 1e-7, "dq"));
+    EXPECT_TRUE(all_close(read_view(g.dk), num.dk, 1e-7, "dk"));
+    EXPECT_TRUE(all_close(read_view(g.dv), num.dv, 1e-7, "dv"));
+    if (additive) {
+      EXPECT_TRUE(all_close(read_view(g.dbias), num.dbias, 1e-7, "dbias"));
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, FiniteDifferences, ::testing::ValuesIn(backward_variants()),
+                         [](const ::testing::TestParamInfo<Variant>& info) {
+                           return name_of_variant(info.param);
+                         });
+
+}  // namespace
+}  // namespace attncore::test

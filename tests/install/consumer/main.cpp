@@ -1,0 +1,57 @@
+// Uses the installed attncore: one forward call checked against its closed form, and one call
+// with bad shapes that must throw attncore::InvalidArgument.
+//
+// With q = 0 every score is 0, so the softmax is uniform over the keys:
+// out[b, h, i, :] = mean_j v[b, h / (Hq / Hkv), j, :] and lse[b, h, i] = log(Lk).
+#include <attncore/attncore.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+
+int main() {
+  constexpr std::int64_t kB = 2, kHq = 4, kHkv = 2, kLq = 5, kLk = 7, kD = 8;
+  attncore::Tensor q(attncore::DType::f32, {kB, kHq, kLq, kD});  // zero-initialised
+  attncore::Tensor k(attncore::DType::f32, {kB, kHkv, kLk, kD});
+  attncore::Tensor v(attncore::DType::f32, {kB, kHkv, kLk, kD});
+  for (std::int64_t i = 0; i < k.numel(); ++i) {
+    k.data_as<float>()[i] = static_cast<float>((i * 37) % 11) / 11.0f - 0.5f;
+    v.data_as<float>()[i] = static_cast<float>((i * 13) % 17) / 17.0f - 0.5f;
+  }
+  const attncore::ForwardResult r = attncore::forward(q, k, v);
+
+  double err = 0;
+  for (std::int64_t b = 0; b < kB; ++b) {
+    for (std::int64_t h = 0; h < kHq; ++h) {
+      const std::int64_t hk = h / (kHq / kHkv);
+      for (std::int64_t i = 0; i < kLq; ++i) {
+        for (std::int64_t d = 0; d < kD; ++d) {
+          double mean = 0;
+          for (std::int64_t j = 0; j < kLk; ++j) {
+            mean += v.data_as<float>()[((b * kHkv + hk) * kLk + j) * kD + d];
+          }
+          mean /= kLk;
+          const float got = r.out.data_as<float>()[((b * kHq + h) * kLq + i) * kD + d];
+          err = std::fmax(err, std::fabs(got - mean));
+        }
+        const float lse = r.lse.data_as<float>()[(b * kHq + h) * kLq + i];
+        err = std::fmax(err, std::fabs(lse - std::log(static_cast<double>(kLk))));
+      }
+    }
+  }
+  if (!(err < 1e-5)) {
+    std::fprintf(stderr, "wrong result: max error %g\n", err);
+    return 1;
+  }
+
+  attncore::Tensor bad_q(attncore::DType::f32, {kB, 3, kLq, kD});  // 3 % Hkv != 0
+  try {
+    attncore::forward(bad_q, k, v);
+    std::fprintf(stderr, "no error for Hq=3, Hkv=2\n");
+    return 1;
+  } catch (const attncore::InvalidArgument& e) {
+    std::printf("expected error: %s\n", e.what());
+  }
+  std::printf("attncore %s: ok (max error %g)\n", attncore::version(), err);
+  return 0;
+}
