@@ -4,6 +4,7 @@
 // what every option means.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -25,15 +26,22 @@ void finish_scores(const Problem& p, const CausalWindowMask& causal_window, std:
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   const KeyRange visible = causal_window.row(i);
   const T scale = static_cast<T>(p.scale);
+  for (std::int64_t j = 0; j < std::min(visible.begin, p.seqlen_k); ++j) s[j] = kNegInf;
+  for (std::int64_t j = visible.end; j < p.seqlen_k; ++j) s[j] = kNegInf;
+  if (dcap) {
+    for (std::int64_t j = 0; j < p.seqlen_k; ++j) dcap[j] = T(0);
+  }
+  if (p.softcap == 0.0 && !p.alibi && p.mask_kind == MaskKind::none) {
+    for (std::int64_t j = visible.begin; j < visible.end; ++j) s[j] *= scale;  // the common case
+    if (dcap) {
+      for (std::int64_t j = visible.begin; j < visible.end; ++j) dcap[j] = T(1);
+    }
+    return;
+  }
   const T cap = static_cast<T>(p.softcap);
   const T slope = p.alibi ? static_cast<T>(p.alibi[b * p.alibi_stride_b + h * p.alibi_stride_h]) : T(0);
   const std::int64_t mask_row = p.mask_kind == MaskKind::none ? 0 : offset4(p.mask, b, h, i, 0);
-  for (std::int64_t j = 0; j < p.seqlen_k; ++j) {
-    if (!visible.contains(j)) {
-      s[j] = kNegInf;
-      if (dcap) dcap[j] = T(0);
-      continue;
-    }
+  for (std::int64_t j = visible.begin; j < visible.end; ++j) {
     T x = softcap_apply(scale * s[j], cap);
     if (dcap) dcap[j] = softcap_grad_from_capped(x, cap);
     if (p.alibi) x += alibi_bias(slope, i, j, p.seqlen_q, p.seqlen_k);
