@@ -56,7 +56,8 @@ struct CheckFailed {
 // ---------------------------------------------------------------------------------------------
 // Names the command line accepts. Backends and causal kinds use the library's own spellings.
 
-constexpr Backend kBackends[] = {Backend::automatic, Backend::reference, Backend::math};
+constexpr Backend kBackends[] = {Backend::automatic, Backend::reference, Backend::math,
+                                  Backend::flash};
 constexpr Causal kCausals[] = {Causal::none, Causal::upper_left, Causal::lower_right};
 constexpr DType kDTypes[] = {DType::f32, DType::bf16, DType::f16};
 
@@ -150,7 +151,7 @@ run flags (defaults in brackets):
                            shape [Lq, Lk] [none]
   --dropout P              dropout probability [0]
   --seed S                 seed of the random inputs and of dropout [0]
-  --backend B              auto, reference or math [auto]
+  --backend B              auto, reference, math or flash [auto]
   --backward               also time the backward (with a random dout)
   --threads N              threads, 0 = ATTNCORE_NUM_THREADS or all cores [0]
   --repeat N               calls timed; the best is reported [3]
@@ -750,41 +751,21 @@ std::string join(const std::vector<std::string>& words) {
   return s;
 }
 
-// The SIMD targets this build has kernels for, best first, with the CPU features each needs.
-// A kernel for a new target adds its row here.
-struct SimdTarget {
-  const char* name;
-  std::vector<std::string> needs;
-};
-const std::vector<SimdTarget>& compiled_targets() {
-  static const std::vector<SimdTarget> targets = {{"scalar", {}}};
-  return targets;
-}
-
-const char* chosen_target(const attncore::CpuInfo& cpu) {
-  for (const SimdTarget& t : compiled_targets()) {
-    if (std::all_of(t.needs.begin(), t.needs.end(),
-                    [&](const std::string& f) { return cpu.has(f); })) {
-      return t.name;
-    }
-  }
-  return "none";
-}
-
 int cmd_info(const std::vector<std::string>& args) {
   if (!args.empty()) throw UsageError{"info takes no arguments (got '" + args[0] + "')"};
   const attncore::CpuInfo cpu = attncore::cpu_info();
-  std::vector<std::string> compiled_names;
-  for (const SimdTarget& t : compiled_targets()) compiled_names.emplace_back(t.name);
-  const std::string features = join(cpu.features), compiled = join(compiled_names);
+  const std::string features = join(cpu.features);
+  const std::string compiled = join(attncore::simd_targets_compiled());
+  const std::string supported = join(attncore::simd_targets_supported());
   const int threads = attncore::default_num_threads();
   std::printf("attncore %s\n", attncore::version());
   std::printf("cpu:       %s, %s, %d logical cores\n",
               cpu.vendor.empty() ? "unknown vendor" : cpu.vendor.c_str(),
               cpu.brand.empty() ? "unknown model" : cpu.brand.c_str(), cpu.logical_cores);
   std::printf("features:  %s\n", features.empty() ? "(none detected)" : features.c_str());
-  std::printf("simd:      compiled: %s; chosen: %s; math backend GEMMs: %s\n", compiled.c_str(),
-              chosen_target(cpu), attncore::blas_info().c_str());
+  std::printf("simd:      compiled: %s; this cpu: %s; chosen: %s\n", compiled.c_str(),
+              supported.c_str(), attncore::simd_target().c_str());
+  std::printf("blas:      %s (math backend GEMMs)\n", attncore::blas_info().c_str());
   std::printf("threads:   %d (ATTNCORE_NUM_THREADS, else all cores)\n", threads);
   std::fflush(stdout);
   const double peak1 = attncore::measure_fma_peak_gflops(1);
@@ -843,6 +824,7 @@ int cmd_default() {
   for (const SweepCase& sc : cases) {
     if (sc.seqlen <= kReferenceMaxSeqlen) rows.push_back({sc, Backend::reference});
     rows.push_back({sc, Backend::math});
+    rows.push_back({sc, Backend::flash});
   }
 
   const int threads = attncore::default_num_threads();
@@ -865,7 +847,7 @@ int cmd_default() {
     c.causal = row.sc.causal;
     c.dtype = row.sc.dtype;
     c.backend = row.backend;
-    c.backward = true;
+    c.backward = row.backend != Backend::flash;  // the fused backward is not there yet
     c.check = true;
     c.repeat = row.backend == Backend::reference ? 1 : 3;  // the reference is slow and not tuned
     c.finish();
@@ -896,8 +878,10 @@ int cmd_default() {
                   peak > 0 ? 100 * g / peak : 0.0, err, r.check->full ? " " : "*", status.c_str());
     };
     print_row("fwd", r.flops, r.seconds, r.check->out_err, tolerance(c.dtype));
-    print_row("bwd", r.bwd_flops, r.bwd_seconds, *r.check->grad_err,
-              kGradTolerance * tolerance(c.dtype));
+    if (c.backward) {
+      print_row("bwd", r.bwd_flops, r.bwd_seconds, *r.check->grad_err,
+                kGradTolerance * tolerance(c.dtype));
+    }
     std::fflush(stdout);
   }
   std::fprintf(stderr, "\r%*s\r", static_cast<int>(progress_width), "");

@@ -26,6 +26,18 @@ int default_num_threads();
 // registers on the widest vector unit the CPU has, best of a few short runs (~0.1 s each).
 double measure_fma_peak_gflops(int threads);
 
+// SIMD targets of the fused kernels compiled into this build, best first ("avx512", "avx2",
+// "generic"), and those this CPU can run.
+std::vector<std::string> simd_targets_compiled();
+std::vector<std::string> simd_targets_supported();
+
+// The target the fused kernels use now: the best supported one unless set_simd_target chose.
+std::string simd_target();
+
+// Makes every later call use `name` ("" = automatic); returns the previous setting. Throws
+// InvalidArgument when `name` is not compiled in or this CPU cannot run it. Process-wide.
+std::string set_simd_target(const std::string& name);
+
 // The BLAS library the math backend calls, as it reports itself.
 std::string blas_info();
 

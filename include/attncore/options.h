@@ -18,9 +18,10 @@ enum class Causal : std::uint8_t {
 
 // The backend that runs a call. `automatic` picks the fastest one that supports the call.
 enum class Backend : std::uint8_t {
-  automatic,
+  automatic,  // flash where it supports the call, else math
   reference,  // plain loops, fp64 accumulation: obviously correct, slow
   math,       // unfused: scores materialised, QK^T and PV as BLAS GEMMs
+  flash,      // fused: tiled online softmax, SIMD, never materialises Lq x Lk (forward)
 };
 
 std::string_view name_of(Causal c);

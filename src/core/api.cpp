@@ -7,6 +7,7 @@
 #include "attncore/attncore.h"
 #include "core/threadpool.h"
 #include "core/validate.h"
+#include "cpu/flash.h"
 #include "cpu/math.h"
 #include "reference/reference.h"
 
@@ -25,9 +26,23 @@ bool fits_blas(const Problem& p) {
          p.seqlen_q <= kMax / (p.seqlen_k > 0 ? p.seqlen_k : 1);
 }
 
-Backend choose(const char* op, const Problem& p, Backend requested) {
+// The flash forward runs f32, bf16 and f16 (f64 is for the reference and math backends).
+bool flash_supports(const Problem& p) { return p.dtype != DType::f64; }
+
+Backend choose(const char* op, const Problem& p, Backend requested, bool is_backward) {
   switch (requested) {
     case Backend::reference: return Backend::reference;
+    case Backend::flash:
+      if (is_backward) {
+        throw Unsupported(std::string(op) +
+                          ": flash backend has no backward yet (backend=flash, expected auto, "
+                          "reference or math)");
+      }
+      if (!flash_supports(p)) {
+        throw Unsupported(std::string(op) + ": flash backend does not run this dtype (dtype=" +
+                          std::string(name_of(p.dtype)) + ", expected f32, bf16 or f16); use math");
+      }
+      return Backend::flash;
     case Backend::math:
       if (!fits_blas(p)) {
         throw Unsupported(std::string(op) + ": math backend cannot run this size (Lq=" +
@@ -35,7 +50,9 @@ Backend choose(const char* op, const Problem& p, Backend requested) {
                           ", expected Lq * Lk < 2^31); use backend reference");
       }
       return Backend::math;
-    case Backend::automatic: return fits_blas(p) ? Backend::math : Backend::reference;
+    case Backend::automatic:
+      if (!is_backward && flash_supports(p)) return Backend::flash;
+      return fits_blas(p) ? Backend::math : Backend::reference;
   }
   return Backend::reference;
 }
@@ -51,9 +68,11 @@ void guarded(const char* op, const char* stage, Fn&& fn) {
 }
 
 void run_forward(const Problem& p, const ForwardArgs& args, Backend backend) {
-  const Backend chosen = choose("forward", p, backend);
+  const Backend chosen = choose("forward", p, backend, /*is_backward=*/false);
   guarded("forward", "running the backend (outputs are incomplete)", [&] {
-    if (chosen == Backend::math) {
+    if (chosen == Backend::flash) {
+      detail::flash_forward(p, args);
+    } else if (chosen == Backend::math) {
       detail::math_forward(p, args);
     } else {
       detail::reference_forward(p, args);
@@ -62,7 +81,7 @@ void run_forward(const Problem& p, const ForwardArgs& args, Backend backend) {
 }
 
 void run_backward(const Problem& p, const BackwardArgs& args, Backend backend) {
-  const Backend chosen = choose("backward", p, backend);
+  const Backend chosen = choose("backward", p, backend, /*is_backward=*/true);
   guarded("backward", "running the backend (outputs are incomplete)", [&] {
     if (chosen == Backend::math) {
       detail::math_backward(p, args);

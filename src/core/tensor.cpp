@@ -130,6 +130,7 @@ std::string_view name_of(Backend b) {
     case Backend::automatic: return "auto";
     case Backend::reference: return "reference";
     case Backend::math: return "math";
+    case Backend::flash: return "flash";
   }
   return "?";
 }

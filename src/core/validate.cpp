@@ -134,10 +134,10 @@ class Checker {
 // Checks of q, k, v and options shared by forward and backward.
 Problem resolve(const Checker& check, const TensorView& q, const TensorView& k,
                 const TensorView& v, const Options& o, Backend backend) {
-  if (static_cast<unsigned>(backend) > static_cast<unsigned>(Backend::math)) {
+  if (static_cast<unsigned>(backend) > static_cast<unsigned>(Backend::flash)) {
     check.unsupported("backend is not available in this build (backend=" +
                       std::to_string(static_cast<unsigned>(backend)) +
-                      ", expected auto, reference or math)");
+                      ", expected auto, reference, math or flash)");
   }
   check.view(q, "query", 4, "[B, Hq, Lq, D]");
   check.view(k, "key", 4, "[B, Hkv, Lk, D]");

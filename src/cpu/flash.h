@@ -1,0 +1,65 @@
+// The fused `flash` forward on CPUs: one tiled loop with the online softmax, never
+// materialising Lq x Lk, compiled once per SIMD target and dispatched once per call.
+//
+// Work is split into blocks of query rows of one head. K and V of one (batch, kv head) are
+// packed once (K transposed into [D][key_tile] panels, V into rows padded to the vector width,
+// both in f32) and shared by every block of every query head of the group.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/problem.h"
+
+namespace attncore::detail {
+
+// The shapes one SIMD target's kernel works in.
+struct FlashLayout {
+  int lanes;               // f32 lanes per vector
+  int block_rows;          // query rows per work item (a multiple of the micro-tile's rows)
+  int key_tile;            // keys per tile (a multiple of the QK micro-tile's width)
+  int dv_align;            // Dv is padded to a multiple of this (the PV micro-tile's width)
+};
+
+// K and V of one (batch, kv head), packed, as the kernel reads them.
+struct FlashPanel {
+  const float* k_tiles;    // [tiles][D][key_tile], scaled by nothing, zero past Lk
+  const float* v_rows;     // [tiles * key_tile][dv_pad], zero past Lk and past Dv
+  std::int64_t dv_pad;
+};
+
+// One thread's scratch for one work item, 64-byte aligned, sized by the dispatcher.
+struct FlashScratch {
+  float* q;       // [block_rows][D]: the block's queries times `scale`, zero-padded rows
+  float* scores;  // [block_rows][key_tile]: S, then P
+  float* out;     // [block_rows][dv_pad]: the unnormalised output accumulator
+  float* row_max;  // [block_rows]
+  float* row_sum;  // [block_rows]
+  float* alpha;    // [block_rows]: the rescale of the accumulator for the current tile
+};
+
+// One work item: rows [row0, row0 + rows) of query head h of batch b (rows <= block_rows).
+struct FlashItem {
+  std::int64_t b, h, row0, rows;
+};
+
+using FlashBlockFn = void (*)(const Problem& p, const ForwardArgs& a, const FlashPanel& panel,
+                              const FlashItem& item, const FlashScratch& scratch);
+
+struct FlashTarget {
+  const char* name;      // "avx512", "avx2", "generic"
+  FlashLayout layout;
+  FlashBlockFn run_block;
+};
+
+// The targets this build compiled, best first, and whether this CPU can run each.
+std::vector<FlashTarget> flash_targets_compiled();
+bool flash_target_supported(const FlashTarget& t);
+
+// The target the next calls use: the best supported one, or the one set_simd_target chose.
+const FlashTarget& flash_target_chosen();
+
+void flash_forward(const Problem& p, const ForwardArgs& args);
+
+}  // namespace attncore::detail

@@ -1,0 +1,14 @@
+// The flash forward kernel compiled for the avx2 target.
+#include "cpu/flash.h"
+#if defined(__x86_64__)
+
+#define ATTNCORE_TARGET_NS avx2
+#define ATTNCORE_TARGET_PRAGMA _Pragma("GCC target(\"avx2,fma,f16c\")")
+#define ATTNCORE_LANES 8
+#define ATTNCORE_TILE_ROWS 6
+#include "cpu/flash_kernel-inl.h"
+
+namespace attncore::detail {
+FlashTarget flash_target_avx2() { return {"avx2", avx2::kLayout, &avx2::run_block}; }
+}  // namespace attncore::detail
+#endif

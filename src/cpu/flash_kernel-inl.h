@@ -1,0 +1,302 @@
+// The flash forward kernel for one SIMD target. Included once by each src/cpu/flash_<target>.cpp,
+// which first defines
+//   ATTNCORE_TARGET_NS      the target's namespace (avx512, avx2, generic)
+//   ATTNCORE_TARGET_PRAGMA  _Pragma("GCC target(...)") for the target's ISA, or nothing
+//   ATTNCORE_LANES          f32 lanes per vector (16, 8, 4)
+//   ATTNCORE_TILE_ROWS      rows of the QK and PV micro-tiles
+// The headers come first, outside the target region, so that their inline helpers stay
+// baseline code (a target function may inline them; no baseline caller ever gets a target
+// copy). Everything in the region lives in the target's namespace.
+//
+// Per work item (rows [row0, row0 + rows) of one query head):
+//   q = Q rows * scale;  O = 0;  m = -inf;  l = 0
+//   for each key tile intersecting the rows' causal / window band:
+//     S = q . K_tile^T                       (micro-kernel 1; keys in vector lanes)
+//     S = score mods (softcap, ALiBi, mask)   (only when the call has them)
+//     S = -inf outside each row's band        (only on tiles the band cuts: "partial" tiles)
+//     online softmax: m' = max(m, rowmax S); alpha = exp(m - m'); P = exp(S - m');
+//                     l = alpha l + rowsum P;  P *= dropout factor
+//     O = alpha O + P . V_tile                (micro-kernel 2; Dv in vector lanes)
+//   out = O / l (0 where l = 0);  lse = m + log l (-inf where l = 0)
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "core/convert.h"
+#include "cpu/flash.h"
+#include "policy/mask.h"
+#include "policy/score_row.h"
+
+#pragma GCC push_options
+ATTNCORE_TARGET_PRAGMA
+
+namespace attncore::detail::ATTNCORE_TARGET_NS {
+
+constexpr int kLanes = ATTNCORE_LANES;
+constexpr int kTileRows = ATTNCORE_TILE_ROWS;
+constexpr int kTileVectors = 2;  // micro-tile width in vectors (QK: keys, PV: Dv columns)
+constexpr int kTileCols = kTileVectors * kLanes;
+// Rows per work item: 8 micro-tiles. 64 rows (AVX-512) keep q, S, O of a D=128 block at
+// 80 KiB, well inside L2, and give 2 threads 8 items at L = 256 per head.
+constexpr int kBlockRows = 8 * kTileRows;
+// Keys per tile: S[64][64] f32 is 16 KiB and a D=128 K panel 32 KiB, both L1/L2-resident.
+constexpr int kKeyTile = 64;
+static_assert(kKeyTile % kTileCols == 0, "a key tile is whole QK micro-tiles");
+
+using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
+using IVec = std::int32_t __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+inline Vec splat(float x) { return Vec{} + x; }
+inline Vec vmax(Vec a, Vec b) { return a > b ? a : b; }  // NaN in a: b
+inline float reduce_max(Vec v) {
+  float m = v[0];
+  for (int e = 1; e < kLanes; ++e) m = v[e] > m ? v[e] : m;
+  return m;
+}
+inline float reduce_sum(Vec v) {
+  float s = 0;
+  for (int e = 0; e < kLanes; ++e) s += v[e];
+  return s;
+}
+
+// 2^x for a vector: x = n + f with n integral and |f| <= 1/2, 2^f by its Taylor polynomial of
+// degree 6 (relative error 1.2e-7 on [-1/2, 1/2]), 2^n by building the exponent bits. Below
+// -126.5 the result is 0 (so 2^-inf = 0); NaN stays NaN.
+inline Vec exp2v(Vec x) {
+  x = x < splat(-127.0f) ? splat(-127.0f) : x;
+  x = x > splat(127.0f) ? splat(127.0f) : x;
+  const Vec n = (x + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 * 2^23
+  const Vec f = x - n;
+  Vec poly = splat(1.5403530393381606e-4f);
+  poly = poly * f + 1.3333558146428443e-3f;
+  poly = poly * f + 9.6181291076284772e-3f;
+  poly = poly * f + 5.5504108664821580e-2f;
+  poly = poly * f + 2.4022650695910071e-1f;
+  poly = poly * f + 6.9314718055994531e-1f;
+  poly = poly * f + 1.0f;
+  const IVec bits = (__builtin_convertvector(n, IVec) + 127) << 23;  // n = -127: +0
+  Vec two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return poly * two_n;
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// tanh(y) = 1 - 2 / (e^(2y) + 1): saturates to +-1, NaN stays NaN.
+inline Vec tanhv(Vec y) { return 1.0f - 2.0f / (exp2v(y * (2.0f * kLog2e)) + 1.0f); }
+
+// s[r][c] = sum_d q[r][d] * k_tile[d][c] for r < kTileRows, c < kTileCols.
+inline void qk_micro(const float* q, std::int64_t ldq, const float* k_tile, std::int64_t d_count,
+                     float* s) {
+  Vec acc[kTileRows][kTileVectors] = {};
+  for (std::int64_t d = 0; d < d_count; ++d) {
+    Vec k[kTileVectors];
+#pragma GCC unroll 4
+    for (int v = 0; v < kTileVectors; ++v) k[v] = load(k_tile + d * kKeyTile + v * kLanes);
+#pragma GCC unroll 16
+    for (int r = 0; r < kTileRows; ++r) {
+      const Vec a = splat(q[r * ldq + d]);
+#pragma GCC unroll 4
+      for (int v = 0; v < kTileVectors; ++v) acc[r][v] += a * k[v];
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < kTileRows; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < kTileVectors; ++v) store(s + r * kKeyTile + v * kLanes, acc[r][v]);
+  }
+}
+
+// o[r][c] = alpha[r] * o[r][c] + sum_j p[r][j] * v[j][c] for r < kTileRows, c < kTileCols.
+inline void pv_micro(const float* p, const float* v, std::int64_t ldv, const float* alpha,
+                     float* o, std::int64_t ldo) {
+  Vec acc[kTileRows][kTileVectors];
+#pragma GCC unroll 16
+  for (int r = 0; r < kTileRows; ++r) {
+    const Vec a = splat(alpha[r]);
+#pragma GCC unroll 4
+    for (int c = 0; c < kTileVectors; ++c) acc[r][c] = load(o + r * ldo + c * kLanes) * a;
+  }
+  for (int j = 0; j < kKeyTile; ++j) {
+    Vec vv[kTileVectors];
+#pragma GCC unroll 4
+    for (int c = 0; c < kTileVectors; ++c) vv[c] = load(v + j * ldv + c * kLanes);
+#pragma GCC unroll 16
+    for (int r = 0; r < kTileRows; ++r) {
+      const Vec pr = splat(p[r * kKeyTile + j]);
+#pragma GCC unroll 4
+      for (int c = 0; c < kTileVectors; ++c) acc[r][c] += pr * vv[c];
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < kTileRows; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < kTileVectors; ++c) store(o + r * ldo + c * kLanes, acc[r][c]);
+  }
+}
+
+// The score modifiers of DESIGN.md section 1.2 on one row of a tile (keys j0 .. j0+kKeyTile).
+inline void apply_score_mods(const Problem& p, std::int64_t b, std::int64_t h, std::int64_t i,
+                             std::int64_t j0, std::int64_t keys, float* s) {
+  if (p.softcap != 0.0) {
+    const float cap = static_cast<float>(p.softcap), inv_cap = 1.0f / cap;
+    for (int c = 0; c < kKeyTile; c += kLanes) store(s + c, cap * tanhv(load(s + c) * inv_cap));
+  }
+  if (p.alibi != nullptr) {
+    const float slope = p.alibi[b * p.alibi_stride_b + h * p.alibi_stride_h];
+    const std::int64_t diag = i + p.seqlen_k - p.seqlen_q;  // |diag - j| is the distance
+    for (std::int64_t c = 0; c < keys; ++c) {
+      const std::int64_t distance = diag - (j0 + c);
+      s[c] -= slope * static_cast<float>(distance < 0 ? -distance : distance);
+    }
+  }
+  if (p.mask_kind != MaskKind::none) {
+    const std::int64_t base = offset4(p.mask, b, h, i, j0);
+    const std::int64_t stride = p.mask.stride[3];
+    if (p.mask_kind == MaskKind::additive) {
+      if (p.mask.dtype == DType::f32 && stride == 1) {
+        const float* m = static_cast<const float*>(p.mask.data) + base;
+        for (std::int64_t c = 0; c < keys; ++c) s[c] += m[c];
+      } else {
+        for (std::int64_t c = 0; c < keys; ++c) {
+          s[c] += load_element<float>(p.mask.data, p.mask.dtype, base + c * stride);
+        }
+      }
+    } else {
+      const auto* m = static_cast<const std::uint8_t*>(p.mask.data) + base;
+      for (std::int64_t c = 0; c < keys; ++c) {
+        if (m[c * stride] == 0) s[c] = -INFINITY;
+      }
+    }
+  }
+}
+
+// One work item: see the top of this file.
+void run_block(const Problem& p, const ForwardArgs& a, const FlashPanel& panel,
+               const FlashItem& item, const FlashScratch& w) {
+  const std::int64_t d = p.head_dim, dv_pad = panel.dv_pad, lk = p.seqlen_k;
+  const std::int64_t rows = item.rows;
+  const std::int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
+  const CausalWindowMask band(p);
+  const bool has_mods = p.softcap != 0.0 || p.alibi != nullptr || p.mask_kind != MaskKind::none;
+
+  // q = Q rows * scale (zero rows up to the micro-tile edge).
+  const float scale = static_cast<float>(p.scale);
+  for (std::int64_t r = 0; r < padded_rows; ++r) {
+    float* dst = w.q + r * d;
+    if (r < rows) {
+      load_row(a.q.data, a.q.dtype, offset4(a.q, item.b, item.h, item.row0 + r, 0), d, dst);
+      for (std::int64_t e = 0; e < d; ++e) dst[e] *= scale;
+    } else {
+      for (std::int64_t e = 0; e < d; ++e) dst[e] = 0.0f;
+    }
+  }
+  for (std::int64_t e = 0; e < padded_rows * dv_pad; ++e) w.out[e] = 0.0f;
+  for (std::int64_t r = 0; r < padded_rows; ++r) {
+    w.row_max[r] = -INFINITY;
+    w.row_sum[r] = 0.0f;
+    w.alpha[r] = 1.0f;
+  }
+
+  // Key tiles that intersect the band: the band's edges move right with the row.
+  const KeyRange first = band.row(item.row0), last = band.row(item.row0 + rows - 1);
+  const std::int64_t key_begin = first.begin, key_end = last.end;
+  if (key_end <= key_begin || lk == 0) {
+    // No visible key in any row (each row's own range is inside [first.begin, last.end)).
+  } else {
+    const std::int64_t tile_begin = key_begin / kKeyTile;
+    const std::int64_t tile_end = (key_end + kKeyTile - 1) / kKeyTile;
+    for (std::int64_t t = tile_begin; t < tile_end; ++t) {
+      const std::int64_t j0 = t * kKeyTile;
+      const std::int64_t keys = std::min<std::int64_t>(kKeyTile, lk - j0);
+      // Full: every row sees every key of the tile, so no mask code runs.
+      const bool full = keys == kKeyTile && last.begin <= j0 && first.end >= j0 + kKeyTile;
+      const float* k_tile = panel.k_tiles + t * d * kKeyTile;
+      for (std::int64_t r = 0; r < padded_rows; r += kTileRows) {
+        for (int c = 0; c < kKeyTile; c += kTileCols) {
+          qk_micro(w.q + r * d + 0, d, k_tile + c, d, w.scores + r * kKeyTile + c);
+        }
+      }
+      for (std::int64_t r = 0; r < padded_rows; ++r) {
+        float* s = w.scores + r * kKeyTile;
+        const std::int64_t i = item.row0 + r;
+        if (r >= rows) {  // padding rows take no part
+          for (int c = 0; c < kKeyTile; ++c) s[c] = 0.0f;
+          continue;
+        }
+        if (has_mods) apply_score_mods(p, item.b, item.h, i, j0, keys, s);
+        if (!full) {
+          const KeyRange visible = band.row(i);
+          const std::int64_t lo = std::max<std::int64_t>(visible.begin - j0, 0);
+          const std::int64_t hi = std::min<std::int64_t>(visible.end - j0, keys);
+          for (std::int64_t c = 0; c < kKeyTile; ++c) {
+            if (c < lo || c >= hi) s[c] = -INFINITY;
+          }
+        }
+        // Online softmax: the one place the running max and sum are updated.
+        Vec vmx = load(s);
+        for (int c = kLanes; c < kKeyTile; c += kLanes) vmx = vmax(load(s + c), vmx);
+        const float tile_max = reduce_max(vmx);
+        const float old_max = w.row_max[r];
+        // NaN scores make the row NaN (never "nothing visible").
+        const float new_max = tile_max > old_max || std::isnan(tile_max) ? tile_max : old_max;
+        if (new_max == -INFINITY) {  // nothing visible yet: P = 0, nothing to rescale
+          for (int c = 0; c < kKeyTile; ++c) s[c] = 0.0f;
+          w.alpha[r] = 1.0f;
+          continue;
+        }
+        const float shift = new_max * kLog2e;
+        const float alpha = old_max == -INFINITY ? 0.0f : exp2v(splat(old_max * kLog2e - shift))[0];
+        Vec vsum = splat(0.0f);
+        for (int c = 0; c < kKeyTile; c += kLanes) {
+          const Vec prob = exp2v(load(s + c) * kLog2e - shift);
+          vsum += prob;
+          store(s + c, prob);
+        }
+        w.row_sum[r] = w.row_sum[r] * alpha + reduce_sum(vsum);
+        w.row_max[r] = new_max;
+        w.alpha[r] = alpha;
+        if (p.dropout_p > 0.0) {  // after the sum: the normaliser is the pre-dropout sum
+          const DropoutRow dropout(p, item.b, item.h, i);
+          for (std::int64_t c = 0; c < keys; ++c) s[c] *= dropout.factor<float>(j0 + c);
+        }
+      }
+      const float* v_tile = panel.v_rows + j0 * dv_pad;
+      for (std::int64_t r = 0; r < padded_rows; r += kTileRows) {
+        for (std::int64_t c = 0; c < dv_pad; c += kTileCols) {
+          pv_micro(w.scores + r * kKeyTile, v_tile + c, dv_pad, w.alpha + r, w.out + r * dv_pad + c,
+                   dv_pad);
+        }
+      }
+    }
+  }
+
+  // out = O / l, lse = m + log l; rows with no visible key: 0 and -inf.
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float sum = w.row_sum[r];
+    const float inv = sum == 0.0f ? 0.0f : 1.0f / sum;
+    float* o = w.out + r * dv_pad;
+    for (std::int64_t e = 0; e < p.head_dim_v; ++e) o[e] *= inv;
+    const std::int64_t i = item.row0 + r;
+    store_row(o, p.head_dim_v, a.out.data, a.out.dtype, offset4(a.out, item.b, item.h, i, 0));
+    if (a.lse.data != nullptr) {
+      const float lse = sum == 0.0f ? -INFINITY : w.row_max[r] + std::log(sum);
+      store_element(a.lse.data, a.lse.dtype,
+                    item.b * a.lse.stride[0] + item.h * a.lse.stride[1] + i * a.lse.stride[2], lse);
+    }
+  }
+}
+
+constexpr FlashLayout kLayout{kLanes, kBlockRows, kKeyTile, kTileCols};
+
+}  // namespace attncore::detail::ATTNCORE_TARGET_NS
+
+#pragma GCC pop_options
