@@ -105,11 +105,17 @@ TEST(Dropout, KeptFractionWithinFourSigma) {
   struct Run {
     Backend backend;
     double p;
+    DType dtype = DType::f64;  // flash runs f32: 8 decisions per column fit its precision
+    int bits = 16;
   };
-  for (const Run run : {Run{Backend::reference, 0.25}, Run{Backend::math, 0.5}}) {
+  for (const Run run :
+       {Run{Backend::reference, 0.25}, Run{Backend::math, 0.5},
+        Run{Backend::flash, 0.1, DType::f32, 8}}) {
     SCOPED_TRACE(std::string(name_of(run.backend)) + " p=" + std::to_string(run.p));
     MaskRun r;
     r.backend = run.backend;
+    r.dtype = run.dtype;
+    r.bits = run.bits;
     r.heads = 4;
     r.len_q = 512;
     r.len_k = 512;
@@ -131,7 +137,7 @@ TEST(Dropout, KeptFractionWithinFourSigma) {
 // The same decisions through f32 and other backends, a threshold p that is not dyadic, several
 // batches and heads, and a counter that crosses 2^32 blocks (the second counter word).
 TEST(Dropout, MaskMatchesOracleAcrossDtypesAndOffsets) {
-  for (Backend backend : {Backend::reference, Backend::math, Backend::automatic}) {
+  for (Backend backend : {Backend::reference, Backend::math, Backend::automatic, Backend::flash}) {
     for (std::uint64_t offset : {0ull, 7ull, (1ull << 34) - 1000, (1ull << 40) + 3}) {
       MaskRun r;
       r.backend = backend;
@@ -153,10 +159,14 @@ TEST(Dropout, MaskMatchesOracleAcrossDtypesAndOffsets) {
 // The mask is addressed by element: moving the offset by Lk moves it by one row; a different
 // offset or seed gives a different mask; the thread count changes nothing.
 TEST(Dropout, OffsetAndSeedAddressTheStream) {
-  for (Backend backend : {Backend::reference, Backend::math}) {
+  for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
     SCOPED_TRACE(name_of(backend));
     MaskRun r;
     r.backend = backend;
+    if (backend == Backend::flash) {  // f32: 8 decisions per column fit its precision
+      r.dtype = DType::f32;
+      r.bits = 8;
+    }
     r.heads = 2;
     r.len_q = 40;
     r.len_k = 64;
@@ -196,7 +206,7 @@ TEST(Dropout, ZeroProbabilityIsIdentity) {
   const Tensor q = make_tensor(DType::f32, to_shape(d.q_shape()), x.q);
   const Tensor k = make_tensor(DType::f32, to_shape(d.k_shape()), x.k);
   const Tensor v = make_tensor(DType::f32, to_shape(d.v_shape()), x.v);
-  for (Backend backend : {Backend::reference, Backend::math}) {
+  for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
     Options zero;
     zero.dropout_p = 0.0;
     zero.seed = 5;

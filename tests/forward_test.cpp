@@ -35,6 +35,7 @@ struct ForwardCase {
   bool given_scale = false;
   DType mask_dtype = DType::f32;
   std::uint64_t seed = 1;
+  std::string target;  // SIMD target forced for the flash backend ("" = automatic)
 };
 
 void PrintTo(const ForwardCase& c, std::ostream* os) { *os << c.name; }
@@ -51,6 +52,7 @@ std::string case_name(const ForwardCase& c) {
                   name_of_layout(c.layout);
   if (c.into) s += "_into";
   if (c.given_scale) s += "_scale";
+  if (!c.target.empty()) s += "_" + c.target;
   return s;
 }
 
@@ -104,12 +106,43 @@ std::vector<ForwardCase> forward_grid() {
       }
     }
   }
+  // The flash backend on every SIMD target this CPU runs, every variant, f32 / bf16 / f16.
+  // Tile edges: its blocks are 64 (AVX-512) or 48 query rows and its key tiles 64 keys.
+  const Len flash_lens[] = {{1, 1},    {7, 7},   {47, 49},   {48, 48},  {63, 64},  {64, 65},
+                            {65, 63},  {97, 97}, {1, 130},   {130, 17}, {17, 130}, {129, 128},
+                            {128, 129}, {33, 1}};
+  for (const std::string& target : simd_targets_supported()) {
+    for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+      for (Variant variant : variants) {
+        for (int pick = 0; pick < 2; ++pick) {
+          ForwardCase c;
+          const Len len = flash_lens[rng.below(std::size(flash_lens))];
+          HeadDim hd = head_dims[rng.below(std::size(head_dims))];
+          const Heads h = heads[rng.below(std::size(heads))];
+          if (len.q * len.k > 5000 && hd.d > 128) hd = {80, 80};
+          c.dims = {h.b, h.hq, h.hkv, len.q, len.k, hd.d, hd.dv};
+          c.variant = variant;
+          c.dtype = dtype;
+          c.backend = Backend::flash;
+          c.layout = static_cast<Layout>(n % 3);
+          c.into = n % 4 == 1;
+          c.given_scale = n % 2 == 0;
+          c.mask_dtype = n % 5 < 3 ? dtype : DType::f32;
+          c.seed = 1000 + n;
+          c.target = target;
+          c.name = case_name(c);
+          cases.push_back(c);
+          ++n;
+        }
+      }
+    }
+  }
   // Empty sizes: Lk = 0 (out 0, LSE -inf), Lq = 0 and B = 0 (empty outputs).
   const Dims empties[] = {
       {1, 2, 2, 7, 0, 64, 64}, {2, 4, 2, 0, 7, 40, 40}, {0, 2, 1, 5, 5, 64, 32}};
-  for (Backend backend : {Backend::reference, Backend::math, Backend::automatic}) {
+  for (Backend backend : {Backend::reference, Backend::math, Backend::flash, Backend::automatic}) {
     for (DType dtype : {DType::f32, DType::bf16, DType::f64}) {
-      if (backend == Backend::automatic && dtype == DType::f64) continue;
+      if ((backend == Backend::automatic || backend == Backend::flash) && dtype == DType::f64) continue;
       for (const Dims& d : empties) {
         for (Variant variant : {Variant::plain, Variant::causal_lower_right, Variant::additive_11qk,
                                 Variant::alibi_heads, Variant::dropout}) {
@@ -147,7 +180,7 @@ std::vector<ForwardCase> forward_grid() {
     }
   }
   // One long case per backend (1025 breaks every power-of-two tile).
-  for (Backend backend : {Backend::reference, Backend::math}) {
+  for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
     ForwardCase c;
     c.dims = {1, 1, 1, 1025, 1025, 64, 64};
     c.variant = Variant::combo;
@@ -211,8 +244,19 @@ LibraryResult run_forward(const ForwardCase& c, const Problem& p, const Operands
 
 class ForwardGrid : public ::testing::TestWithParam<ForwardCase> {};
 
+// Forces a SIMD target for its scope ("" = the automatic choice).
+class ScopedTarget {
+ public:
+  explicit ScopedTarget(const std::string& target) : previous_(set_simd_target(target)) {}
+  ~ScopedTarget() { set_simd_target(previous_); }
+
+ private:
+  std::string previous_;
+};
+
 TEST_P(ForwardGrid, MatchesOracle) {
   const ForwardCase& c = GetParam();
+  const ScopedTarget target(c.target);
   const Problem p = make_problem(c.dims, {c.variant, c.mask_dtype, c.given_scale, c.seed});
   const Operands x = make_operands(c.dims, c.dtype, c.seed);
   const LibraryResult got = run_forward(c, p, x);
@@ -239,7 +283,7 @@ INSTANTIATE_TEST_SUITE_P(Grid, ForwardGrid, ::testing::ValuesIn(forward_grid()),
 
 // A row with no visible key gives out 0 and LSE -inf, never NaN, for every way of hiding keys.
 TEST(Forward, FullyMaskedRowsAreZero) {
-  for (Backend backend : {Backend::reference, Backend::math, Backend::automatic}) {
+  for (Backend backend : {Backend::reference, Backend::math, Backend::automatic, Backend::flash}) {
     for (DType dtype : {DType::f32, DType::bf16}) {
       const Dims d{1, 2, 2, 9, 4, 32, 32};
       const Operands x = make_operands(d, dtype, 5);
@@ -279,8 +323,9 @@ TEST(Forward, FullyMaskedRowsAreZero) {
 // NaN in q, k or v propagates as NaN to exactly the outputs that depend on it.
 TEST(Forward, NaNPropagates) {
   const Dims d{1, 2, 1, 6, 5, 16, 8};
-  for (Backend backend : {Backend::reference, Backend::math}) {
+  for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
     for (DType dtype : {DType::f32, DType::bf16, DType::f64}) {
+      if (backend == Backend::flash && dtype == DType::f64) continue;  // flash: no f64
       for (int which = 0; which < 3; ++which) {
         SCOPED_TRACE(std::string(name_of(backend)) + " " + std::string(name_of(dtype)) +
                      " operand " + std::to_string(which));
@@ -324,7 +369,7 @@ std::vector<double> repeat_heads(const std::vector<double>& x, std::int64_t b, s
 }
 
 TEST(Forward, GqaEqualsRepeatedHeads) {
-  for (Backend backend : {Backend::reference, Backend::math}) {
+  for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
     for (DType dtype : {DType::f32, DType::bf16}) {
       for (std::int64_t hkv : {2, 1}) {  // GQA (Hq = 4, Hkv = 2) and MQA (Hkv = 1)
         for (Variant variant : {Variant::plain, Variant::alibi_heads, Variant::causal_upper_left,
@@ -362,7 +407,7 @@ TEST(Forward, GqaEqualsRepeatedHeads) {
 
 // num_threads changes the schedule, never the result: bitwise-equal outputs.
 TEST(Forward, ThreadCountDoesNotChangeBits) {
-  for (Backend backend : {Backend::reference, Backend::math, Backend::automatic}) {
+  for (Backend backend : {Backend::reference, Backend::math, Backend::automatic, Backend::flash}) {
     for (DType dtype : {DType::f32, DType::bf16}) {
       for (Variant variant : {Variant::plain, Variant::combo, Variant::dropout_combo}) {
         SCOPED_TRACE(std::string(name_of(backend)) + " " + std::string(name_of(dtype)) + " " +
@@ -397,7 +442,7 @@ TEST(Forward, ThreadCountDoesNotChangeBits) {
 // [Lq, Lk] buffer with stride-0 batch and head dims.
 TEST(Forward, StridedAndBroadcastMaskViews) {
   const Dims d{2, 3, 3, 13, 21, 32, 24};
-  for (Backend backend : {Backend::reference, Backend::math}) {
+  for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
     for (bool is_bool : {false, true}) {
       Random rng(4);
       std::vector<double> values(13 * 21);  // [Lq, Lk]
@@ -432,8 +477,9 @@ TEST(Forward, StridedAndBroadcastMaskViews) {
 // An additive mask may be f32, f64 or the query dtype (Options::mask), for every query dtype.
 TEST(Forward, AdditiveMaskDtypes) {
   const Dims d{1, 2, 1, 12, 15, 24, 16};
-  for (Backend backend : {Backend::reference, Backend::math}) {
+  for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
     for (DType dtype : {DType::f32, DType::bf16, DType::f16, DType::f64}) {
+      if (backend == Backend::flash && dtype == DType::f64) continue;  // flash: no f64
       for (DType mask_dtype : {DType::f32, DType::f64, dtype}) {
         SCOPED_TRACE(std::string(name_of(backend)) + " query " + std::string(name_of(dtype)) +
                      " mask " + std::string(name_of(mask_dtype)));
@@ -461,7 +507,7 @@ TEST(Forward, AdditiveMaskDtypes) {
 // A mask view needs no unit stride: a transposed [Lk, Lq] buffer is a valid [Lq, Lk] mask.
 TEST(Forward, TransposedMaskView) {
   const Dims d{1, 2, 2, 10, 14, 16, 16};
-  for (Backend backend : {Backend::reference, Backend::math}) {
+  for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
     const std::vector<double> kq = random_vector(14 * 10, 12, -2.0, 2.0);  // [Lk, Lq]
     std::vector<double> qk(14 * 10);                                       // [Lq, Lk]
     for (int i = 0; i < 10; ++i) {
@@ -490,11 +536,12 @@ TEST(Forward, TransposedMaskView) {
 // The default scale is 1/sqrt(D).
 TEST(Forward, DefaultScaleIsInverseSqrtHeadDim) {
   const Dims d{1, 2, 2, 9, 11, 59, 59};
-  const Operands x = make_operands(d, DType::f64, 2);
-  const Buffer q = make_buffer(DType::f64, to_shape(d.q_shape()), Layout::bhsd, x.q);
-  const Buffer k = make_buffer(DType::f64, to_shape(d.k_shape()), Layout::bhsd, x.k);
-  const Buffer v = make_buffer(DType::f64, to_shape(d.v_shape()), Layout::bhsd, x.v);
-  for (Backend backend : {Backend::reference, Backend::math}) {
+  for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
+    const DType dtype = backend == Backend::flash ? DType::f32 : DType::f64;  // flash: no f64
+    const Operands x = make_operands(d, dtype, 2);
+    const Buffer q = make_buffer(dtype, to_shape(d.q_shape()), Layout::bhsd, x.q);
+    const Buffer k = make_buffer(dtype, to_shape(d.k_shape()), Layout::bhsd, x.k);
+    const Buffer v = make_buffer(dtype, to_shape(d.v_shape()), Layout::bhsd, x.v);
     Options explicit_scale;
     explicit_scale.scale = 1.0 / std::sqrt(59.0);
     const ForwardResult a = forward(q.view, k.view, v.view, {}, backend);

@@ -377,20 +377,22 @@ std::string param_name(const ::testing::TestParamInfo<Param>& info) {
 INSTANTIATE_TEST_SUITE_P(AllBackends, Validate,
                          ::testing::Combine(::testing::ValuesIn(bad_inputs()),
                                             ::testing::Values(Backend::automatic,
-                                                              Backend::reference, Backend::math)),
+                                                              Backend::reference, Backend::math,
+                                                              Backend::flash)),
                          param_name);
 
 // The valid call the cases derive from really is valid, through every op and backend.
 TEST(ValidateBaseline, ValidCallSucceeds) {
-  for (Backend backend : {Backend::automatic, Backend::reference, Backend::math}) {
+  for (Backend backend : {Backend::automatic, Backend::reference, Backend::math, Backend::flash}) {
     for (Op op : {Op::forward, Op::forward_into, Op::backward, Op::backward_into}) {
+      if (backend == Backend::flash && (op == Op::backward || op == Op::backward_into)) continue;
       Call call;
       EXPECT_NO_THROW(run(op, call, backend)) << name_of_op(op) << " " << name_of(backend);
     }
     Call with_mask;  // additive mask with dbias, bool mask, ALiBi [B, Hq]
     with_mask.options.mask = with_mask.view(DType::f32, {kLq, kLk});
     with_mask.options.compute_dbias = true;
-    EXPECT_NO_THROW(run(Op::backward, with_mask, backend));
+    EXPECT_NO_THROW(run(backend == Backend::flash ? Op::forward : Op::backward, with_mask, backend));
     Call with_bool;
     with_bool.options.mask = with_bool.view(DType::b8, {kB, 1, 1, kLk});
     with_bool.options.alibi_slopes = with_bool.view(DType::f32, {kB, kHq});
@@ -421,8 +423,34 @@ TEST(ValidateUnsupported, UnknownBackendValue) {
   Call call;
   expect_unsupported([&] { run(Op::forward, call, static_cast<Backend>(57)); }, "forward",
                      {"backend"});
-  expect_unsupported([&] { run(Op::backward, call, static_cast<Backend>(3)); }, "backward",
+  expect_unsupported([&] { run(Op::backward, call, static_cast<Backend>(99)); }, "backward",
                      {"backend"});
+}
+
+// The flash backend runs f32, bf16 and f16 forward calls; f64 and the backward are valid
+// calls it cannot run.
+TEST(ValidateUnsupported, FlashBackendLimits) {
+  Call call;
+  expect_unsupported([&] { run(Op::backward, call, Backend::flash); }, "backward",
+                     {"flash", "backward"});
+  const Tensor q(DType::f64, {1, 2, 3, 8});  // [B, Hq, Lq, D]
+  const Tensor k(DType::f64, {1, 2, 4, 8});  // [B, Hkv, Lk, D]
+  const Tensor v(DType::f64, {1, 2, 4, 8});  // [B, Hkv, Lk, Dv]
+  expect_unsupported([&] { (void)forward(q, k, v, {}, Backend::flash); }, "forward",
+                     {"flash", "dtype=f64"});
+  EXPECT_NO_THROW((void)forward(q, k, v, {}, Backend::automatic));  // auto runs math
+}
+
+// Forcing a SIMD target: only compiled and supported names; "" restores the automatic choice.
+TEST(ValidateUnsupported, SimdTargetNames) {
+  EXPECT_THROW(set_simd_target("avx9000"), InvalidArgument);
+  for (const std::string& t : simd_targets_supported()) {
+    const std::string previous = set_simd_target(t);
+    EXPECT_EQ(simd_target(), t);
+    set_simd_target(previous);
+  }
+  EXPECT_EQ(set_simd_target(""), "");
+  EXPECT_EQ(simd_target(), simd_targets_supported().front());
 }
 
 // The math backend hands sizes to BLAS as 32-bit ints: Lq * Lk >= 2^31 is valid input that it
