@@ -337,7 +337,8 @@ double load(const TensorView& t, std::int64_t index) {
 // Fills a contiguous tensor with uniform values in [lo, hi); `stream` separates the tensors.
 void fill_uniform(const Tensor& t, std::uint64_t seed, std::uint64_t stream, double lo, double hi) {
   Random rng(seed ^ (stream * 0xD1B54A32D192ED03ull));
-  for (std::int64_t i = 0; i < t.numel(); ++i) store(t, i, lo + (hi - lo) * rng.uniform());
+  const std::int64_t n = t.numel();
+  for (std::int64_t i = 0; i < n; ++i) store(t, i, lo + (hi - lo) * rng.uniform());
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ struct FlashPanel {
 
 // One thread's scratch for one work item, 64-byte aligned, sized by the dispatcher.
 struct FlashScratch {
-  float* q;       // [block_rows][D]: the block's queries times `scale`, zero-padded rows
+  float* q;       // [block_rows / tile rows][D][tile rows]: the block's queries times `scale`
   float* scores;  // [block_rows][key_tile]: S, then P
   float* out;     // [block_rows][dv_pad]: the unnormalised output accumulator
   float* row_max;  // [block_rows]

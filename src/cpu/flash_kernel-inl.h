@@ -54,7 +54,7 @@ inline Vec load(const float* p) {
   return v;
 }
 inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
-inline Vec splat(float x) { return Vec{} + x; }
+inline Vec splat(float x) { return x - Vec{}; }  // x - (+0) == x exactly: folds to a broadcast
 inline Vec vmax(Vec a, Vec b) { return a > b ? a : b; }  // NaN in a: b
 inline float reduce_max(Vec v) {
   float m = v[0];
@@ -93,9 +93,9 @@ constexpr float kLog2e = 1.4426950408889634f;
 // tanh(y) = 1 - 2 / (e^(2y) + 1): saturates to +-1, NaN stays NaN.
 inline Vec tanhv(Vec y) { return 1.0f - 2.0f / (exp2v(y * (2.0f * kLog2e)) + 1.0f); }
 
-// s[r][c] = sum_d q[r][d] * k_tile[d][c] for r < kTileRows, c < kTileCols.
-inline void qk_micro(const float* q, std::int64_t ldq, const float* k_tile, std::int64_t d_count,
-                     float* s) {
+// s[r][c] = sum_d q_t[d][r] * k_tile[d][c] for r < kTileRows, c < kTileCols. The queries come
+// transposed ([D][kTileRows]) so that one pointer with constant offsets reaches every row.
+inline void qk_micro(const float* q_t, const float* k_tile, std::int64_t d_count, float* s) {
   Vec acc[kTileRows][kTileVectors] = {};
   for (std::int64_t d = 0; d < d_count; ++d) {
     Vec k[kTileVectors];
@@ -103,7 +103,7 @@ inline void qk_micro(const float* q, std::int64_t ldq, const float* k_tile, std:
     for (int v = 0; v < kTileVectors; ++v) k[v] = load(k_tile + d * kKeyTile + v * kLanes);
 #pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) {
-      const Vec a = splat(q[r * ldq + d]);
+      const Vec a = splat(q_t[d * kTileRows + r]);
 #pragma GCC unroll 4
       for (int v = 0; v < kTileVectors; ++v) acc[r][v] += a * k[v];
     }
@@ -188,15 +188,17 @@ void run_block(const Problem& p, const ForwardArgs& a, const FlashPanel& panel,
   const CausalWindowMask band(p);
   const bool has_mods = p.softcap != 0.0 || p.alibi != nullptr || p.mask_kind != MaskKind::none;
 
-  // q = Q rows * scale (zero rows up to the micro-tile edge).
+  // q = Q rows * scale, as [padded_rows / kTileRows][D][kTileRows] (zero rows past `rows`).
   const float scale = static_cast<float>(p.scale);
   for (std::int64_t r = 0; r < padded_rows; ++r) {
-    float* dst = w.q + r * d;
+    float* dst = w.q + (r / kTileRows) * d * kTileRows + r % kTileRows;
     if (r < rows) {
-      load_row(a.q.data, a.q.dtype, offset4(a.q, item.b, item.h, item.row0 + r, 0), d, dst);
-      for (std::int64_t e = 0; e < d; ++e) dst[e] *= scale;
+      const std::int64_t src = offset4(a.q, item.b, item.h, item.row0 + r, 0);
+      for (std::int64_t e = 0; e < d; ++e) {
+        dst[e * kTileRows] = load_element<float>(a.q.data, a.q.dtype, src + e) * scale;
+      }
     } else {
-      for (std::int64_t e = 0; e < d; ++e) dst[e] = 0.0f;
+      for (std::int64_t e = 0; e < d; ++e) dst[e * kTileRows] = 0.0f;
     }
   }
   for (std::int64_t e = 0; e < padded_rows * dv_pad; ++e) w.out[e] = 0.0f;
@@ -222,7 +224,7 @@ void run_block(const Problem& p, const ForwardArgs& a, const FlashPanel& panel,
       const float* k_tile = panel.k_tiles + t * d * kKeyTile;
       for (std::int64_t r = 0; r < padded_rows; r += kTileRows) {
         for (int c = 0; c < kKeyTile; c += kTileCols) {
-          qk_micro(w.q + r * d + 0, d, k_tile + c, d, w.scores + r * kKeyTile + c);
+          qk_micro(w.q + r * d, k_tile + c, d, w.scores + r * kKeyTile + c);
         }
       }
       for (std::int64_t r = 0; r < padded_rows; ++r) {
