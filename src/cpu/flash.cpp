@@ -76,66 +76,99 @@ const FlashTarget& flash_target_chosen() {
   return targets.back();  // generic: always compiled, always supported
 }
 
+namespace {
+
+// How one kv group's rows are cut into work items.
+struct ItemPlan {
+  std::int64_t per_head;  // items per query head (rows stay inside one head); 0: rows of the
+                          // whole group are cut into consecutive blocks
+  std::int64_t count;     // items per kv group
+  std::int64_t block_rows;
+
+  FlashItem item(std::int64_t b, std::int64_t kv_head, std::int64_t n, const Problem& p) const {
+    if (per_head > 0) {
+      const std::int64_t head = n / per_head, row0 = (n % per_head) * block_rows;
+      return {b, kv_head, head * p.seqlen_q + row0, std::min(block_rows, p.seqlen_q - row0)};
+    }
+    const std::int64_t first = n * block_rows;
+    return {b, kv_head, first, std::min(block_rows, p.group * p.seqlen_q - first)};
+  }
+};
+
+ItemPlan plan_items(const Problem& p, std::int64_t block_rows) {
+  if (p.seqlen_q >= block_rows) {
+    const std::int64_t per_head = (p.seqlen_q + block_rows - 1) / block_rows;
+    return {per_head, per_head * p.group, block_rows};
+  }
+  return {0, (p.group * p.seqlen_q + block_rows - 1) / block_rows, block_rows};
+}
+
+}  // namespace
+
 void flash_forward(const Problem& p, const ForwardArgs& a) {
+  if (p.empty_output()) return;
   const FlashTarget& target = flash_target_chosen();
   const FlashLayout& layout = target.layout;
-  const std::int64_t lk = p.seqlen_k, d = p.head_dim, dv = p.head_dim_v;
-  const std::int64_t tiles = (lk + layout.key_tile - 1) / layout.key_tile;
-  const std::int64_t dv_pad = round_up(dv, layout.dv_align);
-  const std::int64_t blocks = (p.seqlen_q + layout.block_rows - 1) / layout.block_rows;
-  if (p.empty_output()) return;
-
-  // K panels [tiles][D][key_tile] and V rows [tiles * key_tile][dv_pad] of one kv head.
-  AlignedFloats k_tiles(tiles * d * layout.key_tile);
-  AlignedFloats v_rows(tiles * layout.key_tile * dv_pad);
+  const std::int64_t d = p.head_dim;
+  const std::int64_t tiles = (p.seqlen_k + layout.key_tile - 1) / layout.key_tile;
+  const std::int64_t dv_pad = round_up(p.head_dim_v, layout.dv_align);
+  const std::int64_t panel_floats = round_up(tiles * layout.key_tile * (d + dv_pad), 16);
+  const std::int64_t scratch_floats =
+      round_up(layout.block_rows * (d + layout.key_tile + dv_pad + 3) + layout.key_tile * (d + dv_pad), 16);
   const int threads = std::max(1, p.threads);
-  const std::int64_t scratch_floats = layout.block_rows * (d + layout.key_tile + dv_pad + 3);
-  AlignedFloats scratch(threads * round_up(scratch_floats, 16));
-  const FlashPanel panel{k_tiles.get(), v_rows.get(), dv_pad};
+  const ItemPlan plan = plan_items(p, layout.block_rows);
+  const std::int64_t groups = p.batch * p.heads_kv;
 
-  for (std::int64_t b = 0; b < p.batch; ++b) {
-    for (std::int64_t kv_head = 0; kv_head < p.heads_kv; ++kv_head) {
-      // Pack K (transposed per tile) and V (padded), one tile per task.
-      parallel_for(tiles, threads, [&](std::int64_t t_begin, std::int64_t t_end) {
-        for (std::int64_t t = t_begin; t < t_end; ++t) {
-          float* kt = k_tiles.get() + t * d * layout.key_tile;
-          float* vr = v_rows.get() + t * layout.key_tile * dv_pad;
-          for (std::int64_t c = 0; c < layout.key_tile; ++c) {
-            const std::int64_t j = t * layout.key_tile + c;
-            float* v_row = vr + c * dv_pad;
-            if (j < lk) {
-              const std::int64_t k_row = offset4(a.k, b, kv_head, j, 0);
-              for (std::int64_t e = 0; e < d; ++e) {
-                kt[e * layout.key_tile + c] = load_element<float>(a.k.data, a.k.dtype, k_row + e);
-              }
-              load_row(a.v.data, a.v.dtype, offset4(a.v, b, kv_head, j, 0), dv, v_row);
-            } else {
-              for (std::int64_t e = 0; e < d; ++e) kt[e * layout.key_tile + c] = 0.0f;
-              for (std::int64_t e = 0; e < dv; ++e) v_row[e] = 0.0f;
-            }
-            for (std::int64_t e = dv; e < dv_pad; ++e) v_row[e] = 0.0f;
-          }
-        }
-      });
-      // Work items: (query head of the group, block of rows), handed out in order from one
-      // counter; each item's result does not depend on which thread runs it.
-      const std::int64_t items = p.group * blocks;
-      std::atomic<std::int64_t> next{0};
-      run_tasks(static_cast<int>(std::min<std::int64_t>(threads, items)), threads, [&](int slot) {
-        float* base = scratch.get() + slot * round_up(scratch_floats, 16);
-        const FlashScratch w{base, base + layout.block_rows * d,
-                             base + layout.block_rows * (d + layout.key_tile),
-                             base + layout.block_rows * (d + layout.key_tile + dv_pad),
-                             base + layout.block_rows * (d + layout.key_tile + dv_pad + 1),
-                             base + layout.block_rows * (d + layout.key_tile + dv_pad + 2)};
-        for (std::int64_t n = next.fetch_add(1); n < items; n = next.fetch_add(1)) {
-          const std::int64_t h = kv_head * p.group + n / blocks;
-          const std::int64_t row0 = (n % blocks) * layout.block_rows;
-          const FlashItem item{b, h, row0, std::min<std::int64_t>(layout.block_rows, p.seqlen_q - row0)};
-          target.run_block(p, a, panel, item, w);
-        }
-      });
-    }
+  auto scratch_of = [&](float* base) {
+    const std::int64_t r = layout.block_rows;
+    float* tiles_base = base + r * (d + layout.key_tile + dv_pad + 3);
+    return FlashScratch{base, base + r * d, base + r * (d + layout.key_tile),
+                        base + r * (d + layout.key_tile + dv_pad),
+                        base + r * (d + layout.key_tile + dv_pad + 1),
+                        base + r * (d + layout.key_tile + dv_pad + 2),
+                        tiles_base, tiles_base + layout.key_tile * d};
+  };
+  AlignedFloats scratch(threads * scratch_floats);
+
+  // Few items per kv group (decode, short prompts) and several groups: each thread takes whole
+  // groups and packs them into its own panel. Else the groups go one after the other, their
+  // packing and their items shared by all threads. Items compute the same either way.
+  const bool private_panels = plan.count < 2 * threads && groups >= threads;
+  if (private_panels) {
+    // A group with one item packs each tile just before its use instead (no panel at all).
+    const bool on_the_fly = plan.count == 1;
+    AlignedFloats panels(on_the_fly ? 1 : threads * panel_floats);
+    std::atomic<std::int64_t> next{0};
+    run_tasks(threads, threads, [&](int slot) {
+      float* k_tiles = on_the_fly ? nullptr : panels.get() + slot * panel_floats;
+      float* v_rows = on_the_fly ? nullptr : k_tiles + tiles * layout.key_tile * d;
+      const FlashPanel panel{k_tiles, v_rows, dv_pad};
+      const FlashScratch w = scratch_of(scratch.get() + slot * scratch_floats);
+      for (std::int64_t g = next.fetch_add(1); g < groups; g = next.fetch_add(1)) {
+        const std::int64_t b = g / p.heads_kv, kv_head = g % p.heads_kv;
+        if (!on_the_fly) target.pack_tiles(p, a, b, kv_head, 0, tiles, k_tiles, v_rows, dv_pad);
+        for (std::int64_t n = 0; n < plan.count; ++n) target.run_block(p, a, panel, plan.item(b, kv_head, n, p), w);
+      }
+    });
+    return;
+  }
+  AlignedFloats shared(panel_floats);
+  float* k_tiles = shared.get();
+  float* v_rows = k_tiles + tiles * layout.key_tile * d;
+  const FlashPanel panel{k_tiles, v_rows, dv_pad};
+  for (std::int64_t g = 0; g < groups; ++g) {
+    const std::int64_t b = g / p.heads_kv, kv_head = g % p.heads_kv;
+    parallel_for(tiles, threads, [&](std::int64_t t_begin, std::int64_t t_end) {
+      target.pack_tiles(p, a, b, kv_head, t_begin, t_end, k_tiles, v_rows, dv_pad);
+    });
+    // Items are handed out in order from one counter (causal items differ in cost).
+    std::atomic<std::int64_t> next{0};
+    run_tasks(static_cast<int>(std::min<std::int64_t>(threads, plan.count)), threads, [&](int slot) {
+      const FlashScratch w = scratch_of(scratch.get() + slot * scratch_floats);
+      for (std::int64_t n = next.fetch_add(1); n < plan.count; n = next.fetch_add(1)) {
+        target.run_block(p, a, panel, plan.item(b, kv_head, n, p), w);
+      }
+    });
   }
 }
 

@@ -22,9 +22,10 @@ struct FlashLayout {
   int dv_align;            // Dv is padded to a multiple of this (the PV micro-tile's width)
 };
 
-// K and V of one (batch, kv head), packed, as the kernel reads them.
+// K and V of one (batch, kv head), packed, as the kernel reads them; null tiles: the kernel
+// packs each tile into its scratch when it needs it (for a group's only item).
 struct FlashPanel {
-  const float* k_tiles;    // [tiles][D][key_tile], scaled by nothing, zero past Lk
+  const float* k_tiles;    // [tiles][D][key_tile], zero past Lk
   const float* v_rows;     // [tiles * key_tile][dv_pad], zero past Lk and past Dv
   std::int64_t dv_pad;
 };
@@ -37,20 +38,30 @@ struct FlashScratch {
   float* row_max;  // [block_rows]
   float* row_sum;  // [block_rows]
   float* alpha;    // [block_rows]: the rescale of the accumulator for the current tile
+  float* k_tile;   // [D][key_tile]: a tile packed on the fly (panel without tiles)
+  float* v_tile;   // [key_tile][dv_pad]
 };
 
-// One work item: rows [row0, row0 + rows) of query head h of batch b (rows <= block_rows).
+// One work item: `rows` (<= block_rows) consecutive query rows of the heads of one kv group.
+// The group's rows are numbered n = (h - kv_head * group) * Lq + i; the item covers
+// n in [first, first + rows). Long sequences get items inside one head; short ones (decode)
+// put the rows of several heads of the group into one item, so K/V tiles serve them all.
 struct FlashItem {
-  std::int64_t b, h, row0, rows;
+  std::int64_t b, kv_head, first, rows;
 };
 
 using FlashBlockFn = void (*)(const Problem& p, const ForwardArgs& a, const FlashPanel& panel,
                               const FlashItem& item, const FlashScratch& scratch);
+// Packs the K/V tiles [t_begin, t_end) of (b, kv_head) into the panel's layout.
+using FlashPackFn = void (*)(const Problem& p, const ForwardArgs& a, std::int64_t b,
+                             std::int64_t kv_head, std::int64_t t_begin, std::int64_t t_end,
+                             float* k_tiles, float* v_rows, std::int64_t dv_pad);
 
 struct FlashTarget {
   const char* name;      // "avx512", "avx2", "generic"
   FlashLayout layout;
   FlashBlockFn run_block;
+  FlashPackFn pack_tiles;
 };
 
 // The targets this build compiled, best first, and whether this CPU can run each.

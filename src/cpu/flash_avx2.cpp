@@ -9,6 +9,6 @@
 #include "cpu/flash_kernel-inl.h"
 
 namespace attncore::detail {
-FlashTarget flash_target_avx2() { return {"avx2", avx2::kLayout, &avx2::run_block}; }
+FlashTarget flash_target_avx2() { return {"avx2", avx2::kLayout, &avx2::run_block, &avx2::pack_tiles}; }
 }  // namespace attncore::detail
 #endif

@@ -9,6 +9,6 @@
 #include "cpu/flash_kernel-inl.h"
 
 namespace attncore::detail {
-FlashTarget flash_target_avx512() { return {"avx512", avx512::kLayout, &avx512::run_block}; }
+FlashTarget flash_target_avx512() { return {"avx512", avx512::kLayout, &avx512::run_block, &avx512::pack_tiles}; }
 }  // namespace attncore::detail
 #endif

@@ -9,6 +9,6 @@
 #include "cpu/flash_kernel-inl.h"
 
 namespace attncore::detail {
-FlashTarget flash_target_generic() { return {"generic", generic::kLayout, &generic::run_block}; }
+FlashTarget flash_target_generic() { return {"generic", generic::kLayout, &generic::run_block, &generic::pack_tiles}; }
 }  // namespace attncore::detail
 

@@ -179,21 +179,103 @@ inline void apply_score_mods(const Problem& p, std::int64_t b, std::int64_t h, s
   }
 }
 
+// Packs key tile t of (b, kv_head) in f32: K transposed into kt [D][kKeyTile] and V into
+// vt [kKeyTile][dv_pad], zero past Lk and past Dv.
+inline void pack_tile(const Problem& p, const ForwardArgs& a, std::int64_t b, std::int64_t kv_head,
+                      std::int64_t t, float* kt, float* vt, std::int64_t dv_pad) {
+  const std::int64_t d = p.head_dim, dv = p.head_dim_v;
+  constexpr std::int64_t kChunk = 16;  // head-dim columns per pass: 16 lines written per key
+  {
+    const std::int64_t j0 = t * kKeyTile;
+    const std::int64_t keys = std::min<std::int64_t>(kKeyTile, p.seqlen_k - j0);
+    const std::int64_t k0 = offset4(a.k, b, kv_head, j0, 0), ldk = a.k.stride[2];
+    for (std::int64_t e0 = 0; e0 < d; e0 += kChunk) {
+      const std::int64_t e1 = std::min(d, e0 + kChunk);
+      if (a.k.dtype == DType::f32) {
+        const float* src = static_cast<const float*>(a.k.data) + k0;
+        for (std::int64_t c = 0; c < keys; ++c) {
+          for (std::int64_t e = e0; e < e1; ++e) kt[e * kKeyTile + c] = src[c * ldk + e];
+        }
+      } else if (a.k.dtype == DType::bf16) {
+        const std::uint16_t* src = static_cast<const std::uint16_t*>(a.k.data) + k0;
+        for (std::int64_t c = 0; c < keys; ++c) {
+          for (std::int64_t e = e0; e < e1; ++e) {
+            const std::uint32_t bits = static_cast<std::uint32_t>(src[c * ldk + e]) << 16;
+            std::memcpy(&kt[e * kKeyTile + c], &bits, sizeof(float));
+          }
+        }
+      } else {
+        for (std::int64_t c = 0; c < keys; ++c) {
+          for (std::int64_t e = e0; e < e1; ++e) {
+            kt[e * kKeyTile + c] = load_element<float>(a.k.data, a.k.dtype, k0 + c * ldk + e);
+          }
+        }
+      }
+      for (std::int64_t e = e0; e < e1; ++e) {
+        for (std::int64_t c = keys; c < kKeyTile; ++c) kt[e * kKeyTile + c] = 0.0f;
+      }
+    }
+    for (std::int64_t c = 0; c < kKeyTile; ++c) {
+      float* row = vt + c * dv_pad;
+      std::int64_t filled = 0;
+      if (c < keys) {
+        const std::int64_t src = offset4(a.v, b, kv_head, j0 + c, 0);
+        if (a.v.dtype == DType::f32) {
+          std::memcpy(row, static_cast<const float*>(a.v.data) + src, static_cast<std::size_t>(dv) * sizeof(float));
+        } else {
+          load_row(a.v.data, a.v.dtype, src, dv, row);
+        }
+        filled = dv;
+      }
+      for (std::int64_t e = filled; e < dv_pad; ++e) row[e] = 0.0f;
+    }
+  }
+}
+
+// Packs tiles [t_begin, t_end) into a panel: K [tiles][D][kKeyTile], V [tiles * kKeyTile][dv_pad].
+void pack_tiles(const Problem& p, const ForwardArgs& a, std::int64_t b, std::int64_t kv_head,
+                std::int64_t t_begin, std::int64_t t_end, float* k_tiles, float* v_rows,
+                std::int64_t dv_pad) {
+  for (std::int64_t t = t_begin; t < t_end; ++t) {
+    pack_tile(p, a, b, kv_head, t, k_tiles + t * p.head_dim * kKeyTile,
+              v_rows + t * kKeyTile * dv_pad, dv_pad);
+  }
+}
+
 // One work item: see the top of this file.
 void run_block(const Problem& p, const ForwardArgs& a, const FlashPanel& panel,
                const FlashItem& item, const FlashScratch& w) {
-  const std::int64_t d = p.head_dim, dv_pad = panel.dv_pad, lk = p.seqlen_k;
+  const std::int64_t d = p.head_dim, dv_pad = panel.dv_pad, lk = p.seqlen_k, b = item.b;
   const std::int64_t rows = item.rows;
   const std::int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
   const CausalWindowMask band(p);
   const bool has_mods = p.softcap != 0.0 || p.alibi != nullptr || p.mask_kind != MaskKind::none;
+
+  // Each row's head and query index, and the keys the rows see: the tiles to visit span
+  // [min begin, max end); a tile inside [max begin, min end) is full for every row.
+  std::int64_t head_of[kBlockRows], index_of[kBlockRows];
+  std::int64_t min_begin = lk, max_begin = 0, min_end = lk, max_end = 0;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t n = item.first + r;
+    head_of[r] = item.kv_head * p.group + n / p.seqlen_q;
+    index_of[r] = n % p.seqlen_q;
+    const KeyRange visible = band.row(index_of[r]);
+    if (visible.empty()) {
+      min_end = 0;  // a row that sees nothing makes every tile partial
+      continue;
+    }
+    min_begin = std::min(min_begin, visible.begin);
+    max_begin = std::max(max_begin, visible.begin);
+    min_end = std::min(min_end, visible.end);
+    max_end = std::max(max_end, visible.end);
+  }
 
   // q = Q rows * scale, as [padded_rows / kTileRows][D][kTileRows] (zero rows past `rows`).
   const float scale = static_cast<float>(p.scale);
   for (std::int64_t r = 0; r < padded_rows; ++r) {
     float* dst = w.q + (r / kTileRows) * d * kTileRows + r % kTileRows;
     if (r < rows) {
-      const std::int64_t src = offset4(a.q, item.b, item.h, item.row0 + r, 0);
+      const std::int64_t src = offset4(a.q, b, head_of[r], index_of[r], 0);
       for (std::int64_t e = 0; e < d; ++e) {
         dst[e * kTileRows] = load_element<float>(a.q.data, a.q.dtype, src + e) * scale;
       }
@@ -208,75 +290,75 @@ void run_block(const Problem& p, const ForwardArgs& a, const FlashPanel& panel,
     w.alpha[r] = 1.0f;
   }
 
-  // Key tiles that intersect the band: the band's edges move right with the row.
-  const KeyRange first = band.row(item.row0), last = band.row(item.row0 + rows - 1);
-  const std::int64_t key_begin = first.begin, key_end = last.end;
-  if (key_end <= key_begin || lk == 0) {
-    // No visible key in any row (each row's own range is inside [first.begin, last.end)).
-  } else {
-    const std::int64_t tile_begin = key_begin / kKeyTile;
-    const std::int64_t tile_end = (key_end + kKeyTile - 1) / kKeyTile;
-    for (std::int64_t t = tile_begin; t < tile_end; ++t) {
-      const std::int64_t j0 = t * kKeyTile;
-      const std::int64_t keys = std::min<std::int64_t>(kKeyTile, lk - j0);
-      // Full: every row sees every key of the tile, so no mask code runs.
-      const bool full = keys == kKeyTile && last.begin <= j0 && first.end >= j0 + kKeyTile;
-      const float* k_tile = panel.k_tiles + t * d * kKeyTile;
-      for (std::int64_t r = 0; r < padded_rows; r += kTileRows) {
-        for (int c = 0; c < kKeyTile; c += kTileCols) {
-          qk_micro(w.q + r * d, k_tile + c, d, w.scores + r * kKeyTile + c);
+  const std::int64_t tile_begin = min_begin / kKeyTile;
+  const std::int64_t tile_end = max_end > min_begin ? (max_end + kKeyTile - 1) / kKeyTile : tile_begin;
+  for (std::int64_t t = tile_begin; t < tile_end; ++t) {
+    const std::int64_t j0 = t * kKeyTile;
+    const std::int64_t keys = std::min<std::int64_t>(kKeyTile, lk - j0);
+    // Full: every row sees every key of the tile, so no mask code runs.
+    const bool full = keys == kKeyTile && max_begin <= j0 && min_end >= j0 + kKeyTile;
+    // The panel's tile, or (panel without tiles: a single item of its group) this tile packed
+    // now into scratch, where it stays in L1/L2 for its one use.
+    const float* k_tile = panel.k_tiles + t * d * kKeyTile;
+    const float* v_tile = panel.v_rows + j0 * dv_pad;
+    if (panel.k_tiles == nullptr) {
+      pack_tile(p, a, b, item.kv_head, t, w.k_tile, w.v_tile, dv_pad);
+      k_tile = w.k_tile;
+      v_tile = w.v_tile;
+    }
+    for (std::int64_t r = 0; r < padded_rows; r += kTileRows) {
+      for (int c = 0; c < kKeyTile; c += kTileCols) {
+        qk_micro(w.q + r * d, k_tile + c, d, w.scores + r * kKeyTile + c);
+      }
+    }
+    for (std::int64_t r = 0; r < padded_rows; ++r) {
+      float* s = w.scores + r * kKeyTile;
+      if (r >= rows) {  // padding rows take no part
+        for (int c = 0; c < kKeyTile; ++c) s[c] = 0.0f;
+        continue;
+      }
+      const std::int64_t h = head_of[r], i = index_of[r];
+      if (has_mods) apply_score_mods(p, b, h, i, j0, keys, s);
+      if (!full) {
+        const KeyRange visible = band.row(i);
+        const std::int64_t lo = std::max<std::int64_t>(visible.begin - j0, 0);
+        const std::int64_t hi = std::min<std::int64_t>(visible.end - j0, keys);
+        for (std::int64_t c = 0; c < kKeyTile; ++c) {
+          if (c < lo || c >= hi) s[c] = -INFINITY;
         }
       }
-      for (std::int64_t r = 0; r < padded_rows; ++r) {
-        float* s = w.scores + r * kKeyTile;
-        const std::int64_t i = item.row0 + r;
-        if (r >= rows) {  // padding rows take no part
-          for (int c = 0; c < kKeyTile; ++c) s[c] = 0.0f;
-          continue;
-        }
-        if (has_mods) apply_score_mods(p, item.b, item.h, i, j0, keys, s);
-        if (!full) {
-          const KeyRange visible = band.row(i);
-          const std::int64_t lo = std::max<std::int64_t>(visible.begin - j0, 0);
-          const std::int64_t hi = std::min<std::int64_t>(visible.end - j0, keys);
-          for (std::int64_t c = 0; c < kKeyTile; ++c) {
-            if (c < lo || c >= hi) s[c] = -INFINITY;
-          }
-        }
-        // Online softmax: the one place the running max and sum are updated.
-        Vec vmx = load(s);
-        for (int c = kLanes; c < kKeyTile; c += kLanes) vmx = vmax(load(s + c), vmx);
-        const float tile_max = reduce_max(vmx);
-        const float old_max = w.row_max[r];
-        // NaN scores make the row NaN (never "nothing visible").
-        const float new_max = tile_max > old_max || std::isnan(tile_max) ? tile_max : old_max;
-        if (new_max == -INFINITY) {  // nothing visible yet: P = 0, nothing to rescale
-          for (int c = 0; c < kKeyTile; ++c) s[c] = 0.0f;
-          w.alpha[r] = 1.0f;
-          continue;
-        }
-        const float shift = new_max * kLog2e;
-        const float alpha = old_max == -INFINITY ? 0.0f : exp2v(splat(old_max * kLog2e - shift))[0];
-        Vec vsum = splat(0.0f);
-        for (int c = 0; c < kKeyTile; c += kLanes) {
-          const Vec prob = exp2v(load(s + c) * kLog2e - shift);
-          vsum += prob;
-          store(s + c, prob);
-        }
-        w.row_sum[r] = w.row_sum[r] * alpha + reduce_sum(vsum);
-        w.row_max[r] = new_max;
-        w.alpha[r] = alpha;
-        if (p.dropout_p > 0.0) {  // after the sum: the normaliser is the pre-dropout sum
-          const DropoutRow dropout(p, item.b, item.h, i);
-          for (std::int64_t c = 0; c < keys; ++c) s[c] *= dropout.factor<float>(j0 + c);
-        }
+      // Online softmax: the one place the running max and sum are updated.
+      Vec vmx = load(s);
+      for (int c = kLanes; c < kKeyTile; c += kLanes) vmx = vmax(load(s + c), vmx);
+      const float tile_max = reduce_max(vmx);
+      const float old_max = w.row_max[r];
+      // NaN scores make the row NaN (never "nothing visible").
+      const float new_max = tile_max > old_max || std::isnan(tile_max) ? tile_max : old_max;
+      if (new_max == -INFINITY) {  // nothing visible yet: P = 0, nothing to rescale
+        for (int c = 0; c < kKeyTile; ++c) s[c] = 0.0f;
+        w.alpha[r] = 1.0f;
+        continue;
       }
-      const float* v_tile = panel.v_rows + j0 * dv_pad;
-      for (std::int64_t r = 0; r < padded_rows; r += kTileRows) {
-        for (std::int64_t c = 0; c < dv_pad; c += kTileCols) {
-          pv_micro(w.scores + r * kKeyTile, v_tile + c, dv_pad, w.alpha + r, w.out + r * dv_pad + c,
-                   dv_pad);
-        }
+      const float shift = new_max * kLog2e;
+      const float alpha = old_max == -INFINITY ? 0.0f : exp2v(splat(old_max * kLog2e - shift))[0];
+      Vec vsum = splat(0.0f);
+      for (int c = 0; c < kKeyTile; c += kLanes) {
+        const Vec prob = exp2v(load(s + c) * kLog2e - shift);
+        vsum += prob;
+        store(s + c, prob);
+      }
+      w.row_sum[r] = w.row_sum[r] * alpha + reduce_sum(vsum);
+      w.row_max[r] = new_max;
+      w.alpha[r] = alpha;
+      if (p.dropout_p > 0.0) {  // after the sum: the normaliser is the pre-dropout sum
+        const DropoutRow dropout(p, b, h, i);
+        for (std::int64_t c = 0; c < keys; ++c) s[c] *= dropout.factor<float>(j0 + c);
+      }
+    }
+    for (std::int64_t r = 0; r < padded_rows; r += kTileRows) {
+      for (std::int64_t c = 0; c < dv_pad; c += kTileCols) {
+        pv_micro(w.scores + r * kKeyTile, v_tile + c, dv_pad, w.alpha + r, w.out + r * dv_pad + c,
+                 dv_pad);
       }
     }
   }
@@ -287,12 +369,12 @@ void run_block(const Problem& p, const ForwardArgs& a, const FlashPanel& panel,
     const float inv = sum == 0.0f ? 0.0f : 1.0f / sum;
     float* o = w.out + r * dv_pad;
     for (std::int64_t e = 0; e < p.head_dim_v; ++e) o[e] *= inv;
-    const std::int64_t i = item.row0 + r;
-    store_row(o, p.head_dim_v, a.out.data, a.out.dtype, offset4(a.out, item.b, item.h, i, 0));
+    const std::int64_t h = head_of[r], i = index_of[r];
+    store_row(o, p.head_dim_v, a.out.data, a.out.dtype, offset4(a.out, b, h, i, 0));
     if (a.lse.data != nullptr) {
       const float lse = sum == 0.0f ? -INFINITY : w.row_max[r] + std::log(sum);
-      store_element(a.lse.data, a.lse.dtype,
-                    item.b * a.lse.stride[0] + item.h * a.lse.stride[1] + i * a.lse.stride[2], lse);
+      store_element(a.lse.data, a.lse.dtype, b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2],
+                    lse);
     }
   }
 }
