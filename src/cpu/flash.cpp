@@ -17,6 +17,7 @@
 namespace attncore::detail {
 
 #if defined(__x86_64__)
+FlashTarget flash_target_avx512bf16();
 FlashTarget flash_target_avx512();
 FlashTarget flash_target_avx2();
 #endif
@@ -49,7 +50,8 @@ std::string g_choice;
 
 std::vector<FlashTarget> flash_targets_compiled() {
 #if defined(__x86_64__)
-  return {flash_target_avx512(), flash_target_avx2(), flash_target_generic()};
+  return {flash_target_avx512bf16(), flash_target_avx512(), flash_target_avx2(),
+          flash_target_generic()};
 #else
   return {flash_target_generic()};
 #endif
@@ -60,10 +62,10 @@ bool flash_target_supported(const FlashTarget& t) {
   if (name == "generic") return true;
   static const CpuInfo cpu = cpu_info();
   if (name == "avx2") return cpu.has("avx2") && cpu.has("fma") && cpu.has("f16c");
-  if (name == "avx512") {
-    return cpu.has("avx512f") && cpu.has("avx512bw") && cpu.has("avx512vl") && cpu.has("avx512dq") &&
-           cpu.has("avx2") && cpu.has("fma") && cpu.has("f16c");
-  }
+  const bool avx512 = cpu.has("avx512f") && cpu.has("avx512bw") && cpu.has("avx512vl") &&
+                      cpu.has("avx512dq") && cpu.has("avx2") && cpu.has("fma") && cpu.has("f16c");
+  if (name == "avx512") return avx512;
+  if (name == "avx512bf16") return avx512 && cpu.has("avx512bf16");
   return false;
 }
 
@@ -114,7 +116,9 @@ void flash_forward(const Problem& p, const ForwardArgs& a) {
   const std::int64_t dv_pad = round_up(p.head_dim_v, layout.dv_align);
   const std::int64_t panel_floats = round_up(tiles * layout.key_tile * (d + dv_pad), 16);
   const std::int64_t scratch_floats =
-      round_up(layout.block_rows * (d + layout.key_tile + dv_pad + 3) + layout.key_tile * (d + dv_pad), 16);
+      round_up(layout.block_rows * (d + layout.key_tile + dv_pad + 3) + layout.key_tile * (d + dv_pad) +
+                   layout.block_rows * layout.key_tile / 2,
+               16);
   const int threads = std::max(1, p.threads);
   const ItemPlan plan = plan_items(p, layout.block_rows);
   const std::int64_t groups = p.batch * p.heads_kv;
@@ -126,7 +130,8 @@ void flash_forward(const Problem& p, const ForwardArgs& a) {
                         base + r * (d + layout.key_tile + dv_pad),
                         base + r * (d + layout.key_tile + dv_pad + 1),
                         base + r * (d + layout.key_tile + dv_pad + 2),
-                        tiles_base, tiles_base + layout.key_tile * d};
+                        tiles_base, tiles_base + layout.key_tile * d,
+                        tiles_base + layout.key_tile * (d + dv_pad)};
   };
   AlignedFloats scratch(threads * scratch_floats);
 

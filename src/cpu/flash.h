@@ -40,6 +40,7 @@ struct FlashScratch {
   float* alpha;    // [block_rows]: the rescale of the accumulator for the current tile
   float* k_tile;   // [D][key_tile]: a tile packed on the fly (panel without tiles)
   float* v_tile;   // [key_tile][dv_pad]
+  float* probs16;  // [block_rows][key_tile / 2]: P rounded to bf16 pairs (bf16 dot kernels)
 };
 
 // One work item: `rows` (<= block_rows) consecutive query rows of the heads of one kv group.

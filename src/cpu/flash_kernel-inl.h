@@ -4,6 +4,7 @@
 //   ATTNCORE_TARGET_PRAGMA  _Pragma("GCC target(...)") for the target's ISA, or nothing
 //   ATTNCORE_LANES          f32 lanes per vector (16, 8, 4)
 //   ATTNCORE_TILE_ROWS      rows of the QK and PV micro-tiles
+//   ATTNCORE_BF16_DOT       1: bf16 inputs run on native bf16 dot products (AVX512-BF16)
 // The headers come first, outside the target region, so that their inline helpers stay
 // baseline code (a target function may inline them; no baseline caller ever gets a target
 // copy). Everything in the region lives in the target's namespace.
@@ -23,6 +24,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#if ATTNCORE_BF16_DOT
+#include <immintrin.h>
+#endif
 
 #include "core/convert.h"
 #include "cpu/flash.h"
@@ -93,56 +98,6 @@ constexpr float kLog2e = 1.4426950408889634f;
 // tanh(y) = 1 - 2 / (e^(2y) + 1): saturates to +-1, NaN stays NaN.
 inline Vec tanhv(Vec y) { return 1.0f - 2.0f / (exp2v(y * (2.0f * kLog2e)) + 1.0f); }
 
-// s[r][c] = sum_d q_t[d][r] * k_tile[d][c] for r < kTileRows, c < kTileCols. The queries come
-// transposed ([D][kTileRows]) so that one pointer with constant offsets reaches every row.
-inline void qk_micro(const float* q_t, const float* k_tile, std::int64_t d_count, float* s) {
-  Vec acc[kTileRows][kTileVectors] = {};
-  for (std::int64_t d = 0; d < d_count; ++d) {
-    Vec k[kTileVectors];
-#pragma GCC unroll 4
-    for (int v = 0; v < kTileVectors; ++v) k[v] = load(k_tile + d * kKeyTile + v * kLanes);
-#pragma GCC unroll 16
-    for (int r = 0; r < kTileRows; ++r) {
-      const Vec a = splat(q_t[d * kTileRows + r]);
-#pragma GCC unroll 4
-      for (int v = 0; v < kTileVectors; ++v) acc[r][v] += a * k[v];
-    }
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < kTileRows; ++r) {
-#pragma GCC unroll 4
-    for (int v = 0; v < kTileVectors; ++v) store(s + r * kKeyTile + v * kLanes, acc[r][v]);
-  }
-}
-
-// o[r][c] = alpha[r] * o[r][c] + sum_j p[r][j] * v[j][c] for r < kTileRows, c < kTileCols.
-inline void pv_micro(const float* p, const float* v, std::int64_t ldv, const float* alpha,
-                     float* o, std::int64_t ldo) {
-  Vec acc[kTileRows][kTileVectors];
-#pragma GCC unroll 16
-  for (int r = 0; r < kTileRows; ++r) {
-    const Vec a = splat(alpha[r]);
-#pragma GCC unroll 4
-    for (int c = 0; c < kTileVectors; ++c) acc[r][c] = load(o + r * ldo + c * kLanes) * a;
-  }
-  for (int j = 0; j < kKeyTile; ++j) {
-    Vec vv[kTileVectors];
-#pragma GCC unroll 4
-    for (int c = 0; c < kTileVectors; ++c) vv[c] = load(v + j * ldv + c * kLanes);
-#pragma GCC unroll 16
-    for (int r = 0; r < kTileRows; ++r) {
-      const Vec pr = splat(p[r * kKeyTile + j]);
-#pragma GCC unroll 4
-      for (int c = 0; c < kTileVectors; ++c) acc[r][c] += pr * vv[c];
-    }
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < kTileRows; ++r) {
-#pragma GCC unroll 4
-    for (int c = 0; c < kTileVectors; ++c) store(o + r * ldo + c * kLanes, acc[r][c]);
-  }
-}
-
 // The score modifiers of DESIGN.md section 1.2 on one row of a tile (keys j0 .. j0+kKeyTile).
 inline void apply_score_mods(const Problem& p, std::int64_t b, std::int64_t h, std::int64_t i,
                              std::int64_t j0, std::int64_t keys, float* s) {
@@ -179,72 +134,309 @@ inline void apply_score_mods(const Problem& p, std::int64_t b, std::int64_t h, s
   }
 }
 
-// Packs key tile t of (b, kv_head) in f32: K transposed into kt [D][kKeyTile] and V into
-// vt [kKeyTile][dv_pad], zero past Lk and past Dv.
-inline void pack_tile(const Problem& p, const ForwardArgs& a, std::int64_t b, std::int64_t kv_head,
-                      std::int64_t t, float* kt, float* vt, std::int64_t dv_pad) {
-  const std::int64_t d = p.head_dim, dv = p.head_dim_v;
-  constexpr std::int64_t kChunk = 16;  // head-dim columns per pass: 16 lines written per key
-  {
-    const std::int64_t j0 = t * kKeyTile;
-    const std::int64_t keys = std::min<std::int64_t>(kKeyTile, p.seqlen_k - j0);
-    const std::int64_t k0 = offset4(a.k, b, kv_head, j0, 0), ldk = a.k.stride[2];
-    for (std::int64_t e0 = 0; e0 < d; e0 += kChunk) {
-      const std::int64_t e1 = std::min(d, e0 + kChunk);
-      if (a.k.dtype == DType::f32) {
-        const float* src = static_cast<const float*>(a.k.data) + k0;
-        for (std::int64_t c = 0; c < keys; ++c) {
-          for (std::int64_t e = e0; e < e1; ++e) kt[e * kKeyTile + c] = src[c * ldk + e];
-        }
-      } else if (a.k.dtype == DType::bf16) {
-        const std::uint16_t* src = static_cast<const std::uint16_t*>(a.k.data) + k0;
-        for (std::int64_t c = 0; c < keys; ++c) {
-          for (std::int64_t e = e0; e < e1; ++e) {
-            const std::uint32_t bits = static_cast<std::uint32_t>(src[c * ldk + e]) << 16;
-            std::memcpy(&kt[e * kKeyTile + c], &bits, sizeof(float));
+// Every dtype computed in f32: queries pre-scaled and transposed per micro-tile, K transposed
+// per tile, V in rows, P in f32.
+struct F32Dot {
+  static constexpr bool kScaledQueries = true;
+
+  // s[r][c] = sum_d q_t[d][r] * k_tile[d][c] for r < kTileRows, c < kTileCols. The queries come
+  // transposed ([D][kTileRows]) so that one pointer with constant offsets reaches every row.
+  static void qk_micro(const float* q_t, const float* k_tile, std::int64_t d_count, float* s) {
+    Vec acc[kTileRows][kTileVectors] = {};
+    for (std::int64_t d = 0; d < d_count; ++d) {
+      Vec k[kTileVectors];
+  #pragma GCC unroll 4
+      for (int v = 0; v < kTileVectors; ++v) k[v] = load(k_tile + d * kKeyTile + v * kLanes);
+  #pragma GCC unroll 16
+      for (int r = 0; r < kTileRows; ++r) {
+        const Vec a = splat(q_t[d * kTileRows + r]);
+  #pragma GCC unroll 4
+        for (int v = 0; v < kTileVectors; ++v) acc[r][v] += a * k[v];
+      }
+    }
+  #pragma GCC unroll 16
+    for (int r = 0; r < kTileRows; ++r) {
+  #pragma GCC unroll 4
+      for (int v = 0; v < kTileVectors; ++v) store(s + r * kKeyTile + v * kLanes, acc[r][v]);
+    }
+  }
+
+  // o[r][c] = alpha[r] * o[r][c] + sum_j p[r][j] * v[j][c] for r < kTileRows, c < kTileCols.
+  static void pv_micro(const float* p, const float* v, std::int64_t ldv, const float* alpha,
+                       float* o, std::int64_t ldo) {
+    Vec acc[kTileRows][kTileVectors];
+  #pragma GCC unroll 16
+    for (int r = 0; r < kTileRows; ++r) {
+      const Vec a = splat(alpha[r]);
+  #pragma GCC unroll 4
+      for (int c = 0; c < kTileVectors; ++c) acc[r][c] = load(o + r * ldo + c * kLanes) * a;
+    }
+    for (int j = 0; j < kKeyTile; ++j) {
+      Vec vv[kTileVectors];
+  #pragma GCC unroll 4
+      for (int c = 0; c < kTileVectors; ++c) vv[c] = load(v + j * ldv + c * kLanes);
+  #pragma GCC unroll 16
+      for (int r = 0; r < kTileRows; ++r) {
+        const Vec pr = splat(p[r * kKeyTile + j]);
+  #pragma GCC unroll 4
+        for (int c = 0; c < kTileVectors; ++c) acc[r][c] += pr * vv[c];
+      }
+    }
+  #pragma GCC unroll 16
+    for (int r = 0; r < kTileRows; ++r) {
+  #pragma GCC unroll 4
+      for (int c = 0; c < kTileVectors; ++c) store(o + r * ldo + c * kLanes, acc[r][c]);
+    }
+  }
+
+  // Packs key tile t of (b, kv_head) in f32: K transposed into kt [D][kKeyTile] and V into
+  // vt [kKeyTile][dv_pad], zero past Lk and past Dv.
+  static void pack_tile(const Problem& p, const ForwardArgs& a, std::int64_t b, std::int64_t kv_head,
+                        std::int64_t t, float* kt, float* vt, std::int64_t dv_pad) {
+    const std::int64_t d = p.head_dim, dv = p.head_dim_v;
+    constexpr std::int64_t kChunk = 16;  // head-dim columns per pass: 16 lines written per key
+    {
+      const std::int64_t j0 = t * kKeyTile;
+      const std::int64_t keys = std::min<std::int64_t>(kKeyTile, p.seqlen_k - j0);
+      const std::int64_t k0 = offset4(a.k, b, kv_head, j0, 0), ldk = a.k.stride[2];
+      for (std::int64_t e0 = 0; e0 < d; e0 += kChunk) {
+        const std::int64_t e1 = std::min(d, e0 + kChunk);
+        if (a.k.dtype == DType::f32) {
+          const float* src = static_cast<const float*>(a.k.data) + k0;
+          for (std::int64_t c = 0; c < keys; ++c) {
+            for (std::int64_t e = e0; e < e1; ++e) kt[e * kKeyTile + c] = src[c * ldk + e];
           }
+        } else if (a.k.dtype == DType::bf16) {
+          const std::uint16_t* src = static_cast<const std::uint16_t*>(a.k.data) + k0;
+          for (std::int64_t c = 0; c < keys; ++c) {
+            for (std::int64_t e = e0; e < e1; ++e) {
+              const std::uint32_t bits = static_cast<std::uint32_t>(src[c * ldk + e]) << 16;
+              std::memcpy(&kt[e * kKeyTile + c], &bits, sizeof(float));
+            }
+          }
+        } else {
+          for (std::int64_t c = 0; c < keys; ++c) {
+            for (std::int64_t e = e0; e < e1; ++e) {
+              kt[e * kKeyTile + c] = load_element<float>(a.k.data, a.k.dtype, k0 + c * ldk + e);
+            }
+          }
+        }
+        for (std::int64_t e = e0; e < e1; ++e) {
+          for (std::int64_t c = keys; c < kKeyTile; ++c) kt[e * kKeyTile + c] = 0.0f;
+        }
+      }
+      for (std::int64_t c = 0; c < kKeyTile; ++c) {
+        float* row = vt + c * dv_pad;
+        std::int64_t filled = 0;
+        if (c < keys) {
+          const std::int64_t src = offset4(a.v, b, kv_head, j0 + c, 0);
+          if (a.v.dtype == DType::f32) {
+            std::memcpy(row, static_cast<const float*>(a.v.data) + src, static_cast<std::size_t>(dv) * sizeof(float));
+          } else {
+            load_row(a.v.data, a.v.dtype, src, dv, row);
+          }
+          filled = dv;
+        }
+        for (std::int64_t e = filled; e < dv_pad; ++e) row[e] = 0.0f;
+      }
+    }
+  }
+
+  // q = Q rows * scale, as [padded_rows / kTileRows][D][kTileRows] (zero rows past `rows`).
+  static void load_queries(const Problem& p, const ForwardArgs& a, std::int64_t b,
+                           const std::int64_t* head_of, const std::int64_t* index_of,
+                           std::int64_t rows, std::int64_t padded_rows, float* q) {
+    const std::int64_t d = p.head_dim;
+    const float scale = static_cast<float>(p.scale);
+    for (std::int64_t r = 0; r < padded_rows; ++r) {
+      float* dst = q + (r / kTileRows) * d * kTileRows + r % kTileRows;
+      if (r < rows) {
+        const std::int64_t src = offset4(a.q, b, head_of[r], index_of[r], 0);
+        for (std::int64_t e = 0; e < d; ++e) {
+          dst[e * kTileRows] = load_element<float>(a.q.data, a.q.dtype, src + e) * scale;
         }
       } else {
-        for (std::int64_t c = 0; c < keys; ++c) {
-          for (std::int64_t e = e0; e < e1; ++e) {
-            kt[e * kKeyTile + c] = load_element<float>(a.k.data, a.k.dtype, k0 + c * ldk + e);
+        for (std::int64_t e = 0; e < d; ++e) dst[e * kTileRows] = 0.0f;
+      }
+    }
+  }
+
+  // S [padded_rows][kKeyTile] = q . K_tile^T
+  static void scores(const Problem& p, const float* q, const float* k_tile,
+                     std::int64_t padded_rows, float* s) {
+    for (std::int64_t r = 0; r < padded_rows; r += kTileRows) {
+      for (int c = 0; c < kKeyTile; c += kTileCols) {
+        qk_micro(q + r * p.head_dim, k_tile + c, p.head_dim, s + r * kKeyTile + c);
+      }
+    }
+  }
+
+  // O [padded_rows][dv_pad] = alpha O + P . V_tile
+  static void accumulate(const float* probs, const float* v_tile, std::int64_t dv_pad,
+                         std::int64_t padded_rows, const float* alpha, float* /*probs16*/,
+                         float* out) {
+    for (std::int64_t r = 0; r < padded_rows; r += kTileRows) {
+      for (std::int64_t c = 0; c < dv_pad; c += kTileCols) {
+        pv_micro(probs + r * kKeyTile, v_tile + c, dv_pad, alpha + r, out + r * dv_pad + c, dv_pad);
+      }
+    }
+  }
+};
+
+#if ATTNCORE_BF16_DOT
+// bf16 inputs on vdpbf16ps (AVX512-BF16): q and K as bf16 pairs along D, P rounded to bf16 and
+// V as bf16 pairs along keys, f32 accumulation. q stays the exact input (S is scaled after),
+// so only P's rounding is added to what an f32 computation on the same inputs would do.
+struct Bf16Dot {
+  static constexpr bool kScaledQueries = false;
+  static_assert(kLanes == 16, "one zmm of f32 lanes per vector");
+
+  static std::int64_t pairs(std::int64_t n) { return (n + 1) / 2; }
+  static __m512bh splat_pair(std::uint32_t pair) {
+    return (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+  }
+  static __m512bh load_pairs(const std::uint32_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+  // K tile t: kt [D/2][kKeyTile] pairs (d, d+1) of one key; V tile: vt [kKeyTile/2][dv_pad]
+  // pairs (key j, key j+1) of one column; zero past Lk, D and Dv.
+  static void pack_tile(const Problem& p, const ForwardArgs& a, std::int64_t b,
+                        std::int64_t kv_head, std::int64_t t, float* kt_floats,
+                        float* vt_floats, std::int64_t dv_pad) {
+    auto* kt = reinterpret_cast<std::uint32_t*>(kt_floats);
+    auto* vt = reinterpret_cast<std::uint32_t*>(vt_floats);
+    const std::int64_t d = p.head_dim, dv = p.head_dim_v, d_pairs = pairs(d);
+    const std::int64_t j0 = t * kKeyTile;
+    const std::int64_t keys = std::min<std::int64_t>(kKeyTile, p.seqlen_k - j0);
+    const auto* k = static_cast<const std::uint16_t*>(a.k.data) + offset4(a.k, b, kv_head, j0, 0);
+    for (std::int64_t c = 0; c < kKeyTile; ++c) {
+      const std::uint16_t* row = k + c * a.k.stride[2];
+      for (std::int64_t e2 = 0; e2 < d_pairs; ++e2) {
+        std::uint32_t pair = 0;
+        if (c < keys) {
+          pair = row[2 * e2];
+          if (2 * e2 + 1 < d) pair |= static_cast<std::uint32_t>(row[2 * e2 + 1]) << 16;
+        }
+        kt[e2 * kKeyTile + c] = pair;
+      }
+    }
+    const auto* v = static_cast<const std::uint16_t*>(a.v.data) + offset4(a.v, b, kv_head, j0, 0);
+    for (std::int64_t c2 = 0; c2 < kKeyTile / 2; ++c2) {
+      const std::uint16_t* lo = v + 2 * c2 * a.v.stride[2];
+      const std::uint16_t* hi = lo + a.v.stride[2];
+      const bool has_lo = 2 * c2 < keys, has_hi = 2 * c2 + 1 < keys;
+      std::uint32_t* out = vt + c2 * dv_pad;
+      for (std::int64_t e = 0; e < dv_pad; ++e) {
+        const std::uint32_t l = has_lo && e < dv ? lo[e] : 0u;
+        const std::uint32_t h = has_hi && e < dv ? hi[e] : 0u;
+        out[e] = l | (h << 16);
+      }
+    }
+  }
+
+  // q as [padded_rows / kTileRows][D/2][kTileRows] bf16 pairs (zero rows past `rows`).
+  static void load_queries(const Problem& p, const ForwardArgs& a, std::int64_t b,
+                           const std::int64_t* head_of, const std::int64_t* index_of,
+                           std::int64_t rows, std::int64_t padded_rows, float* q_floats) {
+    auto* q = reinterpret_cast<std::uint32_t*>(q_floats);
+    const std::int64_t d = p.head_dim, d_pairs = pairs(d);
+    for (std::int64_t r = 0; r < padded_rows; ++r) {
+      std::uint32_t* dst = q + (r / kTileRows) * d_pairs * kTileRows + r % kTileRows;
+      const std::uint16_t* src =
+          r < rows ? static_cast<const std::uint16_t*>(a.q.data) + offset4(a.q, b, head_of[r], index_of[r], 0)
+                   : nullptr;
+      for (std::int64_t e2 = 0; e2 < d_pairs; ++e2) {
+        std::uint32_t pair = 0;
+        if (src != nullptr) {
+          pair = src[2 * e2];
+          if (2 * e2 + 1 < d) pair |= static_cast<std::uint32_t>(src[2 * e2 + 1]) << 16;
+        }
+        dst[e2 * kTileRows] = pair;
+      }
+    }
+  }
+
+  // S [padded_rows][kKeyTile] = q . K_tile^T (unscaled)
+  static void scores(const Problem& p, const float* q_floats, const float* kt_floats,
+                     std::int64_t padded_rows, float* s) {
+    const auto* q = reinterpret_cast<const std::uint32_t*>(q_floats);
+    const auto* kt = reinterpret_cast<const std::uint32_t*>(kt_floats);
+    const std::int64_t d_pairs = pairs(p.head_dim);
+    for (std::int64_t r0 = 0; r0 < padded_rows; r0 += kTileRows) {
+      const std::uint32_t* q_tile = q + r0 * d_pairs;
+      for (int c = 0; c < kKeyTile; c += kTileCols) {
+        __m512 acc[kTileRows][kTileVectors] = {};
+        for (std::int64_t e2 = 0; e2 < d_pairs; ++e2) {
+          __m512bh k[kTileVectors];
+#pragma GCC unroll 4
+          for (int v = 0; v < kTileVectors; ++v) k[v] = load_pairs(kt + e2 * kKeyTile + c + v * kLanes);
+#pragma GCC unroll 16
+          for (int r = 0; r < kTileRows; ++r) {
+            const __m512bh a = splat_pair(q_tile[e2 * kTileRows + r]);
+#pragma GCC unroll 4
+            for (int v = 0; v < kTileVectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, k[v]);
+          }
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < kTileRows; ++r) {
+#pragma GCC unroll 4
+          for (int v = 0; v < kTileVectors; ++v) _mm512_storeu_ps(s + (r0 + r) * kKeyTile + c + v * kLanes, acc[r][v]);
+        }
+      }
+    }
+  }
+
+  // O [padded_rows][dv_pad] = alpha O + bf16(P) . V_tile, P rounded into probs16.
+  static void accumulate(const float* probs, const float* vt_floats, std::int64_t dv_pad,
+                         std::int64_t padded_rows, const float* alpha, float* probs16_floats,
+                         float* out) {
+    auto* p16 = reinterpret_cast<std::uint32_t*>(probs16_floats);  // [padded_rows][kKeyTile / 2]
+    for (std::int64_t r = 0; r < padded_rows; ++r) {
+      for (int c = 0; c < kKeyTile; c += 2 * kLanes) {
+        const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(probs + r * kKeyTile + c + kLanes),
+                                                  _mm512_loadu_ps(probs + r * kKeyTile + c));
+        _mm512_storeu_si512(p16 + r * (kKeyTile / 2) + c / 2, (__m512i)pair);
+      }
+    }
+    const auto* vt = reinterpret_cast<const std::uint32_t*>(vt_floats);
+    for (std::int64_t r0 = 0; r0 < padded_rows; r0 += kTileRows) {
+      for (std::int64_t c = 0; c < dv_pad; c += kTileCols) {
+        __m512 acc[kTileRows][kTileVectors];
+#pragma GCC unroll 16
+        for (int r = 0; r < kTileRows; ++r) {
+          const __m512 a = _mm512_set1_ps(alpha[r0 + r]);
+#pragma GCC unroll 4
+          for (int v = 0; v < kTileVectors; ++v) {
+            acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(out + (r0 + r) * dv_pad + c + v * kLanes), a);
+          }
+        }
+        for (int j2 = 0; j2 < kKeyTile / 2; ++j2) {
+          __m512bh vv[kTileVectors];
+#pragma GCC unroll 4
+          for (int v = 0; v < kTileVectors; ++v) vv[v] = load_pairs(vt + j2 * dv_pad + c + v * kLanes);
+#pragma GCC unroll 16
+          for (int r = 0; r < kTileRows; ++r) {
+            const __m512bh pr = splat_pair(p16[(r0 + r) * (kKeyTile / 2) + j2]);
+#pragma GCC unroll 4
+            for (int v = 0; v < kTileVectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], pr, vv[v]);
+          }
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < kTileRows; ++r) {
+#pragma GCC unroll 4
+          for (int v = 0; v < kTileVectors; ++v) {
+            _mm512_storeu_ps(out + (r0 + r) * dv_pad + c + v * kLanes, acc[r][v]);
           }
         }
       }
-      for (std::int64_t e = e0; e < e1; ++e) {
-        for (std::int64_t c = keys; c < kKeyTile; ++c) kt[e * kKeyTile + c] = 0.0f;
-      }
-    }
-    for (std::int64_t c = 0; c < kKeyTile; ++c) {
-      float* row = vt + c * dv_pad;
-      std::int64_t filled = 0;
-      if (c < keys) {
-        const std::int64_t src = offset4(a.v, b, kv_head, j0 + c, 0);
-        if (a.v.dtype == DType::f32) {
-          std::memcpy(row, static_cast<const float*>(a.v.data) + src, static_cast<std::size_t>(dv) * sizeof(float));
-        } else {
-          load_row(a.v.data, a.v.dtype, src, dv, row);
-        }
-        filled = dv;
-      }
-      for (std::int64_t e = filled; e < dv_pad; ++e) row[e] = 0.0f;
     }
   }
-}
-
-// Packs tiles [t_begin, t_end) into a panel: K [tiles][D][kKeyTile], V [tiles * kKeyTile][dv_pad].
-void pack_tiles(const Problem& p, const ForwardArgs& a, std::int64_t b, std::int64_t kv_head,
-                std::int64_t t_begin, std::int64_t t_end, float* k_tiles, float* v_rows,
-                std::int64_t dv_pad) {
-  for (std::int64_t t = t_begin; t < t_end; ++t) {
-    pack_tile(p, a, b, kv_head, t, k_tiles + t * p.head_dim * kKeyTile,
-              v_rows + t * kKeyTile * dv_pad, dv_pad);
-  }
-}
+};
+#endif
 
 // One work item: see the top of this file.
-void run_block(const Problem& p, const ForwardArgs& a, const FlashPanel& panel,
-               const FlashItem& item, const FlashScratch& w) {
+template <class Dot>
+void run_block_with(const Problem& p, const ForwardArgs& a, const FlashPanel& panel,
+                    const FlashItem& item, const FlashScratch& w) {
   const std::int64_t d = p.head_dim, dv_pad = panel.dv_pad, lk = p.seqlen_k, b = item.b;
   const std::int64_t rows = item.rows;
   const std::int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
@@ -270,19 +462,9 @@ void run_block(const Problem& p, const ForwardArgs& a, const FlashPanel& panel,
     max_end = std::max(max_end, visible.end);
   }
 
-  // q = Q rows * scale, as [padded_rows / kTileRows][D][kTileRows] (zero rows past `rows`).
-  const float scale = static_cast<float>(p.scale);
-  for (std::int64_t r = 0; r < padded_rows; ++r) {
-    float* dst = w.q + (r / kTileRows) * d * kTileRows + r % kTileRows;
-    if (r < rows) {
-      const std::int64_t src = offset4(a.q, b, head_of[r], index_of[r], 0);
-      for (std::int64_t e = 0; e < d; ++e) {
-        dst[e * kTileRows] = load_element<float>(a.q.data, a.q.dtype, src + e) * scale;
-      }
-    } else {
-      for (std::int64_t e = 0; e < d; ++e) dst[e * kTileRows] = 0.0f;
-    }
-  }
+  Dot::load_queries(p, a, b, head_of, index_of, rows, padded_rows, w.q);
+  // S is in units of q.k times score_scale: scale is in the queries already, or applied here.
+  const float score_scale = Dot::kScaledQueries ? 1.0f : static_cast<float>(p.scale);
   for (std::int64_t e = 0; e < padded_rows * dv_pad; ++e) w.out[e] = 0.0f;
   for (std::int64_t r = 0; r < padded_rows; ++r) {
     w.row_max[r] = -INFINITY;
@@ -302,15 +484,11 @@ void run_block(const Problem& p, const ForwardArgs& a, const FlashPanel& panel,
     const float* k_tile = panel.k_tiles + t * d * kKeyTile;
     const float* v_tile = panel.v_rows + j0 * dv_pad;
     if (panel.k_tiles == nullptr) {
-      pack_tile(p, a, b, item.kv_head, t, w.k_tile, w.v_tile, dv_pad);
+      Dot::pack_tile(p, a, b, item.kv_head, t, w.k_tile, w.v_tile, dv_pad);
       k_tile = w.k_tile;
       v_tile = w.v_tile;
     }
-    for (std::int64_t r = 0; r < padded_rows; r += kTileRows) {
-      for (int c = 0; c < kKeyTile; c += kTileCols) {
-        qk_micro(w.q + r * d, k_tile + c, d, w.scores + r * kKeyTile + c);
-      }
-    }
+    Dot::scores(p, w.q, k_tile, padded_rows, w.scores);
     for (std::int64_t r = 0; r < padded_rows; ++r) {
       float* s = w.scores + r * kKeyTile;
       if (r >= rows) {  // padding rows take no part
@@ -318,7 +496,14 @@ void run_block(const Problem& p, const ForwardArgs& a, const FlashPanel& panel,
         continue;
       }
       const std::int64_t h = head_of[r], i = index_of[r];
-      if (has_mods) apply_score_mods(p, b, h, i, j0, keys, s);
+      float row_scale = score_scale;  // S * row_scale is the score of DESIGN.md section 1.1
+      if (has_mods) {
+        if (row_scale != 1.0f) {
+          for (int c = 0; c < kKeyTile; c += kLanes) store(s + c, load(s + c) * row_scale);
+          row_scale = 1.0f;
+        }
+        apply_score_mods(p, b, h, i, j0, keys, s);
+      }
       if (!full) {
         const KeyRange visible = band.row(i);
         const std::int64_t lo = std::max<std::int64_t>(visible.begin - j0, 0);
@@ -330,7 +515,7 @@ void run_block(const Problem& p, const ForwardArgs& a, const FlashPanel& panel,
       // Online softmax: the one place the running max and sum are updated.
       Vec vmx = load(s);
       for (int c = kLanes; c < kKeyTile; c += kLanes) vmx = vmax(load(s + c), vmx);
-      const float tile_max = reduce_max(vmx);
+      const float tile_max = reduce_max(vmx) * row_scale;  // row_max is in score units
       const float old_max = w.row_max[r];
       // NaN scores make the row NaN (never "nothing visible").
       const float new_max = tile_max > old_max || std::isnan(tile_max) ? tile_max : old_max;
@@ -339,11 +524,11 @@ void run_block(const Problem& p, const ForwardArgs& a, const FlashPanel& panel,
         w.alpha[r] = 1.0f;
         continue;
       }
-      const float shift = new_max * kLog2e;
+      const float shift = new_max * kLog2e, factor = row_scale * kLog2e;
       const float alpha = old_max == -INFINITY ? 0.0f : exp2v(splat(old_max * kLog2e - shift))[0];
       Vec vsum = splat(0.0f);
       for (int c = 0; c < kKeyTile; c += kLanes) {
-        const Vec prob = exp2v(load(s + c) * kLog2e - shift);
+        const Vec prob = exp2v(load(s + c) * factor - shift);
         vsum += prob;
         store(s + c, prob);
       }
@@ -355,12 +540,7 @@ void run_block(const Problem& p, const ForwardArgs& a, const FlashPanel& panel,
         for (std::int64_t c = 0; c < keys; ++c) s[c] *= dropout.factor<float>(j0 + c);
       }
     }
-    for (std::int64_t r = 0; r < padded_rows; r += kTileRows) {
-      for (std::int64_t c = 0; c < dv_pad; c += kTileCols) {
-        pv_micro(w.scores + r * kKeyTile, v_tile + c, dv_pad, w.alpha + r, w.out + r * dv_pad + c,
-                 dv_pad);
-      }
-    }
+    Dot::accumulate(w.scores, v_tile, dv_pad, padded_rows, w.alpha, w.probs16, w.out);
   }
 
   // out = O / l, lse = m + log l; rows with no visible key: 0 and -inf.
@@ -376,6 +556,34 @@ void run_block(const Problem& p, const ForwardArgs& a, const FlashPanel& panel,
       store_element(a.lse.data, a.lse.dtype, b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2],
                     lse);
     }
+  }
+}
+
+// The exported entry points: native bf16 dot products for bf16 inputs where this target has
+// them, f32 for everything else.
+void run_block(const Problem& p, const ForwardArgs& a, const FlashPanel& panel,
+               const FlashItem& item, const FlashScratch& w) {
+#if ATTNCORE_BF16_DOT
+  if (p.dtype == DType::bf16) return run_block_with<Bf16Dot>(p, a, panel, item, w);
+#endif
+  run_block_with<F32Dot>(p, a, panel, item, w);
+}
+
+// Packs tiles [t_begin, t_end) into a panel: K [tiles][D][kKeyTile] floats' worth, then V
+// [tiles * kKeyTile][dv_pad] floats' worth.
+void pack_tiles(const Problem& p, const ForwardArgs& a, std::int64_t b, std::int64_t kv_head,
+                std::int64_t t_begin, std::int64_t t_end, float* k_tiles, float* v_rows,
+                std::int64_t dv_pad) {
+  for (std::int64_t t = t_begin; t < t_end; ++t) {
+    float* kt = k_tiles + t * p.head_dim * kKeyTile;
+    float* vt = v_rows + t * kKeyTile * dv_pad;
+#if ATTNCORE_BF16_DOT
+    if (p.dtype == DType::bf16) {
+      Bf16Dot::pack_tile(p, a, b, kv_head, t, kt, vt, dv_pad);
+      continue;
+    }
+#endif
+    F32Dot::pack_tile(p, a, b, kv_head, t, kt, vt, dv_pad);
   }
 }
 

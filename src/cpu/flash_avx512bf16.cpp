@@ -1,0 +1,17 @@
+// The flash forward kernel compiled for the avx512bf16 target.
+#include "cpu/flash.h"
+#if defined(__x86_64__)
+
+#define ATTNCORE_TARGET_NS avx512bf16
+#define ATTNCORE_TARGET_PRAGMA _Pragma("GCC target(\"avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,avx512bf16\")")
+#define ATTNCORE_LANES 16
+#define ATTNCORE_BF16_DOT 1
+#define ATTNCORE_TILE_ROWS 8
+#include "cpu/flash_kernel-inl.h"
+
+namespace attncore::detail {
+FlashTarget flash_target_avx512bf16() {
+  return {"avx512bf16", avx512bf16::kLayout, &avx512bf16::run_block, &avx512bf16::pack_tiles};
+}
+}  // namespace attncore::detail
+#endif
