@@ -443,23 +443,15 @@ void run_block_with(const Problem& p, const ForwardArgs& a, const FlashPanel& pa
   const CausalWindowMask band(p);
   const bool has_mods = p.softcap != 0.0 || p.alibi != nullptr || p.mask_kind != MaskKind::none;
 
-  // Each row's head and query index, and the keys the rows see: the tiles to visit span
-  // [min begin, max end); a tile inside [max begin, min end) is full for every row.
+  // Each row's head and query index, and the keys the rows see (which tiles to visit, and
+  // which of them are full: seen entirely by every row, so that no mask code runs).
   std::int64_t head_of[kBlockRows], index_of[kBlockRows];
-  std::int64_t min_begin = lk, max_begin = 0, min_end = lk, max_end = 0;
+  RowSetKeys seen;
   for (std::int64_t r = 0; r < rows; ++r) {
     const std::int64_t n = item.first + r;
     head_of[r] = item.kv_head * p.group + n / p.seqlen_q;
     index_of[r] = n % p.seqlen_q;
-    const KeyRange visible = band.row(index_of[r]);
-    if (visible.empty()) {
-      min_end = 0;  // a row that sees nothing makes every tile partial
-      continue;
-    }
-    min_begin = std::min(min_begin, visible.begin);
-    max_begin = std::max(max_begin, visible.begin);
-    min_end = std::min(min_end, visible.end);
-    max_end = std::max(max_end, visible.end);
+    seen.add(band.row(index_of[r]));
   }
 
   Dot::load_queries(p, a, b, head_of, index_of, rows, padded_rows, w.q);
@@ -472,13 +464,14 @@ void run_block_with(const Problem& p, const ForwardArgs& a, const FlashPanel& pa
     w.alpha[r] = 1.0f;
   }
 
-  const std::int64_t tile_begin = min_begin / kKeyTile;
-  const std::int64_t tile_end = max_end > min_begin ? (max_end + kKeyTile - 1) / kKeyTile : tile_begin;
+  const KeyRange span = seen.span();
+  const std::int64_t tile_begin = span.begin / kKeyTile;
+  const std::int64_t tile_end = span.empty() ? tile_begin : (span.end + kKeyTile - 1) / kKeyTile;
   for (std::int64_t t = tile_begin; t < tile_end; ++t) {
     const std::int64_t j0 = t * kKeyTile;
     const std::int64_t keys = std::min<std::int64_t>(kKeyTile, lk - j0);
-    // Full: every row sees every key of the tile, so no mask code runs.
-    const bool full = keys == kKeyTile && max_begin <= j0 && min_end >= j0 + kKeyTile;
+    // The last tile's keys past Lk are padding: such a tile is never full.
+    const bool full = keys == kKeyTile && seen.classify(j0, j0 + kKeyTile) == TileKind::full;
     // The panel's tile, or (panel without tiles: a single item of its group) this tile packed
     // now into scratch, where it stays in L1/L2 for its one use.
     const float* k_tile = panel.k_tiles + t * d * kKeyTile;

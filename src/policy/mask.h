@@ -1,10 +1,12 @@
-// What the causal and window masks mean (DESIGN.md section 1.3), in two forms that agree: the
-// visible key interval of a query row, and the per-element test built on it. Tensor masks
-// (bool / additive) are read element by element by each backend.
+// What the causal and window masks mean (DESIGN.md section 1.3), in three forms that agree
+// (tests/mask_policy_test.cpp): per element (allowed), per query row (the visible key
+// interval), per tile of rows x keys (empty, partial or full). Tensor masks (bool / additive)
+// are read element by element by each backend.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
 #include "core/problem.h"
 
@@ -50,6 +52,37 @@ class CausalWindowMask {
   std::int64_t seqlen_q_, seqlen_k_;
   Causal causal_;
   std::int64_t window_left_, window_right_;
+};
+
+// What a set of query rows sees, for classifying key tiles: built from the rows' intervals.
+enum class TileKind : std::uint8_t { empty, partial, full };
+
+class RowSetKeys {
+ public:
+  void add(const KeyRange& r) {
+    if (r.empty()) {
+      any_empty_ = true;
+      return;
+    }
+    min_begin_ = std::min(min_begin_, r.begin);
+    max_begin_ = std::max(max_begin_, r.begin);
+    min_end_ = std::min(min_end_, r.end);
+    max_end_ = std::max(max_end_, r.end);
+  }
+  // Keys some row sees lie in [begin, end) (empty when no row sees any).
+  KeyRange span() const { return max_end_ > min_begin_ ? KeyRange{min_begin_, max_end_} : KeyRange{}; }
+  // Keys [j_begin, j_end): seen by no row, by every row entirely, or otherwise.
+  TileKind classify(std::int64_t j_begin, std::int64_t j_end) const {
+    const KeyRange s = span();
+    if (s.empty() || j_end <= s.begin || j_begin >= s.end) return TileKind::empty;
+    if (!any_empty_ && max_begin_ <= j_begin && j_end <= min_end_) return TileKind::full;
+    return TileKind::partial;
+  }
+
+ private:
+  static constexpr std::int64_t kNone = std::numeric_limits<std::int64_t>::max();
+  std::int64_t min_begin_ = kNone, max_begin_ = 0, min_end_ = kNone, max_end_ = 0;
+  bool any_empty_ = false;
 };
 
 }  // namespace attncore::detail
