@@ -1,0 +1,60 @@
+// The flash forward's memory: no Lq x Lk buffer, workspace O(threads x tile) plus one packed
+// kv head. Peak resident memory during a call stays within 1.25x the bytes of q, k, v and out.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <string>
+
+#include "attncore/attncore.h"
+
+namespace attncore {
+namespace {
+
+// A field of /proc/self/status in KiB ("VmRSS", "VmHWM"), or -1 where there is none.
+std::int64_t status_kib(const std::string& field) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1));
+  }
+  return -1;
+}
+
+// Resets the peak (VmHWM) to the current RSS (Linux: write 5 to /proc/self/clear_refs).
+bool reset_peak() {
+  std::ofstream clear("/proc/self/clear_refs");
+  clear << "5";
+  return static_cast<bool>(clear);
+}
+
+TEST(Memory, FlashPeakWithinAQuarterOfItsOperands) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "AddressSanitizer's shadow memory and quarantine are part of the peak";
+#endif
+  if (status_kib("VmHWM") < 0 || !reset_peak()) GTEST_SKIP() << "no /proc/self/status peak here";
+  const std::int64_t b = 1, h = 16, l = 2048, d = 128;  // f32: 16 MiB per operand
+  const std::int64_t rss_before = status_kib("VmRSS");
+  Tensor q(DType::f32, {b, h, l, d}), k(DType::f32, {b, h, l, d}), v(DType::f32, {b, h, l, d});
+  Tensor out(DType::f32, {b, h, l, d});  // Tensor zero-fills: every page is resident
+  for (Tensor* t : {&q, &k, &v}) {
+    for (std::int64_t e = 0; e < t->numel(); ++e) t->data_as<float>()[e] = static_cast<float>(e % 7) * 0.1f;
+  }
+  const double operand_kib = 4.0 * static_cast<double>(b * h * l * d) * 4.0 / 1024.0;
+  ASSERT_TRUE(reset_peak());
+  forward_into(q, k, v, out, std::nullopt, {}, Backend::flash);
+  const std::int64_t peak = status_kib("VmHWM");
+  EXPECT_LE(static_cast<double>(peak - rss_before), 1.25 * operand_kib)
+      << "peak " << peak << " KiB, before the operands " << rss_before << " KiB, operands "
+      << operand_kib << " KiB";
+  // The measurement sees allocations: one materialised Lq x Lk score matrix (16 MiB, zeroed)
+  // raises the peak by its size.
+  ASSERT_TRUE(reset_peak());
+  const std::int64_t rss_now = status_kib("VmRSS");
+  const Tensor scores(DType::f32, {l, l});  // [Lq, Lk]
+  EXPECT_GE(status_kib("VmHWM") - rss_now, 15 * 1024);
+}
+
+}  // namespace
+}  // namespace attncore
