@@ -14,6 +14,7 @@
 // that causal and window masks leave; a boolean mask is data, not structure, and is not
 // discounted (its pairs are counted as visible).
 #include "attncore/attncore.h"
+#include "plot.h"
 
 #include <algorithm>
 #include <charconv>
@@ -133,6 +134,7 @@ constexpr const char* kUsage = R"(usage:
   attncore                 check and time every backend on a few shapes (the default)
   attncore info            version, CPU, SIMD targets, threads, measured FMA peak
   attncore run [flags]     time (and check) one attention call on random data
+  attncore bench [flags]   fused kernels against math over sequence lengths (bench --help)
 
 run flags (defaults in brackets):
   --batch N                batch size B [1]
@@ -897,12 +899,239 @@ int cmd_default() {
   return kExitOk;
 }
 
+// ---------------------------------------------------------------------------------------------
+// attncore bench: the fused kernels against math over sequence lengths.
+
+constexpr const char* kBenchUsage = R"(usage: attncore bench [flags]
+  --seqlens L,L,...        sequence lengths, Lq = Lk [512,1024,2048,4096]
+  --batch N                batch size [1]
+  --heads-q N              query heads [16]
+  --heads-kv N             key/value heads [= heads-q]
+  --head-dim N             head dim, D = Dv [128]
+  --dtypes T,T             f32, bf16, f16 [f32,bf16]
+  --causal C,C             none, upper-left, lower-right [none,lower-right]
+  --threads N              threads, 0 = ATTNCORE_NUM_THREADS or all cores [0]
+  --repeat N               calls timed per point; the best counts [3]
+  --csv FILE               also write the table as CSV
+  --json FILE              also write it as JSON
+  --png FILE               also plot GFLOP/s against sequence length
+)";
+
+struct BenchConfig {
+  std::vector<std::int64_t> seqlens = {512, 1024, 2048, 4096};
+  std::int64_t batch = 1, heads_q = 16, heads_kv = -1, head_dim = 128;
+  std::vector<DType> dtypes = {DType::f32, DType::bf16};
+  std::vector<Causal> causals = {Causal::none, Causal::lower_right};
+  int threads = 0, repeat = 3;
+  std::string csv, json, png;
+};
+
+std::vector<std::string_view> split_commas(std::string_view text) {
+  std::vector<std::string_view> parts;
+  for (std::size_t at = 0;;) {
+    const std::size_t comma = text.find(',', at);
+    parts.push_back(text.substr(at, comma == std::string_view::npos ? comma : comma - at));
+    if (comma == std::string_view::npos) return parts;
+    at = comma + 1;
+  }
+}
+
+BenchConfig parse_bench_flags(const std::vector<std::string>& args) {
+  BenchConfig c;
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const std::string& flag = args[i];
+    if (i + 1 >= args.size()) throw UsageError{flag + " needs a value (or is unknown)"};
+    const std::string_view value = args[++i];
+    if (flag == "--seqlens") {
+      c.seqlens.clear();
+      for (std::string_view part : split_commas(value)) c.seqlens.push_back(parse_int(flag, part, 1));
+    } else if (flag == "--batch") {
+      c.batch = parse_int(flag, value, 1);
+    } else if (flag == "--heads-q") {
+      c.heads_q = parse_int(flag, value, 1);
+    } else if (flag == "--heads-kv") {
+      c.heads_kv = parse_int(flag, value, 1);
+    } else if (flag == "--head-dim") {
+      c.head_dim = parse_int(flag, value, 1);
+    } else if (flag == "--dtypes") {
+      c.dtypes.clear();
+      for (std::string_view part : split_commas(value)) c.dtypes.push_back(parse_enum(flag, part, kDTypes));
+    } else if (flag == "--causal") {
+      c.causals.clear();
+      for (std::string_view part : split_commas(value)) c.causals.push_back(parse_enum(flag, part, kCausals));
+    } else if (flag == "--threads") {
+      c.threads = parse_count(flag, value, 0);
+    } else if (flag == "--repeat") {
+      c.repeat = parse_count(flag, value, 1);
+    } else if (flag == "--csv") {
+      c.csv = value;
+    } else if (flag == "--json") {
+      c.json = value;
+    } else if (flag == "--png") {
+      c.png = value;
+    } else {
+      throw UsageError{"unknown bench flag '" + flag + "'"};
+    }
+  }
+  if (c.heads_kv < 0) c.heads_kv = c.heads_q;
+  return c;
+}
+
+struct BenchRow {
+  std::int64_t seqlen;
+  DType dtype;
+  Causal causal;
+  Backend backend;
+  double seconds, gflops, speedup;  // speedup: math's time / this time, same shape
+};
+
+int cmd_bench(const std::vector<std::string>& args) {
+  for (const std::string& a : args) {
+    if (a == "--help" || a == "-h") {
+      std::fputs(kBenchUsage, stdout);
+      return kExitOk;
+    }
+  }
+  const BenchConfig bc = parse_bench_flags(args);
+  const int threads = bc.threads > 0 ? bc.threads : attncore::default_num_threads();
+  std::fprintf(stderr, "measuring the FMA peak ...");
+  const double peak = attncore::measure_fma_peak_gflops(threads);
+  std::fprintf(stderr, "\r%*s\r", 28, "");
+  const Backend backends[] = {Backend::math, Backend::flash};
+  const std::size_t total = bc.seqlens.size() * bc.dtypes.size() * bc.causals.size() * std::size(backends);
+  std::printf("attncore %s bench: B=%lld Hq=%lld Hkv=%lld D=%lld, Lq = Lk, forward, %d threads, "
+              "measured f32 FMA peak %.0f GFLOP/s (simd %s)\n\n",
+              attncore::version(), static_cast<long long>(bc.batch),
+              static_cast<long long>(bc.heads_q), static_cast<long long>(bc.heads_kv),
+              static_cast<long long>(bc.head_dim), threads, peak, attncore::simd_target().c_str());
+  std::printf("%8s %-5s %-12s %-7s %10s %9s %7s %8s\n", "L", "dtype", "causal", "backend", "ms",
+              "GFLOP/s", "%peak", "vs math");
+  std::vector<BenchRow> rows;
+  std::size_t done = 0;
+  for (DType dtype : bc.dtypes) {
+    for (Causal causal : bc.causals) {
+      for (std::int64_t seqlen : bc.seqlens) {
+        double math_seconds = 0;
+        for (Backend backend : backends) {
+          constexpr int kBarWidth = 30;
+          const int filled = static_cast<int>(kBarWidth * done / total);
+          std::fprintf(stderr, "\r[%s%s] %zu/%zu L=%lld %s %s %s   ", std::string(filled, '#').c_str(),
+                       std::string(kBarWidth - filled, '.').c_str(), done, total,
+                       static_cast<long long>(seqlen), std::string(name_of(dtype)).c_str(),
+                       std::string(name_of(causal)).c_str(), std::string(name_of(backend)).c_str());
+          std::fflush(stderr);
+          RunConfig c;
+          c.batch = bc.batch;
+          c.heads_q = bc.heads_q;
+          c.heads_kv = bc.heads_kv;
+          c.seqlen_q = seqlen;
+          c.head_dim = bc.head_dim;
+          c.dtype = dtype;
+          c.causal = causal;
+          c.backend = backend;
+          c.threads = threads;
+          c.repeat = bc.repeat;
+          c.finish();
+          const RunResult r = run_once(make_problem(c));
+          if (backend == Backend::math) math_seconds = r.seconds;
+          const BenchRow row{seqlen, dtype, causal, backend, r.seconds, gflops(r.flops, r.seconds),
+                             math_seconds > 0 ? math_seconds / r.seconds : 0.0};
+          rows.push_back(row);
+          ++done;
+          std::fprintf(stderr, "\r%*s\r", kBarWidth + 60, "");
+          std::printf("%8lld %-5s %-12s %-7s %10.3f %9.1f %6.1f%% %7.2fx\n",
+                      static_cast<long long>(seqlen), std::string(name_of(dtype)).c_str(),
+                      std::string(name_of(causal)).c_str(), std::string(name_of(backend)).c_str(),
+                      row.seconds * 1e3, row.gflops, peak > 0 ? 100 * row.gflops / peak : 0.0,
+                      row.speedup);
+          std::fflush(stdout);
+        }
+      }
+    }
+  }
+  std::printf("\nFLOPs: 4*B*Hq*D per visible (query, key) pair; vs math = math's time / this time.\n");
+
+  if (!bc.csv.empty()) {
+    std::FILE* f = std::fopen(bc.csv.c_str(), "w");
+    if (f == nullptr) throw UsageError{"--csv: cannot write '" + bc.csv + "'"};
+    std::fprintf(f, "seqlen,batch,heads_q,heads_kv,head_dim,dtype,causal,backend,threads,seconds,gflops,"
+                    "percent_of_peak,speedup_vs_math\n");
+    for (const BenchRow& r : rows) {
+      std::fprintf(f, "%lld,%lld,%lld,%lld,%lld,%s,%s,%s,%d,%.9g,%.6g,%.4g,%.4g\n",
+                   static_cast<long long>(r.seqlen), static_cast<long long>(bc.batch),
+                   static_cast<long long>(bc.heads_q), static_cast<long long>(bc.heads_kv),
+                   static_cast<long long>(bc.head_dim), std::string(name_of(r.dtype)).c_str(),
+                   std::string(name_of(r.causal)).c_str(), std::string(name_of(r.backend)).c_str(),
+                   threads, r.seconds, r.gflops, peak > 0 ? 100 * r.gflops / peak : 0.0, r.speedup);
+    }
+    std::fclose(f);
+  }
+  if (!bc.json.empty()) {
+    std::string items;
+    for (const BenchRow& r : rows) {
+      JsonObject j;
+      j.add("seqlen", r.seqlen);
+      j.add("dtype", name_of(r.dtype));
+      j.add("causal", name_of(r.causal));
+      j.add("backend", name_of(r.backend));
+      j.add("seconds", r.seconds);
+      j.add("gflops", r.gflops);
+      j.add("percent_of_peak", peak > 0 ? 100 * r.gflops / peak : 0.0);
+      j.add("speedup_vs_math", r.speedup);
+      items += (items.empty() ? "" : ", ") + j.str();
+    }
+    JsonObject top;
+    top.add("version", attncore::version());
+    top.add("batch", bc.batch);
+    top.add("heads_q", bc.heads_q);
+    top.add("heads_kv", bc.heads_kv);
+    top.add("head_dim", bc.head_dim);
+    top.add("threads", threads);
+    top.add("peak_gflops", peak);
+    top.add("simd", attncore::simd_target());
+    std::string text = top.str();
+    text.insert(text.size() - 1, ", \"rows\": [" + items + "]");
+    std::FILE* f = std::fopen(bc.json.c_str(), "w");
+    if (f == nullptr) throw UsageError{"--json: cannot write '" + bc.json + "'"};
+    std::fprintf(f, "%s\n", text.c_str());
+    std::fclose(f);
+  }
+  if (!bc.png.empty()) {
+    attncore_tools::LineChart chart;
+    chart.title = "b=" + std::to_string(bc.batch) + " hq=" + std::to_string(bc.heads_q) +
+                  " d=" + std::to_string(bc.head_dim) + ", " + std::to_string(threads) +
+                  " threads, peak " + format("%.0f", peak);
+    chart.x_label = "sequence length (lq = lk)";
+    chart.y_label = "gflop/s";
+    for (Backend backend : backends) {
+      for (DType dtype : bc.dtypes) {
+        for (Causal causal : bc.causals) {
+          attncore_tools::Series s;
+          s.name = std::string(name_of(backend)) + " " + std::string(name_of(dtype)) + " " +
+                   std::string(name_of(causal));
+          for (const BenchRow& r : rows) {
+            if (r.backend == backend && r.dtype == dtype && r.causal == causal) {
+              s.points.emplace_back(static_cast<double>(r.seqlen), r.gflops);
+            }
+          }
+          chart.series.push_back(s);
+        }
+      }
+    }
+    if (!attncore_tools::write_line_chart(chart, bc.png)) {
+      throw UsageError{"--png: cannot write '" + bc.png + "'"};
+    }
+  }
+  return kExitOk;
+}
+
 int dispatch(const std::vector<std::string>& args) {
   if (args.empty()) return cmd_default();
   const std::string& cmd = args[0];
   const std::vector<std::string> rest(args.begin() + 1, args.end());
   if (cmd == "info") return cmd_info(rest);
   if (cmd == "run") return cmd_run(rest);
+  if (cmd == "bench") return cmd_bench(rest);
   if (cmd == "help" || cmd == "--help" || cmd == "-h") {
     std::fputs(kUsage, stdout);
     return kExitOk;

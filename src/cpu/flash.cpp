@@ -135,13 +135,18 @@ void flash_forward(const Problem& p, const ForwardArgs& a) {
   };
   AlignedFloats scratch(threads * scratch_floats);
 
-  // Few items per kv group (decode, short prompts) and several groups: each thread takes whole
-  // groups and packs them into its own panel. Else the groups go one after the other, their
-  // packing and their items shared by all threads. Items compute the same either way.
-  const bool private_panels = plan.count < 2 * threads && groups >= threads;
-  if (private_panels) {
-    // A group with one item packs each tile just before its use instead (no panel at all).
-    const bool on_the_fly = plan.count == 1;
+  // Enough kv groups to keep every thread busy on whole groups (each thread packs its groups
+  // into its own panel, no barrier between groups), and panels small next to the operands
+  // (at most 1/8 of q, k, v and out together): groups are spread over the threads. Else the
+  // groups go one after the other, their packing and their items shared by all threads.
+  // A group with one item (decode) packs each tile just before its use, into scratch: no
+  // panel at all. Items compute the same in every mode.
+  const bool on_the_fly = plan.count == 1 && groups >= threads;
+  const double operand_floats =
+      static_cast<double>(p.batch) * static_cast<double>(p.heads_q * p.seqlen_q * (d + p.head_dim_v) +
+                                                         p.heads_kv * p.seqlen_k * (d + p.head_dim_v));
+  const bool spread = groups >= 2 * threads || groups % threads == 0;
+  if (on_the_fly || (spread && 8.0 * threads * static_cast<double>(panel_floats) <= operand_floats)) {
     AlignedFloats panels(on_the_fly ? 1 : threads * panel_floats);
     std::atomic<std::int64_t> next{0};
     run_tasks(threads, threads, [&](int slot) {
