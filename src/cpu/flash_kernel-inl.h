@@ -134,10 +134,18 @@ inline void apply_score_mods(const Problem& p, std::int64_t b, std::int64_t h, s
   }
 }
 
-// Every dtype computed in f32: queries pre-scaled and transposed per micro-tile, K transposed
-// per tile, V in rows, P in f32.
+// Every dtype computed in f32: queries pre-scaled and transposed per micro-tile, P in f32.
+// Tiles are laid out so that each micro-kernel call streams one contiguous block:
+// K as [kKeyTile / kTileCols][D][kTileCols], V as [dv_pad / kTileCols][kKeyTile][kTileCols].
 struct F32Dot {
   static constexpr bool kScaledQueries = true;
+
+  static std::int64_t k_index(std::int64_t d_count, std::int64_t e, std::int64_t c) {
+    return (c / kTileCols) * d_count * kTileCols + e * kTileCols + c % kTileCols;
+  }
+  static std::int64_t v_index(std::int64_t c, std::int64_t e) {
+    return (e / kTileCols) * kKeyTile * kTileCols + c * kTileCols + e % kTileCols;
+  }
 
   // s[r][c] = sum_d q_t[d][r] * k_tile[d][c] for r < kTileRows, c < kTileCols. The queries come
   // transposed ([D][kTileRows]) so that one pointer with constant offsets reaches every row.
@@ -146,7 +154,7 @@ struct F32Dot {
     for (std::int64_t d = 0; d < d_count; ++d) {
       Vec k[kTileVectors];
   #pragma GCC unroll 4
-      for (int v = 0; v < kTileVectors; ++v) k[v] = load(k_tile + d * kKeyTile + v * kLanes);
+      for (int v = 0; v < kTileVectors; ++v) k[v] = load(k_tile + d * kTileCols + v * kLanes);
   #pragma GCC unroll 16
       for (int r = 0; r < kTileRows; ++r) {
         const Vec a = splat(q_t[d * kTileRows + r]);
@@ -162,7 +170,7 @@ struct F32Dot {
   }
 
   // o[r][c] = alpha[r] * o[r][c] + sum_j p[r][j] * v[j][c] for r < kTileRows, c < kTileCols.
-  static void pv_micro(const float* p, const float* v, std::int64_t ldv, const float* alpha,
+  static void pv_micro(const float* p, const float* v, const float* alpha,
                        float* o, std::int64_t ldo) {
     Vec acc[kTileRows][kTileVectors];
   #pragma GCC unroll 16
@@ -174,7 +182,7 @@ struct F32Dot {
     for (int j = 0; j < kKeyTile; ++j) {
       Vec vv[kTileVectors];
   #pragma GCC unroll 4
-      for (int c = 0; c < kTileVectors; ++c) vv[c] = load(v + j * ldv + c * kLanes);
+      for (int c = 0; c < kTileVectors; ++c) vv[c] = load(v + j * kTileCols + c * kLanes);
   #pragma GCC unroll 16
       for (int r = 0; r < kTileRows; ++r) {
         const Vec pr = splat(p[r * kKeyTile + j]);
@@ -204,40 +212,40 @@ struct F32Dot {
         if (a.k.dtype == DType::f32) {
           const float* src = static_cast<const float*>(a.k.data) + k0;
           for (std::int64_t c = 0; c < keys; ++c) {
-            for (std::int64_t e = e0; e < e1; ++e) kt[e * kKeyTile + c] = src[c * ldk + e];
+            for (std::int64_t e = e0; e < e1; ++e) kt[k_index(d, e, c)] = src[c * ldk + e];
           }
         } else if (a.k.dtype == DType::bf16) {
           const std::uint16_t* src = static_cast<const std::uint16_t*>(a.k.data) + k0;
           for (std::int64_t c = 0; c < keys; ++c) {
             for (std::int64_t e = e0; e < e1; ++e) {
               const std::uint32_t bits = static_cast<std::uint32_t>(src[c * ldk + e]) << 16;
-              std::memcpy(&kt[e * kKeyTile + c], &bits, sizeof(float));
+              std::memcpy(&kt[k_index(d, e, c)], &bits, sizeof(float));
             }
           }
         } else {
           for (std::int64_t c = 0; c < keys; ++c) {
             for (std::int64_t e = e0; e < e1; ++e) {
-              kt[e * kKeyTile + c] = load_element<float>(a.k.data, a.k.dtype, k0 + c * ldk + e);
+              kt[k_index(d, e, c)] = load_element<float>(a.k.data, a.k.dtype, k0 + c * ldk + e);
             }
           }
         }
         for (std::int64_t e = e0; e < e1; ++e) {
-          for (std::int64_t c = keys; c < kKeyTile; ++c) kt[e * kKeyTile + c] = 0.0f;
+          for (std::int64_t c = keys; c < kKeyTile; ++c) kt[k_index(d, e, c)] = 0.0f;
         }
       }
       for (std::int64_t c = 0; c < kKeyTile; ++c) {
-        float* row = vt + c * dv_pad;
-        std::int64_t filled = 0;
-        if (c < keys) {
-          const std::int64_t src = offset4(a.v, b, kv_head, j0 + c, 0);
-          if (a.v.dtype == DType::f32) {
-            std::memcpy(row, static_cast<const float*>(a.v.data) + src, static_cast<std::size_t>(dv) * sizeof(float));
-          } else {
-            load_row(a.v.data, a.v.dtype, src, dv, row);
+        const std::int64_t src = offset4(a.v, b, kv_head, j0 + c, 0);
+        for (std::int64_t e0 = 0; e0 < dv_pad; e0 += kTileCols) {
+          float* chunk = vt + v_index(c, e0);  // kTileCols columns of key c
+          const std::int64_t n = c < keys ? std::clamp<std::int64_t>(dv - e0, 0, kTileCols) : 0;
+          if (n > 0 && a.v.dtype == DType::f32) {
+            std::memcpy(chunk, static_cast<const float*>(a.v.data) + src + e0,
+                        static_cast<std::size_t>(n) * sizeof(float));
+          } else if (n > 0) {
+            load_row(a.v.data, a.v.dtype, src + e0, n, chunk);
           }
-          filled = dv;
+          for (std::int64_t e = n; e < kTileCols; ++e) chunk[e] = 0.0f;
         }
-        for (std::int64_t e = filled; e < dv_pad; ++e) row[e] = 0.0f;
       }
     }
   }
@@ -266,7 +274,8 @@ struct F32Dot {
                      std::int64_t padded_rows, float* s) {
     for (std::int64_t r = 0; r < padded_rows; r += kTileRows) {
       for (int c = 0; c < kKeyTile; c += kTileCols) {
-        qk_micro(q + r * p.head_dim, k_tile + c, p.head_dim, s + r * kKeyTile + c);
+        qk_micro(q + r * p.head_dim, k_tile + k_index(p.head_dim, 0, c), p.head_dim,
+                 s + r * kKeyTile + c);
       }
     }
   }
@@ -277,7 +286,8 @@ struct F32Dot {
                          float* out) {
     for (std::int64_t r = 0; r < padded_rows; r += kTileRows) {
       for (std::int64_t c = 0; c < dv_pad; c += kTileCols) {
-        pv_micro(probs + r * kKeyTile, v_tile + c, dv_pad, alpha + r, out + r * dv_pad + c, dv_pad);
+        pv_micro(probs + r * kKeyTile, v_tile + v_index(0, c), alpha + r, out + r * dv_pad + c,
+                 dv_pad);
       }
     }
   }
@@ -292,13 +302,21 @@ struct Bf16Dot {
   static_assert(kLanes == 16, "one zmm of f32 lanes per vector");
 
   static std::int64_t pairs(std::int64_t n) { return (n + 1) / 2; }
+  // Tiles in units of bf16 pairs, each micro-kernel call streaming one contiguous block:
+  // K as [kKeyTile / kTileCols][D / 2][kTileCols], V as [dv_pad / kTileCols][kKeyTile / 2][kTileCols].
+  static std::int64_t k_index(std::int64_t d_pairs, std::int64_t e2, std::int64_t c) {
+    return (c / kTileCols) * d_pairs * kTileCols + e2 * kTileCols + c % kTileCols;
+  }
+  static std::int64_t v_index(std::int64_t c2, std::int64_t e) {
+    return (e / kTileCols) * (kKeyTile / 2) * kTileCols + c2 * kTileCols + e % kTileCols;
+  }
   static __m512bh splat_pair(std::uint32_t pair) {
     return (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
   }
   static __m512bh load_pairs(const std::uint32_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
-  // K tile t: kt [D/2][kKeyTile] pairs (d, d+1) of one key; V tile: vt [kKeyTile/2][dv_pad]
-  // pairs (key j, key j+1) of one column; zero past Lk, D and Dv.
+  // K tile t: pairs (d, d+1) of one key; V tile: pairs (key j, key j+1) of one column; zero
+  // past Lk, D and Dv.
   static void pack_tile(const Problem& p, const ForwardArgs& a, std::int64_t b,
                         std::int64_t kv_head, std::int64_t t, float* kt_floats,
                         float* vt_floats, std::int64_t dv_pad) {
@@ -316,7 +334,7 @@ struct Bf16Dot {
           pair = row[2 * e2];
           if (2 * e2 + 1 < d) pair |= static_cast<std::uint32_t>(row[2 * e2 + 1]) << 16;
         }
-        kt[e2 * kKeyTile + c] = pair;
+        kt[k_index(d_pairs, e2, c)] = pair;
       }
     }
     const auto* v = static_cast<const std::uint16_t*>(a.v.data) + offset4(a.v, b, kv_head, j0, 0);
@@ -324,11 +342,10 @@ struct Bf16Dot {
       const std::uint16_t* lo = v + 2 * c2 * a.v.stride[2];
       const std::uint16_t* hi = lo + a.v.stride[2];
       const bool has_lo = 2 * c2 < keys, has_hi = 2 * c2 + 1 < keys;
-      std::uint32_t* out = vt + c2 * dv_pad;
       for (std::int64_t e = 0; e < dv_pad; ++e) {
         const std::uint32_t l = has_lo && e < dv ? lo[e] : 0u;
         const std::uint32_t h = has_hi && e < dv ? hi[e] : 0u;
-        out[e] = l | (h << 16);
+        vt[v_index(c2, e)] = l | (h << 16);
       }
     }
   }
@@ -368,7 +385,7 @@ struct Bf16Dot {
         for (std::int64_t e2 = 0; e2 < d_pairs; ++e2) {
           __m512bh k[kTileVectors];
 #pragma GCC unroll 4
-          for (int v = 0; v < kTileVectors; ++v) k[v] = load_pairs(kt + e2 * kKeyTile + c + v * kLanes);
+          for (int v = 0; v < kTileVectors; ++v) k[v] = load_pairs(kt + k_index(d_pairs, e2, c) + v * kLanes);
 #pragma GCC unroll 16
           for (int r = 0; r < kTileRows; ++r) {
             const __m512bh a = splat_pair(q_tile[e2 * kTileRows + r]);
@@ -412,7 +429,7 @@ struct Bf16Dot {
         for (int j2 = 0; j2 < kKeyTile / 2; ++j2) {
           __m512bh vv[kTileVectors];
 #pragma GCC unroll 4
-          for (int v = 0; v < kTileVectors; ++v) vv[v] = load_pairs(vt + j2 * dv_pad + c + v * kLanes);
+          for (int v = 0; v < kTileVectors; ++v) vv[v] = load_pairs(vt + v_index(j2, c) + v * kLanes);
 #pragma GCC unroll 16
           for (int r = 0; r < kTileRows; ++r) {
             const __m512bh pr = splat_pair(p16[(r0 + r) * (kKeyTile / 2) + j2]);
