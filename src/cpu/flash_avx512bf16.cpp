@@ -6,6 +6,7 @@
 #define ATTNCORE_TARGET_PRAGMA _Pragma("GCC target(\"avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,avx512bf16\")")
 #define ATTNCORE_LANES 16
 #define ATTNCORE_BF16_DOT 1
+#define ATTNCORE_TILE_VECTORS 2
 #define ATTNCORE_TILE_ROWS 8
 #include "cpu/flash_kernel-inl.h"
 

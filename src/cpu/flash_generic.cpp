@@ -6,6 +6,7 @@
 #define ATTNCORE_TARGET_PRAGMA 
 #define ATTNCORE_LANES 4
 #define ATTNCORE_BF16_DOT 0
+#define ATTNCORE_TILE_VECTORS 2
 #define ATTNCORE_TILE_ROWS 6
 #include "cpu/flash_kernel-inl.h"
 

@@ -4,6 +4,7 @@
 //   ATTNCORE_TARGET_PRAGMA  _Pragma("GCC target(...)") for the target's ISA, or nothing
 //   ATTNCORE_LANES          f32 lanes per vector (16, 8, 4)
 //   ATTNCORE_TILE_ROWS      rows of the QK and PV micro-tiles
+//   ATTNCORE_TILE_VECTORS   width of the micro-tiles in vectors
 //   ATTNCORE_BF16_DOT       1: bf16 inputs run on native bf16 dot products (AVX512-BF16)
 // The headers come first, outside the target region, so that their inline helpers stay
 // baseline code (a target function may inline them; no baseline caller ever gets a target
@@ -41,7 +42,7 @@ namespace attncore::detail::ATTNCORE_TARGET_NS {
 
 constexpr int kLanes = ATTNCORE_LANES;
 constexpr int kTileRows = ATTNCORE_TILE_ROWS;
-constexpr int kTileVectors = 2;  // micro-tile width in vectors (QK: keys, PV: Dv columns)
+constexpr int kTileVectors = ATTNCORE_TILE_VECTORS;  // micro-tile width in vectors (QK: keys, PV: Dv)
 constexpr int kTileCols = kTileVectors * kLanes;
 // Rows per work item: 8 micro-tiles. 64 rows (AVX-512) keep q, S, O of a D=128 block at
 // 80 KiB, well inside L2, and give 2 threads 8 items at L = 256 per head.
