@@ -74,7 +74,8 @@ struct Rgb {
 
 class Image {
  public:
-  Image(int width, int height) : width_(width), height_(height), pixels_(3u * width * height, 255) {}
+  Image(int width, int height)
+      : width_(width), height_(height), pixels_(3u * width * height, 255) {}
 
   void set(int x, int y, Rgb c) {
     if (x < 0 || y < 0 || x >= width_ || y >= height_) return;
@@ -111,7 +112,8 @@ class Image {
     for (char ch : s) {
       const char lower = (ch >= 'A' && ch <= 'Z') ? static_cast<char>(ch - 'A' + 'a') : ch;
       // Letters with descenders sit two font rows lower.
-      const int drop = (lower == 'g' || lower == 'j' || lower == 'p' || lower == 'q' || lower == 'y') ? 2 : 0;
+      const int drop =
+          (lower == 'g' || lower == 'j' || lower == 'p' || lower == 'q' || lower == 'y') ? 2 : 0;
       for (const Glyph& g : kFont) {
         if (g.c != lower) continue;
         for (int row = 0; row < 7; ++row)
@@ -124,7 +126,9 @@ class Image {
       x += 6 * scale;
     }
   }
-  static int text_width(const std::string& s, int scale = 1) { return static_cast<int>(s.size()) * 6 * scale; }
+  static int text_width(const std::string& s, int scale = 1) {
+    return static_cast<int>(s.size()) * 6 * scale;
+  }
 
   bool write_png(const std::string& path) const;
 
@@ -152,7 +156,8 @@ void put32(std::vector<std::uint8_t>& out, std::uint32_t v) {
   for (int s = 24; s >= 0; s -= 8) out.push_back(static_cast<std::uint8_t>(v >> s));
 }
 
-void chunk(std::vector<std::uint8_t>& out, const char* type, const std::vector<std::uint8_t>& data) {
+void chunk(std::vector<std::uint8_t>& out, const char* type,
+           const std::vector<std::uint8_t>& data) {
   put32(out, static_cast<std::uint32_t>(data.size()));
   std::vector<std::uint8_t> body(type, type + 4);
   body.insert(body.end(), data.begin(), data.end());
@@ -166,7 +171,8 @@ bool Image::write_png(const std::string& path) const {
   raw.reserve(static_cast<std::size_t>(height_) * (3u * width_ + 1));
   for (int y = 0; y < height_; ++y) {
     raw.push_back(0);
-    raw.insert(raw.end(), pixels_.begin() + 3u * y * width_, pixels_.begin() + 3u * (y + 1) * width_);
+    raw.insert(raw.end(), pixels_.begin() + 3u * y * width_,
+               pixels_.begin() + 3u * (y + 1) * width_);
   }
   // zlib: header, deflate stored blocks of at most 65535 bytes, Adler-32.
   std::vector<std::uint8_t> z = {0x78, 0x01};
@@ -177,7 +183,8 @@ bool Image::write_png(const std::string& path) const {
     z.push_back(static_cast<std::uint8_t>(n >> 8));
     z.push_back(static_cast<std::uint8_t>(~n));
     z.push_back(static_cast<std::uint8_t>(~n >> 8));
-    z.insert(z.end(), raw.begin() + static_cast<std::ptrdiff_t>(at), raw.begin() + static_cast<std::ptrdiff_t>(at + n));
+    z.insert(z.end(), raw.begin() + static_cast<std::ptrdiff_t>(at),
+             raw.begin() + static_cast<std::ptrdiff_t>(at + n));
     at += n;
   }
   std::uint32_t a = 1, b = 0;
@@ -212,8 +219,8 @@ bool write_line_chart(const LineChart& chart, const std::string& path) {
   constexpr int kWidth = 960, kHeight = 600;
   constexpr int kLeft = 90, kRight = 30, kTop = 60, kBottom = 70;
   constexpr Rgb kInk{40, 40, 40}, kGrid{225, 225, 225};
-  constexpr Rgb kColors[] = {{31, 119, 180}, {255, 127, 14}, {44, 160, 44}, {214, 39, 40},
-                             {148, 103, 189}, {140, 86, 75}, {227, 119, 194}, {127, 127, 127}};
+  constexpr Rgb kColors[] = {{31, 119, 180},  {255, 127, 14}, {44, 160, 44},   {214, 39, 40},
+                             {148, 103, 189}, {140, 86, 75},  {227, 119, 194}, {127, 127, 127}};
   Image img(kWidth, kHeight);
   double x_min = INFINITY, x_max = -INFINITY, y_max = 0;
   for (const Series& s : chart.series) {
@@ -241,7 +248,9 @@ bool write_line_chart(const LineChart& chart, const std::string& path) {
     return kLeft + static_cast<int>(std::lround((std::log2(x) - std::log2(x_min)) /
                                                 (std::log2(x_max) - std::log2(x_min)) * plot_w));
   };
-  auto py = [&](double y) { return kTop + plot_h - static_cast<int>(std::lround(y / y_top * plot_h)); };
+  auto py = [&](double y) {
+    return kTop + plot_h - static_cast<int>(std::lround(y / y_top * plot_h));
+  };
 
   for (double y = 0; y <= y_top + step / 2; y += step) {
     img.line(kLeft, py(y), kLeft + plot_w, py(y), kGrid);
@@ -260,7 +269,8 @@ bool write_line_chart(const LineChart& chart, const std::string& path) {
   }
   img.line(kLeft, kTop, kLeft, kTop + plot_h, kInk, 2);
   img.line(kLeft, kTop + plot_h, kLeft + plot_w, kTop + plot_h, kInk, 2);
-  img.text(kLeft + plot_w / 2 - Image::text_width(chart.x_label, 2) / 2, kHeight - 30, chart.x_label, kInk, 2);
+  img.text(kLeft + plot_w / 2 - Image::text_width(chart.x_label, 2) / 2, kHeight - 30,
+           chart.x_label, kInk, 2);
   img.text(10, 20, chart.y_label, kInk, 2);
   img.text(kWidth - kRight - Image::text_width(chart.title, 2), 20, chart.title, kInk, 2);
 

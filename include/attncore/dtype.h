@@ -17,22 +17,32 @@ enum class DType : std::uint8_t {
 
 constexpr std::size_t size_of(DType t) {
   switch (t) {
-    case DType::f32: return 4;
-    case DType::f64: return 8;
-    case DType::bf16: return 2;
-    case DType::f16: return 2;
-    case DType::b8: return 1;
+    case DType::f32:
+      return 4;
+    case DType::f64:
+      return 8;
+    case DType::bf16:
+      return 2;
+    case DType::f16:
+      return 2;
+    case DType::b8:
+      return 1;
   }
   return 0;
 }
 
 constexpr std::string_view name_of(DType t) {
   switch (t) {
-    case DType::f32: return "f32";
-    case DType::f64: return "f64";
-    case DType::bf16: return "bf16";
-    case DType::f16: return "f16";
-    case DType::b8: return "bool";
+    case DType::f32:
+      return "f32";
+    case DType::f64:
+      return "f64";
+    case DType::bf16:
+      return "bf16";
+    case DType::f16:
+      return "f16";
+    case DType::b8:
+      return "bool";
   }
   return "?";
 }
@@ -56,7 +66,8 @@ struct bf16 {
   static std::uint16_t from_float(float f) {
     std::uint32_t u;
     std::memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+      return static_cast<std::uint16_t>((u >> 16) | 0x40u);  // quiet NaN
     u += 0x7fffu + ((u >> 16) & 1u);
     return static_cast<std::uint16_t>(u >> 16);
   }
@@ -99,7 +110,8 @@ struct f16 {
     const std::uint16_t sign = static_cast<std::uint16_t>((u >> 16) & 0x8000u);
     const std::uint32_t abs = u & 0x7fffffffu;
     if (abs > 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7e00u);  // NaN
-    if (abs >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds to >= 65520: inf
+    if (abs >= 0x477ff000u)
+      return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds to >= 65520: inf
     if (abs < 0x38800000u) {  // below the smallest normal half (2^-14): subnormal or zero
       if (abs < 0x33000000u) return sign;  // below half the smallest subnormal (2^-25): zero
       const std::uint32_t exp = abs >> 23;

@@ -7,10 +7,10 @@
 namespace attncore {
 
 struct CpuInfo {
-  std::string vendor;                  // "AuthenticAMD", ...
-  std::string brand;                   // "AMD EPYC ..."
-  int logical_cores = 1;               // std::thread::hardware_concurrency()
-  std::vector<std::string> features;   // "avx2", "fma", "avx512f", "avx512bf16", ...
+  std::string vendor;                 // "AuthenticAMD", ...
+  std::string brand;                  // "AMD EPYC ..."
+  int logical_cores = 1;              // std::thread::hardware_concurrency()
+  std::vector<std::string> features;  // "avx2", "fma", "avx512f", "avx512bf16", ...
   bool has(const std::string& feature) const;
 };
 

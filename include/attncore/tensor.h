@@ -56,7 +56,9 @@ class Tensor {
   std::int64_t numel() const { return view_.numel(); }
   bool defined() const { return view_.rank > 0; }
   template <class T>
-  T* data_as() const { return static_cast<T*>(view_.data); }
+  T* data_as() const {
+    return static_cast<T*>(view_.data);
+  }
 
  private:
   struct Free {

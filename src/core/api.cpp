@@ -31,7 +31,8 @@ bool flash_supports(const Problem& p) { return p.dtype != DType::f64; }
 
 Backend choose(const char* op, const Problem& p, Backend requested, bool is_backward) {
   switch (requested) {
-    case Backend::reference: return Backend::reference;
+    case Backend::reference:
+      return Backend::reference;
     case Backend::flash:
       if (is_backward) {
         throw Unsupported(std::string(op) +
@@ -93,8 +94,9 @@ void run_backward(const Problem& p, const BackwardArgs& args, Backend backend) {
 
 }  // namespace
 
-void forward_into(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                  const std::optional<TensorView>& lse, const Options& options, Backend backend) {
+void forward_into(const TensorView& q, const TensorView& k, const TensorView& v,
+                  const TensorView& out, const std::optional<TensorView>& lse,
+                  const Options& options, Backend backend) {
   const ForwardArgs args{q, k, v, out, lse.value_or(TensorView{})};
   Problem p = detail::validate_forward(args, options, backend, /*check_outputs=*/true);
   p.threads = detail::resolve_threads(p.threads);
@@ -109,7 +111,8 @@ ForwardResult forward(const TensorView& q, const TensorView& k, const TensorView
   ForwardResult r;
   guarded("forward", "allocating out and lse", [&] {
     r.out = Tensor(p.dtype, {p.batch, p.heads_q, p.seqlen_q, p.head_dim_v});
-    r.lse = Tensor(p.dtype == DType::f64 ? DType::f64 : DType::f32, {p.batch, p.heads_q, p.seqlen_q});
+    r.lse =
+        Tensor(p.dtype == DType::f64 ? DType::f64 : DType::f32, {p.batch, p.heads_q, p.seqlen_q});
   });
   args.out = r.out;
   args.lse = r.lse;
@@ -117,9 +120,10 @@ ForwardResult forward(const TensorView& q, const TensorView& k, const TensorView
   return r;
 }
 
-void backward_into(const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
-                   const TensorView& out, const TensorView& lse, const TensorView& dq, const TensorView& dk,
-                   const TensorView& dv, const std::optional<TensorView>& dbias, const Options& options,
+void backward_into(const TensorView& dout, const TensorView& q, const TensorView& k,
+                   const TensorView& v, const TensorView& out, const TensorView& lse,
+                   const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                   const std::optional<TensorView>& dbias, const Options& options,
                    Backend backend) {
   const BackwardArgs args{dout, q, k, v, out, lse, dq, dk, dv, dbias.value_or(TensorView{})};
   Problem p = detail::validate_backward(args, options, backend, /*check_outputs=*/true);
@@ -138,7 +142,8 @@ BackwardResult backward(const TensorView& dout, const TensorView& q, const Tenso
     r.dq = Tensor(p.dtype, {p.batch, p.heads_q, p.seqlen_q, p.head_dim});
     r.dk = Tensor(p.dtype, {p.batch, p.heads_kv, p.seqlen_k, p.head_dim});
     r.dv = Tensor(p.dtype, {p.batch, p.heads_kv, p.seqlen_k, p.head_dim_v});
-    if (p.compute_dbias) r.dbias = Tensor(p.mask_original.dtype, p.mask_original.shape.data(), p.mask_original.rank);
+    if (p.compute_dbias)
+      r.dbias = Tensor(p.mask_original.dtype, p.mask_original.shape.data(), p.mask_original.rank);
   });
   args.dq = r.dq;
   args.dk = r.dk;

@@ -9,21 +9,24 @@
 namespace attncore::detail {
 
 // Element offset of index (i0, i1, i2, i3) in a rank-4 view (in elements).
-inline std::int64_t offset4(const TensorView& t, std::int64_t i0, std::int64_t i1,
-                            std::int64_t i2, std::int64_t i3) {
+inline std::int64_t offset4(const TensorView& t, std::int64_t i0, std::int64_t i1, std::int64_t i2,
+                            std::int64_t i3) {
   return i0 * t.stride[0] + i1 * t.stride[1] + i2 * t.stride[2] + i3 * t.stride[3];
 }
 
 template <class T>
 inline T load_element(const void* base, DType dtype, std::int64_t index) {
   switch (dtype) {
-    case DType::f32: return static_cast<T>(static_cast<const float*>(base)[index]);
-    case DType::f64: return static_cast<T>(static_cast<const double*>(base)[index]);
+    case DType::f32:
+      return static_cast<T>(static_cast<const float*>(base)[index]);
+    case DType::f64:
+      return static_cast<T>(static_cast<const double*>(base)[index]);
     case DType::bf16:
       return static_cast<T>(bf16::to_float(static_cast<const std::uint16_t*>(base)[index]));
     case DType::f16:
       return static_cast<T>(f16::to_float(static_cast<const std::uint16_t*>(base)[index]));
-    case DType::b8: return static_cast<const std::uint8_t*>(base)[index] ? T(1) : T(0);
+    case DType::b8:
+      return static_cast<const std::uint8_t*>(base)[index] ? T(1) : T(0);
   }
   return T(0);
 }
@@ -31,15 +34,21 @@ inline T load_element(const void* base, DType dtype, std::int64_t index) {
 template <class T>
 inline void store_element(void* base, DType dtype, std::int64_t index, T value) {
   switch (dtype) {
-    case DType::f32: static_cast<float*>(base)[index] = static_cast<float>(value); return;
-    case DType::f64: static_cast<double*>(base)[index] = static_cast<double>(value); return;
+    case DType::f32:
+      static_cast<float*>(base)[index] = static_cast<float>(value);
+      return;
+    case DType::f64:
+      static_cast<double*>(base)[index] = static_cast<double>(value);
+      return;
     case DType::bf16:
       static_cast<std::uint16_t*>(base)[index] = bf16::from_float(static_cast<float>(value));
       return;
     case DType::f16:
       static_cast<std::uint16_t*>(base)[index] = f16::from_float(static_cast<float>(value));
       return;
-    case DType::b8: static_cast<std::uint8_t*>(base)[index] = value != T(0); return;
+    case DType::b8:
+      static_cast<std::uint8_t*>(base)[index] = value != T(0);
+      return;
   }
 }
 

@@ -49,11 +49,12 @@ class DbiasAccumulator {
       for (std::int64_t b = 0; b < shape[1]; ++b)
         for (std::int64_t c = 0; c < shape[2]; ++c)
           for (std::int64_t e = 0; e < shape[3]; ++e) {
-            const double value = values_[static_cast<std::size_t>(
-                a * stride_[0] + b * stride_[1] + c * stride_[2] + e * stride_[3])];
-            store_element(dbias.data, dbias.dtype,
-                          a * dst_stride[0] + b * dst_stride[1] + c * dst_stride[2] + e * dst_stride[3],
-                          value);
+            const double value = values_[static_cast<std::size_t>(a * stride_[0] + b * stride_[1] +
+                                                                  c * stride_[2] + e * stride_[3])];
+            store_element(
+                dbias.data, dbias.dtype,
+                a * dst_stride[0] + b * dst_stride[1] + c * dst_stride[2] + e * dst_stride[3],
+                value);
           }
   }
 

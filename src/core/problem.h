@@ -24,9 +24,9 @@ struct Problem {
 
   double scale = 1.0;
   Causal causal = Causal::none;
-  std::int64_t window_left = -1;   // -1 = unbounded; windows wider than Lq + Lk become -1
+  std::int64_t window_left = -1;  // -1 = unbounded; windows wider than Lq + Lk become -1
   std::int64_t window_right = -1;
-  double softcap = 0.0;            // 0 = off
+  double softcap = 0.0;  // 0 = off
 
   // ALiBi slope of (b, h) is alibi[b * alibi_stride_b + h * alibi_stride_h] (f32).
   const float* alibi = nullptr;

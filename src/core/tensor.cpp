@@ -1,18 +1,19 @@
 // TensorView helpers, Tensor storage, and the names of the public enums.
+#include "attncore/tensor.h"
+
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
 
 #include "attncore/error.h"
 #include "attncore/options.h"
-#include "attncore/tensor.h"
 
 namespace attncore {
 
 namespace {
 
-TensorView make_view(void* data, DType dtype, const std::int64_t* shape, const std::int64_t* strides,
-                     std::size_t rank) {
+TensorView make_view(void* data, DType dtype, const std::int64_t* shape,
+                     const std::int64_t* strides, std::size_t rank) {
   if (rank > static_cast<std::size_t>(kMaxRank)) {
     throw InvalidArgument("TensorView: rank is too large (rank=" + std::to_string(rank) +
                           ", expected <= " + std::to_string(kMaxRank) + ")");
@@ -41,17 +42,18 @@ TensorView make_view(void* data, DType dtype, const std::int64_t* shape, const s
 
 }  // namespace
 
-TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list<std::int64_t> shape) {
+TensorView TensorView::contiguous(void* data, DType dtype,
+                                  std::initializer_list<std::int64_t> shape) {
   return make_view(data, dtype, shape.begin(), nullptr, shape.size());
 }
 
 TensorView TensorView::strided(void* data, DType dtype, std::initializer_list<std::int64_t> shape,
                                std::initializer_list<std::int64_t> strides) {
   if (shape.size() != strides.size()) {
-    throw InvalidArgument("TensorView: strides do not match the shape (rank=" +
-                          std::to_string(shape.size()) + ", expected " +
-                          std::to_string(shape.size()) + " strides, got " +
-                          std::to_string(strides.size()) + ")");
+    throw InvalidArgument(
+        "TensorView: strides do not match the shape (rank=" + std::to_string(shape.size()) +
+        ", expected " + std::to_string(shape.size()) + " strides, got " +
+        std::to_string(strides.size()) + ")");
   }
   return make_view(data, dtype, shape.begin(), strides.begin(), shape.size());
 }
@@ -73,9 +75,9 @@ std::int64_t TensorView::numel() const {
 
 TensorView TensorView::transposed(int d0, int d1) const {
   if (d0 < 0 || d1 < 0 || d0 >= rank || d1 >= rank) {
-    throw InvalidArgument("TensorView: transposed dimension out of range (dims=" +
-                          std::to_string(d0) + "," + std::to_string(d1) +
-                          ", expected < rank=" + std::to_string(rank) + ")");
+    throw InvalidArgument(
+        "TensorView: transposed dimension out of range (dims=" + std::to_string(d0) + "," +
+        std::to_string(d1) + ", expected < rank=" + std::to_string(rank) + ")");
   }
   TensorView t = *this;
   std::swap(t.shape[static_cast<std::size_t>(d0)], t.shape[static_cast<std::size_t>(d1)]);
@@ -100,8 +102,9 @@ Tensor::Tensor(DType dtype, const std::int64_t* shape, int rank) {
   view_ = make_view(nullptr, dtype, shape, nullptr, static_cast<std::size_t>(rank));
   const std::int64_t n = view_.numel();
   if (n < 0 || static_cast<std::uint64_t>(n) > (UINT64_MAX >> 4) / size_of(dtype)) {
-    throw InvalidArgument("Tensor: shape " + view_.shape_string() +
-                          " has too many elements (expected numel * element size to fit in memory)");
+    throw InvalidArgument(
+        "Tensor: shape " + view_.shape_string() +
+        " has too many elements (expected numel * element size to fit in memory)");
   }
   // 64-byte aligned and rounded up to a whole cache line, as aligned_alloc requires.
   const std::size_t bytes = (static_cast<std::size_t>(n) * size_of(dtype) + 63) & ~std::size_t{63};
@@ -118,19 +121,26 @@ Tensor::Tensor(DType dtype, const std::int64_t* shape, int rank) {
 
 std::string_view name_of(Causal c) {
   switch (c) {
-    case Causal::none: return "none";
-    case Causal::upper_left: return "upper-left";
-    case Causal::lower_right: return "lower-right";
+    case Causal::none:
+      return "none";
+    case Causal::upper_left:
+      return "upper-left";
+    case Causal::lower_right:
+      return "lower-right";
   }
   return "?";
 }
 
 std::string_view name_of(Backend b) {
   switch (b) {
-    case Backend::automatic: return "auto";
-    case Backend::reference: return "reference";
-    case Backend::math: return "math";
-    case Backend::flash: return "flash";
+    case Backend::automatic:
+      return "auto";
+    case Backend::reference:
+      return "reference";
+    case Backend::math:
+      return "math";
+    case Backend::flash:
+      return "flash";
   }
   return "?";
 }

@@ -94,8 +94,8 @@ class Checker {
 
   void unit_last_stride(const TensorView& t, const char* name) const {
     if (t.rank > 0 && t.size(t.rank - 1) > 1 && t.stride_of(t.rank - 1) != 1) {
-      fail(std::string(name) + " has a non-unit last stride (stride[" +
-           std::to_string(t.rank - 1) + "]=" + std::to_string(t.stride_of(t.rank - 1)) +
+      fail(std::string(name) + " has a non-unit last stride (stride[" + std::to_string(t.rank - 1) +
+           "]=" + std::to_string(t.stride_of(t.rank - 1)) +
            ", expected 1); make the head dimension contiguous");
     }
   }
@@ -104,8 +104,8 @@ class Checker {
   void writable(const TensorView& t, const char* name) const {
     for (int d = 0; d < t.rank; ++d) {
       if (t.size(d) > 1 && t.stride_of(d) == 0) {
-        fail(std::string(name) + " is an output with a zero stride (stride[" +
-             std::to_string(d) + "]=0, expected > 0 on dims of size > 1)");
+        fail(std::string(name) + " is an output with a zero stride (stride[" + std::to_string(d) +
+             "]=0, expected > 0 on dims of size > 1)");
       }
     }
   }
@@ -132,8 +132,8 @@ class Checker {
 };
 
 // Checks of q, k, v and options shared by forward and backward.
-Problem resolve(const Checker& check, const TensorView& q, const TensorView& k,
-                const TensorView& v, const Options& o, Backend backend) {
+Problem resolve(const Checker& check, const TensorView& q, const TensorView& k, const TensorView& v,
+                const Options& o, Backend backend) {
   if (static_cast<unsigned>(backend) > static_cast<unsigned>(Backend::flash)) {
     check.unsupported("backend is not available in this build (backend=" +
                       std::to_string(static_cast<unsigned>(backend)) +
@@ -170,7 +170,8 @@ Problem resolve(const Checker& check, const TensorView& q, const TensorView& k,
   if (p.heads_q < 1) {
     check.fail("query has no heads (Hq=0, expected Hq >= 1)");
   }
-  const std::int64_t k_expected[4] = {p.batch, k.size(1) < 1 ? 1 : k.size(1), p.seqlen_k, p.head_dim};
+  const std::int64_t k_expected[4] = {p.batch, k.size(1) < 1 ? 1 : k.size(1), p.seqlen_k,
+                                      p.head_dim};
   const std::string heads = " with Hq % Hkv == 0 (Hq=" + std::to_string(p.heads_q) +
                             ", Hkv=" + std::to_string(k.size(1)) + ")";
   check.shape(k, "key", k_expected, "[B, Hkv, Lk, D]", heads);

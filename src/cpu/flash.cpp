@@ -32,8 +32,9 @@ struct AlignedFloats {
   };
   std::unique_ptr<float, Free> data;
   explicit AlignedFloats(std::int64_t count) {
-    const std::size_t bytes = (static_cast<std::size_t>(std::max<std::int64_t>(count, 1)) * sizeof(float) + 63) &
-                              ~std::size_t{63};
+    const std::size_t bytes =
+        (static_cast<std::size_t>(std::max<std::int64_t>(count, 1)) * sizeof(float) + 63) &
+        ~std::size_t{63};
     data.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
     if (!data) throw std::bad_alloc();
   }
@@ -42,11 +43,11 @@ struct AlignedFloats {
 
 std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
 
-}  // namespace
-
 // The target chosen by set_simd_target ("" = the best supported one).
 std::mutex g_choice_mutex;
 std::string g_choice;
+
+}  // namespace
 
 std::vector<FlashTarget> flash_targets_compiled() {
 #if defined(__x86_64__)
@@ -58,15 +59,15 @@ std::vector<FlashTarget> flash_targets_compiled() {
 }
 
 bool flash_target_supported(const FlashTarget& t) {
-  const std::string name = t.name;
-  if (name == "generic") return true;
   static const CpuInfo cpu = cpu_info();
-  if (name == "avx2") return cpu.has("avx2") && cpu.has("fma") && cpu.has("f16c");
-  const bool avx512 = cpu.has("avx512f") && cpu.has("avx512bw") && cpu.has("avx512vl") &&
-                      cpu.has("avx512dq") && cpu.has("avx2") && cpu.has("fma") && cpu.has("f16c");
-  if (name == "avx512") return avx512;
-  if (name == "avx512bf16") return avx512 && cpu.has("avx512bf16");
-  return false;
+  const std::string features = t.features;
+  for (std::size_t at = 0; at < features.size();) {
+    std::size_t end = features.find(' ', at);
+    if (end == std::string::npos) end = features.size();
+    if (end > at && !cpu.has(features.substr(at, end - at))) return false;
+    at = end + 1;
+  }
+  return true;
 }
 
 const FlashTarget& flash_target_chosen() {
@@ -116,8 +117,8 @@ void flash_forward(const Problem& p, const ForwardArgs& a) {
   const std::int64_t dv_pad = round_up(p.head_dim_v, layout.dv_align);
   const std::int64_t panel_floats = round_up(tiles * layout.key_tile * (d + dv_pad), 16);
   const std::int64_t scratch_floats =
-      round_up(layout.block_rows * (d + layout.key_tile + dv_pad + 3) + layout.key_tile * (d + dv_pad) +
-                   layout.block_rows * layout.key_tile / 2,
+      round_up(layout.block_rows * (d + layout.key_tile + dv_pad + 3) +
+                   layout.key_tile * (d + dv_pad) + layout.block_rows * layout.key_tile / 2,
                16);
   const int threads = std::max(1, p.threads);
   const ItemPlan plan = plan_items(p, layout.block_rows);
@@ -126,11 +127,14 @@ void flash_forward(const Problem& p, const ForwardArgs& a) {
   auto scratch_of = [&](float* base) {
     const std::int64_t r = layout.block_rows;
     float* tiles_base = base + r * (d + layout.key_tile + dv_pad + 3);
-    return FlashScratch{base, base + r * d, base + r * (d + layout.key_tile),
+    return FlashScratch{base,
+                        base + r * d,
+                        base + r * (d + layout.key_tile),
                         base + r * (d + layout.key_tile + dv_pad),
                         base + r * (d + layout.key_tile + dv_pad + 1),
                         base + r * (d + layout.key_tile + dv_pad + 2),
-                        tiles_base, tiles_base + layout.key_tile * d,
+                        tiles_base,
+                        tiles_base + layout.key_tile * d,
                         tiles_base + layout.key_tile * (d + dv_pad)};
   };
   AlignedFloats scratch(threads * scratch_floats);
@@ -142,11 +146,12 @@ void flash_forward(const Problem& p, const ForwardArgs& a) {
   // A group with one item (decode) packs each tile just before its use, into scratch: no
   // panel at all. Items compute the same in every mode.
   const bool on_the_fly = plan.count == 1 && groups >= threads;
-  const double operand_floats =
-      static_cast<double>(p.batch) * static_cast<double>(p.heads_q * p.seqlen_q * (d + p.head_dim_v) +
-                                                         p.heads_kv * p.seqlen_k * (d + p.head_dim_v));
+  const double operand_floats = static_cast<double>(p.batch) *
+                                static_cast<double>(p.heads_q * p.seqlen_q * (d + p.head_dim_v) +
+                                                    p.heads_kv * p.seqlen_k * (d + p.head_dim_v));
   const bool spread = groups >= 2 * threads || groups % threads == 0;
-  if (on_the_fly || (spread && 8.0 * threads * static_cast<double>(panel_floats) <= operand_floats)) {
+  if (on_the_fly ||
+      (spread && 8.0 * threads * static_cast<double>(panel_floats) <= operand_floats)) {
     AlignedFloats panels(on_the_fly ? 1 : threads * panel_floats);
     std::atomic<std::int64_t> next{0};
     run_tasks(threads, threads, [&](int slot) {
@@ -157,7 +162,8 @@ void flash_forward(const Problem& p, const ForwardArgs& a) {
       for (std::int64_t g = next.fetch_add(1); g < groups; g = next.fetch_add(1)) {
         const std::int64_t b = g / p.heads_kv, kv_head = g % p.heads_kv;
         if (!on_the_fly) target.pack_tiles(p, a, b, kv_head, 0, tiles, k_tiles, v_rows, dv_pad);
-        for (std::int64_t n = 0; n < plan.count; ++n) target.run_block(p, a, panel, plan.item(b, kv_head, n, p), w);
+        for (std::int64_t n = 0; n < plan.count; ++n)
+          target.run_block(p, a, panel, plan.item(b, kv_head, n, p), w);
       }
     });
     return;
@@ -173,12 +179,13 @@ void flash_forward(const Problem& p, const ForwardArgs& a) {
     });
     // Items are handed out in order from one counter (causal items differ in cost).
     std::atomic<std::int64_t> next{0};
-    run_tasks(static_cast<int>(std::min<std::int64_t>(threads, plan.count)), threads, [&](int slot) {
-      const FlashScratch w = scratch_of(scratch.get() + slot * scratch_floats);
-      for (std::int64_t n = next.fetch_add(1); n < plan.count; n = next.fetch_add(1)) {
-        target.run_block(p, a, panel, plan.item(b, kv_head, n, p), w);
-      }
-    });
+    run_tasks(static_cast<int>(std::min<std::int64_t>(threads, plan.count)), threads,
+              [&](int slot) {
+                const FlashScratch w = scratch_of(scratch.get() + slot * scratch_floats);
+                for (std::int64_t n = next.fetch_add(1); n < plan.count; n = next.fetch_add(1)) {
+                  target.run_block(p, a, panel, plan.item(b, kv_head, n, p), w);
+                }
+              });
   }
 }
 

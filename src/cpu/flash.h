@@ -16,25 +16,25 @@ namespace attncore::detail {
 
 // The shapes one SIMD target's kernel works in.
 struct FlashLayout {
-  int lanes;               // f32 lanes per vector
-  int block_rows;          // query rows per work item (a multiple of the micro-tile's rows)
-  int key_tile;            // keys per tile (a multiple of the QK micro-tile's width)
-  int dv_align;            // Dv is padded to a multiple of this (the PV micro-tile's width)
+  int lanes;       // f32 lanes per vector
+  int block_rows;  // query rows per work item (a multiple of the micro-tile's rows)
+  int key_tile;    // keys per tile (a multiple of the QK micro-tile's width)
+  int dv_align;    // Dv is padded to a multiple of this (the PV micro-tile's width)
 };
 
 // K and V of one (batch, kv head), packed, as the kernel reads them; null tiles: the kernel
 // packs each tile into its scratch when it needs it (for a group's only item).
 struct FlashPanel {
-  const float* k_tiles;    // [tiles][D][key_tile], zero past Lk
-  const float* v_rows;     // [tiles * key_tile][dv_pad], zero past Lk and past Dv
+  const float* k_tiles;  // [tiles][D][key_tile], zero past Lk
+  const float* v_rows;   // [tiles * key_tile][dv_pad], zero past Lk and past Dv
   std::int64_t dv_pad;
 };
 
 // One thread's scratch for one work item, 64-byte aligned, sized by the dispatcher.
 struct FlashScratch {
-  float* q;       // [block_rows / tile rows][D][tile rows]: the block's queries times `scale`
-  float* scores;  // [block_rows][key_tile]: S, then P
-  float* out;     // [block_rows][dv_pad]: the unnormalised output accumulator
+  float* q;        // [block_rows / tile rows][D][tile rows]: the block's queries times `scale`
+  float* scores;   // [block_rows][key_tile]: S, then P
+  float* out;      // [block_rows][dv_pad]: the unnormalised output accumulator
   float* row_max;  // [block_rows]
   float* row_sum;  // [block_rows]
   float* alpha;    // [block_rows]: the rescale of the accumulator for the current tile
@@ -59,7 +59,8 @@ using FlashPackFn = void (*)(const Problem& p, const ForwardArgs& a, std::int64_
                              float* k_tiles, float* v_rows, std::int64_t dv_pad);
 
 struct FlashTarget {
-  const char* name;      // "avx512", "avx2", "generic"
+  const char* name;      // "avx512bf16", "avx512", "avx2", "generic"
+  const char* features;  // CPU features it needs, space-separated as CpuInfo names them
   FlashLayout layout;
   FlashBlockFn run_block;
   FlashPackFn pack_tiles;

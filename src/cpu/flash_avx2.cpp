@@ -1,9 +1,11 @@
-// The flash forward kernel compiled for the avx2 target.
+// The flash forward kernel compiled for AVX2 with FMA, every dtype in f32.
 #include "cpu/flash.h"
 #if defined(__x86_64__)
 
+// The ISA as the compiler names it, and as CpuInfo::features names it: keep them equal.
 #define ATTNCORE_TARGET_NS avx2
 #define ATTNCORE_TARGET_PRAGMA _Pragma("GCC target(\"avx2,fma,f16c\")")
+#define ATTNCORE_TARGET_FEATURES "avx2 fma f16c"
 #define ATTNCORE_LANES 8
 #define ATTNCORE_BF16_DOT 0
 #define ATTNCORE_TILE_VECTORS 2
@@ -11,6 +13,8 @@
 #include "cpu/flash_kernel-inl.h"
 
 namespace attncore::detail {
-FlashTarget flash_target_avx2() { return {"avx2", avx2::kLayout, &avx2::run_block, &avx2::pack_tiles}; }
+FlashTarget flash_target_avx2() {
+  return {"avx2", ATTNCORE_TARGET_FEATURES, avx2::kLayout, &avx2::run_block, &avx2::pack_tiles};
+}
 }  // namespace attncore::detail
-#endif
+#endif  // __x86_64__

@@ -1,9 +1,13 @@
-// The flash forward kernel compiled for the avx512bf16 target.
+// The flash forward kernel compiled for AVX-512 (F, BW, VL, DQ) with AVX512-BF16: bf16 inputs on
+// native bf16 dot products.
 #include "cpu/flash.h"
 #if defined(__x86_64__)
 
+// The ISA as the compiler names it, and as CpuInfo::features names it: keep them equal.
 #define ATTNCORE_TARGET_NS avx512bf16
-#define ATTNCORE_TARGET_PRAGMA _Pragma("GCC target(\"avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,avx512bf16\")")
+#define ATTNCORE_TARGET_PRAGMA \
+  _Pragma("GCC target(\"avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,avx512bf16\")")
+#define ATTNCORE_TARGET_FEATURES "avx512f avx512bw avx512vl avx512dq avx2 fma f16c avx512bf16"
 #define ATTNCORE_LANES 16
 #define ATTNCORE_BF16_DOT 1
 #define ATTNCORE_TILE_VECTORS 2
@@ -12,7 +16,8 @@
 
 namespace attncore::detail {
 FlashTarget flash_target_avx512bf16() {
-  return {"avx512bf16", avx512bf16::kLayout, &avx512bf16::run_block, &avx512bf16::pack_tiles};
+  return {"avx512bf16", ATTNCORE_TARGET_FEATURES, avx512bf16::kLayout, &avx512bf16::run_block,
+          &avx512bf16::pack_tiles};
 }
 }  // namespace attncore::detail
-#endif
+#endif  // __x86_64__

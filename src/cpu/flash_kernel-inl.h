@@ -2,6 +2,7 @@
 // which first defines
 //   ATTNCORE_TARGET_NS      the target's namespace (avx512, avx2, generic)
 //   ATTNCORE_TARGET_PRAGMA  _Pragma("GCC target(...)") for the target's ISA, or nothing
+//   ATTNCORE_TARGET_FEATURES the CPU features the target needs (CpuInfo names, space-separated)
 //   ATTNCORE_LANES          f32 lanes per vector (16, 8, 4)
 //   ATTNCORE_TILE_ROWS      rows of the QK and PV micro-tiles
 //   ATTNCORE_TILE_VECTORS   width of the micro-tiles in vectors
@@ -42,7 +43,8 @@ namespace attncore::detail::ATTNCORE_TARGET_NS {
 
 constexpr int kLanes = ATTNCORE_LANES;
 constexpr int kTileRows = ATTNCORE_TILE_ROWS;
-constexpr int kTileVectors = ATTNCORE_TILE_VECTORS;  // micro-tile width in vectors (QK: keys, PV: Dv)
+constexpr int kTileVectors =
+    ATTNCORE_TILE_VECTORS;  // micro-tile width in vectors (QK: keys, PV: Dv)
 constexpr int kTileCols = kTileVectors * kLanes;
 // Rows per work item: 8 micro-tiles. 64 rows (AVX-512) keep q, S, O of a D=128 block at
 // 80 KiB, well inside L2, and give 2 threads 8 items at L = 256 per head.
@@ -154,54 +156,55 @@ struct F32Dot {
     Vec acc[kTileRows][kTileVectors] = {};
     for (std::int64_t d = 0; d < d_count; ++d) {
       Vec k[kTileVectors];
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
       for (int v = 0; v < kTileVectors; ++v) k[v] = load(k_tile + d * kTileCols + v * kLanes);
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int r = 0; r < kTileRows; ++r) {
         const Vec a = splat(q_t[d * kTileRows + r]);
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
         for (int v = 0; v < kTileVectors; ++v) acc[r][v] += a * k[v];
       }
     }
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) {
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
       for (int v = 0; v < kTileVectors; ++v) store(s + r * kKeyTile + v * kLanes, acc[r][v]);
     }
   }
 
   // o[r][c] = alpha[r] * o[r][c] + sum_j p[r][j] * v[j][c] for r < kTileRows, c < kTileCols.
-  static void pv_micro(const float* p, const float* v, const float* alpha,
-                       float* o, std::int64_t ldo) {
+  static void pv_micro(const float* p, const float* v, const float* alpha, float* o,
+                       std::int64_t ldo) {
     Vec acc[kTileRows][kTileVectors];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) {
       const Vec a = splat(alpha[r]);
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
       for (int c = 0; c < kTileVectors; ++c) acc[r][c] = load(o + r * ldo + c * kLanes) * a;
     }
     for (int j = 0; j < kKeyTile; ++j) {
       Vec vv[kTileVectors];
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
       for (int c = 0; c < kTileVectors; ++c) vv[c] = load(v + j * kTileCols + c * kLanes);
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int r = 0; r < kTileRows; ++r) {
         const Vec pr = splat(p[r * kKeyTile + j]);
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
         for (int c = 0; c < kTileVectors; ++c) acc[r][c] += pr * vv[c];
       }
     }
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) {
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
       for (int c = 0; c < kTileVectors; ++c) store(o + r * ldo + c * kLanes, acc[r][c]);
     }
   }
 
   // Packs key tile t of (b, kv_head) in f32: K transposed into kt [D][kKeyTile] and V into
   // vt [kKeyTile][dv_pad], zero past Lk and past Dv.
-  static void pack_tile(const Problem& p, const ForwardArgs& a, std::int64_t b, std::int64_t kv_head,
-                        std::int64_t t, float* kt, float* vt, std::int64_t dv_pad) {
+  static void pack_tile(const Problem& p, const ForwardArgs& a, std::int64_t b,
+                        std::int64_t kv_head, std::int64_t t, float* kt, float* vt,
+                        std::int64_t dv_pad) {
     const std::int64_t d = p.head_dim, dv = p.head_dim_v;
     constexpr std::int64_t kChunk = 16;  // head-dim columns per pass: 16 lines written per key
     {
@@ -304,7 +307,8 @@ struct Bf16Dot {
 
   static std::int64_t pairs(std::int64_t n) { return (n + 1) / 2; }
   // Tiles in units of bf16 pairs, each micro-kernel call streaming one contiguous block:
-  // K as [kKeyTile / kTileCols][D / 2][kTileCols], V as [dv_pad / kTileCols][kKeyTile / 2][kTileCols].
+  // K as [kKeyTile / kTileCols][D / 2][kTileCols], V as [dv_pad / kTileCols][kKeyTile /
+  // 2][kTileCols].
   static std::int64_t k_index(std::int64_t d_pairs, std::int64_t e2, std::int64_t c) {
     return (c / kTileCols) * d_pairs * kTileCols + e2 * kTileCols + c % kTileCols;
   }
@@ -319,8 +323,8 @@ struct Bf16Dot {
   // K tile t: pairs (d, d+1) of one key; V tile: pairs (key j, key j+1) of one column; zero
   // past Lk, D and Dv.
   static void pack_tile(const Problem& p, const ForwardArgs& a, std::int64_t b,
-                        std::int64_t kv_head, std::int64_t t, float* kt_floats,
-                        float* vt_floats, std::int64_t dv_pad) {
+                        std::int64_t kv_head, std::int64_t t, float* kt_floats, float* vt_floats,
+                        std::int64_t dv_pad) {
     auto* kt = reinterpret_cast<std::uint32_t*>(kt_floats);
     auto* vt = reinterpret_cast<std::uint32_t*>(vt_floats);
     const std::int64_t d = p.head_dim, dv = p.head_dim_v, d_pairs = pairs(d);
@@ -359,9 +363,9 @@ struct Bf16Dot {
     const std::int64_t d = p.head_dim, d_pairs = pairs(d);
     for (std::int64_t r = 0; r < padded_rows; ++r) {
       std::uint32_t* dst = q + (r / kTileRows) * d_pairs * kTileRows + r % kTileRows;
-      const std::uint16_t* src =
-          r < rows ? static_cast<const std::uint16_t*>(a.q.data) + offset4(a.q, b, head_of[r], index_of[r], 0)
-                   : nullptr;
+      const std::uint16_t* src = r < rows ? static_cast<const std::uint16_t*>(a.q.data) +
+                                                offset4(a.q, b, head_of[r], index_of[r], 0)
+                                          : nullptr;
       for (std::int64_t e2 = 0; e2 < d_pairs; ++e2) {
         std::uint32_t pair = 0;
         if (src != nullptr) {
@@ -386,7 +390,8 @@ struct Bf16Dot {
         for (std::int64_t e2 = 0; e2 < d_pairs; ++e2) {
           __m512bh k[kTileVectors];
 #pragma GCC unroll 4
-          for (int v = 0; v < kTileVectors; ++v) k[v] = load_pairs(kt + k_index(d_pairs, e2, c) + v * kLanes);
+          for (int v = 0; v < kTileVectors; ++v)
+            k[v] = load_pairs(kt + k_index(d_pairs, e2, c) + v * kLanes);
 #pragma GCC unroll 16
           for (int r = 0; r < kTileRows; ++r) {
             const __m512bh a = splat_pair(q_tile[e2 * kTileRows + r]);
@@ -397,7 +402,8 @@ struct Bf16Dot {
 #pragma GCC unroll 16
         for (int r = 0; r < kTileRows; ++r) {
 #pragma GCC unroll 4
-          for (int v = 0; v < kTileVectors; ++v) _mm512_storeu_ps(s + (r0 + r) * kKeyTile + c + v * kLanes, acc[r][v]);
+          for (int v = 0; v < kTileVectors; ++v)
+            _mm512_storeu_ps(s + (r0 + r) * kKeyTile + c + v * kLanes, acc[r][v]);
         }
       }
     }
@@ -410,8 +416,9 @@ struct Bf16Dot {
     auto* p16 = reinterpret_cast<std::uint32_t*>(probs16_floats);  // [padded_rows][kKeyTile / 2]
     for (std::int64_t r = 0; r < padded_rows; ++r) {
       for (int c = 0; c < kKeyTile; c += 2 * kLanes) {
-        const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(probs + r * kKeyTile + c + kLanes),
-                                                  _mm512_loadu_ps(probs + r * kKeyTile + c));
+        const __m512bh pair =
+            _mm512_cvtne2ps_pbh(_mm512_loadu_ps(probs + r * kKeyTile + c + kLanes),
+                                _mm512_loadu_ps(probs + r * kKeyTile + c));
         _mm512_storeu_si512(p16 + r * (kKeyTile / 2) + c / 2, (__m512i)pair);
       }
     }
@@ -430,12 +437,14 @@ struct Bf16Dot {
         for (int j2 = 0; j2 < kKeyTile / 2; ++j2) {
           __m512bh vv[kTileVectors];
 #pragma GCC unroll 4
-          for (int v = 0; v < kTileVectors; ++v) vv[v] = load_pairs(vt + v_index(j2, c) + v * kLanes);
+          for (int v = 0; v < kTileVectors; ++v)
+            vv[v] = load_pairs(vt + v_index(j2, c) + v * kLanes);
 #pragma GCC unroll 16
           for (int r = 0; r < kTileRows; ++r) {
             const __m512bh pr = splat_pair(p16[(r0 + r) * (kKeyTile / 2) + j2]);
 #pragma GCC unroll 4
-            for (int v = 0; v < kTileVectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], pr, vv[v]);
+            for (int v = 0; v < kTileVectors; ++v)
+              acc[r][v] = _mm512_dpbf16_ps(acc[r][v], pr, vv[v]);
           }
         }
 #pragma GCC unroll 16
@@ -564,8 +573,8 @@ void run_block_with(const Problem& p, const ForwardArgs& a, const FlashPanel& pa
     store_row(o, p.head_dim_v, a.out.data, a.out.dtype, offset4(a.out, b, h, i, 0));
     if (a.lse.data != nullptr) {
       const float lse = sum == 0.0f ? -INFINITY : w.row_max[r] + std::log(sum);
-      store_element(a.lse.data, a.lse.dtype, b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2],
-                    lse);
+      store_element(a.lse.data, a.lse.dtype,
+                    b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2], lse);
     }
   }
 }

@@ -30,16 +30,18 @@ constexpr std::int64_t kBlockRows = 128;
 void gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
           const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c,
           std::int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
-              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), alpha, a,
-              static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c, static_cast<blasint>(ldc));
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+              trans_b ? CblasTrans : CblasNoTrans, static_cast<blasint>(m), static_cast<blasint>(n),
+              static_cast<blasint>(k), alpha, a, static_cast<blasint>(lda), b,
+              static_cast<blasint>(ldb), beta, c, static_cast<blasint>(ldc));
 }
 void gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, double alpha,
-          const double* a, std::int64_t lda, const double* b, std::int64_t ldb, double beta, double* c,
-          std::int64_t ldc) {
-  cblas_dgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
-              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), alpha, a,
-              static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c, static_cast<blasint>(ldc));
+          const double* a, std::int64_t lda, const double* b, std::int64_t ldb, double beta,
+          double* c, std::int64_t ldc) {
+  cblas_dgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+              trans_b ? CblasTrans : CblasNoTrans, static_cast<blasint>(m), static_cast<blasint>(n),
+              static_cast<blasint>(k), alpha, a, static_cast<blasint>(lda), b,
+              static_cast<blasint>(ldb), beta, c, static_cast<blasint>(ldc));
 }
 
 template <class T>
@@ -126,7 +128,8 @@ void forward_impl(const Problem& p, const ForwardArgs& a) {
             const std::int64_t rows = std::min(kBlockRows, lq - row0);
             if (lk > 0) {
               const Matrix<T> q = head_rows<T>(a.q, b, h, row0, rows, d, w.q);  // [rows, D]
-              gemm(false, true, rows, lk, d, T(1), q.data, q.ld, k.data, k.ld, T(0), w.scores.data(), lk);
+              gemm(false, true, rows, lk, d, T(1), q.data, q.ld, k.data, k.ld, T(0),
+                   w.scores.data(), lk);
             }
             for (std::int64_t r = 0; r < rows; ++r) {
               const std::int64_t i = row0 + r;
@@ -137,10 +140,12 @@ void forward_impl(const Problem& p, const ForwardArgs& a) {
               if (dropout.active()) {
                 for (std::int64_t j = 0; j < lk; ++j) row[j] *= dropout.factor<T>(j);
               }
-              if (a.lse.data != nullptr) store_element(a.lse.data, a.lse.dtype, lse_offset(a.lse, b, h, i), lse);
+              if (a.lse.data != nullptr)
+                store_element(a.lse.data, a.lse.dtype, lse_offset(a.lse, b, h, i), lse);
             }
             if (lk > 0) {
-              gemm(false, false, rows, dv, lk, T(1), w.scores.data(), lk, v.data, v.ld, T(0), w.out.data(), dv);
+              gemm(false, false, rows, dv, lk, T(1), w.scores.data(), lk, v.data, v.ld, T(0),
+                   w.out.data(), dv);
             } else {
               std::fill(w.out.begin(), w.out.end(), T(0));
             }
@@ -159,11 +164,12 @@ void backward_impl(const Problem& p, const BackwardArgs& a) {
   const T scale = static_cast<T>(p.scale);
   const std::int64_t q_blocks = num_blocks(lq), k_blocks = num_blocks(lk);
   const auto area = static_cast<std::size_t>(lq * lk);
-  std::vector<T> weights(area);                 // [Lq, Lk] P * M (M: dropout factor): dV's weights
-  std::vector<T> dscores(area);                 // [Lq, Lk] dS = P (M dP - Delta)
-  std::vector<T> dcap(softcap_on ? area : 0);   // [Lq, Lk] softcap derivative
+  std::vector<T> weights(area);                // [Lq, Lk] P * M (M: dropout factor): dV's weights
+  std::vector<T> dscores(area);                // [Lq, Lk] dS = P (M dP - Delta)
+  std::vector<T> dcap(softcap_on ? area : 0);  // [Lq, Lk] softcap derivative
   std::vector<T> k_buf, v_buf, q_buf, do_buf;
-  std::vector<T> dk(static_cast<std::size_t>(lk * d)), dvv(static_cast<std::size_t>(lk * dv));  // [Lk, D], [Lk, Dv]
+  std::vector<T> dk(static_cast<std::size_t>(lk * d)),
+      dvv(static_cast<std::size_t>(lk * dv));  // [Lk, D], [Lk, Dv]
   struct Workspace {
     std::vector<T> q, dout, out, dq;  // [rows, D], [rows, Dv], [rows, Dv], [rows, D]
   };
@@ -183,25 +189,29 @@ void backward_impl(const Problem& p, const BackwardArgs& a) {
         // Pass 1, blocks of query rows: S = Q K^T and dP = dO V^T, then P * M and dS per row.
         for_each_task(q_blocks, p.threads, make_workspace, [&](std::int64_t blk, Workspace& w) {
           const std::int64_t row0 = blk * kBlockRows, rows = std::min(kBlockRows, lq - row0);
-          const Matrix<T> q = head_rows<T>(a.q, b, h, row0, rows, d, w.q);           // [rows, D]
+          const Matrix<T> q = head_rows<T>(a.q, b, h, row0, rows, d, w.q);            // [rows, D]
           const Matrix<T> dout = head_rows<T>(a.dout, b, h, row0, rows, dv, w.dout);  // [rows, Dv]
           const Matrix<T> out = head_rows<T>(a.out, b, h, row0, rows, dv, w.out);     // [rows, Dv]
           T* s_rows = weights.data() + row0 * lk;
           T* ds_rows = dscores.data() + row0 * lk;
           gemm(false, true, rows, lk, d, T(1), q.data, q.ld, k.data, k.ld, T(0), s_rows, lk);
-          gemm(false, true, rows, lk, dv, T(1), dout.data, dout.ld, v.data, v.ld, T(0), ds_rows, lk);
+          gemm(false, true, rows, lk, dv, T(1), dout.data, dout.ld, v.data, v.ld, T(0), ds_rows,
+               lk);
           for (std::int64_t r = 0; r < rows; ++r) {
             const std::int64_t i = row0 + r;
             T* s = s_rows + r * lk;
             T* ds = ds_rows + r * lk;
-            finish_scores<T>(p, causal_window, b, h, i, s, softcap_on ? dcap.data() + i * lk : nullptr);
+            finish_scores<T>(p, causal_window, b, h, i, s,
+                             softcap_on ? dcap.data() + i * lk : nullptr);
             const T lse = load_element<T>(a.lse.data, a.lse.dtype, lse_offset(a.lse, b, h, i));
             T delta = 0;  // Delta_i = <dO_i, O_i>
-            for (std::int64_t e = 0; e < dv; ++e) delta += dout.data[r * dout.ld + e] * out.data[r * out.ld + e];
+            for (std::int64_t e = 0; e < dv; ++e)
+              delta += dout.data[r * dout.ld + e] * out.data[r * out.ld + e];
             const DropoutRow dropout(p, b, h, i);
             for (std::int64_t j = 0; j < lk; ++j) {
               // P = exp(s - LSE); a row with LSE = -inf has no visible key and P = 0.
-              const T prob = lse == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(s[j] - lse);
+              const T prob =
+                  lse == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(s[j] - lse);
               const T keep = dropout.factor<T>(j);
               s[j] = prob * keep;
               ds[j] = prob == T(0) ? T(0) : prob * (keep * ds[j] - delta);
@@ -216,7 +226,8 @@ void backward_impl(const Problem& p, const BackwardArgs& a) {
             for (std::int64_t i = 0; i < lq; ++i) {
               double* row = dbias.row(b, h, i);
               for (std::int64_t j = j_begin; j < j_end; ++j) {
-                row[j * dbias.column_stride()] += static_cast<double>(dscores[static_cast<std::size_t>(i * lk + j)]);
+                row[j * dbias.column_stride()] +=
+                    static_cast<double>(dscores[static_cast<std::size_t>(i * lk + j)]);
               }
             }
           });
@@ -235,13 +246,14 @@ void backward_impl(const Problem& p, const BackwardArgs& a) {
           store_rows(w.dq.data(), a.dq, b, h, row0, rows, d);
         });
         // Pass 4, blocks of key rows: dV += (P M)^T dO and dK += scale * dS^T Q over all rows.
-        const Matrix<T> q = head_rows<T>(a.q, b, h, 0, lq, d, q_buf, p.threads);           // [Lq, D]
-        const Matrix<T> dout = head_rows<T>(a.dout, b, h, 0, lq, dv, do_buf, p.threads);  // [Lq, Dv]
+        const Matrix<T> q = head_rows<T>(a.q, b, h, 0, lq, d, q_buf, p.threads);  // [Lq, D]
+        const Matrix<T> dout =
+            head_rows<T>(a.dout, b, h, 0, lq, dv, do_buf, p.threads);  // [Lq, Dv]
         parallel_for(k_blocks, p.threads, [&](std::int64_t blk_begin, std::int64_t blk_end) {
           for (std::int64_t blk = blk_begin; blk < blk_end; ++blk) {
             const std::int64_t col0 = blk * kBlockRows, cols = std::min(kBlockRows, lk - col0);
-            gemm(true, false, cols, dv, lq, T(1), weights.data() + col0, lk, dout.data, dout.ld, T(1),
-                 dvv.data() + col0 * dv, dv);
+            gemm(true, false, cols, dv, lq, T(1), weights.data() + col0, lk, dout.data, dout.ld,
+                 T(1), dvv.data() + col0 * dv, dv);
             gemm(true, false, cols, d, lq, scale, dscores.data() + col0, lk, q.data, q.ld, T(1),
                  dk.data() + col0 * d, d);
           }

@@ -23,8 +23,11 @@ struct KeyRange {
 class CausalWindowMask {
  public:
   explicit CausalWindowMask(const Problem& p)
-      : seqlen_q_(p.seqlen_q), seqlen_k_(p.seqlen_k), causal_(p.causal),
-        window_left_(p.window_left), window_right_(p.window_right) {}
+      : seqlen_q_(p.seqlen_q),
+        seqlen_k_(p.seqlen_k),
+        causal_(p.causal),
+        window_left_(p.window_left),
+        window_right_(p.window_right) {}
 
   KeyRange row(std::int64_t i) const {
     const std::int64_t diag = i + seqlen_k_ - seqlen_q_;  // the lower-right diagonal of row i
@@ -70,7 +73,9 @@ class RowSetKeys {
     max_end_ = std::max(max_end_, r.end);
   }
   // Keys some row sees lie in [begin, end) (empty when no row sees any).
-  KeyRange span() const { return max_end_ > min_begin_ ? KeyRange{min_begin_, max_end_} : KeyRange{}; }
+  KeyRange span() const {
+    return max_end_ > min_begin_ ? KeyRange{min_begin_, max_end_} : KeyRange{};
+  }
   // Keys [j_begin, j_end): seen by no row, by every row entirely, or otherwise.
   TileKind classify(std::int64_t j_begin, std::int64_t j_end) const {
     const KeyRange s = span();

@@ -39,7 +39,8 @@ void finish_scores(const Problem& p, const CausalWindowMask& causal_window, std:
     return;
   }
   const T cap = static_cast<T>(p.softcap);
-  const T slope = p.alibi ? static_cast<T>(p.alibi[b * p.alibi_stride_b + h * p.alibi_stride_h]) : T(0);
+  const T slope =
+      p.alibi ? static_cast<T>(p.alibi[b * p.alibi_stride_b + h * p.alibi_stride_h]) : T(0);
   const std::int64_t mask_row = p.mask_kind == MaskKind::none ? 0 : offset4(p.mask, b, h, i, 0);
   for (std::int64_t j = visible.begin; j < visible.end; ++j) {
     T x = softcap_apply(scale * s[j], cap);
@@ -87,7 +88,9 @@ T softmax_row(T* s, std::int64_t n) {
 class DropoutRow {
  public:
   DropoutRow(const Problem& p, std::int64_t b, std::int64_t h, std::int64_t i)
-      : seed_(p.seed), p_(static_cast<float>(p.dropout_p)), keep_scale_(1.0 / (1.0 - p.dropout_p)),
+      : seed_(p.seed),
+        p_(static_cast<float>(p.dropout_p)),
+        keep_scale_(1.0 / (1.0 - p.dropout_p)),
         base_(p.offset + ((static_cast<std::uint64_t>(b) * static_cast<std::uint64_t>(p.heads_q) +
                            static_cast<std::uint64_t>(h)) *
                               static_cast<std::uint64_t>(p.seqlen_q) +
@@ -100,8 +103,9 @@ class DropoutRow {
   template <class T>
   T factor(std::int64_t j) const {
     if (!active_) return T(1);
-    return dropout_keep(seed_, base_ + static_cast<std::uint64_t>(j), p_) ? static_cast<T>(keep_scale_)
-                                                                          : T(0);
+    return dropout_keep(seed_, base_ + static_cast<std::uint64_t>(j), p_)
+               ? static_cast<T>(keep_scale_)
+               : T(0);
   }
 
  private:

@@ -53,12 +53,14 @@ void reference_forward(const Problem& p, const ForwardArgs& a) {
         if (weight == 0.0) continue;
         const std::int64_t v_row = offset4(a.v, b, kv_head, j, 0);
         for (std::int64_t d = 0; d < p.head_dim_v; ++d) {
-          out[static_cast<std::size_t>(d)] += weight * load_element<double>(a.v.data, a.v.dtype, v_row + d);
+          out[static_cast<std::size_t>(d)] +=
+              weight * load_element<double>(a.v.data, a.v.dtype, v_row + d);
         }
       }
       store_row(out.data(), p.head_dim_v, a.out.data, a.out.dtype, offset4(a.out, b, h, i, 0));
       if (a.lse.data != nullptr) {
-        store_element(a.lse.data, a.lse.dtype, b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2], lse);
+        store_element(a.lse.data, a.lse.dtype,
+                      b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2], lse);
       }
     }
   });
@@ -73,12 +75,12 @@ void reference_backward(const Problem& p, const BackwardArgs& a) {
   const std::int64_t tasks = p.batch * p.heads_kv;
   parallel_for(tasks, threads, [&](std::int64_t task_begin, std::int64_t task_end) {
     const auto lk = static_cast<std::size_t>(p.seqlen_k);
-    std::vector<double> probs(lk), dcap(lk);                                   // [Lk]
-    std::vector<double> dk(lk * static_cast<std::size_t>(p.head_dim));        // [Lk, D]
-    std::vector<double> dv(lk * static_cast<std::size_t>(p.head_dim_v));      // [Lk, Dv]
-    std::vector<double> dq(static_cast<std::size_t>(p.head_dim));             // [D]
-    std::vector<double> q_row(static_cast<std::size_t>(p.head_dim));          // [D]
-    std::vector<double> dout_row(static_cast<std::size_t>(p.head_dim_v));     // [Dv]
+    std::vector<double> probs(lk), dcap(lk);                               // [Lk]
+    std::vector<double> dk(lk * static_cast<std::size_t>(p.head_dim));     // [Lk, D]
+    std::vector<double> dv(lk * static_cast<std::size_t>(p.head_dim_v));   // [Lk, Dv]
+    std::vector<double> dq(static_cast<std::size_t>(p.head_dim));          // [D]
+    std::vector<double> q_row(static_cast<std::size_t>(p.head_dim));       // [D]
+    std::vector<double> dout_row(static_cast<std::size_t>(p.head_dim_v));  // [Dv]
     for (std::int64_t task = task_begin; task < task_end; ++task) {
       const std::int64_t b = task / p.heads_kv, kv_head = task % p.heads_kv;
       std::fill(dk.begin(), dk.end(), 0.0);
@@ -86,11 +88,13 @@ void reference_backward(const Problem& p, const BackwardArgs& a) {
       for (std::int64_t h = kv_head * p.group; h < (kv_head + 1) * p.group; ++h) {
         for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
           std::fill(dq.begin(), dq.end(), 0.0);
-          const double lse = load_element<double>(
-              a.lse.data, a.lse.dtype, b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2]);
+          const double lse =
+              load_element<double>(a.lse.data, a.lse.dtype,
+                                   b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2]);
           if (lse != -INFINITY && p.seqlen_k > 0) {
             load_row(a.q.data, a.q.dtype, offset4(a.q, b, h, i, 0), p.head_dim, q_row.data());
-            load_row(a.dout.data, a.dout.dtype, offset4(a.dout, b, h, i, 0), p.head_dim_v, dout_row.data());
+            load_row(a.dout.data, a.dout.dtype, offset4(a.dout, b, h, i, 0), p.head_dim_v,
+                     dout_row.data());
             // Delta_i = sum_d dO[i, d] * O[i, d]
             double delta = 0.0;
             const std::int64_t out_row = offset4(a.out, b, h, i, 0);
@@ -116,7 +120,7 @@ void reference_backward(const Problem& p, const BackwardArgs& a) {
               }
               const double dscore = prob * (keep * dprob - delta);  // dS = P (dP - Delta)
               if (dbias_row) dbias_row[j * dbias.column_stride()] += dscore;
-              const double ddot = dscore * dcap[ju] * p.scale;     // d/d<q_i, k_j>
+              const double ddot = dscore * dcap[ju] * p.scale;  // d/d<q_i, k_j>
               const std::int64_t k_row = offset4(a.k, b, kv_head, j, 0);
               for (std::int64_t d = 0; d < p.head_dim; ++d) {
                 const auto du = static_cast<std::size_t>(d);
