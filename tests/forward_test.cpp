@@ -137,6 +137,22 @@ std::vector<ForwardCase> forward_grid() {
       }
     }
   }
+  // The flash backend's head-dim extremes (1 and 512) and odd Dv, on the automatic target.
+  for (const HeadDim hd : {HeadDim{1, 1}, HeadDim{512, 512}, HeadDim{3, 130}, HeadDim{257, 33}}) {
+    for (DType dtype : {DType::f32, DType::bf16}) {
+      ForwardCase c;
+      c.dims = {1, 2, 1, 65, 70, hd.d, hd.dv};
+      c.variant = n % 2 == 0 ? Variant::plain : Variant::causal_lower_right;
+      c.dtype = dtype;
+      c.backend = Backend::flash;
+      c.layout = static_cast<Layout>(n % 3);
+      c.mask_dtype = dtype;
+      c.seed = 1000 + n;
+      c.name = case_name(c);
+      cases.push_back(c);
+      ++n;
+    }
+  }
   // Empty sizes: Lk = 0 (out 0, LSE -inf), Lq = 0 and B = 0 (empty outputs).
   const Dims empties[] = {
       {1, 2, 2, 7, 0, 64, 64}, {2, 4, 2, 0, 7, 40, 40}, {0, 2, 1, 5, 5, 64, 32}};
