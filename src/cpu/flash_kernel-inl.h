@@ -63,16 +63,29 @@ inline Vec load(const float* p) {
 }
 inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
 inline Vec splat(float x) { return x - Vec{}; }  // x - (+0) == x exactly: folds to a broadcast
-inline Vec vmax(Vec a, Vec b) { return a > b ? a : b; }  // NaN in a: b
+// max that propagates NaN from either side (a NaN score must make its row NaN).
+inline Vec vmax(Vec a, Vec b) { return (a > b) | (a != a) ? a : b; }
+// Horizontal max and sum by halving (log2 lanes vector steps instead of a scalar loop).
+template <int N>
+struct VecOf {
+  typedef float type __attribute__((vector_size(N * sizeof(float))));
+};
+template <int N, class Op>
+inline float reduce(typename VecOf<N>::type v, Op op) {
+  if constexpr (N == 1) {
+    return v[0];
+  } else {
+    typename VecOf<N / 2>::type lo, hi;
+    std::memcpy(&lo, &v, sizeof lo);
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+    return reduce<N / 2>(op(lo, hi), op);
+  }
+}
 inline float reduce_max(Vec v) {
-  float m = v[0];
-  for (int e = 1; e < kLanes; ++e) m = v[e] > m ? v[e] : m;
-  return m;
+  return reduce<kLanes>(v, [](auto a, auto b) { return (a > b) | (a != a) ? a : b; });
 }
 inline float reduce_sum(Vec v) {
-  float s = 0;
-  for (int e = 0; e < kLanes; ++e) s += v[e];
-  return s;
+  return reduce<kLanes>(v, [](auto a, auto b) { return a + b; });
 }
 
 // 2^x for a vector: x = n + f with n integral and |f| <= 1/2, 2^f by its Taylor polynomial of
