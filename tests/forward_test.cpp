@@ -107,7 +107,7 @@ std::vector<ForwardCase> forward_grid() {
     }
   }
   // The flash backend on every SIMD target this CPU runs, every variant, f32 / bf16 / f16.
-  // Tile edges: its blocks are 64 (AVX-512) or 48 query rows and its key tiles 64 keys.
+  // Tile edges: its blocks are 64 (AVX-512) or 48 query rows and its key tiles 128 keys.
   const Len flash_lens[] = {{1, 1},    {7, 7},   {47, 49},   {48, 48},  {63, 64},  {64, 65},
                             {65, 63},  {97, 97}, {1, 130},   {130, 17}, {17, 130}, {129, 128},
                             {128, 129}, {33, 1}};

@@ -49,10 +49,12 @@ constexpr int kTileCols = kTileVectors * kLanes;
 // Rows per work item: 8 micro-tiles. 64 rows (AVX-512) keep q, S, O of a D=128 block at
 // 80 KiB, well inside L2, and give 2 threads 8 items at L = 256 per head.
 constexpr int kBlockRows = 8 * kTileRows;
-// Keys per tile: S[64][64] f32 is 16 KiB and a D=128 K panel 32 KiB, both L1/L2-resident.
-// 128 was measured against 64 (1 thread, D=128, L=2048, f32/bf16/causal/D=64/decode,
-// interleaved A/B on the Zen 5 dev machine): within the noise (+-5%), so the smaller tile stays.
-constexpr int kKeyTile = 64;
+// Keys per tile: 128. S[64][128] f32 is 32 KiB and a D=128 K tile 64 KiB, L2-resident; the
+// per-row softmax work (max, rescale, horizontal reductions) is paid once per 128 keys.
+// Measured against 64 keys (1 thread, interleaved A/B, % of the FMA peak on the Zen 5 dev
+// machine, 4 runs each): D=128 L=2048 f32 71-74 vs 68-69; L=8192 63-67 vs 61-64; D=64 60-63
+// vs 48-59; causal and bf16 equal within noise.
+constexpr int kKeyTile = 128;
 static_assert(kKeyTile % kTileCols == 0, "a key tile is whole QK micro-tiles");
 
 using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
