@@ -167,21 +167,30 @@ struct F32Dot {
     return (e / kTileCols) * kKeyTile * kTileCols + c * kTileCols + e % kTileCols;
   }
 
-  // s[r][c] = sum_d q_t[d][r] * k_tile[d][c] for r < kTileRows, c < kTileCols. The queries come
-  // transposed ([D][kTileRows]) so that one pointer with constant offsets reaches every row.
-  static void qk_micro(const float* q_t, const float* k_tile, std::int64_t d_count, float* s) {
-    Vec acc[kTileRows][kTileVectors] = {};
-    for (std::int64_t d = 0; d < d_count; ++d) {
-      Vec k[kTileVectors];
+  // The register-blocked core of both products: acc[r][c] += sum_n a(r, n) * b[n][c] for
+  // r < kTileRows, c < kTileCols, n < steps, with a(r, n) = a[r * kRowStride + n * kStepStride]
+  // broadcast and b's rows kTileCols apart.
+  template <int kRowStride, int kStepStride>
+  static void rank1_updates(Vec (&acc)[kTileRows][kTileVectors], const float* a, const float* b,
+                            std::int64_t steps) {
+    for (std::int64_t n = 0; n < steps; ++n) {
+      Vec row[kTileVectors];
 #pragma GCC unroll 4
-      for (int v = 0; v < kTileVectors; ++v) k[v] = load(k_tile + d * kTileCols + v * kLanes);
+      for (int v = 0; v < kTileVectors; ++v) row[v] = load(b + n * kTileCols + v * kLanes);
 #pragma GCC unroll 16
       for (int r = 0; r < kTileRows; ++r) {
-        const Vec a = splat(q_t[d * kTileRows + r]);
+        const Vec x = splat(a[r * kRowStride + n * kStepStride]);
 #pragma GCC unroll 4
-        for (int v = 0; v < kTileVectors; ++v) acc[r][v] += a * k[v];
+        for (int v = 0; v < kTileVectors; ++v) acc[r][v] += x * row[v];
       }
     }
+  }
+
+  // s[r][c] = sum_d q_t[d][r] * k_tile[d][c]. The queries come transposed ([D][kTileRows]) so
+  // that one pointer with constant offsets reaches every row.
+  static void qk_micro(const float* q_t, const float* k_tile, std::int64_t d_count, float* s) {
+    Vec acc[kTileRows][kTileVectors] = {};
+    rank1_updates<1, kTileRows>(acc, q_t, k_tile, d_count);
 #pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) {
 #pragma GCC unroll 4
@@ -189,7 +198,7 @@ struct F32Dot {
     }
   }
 
-  // o[r][c] = alpha[r] * o[r][c] + sum_j p[r][j] * v[j][c] for r < kTileRows, c < kTileCols.
+  // o[r][c] = alpha[r] * o[r][c] + sum_j p[r][j] * v[j][c].
   static void pv_micro(const float* p, const float* v, const float* alpha, float* o,
                        std::int64_t ldo) {
     Vec acc[kTileRows][kTileVectors];
@@ -199,17 +208,7 @@ struct F32Dot {
 #pragma GCC unroll 4
       for (int c = 0; c < kTileVectors; ++c) acc[r][c] = load(o + r * ldo + c * kLanes) * a;
     }
-    for (int j = 0; j < kKeyTile; ++j) {
-      Vec vv[kTileVectors];
-#pragma GCC unroll 4
-      for (int c = 0; c < kTileVectors; ++c) vv[c] = load(v + j * kTileCols + c * kLanes);
-#pragma GCC unroll 16
-      for (int r = 0; r < kTileRows; ++r) {
-        const Vec pr = splat(p[r * kKeyTile + j]);
-#pragma GCC unroll 4
-        for (int c = 0; c < kTileVectors; ++c) acc[r][c] += pr * vv[c];
-      }
-    }
+    rank1_updates<kKeyTile, 1>(acc, p, v, kKeyTile);
 #pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) {
 #pragma GCC unroll 4
