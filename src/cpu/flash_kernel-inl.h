@@ -92,21 +92,21 @@ inline float reduce_sum(Vec v) {
   return reduce<kLanes>(v, [](auto a, auto b) { return a + b; });
 }
 
-// 2^x for a vector: x = n + f with n integral and |f| <= 1/2, 2^f by its Taylor polynomial of
-// degree 6 (relative error 1.2e-7 on [-1/2, 1/2]), 2^n by building the exponent bits. Below
-// -126.5 the result is 0 (so 2^-inf = 0); NaN stays NaN.
+// 2^x for a vector: x = n + f with n integral and |f| <= 1/2, 2^f by the degree-5 polynomial
+// interpolating it at the Chebyshev nodes of [-1/2, 1/2] (relative error 1.0e-7, as good as
+// Taylor's degree 6 with one FMA less), 2^n by building the exponent bits. Below -126.5 the
+// result is 0 (so 2^-inf = 0); NaN stays NaN.
 inline Vec exp2v(Vec x) {
   x = x < splat(-127.0f) ? splat(-127.0f) : x;
   x = x > splat(127.0f) ? splat(127.0f) : x;
   const Vec n = (x + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 * 2^23
   const Vec f = x - n;
-  Vec poly = splat(1.5403530393381606e-4f);
-  poly = poly * f + 1.3333558146428443e-3f;
-  poly = poly * f + 9.6181291076284772e-3f;
-  poly = poly * f + 5.5504108664821580e-2f;
-  poly = poly * f + 2.4022650695910071e-1f;
-  poly = poly * f + 6.9314718055994531e-1f;
-  poly = poly * f + 1.0f;
+  Vec poly = splat(1.3390863365e-3f);
+  poly = poly * f + 9.6760319183e-3f;
+  poly = poly * f + 5.5503571142e-2f;
+  poly = poly * f + 2.4022107485e-1f;
+  poly = poly * f + 6.9314718803e-1f;
+  poly = poly * f + 1.0000000755f;
   const IVec bits = (__builtin_convertvector(n, IVec) + 127) << 23;  // n = -127: +0
   Vec two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
