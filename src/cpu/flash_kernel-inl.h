@@ -223,50 +223,47 @@ struct F32Dot {
                         std::int64_t dv_pad) {
     const std::int64_t d = p.head_dim, dv = p.head_dim_v;
     constexpr std::int64_t kChunk = 16;  // head-dim columns per pass: 16 lines written per key
-    {
-      const std::int64_t j0 = t * kKeyTile;
-      const std::int64_t keys = std::min<std::int64_t>(kKeyTile, p.seqlen_k - j0);
-      const std::int64_t k0 = offset4(a.k, b, kv_head, j0, 0), ldk = a.k.stride[2];
+    const std::int64_t j0 = t * kKeyTile;
+    const std::int64_t keys = std::min<std::int64_t>(kKeyTile, p.seqlen_k - j0);
+    const std::int64_t k0 = offset4(a.k, b, kv_head, j0, 0), ldk = a.k.stride[2];
+    // One loop per input dtype (f32, bf16, f16: the flash backend's), none inside.
+    auto transpose = [&](const auto* src, auto to_float) {
       for (std::int64_t e0 = 0; e0 < d; e0 += kChunk) {
         const std::int64_t e1 = std::min(d, e0 + kChunk);
-        if (a.k.dtype == DType::f32) {
-          const float* src = static_cast<const float*>(a.k.data) + k0;
-          for (std::int64_t c = 0; c < keys; ++c) {
-            for (std::int64_t e = e0; e < e1; ++e) kt[k_index(d, e, c)] = src[c * ldk + e];
-          }
-        } else if (a.k.dtype == DType::bf16) {
-          const std::uint16_t* src = static_cast<const std::uint16_t*>(a.k.data) + k0;
-          for (std::int64_t c = 0; c < keys; ++c) {
-            for (std::int64_t e = e0; e < e1; ++e) {
-              const std::uint32_t bits = static_cast<std::uint32_t>(src[c * ldk + e]) << 16;
-              std::memcpy(&kt[k_index(d, e, c)], &bits, sizeof(float));
-            }
-          }
-        } else {
-          for (std::int64_t c = 0; c < keys; ++c) {
-            for (std::int64_t e = e0; e < e1; ++e) {
-              kt[k_index(d, e, c)] = load_element<float>(a.k.data, a.k.dtype, k0 + c * ldk + e);
-            }
-          }
+        for (std::int64_t c = 0; c < keys; ++c) {
+          for (std::int64_t e = e0; e < e1; ++e) kt[k_index(d, e, c)] = to_float(src[c * ldk + e]);
         }
         for (std::int64_t e = e0; e < e1; ++e) {
           for (std::int64_t c = keys; c < kKeyTile; ++c) kt[k_index(d, e, c)] = 0.0f;
         }
       }
+    };
+    auto copy_v = [&](const auto* v, auto to_float) {
       for (std::int64_t c = 0; c < kKeyTile; ++c) {
-        const std::int64_t src = offset4(a.v, b, kv_head, j0 + c, 0);
+        const auto* row = c < keys ? v + offset4(a.v, b, kv_head, j0 + c, 0) : v;
         for (std::int64_t e0 = 0; e0 < dv_pad; e0 += kTileCols) {
           float* chunk = vt + v_index(c, e0);  // kTileCols columns of key c
           const std::int64_t n = c < keys ? std::clamp<std::int64_t>(dv - e0, 0, kTileCols) : 0;
-          if (n > 0 && a.v.dtype == DType::f32) {
-            std::memcpy(chunk, static_cast<const float*>(a.v.data) + src + e0,
-                        static_cast<std::size_t>(n) * sizeof(float));
-          } else if (n > 0) {
-            load_row(a.v.data, a.v.dtype, src + e0, n, chunk);
-          }
+          for (std::int64_t e = 0; e < n; ++e) chunk[e] = to_float(row[e0 + e]);
           for (std::int64_t e = n; e < kTileCols; ++e) chunk[e] = 0.0f;
         }
       }
+    };
+    const auto* k16 = static_cast<const std::uint16_t*>(a.k.data) + k0;
+    const auto* v16 = static_cast<const std::uint16_t*>(a.v.data);
+    switch (a.k.dtype) {
+      case DType::bf16:
+        transpose(k16, [](std::uint16_t x) { return bf16::to_float(x); });
+        copy_v(v16, [](std::uint16_t x) { return bf16::to_float(x); });
+        break;
+      case DType::f16:
+        transpose(k16, [](std::uint16_t x) { return f16::to_float(x); });
+        copy_v(v16, [](std::uint16_t x) { return f16::to_float(x); });
+        break;
+      default:  // f32
+        transpose(static_cast<const float*>(a.k.data) + k0, [](float x) { return x; });
+        copy_v(static_cast<const float*>(a.v.data), [](float x) { return x; });
+        break;
     }
   }
 
