@@ -23,6 +23,7 @@ namespace attncore::test {
 namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr double kInf = std::numeric_limits<double>::infinity();
 
 struct ForwardCase {
   std::string name;
@@ -567,6 +568,47 @@ TEST(Forward, DefaultScaleIsInverseSqrtHeadDim) {
     other_scale.scale = 0.5;
     const ForwardResult c = forward(q.view, k.view, v.view, other_scale, backend);
     EXPECT_GT(max_abs_diff(read_view(a.out), read_view(c.out)), 1e-6);
+  }
+}
+
+// Many key tiles with one unchanging row max: the online softmax's rescale must stay exactly 1
+// (a rescale of 1 + 2^-23 per tile, or an FMA-rounded exponent, skews the weights towards early
+// keys). Every score is 47.1, so out is the mean of v and lse = 47.1 + log(Lk).
+TEST(Forward, LongRowsKeepUniformWeights) {
+  const std::int64_t lk = 1 << 17;  // 1024 tiles of 128 keys
+  const Dims d{1, 1, 1, 1, lk, 1, 1};
+  std::vector<double> q = {1.0}, k(static_cast<std::size_t>(lk), 1.0), v(static_cast<std::size_t>(lk));
+  for (std::int64_t j = 0; j < lk; ++j) v[static_cast<std::size_t>(j)] = static_cast<double>(j) / lk;
+  const Tensor tq = make_tensor(DType::f32, to_shape(d.q_shape()), q);
+  const Tensor tk = make_tensor(DType::f32, to_shape(d.k_shape()), k);
+  const Tensor tv = make_tensor(DType::f32, to_shape(d.v_shape()), v);
+  Options options;
+  options.scale = 47.1;
+  for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
+    const ForwardResult r = forward(tq, tk, tv, options, backend);
+    const double out = read_view(r.out)[0], lse = read_view(r.lse)[0];
+    const double want_out = static_cast<double>(lk - 1) / (2.0 * static_cast<double>(lk));
+    const double want_lse = static_cast<double>(static_cast<float>(47.1)) + std::log(static_cast<double>(lk));
+    EXPECT_NEAR(out, want_out, 1e-5 * want_out) << name_of(backend);
+    EXPECT_NEAR(lse, want_lse, 2e-5 * want_lse) << name_of(backend);
+  }
+}
+
+// A row that sees no key gives exactly 0 even when the hidden keys' values are inf or NaN
+// (which a 0 weight times inf would otherwise turn into NaN).
+TEST(Forward, HiddenNonFiniteValuesLeaveMaskedRowsZero) {
+  const Dims d{1, 1, 1, 2, 2, 1, 1};
+  const Tensor q = make_tensor(DType::f32, to_shape(d.q_shape()), {0.5, -0.25});
+  const Tensor k = make_tensor(DType::f32, to_shape(d.k_shape()), {1.0, 2.0});
+  const Tensor v = make_tensor(DType::f32, to_shape(d.v_shape()), {kInf, kNaN});
+  const Tensor mask = make_tensor(DType::b8, {2, 2}, {0.0, 0.0, 1.0, 1.0});  // row 0 sees nothing
+  Options options;
+  options.mask = mask.view();
+  for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
+    const ForwardResult r = forward(q, k, v, options, backend);
+    EXPECT_EQ(read_view(r.out)[0], 0.0) << name_of(backend);
+    EXPECT_EQ(read_view(r.lse)[0], -kInf) << name_of(backend);
+    EXPECT_TRUE(std::isnan(read_view(r.out)[1])) << name_of(backend);  // row 1 sees the NaN
   }
 }
 

@@ -25,12 +25,15 @@ inline PhiloxCounter philox4x32_10(PhiloxCounter ctr, PhiloxKey key) {
   return ctr;
 }
 
-// The 32-bit word at position `pos` of the stream keyed by `seed`: word pos % 4 of
-// Philox4x32-10(counter = pos / 4, key = (seed low, seed high)).
-inline std::uint32_t philox_word(std::uint64_t seed, std::uint64_t pos) {
-  const std::uint64_t block = pos >> 2;
+// The 32-bit word at position `pos` = pos_high * 2^64 + pos of the stream keyed by `seed`:
+// word pos % 4 of Philox4x32-10(counter = pos / 4 as a 128-bit integer, key = (seed low,
+// seed high)). Positions pass 2^64 when offset + element index does (DESIGN.md section 1.5).
+inline std::uint32_t philox_word(std::uint64_t seed, std::uint64_t pos,
+                                 std::uint64_t pos_high = 0) {
+  const std::uint64_t block_low = (pos >> 2) | (pos_high << 62), block_high = pos_high >> 2;
   const PhiloxCounter out = philox4x32_10(
-      {static_cast<std::uint32_t>(block), static_cast<std::uint32_t>(block >> 32), 0u, 0u},
+      {static_cast<std::uint32_t>(block_low), static_cast<std::uint32_t>(block_low >> 32),
+       static_cast<std::uint32_t>(block_high), static_cast<std::uint32_t>(block_high >> 32)},
       {static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)});
   return out[pos & 3];
 }
@@ -40,9 +43,10 @@ inline float philox_uniform(std::uint32_t x) {
   return static_cast<float>(x) * 2.3283064365386963e-10f + 1.1641532182693481e-10f;
 }
 
-// Dropout keeps element `pos` of the stream iff its uniform is > p.
-inline bool dropout_keep(std::uint64_t seed, std::uint64_t pos, float p) {
-  return philox_uniform(philox_word(seed, pos)) > p;
+// Dropout keeps element `pos` (+ pos_high * 2^64) of the stream iff its uniform is > p.
+inline bool dropout_keep(std::uint64_t seed, std::uint64_t pos, float p,
+                         std::uint64_t pos_high = 0) {
+  return philox_uniform(philox_word(seed, pos, pos_high)) > p;
 }
 
 }  // namespace attncore::detail

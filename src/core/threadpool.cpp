@@ -104,11 +104,30 @@ Pool& pool() {
   return p;
 }
 
+// Set while this thread runs tasks of a pool job: a call from inside a task runs inline
+// (re-locking the pool's mutex from the thread that holds it would be undefined).
+thread_local bool t_in_task = false;
+
+struct InTask {
+  bool previous = t_in_task;
+  InTask() { t_in_task = true; }
+  ~InTask() { t_in_task = previous; }
+};
+
 }  // namespace
 
 void run_tasks(int num_tasks, int threads, const std::function<void(int)>& task) {
   if (num_tasks <= 0) return;
-  if (threads <= 1 || num_tasks == 1 || !pool().try_run(num_tasks, threads, task)) {
+  if (t_in_task || threads <= 1 || num_tasks == 1) {
+    for (int t = 0; t < num_tasks; ++t) task(t);
+    return;
+  }
+  const InTask in_task;
+  const std::function<void(int)> marked = [&](int t) {
+    const InTask inner;
+    task(t);
+  };
+  if (!pool().try_run(num_tasks, threads, marked)) {
     for (int t = 0; t < num_tasks; ++t) task(t);
   }
 }

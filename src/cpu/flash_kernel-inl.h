@@ -17,7 +17,7 @@
 //     S = q . K_tile^T                       (micro-kernel 1; keys in vector lanes)
 //     S = score mods (softcap, ALiBi, mask)   (only when the call has them)
 //     S = -inf outside each row's band        (only on tiles the band cuts: "partial" tiles)
-//     online softmax: m' = max(m, rowmax S); alpha = exp(m - m'); P = exp(S - m');
+//     online softmax: m' = max(m, rowmax S); alpha = exp(m - m'); P = exp(S - m')
 //                     l = alpha l + rowsum P;  P *= dropout factor
 //     O = alpha O + P . V_tile                (micro-kernel 2; Dv in vector lanes)
 //   out = O / l (0 where l = 0);  lse = m + log l (-inf where l = 0)
@@ -92,21 +92,22 @@ inline float reduce_sum(Vec v) {
   return reduce<kLanes>(v, [](auto a, auto b) { return a + b; });
 }
 
-// 2^x for a vector: x = n + f with n integral and |f| <= 1/2, 2^f by the degree-5 polynomial
-// interpolating it at the Chebyshev nodes of [-1/2, 1/2] (relative error 1.0e-7, as good as
-// Taylor's degree 6 with one FMA less), 2^n by building the exponent bits. Below -126.5 the
-// result is 0 (so 2^-inf = 0); NaN stays NaN.
+// 2^x for a vector: x = n + f with n integral and |f| <= 1/2, 2^f by a degree-5 polynomial
+// with constant term exactly 1 (so 2^0 = 1: a rescale by an unchanged max is exact) and the
+// other coefficients fitted for least relative error on [-1/2, 1/2] (1.6e-7 evaluated in f32),
+// 2^n by building the exponent bits. Below -126.5 the result is 0 (so 2^-inf = 0); NaN stays
+// NaN.
 inline Vec exp2v(Vec x) {
   x = x < splat(-127.0f) ? splat(-127.0f) : x;
   x = x > splat(127.0f) ? splat(127.0f) : x;
   const Vec n = (x + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 * 2^23
   const Vec f = x - n;
-  Vec poly = splat(1.3390863365e-3f);
-  poly = poly * f + 9.6760319183e-3f;
-  poly = poly * f + 5.5503571142e-2f;
-  poly = poly * f + 2.4022107485e-1f;
-  poly = poly * f + 6.9314718803e-1f;
-  poly = poly * f + 1.0000000755f;
+  Vec poly = splat(1.3218672470e-3f);
+  poly = poly * f + 9.6716979384e-3f;
+  poly = poly * f + 5.5508929525e-2f;
+  poly = poly * f + 2.4022238003e-1f;
+  poly = poly * f + 6.9314685594e-1f;
+  poly = poly * f + 1.0f;
   const IVec bits = (__builtin_convertvector(n, IVec) + 127) << 23;  // n = -127: +0
   Vec two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
@@ -345,10 +346,10 @@ struct Bf16Dot {
     const std::int64_t keys = std::min<std::int64_t>(kKeyTile, p.seqlen_k - j0);
     const auto* k = static_cast<const std::uint16_t*>(a.k.data) + offset4(a.k, b, kv_head, j0, 0);
     for (std::int64_t c = 0; c < kKeyTile; ++c) {
-      const std::uint16_t* row = k + c * a.k.stride[2];
+      const std::uint16_t* row = c < keys ? k + c * a.k.stride[2] : nullptr;
       for (std::int64_t e2 = 0; e2 < d_pairs; ++e2) {
         std::uint32_t pair = 0;
-        if (c < keys) {
+        if (row != nullptr) {
           pair = row[2 * e2];
           if (2 * e2 + 1 < d) pair |= static_cast<std::uint32_t>(row[2 * e2 + 1]) << 16;
         }
@@ -357,9 +358,9 @@ struct Bf16Dot {
     }
     const auto* v = static_cast<const std::uint16_t*>(a.v.data) + offset4(a.v, b, kv_head, j0, 0);
     for (std::int64_t c2 = 0; c2 < kKeyTile / 2; ++c2) {
-      const std::uint16_t* lo = v + 2 * c2 * a.v.stride[2];
-      const std::uint16_t* hi = lo + a.v.stride[2];
       const bool has_lo = 2 * c2 < keys, has_hi = 2 * c2 + 1 < keys;
+      const std::uint16_t* lo = has_lo ? v + 2 * c2 * a.v.stride[2] : nullptr;
+      const std::uint16_t* hi = has_hi ? v + (2 * c2 + 1) * a.v.stride[2] : nullptr;
       for (std::int64_t e = 0; e < dv_pad; ++e) {
         const std::uint32_t l = has_lo && e < dv ? lo[e] : 0u;
         const std::uint32_t h = has_hi && e < dv ? hi[e] : 0u;
@@ -514,12 +515,13 @@ void run_block_with(const Problem& p, const ForwardArgs& a, const FlashPanel& pa
     const bool full = keys == kKeyTile && seen.classify(j0, j0 + kKeyTile) == TileKind::full;
     // The panel's tile, or (panel without tiles: a single item of its group) this tile packed
     // now into scratch, where it stays in L1/L2 for its one use.
-    const float* k_tile = panel.k_tiles + t * d * kKeyTile;
-    const float* v_tile = panel.v_rows + j0 * dv_pad;
-    if (panel.k_tiles == nullptr) {
+    const float* k_tile = w.k_tile;
+    const float* v_tile = w.v_tile;
+    if (panel.k_tiles != nullptr) {
+      k_tile = panel.k_tiles + t * d * kKeyTile;
+      v_tile = panel.v_rows + j0 * dv_pad;
+    } else {
       Dot::pack_tile(p, a, b, item.kv_head, t, w.k_tile, w.v_tile, dv_pad);
-      k_tile = w.k_tile;
-      v_tile = w.v_tile;
     }
     Dot::scores(p, w.q, k_tile, padded_rows, w.scores);
     for (std::int64_t r = 0; r < padded_rows; ++r) {
@@ -545,10 +547,14 @@ void run_block_with(const Problem& p, const ForwardArgs& a, const FlashPanel& pa
           if (c < lo || c >= hi) s[c] = -INFINITY;
         }
       }
-      // Online softmax: the one place the running max and sum are updated.
+      // Online softmax: the one place the running max and sum are updated. The max is kept in
+      // log2 units (score * log2 e, rounded once): P = 2^(S * factor - max) and the rescale
+      // alpha = 2^(old max - new max) use the same rounded values, and alpha is exactly 1
+      // while the max stays.
+      const float factor = row_scale * kLog2e;
       Vec vmx = load(s);
       for (int c = kLanes; c < kKeyTile; c += kLanes) vmx = vmax(load(s + c), vmx);
-      const float tile_max = reduce_max(vmx) * row_scale;  // row_max is in score units
+      const float tile_max = reduce_max(vmx) * factor;
       const float old_max = w.row_max[r];
       // NaN scores make the row NaN (never "nothing visible").
       const float new_max = tile_max > old_max || std::isnan(tile_max) ? tile_max : old_max;
@@ -557,11 +563,12 @@ void run_block_with(const Problem& p, const ForwardArgs& a, const FlashPanel& pa
         w.alpha[r] = 1.0f;
         continue;
       }
-      const float shift = new_max * kLog2e, factor = row_scale * kLog2e;
-      const float alpha = old_max == -INFINITY ? 0.0f : exp2v(splat(old_max * kLog2e - shift))[0];
+      const float alpha = old_max == -INFINITY ? 0.0f
+                          : old_max == new_max ? 1.0f
+                                               : exp2v(splat(old_max - new_max))[0];
       Vec vsum = splat(0.0f);
       for (int c = 0; c < kKeyTile; c += kLanes) {
-        const Vec prob = exp2v(load(s + c) * factor - shift);
+        const Vec prob = exp2v(load(s + c) * factor - new_max);
         vsum += prob;
         store(s + c, prob);
       }
@@ -576,16 +583,22 @@ void run_block_with(const Problem& p, const ForwardArgs& a, const FlashPanel& pa
     Dot::accumulate(w.scores, v_tile, dv_pad, padded_rows, w.alpha, w.probs16, w.out);
   }
 
-  // out = O / l, lse = m + log l; rows with no visible key: 0 and -inf.
+  // out = O / l, lse = m ln 2 + log l; rows with no visible key: exactly 0 (even where V holds
+  // inf or NaN, which 0-weighted keys still bring into O) and -inf.
   for (std::int64_t r = 0; r < rows; ++r) {
     const float sum = w.row_sum[r];
-    const float inv = sum == 0.0f ? 0.0f : 1.0f / sum;
     float* o = w.out + r * dv_pad;
-    for (std::int64_t e = 0; e < p.head_dim_v; ++e) o[e] *= inv;
+    if (sum == 0.0f) {
+      for (std::int64_t e = 0; e < p.head_dim_v; ++e) o[e] = 0.0f;
+    } else {
+      const float inv = 1.0f / sum;
+      for (std::int64_t e = 0; e < p.head_dim_v; ++e) o[e] *= inv;
+    }
     const std::int64_t h = head_of[r], i = index_of[r];
     store_row(o, p.head_dim_v, a.out.data, a.out.dtype, offset4(a.out, b, h, i, 0));
     if (a.lse.data != nullptr) {
-      const float lse = sum == 0.0f ? -INFINITY : w.row_max[r] + std::log(sum);
+      constexpr float kLn2 = 0.6931471805599453f;
+      const float lse = sum == 0.0f ? -INFINITY : w.row_max[r] * kLn2 + std::log(sum);
       store_element(a.lse.data, a.lse.dtype,
                     b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2], lse);
     }

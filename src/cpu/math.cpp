@@ -107,6 +107,7 @@ void forward_impl(const Problem& p, const ForwardArgs& a) {
   const std::int64_t blocks = num_blocks(lq);
   struct Workspace {
     std::vector<T> q, scores, out;  // [rows, D], [rows, Lk] (S, then P), [rows, Dv]
+    std::vector<bool> unseen;       // [rows]: the row sees no key
   };
   std::vector<T> k_buf, v_buf;
   for (std::int64_t b = 0; b < p.batch; ++b) {
@@ -120,6 +121,7 @@ void forward_impl(const Problem& p, const ForwardArgs& a) {
             Workspace w;
             w.scores.resize(static_cast<std::size_t>(std::min(lq, kBlockRows) * lk));
             w.out.resize(static_cast<std::size_t>(std::min(lq, kBlockRows) * dv));
+            w.unseen.resize(static_cast<std::size_t>(std::min(lq, kBlockRows)));
             return w;
           },
           [&](std::int64_t task, Workspace& w) {
@@ -136,6 +138,7 @@ void forward_impl(const Problem& p, const ForwardArgs& a) {
               T* row = w.scores.data() + r * lk;
               finish_scores<T>(p, causal_window, b, h, i, row, nullptr);
               const T lse = softmax_row(row, lk);
+              w.unseen[static_cast<std::size_t>(r)] = lse == -std::numeric_limits<T>::infinity();
               const DropoutRow dropout(p, b, h, i);
               if (dropout.active()) {
                 for (std::int64_t j = 0; j < lk; ++j) row[j] *= dropout.factor<T>(j);
@@ -146,8 +149,12 @@ void forward_impl(const Problem& p, const ForwardArgs& a) {
             if (lk > 0) {
               gemm(false, false, rows, dv, lk, T(1), w.scores.data(), lk, v.data, v.ld, T(0),
                    w.out.data(), dv);
-            } else {
-              std::fill(w.out.begin(), w.out.end(), T(0));
+            }
+            // Rows that see no key are exactly 0 (0 weights times inf or NaN in V are not).
+            for (std::int64_t r = 0; r < rows; ++r) {
+              if (lk == 0 || w.unseen[static_cast<std::size_t>(r)]) {
+                std::fill_n(w.out.begin() + r * dv, dv, T(0));
+              }
             }
             store_rows(w.out.data(), a.out, b, h, row0, rows, dv);
           });

@@ -96,6 +96,7 @@ class DropoutRow {
                               static_cast<std::uint64_t>(p.seqlen_q) +
                           static_cast<std::uint64_t>(i)) *
                              static_cast<std::uint64_t>(p.seqlen_k)),
+        base_high_(base_ < p.offset ? 1u : 0u),  // offset + index passed 2^64
         active_(p.dropout_p > 0.0) {}
 
   bool active() const { return active_; }
@@ -103,7 +104,8 @@ class DropoutRow {
   template <class T>
   T factor(std::int64_t j) const {
     if (!active_) return T(1);
-    return dropout_keep(seed_, base_ + static_cast<std::uint64_t>(j), p_)
+    const std::uint64_t pos = base_ + static_cast<std::uint64_t>(j);
+    return dropout_keep(seed_, pos, p_, base_high_ + (pos < base_ ? 1u : 0u))
                ? static_cast<T>(keep_scale_)
                : T(0);
   }
@@ -112,7 +114,8 @@ class DropoutRow {
   std::uint64_t seed_;
   float p_;
   double keep_scale_;
-  std::uint64_t base_;
+  std::uint64_t base_;       // the row's first position, modulo 2^64 ...
+  std::uint64_t base_high_;  // ... and its bits above 2^64 (the element index is < 2^63)
   bool active_;
 };
 

@@ -120,13 +120,20 @@ std::array<std::uint32_t, 4> oracle_philox4x32_10(std::array<std::uint32_t, 4> c
   return {x0, x1, x2, x3};
 }
 
-std::uint32_t oracle_philox_word(std::uint64_t seed, std::uint64_t pos) {
-  const std::uint64_t block = pos / 4;  // a 128-bit counter whose two high words are zero
-  const std::array<std::uint32_t, 4> counter = {static_cast<std::uint32_t>(block & 0xffffffffu),
-                                                static_cast<std::uint32_t>(block >> 32), 0u, 0u};
+// Stream positions are 128-bit: offset + element index may pass 2^64.
+__extension__ typedef unsigned __int128 Position;
+
+std::uint32_t oracle_philox_word_at(std::uint64_t seed, Position pos) {
+  const Position block = pos / 4;  // the 128-bit counter
+  std::array<std::uint32_t, 4> counter{};
+  for (int w = 0; w < 4; ++w) counter[static_cast<std::size_t>(w)] = static_cast<std::uint32_t>(block >> (32 * w));
   const std::array<std::uint32_t, 2> key = {static_cast<std::uint32_t>(seed & 0xffffffffu),
                                             static_cast<std::uint32_t>(seed >> 32)};
-  return oracle_philox4x32_10(counter, key)[pos % 4];
+  return oracle_philox4x32_10(counter, key)[static_cast<std::size_t>(pos % 4)];
+}
+
+std::uint32_t oracle_philox_word(std::uint64_t seed, std::uint64_t pos) {
+  return oracle_philox_word_at(seed, pos);
 }
 
 float oracle_uniform(std::uint32_t word) {
@@ -137,8 +144,12 @@ float oracle_uniform(std::uint32_t word) {
   return scaled + two_pow_minus_33;
 }
 
+bool oracle_keep_at(std::uint64_t seed, Position pos, double p) {
+  return oracle_uniform(oracle_philox_word_at(seed, pos)) > static_cast<float>(p);
+}
+
 bool oracle_keep(std::uint64_t seed, std::uint64_t pos, double p) {
-  return oracle_uniform(oracle_philox_word(seed, pos)) > static_cast<float>(p);
+  return oracle_keep_at(seed, pos, p);
 }
 
 std::vector<double> oracle_dense_bias(const Dims& d, const Spec& spec) {
@@ -183,7 +194,7 @@ std::vector<std::uint8_t> oracle_dropout_mask(const Dims& d, const Spec& spec) {
   for (std::size_t n = 0; n < keep.size(); ++n) {
     // Element (b, h, i, j) sits at ((b*Hq + h)*Lq + i)*Lk + j = n of the dense layout.
     keep[n] =
-        oracle_keep(spec.seed, spec.offset + static_cast<std::uint64_t>(n), spec.dropout_p) ? 1 : 0;
+        oracle_keep_at(spec.seed, Position{spec.offset} + n, spec.dropout_p) ? 1 : 0;
   }
   return keep;
 }
