@@ -15,7 +15,9 @@ foreach(obj IN LISTS OBJECTS)
   endif()
   string(REPLACE "\n" ";" lines "${symbols}")
   foreach(line IN LISTS lines)
-    if(line MATCHES " [WTtVu] (.*)$")
+    # Functions only (demangled names with a parameter list): the compiler's own data symbols
+    # (DW.ref.__gxx_personality_v0, sanitizer constructors) carry no target code.
+    if(line MATCHES " [WTtu] (.*\\(.*)$")
       set(name "${CMAKE_MATCH_1}")
       if(NOT name MATCHES "attncore::detail::${target}::" AND NOT name MATCHES "^attncore::detail::flash_target_${target}\\(\\)$")
         message(FATAL_ERROR "${obj} defines ${name} outside attncore::detail::${target}")
