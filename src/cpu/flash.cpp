@@ -146,9 +146,11 @@ void flash_forward(const Problem& p, const ForwardArgs& a) {
   // A group with one item (decode) packs each tile just before its use, into scratch: no
   // panel at all. Items compute the same in every mode.
   const bool on_the_fly = plan.count == 1 && groups >= threads;
-  const double operand_floats = static_cast<double>(p.batch) *
-                                static_cast<double>(p.heads_q * p.seqlen_q * (d + p.head_dim_v) +
-                                                    p.heads_kv * p.seqlen_k * (d + p.head_dim_v));
+  const double dims = static_cast<double>(d) + static_cast<double>(p.head_dim_v);
+  const double operand_floats =
+      static_cast<double>(p.batch) * dims *
+      (static_cast<double>(p.heads_q) * static_cast<double>(p.seqlen_q) +
+       static_cast<double>(p.heads_kv) * static_cast<double>(p.seqlen_k));
   const bool spread = groups >= 2 * threads || groups % threads == 0;
   if (on_the_fly ||
       (spread && 8.0 * threads * static_cast<double>(panel_floats) <= operand_floats)) {
