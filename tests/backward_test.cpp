@@ -47,6 +47,7 @@ struct BackwardCase {
   bool given_scale = false;
   DType mask_dtype = DType::f32;
   std::uint64_t seed = 1;
+  std::string target;  // SIMD target forced for the flash backend ("" = automatic)
 };
 
 void PrintTo(const BackwardCase& c, std::ostream* os) { *os << c.name; }
@@ -61,6 +62,7 @@ std::string case_name(const BackwardCase& c) {
                   name_of_layout(c.layout);
   if (c.into) s += "_into";
   if (c.given_scale) s += "_scale";
+  if (!c.target.empty()) s += "_" + c.target;
   return s;
 }
 
@@ -113,10 +115,37 @@ std::vector<BackwardCase> backward_grid() {
       }
     }
   }
+  // The flash backend on every SIMD target this CPU runs (tiles of 128 keys, blocks of 48-64
+  // rows: lengths around both), every variant, f32 / bf16 / f16.
+  const Len flash_lens[] = {{1, 1}, {7, 9}, {47, 49}, {64, 65}, {65, 63}, {17, 130}, {130, 17},
+                            {129, 128}, {1, 200}};
+  for (const std::string& target : simd_targets_supported()) {
+    for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+      for (Variant variant : backward_variants()) {
+        BackwardCase c;
+        const Len len = flash_lens[rng.below(std::size(flash_lens))];
+        const HeadDim hd = head_dims[rng.below(std::size(head_dims))];
+        const Heads h = heads[rng.below(std::size(heads))];
+        c.dims = {h.b, h.hq, h.hkv, len.q, len.k, hd.d, hd.dv};
+        c.variant = variant;
+        c.dtype = dtype;
+        c.backend = Backend::flash;
+        c.layout = static_cast<Layout>(n % 3);
+        c.into = n % 3 == 1;
+        c.given_scale = n % 2 == 1;
+        c.mask_dtype = n % 4 < 2 ? dtype : DType::f32;
+        c.seed = 5000 + n;
+        c.target = target;
+        c.name = case_name(c);
+        cases.push_back(c);
+        ++n;
+      }
+    }
+  }
   // Empty sizes: zero gradients of the right shapes.
   const Dims empties[] = {
       {1, 2, 1, 6, 0, 32, 16}, {2, 2, 2, 0, 6, 32, 16}, {0, 2, 2, 4, 4, 16, 16}};
-  for (Backend backend : {Backend::reference, Backend::math}) {
+  for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
     for (DType dtype : {DType::f32, DType::bf16}) {
       for (const Dims& d : empties) {
         for (Variant variant : {Variant::plain, Variant::additive_full, Variant::dropout}) {
@@ -209,8 +238,19 @@ Gradients run_backward(const BackwardCase& c, const Problem& p, const Operands& 
 
 class BackwardGrid : public ::testing::TestWithParam<BackwardCase> {};
 
+// Forces a SIMD target for its scope ("" = the automatic choice).
+class ScopedTarget {
+ public:
+  explicit ScopedTarget(const std::string& target) : previous_(set_simd_target(target)) {}
+  ~ScopedTarget() { set_simd_target(previous_); }
+
+ private:
+  std::string previous_;
+};
+
 TEST_P(BackwardGrid, MatchesOracle) {
   const BackwardCase& c = GetParam();
+  const ScopedTarget target(c.target);
   const Problem p = make_problem(c.dims, {c.variant, c.mask_dtype, c.given_scale, c.seed});
   const Operands x = make_operands(c.dims, c.dtype, c.seed);
   const Gradients got = run_backward(c, p, x);
@@ -253,8 +293,9 @@ TEST(Backward, DbiasReducesOverBroadcastDims) {
   const std::vector<std::vector<std::int64_t>> shapes = {
       {2, 3, 11, 13}, {1, 1, 11, 13}, {2, 1, 1, 13}, {1, 3, 11, 1}, {2, 3, 1, 1},
       {1, 1, 1, 1},   {11, 13},       {1, 13},       {11, 1}};
-  for (Backend backend : {Backend::reference, Backend::math}) {
+  for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
     for (DType dtype : {DType::f64, DType::f32}) {
+      if (backend == Backend::flash && dtype == DType::f64) continue;  // flash: no f64
       for (const auto& shape : shapes) {
         std::string shape_str;
         for (std::int64_t s : shape) shape_str += std::to_string(s) + ",";
@@ -352,8 +393,9 @@ TEST(Backward, GqaSumsOverQueryHeads) {
 
 // Rows without a visible key contribute nothing: zero dq rows, no NaN anywhere.
 TEST(Backward, FullyMaskedRowsGiveZeroGradients) {
-  for (Backend backend : {Backend::reference, Backend::math}) {
+  for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
     for (DType dtype : {DType::f32, DType::bf16, DType::f64}) {
+      if (backend == Backend::flash && dtype == DType::f64) continue;  // flash: no f64
       SCOPED_TRACE(std::string(name_of(backend)) + " " + std::string(name_of(dtype)));
       const Dims d{1, 2, 1, 10, 4, 16, 16};  // lower-right causal hides rows 0..5 entirely
       const Operands x = make_operands(d, dtype, 81);
@@ -394,7 +436,7 @@ TEST(Backward, FullyMaskedRowsGiveZeroGradients) {
 
 // Thread count never changes the gradients' bits.
 TEST(Backward, ThreadCountDoesNotChangeBits) {
-  for (Backend backend : {Backend::reference, Backend::math}) {
+  for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
     for (Variant variant : {Variant::combo, Variant::dropout_combo}) {
       SCOPED_TRACE(std::string(name_of(backend)) + " " + name_of_variant(variant));
       const Dims d{2, 4, 2, 37, 45, 40, 40};

@@ -29,16 +29,11 @@ bool fits_blas(const Problem& p) {
 // The flash forward runs f32, bf16 and f16 (f64 is for the reference and math backends).
 bool flash_supports(const Problem& p) { return p.dtype != DType::f64; }
 
-Backend choose(const char* op, const Problem& p, Backend requested, bool is_backward) {
+Backend choose(const char* op, const Problem& p, Backend requested) {
   switch (requested) {
     case Backend::reference:
       return Backend::reference;
     case Backend::flash:
-      if (is_backward) {
-        throw Unsupported(std::string(op) +
-                          ": flash backend has no backward yet (backend=flash, expected auto, "
-                          "reference or math)");
-      }
       if (!flash_supports(p)) {
         throw Unsupported(std::string(op) + ": flash backend does not run this dtype (dtype=" +
                           std::string(name_of(p.dtype)) + ", expected f32, bf16 or f16); use math");
@@ -52,7 +47,7 @@ Backend choose(const char* op, const Problem& p, Backend requested, bool is_back
       }
       return Backend::math;
     case Backend::automatic:
-      if (!is_backward && flash_supports(p)) return Backend::flash;
+      if (flash_supports(p)) return Backend::flash;
       return fits_blas(p) ? Backend::math : Backend::reference;
   }
   return Backend::reference;
@@ -69,7 +64,7 @@ void guarded(const char* op, const char* stage, Fn&& fn) {
 }
 
 void run_forward(const Problem& p, const ForwardArgs& args, Backend backend) {
-  const Backend chosen = choose("forward", p, backend, /*is_backward=*/false);
+  const Backend chosen = choose("forward", p, backend);
   guarded("forward", "running the backend (outputs are incomplete)", [&] {
     if (chosen == Backend::flash) {
       detail::flash_forward(p, args);
@@ -82,9 +77,11 @@ void run_forward(const Problem& p, const ForwardArgs& args, Backend backend) {
 }
 
 void run_backward(const Problem& p, const BackwardArgs& args, Backend backend) {
-  const Backend chosen = choose("backward", p, backend, /*is_backward=*/true);
+  const Backend chosen = choose("backward", p, backend);
   guarded("backward", "running the backend (outputs are incomplete)", [&] {
-    if (chosen == Backend::math) {
+    if (chosen == Backend::flash) {
+      detail::flash_backward(p, args);
+    } else if (chosen == Backend::math) {
       detail::math_backward(p, args);
     } else {
       detail::reference_backward(p, args);

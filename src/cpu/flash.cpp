@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "attncore/error.h"
 #include "attncore/info.h"
@@ -147,10 +148,9 @@ void flash_forward(const Problem& p, const ForwardArgs& a) {
   // panel at all. Items compute the same in every mode.
   const bool on_the_fly = plan.count == 1 && groups >= threads;
   const double dims = static_cast<double>(d) + static_cast<double>(p.head_dim_v);
-  const double operand_floats =
-      static_cast<double>(p.batch) * dims *
-      (static_cast<double>(p.heads_q) * static_cast<double>(p.seqlen_q) +
-       static_cast<double>(p.heads_kv) * static_cast<double>(p.seqlen_k));
+  const double operand_floats = static_cast<double>(p.batch) * dims *
+                                (static_cast<double>(p.heads_q) * static_cast<double>(p.seqlen_q) +
+                                 static_cast<double>(p.heads_kv) * static_cast<double>(p.seqlen_k));
   const bool spread = groups >= 2 * threads || groups % threads == 0;
   if (on_the_fly ||
       (spread && 8.0 * threads * static_cast<double>(panel_floats) <= operand_floats)) {
@@ -189,6 +189,79 @@ void flash_forward(const Problem& p, const ForwardArgs& a) {
                 }
               });
   }
+}
+
+namespace {
+
+// Writes zeros into every element of a rank-4 view.
+void zero_view(const TensorView& t) {
+  std::vector<float> zeros(static_cast<std::size_t>(t.shape[3]), 0.0f);
+  for (std::int64_t i0 = 0; i0 < t.shape[0]; ++i0)
+    for (std::int64_t i1 = 0; i1 < t.shape[1]; ++i1)
+      for (std::int64_t i2 = 0; i2 < t.shape[2]; ++i2)
+        store_row(zeros.data(), t.shape[3], t.data, t.dtype, offset4(t, i0, i1, i2, 0));
+}
+
+}  // namespace
+
+void flash_backward(const Problem& p, const BackwardArgs& a) {
+  DbiasAccumulator dbias(p);
+  if (p.batch == 0) return;
+  if (p.seqlen_q == 0 || p.seqlen_k == 0) {  // no pair: every gradient is 0
+    zero_view(a.dq);
+    zero_view(a.dk);
+    zero_view(a.dv);
+    dbias.store(a.dbias);
+    return;
+  }
+  const FlashTarget& target = flash_target_chosen();
+  const FlashLayout& layout = target.layout;
+  const std::int64_t d = p.head_dim, dv = p.head_dim_v, tile = layout.key_tile;
+  const std::int64_t block = layout.block_rows, tile_rows = layout.tile_rows;
+  FlashBackwardScratch shape{};
+  shape.d_pad = round_up(d, layout.dv_align);
+  shape.dv_pad = round_up(dv, layout.dv_align);
+  shape.lq_pad = round_up(p.seqlen_q, tile_rows);
+  const std::int64_t key_rows = round_up(tile, tile_rows);
+  // Sizes in floats, in FlashBackwardScratch's order; 16-float (64-byte) aligned each.
+  const std::int64_t sizes[] = {p.group * shape.lq_pad * shape.d_pad,
+                                p.group * p.seqlen_q,  // dq, delta
+                                tile * d,
+                                tile * shape.d_pad,
+                                tile * dv,
+                                tile * shape.dv_pad,  // k_t, k_rows, v_t, v_rows
+                                key_rows * shape.d_pad,
+                                key_rows * shape.dv_pad,  // dk, dv
+                                block * d,
+                                block * shape.d_pad,
+                                block * dv,
+                                block * shape.dv_pad,  // q_t, q_rows, do_t, do_rows
+                                block * tile + tile_rows,
+                                block * tile + tile_rows,
+                                tile};  // s, ds, dcap
+  std::int64_t per_thread = 0;
+  for (std::int64_t n : sizes) per_thread += round_up(n, 16);
+  // Groups own their dK, dV and dQ rows; dBias is shared only when the mask broadcasts over
+  // batch or kv heads, and then one thread runs the groups in order.
+  const int threads = dbias.shared_across(p) ? 1 : std::max(1, p.threads);
+  const std::int64_t groups = p.batch * p.heads_kv;
+  AlignedFloats scratch(threads * per_thread);
+  std::atomic<std::int64_t> next{0};
+  run_tasks(static_cast<int>(std::min<std::int64_t>(threads, groups)), threads, [&](int slot) {
+    FlashBackwardScratch w = shape;
+    float* at = scratch.get() + slot * per_thread;
+    float** fields[] = {&w.dq,  &w.delta,  &w.k_t,  &w.k_rows,  &w.v_t, &w.v_rows, &w.dk,  &w.dv,
+                        &w.q_t, &w.q_rows, &w.do_t, &w.do_rows, &w.s,   &w.ds,     &w.dcap};
+    for (std::size_t f = 0; f < std::size(fields); ++f) {
+      *fields[f] = at;
+      at += round_up(sizes[f], 16);
+    }
+    for (std::int64_t g = next.fetch_add(1); g < groups; g = next.fetch_add(1)) {
+      target.run_backward_group(p, a, g / p.heads_kv, g % p.heads_kv, w,
+                                dbias.active() ? &dbias : nullptr);
+    }
+  });
+  dbias.store(a.dbias);
 }
 
 }  // namespace attncore::detail

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "core/dbias.h"
 #include "core/problem.h"
 
 namespace attncore::detail {
@@ -20,6 +21,7 @@ struct FlashLayout {
   int block_rows;  // query rows per work item (a multiple of the micro-tile's rows)
   int key_tile;    // keys per tile (a multiple of the QK micro-tile's width)
   int dv_align;    // Dv is padded to a multiple of this (the PV micro-tile's width)
+  int tile_rows;   // rows of the micro-tiles
 };
 
 // K and V of one (batch, kv head), packed, as the kernel reads them; null tiles: the kernel
@@ -51,6 +53,27 @@ struct FlashItem {
   std::int64_t b, kv_head, first, rows;
 };
 
+// One thread's scratch for the backward of one kv group (sizes set by flash_backward).
+struct FlashBackwardScratch {
+  std::int64_t d_pad, dv_pad;  // head dims padded to the micro-tile width
+  std::int64_t lq_pad;         // Lq padded to whole micro-tiles
+  float* dq;                   // [group][lq_pad][d_pad]: the group's dQ, fp32
+  float* delta;                // [group][Lq]: <dO_i, O_i>
+  float* k_t;                  // [D][key_tile] (k-layout): K for S
+  float* k_rows;               // [d_pad][key_tile] (v-layout): K for dQ
+  float* v_t;                  // [Dv][key_tile] (k-layout): V for dP
+  float* v_rows;               // [dv_pad][key_tile]: written by the packing, unused
+  float* dk;                   // [key rows][d_pad]: the tile's dK
+  float* dv;                   // [key rows][dv_pad]: the tile's dV
+  float* q_t;                  // [block_rows][D]: q times scale, forward layout
+  float* q_rows;               // [d_pad][block_rows] (v-layout): q for dK
+  float* do_t;                 // [block_rows][Dv]: dO, forward query layout
+  float* do_rows;              // [dv_pad][block_rows] (v-layout): dO for dV
+  float* s;                    // [block_rows][key_tile] (+ tile rows): S, P, then P * M
+  float* ds;                   // [block_rows][key_tile] (+ tile rows): dP, then dS
+  float* dcap;                 // [key_tile]: the softcap derivative of one row
+};
+
 using FlashBlockFn = void (*)(const Problem& p, const ForwardArgs& a, const FlashPanel& panel,
                               const FlashItem& item, const FlashScratch& scratch);
 // Packs the K/V tiles [t_begin, t_end) of (b, kv_head) into the panel's layout.
@@ -58,12 +81,18 @@ using FlashPackFn = void (*)(const Problem& p, const ForwardArgs& a, std::int64_
                              std::int64_t kv_head, std::int64_t t_begin, std::int64_t t_end,
                              float* k_tiles, float* v_rows, std::int64_t dv_pad);
 
+// The backward of one kv group (b, kv_head); dbias is null unless it is asked for.
+using FlashBackwardFn = void (*)(const Problem& p, const BackwardArgs& a, std::int64_t b,
+                                 std::int64_t kv_head, const FlashBackwardScratch& scratch,
+                                 DbiasAccumulator* dbias);
+
 struct FlashTarget {
   const char* name;      // "avx512bf16", "avx512", "avx2", "generic"
   const char* features;  // CPU features it needs, space-separated as CpuInfo names them
   FlashLayout layout;
   FlashBlockFn run_block;
   FlashPackFn pack_tiles;
+  FlashBackwardFn run_backward_group;
 };
 
 // The targets this build compiled, best first, and whether this CPU can run each.
@@ -74,5 +103,6 @@ bool flash_target_supported(const FlashTarget& t);
 const FlashTarget& flash_target_chosen();
 
 void flash_forward(const Problem& p, const ForwardArgs& args);
+void flash_backward(const Problem& p, const BackwardArgs& args);
 
 }  // namespace attncore::detail

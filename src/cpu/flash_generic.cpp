@@ -11,10 +11,12 @@
 #define ATTNCORE_TILE_VECTORS 2
 #define ATTNCORE_TILE_ROWS 6
 #include "cpu/flash_kernel-inl.h"
+#include "cpu/flash_backward-inl.h"
 
 namespace attncore::detail {
 FlashTarget flash_target_generic() {
   return {"generic", ATTNCORE_TARGET_FEATURES, generic::kLayout, &generic::run_block,
-          &generic::pack_tiles};
+          &generic::pack_tiles,
+          &generic::run_backward_group};
 }
 }  // namespace attncore::detail

@@ -633,7 +633,7 @@ void pack_tiles(const Problem& p, const ForwardArgs& a, std::int64_t b, std::int
   }
 }
 
-constexpr FlashLayout kLayout{kLanes, kBlockRows, kKeyTile, kTileCols};
+constexpr FlashLayout kLayout{kLanes, kBlockRows, kKeyTile, kTileCols, kTileRows};
 
 }  // namespace attncore::detail::ATTNCORE_TARGET_NS
 

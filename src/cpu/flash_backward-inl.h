@@ -1,0 +1,207 @@
+// The fused backward for one SIMD target. Included by each src/cpu/flash_<target>.cpp right
+// after flash_kernel-inl.h (whose vector helpers, packing and micro-kernels it uses), with the
+// same macros defined.
+//
+// One work item is a kv group (b, kv_head) with all its query heads, owned by one thread, so
+// dK and dV rows, the group's dQ rows and (unless the mask broadcasts across groups) dBias
+// are written by nobody else: no atomics, and bitwise the same for any thread count.
+//   Delta_i = <dO_i, O_i>
+//   for each key tile:  dK = dV = 0
+//     for each query head h of the group, each block of its rows the band reaches:
+//       S = q K^T (with the score mods), P = exp(S - LSE)   (P = 0 where masked or LSE = -inf)
+//       dP = dO V^T * M                                      (M: the dropout factor)
+//       dS = P (dP - Delta), dBias += dS, dS *= softcap' * scale
+//       dV += (P M)^T dO,  dK += dS^T q,  dQ[h] += dS K         (register-blocked products)
+//     store dK, dV of the tile
+//   store dQ of the group's heads
+// Matches DESIGN.md section 1.9 and src/reference/reference.cpp.
+
+#pragma GCC push_options
+ATTNCORE_TARGET_PRAGMA
+
+namespace attncore::detail::ATTNCORE_TARGET_NS {
+
+// out[r][c] += sum_n a(r, n) * b[n][c] for r < rows (a multiple of kTileRows), c < cols_pad (a
+// multiple of kTileCols), with a(r, n) = a[r * kRowStride + n * kStepStride] and b packed as
+// [cols_pad / kTileCols][steps][kTileCols].
+template <int kRowStride, int kStepStride>
+void add_product(const float* a, std::int64_t rows, std::int64_t steps, const float* b,
+                 std::int64_t cols_pad, float* out) {
+  for (std::int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+    for (std::int64_t c0 = 0; c0 < cols_pad; c0 += kTileCols) {
+      Vec acc[kTileRows][kTileVectors];
+      float* o = out + r0 * cols_pad + c0;
+#pragma GCC unroll 16
+      for (int r = 0; r < kTileRows; ++r) {
+#pragma GCC unroll 4
+        for (int v = 0; v < kTileVectors; ++v) acc[r][v] = load(o + r * cols_pad + v * kLanes);
+      }
+      F32Dot::rank1_updates<kRowStride, kStepStride>(
+          acc, a + r0 * kRowStride, b + (c0 / kTileCols) * steps * kTileCols, steps);
+#pragma GCC unroll 16
+      for (int r = 0; r < kTileRows; ++r) {
+#pragma GCC unroll 4
+        for (int v = 0; v < kTileVectors; ++v) store(o + r * cols_pad + v * kLanes, acc[r][v]);
+      }
+    }
+  }
+}
+
+// Rows (head_of[r], index_of[r]) of a [B, H, L, width] view as
+// [width_pad / kTileCols][padded_rows][kTileCols] floats, zero past `rows` and `width`.
+inline void pack_rows(const TensorView& t, std::int64_t b, const std::int64_t* head_of,
+                      const std::int64_t* index_of, std::int64_t rows, std::int64_t padded_rows,
+                      std::int64_t width, std::int64_t width_pad, float* out) {
+  for (std::int64_t r = 0; r < padded_rows; ++r) {
+    const std::int64_t src = r < rows ? offset4(t, b, head_of[r], index_of[r], 0) : 0;
+    for (std::int64_t c = 0; c < width_pad; ++c) {
+      out[(c / kTileCols) * padded_rows * kTileCols + r * kTileCols + c % kTileCols] =
+          r < rows && c < width ? load_element<float>(t.data, t.dtype, src + c) : 0.0f;
+    }
+  }
+}
+
+void run_backward_group(const Problem& p, const BackwardArgs& a, std::int64_t b,
+                        std::int64_t kv_head, const FlashBackwardScratch& w,
+                        DbiasAccumulator* dbias) {
+  const std::int64_t d = p.head_dim, dv = p.head_dim_v, lq = p.seqlen_q, lk = p.seqlen_k;
+  const std::int64_t d_pad = w.d_pad, dv_pad = w.dv_pad, group = p.group;
+  // dK/dV rows: whole micro-tiles (rows past the tile's keys are scratch, never stored).
+  const std::int64_t keys_pad = (kKeyTile + kTileRows - 1) / kTileRows * kTileRows;
+  const std::int64_t lq_pad = w.lq_pad;  // each head's dQ rows, padded to whole micro-tiles
+  const CausalWindowMask band(p);
+  const float scale = static_cast<float>(p.scale), cap = static_cast<float>(p.softcap);
+  // The problems whose packing and products the forward's code serves: K as both K and V
+  // (k-layout for S, rows for dQ), V as K (k-layout for dP), dO as unscaled queries.
+  Problem pk = p;
+  pk.head_dim_v = d;
+  Problem pv = p;
+  pv.head_dim = dv;
+  Problem pdo = pv;
+  pdo.scale = 1.0;
+  Problem mods = p;  // ALiBi and the mask; softcap is applied here to keep its derivative
+  mods.softcap = 0.0;
+  const bool has_mods = p.alibi != nullptr || p.mask_kind != MaskKind::none;
+  const ForwardArgs k_as_kv{a.q, a.k, a.k, {}, {}}, v_as_kv{a.dout, a.v, a.v, {}, {}};
+  const ForwardArgs q_args{a.q, a.k, a.v, {}, {}};
+
+  // Delta_i = <dO_i, O_i> for every row of the group; dQ accumulators to zero.
+  for (std::int64_t g = 0; g < group; ++g) {
+    const std::int64_t h = kv_head * group + g;
+    for (std::int64_t i = 0; i < lq; ++i) {
+      const std::int64_t o_row = offset4(a.out, b, h, i, 0), do_row = offset4(a.dout, b, h, i, 0);
+      float delta = 0.0f;
+      for (std::int64_t e = 0; e < dv; ++e) {
+        delta += load_element<float>(a.dout.data, a.dout.dtype, do_row + e) *
+                 load_element<float>(a.out.data, a.out.dtype, o_row + e);
+      }
+      w.delta[g * lq + i] = delta;
+    }
+  }
+  for (std::int64_t e = 0; e < group * lq_pad * d_pad; ++e) w.dq[e] = 0.0f;
+
+  const std::int64_t tiles = (lk + kKeyTile - 1) / kKeyTile;
+  const std::int64_t blocks = (lq + kBlockRows - 1) / kBlockRows;
+  for (std::int64_t t = 0; t < tiles; ++t) {
+    const std::int64_t j0 = t * kKeyTile, keys = std::min<std::int64_t>(kKeyTile, lk - j0);
+    F32Dot::pack_tile(pk, k_as_kv, b, kv_head, t, w.k_t, w.k_rows, d_pad);
+    F32Dot::pack_tile(pv, v_as_kv, b, kv_head, t, w.v_t, w.v_rows, dv_pad);
+    for (std::int64_t e = 0; e < keys_pad * d_pad; ++e) w.dk[e] = 0.0f;
+    for (std::int64_t e = 0; e < keys_pad * dv_pad; ++e) w.dv[e] = 0.0f;
+    for (std::int64_t g = 0; g < group; ++g) {
+      const std::int64_t h = kv_head * group + g;
+      for (std::int64_t blk = 0; blk < blocks; ++blk) {
+        const std::int64_t row0 = blk * kBlockRows,
+                           rows = std::min<std::int64_t>(kBlockRows, lq - row0);
+        const std::int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
+        std::int64_t head_of[kBlockRows], index_of[kBlockRows];
+        RowSetKeys seen;
+        for (std::int64_t r = 0; r < rows; ++r) {
+          head_of[r] = h;
+          index_of[r] = row0 + r;
+          seen.add(band.row(row0 + r));
+        }
+        if (seen.classify(j0, j0 + keys) == TileKind::empty) continue;
+        F32Dot::load_queries(p, q_args, b, head_of, index_of, rows, padded_rows, w.q_t);
+        F32Dot::scores(p, w.q_t, w.k_t, padded_rows, w.s);  // S = scale q.k
+        const ForwardArgs do_args{a.dout, a.v, a.v, {}, {}};
+        F32Dot::load_queries(pdo, do_args, b, head_of, index_of, rows, padded_rows, w.do_t);
+        F32Dot::scores(pdo, w.do_t, w.v_t, padded_rows, w.ds);  // dP = dO.v
+        for (std::int64_t r = 0; r < padded_rows; ++r) {
+          float* s = w.s + r * kKeyTile;
+          float* ds = w.ds + r * kKeyTile;
+          const std::int64_t i = row0 + r;
+          const float lse = r < rows
+                                ? load_element<float>(a.lse.data, a.lse.dtype,
+                                                      b * a.lse.stride[0] + h * a.lse.stride[1] +
+                                                          i * a.lse.stride[2])
+                                : -INFINITY;
+          if (lse == -INFINITY) {  // padding rows and rows with no visible key: P = dS = 0
+            for (int c = 0; c < kKeyTile; ++c) s[c] = ds[c] = 0.0f;
+            continue;
+          }
+          float* dcap = w.dcap;  // [kKeyTile] the softcap derivative of this row
+          for (int c = 0; c < kKeyTile; ++c) dcap[c] = 1.0f;
+          if (cap != 0.0f) {
+            for (int c = 0; c < kKeyTile; c += kLanes) {
+              const Vec capped = cap * tanhv(load(s + c) * (1.0f / cap));
+              const Vec ratio = capped * (1.0f / cap);
+              store(s + c, capped);
+              store(dcap + c, 1.0f - ratio * ratio);
+            }
+          }
+          if (has_mods) apply_score_mods(mods, b, h, i, j0, keys, s);
+          // P = exp(S - LSE) on the row's visible keys, 0 elsewhere.
+          const KeyRange visible = band.row(i);
+          const std::int64_t lo = std::clamp<std::int64_t>(visible.begin - j0, 0, kKeyTile);
+          const std::int64_t hi = std::clamp<std::int64_t>(visible.end - j0, lo, keys);
+          for (int c = 0; c < kKeyTile; c += kLanes)
+            store(s + c, exp2v((load(s + c) - lse) * kLog2e));
+          for (std::int64_t c = 0; c < lo; ++c) s[c] = 0.0f;
+          for (std::int64_t c = hi; c < kKeyTile; ++c) s[c] = 0.0f;
+          const float delta = w.delta[g * lq + i];
+          const DropoutRow dropout(p, b, h, i);
+          if (!dropout.active() && dbias == nullptr) {
+            for (int c = 0; c < kKeyTile; c += kLanes) {  // dS = P (dP - Delta) * softcap' * scale
+              const Vec prob = load(s + c);
+              store(ds + c, prob * (load(ds + c) - delta) * load(dcap + c) * scale);
+            }
+            continue;
+          }
+          double* dbias_row = dbias != nullptr ? dbias->row(b, h, i) : nullptr;
+          for (std::int64_t c = 0; c < kKeyTile; ++c) {
+            const float prob = s[c];
+            const float keep = prob != 0.0f ? dropout.factor<float>(j0 + c) : 0.0f;
+            const float dscore = prob * (keep * ds[c] - delta);  // dS = P (dP - Delta)
+            if (dbias_row != nullptr && c < keys) {
+              dbias_row[(j0 + c) * dbias->column_stride()] += dscore;
+            }
+            ds[c] = dscore * dcap[c] * scale;  // the gradient of <q_i, k_j>
+            s[c] = prob * keep;                // dV's weights
+          }
+        }
+        // dV += (P M)^T dO and dK += dS^T q (rows: keys); dQ += dS K (rows: this block).
+        pack_rows(a.dout, b, head_of, index_of, rows, padded_rows, dv, dv_pad, w.do_rows);
+        pack_rows(a.q, b, head_of, index_of, rows, padded_rows, d, d_pad, w.q_rows);
+        add_product<1, kKeyTile>(w.s, keys_pad, padded_rows, w.do_rows, dv_pad, w.dv);
+        add_product<1, kKeyTile>(w.ds, keys_pad, padded_rows, w.q_rows, d_pad, w.dk);
+        add_product<kKeyTile, 1>(w.ds, padded_rows, kKeyTile, w.k_rows, d_pad,
+                                 w.dq + (g * lq_pad + row0) * d_pad);
+      }
+    }
+    for (std::int64_t c = 0; c < keys; ++c) {
+      store_row(w.dk + c * d_pad, d, a.dk.data, a.dk.dtype, offset4(a.dk, b, kv_head, j0 + c, 0));
+      store_row(w.dv + c * dv_pad, dv, a.dv.data, a.dv.dtype, offset4(a.dv, b, kv_head, j0 + c, 0));
+    }
+  }
+  for (std::int64_t g = 0; g < group; ++g) {
+    for (std::int64_t i = 0; i < lq; ++i) {
+      store_row(w.dq + (g * lq_pad + i) * d_pad, d, a.dq.data, a.dq.dtype,
+                offset4(a.dq, b, kv_head * group + g, i, 0));
+    }
+  }
+}
+
+}  // namespace attncore::detail::ATTNCORE_TARGET_NS
+
+#pragma GCC pop_options
