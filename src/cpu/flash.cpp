@@ -224,21 +224,16 @@ void flash_backward(const Problem& p, const BackwardArgs& a) {
   shape.lq_pad = round_up(p.seqlen_q, tile_rows);
   const std::int64_t key_rows = round_up(tile, tile_rows);
   // Sizes in floats, in FlashBackwardScratch's order; 16-float (64-byte) aligned each.
-  const std::int64_t sizes[] = {p.group * shape.lq_pad * shape.d_pad,
-                                p.group * p.seqlen_q,  // dq, delta
-                                tile * d,
-                                tile * shape.d_pad,
-                                tile * dv,
-                                tile * shape.dv_pad,  // k_t, k_rows, v_t, v_rows
-                                key_rows * shape.d_pad,
-                                key_rows * shape.dv_pad,  // dk, dv
-                                block * d,
-                                block * shape.d_pad,
-                                block * dv,
-                                block * shape.dv_pad,  // q_t, q_rows, do_t, do_rows
-                                block * tile + tile_rows,
-                                block * tile + tile_rows,
-                                tile};  // s, ds, dcap
+  const std::int64_t rows = p.group * shape.lq_pad;  // the group's query rows, padded
+  // clang-format off
+  const std::int64_t sizes[] = {
+      rows * shape.d_pad, p.group * p.seqlen_q,                       // dq, delta
+      tile * d, tile * shape.d_pad, tile * dv, tile * shape.dv_pad,   // k_t, k_rows, v_t, v_rows
+      key_rows * shape.d_pad, key_rows * shape.dv_pad,                // dk, dv
+      rows * d, rows * shape.d_pad, rows * dv, rows * shape.dv_pad,   // q_t, q_rows, do_t, do_rows
+      p.group * p.seqlen_q,                                           // lse
+      block * tile + tile_rows, block * tile + tile_rows, tile};      // s, ds, dcap
+  // clang-format on
   std::int64_t per_thread = 0;
   for (std::int64_t n : sizes) per_thread += round_up(n, 16);
   // Groups own their dK, dV and dQ rows; dBias is shared only when the mask broadcasts over
@@ -250,8 +245,8 @@ void flash_backward(const Problem& p, const BackwardArgs& a) {
   run_tasks(static_cast<int>(std::min<std::int64_t>(threads, groups)), threads, [&](int slot) {
     FlashBackwardScratch w = shape;
     float* at = scratch.get() + slot * per_thread;
-    float** fields[] = {&w.dq,  &w.delta,  &w.k_t,  &w.k_rows,  &w.v_t, &w.v_rows, &w.dk,  &w.dv,
-                        &w.q_t, &w.q_rows, &w.do_t, &w.do_rows, &w.s,   &w.ds,     &w.dcap};
+    float** fields[] = {&w.dq,  &w.delta,  &w.k_t,  &w.k_rows,  &w.v_t, &w.v_rows, &w.dk, &w.dv,
+                        &w.q_t, &w.q_rows, &w.do_t, &w.do_rows, &w.lse, &w.s,      &w.ds, &w.dcap};
     for (std::size_t f = 0; f < std::size(fields); ++f) {
       *fields[f] = at;
       at += round_up(sizes[f], 16);

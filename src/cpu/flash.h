@@ -65,13 +65,15 @@ struct FlashBackwardScratch {
   float* v_rows;               // [dv_pad][key_tile]: written by the packing, unused
   float* dk;                   // [key rows][d_pad]: the tile's dK
   float* dv;                   // [key rows][dv_pad]: the tile's dV
-  float* q_t;                  // [block_rows][D]: q times scale, forward layout
-  float* q_rows;               // [d_pad][block_rows] (v-layout): q for dK
-  float* do_t;                 // [block_rows][Dv]: dO, forward query layout
-  float* do_rows;              // [dv_pad][block_rows] (v-layout): dO for dV
-  float* s;                    // [block_rows][key_tile] (+ tile rows): S, P, then P * M
-  float* ds;                   // [block_rows][key_tile] (+ tile rows): dP, then dS
-  float* dcap;                 // [key_tile]: the softcap derivative of one row
+  // The group's rows, packed once per group; block (g, blk) starts at row g * lq_pad + row0:
+  float* q_t;      // [group][lq_pad][D]: q times scale, forward query layout
+  float* q_rows;   // [group][lq_pad][d_pad] (v-layout per block): q for dK
+  float* do_t;     // [group][lq_pad][Dv]: dO, forward query layout
+  float* do_rows;  // [group][lq_pad][dv_pad] (v-layout per block): dO for dV
+  float* lse;      // [group][Lq]
+  float* s;        // [block_rows][key_tile] (+ tile rows): S, P, then P * M
+  float* ds;       // [block_rows][key_tile] (+ tile rows): dP, then dS
+  float* dcap;     // [key_tile]: the softcap derivative of one row
 };
 
 using FlashBlockFn = void (*)(const Problem& p, const ForwardArgs& a, const FlashPanel& panel,

@@ -52,12 +52,27 @@ void add_product(const float* a, std::int64_t rows, std::int64_t steps, const fl
 inline void pack_rows(const TensorView& t, std::int64_t b, const std::int64_t* head_of,
                       const std::int64_t* index_of, std::int64_t rows, std::int64_t padded_rows,
                       std::int64_t width, std::int64_t width_pad, float* out) {
-  for (std::int64_t r = 0; r < padded_rows; ++r) {
-    const std::int64_t src = r < rows ? offset4(t, b, head_of[r], index_of[r], 0) : 0;
-    for (std::int64_t c = 0; c < width_pad; ++c) {
-      out[(c / kTileCols) * padded_rows * kTileCols + r * kTileCols + c % kTileCols] =
-          r < rows && c < width ? load_element<float>(t.data, t.dtype, src + c) : 0.0f;
+  auto pack = [&](const auto* data, auto to_float) {  // one loop per dtype, none inside
+    for (std::int64_t r = 0; r < padded_rows; ++r) {
+      const auto* src = r < rows ? data + offset4(t, b, head_of[r], index_of[r], 0) : nullptr;
+      for (std::int64_t c = 0; c < width_pad; ++c) {
+        out[(c / kTileCols) * padded_rows * kTileCols + r * kTileCols + c % kTileCols] =
+            src != nullptr && c < width ? to_float(src[c]) : 0.0f;
+      }
     }
+  };
+  switch (t.dtype) {
+    case DType::bf16:
+      pack(static_cast<const std::uint16_t*>(t.data),
+           [](std::uint16_t x) { return bf16::to_float(x); });
+      break;
+    case DType::f16:
+      pack(static_cast<const std::uint16_t*>(t.data),
+           [](std::uint16_t x) { return f16::to_float(x); });
+      break;
+    default:  // f32
+      pack(static_cast<const float*>(t.data), [](float x) { return x; });
+      break;
   }
 }
 
@@ -100,8 +115,35 @@ void run_backward_group(const Problem& p, const BackwardArgs& a, std::int64_t b,
   }
   for (std::int64_t e = 0; e < group * lq_pad * d_pad; ++e) w.dq[e] = 0.0f;
 
-  const std::int64_t tiles = (lk + kKeyTile - 1) / kKeyTile;
+  // The group's queries and output gradients in the layouts the products read, and its LSE,
+  // once per group (not once per key tile): block (g, blk) starts at row g * lq_pad + row0.
   const std::int64_t blocks = (lq + kBlockRows - 1) / kBlockRows;
+  const ForwardArgs do_args{a.dout, a.v, a.v, {}, {}};
+  for (std::int64_t g = 0; g < group; ++g) {
+    const std::int64_t h = kv_head * group + g;
+    for (std::int64_t blk = 0; blk < blocks; ++blk) {
+      const std::int64_t row0 = blk * kBlockRows,
+                         rows = std::min<std::int64_t>(kBlockRows, lq - row0);
+      const std::int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
+      std::int64_t head_of[kBlockRows], index_of[kBlockRows];
+      for (std::int64_t r = 0; r < rows; ++r) {
+        head_of[r] = h;
+        index_of[r] = row0 + r;
+      }
+      const std::int64_t at = g * lq_pad + row0;
+      F32Dot::load_queries(p, q_args, b, head_of, index_of, rows, padded_rows, w.q_t + at * d);
+      F32Dot::load_queries(pdo, do_args, b, head_of, index_of, rows, padded_rows, w.do_t + at * dv);
+      pack_rows(a.q, b, head_of, index_of, rows, padded_rows, d, d_pad, w.q_rows + at * d_pad);
+      pack_rows(a.dout, b, head_of, index_of, rows, padded_rows, dv, dv_pad,
+                w.do_rows + at * dv_pad);
+    }
+    for (std::int64_t i = 0; i < lq; ++i) {
+      w.lse[g * lq + i] = load_element<float>(
+          a.lse.data, a.lse.dtype, b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2]);
+    }
+  }
+
+  const std::int64_t tiles = (lk + kKeyTile - 1) / kKeyTile;
   for (std::int64_t t = 0; t < tiles; ++t) {
     const std::int64_t j0 = t * kKeyTile, keys = std::min<std::int64_t>(kKeyTile, lk - j0);
     F32Dot::pack_tile(pk, k_as_kv, b, kv_head, t, w.k_t, w.k_rows, d_pad);
@@ -114,28 +156,17 @@ void run_backward_group(const Problem& p, const BackwardArgs& a, std::int64_t b,
         const std::int64_t row0 = blk * kBlockRows,
                            rows = std::min<std::int64_t>(kBlockRows, lq - row0);
         const std::int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
-        std::int64_t head_of[kBlockRows], index_of[kBlockRows];
         RowSetKeys seen;
-        for (std::int64_t r = 0; r < rows; ++r) {
-          head_of[r] = h;
-          index_of[r] = row0 + r;
-          seen.add(band.row(row0 + r));
-        }
+        for (std::int64_t r = 0; r < rows; ++r) seen.add(band.row(row0 + r));
         if (seen.classify(j0, j0 + keys) == TileKind::empty) continue;
-        F32Dot::load_queries(p, q_args, b, head_of, index_of, rows, padded_rows, w.q_t);
-        F32Dot::scores(p, w.q_t, w.k_t, padded_rows, w.s);  // S = scale q.k
-        const ForwardArgs do_args{a.dout, a.v, a.v, {}, {}};
-        F32Dot::load_queries(pdo, do_args, b, head_of, index_of, rows, padded_rows, w.do_t);
-        F32Dot::scores(pdo, w.do_t, w.v_t, padded_rows, w.ds);  // dP = dO.v
+        const std::int64_t at = g * lq_pad + row0;  // this block in the group's packed rows
+        F32Dot::scores(p, w.q_t + at * d, w.k_t, padded_rows, w.s);       // S = scale q.k
+        F32Dot::scores(pdo, w.do_t + at * dv, w.v_t, padded_rows, w.ds);  // dP = dO.v
         for (std::int64_t r = 0; r < padded_rows; ++r) {
           float* s = w.s + r * kKeyTile;
           float* ds = w.ds + r * kKeyTile;
           const std::int64_t i = row0 + r;
-          const float lse = r < rows
-                                ? load_element<float>(a.lse.data, a.lse.dtype,
-                                                      b * a.lse.stride[0] + h * a.lse.stride[1] +
-                                                          i * a.lse.stride[2])
-                                : -INFINITY;
+          const float lse = r < rows ? w.lse[g * lq + i] : -INFINITY;
           if (lse == -INFINITY) {  // padding rows and rows with no visible key: P = dS = 0
             for (int c = 0; c < kKeyTile; ++c) s[c] = ds[c] = 0.0f;
             continue;
@@ -181,10 +212,8 @@ void run_backward_group(const Problem& p, const BackwardArgs& a, std::int64_t b,
           }
         }
         // dV += (P M)^T dO and dK += dS^T q (rows: keys); dQ += dS K (rows: this block).
-        pack_rows(a.dout, b, head_of, index_of, rows, padded_rows, dv, dv_pad, w.do_rows);
-        pack_rows(a.q, b, head_of, index_of, rows, padded_rows, d, d_pad, w.q_rows);
-        add_product<1, kKeyTile>(w.s, keys_pad, padded_rows, w.do_rows, dv_pad, w.dv);
-        add_product<1, kKeyTile>(w.ds, keys_pad, padded_rows, w.q_rows, d_pad, w.dk);
+        add_product<1, kKeyTile>(w.s, keys_pad, padded_rows, w.do_rows + at * dv_pad, dv_pad, w.dv);
+        add_product<1, kKeyTile>(w.ds, keys_pad, padded_rows, w.q_rows + at * d_pad, d_pad, w.dk);
         add_product<kKeyTile, 1>(w.ds, padded_rows, kKeyTile, w.k_rows, d_pad,
                                  w.dq + (g * lq_pad + row0) * d_pad);
       }
