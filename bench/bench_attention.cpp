@@ -135,7 +135,6 @@ void bench_attention(benchmark::State& state, Shape s, DType dtype, Backend back
 void register_benchmarks() {
   for (bool backward : {false, true}) {
     for (Backend backend : kBackends) {
-      if (backward && backend == Backend::flash) continue;  // the fused backward is not there yet
       for (const Shape& s : kShapes) {
         if (backend == Backend::math && !s.with_math) continue;
         for (DType dtype : kDTypes) {

@@ -912,6 +912,7 @@ constexpr const char* kBenchUsage = R"(usage: attncore bench [flags]
   --causal C,C             none, upper-left, lower-right [none,lower-right]
   --threads N              threads, 0 = ATTNCORE_NUM_THREADS or all cores [0]
   --repeat N               calls timed per point; the best counts [3]
+  --backward               also time the backward (a row per point, pass "bwd")
   --csv FILE               also write the table as CSV
   --json FILE              also write it as JSON
   --png FILE               also plot GFLOP/s against sequence length
@@ -923,6 +924,7 @@ struct BenchConfig {
   std::vector<DType> dtypes = {DType::f32, DType::bf16};
   std::vector<Causal> causals = {Causal::none, Causal::lower_right};
   int threads = 0, repeat = 3;
+  bool backward = false;
   std::string csv, json, png;
 };
 
@@ -940,6 +942,10 @@ BenchConfig parse_bench_flags(const std::vector<std::string>& args) {
   BenchConfig c;
   for (std::size_t i = 0; i < args.size(); ++i) {
     const std::string& flag = args[i];
+    if (flag == "--backward") {
+      c.backward = true;
+      continue;
+    }
     if (i + 1 >= args.size()) throw UsageError{flag + " needs a value (or is unknown)"};
     const std::string_view value = args[++i];
     if (flag == "--seqlens") {
@@ -982,7 +988,8 @@ struct BenchRow {
   DType dtype;
   Causal causal;
   Backend backend;
-  double seconds, gflops, speedup;  // speedup: math's time / this time, same shape
+  const char* pass;                 // "fwd" or "bwd"
+  double seconds, gflops, speedup;  // speedup: math's time / this time, same shape and pass
 };
 
 int cmd_bench(const std::vector<std::string>& args) {
@@ -1004,14 +1011,14 @@ int cmd_bench(const std::vector<std::string>& args) {
               attncore::version(), static_cast<long long>(bc.batch),
               static_cast<long long>(bc.heads_q), static_cast<long long>(bc.heads_kv),
               static_cast<long long>(bc.head_dim), threads, peak, attncore::simd_target().c_str());
-  std::printf("%8s %-5s %-12s %-7s %10s %9s %7s %8s\n", "L", "dtype", "causal", "backend", "ms",
-              "GFLOP/s", "%peak", "vs math");
+  std::printf("%8s %-5s %-12s %-7s %-4s %10s %9s %7s %8s\n", "L", "dtype", "causal", "backend",
+              "pass", "ms", "GFLOP/s", "%peak", "vs math");
   std::vector<BenchRow> rows;
   std::size_t done = 0;
   for (DType dtype : bc.dtypes) {
     for (Causal causal : bc.causals) {
       for (std::int64_t seqlen : bc.seqlens) {
-        double math_seconds = 0;
+        double math_seconds = 0, math_bwd_seconds = 0;
         for (Backend backend : backends) {
           constexpr int kBarWidth = 30;
           const int filled = static_cast<int>(kBarWidth * done / total);
@@ -1031,38 +1038,48 @@ int cmd_bench(const std::vector<std::string>& args) {
           c.backend = backend;
           c.threads = threads;
           c.repeat = bc.repeat;
+          c.backward = bc.backward;
           c.finish();
           const RunResult r = run_once(make_problem(c));
-          if (backend == Backend::math) math_seconds = r.seconds;
-          const BenchRow row{seqlen, dtype, causal, backend, r.seconds, gflops(r.flops, r.seconds),
-                             math_seconds > 0 ? math_seconds / r.seconds : 0.0};
-          rows.push_back(row);
+          if (backend == Backend::math) {
+            math_seconds = r.seconds;
+            math_bwd_seconds = r.bwd_seconds;
+          }
           ++done;
           std::fprintf(stderr, "\r%*s\r", kBarWidth + 60, "");
-          std::printf("%8lld %-5s %-12s %-7s %10.3f %9.1f %6.1f%% %7.2fx\n",
-                      static_cast<long long>(seqlen), std::string(name_of(dtype)).c_str(),
-                      std::string(name_of(causal)).c_str(), std::string(name_of(backend)).c_str(),
-                      row.seconds * 1e3, row.gflops, peak > 0 ? 100 * row.gflops / peak : 0.0,
-                      row.speedup);
+          auto add_row = [&](const char* pass, double seconds, double flops, double math) {
+            const BenchRow row{seqlen, dtype,   causal, backend, pass, seconds, gflops(flops, seconds),
+                               math > 0 ? math / seconds : 0.0};
+            rows.push_back(row);
+            std::printf("%8lld %-5s %-12s %-7s %-4s %10.3f %9.1f %6.1f%% %7.2fx\n",
+                        static_cast<long long>(seqlen), std::string(name_of(dtype)).c_str(),
+                        std::string(name_of(causal)).c_str(), std::string(name_of(backend)).c_str(),
+                        pass, row.seconds * 1e3, row.gflops,
+                        peak > 0 ? 100 * row.gflops / peak : 0.0, row.speedup);
+          };
+          add_row("fwd", r.seconds, r.flops, math_seconds);
+          if (bc.backward) add_row("bwd", r.bwd_seconds, r.bwd_flops, math_bwd_seconds);
           std::fflush(stdout);
         }
       }
     }
   }
-  std::printf("\nFLOPs: 4*B*Hq*D per visible (query, key) pair; vs math = math's time / this time.\n");
+  std::printf(
+      "\nFLOPs: forward 4*B*Hq*D per visible (query, key) pair, backward 2.5x; vs math = math's "
+      "time / this time.\n");
 
   if (!bc.csv.empty()) {
     std::FILE* f = std::fopen(bc.csv.c_str(), "w");
     if (f == nullptr) throw UsageError{"--csv: cannot write '" + bc.csv + "'"};
-    std::fprintf(f, "seqlen,batch,heads_q,heads_kv,head_dim,dtype,causal,backend,threads,seconds,gflops,"
+    std::fprintf(f, "seqlen,batch,heads_q,heads_kv,head_dim,dtype,causal,backend,pass,threads,seconds,gflops,"
                     "percent_of_peak,speedup_vs_math\n");
     for (const BenchRow& r : rows) {
-      std::fprintf(f, "%lld,%lld,%lld,%lld,%lld,%s,%s,%s,%d,%.9g,%.6g,%.4g,%.4g\n",
+      std::fprintf(f, "%lld,%lld,%lld,%lld,%lld,%s,%s,%s,%s,%d,%.9g,%.6g,%.4g,%.4g\n",
                    static_cast<long long>(r.seqlen), static_cast<long long>(bc.batch),
                    static_cast<long long>(bc.heads_q), static_cast<long long>(bc.heads_kv),
                    static_cast<long long>(bc.head_dim), std::string(name_of(r.dtype)).c_str(),
                    std::string(name_of(r.causal)).c_str(), std::string(name_of(r.backend)).c_str(),
-                   threads, r.seconds, r.gflops, peak > 0 ? 100 * r.gflops / peak : 0.0, r.speedup);
+                   r.pass, threads, r.seconds, r.gflops, peak > 0 ? 100 * r.gflops / peak : 0.0, r.speedup);
     }
     std::fclose(f);
   }
@@ -1074,6 +1091,7 @@ int cmd_bench(const std::vector<std::string>& args) {
       j.add("dtype", name_of(r.dtype));
       j.add("causal", name_of(r.causal));
       j.add("backend", name_of(r.backend));
+      j.add("pass", r.pass);
       j.add("seconds", r.seconds);
       j.add("gflops", r.gflops);
       j.add("percent_of_peak", peak > 0 ? 100 * r.gflops / peak : 0.0);
@@ -1103,18 +1121,21 @@ int cmd_bench(const std::vector<std::string>& args) {
                   " threads, peak " + format("%.0f", peak);
     chart.x_label = "sequence length (lq = lk)";
     chart.y_label = "gflop/s";
-    for (Backend backend : backends) {
-      for (DType dtype : bc.dtypes) {
-        for (Causal causal : bc.causals) {
-          attncore_tools::Series s;
-          s.name = std::string(name_of(backend)) + " " + std::string(name_of(dtype)) + " " +
-                   std::string(name_of(causal));
-          for (const BenchRow& r : rows) {
-            if (r.backend == backend && r.dtype == dtype && r.causal == causal) {
-              s.points.emplace_back(static_cast<double>(r.seqlen), r.gflops);
+    for (const char* pass : {"fwd", "bwd"}) {
+      for (Backend backend : backends) {
+        for (DType dtype : bc.dtypes) {
+          for (Causal causal : bc.causals) {
+            attncore_tools::Series s;
+            s.name = std::string(name_of(backend)) + " " + std::string(name_of(dtype)) + " " +
+                     std::string(name_of(causal)) + (bc.backward ? std::string(" ") + pass : "");
+            for (const BenchRow& r : rows) {
+              if (r.backend == backend && r.dtype == dtype && r.causal == causal &&
+                  std::string_view(r.pass) == pass) {
+                s.points.emplace_back(static_cast<double>(r.seqlen), r.gflops);
+              }
             }
+            if (!s.points.empty()) chart.series.push_back(s);
           }
-          chart.series.push_back(s);
         }
       }
     }

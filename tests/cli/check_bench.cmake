@@ -5,6 +5,7 @@ cmake_minimum_required(VERSION 3.25)
 file(MAKE_DIRECTORY "${OUT}")
 execute_process(
   COMMAND "${EXE}" bench --seqlens 64,128 --dtypes f32 --causal none --heads-q 2 --head-dim 32
+          --backward
           --repeat 1 --csv "${OUT}/bench.csv" --json "${OUT}/bench.json" --png "${OUT}/bench.png"
   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(NOT rc EQUAL 0)
@@ -16,13 +17,13 @@ endif()
 file(STRINGS "${OUT}/bench.csv" csv)
 list(LENGTH csv lines)
 list(GET csv 0 header)
-if(NOT lines EQUAL 5 OR NOT header MATCHES "^seqlen,.*,gflops,.*speedup_vs_math$")
+if(NOT lines EQUAL 9 OR NOT header MATCHES "^seqlen,.*,pass,.*,gflops,.*speedup_vs_math$")
   message(FATAL_ERROR "bad CSV (${lines} lines):\n${csv}")
 endif()
 file(READ "${OUT}/bench.json" json)
 string(JSON rows LENGTH "${json}" rows)
 string(JSON backend GET "${json}" rows 1 backend)
-if(NOT rows EQUAL 4 OR NOT backend STREQUAL "flash")
+if(NOT rows EQUAL 8 OR NOT backend STREQUAL "math")
   message(FATAL_ERROR "bad JSON: ${json}")
 endif()
 file(READ "${OUT}/bench.png" png LIMIT 24 HEX)
