@@ -238,16 +238,6 @@ Gradients run_backward(const BackwardCase& c, const Problem& p, const Operands& 
 
 class BackwardGrid : public ::testing::TestWithParam<BackwardCase> {};
 
-// Forces a SIMD target for its scope ("" = the automatic choice).
-class ScopedTarget {
- public:
-  explicit ScopedTarget(const std::string& target) : previous_(set_simd_target(target)) {}
-  ~ScopedTarget() { set_simd_target(previous_); }
-
- private:
-  std::string previous_;
-};
-
 TEST_P(BackwardGrid, MatchesOracle) {
   const BackwardCase& c = GetParam();
   const ScopedTarget target(c.target);

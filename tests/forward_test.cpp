@@ -261,16 +261,6 @@ LibraryResult run_forward(const ForwardCase& c, const Problem& p, const Operands
 
 class ForwardGrid : public ::testing::TestWithParam<ForwardCase> {};
 
-// Forces a SIMD target for its scope ("" = the automatic choice).
-class ScopedTarget {
- public:
-  explicit ScopedTarget(const std::string& target) : previous_(set_simd_target(target)) {}
-  ~ScopedTarget() { set_simd_target(previous_); }
-
- private:
-  std::string previous_;
-};
-
 TEST_P(ForwardGrid, MatchesOracle) {
   const ForwardCase& c = GetParam();
   const ScopedTarget target(c.target);

@@ -45,6 +45,16 @@ std::string name_of_variant(Variant v);
 // Every variant without dropout.
 std::vector<Variant> deterministic_variants();
 
+// Forces a SIMD target of the fused kernels for its scope ("" = the automatic choice).
+class ScopedTarget {
+ public:
+  explicit ScopedTarget(const std::string& target) : previous_(set_simd_target(target)) {}
+  ~ScopedTarget() { set_simd_target(previous_); }
+
+ private:
+  std::string previous_;
+};
+
 // One problem: the oracle's spec and the library's options for the same call.
 struct Problem {
   Dims dims;
