@@ -240,9 +240,20 @@ void flash_backward(const Problem& p, const BackwardArgs& a) {
   // batch or kv heads, and then one thread runs the groups in order.
   const int threads = dbias.shared_across(p) ? 1 : std::max(1, p.threads);
   const std::int64_t groups = p.batch * p.heads_kv;
+  // Fewer than 4 kv groups (one head, MQA, B = 1) would leave threads idle: each group's key
+  // tiles are cut into up to 4 parts run as separate items (they own disjoint dK, dV rows),
+  // each with its own dQ part, summed in part order afterwards. The cut depends only on the
+  // problem, never on the thread count, so results stay bitwise the same for any thread count.
+  constexpr std::int64_t kSplitBelowGroups = 4, kMaxParts = 4;
+  const std::int64_t tiles = (p.seqlen_k + tile - 1) / tile;
+  const std::int64_t parts =
+      groups < kSplitBelowGroups && !dbias.active() ? std::min(tiles, kMaxParts) : 1;
+  const std::int64_t group_dq = rows * shape.d_pad;  // [group][lq_pad][d_pad]
+  AlignedFloats dq_parts(parts > 1 ? groups * parts * group_dq : 1);
+  const std::int64_t items = groups * parts;
   AlignedFloats scratch(threads * per_thread);
   std::atomic<std::int64_t> next{0};
-  run_tasks(static_cast<int>(std::min<std::int64_t>(threads, groups)), threads, [&](int slot) {
+  run_tasks(static_cast<int>(std::min<std::int64_t>(threads, items)), threads, [&](int slot) {
     FlashBackwardScratch w = shape;
     float* at = scratch.get() + slot * per_thread;
     float** fields[] = {&w.dq,  &w.delta,  &w.k_t,  &w.k_rows,  &w.v_t, &w.v_rows, &w.dk, &w.dv,
@@ -251,11 +262,33 @@ void flash_backward(const Problem& p, const BackwardArgs& a) {
       *fields[f] = at;
       at += round_up(sizes[f], 16);
     }
-    for (std::int64_t g = next.fetch_add(1); g < groups; g = next.fetch_add(1)) {
-      target.run_backward_group(p, a, g / p.heads_kv, g % p.heads_kv, w,
+    for (std::int64_t n = next.fetch_add(1); n < items; n = next.fetch_add(1)) {
+      const std::int64_t g = n / parts, part = n % parts;
+      FlashBackwardScratch item = w;
+      item.tile_begin = tiles * part / parts;
+      item.tile_end = tiles * (part + 1) / parts;
+      item.store_dq = parts == 1;
+      if (parts > 1) item.dq = dq_parts.get() + n * group_dq;
+      target.run_backward_group(p, a, g / p.heads_kv, g % p.heads_kv, item,
                                 dbias.active() ? &dbias : nullptr);
     }
   });
+  if (parts > 1) {  // dQ = the parts summed in order
+    for (std::int64_t g = 0; g < groups; ++g) {
+      float* sum = dq_parts.get() + g * parts * group_dq;
+      for (std::int64_t part = 1; part < parts; ++part) {
+        const float* add = sum + part * group_dq;
+        for (std::int64_t e = 0; e < group_dq; ++e) sum[e] += add[e];
+      }
+      const std::int64_t b = g / p.heads_kv, kv_head = g % p.heads_kv;
+      for (std::int64_t h = 0; h < p.group; ++h) {
+        for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
+          store_row(sum + (h * shape.lq_pad + i) * shape.d_pad, d, a.dq.data, a.dq.dtype,
+                    offset4(a.dq, b, kv_head * p.group + h, i, 0));
+        }
+      }
+    }
+  }
   dbias.store(a.dbias);
 }
 

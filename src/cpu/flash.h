@@ -55,16 +55,18 @@ struct FlashItem {
 
 // One thread's scratch for the backward of one kv group (sizes set by flash_backward).
 struct FlashBackwardScratch {
-  std::int64_t d_pad, dv_pad;  // head dims padded to the micro-tile width
-  std::int64_t lq_pad;         // Lq padded to whole micro-tiles
-  float* dq;                   // [group][lq_pad][d_pad]: the group's dQ, fp32
-  float* delta;                // [group][Lq]: <dO_i, O_i>
-  float* k_t;                  // [D][key_tile] (k-layout): K for S
-  float* k_rows;               // [d_pad][key_tile] (v-layout): K for dQ
-  float* v_t;                  // [Dv][key_tile] (k-layout): V for dP
-  float* v_rows;               // [dv_pad][key_tile]: written by the packing, unused
-  float* dk;                   // [key rows][d_pad]: the tile's dK
-  float* dv;                   // [key rows][dv_pad]: the tile's dV
+  std::int64_t d_pad, dv_pad;         // head dims padded to the micro-tile width
+  std::int64_t lq_pad;                // Lq padded to whole micro-tiles
+  std::int64_t tile_begin, tile_end;  // the key tiles this call covers
+  bool store_dq;  // write dQ to the output (else leave it in `dq` for the caller)
+  float* dq;      // [group][lq_pad][d_pad]: the group's dQ, fp32
+  float* delta;   // [group][Lq]: <dO_i, O_i>
+  float* k_t;     // [D][key_tile] (k-layout): K for S
+  float* k_rows;  // [d_pad][key_tile] (v-layout): K for dQ
+  float* v_t;     // [Dv][key_tile] (k-layout): V for dP
+  float* v_rows;  // [dv_pad][key_tile]: written by the packing, unused
+  float* dk;      // [key rows][d_pad]: the tile's dK
+  float* dv;      // [key rows][dv_pad]: the tile's dV
   // The group's rows, packed once per group; block (g, blk) starts at row g * lq_pad + row0:
   float* q_t;      // [group][lq_pad][D]: q times scale, forward query layout
   float* q_rows;   // [group][lq_pad][d_pad] (v-layout per block): q for dK

@@ -143,8 +143,7 @@ void run_backward_group(const Problem& p, const BackwardArgs& a, std::int64_t b,
     }
   }
 
-  const std::int64_t tiles = (lk + kKeyTile - 1) / kKeyTile;
-  for (std::int64_t t = 0; t < tiles; ++t) {
+  for (std::int64_t t = w.tile_begin; t < w.tile_end; ++t) {
     const std::int64_t j0 = t * kKeyTile, keys = std::min<std::int64_t>(kKeyTile, lk - j0);
     F32Dot::pack_tile(pk, k_as_kv, b, kv_head, t, w.k_t, w.k_rows, d_pad);
     F32Dot::pack_tile(pv, v_as_kv, b, kv_head, t, w.v_t, w.v_rows, dv_pad);
@@ -223,6 +222,7 @@ void run_backward_group(const Problem& p, const BackwardArgs& a, std::int64_t b,
       store_row(w.dv + c * dv_pad, dv, a.dv.data, a.dv.dtype, offset4(a.dv, b, kv_head, j0 + c, 0));
     }
   }
+  if (!w.store_dq) return;  // a part of the key tiles: the caller sums the dQ parts
   for (std::int64_t g = 0; g < group; ++g) {
     for (std::int64_t i = 0; i < lq; ++i) {
       store_row(w.dq + (g * lq_pad + i) * d_pad, d, a.dq.data, a.dq.dtype,
