@@ -21,7 +21,7 @@ enum class Backend : std::uint8_t {
   automatic,  // flash where it supports the call, else math
   reference,  // plain loops, fp64 accumulation: obviously correct, slow
   math,       // unfused: scores materialised, QK^T and PV as BLAS GEMMs
-  flash,      // fused: tiled online softmax, SIMD, never materialises Lq x Lk (forward)
+  flash,      // fused: tiled online softmax, SIMD, never materialises Lq x Lk (f32/bf16/f16)
 };
 
 std::string_view name_of(Causal c);

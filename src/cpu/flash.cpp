@@ -1,4 +1,5 @@
-// The flash forward's driver: SIMD target choice, K/V packing, work items, threads.
+// The flash backend's driver: SIMD target choice, K/V packing, work items and threads of the
+// fused forward and backward.
 #include "cpu/flash.h"
 
 #include <algorithm>

@@ -1,5 +1,5 @@
-// The fused `flash` forward on CPUs: one tiled loop with the online softmax, never
-// materialising Lq x Lk, compiled once per SIMD target and dispatched once per call.
+// The fused `flash` backend on CPUs: forward (one tiled loop with the online softmax, never
+// materialising Lq x Lk) and backward, compiled once per SIMD target, dispatched once per call.
 //
 // Work is split into blocks of query rows of one head. K and V of one (batch, kv head) are
 // packed once (K transposed into [D][key_tile] panels, V into rows padded to the vector width,
