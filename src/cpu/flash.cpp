@@ -233,7 +233,8 @@ void flash_backward(const Problem& p, const BackwardArgs& a) {
       key_rows * shape.d_pad, key_rows * shape.dv_pad,                // dk, dv
       rows * d, rows * shape.d_pad, rows * dv, rows * shape.dv_pad,   // q_t, q_rows, do_t, do_rows
       p.group * p.seqlen_q,                                           // lse
-      block * tile + tile_rows, block * tile + tile_rows, tile};      // s, ds, dcap
+      block * tile + tile_rows, block * tile + tile_rows, tile,       // s, ds, dcap
+      3 * (block / 2) * tile};                                        // pairs
   // clang-format on
   std::int64_t per_thread = 0;
   for (std::int64_t n : sizes) per_thread += round_up(n, 16);
@@ -257,8 +258,9 @@ void flash_backward(const Problem& p, const BackwardArgs& a) {
   run_tasks(static_cast<int>(std::min<std::int64_t>(threads, items)), threads, [&](int slot) {
     FlashBackwardScratch w = shape;
     float* at = scratch.get() + slot * per_thread;
-    float** fields[] = {&w.dq,  &w.delta,  &w.k_t,  &w.k_rows,  &w.v_t, &w.v_rows, &w.dk, &w.dv,
-                        &w.q_t, &w.q_rows, &w.do_t, &w.do_rows, &w.lse, &w.s,      &w.ds, &w.dcap};
+    float** fields[] = {&w.dq,  &w.delta, &w.k_t, &w.k_rows, &w.v_t,  &w.v_rows,
+                        &w.dk,  &w.dv,    &w.q_t, &w.q_rows, &w.do_t, &w.do_rows,
+                        &w.lse, &w.s,     &w.ds,  &w.dcap,   &w.pairs};
     for (std::size_t f = 0; f < std::size(fields); ++f) {
       *fields[f] = at;
       at += round_up(sizes[f], 16);

@@ -76,6 +76,7 @@ struct FlashBackwardScratch {
   float* s;        // [block_rows][key_tile] (+ tile rows): S, P, then P * M
   float* ds;       // [block_rows][key_tile] (+ tile rows): dP, then dS
   float* dcap;     // [key_tile]: the softcap derivative of one row
+  float* pairs;    // [3][block_rows / 2][key_tile]: P M and dS as bf16 pairs (bf16 products)
 };
 
 using FlashBlockFn = void (*)(const Problem& p, const ForwardArgs& a, const FlashPanel& panel,

@@ -23,10 +23,11 @@ namespace attncore::detail::ATTNCORE_TARGET_NS {
 
 // out[r][c] += sum_n a(r, n) * b[n][c] for r < rows (a multiple of kTileRows), c < cols_pad (a
 // multiple of kTileCols), with a(r, n) = a[r * kRowStride + n * kStepStride] and b packed as
-// [cols_pad / kTileCols][steps][kTileCols].
-template <int kRowStride, int kStepStride>
-void add_product(const float* a, std::int64_t rows, std::int64_t steps, const float* b,
-                 std::int64_t cols_pad, float* out) {
+// [cols_pad / kTileCols][steps][kTileCols], in Dot's operands (f32, or bf16 pairs: then n
+// counts pairs).
+template <class Dot, int kRowStride, int kStepStride>
+void add_product(const typename Dot::Operand* a, std::int64_t rows, std::int64_t steps,
+                 const typename Dot::Operand* b, std::int64_t cols_pad, float* out) {
   for (std::int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
     for (std::int64_t c0 = 0; c0 < cols_pad; c0 += kTileCols) {
       Vec acc[kTileRows][kTileVectors];
@@ -36,7 +37,7 @@ void add_product(const float* a, std::int64_t rows, std::int64_t steps, const fl
 #pragma GCC unroll 4
         for (int v = 0; v < kTileVectors; ++v) acc[r][v] = load(o + r * cols_pad + v * kLanes);
       }
-      F32Dot::rank1_updates<kRowStride, kStepStride>(
+      Dot::template rank1_updates<kRowStride, kStepStride>(
           acc, a + r0 * kRowStride, b + (c0 / kTileCols) * steps * kTileCols, steps);
 #pragma GCC unroll 16
       for (int r = 0; r < kTileRows; ++r) {
@@ -48,37 +49,94 @@ void add_product(const float* a, std::int64_t rows, std::int64_t steps, const fl
 }
 
 // Rows (head_of[r], index_of[r]) of a [B, H, L, width] view as
-// [width_pad / kTileCols][padded_rows][kTileCols] floats, zero past `rows` and `width`.
-inline void pack_rows(const TensorView& t, std::int64_t b, const std::int64_t* head_of,
-                      const std::int64_t* index_of, std::int64_t rows, std::int64_t padded_rows,
-                      std::int64_t width, std::int64_t width_pad, float* out) {
-  auto pack = [&](const auto* data, auto to_float) {  // one loop per dtype, none inside
-    for (std::int64_t r = 0; r < padded_rows; ++r) {
-      const auto* src = r < rows ? data + offset4(t, b, head_of[r], index_of[r], 0) : nullptr;
+// [width_pad / kTileCols][padded_rows][kTileCols] floats, zero past `rows` and `width`; or, for
+// Bf16Dot, as [width_pad / kTileCols][padded_rows / 2][kTileCols] bf16 pairs of rows (2 r2, 2 r2
+// + 1), so that a product sums over rows two at a time.
+template <class Dot>
+void pack_rows(const TensorView& t, std::int64_t b, const std::int64_t* head_of,
+               const std::int64_t* index_of, std::int64_t rows, std::int64_t padded_rows,
+               std::int64_t width, std::int64_t width_pad, float* out_floats) {
+  if constexpr (std::is_same_v<typename Dot::Operand, std::uint32_t>) {  // bf16 input, pairs
+    auto* out = reinterpret_cast<std::uint32_t*>(out_floats);
+    const auto* data = static_cast<const std::uint16_t*>(t.data);
+    for (std::int64_t r2 = 0; r2 < padded_rows / 2; ++r2) {
+      const std::uint16_t* lo =
+          2 * r2 < rows ? data + offset4(t, b, head_of[2 * r2], index_of[2 * r2], 0) : nullptr;
+      const std::uint16_t* hi =
+          2 * r2 + 1 < rows ? data + offset4(t, b, head_of[2 * r2 + 1], index_of[2 * r2 + 1], 0)
+                            : nullptr;
       for (std::int64_t c = 0; c < width_pad; ++c) {
-        out[(c / kTileCols) * padded_rows * kTileCols + r * kTileCols + c % kTileCols] =
-            src != nullptr && c < width ? to_float(src[c]) : 0.0f;
+        const std::uint32_t l = lo != nullptr && c < width ? lo[c] : 0u;
+        const std::uint32_t h = hi != nullptr && c < width ? hi[c] : 0u;
+        out[(c / kTileCols) * (padded_rows / 2) * kTileCols + r2 * kTileCols + c % kTileCols] =
+            l | (h << 16);
       }
     }
-  };
-  switch (t.dtype) {
-    case DType::bf16:
-      pack(static_cast<const std::uint16_t*>(t.data),
-           [](std::uint16_t x) { return bf16::to_float(x); });
-      break;
-    case DType::f16:
-      pack(static_cast<const std::uint16_t*>(t.data),
-           [](std::uint16_t x) { return f16::to_float(x); });
-      break;
-    default:  // f32
-      pack(static_cast<const float*>(t.data), [](float x) { return x; });
-      break;
+  } else {
+    auto pack = [&](const auto* data, auto to_float) {  // one loop per dtype, none inside
+      for (std::int64_t r = 0; r < padded_rows; ++r) {
+        const auto* src = r < rows ? data + offset4(t, b, head_of[r], index_of[r], 0) : nullptr;
+        for (std::int64_t c = 0; c < width_pad; ++c) {
+          out_floats[(c / kTileCols) * padded_rows * kTileCols + r * kTileCols + c % kTileCols] =
+              src != nullptr && c < width ? to_float(src[c]) : 0.0f;
+        }
+      }
+    };
+    switch (t.dtype) {
+      case DType::bf16:
+        pack(static_cast<const std::uint16_t*>(t.data),
+             [](std::uint16_t x) { return bf16::to_float(x); });
+        break;
+      case DType::f16:
+        pack(static_cast<const std::uint16_t*>(t.data),
+             [](std::uint16_t x) { return f16::to_float(x); });
+        break;
+      default:  // f32
+        pack(static_cast<const float*>(t.data), [](float x) { return x; });
+        break;
+    }
   }
 }
 
-void run_backward_group(const Problem& p, const BackwardArgs& a, std::int64_t b,
-                        std::int64_t kv_head, const FlashBackwardScratch& w,
-                        DbiasAccumulator* dbias) {
+// dV += (P M)^T dO and dK += dS^T q (rows: the tile's keys); dQ += dS K (rows: this block), in
+// f32 straight from S and dS.
+inline void tile_products(F32Dot, const FlashBackwardScratch& w, std::int64_t at,
+                          std::int64_t padded_rows, std::int64_t keys_pad, float* dq) {
+  add_product<F32Dot, 1, kKeyTile>(w.s, keys_pad, padded_rows, w.do_rows + at * w.dv_pad, w.dv_pad,
+                                   w.dv);
+  add_product<F32Dot, 1, kKeyTile>(w.ds, keys_pad, padded_rows, w.q_rows + at * w.d_pad, w.d_pad,
+                                   w.dk);
+  add_product<F32Dot, kKeyTile, 1>(w.ds, padded_rows, kKeyTile, w.k_rows, w.d_pad, dq);
+}
+
+#if ATTNCORE_BF16_DOT
+// The same products on bf16 pairs: P M and dS rounded to bf16 (as a bf16 autograd run rounds
+// them), interleaved by rows for dV and dK and paired along keys for dQ; f32 accumulation.
+inline void tile_products(Bf16Dot, const FlashBackwardScratch& w, std::int64_t at,
+                          std::int64_t padded_rows, std::int64_t keys_pad, float* dq) {
+  auto* pm_rows = reinterpret_cast<std::uint32_t*>(w.pairs);        // [padded_rows / 2][kKeyTile]
+  std::uint32_t* ds_rows = pm_rows + (padded_rows / 2) * kKeyTile;  // [padded_rows / 2][kKeyTile]
+  std::uint32_t* ds_keys = ds_rows + (padded_rows / 2) * kKeyTile;  // [padded_rows][kKeyTile / 2]
+  for (std::int64_t r2 = 0; r2 < padded_rows / 2; ++r2) {
+    const float* lo = w.s + 2 * r2 * kKeyTile;
+    Bf16Dot::round_interleaved(lo, lo + kKeyTile, kKeyTile, pm_rows + r2 * kKeyTile);
+    const float* dlo = w.ds + 2 * r2 * kKeyTile;
+    Bf16Dot::round_interleaved(dlo, dlo + kKeyTile, kKeyTile, ds_rows + r2 * kKeyTile);
+  }
+  Bf16Dot::round_pairs(w.ds, padded_rows * kKeyTile, ds_keys);
+  const auto* do_rows = reinterpret_cast<const std::uint32_t*>(w.do_rows + at * w.dv_pad);
+  const auto* q_rows = reinterpret_cast<const std::uint32_t*>(w.q_rows + at * w.d_pad);
+  const auto* k_rows = reinterpret_cast<const std::uint32_t*>(w.k_rows);
+  add_product<Bf16Dot, 1, kKeyTile>(pm_rows, keys_pad, padded_rows / 2, do_rows, w.dv_pad, w.dv);
+  add_product<Bf16Dot, 1, kKeyTile>(ds_rows, keys_pad, padded_rows / 2, q_rows, w.d_pad, w.dk);
+  add_product<Bf16Dot, kKeyTile / 2, 1>(ds_keys, padded_rows, kKeyTile / 2, k_rows, w.d_pad, dq);
+}
+#endif
+
+template <class Dot>
+void run_backward_group_with(const Problem& p, const BackwardArgs& a, std::int64_t b,
+                             std::int64_t kv_head, const FlashBackwardScratch& w,
+                             DbiasAccumulator* dbias) {
   const std::int64_t d = p.head_dim, dv = p.head_dim_v, lq = p.seqlen_q, lk = p.seqlen_k;
   const std::int64_t d_pad = w.d_pad, dv_pad = w.dv_pad, group = p.group;
   // dK/dV rows: whole micro-tiles (rows past the tile's keys are scratch, never stored).
@@ -131,11 +189,11 @@ void run_backward_group(const Problem& p, const BackwardArgs& a, std::int64_t b,
         index_of[r] = row0 + r;
       }
       const std::int64_t at = g * lq_pad + row0;
-      F32Dot::load_queries(p, q_args, b, head_of, index_of, rows, padded_rows, w.q_t + at * d);
-      F32Dot::load_queries(pdo, do_args, b, head_of, index_of, rows, padded_rows, w.do_t + at * dv);
-      pack_rows(a.q, b, head_of, index_of, rows, padded_rows, d, d_pad, w.q_rows + at * d_pad);
-      pack_rows(a.dout, b, head_of, index_of, rows, padded_rows, dv, dv_pad,
-                w.do_rows + at * dv_pad);
+      Dot::load_queries(p, q_args, b, head_of, index_of, rows, padded_rows, w.q_t + at * d);
+      Dot::load_queries(pdo, do_args, b, head_of, index_of, rows, padded_rows, w.do_t + at * dv);
+      pack_rows<Dot>(a.q, b, head_of, index_of, rows, padded_rows, d, d_pad, w.q_rows + at * d_pad);
+      pack_rows<Dot>(a.dout, b, head_of, index_of, rows, padded_rows, dv, dv_pad,
+                     w.do_rows + at * dv_pad);
     }
     for (std::int64_t i = 0; i < lq; ++i) {
       w.lse[g * lq + i] = load_element<float>(
@@ -145,8 +203,8 @@ void run_backward_group(const Problem& p, const BackwardArgs& a, std::int64_t b,
 
   for (std::int64_t t = w.tile_begin; t < w.tile_end; ++t) {
     const std::int64_t j0 = t * kKeyTile, keys = std::min<std::int64_t>(kKeyTile, lk - j0);
-    F32Dot::pack_tile(pk, k_as_kv, b, kv_head, t, w.k_t, w.k_rows, d_pad);
-    F32Dot::pack_tile(pv, v_as_kv, b, kv_head, t, w.v_t, w.v_rows, dv_pad);
+    Dot::pack_tile(pk, k_as_kv, b, kv_head, t, w.k_t, w.k_rows, d_pad);
+    Dot::pack_tile(pv, v_as_kv, b, kv_head, t, w.v_t, w.v_rows, dv_pad);
     for (std::int64_t e = 0; e < keys_pad * d_pad; ++e) w.dk[e] = 0.0f;
     for (std::int64_t e = 0; e < keys_pad * dv_pad; ++e) w.dv[e] = 0.0f;
     for (std::int64_t g = 0; g < group; ++g) {
@@ -159,8 +217,8 @@ void run_backward_group(const Problem& p, const BackwardArgs& a, std::int64_t b,
         for (std::int64_t r = 0; r < rows; ++r) seen.add(band.row(row0 + r));
         if (seen.classify(j0, j0 + keys) == TileKind::empty) continue;
         const std::int64_t at = g * lq_pad + row0;  // this block in the group's packed rows
-        F32Dot::scores(p, w.q_t + at * d, w.k_t, padded_rows, w.s);       // S = scale q.k
-        F32Dot::scores(pdo, w.do_t + at * dv, w.v_t, padded_rows, w.ds);  // dP = dO.v
+        Dot::scores(p, w.q_t + at * d, w.k_t, padded_rows, w.s);       // S = q.k (scaled: F32Dot)
+        Dot::scores(pdo, w.do_t + at * dv, w.v_t, padded_rows, w.ds);  // dP = dO.v
         for (std::int64_t r = 0; r < padded_rows; ++r) {
           float* s = w.s + r * kKeyTile;
           float* ds = w.ds + r * kKeyTile;
@@ -169,6 +227,9 @@ void run_backward_group(const Problem& p, const BackwardArgs& a, std::int64_t b,
           if (lse == -INFINITY) {  // padding rows and rows with no visible key: P = dS = 0
             for (int c = 0; c < kKeyTile; ++c) s[c] = ds[c] = 0.0f;
             continue;
+          }
+          if (!Dot::kScaledQueries) {  // S = scale q.k
+            for (int c = 0; c < kKeyTile; c += kLanes) store(s + c, load(s + c) * scale);
           }
           float* dcap = w.dcap;  // [kKeyTile] the softcap derivative of this row
           for (int c = 0; c < kKeyTile; ++c) dcap[c] = 1.0f;
@@ -210,11 +271,7 @@ void run_backward_group(const Problem& p, const BackwardArgs& a, std::int64_t b,
             s[c] = prob * keep;                // dV's weights
           }
         }
-        // dV += (P M)^T dO and dK += dS^T q (rows: keys); dQ += dS K (rows: this block).
-        add_product<1, kKeyTile>(w.s, keys_pad, padded_rows, w.do_rows + at * dv_pad, dv_pad, w.dv);
-        add_product<1, kKeyTile>(w.ds, keys_pad, padded_rows, w.q_rows + at * d_pad, d_pad, w.dk);
-        add_product<kKeyTile, 1>(w.ds, padded_rows, kKeyTile, w.k_rows, d_pad,
-                                 w.dq + (g * lq_pad + row0) * d_pad);
+        tile_products(Dot{}, w, at, padded_rows, keys_pad, w.dq + at * d_pad);
       }
     }
     for (std::int64_t c = 0; c < keys; ++c) {
@@ -229,6 +286,17 @@ void run_backward_group(const Problem& p, const BackwardArgs& a, std::int64_t b,
                 offset4(a.dq, b, kv_head * group + g, i, 0));
     }
   }
+}
+
+// The exported entry point: native bf16 products for bf16 inputs where this target has them, f32
+// for everything else.
+void run_backward_group(const Problem& p, const BackwardArgs& a, std::int64_t b,
+                        std::int64_t kv_head, const FlashBackwardScratch& w,
+                        DbiasAccumulator* dbias) {
+#if ATTNCORE_BF16_DOT
+  if (p.dtype == DType::bf16) return run_backward_group_with<Bf16Dot>(p, a, b, kv_head, w, dbias);
+#endif
+  run_backward_group_with<F32Dot>(p, a, b, kv_head, w, dbias);
 }
 
 }  // namespace attncore::detail::ATTNCORE_TARGET_NS
