@@ -224,17 +224,21 @@ void flash_backward(const Problem& p, const BackwardArgs& a) {
   shape.dv_pad = round_up(dv, layout.dv_align);
   shape.lq_pad = round_up(p.seqlen_q, tile_rows);
   const std::int64_t key_rows = round_up(tile, tile_rows);
-  // Sizes in floats, in FlashBackwardScratch's order; 16-float (64-byte) aligned each.
+  // Sizes in floats, in FlashBackwardScratch's order; 16-float (64-byte) aligned each. bf16
+  // pairs take half the floats of the f32 values they hold.
   const std::int64_t rows = p.group * shape.lq_pad;  // the group's query rows, padded
+  const bool pairs = layout.bf16_dot && p.dtype == DType::bf16;
+  const std::int64_t per_float = pairs ? 2 : 1;
   // clang-format off
   const std::int64_t sizes[] = {
       rows * shape.d_pad, p.group * p.seqlen_q,                       // dq, delta
       tile * d, tile * shape.d_pad, tile * dv, tile * shape.dv_pad,   // k_t, k_rows, v_t, v_rows
       key_rows * shape.d_pad, key_rows * shape.dv_pad,                // dk, dv
-      rows * d, rows * shape.d_pad, rows * dv, rows * shape.dv_pad,   // q_t, q_rows, do_t, do_rows
+      rows * shape.d_pad / per_float, rows * shape.dv_pad / per_float,  // q_rows, do_rows
+      pairs ? rows * ((d + 1) / 2) : 0, pairs ? rows * ((dv + 1) / 2) : 0,  // q_t, do_t
       p.group * p.seqlen_q,                                           // lse
       block * tile + tile_rows, block * tile + tile_rows, tile,       // s, ds, dcap
-      3 * (block / 2) * tile};                                        // pairs
+      pairs ? 3 * (block / 2) * tile : 0};                            // pairs
   // clang-format on
   std::int64_t per_thread = 0;
   for (std::int64_t n : sizes) per_thread += round_up(n, 16);
@@ -258,9 +262,9 @@ void flash_backward(const Problem& p, const BackwardArgs& a) {
   run_tasks(static_cast<int>(std::min<std::int64_t>(threads, items)), threads, [&](int slot) {
     FlashBackwardScratch w = shape;
     float* at = scratch.get() + slot * per_thread;
-    float** fields[] = {&w.dq,  &w.delta, &w.k_t, &w.k_rows, &w.v_t,  &w.v_rows,
-                        &w.dk,  &w.dv,    &w.q_t, &w.q_rows, &w.do_t, &w.do_rows,
-                        &w.lse, &w.s,     &w.ds,  &w.dcap,   &w.pairs};
+    float** fields[] = {&w.dq,  &w.delta, &w.k_t,    &w.k_rows,  &w.v_t,  &w.v_rows,
+                        &w.dk,  &w.dv,    &w.q_rows, &w.do_rows, &w.q_t,  &w.do_t,
+                        &w.lse, &w.s,     &w.ds,     &w.dcap,    &w.pairs};
     for (std::size_t f = 0; f < std::size(fields); ++f) {
       *fields[f] = at;
       at += round_up(sizes[f], 16);

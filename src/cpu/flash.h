@@ -22,6 +22,7 @@ struct FlashLayout {
   int key_tile;    // keys per tile (a multiple of the QK micro-tile's width)
   int dv_align;    // Dv is padded to a multiple of this (the PV micro-tile's width)
   int tile_rows;   // rows of the micro-tiles
+  bool bf16_dot;   // bf16 inputs run on native bf16 dot products (operands in bf16 pairs)
 };
 
 // K and V of one (batch, kv head), packed, as the kernel reads them; null tiles: the kernel
@@ -68,10 +69,10 @@ struct FlashBackwardScratch {
   float* dk;      // [key rows][d_pad]: the tile's dK
   float* dv;      // [key rows][dv_pad]: the tile's dV
   // The group's rows, packed once per group; block (g, blk) starts at row g * lq_pad + row0:
-  float* q_t;      // [group][lq_pad][D]: q times scale, forward query layout
-  float* q_rows;   // [group][lq_pad][d_pad] (v-layout per block): q for dK
-  float* do_t;     // [group][lq_pad][Dv]: dO, forward query layout
-  float* do_rows;  // [group][lq_pad][dv_pad] (v-layout per block): dO for dV
+  float* q_rows;   // [group][lq_pad][d_pad] (v-layout per block; bf16: pairs of rows): q for S, dK
+  float* do_rows;  // [group][lq_pad][dv_pad] (likewise): dO for dP and dV
+  float* q_t;      // bf16 only: [group][lq_pad][D / 2] pairs along D, forward query layout: q for S
+  float* do_t;     // bf16 only: [group][lq_pad][Dv / 2] likewise: dO for dP
   float* lse;      // [group][Lq]
   float* s;        // [block_rows][key_tile] (+ tile rows): S, P, then P * M
   float* ds;       // [block_rows][key_tile] (+ tile rows): dP, then dS

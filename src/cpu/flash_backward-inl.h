@@ -98,22 +98,45 @@ void pack_rows(const TensorView& t, std::int64_t b, const std::int64_t* head_of,
   }
 }
 
+// S [padded_rows][kKeyTile] = a . K_tile^T (unscaled), with a's rows as pack_rows<F32Dot> lays
+// them out ([d_pad / kTileCols][padded_rows][kTileCols]) and the tile in F32Dot's k-layout: the
+// rows the dK and dV products read serve S and dP too, so no second copy is packed.
+inline void scores_from_rows(const float* rows, const float* k_tile, std::int64_t width,
+                             std::int64_t padded_rows, float* s) {
+  for (std::int64_t r0 = 0; r0 < padded_rows; r0 += kTileRows) {
+    for (int c = 0; c < kKeyTile; c += kTileCols) {
+      Vec acc[kTileRows][kTileVectors] = {};
+      for (std::int64_t e0 = 0; e0 < width; e0 += kTileCols) {
+        F32Dot::rank1_updates<kTileCols, 1>(acc, rows + e0 * padded_rows + r0 * kTileCols,
+                                            k_tile + F32Dot::k_index(width, e0, c),
+                                            std::min<std::int64_t>(kTileCols, width - e0));
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < kTileRows; ++r) {
+#pragma GCC unroll 4
+        for (int v = 0; v < kTileVectors; ++v)
+          store(s + (r0 + r) * kKeyTile + c + v * kLanes, acc[r][v]);
+      }
+    }
+  }
+}
+
 // dV += (P M)^T dO and dK += dS^T q (rows: the tile's keys); dQ += dS K (rows: this block), in
 // f32 straight from S and dS.
-inline void tile_products(F32Dot, const FlashBackwardScratch& w, std::int64_t at,
-                          std::int64_t padded_rows, std::int64_t keys_pad, float* dq) {
-  add_product<F32Dot, 1, kKeyTile>(w.s, keys_pad, padded_rows, w.do_rows + at * w.dv_pad, w.dv_pad,
-                                   w.dv);
-  add_product<F32Dot, 1, kKeyTile>(w.ds, keys_pad, padded_rows, w.q_rows + at * w.d_pad, w.d_pad,
-                                   w.dk);
+inline void tile_products(F32Dot, const FlashBackwardScratch& w, const float* q_rows,
+                          const float* do_rows, std::int64_t padded_rows, std::int64_t keys_pad,
+                          float* dq) {
+  add_product<F32Dot, 1, kKeyTile>(w.s, keys_pad, padded_rows, do_rows, w.dv_pad, w.dv);
+  add_product<F32Dot, 1, kKeyTile>(w.ds, keys_pad, padded_rows, q_rows, w.d_pad, w.dk);
   add_product<F32Dot, kKeyTile, 1>(w.ds, padded_rows, kKeyTile, w.k_rows, w.d_pad, dq);
 }
 
 #if ATTNCORE_BF16_DOT
 // The same products on bf16 pairs: P M and dS rounded to bf16 (as a bf16 autograd run rounds
 // them), interleaved by rows for dV and dK and paired along keys for dQ; f32 accumulation.
-inline void tile_products(Bf16Dot, const FlashBackwardScratch& w, std::int64_t at,
-                          std::int64_t padded_rows, std::int64_t keys_pad, float* dq) {
+inline void tile_products(Bf16Dot, const FlashBackwardScratch& w, const float* q_rows_floats,
+                          const float* do_rows_floats, std::int64_t padded_rows,
+                          std::int64_t keys_pad, float* dq) {
   auto* pm_rows = reinterpret_cast<std::uint32_t*>(w.pairs);        // [padded_rows / 2][kKeyTile]
   std::uint32_t* ds_rows = pm_rows + (padded_rows / 2) * kKeyTile;  // [padded_rows / 2][kKeyTile]
   std::uint32_t* ds_keys = ds_rows + (padded_rows / 2) * kKeyTile;  // [padded_rows][kKeyTile / 2]
@@ -124,8 +147,8 @@ inline void tile_products(Bf16Dot, const FlashBackwardScratch& w, std::int64_t a
     Bf16Dot::round_interleaved(dlo, dlo + kKeyTile, kKeyTile, ds_rows + r2 * kKeyTile);
   }
   Bf16Dot::round_pairs(w.ds, padded_rows * kKeyTile, ds_keys);
-  const auto* do_rows = reinterpret_cast<const std::uint32_t*>(w.do_rows + at * w.dv_pad);
-  const auto* q_rows = reinterpret_cast<const std::uint32_t*>(w.q_rows + at * w.d_pad);
+  const auto* do_rows = reinterpret_cast<const std::uint32_t*>(do_rows_floats);
+  const auto* q_rows = reinterpret_cast<const std::uint32_t*>(q_rows_floats);
   const auto* k_rows = reinterpret_cast<const std::uint32_t*>(w.k_rows);
   add_product<Bf16Dot, 1, kKeyTile>(pm_rows, keys_pad, padded_rows / 2, do_rows, w.dv_pad, w.dv);
   add_product<Bf16Dot, 1, kKeyTile>(ds_rows, keys_pad, padded_rows / 2, q_rows, w.d_pad, w.dk);
@@ -156,7 +179,14 @@ void run_backward_group_with(const Problem& p, const BackwardArgs& a, std::int64
   mods.softcap = 0.0;
   const bool has_mods = p.alibi != nullptr || p.mask_kind != MaskKind::none;
   const ForwardArgs k_as_kv{a.q, a.k, a.k, {}, {}}, v_as_kv{a.dout, a.v, a.v, {}, {}};
-  const ForwardArgs q_args{a.q, a.k, a.v, {}, {}};
+  const ForwardArgs q_args{a.q, a.k, a.v, {}, {}}, do_args{a.dout, a.v, a.v, {}, {}};
+  // Where block `at` (its first row among the group's padded rows) starts in the packed rows:
+  // f32 rows, or bf16 pairs of rows (half as many floats' worth); the bf16 kernel also packs
+  // pairs along D for S and dP (q_t, do_t).
+  constexpr bool kPairs = std::is_same_v<typename Dot::Operand, std::uint32_t>;
+  const std::int64_t q_rows_per_row = kPairs ? d_pad / 2 : d_pad;
+  const std::int64_t do_rows_per_row = kPairs ? dv_pad / 2 : dv_pad;
+  const std::int64_t d_pairs = (d + 1) / 2, dv_pairs = (dv + 1) / 2;
 
   // Delta_i = <dO_i, O_i> for every row of the group; dQ accumulators to zero.
   for (std::int64_t g = 0; g < group; ++g) {
@@ -176,7 +206,6 @@ void run_backward_group_with(const Problem& p, const BackwardArgs& a, std::int64
   // The group's queries and output gradients in the layouts the products read, and its LSE,
   // once per group (not once per key tile): block (g, blk) starts at row g * lq_pad + row0.
   const std::int64_t blocks = (lq + kBlockRows - 1) / kBlockRows;
-  const ForwardArgs do_args{a.dout, a.v, a.v, {}, {}};
   for (std::int64_t g = 0; g < group; ++g) {
     const std::int64_t h = kv_head * group + g;
     for (std::int64_t blk = 0; blk < blocks; ++blk) {
@@ -189,11 +218,15 @@ void run_backward_group_with(const Problem& p, const BackwardArgs& a, std::int64
         index_of[r] = row0 + r;
       }
       const std::int64_t at = g * lq_pad + row0;
-      Dot::load_queries(p, q_args, b, head_of, index_of, rows, padded_rows, w.q_t + at * d);
-      Dot::load_queries(pdo, do_args, b, head_of, index_of, rows, padded_rows, w.do_t + at * dv);
-      pack_rows<Dot>(a.q, b, head_of, index_of, rows, padded_rows, d, d_pad, w.q_rows + at * d_pad);
+      if constexpr (kPairs) {
+        Dot::load_queries(p, q_args, b, head_of, index_of, rows, padded_rows, w.q_t + at * d_pairs);
+        Dot::load_queries(pdo, do_args, b, head_of, index_of, rows, padded_rows,
+                          w.do_t + at * dv_pairs);
+      }
+      pack_rows<Dot>(a.q, b, head_of, index_of, rows, padded_rows, d, d_pad,
+                     w.q_rows + at * q_rows_per_row);
       pack_rows<Dot>(a.dout, b, head_of, index_of, rows, padded_rows, dv, dv_pad,
-                     w.do_rows + at * dv_pad);
+                     w.do_rows + at * do_rows_per_row);
     }
     for (std::int64_t i = 0; i < lq; ++i) {
       w.lse[g * lq + i] = load_element<float>(
@@ -217,8 +250,15 @@ void run_backward_group_with(const Problem& p, const BackwardArgs& a, std::int64
         for (std::int64_t r = 0; r < rows; ++r) seen.add(band.row(row0 + r));
         if (seen.classify(j0, j0 + keys) == TileKind::empty) continue;
         const std::int64_t at = g * lq_pad + row0;  // this block in the group's packed rows
-        Dot::scores(p, w.q_t + at * d, w.k_t, padded_rows, w.s);       // S = q.k (scaled: F32Dot)
-        Dot::scores(pdo, w.do_t + at * dv, w.v_t, padded_rows, w.ds);  // dP = dO.v
+        const float* q_rows = w.q_rows + at * q_rows_per_row;
+        const float* do_rows = w.do_rows + at * do_rows_per_row;
+        if constexpr (kPairs) {
+          Dot::scores(p, w.q_t + at * d_pairs, w.k_t, padded_rows, w.s);       // S = q.k
+          Dot::scores(pdo, w.do_t + at * dv_pairs, w.v_t, padded_rows, w.ds);  // dP = dO.v
+        } else {
+          scores_from_rows(q_rows, w.k_t, d, padded_rows, w.s);
+          scores_from_rows(do_rows, w.v_t, dv, padded_rows, w.ds);
+        }
         for (std::int64_t r = 0; r < padded_rows; ++r) {
           float* s = w.s + r * kKeyTile;
           float* ds = w.ds + r * kKeyTile;
@@ -228,9 +268,7 @@ void run_backward_group_with(const Problem& p, const BackwardArgs& a, std::int64
             for (int c = 0; c < kKeyTile; ++c) s[c] = ds[c] = 0.0f;
             continue;
           }
-          if (!Dot::kScaledQueries) {  // S = scale q.k
-            for (int c = 0; c < kKeyTile; c += kLanes) store(s + c, load(s + c) * scale);
-          }
+          for (int c = 0; c < kKeyTile; c += kLanes) store(s + c, load(s + c) * scale);
           float* dcap = w.dcap;  // [kKeyTile] the softcap derivative of this row
           for (int c = 0; c < kKeyTile; ++c) dcap[c] = 1.0f;
           if (cap != 0.0f) {
@@ -271,7 +309,7 @@ void run_backward_group_with(const Problem& p, const BackwardArgs& a, std::int64
             s[c] = prob * keep;                // dV's weights
           }
         }
-        tile_products(Dot{}, w, at, padded_rows, keys_pad, w.dq + at * d_pad);
+        tile_products(Dot{}, w, q_rows, do_rows, padded_rows, keys_pad, w.dq + at * d_pad);
       }
     }
     for (std::int64_t c = 0; c < keys; ++c) {

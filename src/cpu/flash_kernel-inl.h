@@ -647,7 +647,8 @@ void pack_tiles(const Problem& p, const ForwardArgs& a, std::int64_t b, std::int
   }
 }
 
-constexpr FlashLayout kLayout{kLanes, kBlockRows, kKeyTile, kTileCols, kTileRows};
+constexpr FlashLayout kLayout{kLanes,    kBlockRows, kKeyTile,
+                              kTileCols, kTileRows,  ATTNCORE_BF16_DOT != 0};
 
 }  // namespace attncore::detail::ATTNCORE_TARGET_NS
 
