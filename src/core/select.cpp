@@ -94,6 +94,13 @@ constexpr double kMathSoftmaxCost = 0.85;
 // softmax-row elements: B=1 Hq=8 L=32 D=64 took 108 us, about 35 us (256 rows) beyond the
 // other terms.
 constexpr double kMathRowCost = 25;
+// math: converting one 16-bit element to f32, in FMA-equivalent flops: decode B=1 Hq=8 Lq=1
+// Lk=128 D=128 took 0.32 ms in bf16 and 0.08 ms in f32, 0.92 ns more for each of the 262144
+// converted elements; B=4 Hq=32 Hkv=8 Lq=1 Lk=4096: 0.74 ns. 190 at 224 GFLOP/s is 0.85 ns.
+constexpr double kMathConvertFlops = 190;
+// math: K and V streamed per block of query rows: decode B=4 Hq=32 Hkv=8 Lq=1 Lk=4096 D=128
+// f32 took 52.9 ms, 49 ms of it for 537 MB of K and V: 0.47 of the measured 23 GB/s.
+constexpr double kMathStreamEfficiency = 0.47;
 // math backward: D=128 398 ms, D=64 268 ms, GEMMs at the forward's efficiency and the two
 // Lq x Lk matrices (P * M and dS, written once and read twice: 24 bytes a pair) at the
 // memory bandwidth leave 1.72 and 1.52 softmax-row elements a pair: 1.6.
@@ -143,6 +150,9 @@ Sizes sizes_of(const Problem& p) {
           static_cast<double>(std::max(1, p.threads))};
 }
 
+// Memory traffic is shared by the threads (the decode shapes barely speed up with a second
+// thread on the development machine: flash 24.5 -> 21.2 ms, math 52.9 -> 46.2 ms), so byte
+// terms are not divided by the thread count; work terms are, over the threads that get work.
 double estimate_flash(Pass pass, const Problem& p, const CostModel& m) {
   const Sizes s = sizes_of(p);
   const double flops_per_s = m.machine.fma_gflops * 1e9;
@@ -153,32 +163,34 @@ double estimate_flash(Pass pass, const Problem& p, const CostModel& m) {
   // Keys per query row the kernel computes: whole tiles, and along a band's edge one more.
   const bool banded = p.causal != Causal::none || p.window_left >= 0 || p.window_right >= 0;
   const double lk_pad = round_up(s.lk, tile);
-  const double keys = s.lq > 0 ? std::min(lk_pad, visible_pairs(p) / s.lq + (banded ? tile : 0)) : 0;
+  const double keys =
+      s.lq > 0 ? std::min(lk_pad, visible_pairs(p) / s.lq + (banded ? tile : 0)) : 0;
   const double pairs = groups * round_up(group_rows, m.flash_tile_rows) * keys;
-  // Packed elements: K and V once per group; the backward also packs q and dO.
+  // Packed elements: K and V once per group (the packing reads them); the backward also packs
+  // q and dO. Other traffic: q read and out written (backward: and the gradients).
   double packed = groups * lk_pad * s.dims;
   double compute, bytes, items;
   if (pass == Pass::forward) {
     const bool dot = p.dtype == DType::bf16 && m.flash_bf16_dot;
     const double efficiency = dot ? kFlashBf16DotEfficiency : kFlashEfficiency;
     compute = pairs * (2 * s.dims / efficiency + kFlashSoftmaxFlops) / flops_per_s;
-    // q, k, v read and out written once.
-    bytes = (groups * s.lk + s.batch * s.heads_q * s.lq) * s.dims * s.element;
+    bytes = s.batch * s.heads_q * s.lq * s.dims * s.element;
     items = groups * std::ceil(group_rows / m.flash_block_rows);
   } else {
     compute = pairs * (kBackwardFlops * 2 * s.dims / kFlashBackwardEfficiency +
                        kFlashBackwardSoftmaxFlops) / flops_per_s;
     packed += s.batch * s.heads_q * s.lq * s.dims;
-    // The inputs and their gradients.
-    bytes = 2 * (groups * s.lk + 2 * s.batch * s.heads_q * s.lq) * s.dims * s.element;
+    bytes = (groups * s.lk + 3 * s.batch * s.heads_q * s.lq) * s.dims * s.element;
     const double tiles = lk_pad / tile;
     items = groups * (groups < 4 ? std::min(tiles, 4.0) : 1.0);  // src/cpu/flash.cpp's cut
   }
-  compute += packed * kFlashPackFlops / flops_per_s;
   const double threads = std::max(1.0, std::min(s.threads, items));
+  // Packing: per-element work, or streaming K and V from memory, whichever is slower.
+  const double pack = std::max(packed * kFlashPackFlops / flops_per_s / threads,
+                               groups * s.lk * s.dims * s.element / bytes_per_s);
   const double dispatch = threads > 1 ? m.machine.dispatch_seconds : 0;
-  return kFlashCallSeconds[pass == Pass::forward ? 0 : 1] + dispatch +
-         (compute + bytes / bytes_per_s) / threads;
+  return kFlashCallSeconds[pass == Pass::forward ? 0 : 1] + dispatch + compute / threads + pack +
+         bytes / bytes_per_s;
 }
 
 double estimate_math(Pass pass, const Problem& p, const CostModel& m) {
@@ -186,27 +198,39 @@ double estimate_math(Pass pass, const Problem& p, const CostModel& m) {
   const double flops_per_s = m.machine.fma_gflops * 1e9;
   const double bytes_per_s = m.machine.memory_gbps * 1e9;
   const double pairs = s.batch * s.heads_q * s.lq * s.lk;  // every pair, masked or not
-  const double blocks = std::ceil(s.lq / kMathBlockRows);
+  const double q_blocks = std::ceil(s.lq / kMathBlockRows);
+  const double k_blocks = std::ceil(s.lk / kMathBlockRows);
   const bool converted = p.dtype != DType::f32 && p.dtype != DType::f64;
-  const double gemm_flops = (pass == Pass::forward ? 1 : kBackwardFlops) * 2 * s.dims * pairs;
-  const double softmax_cost = pass == Pass::forward ? kMathSoftmaxCost : kMathBackwardSoftmaxCost;
+  const bool forward = pass == Pass::forward;
+  const double gemm_flops = (forward ? 1 : kBackwardFlops) * 2 * s.dims * pairs;
+  const double softmax_cost = forward ? kMathSoftmaxCost : kMathBackwardSoftmaxCost;
   const double rows = s.batch * s.heads_q * s.lq;
-  const double compute = gemm_flops / (kMathGemmEfficiency * flops_per_s) +
+  // 16-bit inputs are converted to f32: K and V once per kv head, q (and dout) per block.
+  const double conversions =
+      converted ? (s.batch * s.heads_kv * s.lk + (forward ? 1 : 2) * rows) * s.dims : 0;
+  const double compute = (gemm_flops / kMathGemmEfficiency + conversions * kMathConvertFlops) /
+                             flops_per_s +
                          (pairs * softmax_cost + rows * kMathRowCost) / m.machine.softmax_per_s;
-  // K and V read once per block of query rows (converted to f32 first when 16-bit); q, out
-  // (and in the backward dout, dq, dk, dv) once; the backward's Lq x Lk matrices.
-  double bytes = s.batch * s.heads_q * blocks * s.lk * s.dims * 4 +
+  // K and V streamed once per block of query rows (BLAS's GEMV-like products at Lq = 1 run far
+  // below the bandwidth: kMathStreamEfficiency); q and out (backward: dout and the gradients)
+  // once; the backward's Lq x Lk matrices.
+  double bytes = s.batch * s.heads_q * q_blocks * s.lk * s.dims * 4 / kMathStreamEfficiency +
                  s.batch * s.heads_q * s.lq * s.dims * s.element;
-  if (converted) bytes += s.batch * s.heads_kv * s.lk * s.dims * (s.element + 4);
-  if (pass == Pass::backward) bytes = 2 * bytes + pairs * kMathBackwardBytesPerPair;
-  // Parallel regions: one per (batch, kv head), two more to convert K and V; the backward runs
-  // three per query head.
-  const double regions = s.batch * (pass == Pass::forward ? s.heads_kv * (converted ? 3 : 1)
-                                                          : s.heads_q * 3 + s.heads_kv * 2);
-  const double threads = std::max(1.0, std::min(s.threads, s.heads_q / s.heads_kv * blocks));
+  if (!forward) bytes = 2 * bytes + pairs * kMathBackwardBytesPerPair;
+  // Parallel regions that wake the pool (a region with one task runs inline): forward, the
+  // tasks of each (batch, kv head) and the conversions of K and V; backward, per query head
+  // passes 1 and 3 over query blocks and pass 4 over key blocks, and the conversions.
+  const double tasks = s.heads_q / s.heads_kv * q_blocks;
+  double regions = 0;
+  if (forward) {
+    regions = s.batch * s.heads_kv * ((tasks >= 2 ? 1 : 0) + (converted ? 2 : 0));
+  } else {
+    regions = s.batch * s.heads_q * ((q_blocks >= 2 ? 2 : 0) + (k_blocks >= 2 ? 1 : 0)) +
+              s.batch * s.heads_kv * (converted ? 2 : 0);
+  }
+  const double threads = std::max(1.0, std::min(s.threads, forward ? tasks : q_blocks));
   const double dispatch = s.threads > 1 ? regions * m.machine.dispatch_seconds : 0;
-  return kMathCallSeconds[pass == Pass::forward ? 0 : 1] + dispatch +
-         (compute + bytes / bytes_per_s) / threads;
+  return kMathCallSeconds[forward ? 0 : 1] + dispatch + compute / threads + bytes / bytes_per_s;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -269,19 +293,19 @@ double measure_softmax_per_s() {
   return best;
 }
 
-// One parallel region of the thread pool with 2 threads and no work: the median of 15 after a
-// first one that starts the worker. 0 on a machine with one core.
+// One parallel region of the thread pool with 2 threads and no work: the fastest of 16 after
+// 4 that start the worker and let it settle (the fastest: the least disturbed on a shared
+// host, where the median swung from 5 to 45 us between processes). 0 with one core.
 double measure_dispatch_seconds() {
   if (default_num_threads() < 2) return 0;
-  std::vector<double> times;
-  for (int run = 0; run < 16; ++run) {
+  double best = HUGE_VAL;
+  for (int run = 0; run < 20; ++run) {
     const auto t0 = std::chrono::steady_clock::now();
     run_tasks(2, 2, [](int) {});
     const auto t1 = std::chrono::steady_clock::now();
-    if (run > 0) times.push_back(std::chrono::duration<double>(t1 - t0).count());
+    if (run >= 4) best = std::min(best, std::chrono::duration<double>(t1 - t0).count());
   }
-  std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
-  return times[times.size() / 2];
+  return best;
 }
 
 CostConstants measure_cost_constants() {
