@@ -1,6 +1,8 @@
 // Backend selection (core/select, attncore/backend.h): every reason a backend gives for not
 // running a call, the error when nothing can run, explicit requests, the thread-local enabled
 // list and its scopes, and the cost model's choice with injected constants (no timings).
+#include "core/select.h"
+
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 
@@ -13,7 +15,6 @@
 #include <vector>
 
 #include "attncore/attncore.h"
-#include "core/select.h"
 #include "testing/tensors.h"
 
 namespace attncore {
@@ -74,8 +75,9 @@ TEST(SelectReasons, FlashRejectsF64) {
             "forward: backend flash cannot run this call (backend=flash, expected a backend "
             "that supports it); " +
                 reason);
-  EXPECT_EQ(unsupported_message(
-                [&] { backward_into(q, q, q, q, q, lse, q, q, q, std::nullopt, {}, Backend::flash); }),
+  EXPECT_EQ(unsupported_message([&] {
+              backward_into(q, q, q, q, q, lse, q, q, q, std::nullopt, {}, Backend::flash);
+            }),
             "backward: backend flash cannot run this call (backend=flash, expected a backend "
             "that supports it); " +
                 reason);
@@ -109,10 +111,11 @@ TEST(SelectReasons, MathRejectsSizesBeyondInt32) {
     EXPECT_TRUE(verdict_of(e, Backend::reference).reasons.empty());
     EXPECT_EQ(e.chosen, Backend::flash);
     const TensorView out = fake(DType::f32, {1, 1, c.lq, c.dv});
-    EXPECT_EQ(unsupported_message([&] { forward_into(q, k, v, out, std::nullopt, {}, Backend::math); }),
-              "forward: backend math cannot run this call (backend=math, expected a backend that "
-              "supports it); " +
-                  reason);
+    EXPECT_EQ(
+        unsupported_message([&] { forward_into(q, k, v, out, std::nullopt, {}, Backend::math); }),
+        "forward: backend math cannot run this call (backend=math, expected a backend that "
+        "supports it); " +
+            reason);
   }
   // The product is checked only when each size fits (one reason, not two).
   const TensorView q = fake(DType::f32, {1, 1, kBig, 4});
@@ -129,8 +132,9 @@ TEST(SelectReasons, NotEnabledOnThisThread) {
     const BackendVerdict& v = verdict_of(e, b);
     EXPECT_FALSE(v.enabled);
     EXPECT_EQ(v.reasons, std::vector<std::string>{
-                             name + ": backend is not enabled on this thread (enabled=[math], "
-                                    "expected " +
+                             name +
+                             ": backend is not enabled on this thread (enabled=[math], "
+                             "expected " +
                              name + " among them); see BackendScope or set_enabled_backends"});
   }
   EXPECT_TRUE(verdict_of(e, Backend::math).enabled);
@@ -173,8 +177,8 @@ TEST(SelectReasons, NothingCanRunListsEveryBackend) {
   // f64 with only flash enabled: flash's own reason and the other two.
   const TensorView q64 = fake(DType::f64, {1, 1, 4, 4});
   const BackendScope flash_only({Backend::flash});
-  const std::string m64 = unsupported_message(
-      [&] { forward_into(q64, q64, q64, q64, std::nullopt, {}); });
+  const std::string m64 =
+      unsupported_message([&] { forward_into(q64, q64, q64, q64, std::nullopt, {}); });
   EXPECT_NE(m64.find("flash: dtype f64 is not supported"), std::string::npos) << m64;
   EXPECT_NE(m64.find("math: backend is not enabled"), std::string::npos) << m64;
   EXPECT_NE(m64.find("reference: backend is not enabled"), std::string::npos) << m64;
@@ -448,8 +452,7 @@ TEST(SelectMath, RowStrideBeyondInt32) {
   const float k0[kD] = {0.5f, -1, 0.25f, 2}, k1[kD] = {-0.5f, 1, 1.5f, -2};
   std::copy(k0, k0 + kD, k_rows);
   std::copy(k1, k1 + kD, k_rows + kStride);
-  const TensorView k =
-      TensorView::strided(k_rows, DType::f32, {1, 1, 2, kD}, {0, 0, kStride, 1});
+  const TensorView k = TensorView::strided(k_rows, DType::f32, {1, 1, 2, kD}, {0, 0, kStride, 1});
   const Tensor q = test::make_tensor(DType::f32, {1, 1, 2, kD}, {1, 2, 3, 4, -1, 0, 1, 0.5});
   const Tensor v = test::make_tensor(DType::f32, {1, 1, 2, kD}, {1, 0, 0, 1, 0, 1, 1, 0});
   const ForwardResult math = forward(q, k, v, {}, Backend::math);

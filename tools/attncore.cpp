@@ -364,7 +364,8 @@ struct Problem {
 
 // The options of a configured call; `alibi` and `mask` are the views of its slopes and mask
 // (used when the configuration asks for them).
-attncore::Options make_options(const RunConfig& c, const TensorView& alibi, const TensorView& mask) {
+attncore::Options make_options(const RunConfig& c, const TensorView& alibi,
+                               const TensorView& mask) {
   attncore::Options o;
   o.causal = c.causal;
   o.window_left = c.window_left;
@@ -852,8 +853,9 @@ int cmd_explain(const std::vector<std::string>& args) {
       std::vector<std::string> reasons;
       for (const std::string& r : v.reasons) reasons.push_back(json_string(r));
       o.add_json("reasons", json_array(reasons));
-      o.add("estimated_seconds", v.estimated_seconds >= 0 ? std::optional<double>(v.estimated_seconds)
-                                                          : std::optional<double>());
+      o.add("estimated_seconds", v.estimated_seconds >= 0
+                                     ? std::optional<double>(v.estimated_seconds)
+                                     : std::optional<double>());
       verdicts.push_back(o.str());
     }
     j.add_json("verdicts", json_array(verdicts));
@@ -1171,8 +1173,7 @@ int cmd_bench_select(const BenchConfig& bc) {
       "%d calls\n\n",
       attncore::version(), pass, threads, bc.passes, bc.repeat);
   std::printf("%-14s %-5s %-26s %10s %10s %10s  %-6s %-6s %9s\n", "shape", "dtype",
-              "B Hq Hkv Lq Lk D", "flash ms", "math ms", "auto ms", "auto", "best",
-              "auto/best");
+              "B Hq Hkv Lq Lk D", "flash ms", "math ms", "auto ms", "auto", "best", "auto/best");
   double worst = 0;
   for (const SelectShape& sh : kShapes) {
     for (DType dtype : kSelectDTypes) {

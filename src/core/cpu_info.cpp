@@ -1,5 +1,7 @@
 // What attncore knows about the machine: CPU identification and features (cpuid + xgetbv on
 // x86-64), the default thread count, a measured f32 FMA peak, and the BLAS library in use.
+#include "core/cpu_info.h"
+
 #include <cblas.h>  // OpenBLAS: openblas_get_config(), openblas_get_corename()
 
 #include <algorithm>
@@ -17,7 +19,6 @@
 
 #include "attncore/error.h"
 #include "attncore/info.h"
-#include "core/cpu_info.h"
 
 #if defined(__x86_64__)
 #include <cpuid.h>

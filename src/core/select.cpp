@@ -71,9 +71,14 @@ thread_local std::vector<Backend> t_enabled(std::begin(kAllBackends), std::end(k
 // B=1 Hq=8 L=2048 D=128 and D=64 (forward), Hq=4 (backward).
 
 // flash: packing K and V (and in the backward q and dO) into f32 tiles, per element of the
-// padded tiles, in FMA-equivalent flops: B=1 Hq=8 L=32 D=64 took 169 us, 107 us beyond the
-// other terms, for 131072 packed elements (8 heads x 128 padded keys x (64 + 64)).
-constexpr double kFlashPackFlops = 185;
+// padded tiles, in FMA-equivalent flops: decode B=1 Hq=8 Lq=1 Lk=128 D=128 f32 (full tiles)
+// took 95 us, 70 us beyond the products, for 262144 packed elements.
+constexpr double kFlashPackFlops = 60;
+// flash: the extra cost of a (query, key) pair in a tile that mask code cuts (the band's edge,
+// or the keys past Lk in the last tile), FMA-equivalent flops: B=1 Hq=8 L=32 D=64 (32768
+// pairs, all in the cut tile) took 129 us in f32 and 237 us in bf16, 72 and 180 us beyond
+// the other terms.
+constexpr double kFlashCutPairFlops[] = {495, 1235};  // f32, 16-bit
 // flash forward: D=128 108 ms, D=64 61.8 ms: 0.88 of the FMA peak on the products, and 106
 // FMA-equivalent flops per score for the online softmax (exp2 polynomial, max, sum, rescale).
 constexpr double kFlashEfficiency = 0.88;
@@ -140,14 +145,10 @@ struct Sizes {
 };
 
 Sizes sizes_of(const Problem& p) {
-  return {static_cast<double>(p.batch),
-          static_cast<double>(p.heads_q),
-          static_cast<double>(p.heads_kv),
-          static_cast<double>(p.seqlen_q),
-          static_cast<double>(p.seqlen_k),
-          static_cast<double>(p.head_dim + p.head_dim_v),
-          static_cast<double>(size_of(p.dtype)),
-          static_cast<double>(std::max(1, p.threads))};
+  return {static_cast<double>(p.batch),          static_cast<double>(p.heads_q),
+          static_cast<double>(p.heads_kv),       static_cast<double>(p.seqlen_q),
+          static_cast<double>(p.seqlen_k),       static_cast<double>(p.head_dim + p.head_dim_v),
+          static_cast<double>(size_of(p.dtype)), static_cast<double>(std::max(1, p.threads))};
 }
 
 // Memory traffic is shared by the threads (the decode shapes barely speed up with a second
@@ -165,7 +166,12 @@ double estimate_flash(Pass pass, const Problem& p, const CostModel& m) {
   const double lk_pad = round_up(s.lk, tile);
   const double keys =
       s.lq > 0 ? std::min(lk_pad, visible_pairs(p) / s.lq + (banded ? tile : 0)) : 0;
-  const double pairs = groups * round_up(group_rows, m.flash_tile_rows) * keys;
+  const double rows_pad = groups * round_up(group_rows, m.flash_tile_rows);
+  const double pairs = rows_pad * keys;
+  // Pairs in tiles the mask code cuts: one tile per row along a band's edge, and the last
+  // tile when Lk is not a whole number of tiles.
+  const double cut =
+      rows_pad * std::min(keys, (banded ? tile : 0) + (std::fmod(s.lk, tile) != 0 ? tile : 0));
   // Packed elements: K and V once per group (the packing reads them); the backward also packs
   // q and dO. Other traffic: q read and out written (backward: and the gradients).
   double packed = groups * lk_pad * s.dims;
@@ -177,13 +183,16 @@ double estimate_flash(Pass pass, const Problem& p, const CostModel& m) {
     bytes = s.batch * s.heads_q * s.lq * s.dims * s.element;
     items = groups * std::ceil(group_rows / m.flash_block_rows);
   } else {
-    compute = pairs * (kBackwardFlops * 2 * s.dims / kFlashBackwardEfficiency +
-                       kFlashBackwardSoftmaxFlops) / flops_per_s;
+    compute =
+        pairs *
+        (kBackwardFlops * 2 * s.dims / kFlashBackwardEfficiency + kFlashBackwardSoftmaxFlops) /
+        flops_per_s;
     packed += s.batch * s.heads_q * s.lq * s.dims;
     bytes = (groups * s.lk + 3 * s.batch * s.heads_q * s.lq) * s.dims * s.element;
     const double tiles = lk_pad / tile;
     items = groups * (groups < 4 ? std::min(tiles, 4.0) : 1.0);  // src/cpu/flash.cpp's cut
   }
+  compute += cut * kFlashCutPairFlops[s.element == 4 ? 0 : 1] / flops_per_s;
   const double threads = std::max(1.0, std::min(s.threads, items));
   // Packing: per-element work, or streaming K and V from memory, whichever is slower.
   const double pack = std::max(packed * kFlashPackFlops / flops_per_s / threads,
@@ -208,9 +217,9 @@ double estimate_math(Pass pass, const Problem& p, const CostModel& m) {
   // 16-bit inputs are converted to f32: K and V once per kv head, q (and dout) per block.
   const double conversions =
       converted ? (s.batch * s.heads_kv * s.lk + (forward ? 1 : 2) * rows) * s.dims : 0;
-  const double compute = (gemm_flops / kMathGemmEfficiency + conversions * kMathConvertFlops) /
-                             flops_per_s +
-                         (pairs * softmax_cost + rows * kMathRowCost) / m.machine.softmax_per_s;
+  const double compute =
+      (gemm_flops / kMathGemmEfficiency + conversions * kMathConvertFlops) / flops_per_s +
+      (pairs * softmax_cost + rows * kMathRowCost) / m.machine.softmax_per_s;
   // K and V streamed once per block of query rows (BLAS's GEMV-like products at Lq = 1 run far
   // below the bandwidth: kMathStreamEfficiency); q and out (backward: dout and the gradients)
   // once; the backward's Lq x Lk matrices.
@@ -272,14 +281,14 @@ double measure_memory_gbps() {
 }
 
 // The math backend's softmax row (policy/score_row.h) on 2048 scores in cache: elements/s,
-// the best of 5 runs of 8 rows (each row copied in first, untimed).
+// the best of 20 runs of 8 rows (each row copied in first, untimed).
 double measure_softmax_per_s() {
   constexpr std::int64_t kRow = 2048, kRows = 8;
   std::vector<float> source(kRow), scores(kRow);
   for (std::int64_t j = 0; j < kRow; ++j) source[j] = static_cast<float>((j * 37) % 101) * 0.05f;
   double best = 0;
   float sink = 0;
-  for (int run = 0; run < 5; ++run) {
+  for (int run = 0; run < 20; ++run) {
     std::chrono::steady_clock::duration elapsed{};
     for (int r = 0; r < kRows; ++r) {
       std::copy(source.begin(), source.end(), scores.begin());
@@ -316,8 +325,7 @@ CostConstants measure_cost_constants() {
   c.memory_gbps = measure_memory_gbps();
   c.softmax_per_s = measure_softmax_per_s();
   c.dispatch_seconds = measure_dispatch_seconds();
-  c.measure_seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  c.measure_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return c;
 }
 
@@ -478,9 +486,8 @@ std::vector<Backend> set_enabled_backends(std::vector<Backend> backends) {
   std::vector<Backend> unique;
   for (Backend b : backends) {
     if (!detail::is_backend(b)) {
-      const std::string value = b == Backend::automatic
-                                    ? std::string("auto")
-                                    : std::to_string(static_cast<unsigned>(b));
+      const std::string value =
+          b == Backend::automatic ? std::string("auto") : std::to_string(static_cast<unsigned>(b));
       throw InvalidArgument("set_enabled_backends: backends has an invalid entry (backend=" +
                             value + ", expected flash, math or reference)");
     }
