@@ -75,10 +75,10 @@ thread_local std::vector<Backend> t_enabled(std::begin(kAllBackends), std::end(k
 // took 95 us, 70 us beyond the products, for 262144 packed elements.
 constexpr double kFlashPackFlops = 60;
 // flash: the extra cost of a (query, key) pair in a tile that mask code cuts (the band's edge,
-// or the keys past Lk in the last tile), FMA-equivalent flops: B=1 Hq=8 L=32 D=64 (32768
+// or the keys past Lk in the last tile), FMA-equivalent flops: B=1 Hq=8 D=64 L=32 (32768
 // pairs, all in the cut tile) took 129 us in f32 and 237 us in bf16, 72 and 180 us beyond
-// the other terms.
-constexpr double kFlashCutPairFlops[] = {495, 1235};  // f32, 16-bit
+// the other terms; L=64 (65536 pairs) 283 us in f32, 131 us beyond: 495 and 450 in f32.
+constexpr double kFlashCutPairFlops[] = {450, 1235};  // f32, 16-bit
 // flash forward: D=128 108 ms, D=64 61.8 ms: 0.88 of the FMA peak on the products, and 106
 // FMA-equivalent flops per score for the online softmax (exp2 polynomial, max, sum, rescale).
 constexpr double kFlashEfficiency = 0.88;
@@ -164,8 +164,9 @@ double estimate_flash(Pass pass, const Problem& p, const CostModel& m) {
   // Keys per query row the kernel computes: whole tiles, and along a band's edge one more.
   const bool banded = p.causal != Causal::none || p.window_left >= 0 || p.window_right >= 0;
   const double lk_pad = round_up(s.lk, tile);
-  const double keys =
-      s.lq > 0 ? std::min(lk_pad, visible_pairs(p) / s.lq + (banded ? tile : 0)) : 0;
+  const double keys = !banded    ? lk_pad
+                      : s.lq > 0 ? std::min(lk_pad, visible_pairs(p) / s.lq + tile)
+                                 : 0;
   const double rows_pad = groups * round_up(group_rows, m.flash_tile_rows);
   const double pairs = rows_pad * keys;
   // Pairs in tiles the mask code cuts: one tile per row along a band's edge, and the last
