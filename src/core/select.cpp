@@ -76,9 +76,11 @@ thread_local std::vector<Backend> t_enabled(std::begin(kAllBackends), std::end(k
 constexpr double kFlashPackFlops = 60;
 // flash: the extra cost of a (query, key) pair in a tile that mask code cuts (the band's edge,
 // or the keys past Lk in the last tile), FMA-equivalent flops: B=1 Hq=8 D=64 L=32 (32768
-// pairs, all in the cut tile) took 129 us in f32 and 237 us in bf16, 72 and 180 us beyond
-// the other terms; L=64 (65536 pairs) 283 us in f32, 131 us beyond: 495 and 450 in f32.
-constexpr double kFlashCutPairFlops[] = {450, 1235};  // f32, 16-bit
+// pairs, all in the cut tile) took 129 us in f32 and 237 us in bf16, 72 and 179 us beyond the
+// other terms; L=64 (65536 pairs) 283 us in f32 and 285 us in bf16, 131 and 174 us beyond:
+// 495 and 450 in f32, 1230 and 600 in bf16 (the bf16 excess is nearly constant per tile, not
+// per pair: the model's weakest term, placed between the two).
+constexpr double kFlashCutPairFlops[] = {450, 900};  // f32, 16-bit
 // flash forward: D=128 108 ms, D=64 61.8 ms: 0.88 of the FMA peak on the products, and 106
 // FMA-equivalent flops per score for the online softmax (exp2 polynomial, max, sum, rescale).
 constexpr double kFlashEfficiency = 0.88;
