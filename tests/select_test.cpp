@@ -97,11 +97,12 @@ TEST(SelectReasons, MathRejectsSizesBeyondInt32) {
       {"D", 1, 1, kBig, 4, "math: D does not fit BLAS's 32-bit sizes (D=" + big},
       {"Dv", 1, 1, 4, kBig, "math: Dv does not fit BLAS's 32-bit sizes (Dv=" + big},
       {"Lq * Lk", 65536, 32769, 4, 4,
-       "math: Lq * Lk does not fit BLAS's 32-bit sizes (Lq * Lk=2147549184"},
+       "math: Lq * Lk does not fit BLAS's 32-bit sizes (Lq=65536, Lk=32769, expected Lq * Lk"},
   };
   for (const MathLimit& c : cases) {
     SCOPED_TRACE(c.name);
-    const std::string reason = c.reason + ", expected <= 2147483647)" + kNoLimit;
+    const std::string reason =
+        c.reason + (c.lq == 65536 ? " <= 2147483647)" : ", expected <= 2147483647)") + kNoLimit;
     const TensorView q = fake(DType::f32, {1, 1, c.lq, c.d});
     const TensorView k = fake(DType::f32, {1, 1, c.lk, c.d});
     const TensorView v = fake(DType::f32, {1, 1, c.lk, c.dv});

@@ -372,12 +372,10 @@ std::vector<std::string> can_use(Backend backend, Pass pass, const Problem& p) {
         }
       }
       if (each_fits && p.seqlen_k > 0 && p.seqlen_q > kMax / p.seqlen_k) {
-        const double product = static_cast<double>(p.seqlen_q) * static_cast<double>(p.seqlen_k);
-        std::ostringstream os;
-        os.precision(17);
-        os << product;
-        reasons.push_back("math: Lq * Lk does not fit BLAS's 32-bit sizes (Lq * Lk=" + os.str() +
-                          ", expected <= 2147483647); flash and reference have no such limit");
+        reasons.push_back("math: Lq * Lk does not fit BLAS's 32-bit sizes (Lq=" +
+                          std::to_string(p.seqlen_q) + ", Lk=" + std::to_string(p.seqlen_k) +
+                          ", expected Lq * Lk <= 2147483647); flash and reference have no such "
+                          "limit");
       }
       break;
     }
