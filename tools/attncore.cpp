@@ -5,6 +5,10 @@
 //   attncore info         version, CPU, features, SIMD targets, threads, measured FMA peak
 //   attncore run [flags]  one configured call: random inputs, best-of-N timing, GFLOP/s,
 //                         optional check against the reference backend (--help lists flags)
+//   attncore explain [flags]  the backend `auto` picks for the call the run flags describe,
+//                         with every backend's verdict and the cost model's estimates
+//   attncore bench [flags]  flash against math over sequence lengths; --select: auto's choice
+//                         against every backend over a sweep of shapes
 //
 // Exit codes (DESIGN.md section 7): 0 success, 1 library error (its message on stderr),
 // 2 bad usage. With --json, stdout holds exactly one JSON object; diagnostics go to stderr.
@@ -134,6 +138,9 @@ constexpr const char* kUsage = R"(usage:
   attncore                 check and time every backend on a few shapes (the default)
   attncore info            version, CPU, SIMD targets, threads, measured FMA peak
   attncore run [flags]     time (and check) one attention call on random data
+  attncore explain [flags] which backend `auto` picks for the call the run flags describe, and
+                           why: every backend's verdict, the cost model's estimates and constants
+                           (runs nothing; --backend B considers only B; --backward: the backward)
   attncore bench [flags]   fused kernels against math over sequence lengths (bench --help)
 
 run flags (defaults in brackets):
@@ -355,6 +362,48 @@ struct Problem {
   attncore::Options options;
 };
 
+// The options of a configured call; `alibi` and `mask` are the views of its slopes and mask
+// (used when the configuration asks for them).
+attncore::Options make_options(const RunConfig& c, const TensorView& alibi,
+                               const TensorView& mask) {
+  attncore::Options o;
+  o.causal = c.causal;
+  o.window_left = c.window_left;
+  o.window_right = c.window_right;
+  o.softcap = c.softcap;
+  o.dropout_p = c.dropout;
+  o.seed = c.seed;
+  o.num_threads = c.threads;
+  if (c.alibi) o.alibi_slopes = alibi;
+  if (c.mask != MaskKind::none) o.mask = mask;
+  return o;
+}
+
+// The views of a configured call's inputs over `data` (attncore explain reads no data); the
+// alibi slopes and the mask have rank 0 when the call has none.
+struct CallViews {
+  TensorView q, k, v, out, lse, alibi, mask;
+};
+
+CallViews call_views(const RunConfig& c, void* data) {
+  CallViews w;
+  w.q = TensorView::contiguous(data, c.dtype, {c.batch, c.heads_q, c.seqlen_q, c.head_dim});
+  w.k = TensorView::contiguous(data, c.dtype, {c.batch, c.heads_kv, c.seqlen_k, c.head_dim});
+  w.v = TensorView::contiguous(data, c.dtype, {c.batch, c.heads_kv, c.seqlen_k, c.head_dim_v});
+  w.out = TensorView::contiguous(data, c.dtype, {c.batch, c.heads_q, c.seqlen_q, c.head_dim_v});
+  w.lse = TensorView::contiguous(data, DType::f32, {c.batch, c.heads_q, c.seqlen_q});
+  if (c.alibi) w.alibi = TensorView::contiguous(data, DType::f32, {c.heads_q});
+  if (c.mask != MaskKind::none) {
+    w.mask = TensorView::contiguous(data, c.mask == MaskKind::boolean ? DType::b8 : DType::f32,
+                                    {c.seqlen_q, c.seqlen_k});
+  }
+  return w;
+}
+
+Tensor allocate_like(const TensorView& t) {
+  return t.rank > 0 ? Tensor(t.dtype, t.shape.data(), t.rank) : Tensor();
+}
+
 Problem make_problem(const RunConfig& c) {
   Problem p;
   p.cfg = c;
@@ -369,34 +418,24 @@ Problem make_problem(const RunConfig& c) {
     p.dout = Tensor(c.dtype, {c.batch, c.heads_q, c.seqlen_q, c.head_dim_v});
     fill_uniform(p.dout, c.seed, 4, -1, 1);
   }
-  attncore::Options& o = p.options;
-  o.causal = c.causal;
-  o.window_left = c.window_left;
-  o.window_right = c.window_right;
-  o.softcap = c.softcap;
-  o.dropout_p = c.dropout;
-  o.seed = c.seed;
-  o.num_threads = c.threads;
+  const CallViews shapes = call_views(c, nullptr);
+  p.alibi = allocate_like(shapes.alibi);
   if (c.alibi) {
     // The ALiBi paper's slopes: a geometric sequence starting at 2^(-8/Hq).
-    p.alibi = Tensor(DType::f32, {c.heads_q});
     for (std::int64_t h = 0; h < c.heads_q; ++h) {
       store(p.alibi, h,
             std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(c.heads_q)));
     }
-    o.alibi_slopes = p.alibi.view();
   }
+  p.mask = allocate_like(shapes.mask);
   if (c.mask == MaskKind::boolean) {
-    p.mask = Tensor(DType::b8, {c.seqlen_q, c.seqlen_k});
     Random rng(c.seed ^ 5);
     for (std::int64_t i = 0; i < p.mask.numel(); ++i)
       store(p.mask, i, rng.uniform() < kBoolMaskKeep);
-    o.mask = p.mask.view();
   } else if (c.mask == MaskKind::additive) {
-    p.mask = Tensor(DType::f32, {c.seqlen_q, c.seqlen_k});
     fill_uniform(p.mask, c.seed, 6, -2, 0);
-    o.mask = p.mask.view();
   }
+  p.options = make_options(c, p.alibi, p.mask);
   return p;
 }
 
@@ -628,6 +667,8 @@ class JsonObject {
     if (d) return add(key, *d);
     raw(key, "null");
   }
+  // `json`: a value already in JSON form (an object, an array).
+  void add_json(const char* key, const std::string& json) { raw(key, json); }
   std::string str() const { return "{" + body_ + "}"; }
 
  private:
@@ -739,6 +780,106 @@ int cmd_run(const std::vector<std::string>& args) {
       "flops:     %.4g forward: 2*(D+Dv) per causal/window-visible pair, bool mask not "
       "discounted%s\n",
       r.flops, c.backward ? "; backward 2.5x forward" : "");
+  return kExitOk;
+}
+
+// ---------------------------------------------------------------------------------------------
+// attncore explain
+
+// A JSON array of JSON values.
+std::string json_array(const std::vector<std::string>& items) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < items.size(); ++i) s += (i ? ", " : "") + items[i];
+  return s + "]";
+}
+
+// A JSON string (JsonObject's quoting).
+std::string json_string(std::string_view text) {
+  JsonObject o;
+  o.add("s", text);
+  const std::string object = o.str();  // {"s": "..."}
+  return object.substr(6, object.size() - 7);
+}
+
+int cmd_explain(const std::vector<std::string>& args) {
+  for (const std::string& a : args) {
+    if (a == "--help" || a == "-h") {
+      std::fputs(kUsage, stdout);
+      return kExitOk;
+    }
+  }
+  const RunConfig c = parse_run_flags(args);
+  // The views point at one byte: explain validates shapes and strides and reads no data.
+  static char no_data;
+  const CallViews w = call_views(c, &no_data);
+  const attncore::Options options = make_options(c, w.alibi, w.mask);
+  std::optional<attncore::BackendScope> only;  // --backend B: B alone is considered
+  if (c.backend != Backend::automatic) only.emplace(std::vector<Backend>{c.backend});
+  const attncore::Explanation e =
+      c.backward ? attncore::explain_backward(w.out, w.q, w.k, w.v, w.out, w.lse, options)
+                 : attncore::explain_forward(w.q, w.k, w.v, options);
+  const attncore::CostConstants k = attncore::cost_constants();
+  const int threads = c.resolved_threads();
+  const char* pass = c.backward ? "backward" : "forward";
+
+  if (c.json) {
+    JsonObject j;
+    j.add("version", attncore::version());
+    j.add("pass", pass);
+    j.add("dtype", name_of(c.dtype));
+    j.add("batch", c.batch);
+    j.add("heads_q", c.heads_q);
+    j.add("heads_kv", c.heads_kv);
+    j.add("seqlen_q", c.seqlen_q);
+    j.add("seqlen_k", c.seqlen_k);
+    j.add("head_dim", c.head_dim);
+    j.add("head_dim_v", c.head_dim_v);
+    j.add("causal", name_of(c.causal));
+    j.add("threads", threads);
+    std::vector<std::string> enabled;
+    for (Backend b : attncore::enabled_backends()) enabled.push_back(json_string(name_of(b)));
+    j.add_json("enabled", json_array(enabled));
+    if (e.chosen == Backend::automatic) {
+      j.add("chosen", std::optional<double>());
+    } else {
+      j.add("chosen", name_of(e.chosen));
+    }
+    std::vector<std::string> verdicts;
+    for (const attncore::BackendVerdict& v : e.verdicts) {
+      JsonObject o;
+      o.add("backend", name_of(v.backend));
+      o.add("enabled", v.enabled);
+      o.add("can_run", v.reasons.empty());
+      std::vector<std::string> reasons;
+      for (const std::string& r : v.reasons) reasons.push_back(json_string(r));
+      o.add_json("reasons", json_array(reasons));
+      o.add("estimated_seconds", v.estimated_seconds >= 0
+                                     ? std::optional<double>(v.estimated_seconds)
+                                     : std::optional<double>());
+      verdicts.push_back(o.str());
+    }
+    j.add_json("verdicts", json_array(verdicts));
+    JsonObject constants;
+    constants.add("fma_gflops", k.fma_gflops);
+    constants.add("memory_gbps", k.memory_gbps);
+    constants.add("softmax_per_s", k.softmax_per_s);
+    constants.add("dispatch_seconds", k.dispatch_seconds);
+    constants.add("measure_seconds", k.measure_seconds);
+    j.add_json("constants", constants.str());
+    std::printf("%s\n", j.str().c_str());
+    return kExitOk;
+  }
+
+  std::printf("attncore explain: %s, dtype=%s %s causal=%s threads=%d\n", pass,
+              std::string(name_of(c.dtype)).c_str(), shape_text(c).c_str(),
+              std::string(name_of(c.causal)).c_str(), threads);
+  std::printf("%s", e.summary().c_str());
+  std::printf(
+      "cost model: f32 FMA %.0f GFLOP/s per thread, memory %.1f GB/s per thread, softmax "
+      "%.0f M elements/s per thread, thread pool wake-up %.1f us (measured in %.0f ms at first "
+      "use)\n",
+      k.fma_gflops, k.memory_gbps, k.softmax_per_s * 1e-6, k.dispatch_seconds * 1e6,
+      k.measure_seconds * 1e3);
   return kExitOk;
 }
 
@@ -912,7 +1053,12 @@ constexpr const char* kBenchUsage = R"(usage: attncore bench [flags]
   --causal C,C             none, upper-left, lower-right [none,lower-right]
   --threads N              threads, 0 = ATTNCORE_NUM_THREADS or all cores [0]
   --repeat N               calls timed per point; the best counts [3]
-  --backward               also time the backward (a row per point, pass "bwd")
+  --backward               also time the backward (a row per point, pass "bwd");
+                           with --select: time the backward instead of the forward
+  --select                 instead: a fixed sweep of shapes (tiny to long, decode, causal;
+                           f32 and bf16), each backend and auto's choice timed in --passes
+                           interleaved passes (median), and auto's time over the best one's
+  --passes N               with --select: interleaved passes per shape [3]
   --csv FILE               also write the table as CSV
   --json FILE              also write it as JSON
   --png FILE               also plot GFLOP/s against sequence length
@@ -923,8 +1069,8 @@ struct BenchConfig {
   std::int64_t batch = 1, heads_q = 16, heads_kv = -1, head_dim = 128;
   std::vector<DType> dtypes = {DType::f32, DType::bf16};
   std::vector<Causal> causals = {Causal::none, Causal::lower_right};
-  int threads = 0, repeat = 3;
-  bool backward = false;
+  int threads = 0, repeat = 3, passes = 3;
+  bool backward = false, select = false;
   std::string csv, json, png;
 };
 
@@ -944,6 +1090,10 @@ BenchConfig parse_bench_flags(const std::vector<std::string>& args) {
     const std::string& flag = args[i];
     if (flag == "--backward") {
       c.backward = true;
+      continue;
+    }
+    if (flag == "--select") {
+      c.select = true;
       continue;
     }
     if (i + 1 >= args.size()) throw UsageError{flag + " needs a value (or is unknown)"};
@@ -969,6 +1119,8 @@ BenchConfig parse_bench_flags(const std::vector<std::string>& args) {
       c.threads = parse_count(flag, value, 0);
     } else if (flag == "--repeat") {
       c.repeat = parse_count(flag, value, 1);
+    } else if (flag == "--passes") {
+      c.passes = parse_count(flag, value, 1);
     } else if (flag == "--csv") {
       c.csv = value;
     } else if (flag == "--json") {
@@ -992,6 +1144,95 @@ struct BenchRow {
   double seconds, gflops, speedup;  // speedup: math's time / this time, same shape and pass
 };
 
+// attncore bench --select: does `auto` pick the fastest backend? Each shape's problem is built
+// once; every pass times flash, math and auto one after the other (best of --repeat calls
+// each), and each backend's time is its median over the passes.
+int cmd_bench_select(const BenchConfig& bc) {
+  struct SelectShape {
+    const char* name;
+    std::int64_t batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim;
+    Causal causal;
+  };
+  constexpr SelectShape kShapes[] = {
+      {"tiny", 1, 1, 1, 16, 16, 64, Causal::none},
+      {"small", 1, 8, 8, 32, 32, 64, Causal::none},
+      {"L=64", 1, 8, 8, 64, 64, 64, Causal::none},
+      {"short", 1, 8, 8, 128, 128, 64, Causal::none},
+      {"decode Lk=128", 1, 8, 8, 1, 128, 128, Causal::lower_right},
+      {"decode GQA", 4, 32, 8, 1, 4096, 128, Causal::lower_right},
+      {"L=512", 1, 16, 16, 512, 512, 128, Causal::none},
+      {"long", 1, 16, 16, 2048, 2048, 128, Causal::none},
+      {"long causal", 1, 16, 16, 2048, 2048, 128, Causal::lower_right},
+  };
+  constexpr DType kSelectDTypes[] = {DType::f32, DType::bf16};
+  const Backend timed[] = {Backend::flash, Backend::math, Backend::automatic};
+  const int threads = bc.threads > 0 ? bc.threads : attncore::default_num_threads();
+  const char* pass = bc.backward ? "backward" : "forward";
+  std::printf(
+      "attncore %s bench --select: %s, %d threads, median of %d interleaved passes of best of "
+      "%d calls\n\n",
+      attncore::version(), pass, threads, bc.passes, bc.repeat);
+  std::printf("%-14s %-5s %-26s %10s %10s %10s  %-6s %-6s %9s\n", "shape", "dtype",
+              "B Hq Hkv Lq Lk D", "flash ms", "math ms", "auto ms", "auto", "best", "auto/best");
+  double worst = 0;
+  for (const SelectShape& sh : kShapes) {
+    for (DType dtype : kSelectDTypes) {
+      RunConfig c;
+      c.batch = sh.batch;
+      c.heads_q = sh.heads_q;
+      c.heads_kv = sh.heads_kv;
+      c.seqlen_q = sh.seqlen_q;
+      c.seqlen_k = sh.seqlen_k;
+      c.head_dim = sh.head_dim;
+      c.causal = sh.causal;
+      c.dtype = dtype;
+      c.threads = threads;
+      c.repeat = bc.repeat;
+      c.backward = bc.backward;
+      c.finish();
+      Problem p = make_problem(c);
+      static char no_data;
+      const CallViews w = call_views(c, &no_data);
+      const Backend chosen =
+          bc.backward
+              ? attncore::explain_backward(w.out, w.q, w.k, w.v, w.out, w.lse, p.options).chosen
+              : attncore::explain_forward(w.q, w.k, w.v, p.options).chosen;
+      std::vector<double> times[std::size(timed)];
+      for (int n = 0; n < bc.passes; ++n) {
+        for (std::size_t b = 0; b < std::size(timed); ++b) {
+          p.cfg.backend = timed[b];
+          const RunResult r = run_once(p);
+          times[b].push_back(bc.backward ? r.bwd_seconds : r.seconds);
+        }
+      }
+      double median[std::size(timed)];
+      for (std::size_t b = 0; b < std::size(timed); ++b) {
+        std::sort(times[b].begin(), times[b].end());
+        median[b] = times[b][times[b].size() / 2];
+      }
+      const std::size_t best = median[0] <= median[1] ? 0 : 1;
+      const double ratio = median[2] / median[best];
+      worst = std::max(worst, ratio);
+      char dims[64];
+      std::snprintf(dims, sizeof dims, "%lld %lld %lld %lld %lld %lld",
+                    static_cast<long long>(c.batch), static_cast<long long>(c.heads_q),
+                    static_cast<long long>(c.heads_kv), static_cast<long long>(c.seqlen_q),
+                    static_cast<long long>(c.seqlen_k), static_cast<long long>(c.head_dim));
+      std::printf("%-14s %-5s %-26s %10.4f %10.4f %10.4f  %-6s %-6s %8.2fx\n", sh.name,
+                  std::string(name_of(dtype)).c_str(), dims, median[0] * 1e3, median[1] * 1e3,
+                  median[2] * 1e3, std::string(name_of(chosen)).c_str(),
+                  std::string(name_of(timed[best])).c_str(), ratio);
+      std::fflush(stdout);
+    }
+  }
+  std::printf(
+      "\nauto: the backend `auto` chose (attncore explain); best: the faster of flash and math "
+      "here;\nauto/best: auto's time over the best one's, measured in the same passes (worst "
+      "%.2fx).\n",
+      worst);
+  return kExitOk;
+}
+
 int cmd_bench(const std::vector<std::string>& args) {
   for (const std::string& a : args) {
     if (a == "--help" || a == "-h") {
@@ -1000,6 +1241,7 @@ int cmd_bench(const std::vector<std::string>& args) {
     }
   }
   const BenchConfig bc = parse_bench_flags(args);
+  if (bc.select) return cmd_bench_select(bc);
   const int threads = bc.threads > 0 ? bc.threads : attncore::default_num_threads();
   std::fprintf(stderr, "measuring the FMA peak ...");
   const double peak = attncore::measure_fma_peak_gflops(threads);
@@ -1152,6 +1394,7 @@ int dispatch(const std::vector<std::string>& args) {
   const std::vector<std::string> rest(args.begin() + 1, args.end());
   if (cmd == "info") return cmd_info(rest);
   if (cmd == "run") return cmd_run(rest);
+  if (cmd == "explain") return cmd_explain(rest);
   if (cmd == "bench") return cmd_bench(rest);
   if (cmd == "help" || cmd == "--help" || cmd == "-h") {
     std::fputs(kUsage, stdout);

@@ -7,6 +7,7 @@
 
 #include <optional>
 
+#include "attncore/backend.h"
 #include "attncore/dtype.h"
 #include "attncore/error.h"
 #include "attncore/info.h"

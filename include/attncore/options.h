@@ -16,16 +16,21 @@ enum class Causal : std::uint8_t {
   lower_right,  // j <= i + Lk - Lq     (flash-attn causal=True, KV-cache decode)
 };
 
-// The backend that runs a call. `automatic` picks the fastest one that supports the call.
+// The backend that runs a call. `automatic` picks, among the backends enabled on the calling
+// thread that can run the call, the one the cost model estimates fastest (attncore/backend.h).
+// GPU backends will take the values after `flash`.
 enum class Backend : std::uint8_t {
-  automatic,  // flash where it supports the call, else math
+  automatic,  // chosen per call: see attncore/backend.h
   reference,  // plain loops, fp64 accumulation: obviously correct, slow
   math,       // unfused: scores materialised, QK^T and PV as BLAS GEMMs
   flash,      // fused: tiled online softmax, SIMD, never materialises Lq x Lk (f32/bf16/f16)
 };
 
 std::string_view name_of(Causal c);
+// "auto", "reference", "math", "flash".
 std::string_view name_of(Backend b);
+// The backend name_of(b) names; InvalidArgument on any other name.
+Backend backend_from_name(std::string_view name);
 
 struct Options {
   // Multiplies q.k; default 1/sqrt(D). Must be finite and > 0.

@@ -1,10 +1,10 @@
 // The public entry points: validate, allocate what the caller did not provide, pick the
-// backend, run it.
-#include <limits>
+// backend (core/select.h), run it.
 #include <new>
 #include <string>
 
 #include "attncore/attncore.h"
+#include "core/select.h"
 #include "core/threadpool.h"
 #include "core/validate.h"
 #include "cpu/flash.h"
@@ -19,40 +19,6 @@ using detail::BackwardArgs;
 using detail::ForwardArgs;
 using detail::Problem;
 
-// The math backend hands sizes to BLAS as 32-bit ints.
-bool fits_blas(const Problem& p) {
-  constexpr std::int64_t kMax = std::numeric_limits<int>::max();
-  return p.seqlen_q <= kMax && p.seqlen_k <= kMax && p.head_dim <= kMax && p.head_dim_v <= kMax &&
-         p.seqlen_q <= kMax / (p.seqlen_k > 0 ? p.seqlen_k : 1);
-}
-
-// The flash forward runs f32, bf16 and f16 (f64 is for the reference and math backends).
-bool flash_supports(const Problem& p) { return p.dtype != DType::f64; }
-
-Backend choose(const char* op, const Problem& p, Backend requested) {
-  switch (requested) {
-    case Backend::reference:
-      return Backend::reference;
-    case Backend::flash:
-      if (!flash_supports(p)) {
-        throw Unsupported(std::string(op) + ": flash backend does not run this dtype (dtype=" +
-                          std::string(name_of(p.dtype)) + ", expected f32, bf16 or f16); use math");
-      }
-      return Backend::flash;
-    case Backend::math:
-      if (!fits_blas(p)) {
-        throw Unsupported(std::string(op) + ": math backend cannot run this size (Lq=" +
-                          std::to_string(p.seqlen_q) + ", Lk=" + std::to_string(p.seqlen_k) +
-                          ", expected Lq * Lk < 2^31); use backend reference");
-      }
-      return Backend::math;
-    case Backend::automatic:
-      if (flash_supports(p)) return Backend::flash;
-      return fits_blas(p) ? Backend::math : Backend::reference;
-  }
-  return Backend::reference;
-}
-
 // Allocation and kernel failures surface as attncore::Error with the op's name.
 template <class Fn>
 void guarded(const char* op, const char* stage, Fn&& fn) {
@@ -64,7 +30,7 @@ void guarded(const char* op, const char* stage, Fn&& fn) {
 }
 
 void run_forward(const Problem& p, const ForwardArgs& args, Backend backend) {
-  const Backend chosen = choose("forward", p, backend);
+  const Backend chosen = detail::select_backend(detail::Pass::forward, p, backend);
   guarded("forward", "running the backend (outputs are incomplete)", [&] {
     if (chosen == Backend::flash) {
       detail::flash_forward(p, args);
@@ -77,7 +43,7 @@ void run_forward(const Problem& p, const ForwardArgs& args, Backend backend) {
 }
 
 void run_backward(const Problem& p, const BackwardArgs& args, Backend backend) {
-  const Backend chosen = choose("backward", p, backend);
+  const Backend chosen = detail::select_backend(detail::Pass::backward, p, backend);
   guarded("backward", "running the backend (outputs are incomplete)", [&] {
     if (chosen == Backend::flash) {
       detail::flash_backward(p, args);

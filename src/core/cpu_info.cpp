@@ -1,5 +1,7 @@
 // What attncore knows about the machine: CPU identification and features (cpuid + xgetbv on
 // x86-64), the default thread count, a measured f32 FMA peak, and the BLAS library in use.
+#include "core/cpu_info.h"
+
 #include <cblas.h>  // OpenBLAS: openblas_get_config(), openblas_get_corename()
 
 #include <algorithm>
@@ -292,8 +294,14 @@ int default_num_threads() {
 // threads <= 0 means default_num_threads(). Each run lasts about kRunSeconds; the best of
 // kRuns is reported (the host is shared: the best run is the least disturbed one).
 double measure_fma_peak_gflops(int threads) {
-  constexpr double kRunSeconds = 0.06;                 // long enough for clock ramp-up and timers
-  constexpr int kRuns = 3;                             // best of 3 (peers.md: 1T varies ~5%)
+  constexpr double kRunSeconds = 0.06;  // long enough for clock ramp-up and timers
+  constexpr int kRuns = 3;              // best of 3 (peers.md: 1T varies ~5%)
+  return detail::measure_fma_peak_gflops(threads, kRunSeconds, kRuns);
+}
+
+namespace detail {
+
+double measure_fma_peak_gflops(int threads, double run_seconds, int runs) {
   constexpr std::int64_t kCalibrationIters = 1 << 16;  // ~0.3 ms with zmm at 3.5 GHz
   if (threads <= 0) threads = default_num_threads();
   try {
@@ -305,9 +313,9 @@ double measure_fma_peak_gflops(int threads) {
       iters *= 2;
       seconds = time_fma_run(probe, 1, iters);
     }
-    iters = std::max<std::int64_t>(1, static_cast<std::int64_t>(iters * kRunSeconds / seconds));
+    iters = std::max<std::int64_t>(1, static_cast<std::int64_t>(iters * run_seconds / seconds));
     double best = 0;
-    for (int run = 0; run < kRuns; ++run) {
+    for (int run = 0; run < runs; ++run) {
       const double s = time_fma_run(probe, threads, iters);
       const double gflops = probe.flops_per_iter * static_cast<double>(iters) * threads / s * 1e-9;
       best = std::max(best, gflops);
@@ -318,6 +326,8 @@ double measure_fma_peak_gflops(int threads) {
                 std::to_string(threads) + ", expected what the system allows; " + e.what() + ")");
   }
 }
+
+}  // namespace detail
 
 std::string blas_info() {
   const char* config = openblas_get_config();

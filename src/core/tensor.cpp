@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
+#include <string>
+#include <string_view>
 
 #include "attncore/error.h"
 #include "attncore/options.h"
@@ -143,6 +145,14 @@ std::string_view name_of(Backend b) {
       return "flash";
   }
   return "?";
+}
+
+Backend backend_from_name(std::string_view name) {
+  for (Backend b : {Backend::automatic, Backend::reference, Backend::math, Backend::flash}) {
+    if (name_of(b) == name) return b;
+  }
+  throw InvalidArgument("backend_from_name: name is unknown (name=" + std::string(name) +
+                        ", expected auto, reference, math or flash)");
 }
 
 }  // namespace attncore

@@ -9,6 +9,7 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -57,13 +58,13 @@ struct Matrix {
 };
 
 // Rows [row_begin, row_begin + rows) of head (b, h) of a rank-4 view: the view's own memory
-// when its dtype is T and its row stride is usable as a leading dimension, else a converted
-// copy in `buffer` (converted by `threads` threads).
+// when its dtype is T and its row stride is usable as a leading dimension (at least `cols`, and
+// a 32-bit int for BLAS), else a converted copy in `buffer` (converted by `threads` threads).
 template <class T>
 Matrix<T> head_rows(const TensorView& t, std::int64_t b, std::int64_t h, std::int64_t row_begin,
                     std::int64_t rows, std::int64_t cols, std::vector<T>& buffer, int threads = 1) {
   const std::int64_t base = offset4(t, b, h, row_begin, 0);
-  if (t.dtype == dtype_of<T>() && (rows == 1 || t.stride[2] >= cols)) {
+  if (t.dtype == dtype_of<T>() && (rows == 1 || (t.stride[2] >= cols && t.stride[2] <= INT_MAX))) {
     return {static_cast<const T*>(t.data) + base, rows == 1 ? cols : t.stride[2]};
   }
   buffer.resize(static_cast<std::size_t>(rows * cols));

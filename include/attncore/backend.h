@@ -1,0 +1,77 @@
+// Which backend runs a call: the backends `Backend::automatic` may choose from on this thread,
+// why each one can or cannot run a given call, and what the cost model expects of it.
+//
+// Rules (README: Backend selection):
+// - A call with `Backend::automatic` considers the enabled backends of the calling thread, in
+//   their priority order, drops those that cannot run the call, and among the rest takes the
+//   one the cost model estimates fastest (ties: the earlier one). `reference` is taken only
+//   when nothing else can run. When nothing can, the call throws one Unsupported that lists
+//   every backend with its reasons.
+// - A call that names a backend runs that backend or throws Unsupported with its reasons; the
+//   enabled list does not restrict it (like calling a kernel directly).
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "attncore/options.h"
+#include "attncore/tensor.h"
+
+namespace attncore {
+
+// Backends `automatic` may choose from on this thread, in priority order (default
+// {flash, math, reference}).
+std::vector<Backend> enabled_backends();
+
+// Replaces this thread's list; returns the previous one. Empty list or `automatic` in it ->
+// InvalidArgument. Repeated backends count once, at their first position.
+std::vector<Backend> set_enabled_backends(std::vector<Backend> backends);
+
+// RAII: set_enabled_backends in the constructor, restore in the destructor.
+class BackendScope {
+ public:
+  explicit BackendScope(std::vector<Backend> backends);
+  ~BackendScope();
+  BackendScope(const BackendScope&) = delete;
+  BackendScope& operator=(const BackendScope&) = delete;
+
+ private:
+  std::vector<Backend> previous_;
+};
+
+// One backend's verdict on one call.
+struct BackendVerdict {
+  Backend backend;
+  bool enabled;                      // in this thread's enabled list
+  std::vector<std::string> reasons;  // why it cannot run the call; empty: it can
+  double estimated_seconds;          // the cost model's estimate; < 0 if not estimated
+};
+
+// What `Backend::automatic` would do with a call.
+struct Explanation {
+  std::vector<BackendVerdict> verdicts;  // the enabled backends in priority order, then the rest
+  Backend chosen;                        // `automatic` if no backend can run the call
+  std::string summary() const;           // multi-line human text
+};
+
+// Validate the arguments like forward/backward (bad input throws InvalidArgument) and explain
+// the automatic choice on this thread; run nothing.
+Explanation explain_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                            const Options& options);
+Explanation explain_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
+                             const TensorView& v, const TensorView& out, const TensorView& lse,
+                             const Options& options);
+
+// The measured constants of this CPU behind `estimated_seconds`: measured once per process,
+// the first time a call needs them (about 20-30 ms), then reused.
+struct CostConstants {
+  double fma_gflops;        // f32 FMA peak of one thread, GFLOP/s
+  double memory_gbps;       // one thread streaming a buffer larger than the last-level cache
+  double softmax_per_s;     // one thread: elements/s of the unfused softmax row (std::exp)
+  double dispatch_seconds;  // waking the library's thread pool for one parallel region
+  double measure_seconds;   // how long measuring these took
+};
+CostConstants cost_constants();
+
+}  // namespace attncore

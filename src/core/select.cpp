@@ -1,0 +1,546 @@
+// Backend selection: each backend's limits (can_use), the cost model, the thread-local enabled
+// list and the choice. Messages follow DESIGN.md section 4.
+#include "core/select.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <sstream>
+#include <string>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#include "attncore/error.h"
+#include "attncore/info.h"
+#include "core/cpu_info.h"
+#include "core/threadpool.h"
+#include "core/validate.h"
+#include "cpu/flash.h"
+#include "policy/mask.h"
+#include "policy/score_row.h"
+
+namespace attncore {
+
+namespace detail {
+
+namespace {
+
+// Every backend of this build, in the default priority order.
+constexpr Backend kAllBackends[] = {Backend::flash, Backend::math, Backend::reference};
+
+bool is_backend(Backend b) {
+  return std::find(std::begin(kAllBackends), std::end(kAllBackends), b) != std::end(kAllBackends);
+}
+
+std::string list_string(const std::vector<Backend>& backends) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < backends.size(); ++i) {
+    s += (i ? ", " : "") + std::string(name_of(backends[i]));
+  }
+  return s + "]";
+}
+
+std::string join(const std::vector<std::string>& parts, const char* separator) {
+  std::string s;
+  for (const std::string& part : parts) s += (s.empty() ? "" : separator) + part;
+  return s;
+}
+
+thread_local std::vector<Backend> t_enabled(std::begin(kAllBackends), std::end(kAllBackends));
+
+// ---------------------------------------------------------------------------------------------
+// The cost model. Times are sums of terms of the form work / (rate of one thread), divided by
+// the threads that get work, plus fixed costs per call. Work counts what each backend really
+// does: flash visits only the key tiles a causal/window band reaches, padded to whole tiles;
+// math computes every (query, key) pair and runs std::exp on each, and its backward writes and
+// reads two Lq x Lk matrices per head.
+//
+// Efficiency factors, fitted to `attncore run --json --threads 1` times (median of 3
+// interleaved passes, best of 5 calls each; tiny shapes best of 50) on the development machine
+// (2 vCPUs of a shared AMD EPYC, Zen 5, avx512bf16 target), with the constants measured by the
+// same build (`attncore explain --json`: FMA 224 GFLOP/s, memory 23 GB/s, softmax 183 M
+// elements/s per thread). Two shapes that differ only in D give two equations per backend:
+// B=1 Hq=8 L=2048 D=128 and D=64 (forward), Hq=4 (backward).
+
+// flash: packing K and V (and in the backward q and dO) into f32 tiles, per element of the
+// padded tiles, in FMA-equivalent flops: decode B=1 Hq=8 Lq=1 Lk=128 D=128 f32 (full tiles)
+// took 95 us, 70 us beyond the products, for 262144 packed elements.
+constexpr double kFlashPackFlops = 60;
+// flash: the extra cost of a (query, key) pair in a tile that mask code cuts (the band's edge,
+// or the keys past Lk in the last tile), FMA-equivalent flops: B=1 Hq=8 D=64 L=32 (32768
+// pairs, all in the cut tile) took 129 us in f32 and 237 us in bf16, 72 and 179 us beyond the
+// other terms; L=64 (65536 pairs) 283 us in f32 and 285 us in bf16, 131 and 174 us beyond:
+// 495 and 450 in f32, 1230 and 600 in bf16 (the bf16 excess is nearly constant per tile, not
+// per pair: the model's weakest term, placed between the two).
+constexpr double kFlashCutPairFlops[] = {450, 900};  // f32, 16-bit
+// flash forward: D=128 108 ms, D=64 61.8 ms: 0.88 of the FMA peak on the products, and 106
+// FMA-equivalent flops per score for the online softmax (exp2 polynomial, max, sum, rescale).
+constexpr double kFlashEfficiency = 0.88;
+constexpr double kFlashSoftmaxFlops = 106;
+// flash forward with native bf16 dot products (vdpbf16ps: twice the flops of an FMA): bf16
+// D=128 65.8 ms, with the softmax term above: 1.67 of the f32 FMA peak.
+constexpr double kFlashBf16DotEfficiency = 1.67;
+// flash backward (2.5x the forward's flops): D=128 142 ms, D=64 72.3 ms: 0.71 and 37.
+constexpr double kFlashBackwardEfficiency = 0.71;
+constexpr double kFlashBackwardSoftmaxFlops = 37;
+
+// math: OpenBLAS sgemm's share of the FMA peak on the attention GEMMs (blocks of 128 query
+// rows), and the cost of one score in elements of the measured softmax row (scale, masks,
+// softmax, LSE): forward D=128 336 ms, D=64 246 ms: 0.455 and 0.85.
+constexpr double kMathGemmEfficiency = 0.455;
+constexpr double kMathSoftmaxCost = 0.85;
+// math: the fixed cost of one query row (softmax_row's log and division, the row's setup) in
+// softmax-row elements: B=1 Hq=8 L=32 D=64 took 108 us, about 35 us (256 rows) beyond the
+// other terms.
+constexpr double kMathRowCost = 25;
+// math: converting one 16-bit element to f32, in FMA-equivalent flops: decode B=1 Hq=8 Lq=1
+// Lk=128 D=128 took 0.32 ms in bf16 and 0.08 ms in f32, 0.92 ns more for each of the 262144
+// converted elements; B=4 Hq=32 Hkv=8 Lq=1 Lk=4096: 0.74 ns. 190 at 224 GFLOP/s is 0.85 ns.
+constexpr double kMathConvertFlops = 190;
+// math: K and V streamed per block of query rows: decode B=4 Hq=32 Hkv=8 Lq=1 Lk=4096 D=128
+// f32 took 52.9 ms, 49 ms of it for 537 MB of K and V: 0.47 of the measured 23 GB/s.
+constexpr double kMathStreamEfficiency = 0.47;
+// math backward: D=128 398 ms, D=64 268 ms, GEMMs at the forward's efficiency and the two
+// Lq x Lk matrices (P * M and dS, written once and read twice: 24 bytes a pair) at the
+// memory bandwidth leave 1.72 and 1.52 softmax-row elements a pair: 1.6.
+constexpr double kMathBackwardSoftmaxCost = 1.6;
+constexpr double kMathBackwardBytesPerPair = 24;
+
+// Fixed cost per call, forward and backward: what B=1 Hq=1 L=16 D=64 took beyond the model's
+// terms (flash 12.6 and 28.9 us, math 3.6 and 10.3 us).
+constexpr double kFlashCallSeconds[] = {1e-6, 5e-6};
+constexpr double kMathCallSeconds[] = {1e-6, 4e-6};
+
+// math: query rows per block (src/cpu/math.cpp kBlockRows): K and V are read once per block.
+constexpr double kMathBlockRows = 128;
+// The backward's FLOPs over the forward's (DESIGN.md section 5).
+constexpr double kBackwardFlops = 2.5;
+
+double round_up(double x, double m) { return std::ceil(x / m) * m; }
+
+// (query, key) pairs of one head that causal and window masks leave visible (tensor masks are
+// data and are not discounted). Exact up to 64 rows, else 64 evenly spaced rows scaled.
+double visible_pairs(const Problem& p) {
+  const double all = static_cast<double>(p.seqlen_q) * static_cast<double>(p.seqlen_k);
+  if (p.causal == Causal::none && p.window_left < 0 && p.window_right < 0) return all;
+  const CausalWindowMask mask(p);
+  constexpr std::int64_t kSamples = 64;
+  if (p.seqlen_q <= kSamples) return static_cast<double>(mask.visible_pairs());
+  double sum = 0;
+  for (std::int64_t s = 0; s < kSamples; ++s) {
+    const KeyRange r = mask.row((2 * s + 1) * p.seqlen_q / (2 * kSamples));
+    sum += static_cast<double>(r.end - r.begin);
+  }
+  return sum * static_cast<double>(p.seqlen_q) / kSamples;
+}
+
+struct Sizes {
+  double batch, heads_q, heads_kv, lq, lk, dims, element, threads;
+};
+
+Sizes sizes_of(const Problem& p) {
+  return {static_cast<double>(p.batch),          static_cast<double>(p.heads_q),
+          static_cast<double>(p.heads_kv),       static_cast<double>(p.seqlen_q),
+          static_cast<double>(p.seqlen_k),       static_cast<double>(p.head_dim + p.head_dim_v),
+          static_cast<double>(size_of(p.dtype)), static_cast<double>(std::max(1, p.threads))};
+}
+
+// Memory traffic is shared by the threads (the decode shapes barely speed up with a second
+// thread on the development machine: flash 24.5 -> 21.2 ms, math 52.9 -> 46.2 ms), so byte
+// terms are not divided by the thread count; work terms are, over the threads that get work.
+double estimate_flash(Pass pass, const Problem& p, const CostModel& m) {
+  const Sizes s = sizes_of(p);
+  const double flops_per_s = m.machine.fma_gflops * 1e9;
+  const double bytes_per_s = m.machine.memory_gbps * 1e9;
+  const double tile = m.flash_key_tile;
+  const double groups = s.batch * s.heads_kv;
+  const double group_rows = s.heads_q / s.heads_kv * s.lq;
+  // Keys per query row the kernel computes: whole tiles, and along a band's edge one more.
+  const bool banded = p.causal != Causal::none || p.window_left >= 0 || p.window_right >= 0;
+  const double lk_pad = round_up(s.lk, tile);
+  const double keys = !banded    ? lk_pad
+                      : s.lq > 0 ? std::min(lk_pad, visible_pairs(p) / s.lq + tile)
+                                 : 0;
+  const double rows_pad = groups * round_up(group_rows, m.flash_tile_rows);
+  const double pairs = rows_pad * keys;
+  // Pairs in tiles the mask code cuts: one tile per row along a band's edge, and the last
+  // tile when Lk is not a whole number of tiles.
+  const double cut =
+      rows_pad * std::min(keys, (banded ? tile : 0) + (std::fmod(s.lk, tile) != 0 ? tile : 0));
+  // Packed elements: K and V once per group (the packing reads them); the backward also packs
+  // q and dO. Other traffic: q read and out written (backward: and the gradients).
+  double packed = groups * lk_pad * s.dims;
+  double compute, bytes, items;
+  if (pass == Pass::forward) {
+    const bool dot = p.dtype == DType::bf16 && m.flash_bf16_dot;
+    const double efficiency = dot ? kFlashBf16DotEfficiency : kFlashEfficiency;
+    compute = pairs * (2 * s.dims / efficiency + kFlashSoftmaxFlops) / flops_per_s;
+    bytes = s.batch * s.heads_q * s.lq * s.dims * s.element;
+    items = groups * std::ceil(group_rows / m.flash_block_rows);
+  } else {
+    compute =
+        pairs *
+        (kBackwardFlops * 2 * s.dims / kFlashBackwardEfficiency + kFlashBackwardSoftmaxFlops) /
+        flops_per_s;
+    packed += s.batch * s.heads_q * s.lq * s.dims;
+    bytes = (groups * s.lk + 3 * s.batch * s.heads_q * s.lq) * s.dims * s.element;
+    const double tiles = lk_pad / tile;
+    items = groups * (groups < 4 ? std::min(tiles, 4.0) : 1.0);  // src/cpu/flash.cpp's cut
+  }
+  compute += cut * kFlashCutPairFlops[s.element == 4 ? 0 : 1] / flops_per_s;
+  const double threads = std::max(1.0, std::min(s.threads, items));
+  // Packing: per-element work, or streaming K and V from memory, whichever is slower.
+  const double pack = std::max(packed * kFlashPackFlops / flops_per_s / threads,
+                               groups * s.lk * s.dims * s.element / bytes_per_s);
+  const double dispatch = threads > 1 ? m.machine.dispatch_seconds : 0;
+  return kFlashCallSeconds[pass == Pass::forward ? 0 : 1] + dispatch + compute / threads + pack +
+         bytes / bytes_per_s;
+}
+
+double estimate_math(Pass pass, const Problem& p, const CostModel& m) {
+  const Sizes s = sizes_of(p);
+  const double flops_per_s = m.machine.fma_gflops * 1e9;
+  const double bytes_per_s = m.machine.memory_gbps * 1e9;
+  const double pairs = s.batch * s.heads_q * s.lq * s.lk;  // every pair, masked or not
+  const double q_blocks = std::ceil(s.lq / kMathBlockRows);
+  const double k_blocks = std::ceil(s.lk / kMathBlockRows);
+  const bool converted = p.dtype != DType::f32 && p.dtype != DType::f64;
+  const bool forward = pass == Pass::forward;
+  const double gemm_flops = (forward ? 1 : kBackwardFlops) * 2 * s.dims * pairs;
+  const double softmax_cost = forward ? kMathSoftmaxCost : kMathBackwardSoftmaxCost;
+  const double rows = s.batch * s.heads_q * s.lq;
+  // 16-bit inputs are converted to f32: K and V once per kv head, q (and dout) per block.
+  const double conversions =
+      converted ? (s.batch * s.heads_kv * s.lk + (forward ? 1 : 2) * rows) * s.dims : 0;
+  const double compute =
+      (gemm_flops / kMathGemmEfficiency + conversions * kMathConvertFlops) / flops_per_s +
+      (pairs * softmax_cost + rows * kMathRowCost) / m.machine.softmax_per_s;
+  // K and V streamed once per block of query rows (BLAS's GEMV-like products at Lq = 1 run far
+  // below the bandwidth: kMathStreamEfficiency); q and out (backward: dout and the gradients)
+  // once; the backward's Lq x Lk matrices.
+  double bytes = s.batch * s.heads_q * q_blocks * s.lk * s.dims * 4 / kMathStreamEfficiency +
+                 s.batch * s.heads_q * s.lq * s.dims * s.element;
+  if (!forward) bytes = 2 * bytes + pairs * kMathBackwardBytesPerPair;
+  // Parallel regions that wake the pool (a region with one task runs inline): forward, the
+  // tasks of each (batch, kv head) and the conversions of K and V; backward, per query head
+  // passes 1 and 3 over query blocks and pass 4 over key blocks, and the conversions.
+  const double tasks = s.heads_q / s.heads_kv * q_blocks;
+  double regions = 0;
+  if (forward) {
+    regions = s.batch * s.heads_kv * ((tasks >= 2 ? 1 : 0) + (converted ? 2 : 0));
+  } else {
+    regions = s.batch * s.heads_q * ((q_blocks >= 2 ? 2 : 0) + (k_blocks >= 2 ? 1 : 0)) +
+              s.batch * s.heads_kv * (converted ? 2 : 0);
+  }
+  const double threads = std::max(1.0, std::min(s.threads, forward ? tasks : q_blocks));
+  const double dispatch = s.threads > 1 ? regions * m.machine.dispatch_seconds : 0;
+  return kMathCallSeconds[forward ? 0 : 1] + dispatch + compute / threads + bytes / bytes_per_s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Measuring the constants (about 20-30 ms once per process).
+
+// Keeps the measured loops' results alive: a store the compiler must perform.
+std::atomic<float> g_measure_sink{0.0f};
+
+// One thread reading a 48 MiB buffer (1.5x the 32 MiB L3 of the development machine, more
+// than most CPUs' last-level cache), written first so that its pages exist: the better of 2
+// passes. Huge pages, where the OS offers them, make the first touch cheap: 4 ms instead of
+// 21 ms for the 12288 small-page faults (measured on the development machine).
+double measure_memory_gbps() {
+  constexpr std::size_t kBytes = std::size_t{48} << 20;
+  constexpr std::size_t kCount = kBytes / sizeof(float);
+  constexpr std::size_t kHugePage = std::size_t{2} << 20;
+  std::unique_ptr<float, decltype(&std::free)> buffer(
+      static_cast<float*>(std::aligned_alloc(kHugePage, kBytes)), &std::free);
+  if (!buffer) throw std::bad_alloc();
+  float* data = buffer.get();
+#if defined(__linux__)
+  madvise(data, kBytes, MADV_HUGEPAGE);  // advice only: ignored where unsupported
+#endif
+  std::memset(data, 0, kBytes);
+  double best = 0;
+  float sink = 0;
+  for (int run = 0; run < 2; ++run) {
+    const auto t0 = std::chrono::steady_clock::now();
+    float acc[16] = {};
+    for (std::size_t i = 0; i < kCount; i += 16) {
+      for (int l = 0; l < 16; ++l) acc[l] += data[i + static_cast<std::size_t>(l)];
+    }
+    const auto t1 = std::chrono::steady_clock::now();
+    for (float a : acc) sink += a;
+    best = std::max(best, kBytes / std::chrono::duration<double>(t1 - t0).count() * 1e-9);
+  }
+  g_measure_sink.store(sink, std::memory_order_relaxed);
+  return best;
+}
+
+// The math backend's softmax row (policy/score_row.h) on 2048 scores in cache: elements/s,
+// the best of 20 runs of 8 rows (each row copied in first, untimed).
+double measure_softmax_per_s() {
+  constexpr std::int64_t kRow = 2048, kRows = 8;
+  std::vector<float> source(kRow), scores(kRow);
+  for (std::int64_t j = 0; j < kRow; ++j) source[j] = static_cast<float>((j * 37) % 101) * 0.05f;
+  double best = 0;
+  float sink = 0;
+  for (int run = 0; run < 20; ++run) {
+    std::chrono::steady_clock::duration elapsed{};
+    for (int r = 0; r < kRows; ++r) {
+      std::copy(source.begin(), source.end(), scores.begin());
+      const auto t0 = std::chrono::steady_clock::now();
+      sink += softmax_row(scores.data(), kRow);
+      elapsed += std::chrono::steady_clock::now() - t0;
+    }
+    best = std::max(best, kRows * kRow / std::chrono::duration<double>(elapsed).count());
+  }
+  g_measure_sink.store(sink, std::memory_order_relaxed);
+  return best;
+}
+
+// One parallel region of the thread pool with 2 threads and no work: the fastest of 16 after
+// 4 that start the worker and let it settle (the fastest: the least disturbed on a shared
+// host, where the median swung from 5 to 45 us between processes). 0 with one core.
+double measure_dispatch_seconds() {
+  if (default_num_threads() < 2) return 0;
+  double best = HUGE_VAL;
+  for (int run = 0; run < 20; ++run) {
+    const auto t0 = std::chrono::steady_clock::now();
+    run_tasks(2, 2, [](int) {});
+    const auto t1 = std::chrono::steady_clock::now();
+    if (run >= 4) best = std::min(best, std::chrono::duration<double>(t1 - t0).count());
+  }
+  return best;
+}
+
+CostConstants measure_cost_constants() {
+  const auto t0 = std::chrono::steady_clock::now();
+  CostConstants c{};
+  constexpr double kFmaRunSeconds = 0.002;  // 3 runs of 2 ms: within 3% of the 0.06 s probe
+  c.fma_gflops = measure_fma_peak_gflops(1, kFmaRunSeconds, 3);
+  c.memory_gbps = measure_memory_gbps();
+  c.softmax_per_s = measure_softmax_per_s();
+  c.dispatch_seconds = measure_dispatch_seconds();
+  c.measure_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return c;
+}
+
+std::string not_enabled_reason(Backend b, const std::vector<Backend>& enabled) {
+  const std::string name(name_of(b));
+  return name + ": backend is not enabled on this thread (enabled=" + list_string(enabled) +
+         ", expected " + name + " among them); see BackendScope or set_enabled_backends";
+}
+
+}  // namespace
+
+const char* name_of(Pass pass) { return pass == Pass::forward ? "forward" : "backward"; }
+
+std::vector<std::string> can_use(Backend backend, Pass pass, const Problem& p) {
+  (void)pass;  // today every backend has the same limits in both passes
+  std::vector<std::string> reasons;
+  switch (backend) {
+    case Backend::flash:
+      if (p.dtype == DType::f64) {
+        reasons.push_back(
+            "flash: dtype f64 is not supported (dtype=f64, expected f32, bf16 or f16); math and "
+            "reference run f64");
+      }
+      break;
+    case Backend::math: {
+      // The math backend hands sizes, and the Lq x Lk score matrix of one head in its backward,
+      // to BLAS as 32-bit ints.
+      constexpr std::int64_t kMax = INT_MAX;
+      const struct {
+        const char* name;
+        std::int64_t value;
+      } sizes[] = {{"Lq", p.seqlen_q}, {"Lk", p.seqlen_k}, {"D", p.head_dim}, {"Dv", p.head_dim_v}};
+      bool each_fits = true;
+      for (const auto& size : sizes) {
+        if (size.value > kMax) {
+          each_fits = false;
+          reasons.push_back(std::string("math: ") + size.name +
+                            " does not fit BLAS's 32-bit sizes (" + size.name + "=" +
+                            std::to_string(size.value) +
+                            ", expected <= 2147483647); flash and reference have no such limit");
+        }
+      }
+      if (each_fits && p.seqlen_k > 0 && p.seqlen_q > kMax / p.seqlen_k) {
+        reasons.push_back("math: Lq * Lk does not fit BLAS's 32-bit sizes (Lq=" +
+                          std::to_string(p.seqlen_q) + ", Lk=" + std::to_string(p.seqlen_k) +
+                          ", expected Lq * Lk <= 2147483647); flash and reference have no such "
+                          "limit");
+      }
+      break;
+    }
+    case Backend::reference:
+    case Backend::automatic:
+      break;
+  }
+  return reasons;
+}
+
+CostModel current_cost_model() {
+  static const CostConstants measured = measure_cost_constants();
+  CostModel m;
+  m.machine = measured;
+  const FlashTarget& target = flash_target_chosen();
+  m.flash_key_tile = target.layout.key_tile;
+  m.flash_tile_rows = target.layout.tile_rows;
+  m.flash_block_rows = target.layout.block_rows;
+  m.flash_bf16_dot = std::strcmp(target.name, "avx512bf16") == 0;
+  return m;
+}
+
+double estimate_seconds(Backend backend, Pass pass, const Problem& p, const CostModel& model) {
+  switch (backend) {
+    case Backend::flash:
+      return estimate_flash(pass, p, model);
+    case Backend::math:
+      return estimate_math(pass, p, model);
+    default:
+      return -1;
+  }
+}
+
+Explanation select(Pass pass, const Problem& p, Backend requested,
+                   const std::vector<Backend>& enabled, const CostModel& model) {
+  Explanation e;
+  e.chosen = Backend::automatic;
+  std::vector<Backend> order = enabled;
+  for (Backend b : kAllBackends) {
+    if (std::find(order.begin(), order.end(), b) == order.end()) order.push_back(b);
+  }
+  for (Backend b : order) {
+    BackendVerdict v{b, std::find(enabled.begin(), enabled.end(), b) != enabled.end(),
+                     can_use(b, pass, p), -1.0};
+    if (v.reasons.empty()) v.estimated_seconds = estimate_seconds(b, pass, p, model);
+    if (requested == Backend::automatic && !v.enabled) {
+      v.reasons.push_back(not_enabled_reason(b, enabled));
+    }
+    e.verdicts.push_back(std::move(v));
+  }
+  if (requested != Backend::automatic) {
+    for (const BackendVerdict& v : e.verdicts) {
+      if (v.backend == requested && v.reasons.empty()) e.chosen = requested;
+    }
+    return e;
+  }
+  // The fastest estimate among the enabled backends that can run, reference aside; backends
+  // without an estimate rank after those with one, in priority order.
+  const BackendVerdict* best = nullptr;
+  auto rank = [](const BackendVerdict& v) {
+    return v.estimated_seconds >= 0 ? v.estimated_seconds : HUGE_VAL;
+  };
+  for (const BackendVerdict& v : e.verdicts) {
+    if (!v.reasons.empty() || v.backend == Backend::reference) continue;
+    if (best == nullptr || rank(v) < rank(*best)) best = &v;
+  }
+  if (best != nullptr) {
+    e.chosen = best->backend;
+    return e;
+  }
+  for (const BackendVerdict& v : e.verdicts) {
+    if (v.backend == Backend::reference && v.reasons.empty()) e.chosen = Backend::reference;
+  }
+  return e;
+}
+
+Backend select_backend(Pass pass, const Problem& p, Backend requested) {
+  const std::string op = name_of(pass);
+  if (requested != Backend::automatic) {
+    const std::vector<std::string> reasons = can_use(requested, pass, p);
+    if (reasons.empty()) return requested;
+    const std::string name(name_of(requested));
+    throw Unsupported(op + ": backend " + name + " cannot run this call (backend=" + name +
+                      ", expected a backend that supports it); " + join(reasons, "; "));
+  }
+  const Explanation e = select(pass, p, requested, t_enabled, current_cost_model());
+  if (e.chosen != Backend::automatic) return e.chosen;
+  std::vector<std::string> reasons;
+  for (const BackendVerdict& v : e.verdicts) {
+    reasons.insert(reasons.end(), v.reasons.begin(), v.reasons.end());
+  }
+  throw Unsupported(op + ": no backend can run this call (enabled=" + list_string(t_enabled) +
+                    ", expected one whose checks pass); " + join(reasons, "; "));
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------
+// Public API (attncore/backend.h).
+
+std::vector<Backend> enabled_backends() { return detail::t_enabled; }
+
+std::vector<Backend> set_enabled_backends(std::vector<Backend> backends) {
+  if (backends.empty()) {
+    throw InvalidArgument(
+        "set_enabled_backends: backends is empty (backends=[], expected at least one of "
+        "flash, math, reference)");
+  }
+  std::vector<Backend> unique;
+  for (Backend b : backends) {
+    if (!detail::is_backend(b)) {
+      const std::string value =
+          b == Backend::automatic ? std::string("auto") : std::to_string(static_cast<unsigned>(b));
+      throw InvalidArgument("set_enabled_backends: backends has an invalid entry (backend=" +
+                            value + ", expected flash, math or reference)");
+    }
+    if (std::find(unique.begin(), unique.end(), b) == unique.end()) unique.push_back(b);
+  }
+  std::swap(detail::t_enabled, unique);
+  return unique;
+}
+
+BackendScope::BackendScope(std::vector<Backend> backends)
+    : previous_(set_enabled_backends(std::move(backends))) {}
+
+BackendScope::~BackendScope() { std::swap(detail::t_enabled, previous_); }
+
+std::string Explanation::summary() const {
+  std::ostringstream os;
+  for (const BackendVerdict& v : verdicts) {
+    os << name_of(v.backend) << (v.enabled ? "" : " (not enabled)") << ": ";
+    if (v.reasons.empty()) {
+      os << "can run";
+    } else {
+      os << "cannot run";
+    }
+    if (v.estimated_seconds >= 0) os << ", estimated " << v.estimated_seconds * 1e3 << " ms";
+    os << '\n';
+    for (const std::string& r : v.reasons) os << "  - " << r << '\n';
+  }
+  os << "chosen: " << (chosen == Backend::automatic ? "none" : name_of(chosen)) << '\n';
+  return os.str();
+}
+
+Explanation explain_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                            const Options& options) {
+  const detail::ForwardArgs args{q, k, v, {}, {}};
+  detail::Problem p =
+      detail::validate_forward(args, options, Backend::automatic, /*check_outputs=*/false);
+  p.threads = detail::resolve_threads(p.threads);
+  return detail::select(detail::Pass::forward, p, Backend::automatic, detail::t_enabled,
+                        detail::current_cost_model());
+}
+
+Explanation explain_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
+                             const TensorView& v, const TensorView& out, const TensorView& lse,
+                             const Options& options) {
+  const detail::BackwardArgs args{dout, q, k, v, out, lse, {}, {}, {}, {}};
+  detail::Problem p =
+      detail::validate_backward(args, options, Backend::automatic, /*check_outputs=*/false);
+  p.threads = detail::resolve_threads(p.threads);
+  return detail::select(detail::Pass::backward, p, Backend::automatic, detail::t_enabled,
+                        detail::current_cost_model());
+}
+
+CostConstants cost_constants() { return detail::current_cost_model().machine; }
+
+}  // namespace attncore
