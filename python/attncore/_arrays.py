@@ -74,14 +74,6 @@ class _Numpy:
         return np.broadcast_to(x, shape)
 
     @staticmethod
-    def neg(x):
-        return -x
-
-    @staticmethod
-    def zeros_like(x):
-        return np.zeros_like(x)
-
-    @staticmethod
     def sum_to(x, shape):
         """x summed over the dims where `shape` (of the same rank) has size 1 and x has not."""
         axes = tuple(d for d, n in enumerate(shape) if n == 1 and x.shape[d] != 1)
@@ -146,14 +138,6 @@ class _Torch:
     @staticmethod
     def broadcast_to(x, shape):
         return x.expand(shape)
-
-    @staticmethod
-    def neg(x):
-        return x.neg()
-
-    @staticmethod
-    def zeros_like(x):
-        return _torch().zeros_like(x)
 
     @staticmethod
     def sum_to(x, shape):

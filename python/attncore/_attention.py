@@ -188,11 +188,10 @@ class _Form:
         return slopes
 
 
-def _times(lib, x, factor):
-    """x * factor for factor in (1, -1, 0)."""
-    if factor == 1:
-        return x
-    return lib.neg(x) if factor == -1 else lib.zeros_like(x)
+def _times(x, factor):
+    """x * factor for factor in (1, -1, 0); a product, so that torch autograd sees it and NaN
+    stays NaN."""
+    return x if factor == 1 else x * factor
 
 
 def _lse_dtype(dtype_name):
@@ -260,7 +259,7 @@ def attention(query, key, value, *, layout="bhld", scale=None, causal=None, wind
                          draw_seed=True)
     mask4 = None if attn_mask is None else form.mask4(lib.asarray(attn_mask))
     alibi = None if alibi_slopes is None else form.alibi(lib.asarray(alibi_slopes))
-    q4 = _times(lib, form.q4, call.q_factor)
+    q4 = _times(form.q4, call.q_factor)
     if lib.is_torch:
         from .torch import AttentionFunction
         out4, lse3 = AttentionFunction.apply(q4, form.k4, form.v4, mask4, alibi, call)
@@ -293,10 +292,10 @@ def attention_backward(dout, query, key, value, out, softmax_lse, *, layout="bhl
     want_dbias = mask is not None and lib.dtype_name(mask) != "bool"
     alibi = None if alibi_slopes is None else form.alibi(lib.asarray(alibi_slopes))
     dq4, dk4, dv4, dbias4 = backward4(
-        lib, form.from_caller(dout, "dout"), _times(lib, form.q4, call.q_factor), form.k4,
+        lib, form.from_caller(dout, "dout"), _times(form.q4, call.q_factor), form.k4,
         form.v4, form.from_caller(out, "out"), form.lse_from_caller(softmax_lse), mask4, alibi,
         call, want_dbias)
-    grads = [form.to_caller(_times(lib, dq4, call.q_factor)), form.to_caller(dk4),
+    grads = [form.to_caller(_times(dq4, call.q_factor)), form.to_caller(dk4),
              form.to_caller(dv4)]
     if want_dbias:
         grads.append(form.dbias_to_caller(dbias4, mask))
