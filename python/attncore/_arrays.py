@@ -175,6 +175,11 @@ def adopt(x):
     return NUMPY, np.asarray(x), _same
 
 
+def shape_of(x):
+    """The shape of any array adopt() takes."""
+    return tuple(adopt(x)[1].shape)
+
+
 def _same(result):
     return result
 

@@ -28,7 +28,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         if mask_dtype not in ("bool", "float32", query_dtype):
             raise ValueError(f"{op}: attn_mask has the wrong dtype (dtype={mask_dtype}, "
                              f"expected bool, float32 or query's {query_dtype})")
-    heads_kv = {x.shape[-3] if x.ndim >= 3 else 1 for x in (key, value)}
+    heads_kv = {s[-3] if len(s) >= 3 else 1 for s in (_arrays.shape_of(key),
+                                                        _arrays.shape_of(value))}
     return attention(query, key, value, layout="bhld", scale=scale,
                      causal="upper-left" if is_causal else None, attn_mask=attn_mask,
                      dropout_p=dropout_p, enable_gqa=enable_gqa or heads_kv == {1},
@@ -51,8 +52,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     """
     op = "flash_attn_func"
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
-        if x.ndim != 4:
-            raise ValueError(f"{op}: {name} has the wrong rank (rank={x.ndim}, expected 4: "
+        rank = len(_arrays.shape_of(x))
+        if rank != 4:
+            raise ValueError(f"{op}: {name} has the wrong rank (rank={rank}, expected 4: "
                              "[B, L, H, D])")
     out, lse = attention(q, k, v, layout="blhd", scale=softmax_scale,
                          causal="lower-right" if causal else None, window_size=window_size,
