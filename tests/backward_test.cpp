@@ -463,11 +463,12 @@ TEST(Backward, ThreadCountDoesNotChangeBits) {
   }
 }
 
-// Few kv groups: the fused backward cuts each group's key tiles into parts (separate items with
-// their own dQ parts, summed in order). The gradients match the oracle and do not depend on
-// the thread count.
-TEST(Backward, FewGroupsSplitKeyTiles) {
-  const Dims d{1, 2, 1, 70, 600, 48, 40};  // one kv group, 5 key tiles
+// Fewer than 4 heads: the fused backward cuts each head's key tiles into parts (separate items
+// with their own dQ parts, summed in order), and the two query heads of the one kv head add
+// their dK, dV tiles in head order. The gradients match the oracle and do not depend on the
+// thread count.
+TEST(Backward, FewHeadsSplitKeyTiles) {
+  const Dims d{1, 2, 1, 70, 600, 48, 40};  // two query heads on one kv head, 5 key tiles
   for (Variant variant : {Variant::plain, Variant::causal_lower_right, Variant::dropout}) {
     SCOPED_TRACE(name_of_variant(variant));
     Problem p = make_problem(d, {variant, DType::f32, false, 21});

@@ -31,9 +31,9 @@ class DbiasAccumulator {
   }
   std::int64_t column_stride() const { return stride_[3]; }
 
-  // Whether two (b, kv head) tasks can add into the same element.
+  // Whether two (b, h) tasks can add into the same element.
   bool shared_across(const Problem& p) const {
-    return active() && ((stride_[0] == 0 && p.batch > 1) || (stride_[1] == 0 && p.heads_kv > 1));
+    return active() && ((stride_[0] == 0 && p.batch > 1) || (stride_[1] == 0 && p.heads_q > 1));
   }
 
   // Converts the sums into the caller's dbias view (the mask's shape and dtype).

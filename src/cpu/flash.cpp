@@ -8,6 +8,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "attncore/error.h"
@@ -205,6 +206,82 @@ void zero_view(const TensorView& t) {
 
 }  // namespace
 
+// Where a query head's dK and dV of one key tile go. With one query head per kv head, straight
+// into the outputs. With a group of several, into an f32 sum per (b, kv head, tile) that the
+// group's heads add to in head order: head g adds its tile once head g - 1 has added its own
+// (a turn counter per tile), and the last head stores the sum. Items are taken in order, so a
+// head waits only on heads that are running or done: no deadlock, and the sum is bitwise the
+// same for any thread count.
+class KvTileReducer {
+ public:
+  KvTileReducer(const Problem& p, const BackwardArgs& a, std::int64_t d_pad, std::int64_t dv_pad,
+                std::int64_t key_tile, std::int64_t key_rows)
+      : p_(p),
+        a_(a),
+        d_pad_(d_pad),
+        dv_pad_(dv_pad),
+        key_tile_(key_tile),
+        tiles_((p.seqlen_k + key_tile - 1) / key_tile),
+        tile_floats_(key_rows * (d_pad + dv_pad)),
+        // [B][Hkv][tiles][key_rows][d_pad + dv_pad]: dK rows, then dV rows
+        sums_(p.group > 1 ? p.batch * p.heads_kv * tiles_ * tile_floats_ : 1),
+        turns_(p.group > 1 ? p.batch * p.heads_kv * tiles_ : 0) {
+    for (auto& turn : turns_) turn.store(0, std::memory_order_relaxed);
+  }
+
+  // The head's context for put(): the item's (b, h).
+  struct Head {
+    KvTileReducer* reducer;
+    std::int64_t b, h;
+  };
+  static void put(void* context, std::int64_t t, const float* dk, const float* dv) {
+    const Head& head = *static_cast<const Head*>(context);
+    head.reducer->add(head.b, head.h, t, dk, dv);
+  }
+
+ private:
+  void add(std::int64_t b, std::int64_t h, std::int64_t t, const float* dk, const float* dv) {
+    const std::int64_t kv_head = h / p_.group, g = h % p_.group;
+    const std::int64_t keys = std::min(key_tile_, p_.seqlen_k - t * key_tile_);
+    if (p_.group == 1) {
+      store(b, kv_head, t, keys, dk, dv);
+      return;
+    }
+    const std::int64_t slot = (b * p_.heads_kv + kv_head) * tiles_ + t;
+    std::atomic<std::int64_t>& turn = turns_[static_cast<std::size_t>(slot)];
+    while (turn.load(std::memory_order_acquire) != g) std::this_thread::yield();
+    float* sum_k = sums_.get() + slot * tile_floats_;
+    float* sum_v = sum_k + keys * d_pad_;
+    const std::int64_t nk = keys * d_pad_, nv = keys * dv_pad_;
+    if (g == 0) {
+      std::copy(dk, dk + nk, sum_k);
+      std::copy(dv, dv + nv, sum_v);
+    } else {
+      for (std::int64_t e = 0; e < nk; ++e) sum_k[e] += dk[e];
+      for (std::int64_t e = 0; e < nv; ++e) sum_v[e] += dv[e];
+    }
+    if (g == p_.group - 1) store(b, kv_head, t, keys, sum_k, sum_v);
+    turn.store(g + 1, std::memory_order_release);
+  }
+
+  void store(std::int64_t b, std::int64_t kv_head, std::int64_t t, std::int64_t keys,
+             const float* dk, const float* dv) const {
+    const std::int64_t j0 = t * key_tile_;
+    for (std::int64_t c = 0; c < keys; ++c) {
+      store_row(dk + c * d_pad_, p_.head_dim, a_.dk.data, a_.dk.dtype,
+                offset4(a_.dk, b, kv_head, j0 + c, 0));
+      store_row(dv + c * dv_pad_, p_.head_dim_v, a_.dv.data, a_.dv.dtype,
+                offset4(a_.dv, b, kv_head, j0 + c, 0));
+    }
+  }
+
+  const Problem& p_;
+  const BackwardArgs& a_;
+  std::int64_t d_pad_, dv_pad_, key_tile_, tiles_, tile_floats_;
+  AlignedFloats sums_;
+  std::vector<std::atomic<std::int64_t>> turns_;
+};
+
 void flash_backward(const Problem& p, const BackwardArgs& a) {
   DbiasAccumulator dbias(p);
   if (p.batch == 0) return;
@@ -224,69 +301,76 @@ void flash_backward(const Problem& p, const BackwardArgs& a) {
   shape.dv_pad = round_up(dv, layout.dv_align);
   shape.lq_pad = round_up(p.seqlen_q, tile_rows);
   const std::int64_t key_rows = round_up(tile, tile_rows);
-  // Sizes in floats, in FlashBackwardScratch's order; 16-float (64-byte) aligned each.
-  const std::int64_t rows = p.group * shape.lq_pad;  // the group's query rows, padded
+  // Sizes in floats, in FlashBackwardScratch's order; 16-float (64-byte) aligned each. bf16
+  // pairs take half the floats of the f32 values they hold.
+  const std::int64_t rows = shape.lq_pad;  // the head's query rows, padded
+  const bool pairs = layout.bf16_dot && p.dtype == DType::bf16;
+  const std::int64_t per_float = pairs ? 2 : 1;
   // clang-format off
   const std::int64_t sizes[] = {
-      rows * shape.d_pad, p.group * p.seqlen_q,                       // dq, delta
-      tile * d, tile * shape.d_pad, tile * dv, tile * shape.dv_pad,   // k_t, k_rows, v_t, v_rows
-      key_rows * shape.d_pad, key_rows * shape.dv_pad,                // dk, dv
-      rows * d, rows * shape.d_pad, rows * dv, rows * shape.dv_pad,   // q_t, q_rows, do_t, do_rows
-      p.group * p.seqlen_q,                                           // lse
-      block * tile + tile_rows, block * tile + tile_rows, tile};      // s, ds, dcap
+      rows * shape.d_pad, p.seqlen_q,                                   // dq, delta
+      tile * d, tile * shape.d_pad, tile * dv, tile * shape.dv_pad,     // k_t, k_rows, v_t, v_rows
+      key_rows * shape.d_pad, key_rows * shape.dv_pad,                  // dk, dv
+      rows * shape.d_pad / per_float, rows * shape.dv_pad / per_float,  // q_rows, do_rows
+      pairs ? rows * ((d + 1) / 2) : 0, pairs ? rows * ((dv + 1) / 2) : 0,  // q_t, do_t
+      p.seqlen_q,                                                       // lse
+      block * tile + tile_rows, block * tile + tile_rows, tile,         // s, ds, dcap
+      pairs ? 3 * (block / 2) * tile : 0};                              // pairs
   // clang-format on
   std::int64_t per_thread = 0;
   for (std::int64_t n : sizes) per_thread += round_up(n, 16);
-  // Groups own their dK, dV and dQ rows; dBias is shared only when the mask broadcasts over
-  // batch or kv heads, and then one thread runs the groups in order.
+  // Heads own their dQ rows; dBias rows are shared only when the mask broadcasts over batch or
+  // heads, and then one thread runs the heads in order.
   const int threads = dbias.shared_across(p) ? 1 : std::max(1, p.threads);
-  const std::int64_t groups = p.batch * p.heads_kv;
-  // Fewer than 4 kv groups (one head, MQA, B = 1) would leave threads idle: each group's key
-  // tiles are cut into up to 4 parts run as separate items (they own disjoint dK, dV rows),
-  // each with its own dQ part, summed in part order afterwards. The cut depends only on the
-  // problem, never on the thread count, so results stay bitwise the same for any thread count.
-  constexpr std::int64_t kSplitBelowGroups = 4, kMaxParts = 4;
+  const std::int64_t heads = p.batch * p.heads_q;
+  // Fewer than 4 heads in all (B = 1 with 1 to 3 heads) would leave threads idle: each head's
+  // key tiles are cut into up to 4 parts run as separate items (the kv reducer orders them per
+  // tile like heads), each with its own dQ part, summed in part order afterwards. The cut
+  // depends only on the problem, never on the thread count, so results stay bitwise the same
+  // for any thread count.
+  constexpr std::int64_t kSplitBelowHeads = 4, kMaxParts = 4;
   const std::int64_t tiles = (p.seqlen_k + tile - 1) / tile;
   const std::int64_t parts =
-      groups < kSplitBelowGroups && !dbias.active() ? std::min(tiles, kMaxParts) : 1;
-  const std::int64_t group_dq = rows * shape.d_pad;  // [group][lq_pad][d_pad]
-  AlignedFloats dq_parts(parts > 1 ? groups * parts * group_dq : 1);
-  const std::int64_t items = groups * parts;
+      heads < kSplitBelowHeads && !dbias.active() ? std::min(tiles, kMaxParts) : 1;
+  const std::int64_t head_dq = rows * shape.d_pad;  // [lq_pad][d_pad]
+  AlignedFloats dq_parts(parts > 1 ? heads * parts * head_dq : 1);
+  const std::int64_t items = heads * parts;
   AlignedFloats scratch(threads * per_thread);
+  KvTileReducer reducer(p, a, shape.d_pad, shape.dv_pad, tile, key_rows);
   std::atomic<std::int64_t> next{0};
   run_tasks(static_cast<int>(std::min<std::int64_t>(threads, items)), threads, [&](int slot) {
     FlashBackwardScratch w = shape;
     float* at = scratch.get() + slot * per_thread;
-    float** fields[] = {&w.dq,  &w.delta,  &w.k_t,  &w.k_rows,  &w.v_t, &w.v_rows, &w.dk, &w.dv,
-                        &w.q_t, &w.q_rows, &w.do_t, &w.do_rows, &w.lse, &w.s,      &w.ds, &w.dcap};
+    float** fields[] = {&w.dq,  &w.delta, &w.k_t,    &w.k_rows,  &w.v_t,  &w.v_rows,
+                        &w.dk,  &w.dv,    &w.q_rows, &w.do_rows, &w.q_t,  &w.do_t,
+                        &w.lse, &w.s,     &w.ds,     &w.dcap,    &w.pairs};
     for (std::size_t f = 0; f < std::size(fields); ++f) {
       *fields[f] = at;
       at += round_up(sizes[f], 16);
     }
     for (std::int64_t n = next.fetch_add(1); n < items; n = next.fetch_add(1)) {
-      const std::int64_t g = n / parts, part = n % parts;
+      const std::int64_t head = n / parts, part = n % parts;
+      KvTileReducer::Head context{&reducer, head / p.heads_q, head % p.heads_q};
       FlashBackwardScratch item = w;
       item.tile_begin = tiles * part / parts;
       item.tile_end = tiles * (part + 1) / parts;
       item.store_dq = parts == 1;
-      if (parts > 1) item.dq = dq_parts.get() + n * group_dq;
-      target.run_backward_group(p, a, g / p.heads_kv, g % p.heads_kv, item,
-                                dbias.active() ? &dbias : nullptr);
+      item.put_kv_tile = &KvTileReducer::put;
+      item.put_context = &context;
+      if (parts > 1) item.dq = dq_parts.get() + n * head_dq;
+      target.run_backward_head(p, a, context.b, context.h, item, dbias.active() ? &dbias : nullptr);
     }
   });
   if (parts > 1) {  // dQ = the parts summed in order
-    for (std::int64_t g = 0; g < groups; ++g) {
-      float* sum = dq_parts.get() + g * parts * group_dq;
+    for (std::int64_t head = 0; head < heads; ++head) {
+      float* sum = dq_parts.get() + head * parts * head_dq;
       for (std::int64_t part = 1; part < parts; ++part) {
-        const float* add = sum + part * group_dq;
-        for (std::int64_t e = 0; e < group_dq; ++e) sum[e] += add[e];
+        const float* add = sum + part * head_dq;
+        for (std::int64_t e = 0; e < head_dq; ++e) sum[e] += add[e];
       }
-      const std::int64_t b = g / p.heads_kv, kv_head = g % p.heads_kv;
-      for (std::int64_t h = 0; h < p.group; ++h) {
-        for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
-          store_row(sum + (h * shape.lq_pad + i) * shape.d_pad, d, a.dq.data, a.dq.dtype,
-                    offset4(a.dq, b, kv_head * p.group + h, i, 0));
-        }
+      const std::int64_t b = head / p.heads_q, h = head % p.heads_q;
+      for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
+        store_row(sum + i * shape.d_pad, d, a.dq.data, a.dq.dtype, offset4(a.dq, b, h, i, 0));
       }
     }
   }

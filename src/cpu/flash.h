@@ -22,6 +22,7 @@ struct FlashLayout {
   int key_tile;    // keys per tile (a multiple of the QK micro-tile's width)
   int dv_align;    // Dv is padded to a multiple of this (the PV micro-tile's width)
   int tile_rows;   // rows of the micro-tiles
+  bool bf16_dot;   // bf16 inputs run on native bf16 dot products (operands in bf16 pairs)
 };
 
 // K and V of one (batch, kv head), packed, as the kernel reads them; null tiles: the kernel
@@ -53,29 +54,33 @@ struct FlashItem {
   std::int64_t b, kv_head, first, rows;
 };
 
-// One thread's scratch for the backward of one kv group (sizes set by flash_backward).
+// One thread's scratch for the backward of one query head (sizes set by flash_backward).
 struct FlashBackwardScratch {
   std::int64_t d_pad, dv_pad;         // head dims padded to the micro-tile width
   std::int64_t lq_pad;                // Lq padded to whole micro-tiles
   std::int64_t tile_begin, tile_end;  // the key tiles this call covers
   bool store_dq;  // write dQ to the output (else leave it in `dq` for the caller)
-  float* dq;      // [group][lq_pad][d_pad]: the group's dQ, fp32
-  float* delta;   // [group][Lq]: <dO_i, O_i>
+  // Takes the head's dK [key rows][d_pad] and dV [key rows][dv_pad] of key tile t.
+  void (*put_kv_tile)(void* context, std::int64_t t, const float* dk, const float* dv);
+  void* put_context;
+  float* dq;      // [lq_pad][d_pad]: the head's dQ, fp32
+  float* delta;   // [Lq]: <dO_i, O_i>
   float* k_t;     // [D][key_tile] (k-layout): K for S
   float* k_rows;  // [d_pad][key_tile] (v-layout): K for dQ
   float* v_t;     // [Dv][key_tile] (k-layout): V for dP
   float* v_rows;  // [dv_pad][key_tile]: written by the packing, unused
   float* dk;      // [key rows][d_pad]: the tile's dK
   float* dv;      // [key rows][dv_pad]: the tile's dV
-  // The group's rows, packed once per group; block (g, blk) starts at row g * lq_pad + row0:
-  float* q_t;      // [group][lq_pad][D]: q times scale, forward query layout
-  float* q_rows;   // [group][lq_pad][d_pad] (v-layout per block): q for dK
-  float* do_t;     // [group][lq_pad][Dv]: dO, forward query layout
-  float* do_rows;  // [group][lq_pad][dv_pad] (v-layout per block): dO for dV
-  float* lse;      // [group][Lq]
+  // The head's rows, packed once; the block of row0 starts at row row0:
+  float* q_rows;   // [lq_pad][d_pad] (v-layout per block; bf16: pairs of rows): q for S, dK
+  float* do_rows;  // [lq_pad][dv_pad] (likewise): dO for dP and dV
+  float* q_t;      // bf16 only: [lq_pad][D / 2] pairs along D, forward query layout: q for S
+  float* do_t;     // bf16 only: [lq_pad][Dv / 2] likewise: dO for dP
+  float* lse;      // [Lq]
   float* s;        // [block_rows][key_tile] (+ tile rows): S, P, then P * M
   float* ds;       // [block_rows][key_tile] (+ tile rows): dP, then dS
   float* dcap;     // [key_tile]: the softcap derivative of one row
+  float* pairs;    // [3][block_rows / 2][key_tile]: P M and dS as bf16 pairs (bf16 products)
 };
 
 using FlashBlockFn = void (*)(const Problem& p, const ForwardArgs& a, const FlashPanel& panel,
@@ -85,9 +90,9 @@ using FlashPackFn = void (*)(const Problem& p, const ForwardArgs& a, std::int64_
                              std::int64_t kv_head, std::int64_t t_begin, std::int64_t t_end,
                              float* k_tiles, float* v_rows, std::int64_t dv_pad);
 
-// The backward of one kv group (b, kv_head); dbias is null unless it is asked for.
+// The backward of one query head (b, h); dbias is null unless it is asked for.
 using FlashBackwardFn = void (*)(const Problem& p, const BackwardArgs& a, std::int64_t b,
-                                 std::int64_t kv_head, const FlashBackwardScratch& scratch,
+                                 std::int64_t h, const FlashBackwardScratch& scratch,
                                  DbiasAccumulator* dbias);
 
 struct FlashTarget {
@@ -96,7 +101,7 @@ struct FlashTarget {
   FlashLayout layout;
   FlashBlockFn run_block;
   FlashPackFn pack_tiles;
-  FlashBackwardFn run_backward_group;
+  FlashBackwardFn run_backward_head;
 };
 
 // The targets this build compiled, best first, and whether this CPU can run each.

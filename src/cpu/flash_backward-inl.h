@@ -2,18 +2,19 @@
 // after flash_kernel-inl.h (whose vector helpers, packing and micro-kernels it uses), with the
 // same macros defined.
 //
-// One work item is a kv group (b, kv_head) with all its query heads, owned by one thread, so
-// dK and dV rows, the group's dQ rows and (unless the mask broadcasts across groups) dBias
-// are written by nobody else: no atomics, and bitwise the same for any thread count.
-//   Delta_i = <dO_i, O_i>
+// One work item is one query head (b, h) (or, for fewer than 4 heads in all, a part of its key
+// tiles), owned by one thread: its dQ rows are written by nobody else, and its dK and dV of
+// each key tile go to put_kv_tile, which sums the query heads of a kv group in head order
+// (src/cpu/flash.cpp). No atomic adds: bitwise the same for any thread count.
+//   Delta_i = <dO_i, O_i>;  q, dO packed once
 //   for each key tile:  dK = dV = 0
-//     for each query head h of the group, each block of its rows the band reaches:
+//     for each block of rows the band reaches:
 //       S = q K^T (with the score mods), P = exp(S - LSE)   (P = 0 where masked or LSE = -inf)
 //       dP = dO V^T * M                                      (M: the dropout factor)
 //       dS = P (dP - Delta), dBias += dS, dS *= softcap' * scale
-//       dV += (P M)^T dO,  dK += dS^T q,  dQ[h] += dS K         (register-blocked products)
-//     store dK, dV of the tile
-//   store dQ of the group's heads
+//       dV += (P M)^T dO,  dK += dS^T q,  dQ += dS K            (register-blocked products)
+//     put_kv_tile(dK, dV)
+//   store dQ
 // Matches DESIGN.md section 1.9 and src/reference/reference.cpp.
 
 #pragma GCC push_options
@@ -23,10 +24,11 @@ namespace attncore::detail::ATTNCORE_TARGET_NS {
 
 // out[r][c] += sum_n a(r, n) * b[n][c] for r < rows (a multiple of kTileRows), c < cols_pad (a
 // multiple of kTileCols), with a(r, n) = a[r * kRowStride + n * kStepStride] and b packed as
-// [cols_pad / kTileCols][steps][kTileCols].
-template <int kRowStride, int kStepStride>
-void add_product(const float* a, std::int64_t rows, std::int64_t steps, const float* b,
-                 std::int64_t cols_pad, float* out) {
+// [cols_pad / kTileCols][steps][kTileCols], in Dot's operands (f32, or bf16 pairs: then n
+// counts pairs).
+template <class Dot, int kRowStride, int kStepStride>
+void add_product(const typename Dot::Operand* a, std::int64_t rows, std::int64_t steps,
+                 const typename Dot::Operand* b, std::int64_t cols_pad, float* out) {
   for (std::int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
     for (std::int64_t c0 = 0; c0 < cols_pad; c0 += kTileCols) {
       Vec acc[kTileRows][kTileVectors];
@@ -36,7 +38,7 @@ void add_product(const float* a, std::int64_t rows, std::int64_t steps, const fl
 #pragma GCC unroll 4
         for (int v = 0; v < kTileVectors; ++v) acc[r][v] = load(o + r * cols_pad + v * kLanes);
       }
-      F32Dot::rank1_updates<kRowStride, kStepStride>(
+      Dot::template rank1_updates<kRowStride, kStepStride>(
           acc, a + r0 * kRowStride, b + (c0 / kTileCols) * steps * kTileCols, steps);
 #pragma GCC unroll 16
       for (int r = 0; r < kTileRows; ++r) {
@@ -48,42 +50,120 @@ void add_product(const float* a, std::int64_t rows, std::int64_t steps, const fl
 }
 
 // Rows (head_of[r], index_of[r]) of a [B, H, L, width] view as
-// [width_pad / kTileCols][padded_rows][kTileCols] floats, zero past `rows` and `width`.
-inline void pack_rows(const TensorView& t, std::int64_t b, const std::int64_t* head_of,
-                      const std::int64_t* index_of, std::int64_t rows, std::int64_t padded_rows,
-                      std::int64_t width, std::int64_t width_pad, float* out) {
-  auto pack = [&](const auto* data, auto to_float) {  // one loop per dtype, none inside
-    for (std::int64_t r = 0; r < padded_rows; ++r) {
-      const auto* src = r < rows ? data + offset4(t, b, head_of[r], index_of[r], 0) : nullptr;
+// [width_pad / kTileCols][padded_rows][kTileCols] floats, zero past `rows` and `width`; or, for
+// Bf16Dot, as [width_pad / kTileCols][padded_rows / 2][kTileCols] bf16 pairs of rows (2 r2, 2 r2
+// + 1), so that a product sums over rows two at a time.
+template <class Dot>
+void pack_rows(const TensorView& t, std::int64_t b, const std::int64_t* head_of,
+               const std::int64_t* index_of, std::int64_t rows, std::int64_t padded_rows,
+               std::int64_t width, std::int64_t width_pad, float* out_floats) {
+  if constexpr (std::is_same_v<typename Dot::Operand, std::uint32_t>) {  // bf16 input, pairs
+    auto* out = reinterpret_cast<std::uint32_t*>(out_floats);
+    const auto* data = static_cast<const std::uint16_t*>(t.data);
+    for (std::int64_t r2 = 0; r2 < padded_rows / 2; ++r2) {
+      const std::uint16_t* lo =
+          2 * r2 < rows ? data + offset4(t, b, head_of[2 * r2], index_of[2 * r2], 0) : nullptr;
+      const std::uint16_t* hi =
+          2 * r2 + 1 < rows ? data + offset4(t, b, head_of[2 * r2 + 1], index_of[2 * r2 + 1], 0)
+                            : nullptr;
       for (std::int64_t c = 0; c < width_pad; ++c) {
-        out[(c / kTileCols) * padded_rows * kTileCols + r * kTileCols + c % kTileCols] =
-            src != nullptr && c < width ? to_float(src[c]) : 0.0f;
+        const std::uint32_t l = lo != nullptr && c < width ? lo[c] : 0u;
+        const std::uint32_t h = hi != nullptr && c < width ? hi[c] : 0u;
+        out[(c / kTileCols) * (padded_rows / 2) * kTileCols + r2 * kTileCols + c % kTileCols] =
+            l | (h << 16);
       }
     }
-  };
-  switch (t.dtype) {
-    case DType::bf16:
-      pack(static_cast<const std::uint16_t*>(t.data),
-           [](std::uint16_t x) { return bf16::to_float(x); });
-      break;
-    case DType::f16:
-      pack(static_cast<const std::uint16_t*>(t.data),
-           [](std::uint16_t x) { return f16::to_float(x); });
-      break;
-    default:  // f32
-      pack(static_cast<const float*>(t.data), [](float x) { return x; });
-      break;
+  } else {
+    auto pack = [&](const auto* data, auto to_float) {  // one loop per dtype, none inside
+      for (std::int64_t r = 0; r < padded_rows; ++r) {
+        const auto* src = r < rows ? data + offset4(t, b, head_of[r], index_of[r], 0) : nullptr;
+        for (std::int64_t c = 0; c < width_pad; ++c) {
+          out_floats[(c / kTileCols) * padded_rows * kTileCols + r * kTileCols + c % kTileCols] =
+              src != nullptr && c < width ? to_float(src[c]) : 0.0f;
+        }
+      }
+    };
+    switch (t.dtype) {
+      case DType::bf16:
+        pack(static_cast<const std::uint16_t*>(t.data),
+             [](std::uint16_t x) { return bf16::to_float(x); });
+        break;
+      case DType::f16:
+        pack(static_cast<const std::uint16_t*>(t.data),
+             [](std::uint16_t x) { return f16::to_float(x); });
+        break;
+      default:  // f32
+        pack(static_cast<const float*>(t.data), [](float x) { return x; });
+        break;
+    }
   }
 }
 
-void run_backward_group(const Problem& p, const BackwardArgs& a, std::int64_t b,
-                        std::int64_t kv_head, const FlashBackwardScratch& w,
-                        DbiasAccumulator* dbias) {
+// S [padded_rows][kKeyTile] = a . K_tile^T (unscaled), with a's rows as pack_rows<F32Dot> lays
+// them out ([d_pad / kTileCols][padded_rows][kTileCols]) and the tile in F32Dot's k-layout: the
+// rows the dK and dV products read serve S and dP too, so no second copy is packed.
+inline void scores_from_rows(const float* rows, const float* k_tile, std::int64_t width,
+                             std::int64_t padded_rows, float* s) {
+  for (std::int64_t r0 = 0; r0 < padded_rows; r0 += kTileRows) {
+    for (int c = 0; c < kKeyTile; c += kTileCols) {
+      Vec acc[kTileRows][kTileVectors] = {};
+      for (std::int64_t e0 = 0; e0 < width; e0 += kTileCols) {
+        F32Dot::rank1_updates<kTileCols, 1>(acc, rows + e0 * padded_rows + r0 * kTileCols,
+                                            k_tile + F32Dot::k_index(width, e0, c),
+                                            std::min<std::int64_t>(kTileCols, width - e0));
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < kTileRows; ++r) {
+#pragma GCC unroll 4
+        for (int v = 0; v < kTileVectors; ++v)
+          store(s + (r0 + r) * kKeyTile + c + v * kLanes, acc[r][v]);
+      }
+    }
+  }
+}
+
+// dV += (P M)^T dO and dK += dS^T q (rows: the tile's keys); dQ += dS K (rows: this block), in
+// f32 straight from S and dS.
+inline void tile_products(F32Dot, const FlashBackwardScratch& w, const float* q_rows,
+                          const float* do_rows, std::int64_t padded_rows, std::int64_t keys_pad,
+                          float* dq) {
+  add_product<F32Dot, 1, kKeyTile>(w.s, keys_pad, padded_rows, do_rows, w.dv_pad, w.dv);
+  add_product<F32Dot, 1, kKeyTile>(w.ds, keys_pad, padded_rows, q_rows, w.d_pad, w.dk);
+  add_product<F32Dot, kKeyTile, 1>(w.ds, padded_rows, kKeyTile, w.k_rows, w.d_pad, dq);
+}
+
+#if ATTNCORE_BF16_DOT
+// The same products on bf16 pairs: P M and dS rounded to bf16 (as a bf16 autograd run rounds
+// them), interleaved by rows for dV and dK and paired along keys for dQ; f32 accumulation.
+inline void tile_products(Bf16Dot, const FlashBackwardScratch& w, const float* q_rows_floats,
+                          const float* do_rows_floats, std::int64_t padded_rows,
+                          std::int64_t keys_pad, float* dq) {
+  auto* pm_rows = reinterpret_cast<std::uint32_t*>(w.pairs);        // [padded_rows / 2][kKeyTile]
+  std::uint32_t* ds_rows = pm_rows + (padded_rows / 2) * kKeyTile;  // [padded_rows / 2][kKeyTile]
+  std::uint32_t* ds_keys = ds_rows + (padded_rows / 2) * kKeyTile;  // [padded_rows][kKeyTile / 2]
+  for (std::int64_t r2 = 0; r2 < padded_rows / 2; ++r2) {
+    const float* lo = w.s + 2 * r2 * kKeyTile;
+    Bf16Dot::round_interleaved(lo, lo + kKeyTile, kKeyTile, pm_rows + r2 * kKeyTile);
+    const float* dlo = w.ds + 2 * r2 * kKeyTile;
+    Bf16Dot::round_interleaved(dlo, dlo + kKeyTile, kKeyTile, ds_rows + r2 * kKeyTile);
+  }
+  Bf16Dot::round_pairs(w.ds, padded_rows * kKeyTile, ds_keys);
+  const auto* do_rows = reinterpret_cast<const std::uint32_t*>(do_rows_floats);
+  const auto* q_rows = reinterpret_cast<const std::uint32_t*>(q_rows_floats);
+  const auto* k_rows = reinterpret_cast<const std::uint32_t*>(w.k_rows);
+  add_product<Bf16Dot, 1, kKeyTile>(pm_rows, keys_pad, padded_rows / 2, do_rows, w.dv_pad, w.dv);
+  add_product<Bf16Dot, 1, kKeyTile>(ds_rows, keys_pad, padded_rows / 2, q_rows, w.d_pad, w.dk);
+  add_product<Bf16Dot, kKeyTile / 2, 1>(ds_keys, padded_rows, kKeyTile / 2, k_rows, w.d_pad, dq);
+}
+#endif
+
+template <class Dot>
+void run_backward_head_with(const Problem& p, const BackwardArgs& a, std::int64_t b, std::int64_t h,
+                            const FlashBackwardScratch& w, DbiasAccumulator* dbias) {
   const std::int64_t d = p.head_dim, dv = p.head_dim_v, lq = p.seqlen_q, lk = p.seqlen_k;
-  const std::int64_t d_pad = w.d_pad, dv_pad = w.dv_pad, group = p.group;
+  const std::int64_t d_pad = w.d_pad, dv_pad = w.dv_pad, kv_head = h / p.group;
   // dK/dV rows: whole micro-tiles (rows past the tile's keys are scratch, never stored).
   const std::int64_t keys_pad = (kKeyTile + kTileRows - 1) / kTileRows * kTileRows;
-  const std::int64_t lq_pad = w.lq_pad;  // each head's dQ rows, padded to whole micro-tiles
   const CausalWindowMask band(p);
   const float scale = static_cast<float>(p.scale), cap = static_cast<float>(p.softcap);
   // The problems whose packing and products the forward's code serves: K as both K and V
@@ -98,137 +178,142 @@ void run_backward_group(const Problem& p, const BackwardArgs& a, std::int64_t b,
   mods.softcap = 0.0;
   const bool has_mods = p.alibi != nullptr || p.mask_kind != MaskKind::none;
   const ForwardArgs k_as_kv{a.q, a.k, a.k, {}, {}}, v_as_kv{a.dout, a.v, a.v, {}, {}};
-  const ForwardArgs q_args{a.q, a.k, a.v, {}, {}};
+  const ForwardArgs q_args{a.q, a.k, a.v, {}, {}}, do_args{a.dout, a.v, a.v, {}, {}};
+  // Where the block starting at row `row0` starts in the packed rows: f32 rows, or bf16 pairs
+  // of rows (half as many floats' worth); the bf16 kernel also packs pairs along D for S and
+  // dP (q_t, do_t).
+  constexpr bool kPairs = std::is_same_v<typename Dot::Operand, std::uint32_t>;
+  const std::int64_t q_rows_per_row = kPairs ? d_pad / 2 : d_pad;
+  const std::int64_t do_rows_per_row = kPairs ? dv_pad / 2 : dv_pad;
+  const std::int64_t d_pairs = (d + 1) / 2, dv_pairs = (dv + 1) / 2;
 
-  // Delta_i = <dO_i, O_i> for every row of the group; dQ accumulators to zero.
-  for (std::int64_t g = 0; g < group; ++g) {
-    const std::int64_t h = kv_head * group + g;
-    for (std::int64_t i = 0; i < lq; ++i) {
-      const std::int64_t o_row = offset4(a.out, b, h, i, 0), do_row = offset4(a.dout, b, h, i, 0);
-      float delta = 0.0f;
-      for (std::int64_t e = 0; e < dv; ++e) {
-        delta += load_element<float>(a.dout.data, a.dout.dtype, do_row + e) *
-                 load_element<float>(a.out.data, a.out.dtype, o_row + e);
-      }
-      w.delta[g * lq + i] = delta;
+  // Delta_i = <dO_i, O_i> and LSE_i for every row; dQ accumulators to zero.
+  for (std::int64_t i = 0; i < lq; ++i) {
+    const std::int64_t o_row = offset4(a.out, b, h, i, 0), do_row = offset4(a.dout, b, h, i, 0);
+    float delta = 0.0f;
+    for (std::int64_t e = 0; e < dv; ++e) {
+      delta += load_element<float>(a.dout.data, a.dout.dtype, do_row + e) *
+               load_element<float>(a.out.data, a.out.dtype, o_row + e);
     }
+    w.delta[i] = delta;
+    w.lse[i] = load_element<float>(a.lse.data, a.lse.dtype,
+                                   b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2]);
   }
-  for (std::int64_t e = 0; e < group * lq_pad * d_pad; ++e) w.dq[e] = 0.0f;
+  for (std::int64_t e = 0; e < w.lq_pad * d_pad; ++e) w.dq[e] = 0.0f;
 
-  // The group's queries and output gradients in the layouts the products read, and its LSE,
-  // once per group (not once per key tile): block (g, blk) starts at row g * lq_pad + row0.
+  // The head's queries and output gradients in the layouts the products read, once (not once
+  // per key tile).
   const std::int64_t blocks = (lq + kBlockRows - 1) / kBlockRows;
-  const ForwardArgs do_args{a.dout, a.v, a.v, {}, {}};
-  for (std::int64_t g = 0; g < group; ++g) {
-    const std::int64_t h = kv_head * group + g;
-    for (std::int64_t blk = 0; blk < blocks; ++blk) {
-      const std::int64_t row0 = blk * kBlockRows,
-                         rows = std::min<std::int64_t>(kBlockRows, lq - row0);
-      const std::int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
-      std::int64_t head_of[kBlockRows], index_of[kBlockRows];
-      for (std::int64_t r = 0; r < rows; ++r) {
-        head_of[r] = h;
-        index_of[r] = row0 + r;
-      }
-      const std::int64_t at = g * lq_pad + row0;
-      F32Dot::load_queries(p, q_args, b, head_of, index_of, rows, padded_rows, w.q_t + at * d);
-      F32Dot::load_queries(pdo, do_args, b, head_of, index_of, rows, padded_rows, w.do_t + at * dv);
-      pack_rows(a.q, b, head_of, index_of, rows, padded_rows, d, d_pad, w.q_rows + at * d_pad);
-      pack_rows(a.dout, b, head_of, index_of, rows, padded_rows, dv, dv_pad,
-                w.do_rows + at * dv_pad);
+  for (std::int64_t blk = 0; blk < blocks; ++blk) {
+    const std::int64_t row0 = blk * kBlockRows,
+                       rows = std::min<std::int64_t>(kBlockRows, lq - row0);
+    const std::int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
+    std::int64_t head_of[kBlockRows], index_of[kBlockRows];
+    for (std::int64_t r = 0; r < rows; ++r) {
+      head_of[r] = h;
+      index_of[r] = row0 + r;
     }
-    for (std::int64_t i = 0; i < lq; ++i) {
-      w.lse[g * lq + i] = load_element<float>(
-          a.lse.data, a.lse.dtype, b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2]);
+    if constexpr (kPairs) {
+      Dot::load_queries(p, q_args, b, head_of, index_of, rows, padded_rows, w.q_t + row0 * d_pairs);
+      Dot::load_queries(pdo, do_args, b, head_of, index_of, rows, padded_rows,
+                        w.do_t + row0 * dv_pairs);
     }
+    pack_rows<Dot>(a.q, b, head_of, index_of, rows, padded_rows, d, d_pad,
+                   w.q_rows + row0 * q_rows_per_row);
+    pack_rows<Dot>(a.dout, b, head_of, index_of, rows, padded_rows, dv, dv_pad,
+                   w.do_rows + row0 * do_rows_per_row);
   }
 
   for (std::int64_t t = w.tile_begin; t < w.tile_end; ++t) {
     const std::int64_t j0 = t * kKeyTile, keys = std::min<std::int64_t>(kKeyTile, lk - j0);
-    F32Dot::pack_tile(pk, k_as_kv, b, kv_head, t, w.k_t, w.k_rows, d_pad);
-    F32Dot::pack_tile(pv, v_as_kv, b, kv_head, t, w.v_t, w.v_rows, dv_pad);
+    Dot::pack_tile(pk, k_as_kv, b, kv_head, t, w.k_t, w.k_rows, d_pad);
+    Dot::pack_tile(pv, v_as_kv, b, kv_head, t, w.v_t, w.v_rows, dv_pad);
     for (std::int64_t e = 0; e < keys_pad * d_pad; ++e) w.dk[e] = 0.0f;
     for (std::int64_t e = 0; e < keys_pad * dv_pad; ++e) w.dv[e] = 0.0f;
-    for (std::int64_t g = 0; g < group; ++g) {
-      const std::int64_t h = kv_head * group + g;
-      for (std::int64_t blk = 0; blk < blocks; ++blk) {
-        const std::int64_t row0 = blk * kBlockRows,
-                           rows = std::min<std::int64_t>(kBlockRows, lq - row0);
-        const std::int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
-        RowSetKeys seen;
-        for (std::int64_t r = 0; r < rows; ++r) seen.add(band.row(row0 + r));
-        if (seen.classify(j0, j0 + keys) == TileKind::empty) continue;
-        const std::int64_t at = g * lq_pad + row0;  // this block in the group's packed rows
-        F32Dot::scores(p, w.q_t + at * d, w.k_t, padded_rows, w.s);       // S = scale q.k
-        F32Dot::scores(pdo, w.do_t + at * dv, w.v_t, padded_rows, w.ds);  // dP = dO.v
-        for (std::int64_t r = 0; r < padded_rows; ++r) {
-          float* s = w.s + r * kKeyTile;
-          float* ds = w.ds + r * kKeyTile;
-          const std::int64_t i = row0 + r;
-          const float lse = r < rows ? w.lse[g * lq + i] : -INFINITY;
-          if (lse == -INFINITY) {  // padding rows and rows with no visible key: P = dS = 0
-            for (int c = 0; c < kKeyTile; ++c) s[c] = ds[c] = 0.0f;
-            continue;
-          }
-          float* dcap = w.dcap;  // [kKeyTile] the softcap derivative of this row
-          for (int c = 0; c < kKeyTile; ++c) dcap[c] = 1.0f;
-          if (cap != 0.0f) {
-            for (int c = 0; c < kKeyTile; c += kLanes) {
-              const Vec capped = cap * tanhv(load(s + c) * (1.0f / cap));
-              const Vec ratio = capped * (1.0f / cap);
-              store(s + c, capped);
-              store(dcap + c, 1.0f - ratio * ratio);
-            }
-          }
-          if (has_mods) apply_score_mods(mods, b, h, i, j0, keys, s);
-          // P = exp(S - LSE) on the row's visible keys, 0 elsewhere.
-          const KeyRange visible = band.row(i);
-          const std::int64_t lo = std::clamp<std::int64_t>(visible.begin - j0, 0, kKeyTile);
-          const std::int64_t hi = std::clamp<std::int64_t>(visible.end - j0, lo, keys);
-          for (int c = 0; c < kKeyTile; c += kLanes)
-            store(s + c, exp2v((load(s + c) - lse) * kLog2e));
-          for (std::int64_t c = 0; c < lo; ++c) s[c] = 0.0f;
-          for (std::int64_t c = hi; c < kKeyTile; ++c) s[c] = 0.0f;
-          const float delta = w.delta[g * lq + i];
-          const DropoutRow dropout(p, b, h, i);
-          if (!dropout.active() && dbias == nullptr) {
-            for (int c = 0; c < kKeyTile; c += kLanes) {  // dS = P (dP - Delta) * softcap' * scale
-              const Vec prob = load(s + c);
-              store(ds + c, prob * (load(ds + c) - delta) * load(dcap + c) * scale);
-            }
-            continue;
-          }
-          double* dbias_row = dbias != nullptr ? dbias->row(b, h, i) : nullptr;
-          for (std::int64_t c = 0; c < kKeyTile; ++c) {
-            const float prob = s[c];
-            const float keep = prob != 0.0f ? dropout.factor<float>(j0 + c) : 0.0f;
-            const float dscore = prob * (keep * ds[c] - delta);  // dS = P (dP - Delta)
-            if (dbias_row != nullptr && c < keys) {
-              dbias_row[(j0 + c) * dbias->column_stride()] += dscore;
-            }
-            ds[c] = dscore * dcap[c] * scale;  // the gradient of <q_i, k_j>
-            s[c] = prob * keep;                // dV's weights
+    for (std::int64_t blk = 0; blk < blocks; ++blk) {
+      const std::int64_t row0 = blk * kBlockRows,
+                         rows = std::min<std::int64_t>(kBlockRows, lq - row0);
+      const std::int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
+      RowSetKeys seen;
+      for (std::int64_t r = 0; r < rows; ++r) seen.add(band.row(row0 + r));
+      if (seen.classify(j0, j0 + keys) == TileKind::empty) continue;
+      const float* q_rows = w.q_rows + row0 * q_rows_per_row;
+      const float* do_rows = w.do_rows + row0 * do_rows_per_row;
+      if constexpr (kPairs) {
+        Dot::scores(p, w.q_t + row0 * d_pairs, w.k_t, padded_rows, w.s);       // S = q.k
+        Dot::scores(pdo, w.do_t + row0 * dv_pairs, w.v_t, padded_rows, w.ds);  // dP = dO.v
+      } else {
+        scores_from_rows(q_rows, w.k_t, d, padded_rows, w.s);
+        scores_from_rows(do_rows, w.v_t, dv, padded_rows, w.ds);
+      }
+      for (std::int64_t r = 0; r < padded_rows; ++r) {
+        float* s = w.s + r * kKeyTile;
+        float* ds = w.ds + r * kKeyTile;
+        const std::int64_t i = row0 + r;
+        const float lse = r < rows ? w.lse[i] : -INFINITY;
+        if (lse == -INFINITY) {  // padding rows and rows with no visible key: P = dS = 0
+          for (int c = 0; c < kKeyTile; ++c) s[c] = ds[c] = 0.0f;
+          continue;
+        }
+        for (int c = 0; c < kKeyTile; c += kLanes) store(s + c, load(s + c) * scale);
+        float* dcap = w.dcap;  // [kKeyTile] the softcap derivative of this row
+        for (int c = 0; c < kKeyTile; ++c) dcap[c] = 1.0f;
+        if (cap != 0.0f) {
+          for (int c = 0; c < kKeyTile; c += kLanes) {
+            const Vec capped = cap * tanhv(load(s + c) * (1.0f / cap));
+            const Vec ratio = capped * (1.0f / cap);
+            store(s + c, capped);
+            store(dcap + c, 1.0f - ratio * ratio);
           }
         }
-        // dV += (P M)^T dO and dK += dS^T q (rows: keys); dQ += dS K (rows: this block).
-        add_product<1, kKeyTile>(w.s, keys_pad, padded_rows, w.do_rows + at * dv_pad, dv_pad, w.dv);
-        add_product<1, kKeyTile>(w.ds, keys_pad, padded_rows, w.q_rows + at * d_pad, d_pad, w.dk);
-        add_product<kKeyTile, 1>(w.ds, padded_rows, kKeyTile, w.k_rows, d_pad,
-                                 w.dq + (g * lq_pad + row0) * d_pad);
+        if (has_mods) apply_score_mods(mods, b, h, i, j0, keys, s);
+        // P = exp(S - LSE) on the row's visible keys, 0 elsewhere.
+        const KeyRange visible = band.row(i);
+        const std::int64_t lo = std::clamp<std::int64_t>(visible.begin - j0, 0, kKeyTile);
+        const std::int64_t hi = std::clamp<std::int64_t>(visible.end - j0, lo, keys);
+        for (int c = 0; c < kKeyTile; c += kLanes)
+          store(s + c, exp2v((load(s + c) - lse) * kLog2e));
+        for (std::int64_t c = 0; c < lo; ++c) s[c] = 0.0f;
+        for (std::int64_t c = hi; c < kKeyTile; ++c) s[c] = 0.0f;
+        const float delta = w.delta[i];
+        const DropoutRow dropout(p, b, h, i);
+        if (!dropout.active() && dbias == nullptr) {
+          for (int c = 0; c < kKeyTile; c += kLanes) {  // dS = P (dP - Delta) * softcap' * scale
+            const Vec prob = load(s + c);
+            store(ds + c, prob * (load(ds + c) - delta) * load(dcap + c) * scale);
+          }
+          continue;
+        }
+        double* dbias_row = dbias != nullptr ? dbias->row(b, h, i) : nullptr;
+        for (std::int64_t c = 0; c < kKeyTile; ++c) {
+          const float prob = s[c];
+          const float keep = prob != 0.0f ? dropout.factor<float>(j0 + c) : 0.0f;
+          const float dscore = prob * (keep * ds[c] - delta);  // dS = P (dP - Delta)
+          if (dbias_row != nullptr && c < keys) {
+            dbias_row[(j0 + c) * dbias->column_stride()] += dscore;
+          }
+          ds[c] = dscore * dcap[c] * scale;  // the gradient of <q_i, k_j>
+          s[c] = prob * keep;                // dV's weights
+        }
       }
+      tile_products(Dot{}, w, q_rows, do_rows, padded_rows, keys_pad, w.dq + row0 * d_pad);
     }
-    for (std::int64_t c = 0; c < keys; ++c) {
-      store_row(w.dk + c * d_pad, d, a.dk.data, a.dk.dtype, offset4(a.dk, b, kv_head, j0 + c, 0));
-      store_row(w.dv + c * dv_pad, dv, a.dv.data, a.dv.dtype, offset4(a.dv, b, kv_head, j0 + c, 0));
-    }
+    w.put_kv_tile(w.put_context, t, w.dk, w.dv);
   }
   if (!w.store_dq) return;  // a part of the key tiles: the caller sums the dQ parts
-  for (std::int64_t g = 0; g < group; ++g) {
-    for (std::int64_t i = 0; i < lq; ++i) {
-      store_row(w.dq + (g * lq_pad + i) * d_pad, d, a.dq.data, a.dq.dtype,
-                offset4(a.dq, b, kv_head * group + g, i, 0));
-    }
+  for (std::int64_t i = 0; i < lq; ++i) {
+    store_row(w.dq + i * d_pad, d, a.dq.data, a.dq.dtype, offset4(a.dq, b, h, i, 0));
   }
+}
+
+// The exported entry point: native bf16 products for bf16 inputs where this target has them, f32
+// for everything else.
+void run_backward_head(const Problem& p, const BackwardArgs& a, std::int64_t b, std::int64_t h,
+                       const FlashBackwardScratch& w, DbiasAccumulator* dbias) {
+#if ATTNCORE_BF16_DOT
+  if (p.dtype == DType::bf16) return run_backward_head_with<Bf16Dot>(p, a, b, h, w, dbias);
+#endif
+  run_backward_head_with<F32Dot>(p, a, b, h, w, dbias);
 }
 
 }  // namespace attncore::detail::ATTNCORE_TARGET_NS

@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if ATTNCORE_BF16_DOT
 #include <immintrin.h>
@@ -160,6 +161,7 @@ inline void apply_score_mods(const Problem& p, std::int64_t b, std::int64_t h, s
 // K as [kKeyTile / kTileCols][D][kTileCols], V as [dv_pad / kTileCols][kKeyTile][kTileCols].
 struct F32Dot {
   static constexpr bool kScaledQueries = true;
+  using Operand = float;
 
   static std::int64_t k_index(std::int64_t d_count, std::int64_t e, std::int64_t c) {
     return (c / kTileCols) * d_count * kTileCols + e * kTileCols + c % kTileCols;
@@ -317,6 +319,7 @@ struct F32Dot {
 // so only P's rounding is added to what an f32 computation on the same inputs would do.
 struct Bf16Dot {
   static constexpr bool kScaledQueries = false;
+  using Operand = std::uint32_t;  // a bf16 pair: the element at the lower index in the low half
   static_assert(kLanes == 16, "one zmm of f32 lanes per vector");
 
   static std::int64_t pairs(std::int64_t n) { return (n + 1) / 2; }
@@ -391,6 +394,49 @@ struct Bf16Dot {
     }
   }
 
+  // out[n / 2] = the bf16 pair (x[n], x[n + 1]), rounded to nearest even, for n < count (a
+  // multiple of 2 * kLanes).
+  static void round_pairs(const float* x, std::int64_t count, std::uint32_t* out) {
+    for (std::int64_t n = 0; n < count; n += 2 * kLanes) {
+      const __m512bh pair =
+          _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + n + kLanes), _mm512_loadu_ps(x + n));
+      _mm512_storeu_si512(out + n / 2, (__m512i)pair);
+    }
+  }
+  // out[c] = the bf16 pair (lo[c], hi[c]) for c < count (a multiple of kLanes): two rows
+  // interleaved, so that a product can sum over rows two at a time.
+  static void round_interleaved(const float* lo, const float* hi, std::int64_t count,
+                                std::uint32_t* out) {
+    alignas(64) static constexpr std::uint16_t kZip[32] = {
+        0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i zip = _mm512_load_si512(kZip);
+    for (std::int64_t c = 0; c < count; c += kLanes) {
+      // [lo[c..c+16], hi[c..c+16]] as bf16, then zipped: lo[c], hi[c], lo[c+1], ...
+      const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(hi + c), _mm512_loadu_ps(lo + c));
+      _mm512_storeu_si512(out + c, _mm512_permutexvar_epi16(zip, (__m512i)both));
+    }
+  }
+
+  // The register-blocked core of every bf16 product: acc[r][c] += sum_n a(r, n) . b[n][c] for
+  // r < kTileRows, c < kTileCols, n < steps (in pairs), with a(r, n) = a[r * kRowStride + n *
+  // kStepStride] a bf16 pair broadcast and b's rows of pairs kTileCols apart.
+  template <int kRowStride, int kStepStride>
+  static void rank1_updates(Vec (&acc)[kTileRows][kTileVectors], const std::uint32_t* a,
+                            const std::uint32_t* b, std::int64_t steps) {
+    for (std::int64_t n = 0; n < steps; ++n) {
+      __m512bh row[kTileVectors];
+#pragma GCC unroll 4
+      for (int v = 0; v < kTileVectors; ++v) row[v] = load_pairs(b + n * kTileCols + v * kLanes);
+#pragma GCC unroll 16
+      for (int r = 0; r < kTileRows; ++r) {
+        const __m512bh x = splat_pair(a[r * kRowStride + n * kStepStride]);
+#pragma GCC unroll 4
+        for (int v = 0; v < kTileVectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], x, row[v]);
+      }
+    }
+  }
+
   // S [padded_rows][kKeyTile] = q . K_tile^T (unscaled)
   static void scores(const Problem& p, const float* q_floats, const float* kt_floats,
                      std::int64_t padded_rows, float* s) {
@@ -398,26 +444,14 @@ struct Bf16Dot {
     const auto* kt = reinterpret_cast<const std::uint32_t*>(kt_floats);
     const std::int64_t d_pairs = pairs(p.head_dim);
     for (std::int64_t r0 = 0; r0 < padded_rows; r0 += kTileRows) {
-      const std::uint32_t* q_tile = q + r0 * d_pairs;
       for (int c = 0; c < kKeyTile; c += kTileCols) {
-        __m512 acc[kTileRows][kTileVectors] = {};
-        for (std::int64_t e2 = 0; e2 < d_pairs; ++e2) {
-          __m512bh k[kTileVectors];
-#pragma GCC unroll 4
-          for (int v = 0; v < kTileVectors; ++v)
-            k[v] = load_pairs(kt + k_index(d_pairs, e2, c) + v * kLanes);
-#pragma GCC unroll 16
-          for (int r = 0; r < kTileRows; ++r) {
-            const __m512bh a = splat_pair(q_tile[e2 * kTileRows + r]);
-#pragma GCC unroll 4
-            for (int v = 0; v < kTileVectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, k[v]);
-          }
-        }
+        Vec acc[kTileRows][kTileVectors] = {};
+        rank1_updates<1, kTileRows>(acc, q + r0 * d_pairs, kt + k_index(d_pairs, 0, c), d_pairs);
 #pragma GCC unroll 16
         for (int r = 0; r < kTileRows; ++r) {
 #pragma GCC unroll 4
           for (int v = 0; v < kTileVectors; ++v)
-            _mm512_storeu_ps(s + (r0 + r) * kKeyTile + c + v * kLanes, acc[r][v]);
+            store(s + (r0 + r) * kKeyTile + c + v * kLanes, acc[r][v]);
         }
       }
     }
@@ -428,45 +462,25 @@ struct Bf16Dot {
                          std::int64_t padded_rows, const float* alpha, float* probs16_floats,
                          float* out) {
     auto* p16 = reinterpret_cast<std::uint32_t*>(probs16_floats);  // [padded_rows][kKeyTile / 2]
-    for (std::int64_t r = 0; r < padded_rows; ++r) {
-      for (int c = 0; c < kKeyTile; c += 2 * kLanes) {
-        const __m512bh pair =
-            _mm512_cvtne2ps_pbh(_mm512_loadu_ps(probs + r * kKeyTile + c + kLanes),
-                                _mm512_loadu_ps(probs + r * kKeyTile + c));
-        _mm512_storeu_si512(p16 + r * (kKeyTile / 2) + c / 2, (__m512i)pair);
-      }
-    }
+    round_pairs(probs, padded_rows * kKeyTile, p16);
     const auto* vt = reinterpret_cast<const std::uint32_t*>(vt_floats);
     for (std::int64_t r0 = 0; r0 < padded_rows; r0 += kTileRows) {
       for (std::int64_t c = 0; c < dv_pad; c += kTileCols) {
-        __m512 acc[kTileRows][kTileVectors];
+        Vec acc[kTileRows][kTileVectors];
 #pragma GCC unroll 16
         for (int r = 0; r < kTileRows; ++r) {
-          const __m512 a = _mm512_set1_ps(alpha[r0 + r]);
-#pragma GCC unroll 4
-          for (int v = 0; v < kTileVectors; ++v) {
-            acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(out + (r0 + r) * dv_pad + c + v * kLanes), a);
-          }
-        }
-        for (int j2 = 0; j2 < kKeyTile / 2; ++j2) {
-          __m512bh vv[kTileVectors];
+          const Vec a = splat(alpha[r0 + r]);
 #pragma GCC unroll 4
           for (int v = 0; v < kTileVectors; ++v)
-            vv[v] = load_pairs(vt + v_index(j2, c) + v * kLanes);
-#pragma GCC unroll 16
-          for (int r = 0; r < kTileRows; ++r) {
-            const __m512bh pr = splat_pair(p16[(r0 + r) * (kKeyTile / 2) + j2]);
-#pragma GCC unroll 4
-            for (int v = 0; v < kTileVectors; ++v)
-              acc[r][v] = _mm512_dpbf16_ps(acc[r][v], pr, vv[v]);
-          }
+            acc[r][v] = load(out + (r0 + r) * dv_pad + c + v * kLanes) * a;
         }
+        rank1_updates<kKeyTile / 2, 1>(acc, p16 + r0 * (kKeyTile / 2), vt + v_index(0, c),
+                                       kKeyTile / 2);
 #pragma GCC unroll 16
         for (int r = 0; r < kTileRows; ++r) {
 #pragma GCC unroll 4
-          for (int v = 0; v < kTileVectors; ++v) {
-            _mm512_storeu_ps(out + (r0 + r) * dv_pad + c + v * kLanes, acc[r][v]);
-          }
+          for (int v = 0; v < kTileVectors; ++v)
+            store(out + (r0 + r) * dv_pad + c + v * kLanes, acc[r][v]);
         }
       }
     }
@@ -633,7 +647,8 @@ void pack_tiles(const Problem& p, const ForwardArgs& a, std::int64_t b, std::int
   }
 }
 
-constexpr FlashLayout kLayout{kLanes, kBlockRows, kKeyTile, kTileCols, kTileRows};
+constexpr FlashLayout kLayout{kLanes,    kBlockRows, kKeyTile,
+                              kTileCols, kTileRows,  ATTNCORE_BF16_DOT != 0};
 
 }  // namespace attncore::detail::ATTNCORE_TARGET_NS
 
