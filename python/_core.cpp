@@ -39,8 +39,8 @@ DType dtype_from_format(std::string format, py::ssize_t itemsize, const char* na
   if (format == "d" && itemsize == 8) return DType::f64;
   if (format == "e" && itemsize == 2) return DType::f16;
   if (format == "?" && itemsize == 1) return DType::b8;
-  throw InvalidArgument(std::string(name) + " has an unsupported element type (format='" +
-                        format + "', expected float32, float64, float16 or bool)");
+  throw InvalidArgument(std::string(name) + " has an unsupported element type (format='" + format +
+                        "', expected float32, float64, float16 or bool)");
 }
 
 DType dtype_from_dlpack(const DLDataType& t, bool is_mask, const char* name) {
@@ -53,9 +53,9 @@ DType dtype_from_dlpack(const DLDataType& t, bool is_mask, const char* name) {
     // Producers that cannot export bool (torch 1.13) pass a bool mask's bytes as uint8.
     if (is_mask && t.code == kDLUInt && t.bits == 8) return DType::b8;
   }
-  throw InvalidArgument(std::string(name) + " has an unsupported element type (dlpack code=" +
-                        std::to_string(t.code) + ", bits=" + std::to_string(t.bits) +
-                        ", lanes=" + std::to_string(t.lanes) +
+  throw InvalidArgument(std::string(name) +
+                        " has an unsupported element type (dlpack code=" + std::to_string(t.code) +
+                        ", bits=" + std::to_string(t.bits) + ", lanes=" + std::to_string(t.lanes) +
                         ", expected float32, float64, float16, bfloat16 or bool)");
 }
 
@@ -155,8 +155,8 @@ std::optional<TensorView> view_of(const std::optional<Borrowed>& b) {
 }
 
 attncore::Causal causal_from_name(const std::string& name) {
-  for (auto c : {attncore::Causal::none, attncore::Causal::upper_left,
-                 attncore::Causal::lower_right}) {
+  for (auto c :
+       {attncore::Causal::none, attncore::Causal::upper_left, attncore::Causal::lower_right}) {
     if (attncore::name_of(c) == name) return c;
   }
   throw InvalidArgument("causal is invalid (causal='" + name +
@@ -235,9 +235,8 @@ void backward(py::handle dout, py::handle q, py::handle k, py::handle v, py::han
   const attncore::Options options = call.options(bmask, balibi, bdbias.has_value());
   const attncore::Backend backend = backend_from_name(call.backend);
   py::gil_scoped_release release;
-  attncore::backward_into(bdout.view(), bq.view(), bk.view(), bv.view(), bout.view(),
-                          blse.view(), bdq.view(), bdk.view(), bdv.view(), view_of(bdbias),
-                          options, backend);
+  attncore::backward_into(bdout.view(), bq.view(), bk.view(), bv.view(), bout.view(), blse.view(),
+                          bdq.view(), bdk.view(), bdv.view(), view_of(bdbias), options, backend);
 }
 
 }  // namespace
@@ -258,25 +257,26 @@ PYBIND11_MODULE(_core, m) {
   });
 
   py::class_<CallOptions>(m, "CallOptions")
-      .def(py::init([](std::optional<double> scale, std::string causal, std::int64_t window_left,
-                       std::int64_t window_right, double softcap, double dropout_p,
-                       std::uint64_t seed, std::uint64_t offset, bool enable_gqa, int num_threads,
-                       std::string backend) {
-             return CallOptions{scale,     std::move(causal), window_left, window_right,
-                                softcap,   dropout_p,         seed,        offset,
-                                enable_gqa, num_threads,      std::move(backend)};
-           }),
-           py::kw_only(), py::arg("scale"), py::arg("causal"), py::arg("window_left"),
-           py::arg("window_right"), py::arg("softcap"), py::arg("dropout_p"), py::arg("seed"),
-           py::arg("offset"), py::arg("enable_gqa"), py::arg("num_threads"), py::arg("backend"));
+      .def(
+          py::init([](std::optional<double> scale, std::string causal, std::int64_t window_left,
+                      std::int64_t window_right, double softcap, double dropout_p,
+                      std::uint64_t seed, std::uint64_t offset, bool enable_gqa, int num_threads,
+                      std::string backend) {
+            return CallOptions{
+                scale,  std::move(causal), window_left, window_right,      softcap, dropout_p, seed,
+                offset, enable_gqa,        num_threads, std::move(backend)};
+          }),
+          py::kw_only(), py::arg("scale"), py::arg("causal"), py::arg("window_left"),
+          py::arg("window_right"), py::arg("softcap"), py::arg("dropout_p"), py::arg("seed"),
+          py::arg("offset"), py::arg("enable_gqa"), py::arg("num_threads"), py::arg("backend"));
 
   m.def("forward", &forward, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("out"),
         py::arg("lse").none(true), py::arg("mask").none(true), py::arg("alibi_slopes").none(true),
         py::arg("options"));
-  m.def("backward", &backward, py::arg("dout"), py::arg("query"), py::arg("key"),
-        py::arg("value"), py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"),
-        py::arg("dv"), py::arg("dbias").none(true), py::arg("mask").none(true),
-        py::arg("alibi_slopes").none(true), py::arg("options"));
+  m.def("backward", &backward, py::arg("dout"), py::arg("query"), py::arg("key"), py::arg("value"),
+        py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
+        py::arg("dbias").none(true), py::arg("mask").none(true), py::arg("alibi_slopes").none(true),
+        py::arg("options"));
   m.def("version", &attncore::version);
   m.def("simd_target", &attncore::simd_target);
   m.def(
