@@ -171,3 +171,16 @@ def test_version_and_backend_names():
     q = _bhld(1)
     for backend in ("reference", "math", attncore.SDPBackend.REFERENCE, None, "auto"):
         attncore.scaled_dot_product_attention(q, q, q, backend=backend)
+
+
+def test_concurrent_calls_from_python_threads():
+    """The module releases the GIL while it computes: calls from several threads run side by
+    side and each gets its own result."""
+    from concurrent.futures import ThreadPoolExecutor
+    inputs = [[randn(2, 3, 33, 16, seed=10 * i + s).numpy() for s in range(3)] for i in range(6)]
+    serial = [attncore.scaled_dot_product_attention(*x, is_causal=True) for x in inputs]
+    with ThreadPoolExecutor(3) as pool:
+        parallel = list(pool.map(
+            lambda x: attncore.scaled_dot_product_attention(*x, is_causal=True), inputs))
+    for a, b in zip(serial, parallel):
+        assert (a == b).all()
