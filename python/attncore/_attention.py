@@ -75,9 +75,11 @@ def _resolve_call(op, form, *, scale, causal, window_size, softcap, dropout_p, s
                              "the (seed, offset) attncore.get_rng_state() gave before it)")
         seed, offset = _random.default_generator.take(form.batch_size * form.heads_q *
                                                       form.seqlen_q * form.seqlen_k)
+    else:
+        seed, offset = _random.check_u64("seed", seed), _random.check_u64("offset", offset or 0)
     return Call(scale=None if scale is None else float(scale), causal=causal,
                 window_size=(window_left, window_right), softcap=float(softcap),
-                dropout_p=dropout_p, seed=int(seed), offset=int(offset or 0),
+                dropout_p=dropout_p, seed=seed, offset=offset,
                 enable_gqa=bool(enable_gqa), backend=backend_name(backend),
                 num_threads=int(num_threads))
 

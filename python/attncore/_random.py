@@ -6,6 +6,7 @@ Dropout keeps element (b, h, i, j) iff the Philox4x32-10 uniform at stream posit
 B*Hq*Lq*Lk, the positions it used, so consecutive calls draw disjoint numbers.
 """
 
+import operator
 import threading
 
 # torch's default CPU seed, so that an unseeded process is reproducible as torch's is.
@@ -13,10 +14,15 @@ DEFAULT_SEED = 67280421310721
 _U64 = 1 << 64
 
 
-def _check_u64(name, value):
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < _U64:
+def check_u64(name, value):
+    """value as an int in [0, 2^64), else ValueError."""
+    try:
+        number = operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or isinstance(value, bool) or not 0 <= number < _U64:
         raise ValueError(f"{name} is invalid ({name}={value!r}, expected an int in [0, 2^64))")
-    return value
+    return number
 
 
 class Generator:
@@ -24,12 +30,12 @@ class Generator:
 
     def __init__(self, seed=DEFAULT_SEED):
         self._lock = threading.Lock()
-        self._seed = _check_u64("seed", seed)
+        self._seed = check_u64("seed", seed)
         self._offset = 0
 
     def manual_seed(self, seed):
         """Restarts the stream: this seed, offset 0."""
-        _check_u64("seed", seed)
+        check_u64("seed", seed)
         with self._lock:
             self._seed, self._offset = seed, 0
         return self
@@ -41,8 +47,8 @@ class Generator:
 
     def set_state(self, state):
         seed, offset = state
-        _check_u64("seed", seed)
-        _check_u64("offset", offset)
+        check_u64("seed", seed)
+        check_u64("offset", offset)
         with self._lock:
             self._seed, self._offset = seed, offset
 

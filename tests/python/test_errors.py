@@ -75,6 +75,8 @@ INVALID = {
                                                                 lse),
                             r"^backward: dout has shape \[2, 4, 5, 3\]"),
     "seed": (lambda: attncore.manual_seed(-1), r"seed is invalid"),
+    "call-seed": (lambda: attncore.attention(q, k, v, dropout_p=0.1, seed=2 ** 64),
+                  r"seed is invalid"),
     "rng-state": (lambda: attncore.set_rng_state((1, 2 ** 64)), r"offset is invalid"),
     "not-an-array": (lambda: SDPA(object(), k, v), r"rank=0"),
 }
