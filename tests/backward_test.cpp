@@ -463,6 +463,43 @@ TEST(Backward, ThreadCountDoesNotChangeBits) {
   }
 }
 
+// Grouped heads without dBias run on every thread: the query heads of a kv head add their dK,
+// dV tiles in head order (into the f32 outputs, or an f32 sum beside bf16 / f16 outputs), so
+// the gradients are bitwise the same for 1, 2, 3 and 5 threads.
+TEST(Backward, GroupedHeadsSumInHeadOrderOnAnyThreadCount) {
+  const Dims d{2, 8, 2, 150, 300, 40, 24};  // 4 query heads per kv head, 3 key tiles
+  for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+    for (Variant variant : {Variant::plain, Variant::causal_lower_right, Variant::dropout}) {
+      SCOPED_TRACE(std::string(name_of(dtype)) + " " + name_of_variant(variant));
+      Problem p = make_problem(d, {variant, dtype, false, 33});
+      const Operands x = make_operands(d, dtype, 33);
+      const Buffer q = make_buffer(dtype, to_shape(d.q_shape()), Layout::bhsd, x.q);
+      const Buffer k = make_buffer(dtype, to_shape(d.k_shape()), Layout::bshd, x.k);
+      const Buffer v = make_buffer(dtype, to_shape(d.v_shape()), Layout::bhsd, x.v);
+      const Buffer dout = make_buffer(dtype, to_shape(d.out_shape()), Layout::bhsd, x.dout);
+      p.options.num_threads = 1;
+      const ForwardResult f = forward(q.view, k.view, v.view, p.options, Backend::flash);
+      std::vector<std::vector<double>> runs;
+      for (int threads : {1, 2, 3, 5}) {
+        p.options.num_threads = threads;
+        const BackwardResult r =
+            backward(dout.view, q.view, k.view, v.view, f.out, f.lse, p.options, Backend::flash);
+        std::vector<double> all = read_view(r.dq);
+        for (const Tensor* t : {&r.dk, &r.dv}) {
+          const std::vector<double> e = read_view(*t);
+          all.insert(all.end(), e.begin(), e.end());
+        }
+        runs.push_back(all);
+      }
+      for (std::size_t t = 1; t < runs.size(); ++t) {
+        ASSERT_EQ(runs[t].size(), runs[0].size());
+        EXPECT_EQ(std::memcmp(runs[0].data(), runs[t].data(), runs[0].size() * sizeof(double)), 0)
+            << "gradients differ between run 0 and run " << t;
+      }
+    }
+  }
+}
+
 // Fewer than 4 heads: the fused backward cuts each head's key tiles into parts (separate items
 // with their own dQ parts, summed in order), and the two query heads of the one kv head add
 // their dK, dV tiles in head order. The gradients match the oracle and do not depend on the

@@ -209,9 +209,10 @@ void zero_view(const TensorView& t) {
 // Where a query head's dK and dV of one key tile go. With one query head per kv head, straight
 // into the outputs. With a group of several, into an f32 sum per (b, kv head, tile) that the
 // group's heads add to in head order: head g adds its tile once head g - 1 has added its own
-// (a turn counter per tile), and the last head stores the sum. Items are taken in order, so a
-// head waits only on heads that are running or done: no deadlock, and the sum is bitwise the
-// same for any thread count.
+// (a turn counter per tile), and the last head stores the sum. f32 outputs hold the sum
+// themselves; bf16 and f16 outputs get an f32 sum of dK and dV beside them. Items are taken in
+// order, so a head waits only on heads that are running or done: no deadlock, and the sum is
+// bitwise the same for any thread count.
 class KvTileReducer {
  public:
   KvTileReducer(const Problem& p, const BackwardArgs& a, std::int64_t d_pad, std::int64_t dv_pad,
@@ -223,11 +224,10 @@ class KvTileReducer {
         key_tile_(key_tile),
         tiles_((p.seqlen_k + key_tile - 1) / key_tile),
         tile_floats_(key_rows * (d_pad + dv_pad)),
+        in_place_(a.dk.dtype == DType::f32 && a.dv.dtype == DType::f32),
         // [B][Hkv][tiles][key_rows][d_pad + dv_pad]: dK rows, then dV rows
-        sums_(p.group > 1 ? p.batch * p.heads_kv * tiles_ * tile_floats_ : 1),
-        turns_(p.group > 1 ? p.batch * p.heads_kv * tiles_ : 0) {
-    for (auto& turn : turns_) turn.store(0, std::memory_order_relaxed);
-  }
+        sums_(p.group > 1 && !in_place_ ? p.batch * p.heads_kv * tiles_ * tile_floats_ : 1),
+        turns_(p.group > 1 ? p.batch * p.heads_kv * tiles_ : 0) {}
 
   // The head's context for put(): the item's (b, h).
   struct Head {
@@ -249,19 +249,36 @@ class KvTileReducer {
     }
     const std::int64_t slot = (b * p_.heads_kv + kv_head) * tiles_ + t;
     std::atomic<std::int64_t>& turn = turns_[static_cast<std::size_t>(slot)];
-    while (turn.load(std::memory_order_acquire) != g) std::this_thread::yield();
-    float* sum_k = sums_.get() + slot * tile_floats_;
-    float* sum_v = sum_k + keys * d_pad_;
-    const std::int64_t nk = keys * d_pad_, nv = keys * dv_pad_;
-    if (g == 0) {
-      std::copy(dk, dk + nk, sum_k);
-      std::copy(dv, dv + nv, sum_v);
-    } else {
-      for (std::int64_t e = 0; e < nk; ++e) sum_k[e] += dk[e];
-      for (std::int64_t e = 0; e < nv; ++e) sum_v[e] += dv[e];
+    for (std::int64_t seen = turn.load(std::memory_order_acquire); seen != g;
+         seen = turn.load(std::memory_order_acquire)) {
+      turn.wait(seen, std::memory_order_acquire);  // sleeps until head `seen` has added its tile
     }
-    if (g == p_.group - 1) store(b, kv_head, t, keys, sum_k, sum_v);
+    // sum = tile (head 0) or sum + tile, over `rows` rows of `cols` floats.
+    auto accumulate = [g](const float* tile, std::int64_t tile_stride, float* sum,
+                          std::int64_t sum_stride, std::int64_t rows, std::int64_t cols) {
+      for (std::int64_t r = 0; r < rows; ++r) {
+        const float* add = tile + r * tile_stride;
+        float* to = sum + r * sum_stride;
+        for (std::int64_t e = 0; e < cols; ++e) to[e] = g == 0 ? add[e] : to[e] + add[e];
+      }
+    };
+    const std::int64_t j0 = t * key_tile_;
+    if (in_place_) {  // the f32 outputs hold the sums (rows with a unit last stride)
+      for (std::int64_t c = 0; c < keys; ++c) {
+        float* k_row = static_cast<float*>(a_.dk.data) + offset4(a_.dk, b, kv_head, j0 + c, 0);
+        float* v_row = static_cast<float*>(a_.dv.data) + offset4(a_.dv, b, kv_head, j0 + c, 0);
+        accumulate(dk + c * d_pad_, 0, k_row, 0, 1, p_.head_dim);
+        accumulate(dv + c * dv_pad_, 0, v_row, 0, 1, p_.head_dim_v);
+      }
+    } else {
+      float* sum_k = sums_.get() + slot * tile_floats_;
+      float* sum_v = sum_k + keys * d_pad_;
+      accumulate(dk, d_pad_, sum_k, d_pad_, keys, d_pad_);
+      accumulate(dv, dv_pad_, sum_v, dv_pad_, keys, dv_pad_);
+      if (g == p_.group - 1) store(b, kv_head, t, keys, sum_k, sum_v);
+    }
     turn.store(g + 1, std::memory_order_release);
+    turn.notify_all();
   }
 
   void store(std::int64_t b, std::int64_t kv_head, std::int64_t t, std::int64_t keys,
@@ -278,6 +295,7 @@ class KvTileReducer {
   const Problem& p_;
   const BackwardArgs& a_;
   std::int64_t d_pad_, dv_pad_, key_tile_, tiles_, tile_floats_;
+  bool in_place_;
   AlignedFloats sums_;
   std::vector<std::atomic<std::int64_t>> turns_;
 };
@@ -348,6 +366,10 @@ void flash_backward(const Problem& p, const BackwardArgs& a) {
       *fields[f] = at;
       at += round_up(sizes[f], 16);
     }
+    // The dK, dV products read S and dS over whole micro-tiles of keys (132 rows for 6-row
+    // tiles): the rows past the key tile are never written, so they start as zeros.
+    std::fill_n(w.s, block * tile + tile_rows, 0.0f);
+    std::fill_n(w.ds, block * tile + tile_rows, 0.0f);
     for (std::int64_t n = next.fetch_add(1); n < items; n = next.fetch_add(1)) {
       const std::int64_t head = n / parts, part = n % parts;
       KvTileReducer::Head context{&reducer, head / p.heads_q, head % p.heads_q};

@@ -63,19 +63,22 @@ struct FlashBackwardScratch {
   // Takes the head's dK [key rows][d_pad] and dV [key rows][dv_pad] of key tile t.
   void (*put_kv_tile)(void* context, std::int64_t t, const float* dk, const float* dv);
   void* put_context;
-  float* dq;      // [lq_pad][d_pad]: the head's dQ, fp32
-  float* delta;   // [Lq]: <dO_i, O_i>
-  float* k_t;     // [D][key_tile] (k-layout): K for S
-  float* k_rows;  // [d_pad][key_tile] (v-layout): K for dQ
-  float* v_t;     // [Dv][key_tile] (k-layout): V for dP
-  float* v_rows;  // [dv_pad][key_tile]: written by the packing, unused
+  float* dq;     // [lq_pad][d_pad]: the head's dQ, fp32
+  float* delta;  // [Lq]: <dO_i, O_i>
+  // Tiles in the forward's layouts (F32Dot or Bf16Dot, flash_kernel-inl.h), K packed as both
+  // keys and values:
+  float* k_t;     // K's k-layout: for S
+  float* k_rows;  // K's v-layout (bf16: pairs along keys): for dQ
+  float* v_t;     // V's k-layout: for dP
+  float* v_rows;  // V's v-layout: written by the packing, unused
   float* dk;      // [key rows][d_pad]: the tile's dK
   float* dv;      // [key rows][dv_pad]: the tile's dV
-  // The head's rows, packed once; the block of row0 starts at row row0:
-  float* q_rows;   // [lq_pad][d_pad] (v-layout per block; bf16: pairs of rows): q for S, dK
-  float* do_rows;  // [lq_pad][dv_pad] (likewise): dO for dP and dV
-  float* q_t;      // bf16 only: [lq_pad][D / 2] pairs along D, forward query layout: q for S
-  float* do_t;     // bf16 only: [lq_pad][Dv / 2] likewise: dO for dP
+  // The head's rows, packed once; blocks of block_rows rows, each in its own layout:
+  float* q_rows;   // [lq_pad][d_pad] ([d_pad / cols][rows][cols] per block, cols = dv_align;
+                   // bf16: pairs of rows): q for dK, and for S in f32
+  float* do_rows;  // [lq_pad][dv_pad] (likewise): dO for dV, and for dP in f32
+  float* q_t;      // bf16 only: [lq_pad / tile rows][(D + 1) / 2][tile rows] pairs along D: q for S
+  float* do_t;     // bf16 only: likewise for dO: for dP
   float* lse;      // [Lq]
   float* s;        // [block_rows][key_tile] (+ tile rows): S, P, then P * M
   float* ds;       // [block_rows][key_tile] (+ tile rows): dP, then dS

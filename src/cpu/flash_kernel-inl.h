@@ -321,6 +321,7 @@ struct Bf16Dot {
   static constexpr bool kScaledQueries = false;
   using Operand = std::uint32_t;  // a bf16 pair: the element at the lower index in the low half
   static_assert(kLanes == 16, "one zmm of f32 lanes per vector");
+  static_assert(kTileRows % 2 == 0, "micro-tiles hold whole pairs of rows");
 
   static std::int64_t pairs(std::int64_t n) { return (n + 1) / 2; }
   // Tiles in units of bf16 pairs, each micro-kernel call streaming one contiguous block:
