@@ -11,6 +11,7 @@ and results come back in the caller's layout, library and dtype.
 
 import dataclasses
 import math
+import typing
 from typing import Optional
 
 from . import _arrays, _core, _random
@@ -231,6 +232,28 @@ def backward4(lib, dout4, q4, k4, v4, out4, lse3, mask4, alibi, call, want_dbias
     return dq, dk, dv, dbias
 
 
+class _Prepared(typing.NamedTuple):
+    """One call's arrays and options, brought to the library's form."""
+
+    lib: object  # _arrays.NUMPY or _arrays.TORCH
+    give_back: object  # turns results into the caller's type
+    form: _Form
+    call: Call
+    mask: object  # the caller's attn_mask (in lib) or None
+    mask4: object  # [B|1, Hq|1, Lq|1, Lk|1] or None
+    alibi: object  # [Hq] or [B, Hq] or None
+
+
+def _prepare(op, query, key, value, *, layout, attn_mask, alibi_slopes, draw_seed, **options):
+    lib, query, give_back = _arrays.adopt(query)
+    form = _Form(lib, op, layout, query, lib.asarray(key), lib.asarray(value))
+    call = _resolve_call(op, form, draw_seed=draw_seed, **options)
+    mask = None if attn_mask is None else lib.asarray(attn_mask)
+    mask4 = None if mask is None else form.mask4(mask)
+    alibi = None if alibi_slopes is None else form.alibi(lib.asarray(alibi_slopes))
+    return _Prepared(lib, give_back, form, call, mask, mask4, alibi)
+
+
 def attention(query, key, value, *, layout="bhld", scale=None, causal=None, window_size=(-1, -1),
               softcap=0.0, alibi_slopes=None, attn_mask=None, dropout_p=0.0, seed=None,
               offset=None, enable_gqa=True, backend=None, num_threads=0, return_lse=False,
@@ -253,22 +276,18 @@ def attention(query, key, value, *, layout="bhld", scale=None, causal=None, wind
     torch tensors go through attncore.torch.AttentionFunction, so gradients flow to query, key,
     value and a float attn_mask that requires grad.
     """
-    lib, query, give_back = _arrays.adopt(query)
-    form = _Form(lib, _op, layout, query, lib.asarray(key), lib.asarray(value))
-    call = _resolve_call(_op, form, scale=scale, causal=causal, window_size=window_size,
-                         softcap=softcap, dropout_p=dropout_p, seed=seed, offset=offset,
-                         enable_gqa=enable_gqa, backend=backend, num_threads=num_threads,
-                         draw_seed=True)
-    mask4 = None if attn_mask is None else form.mask4(lib.asarray(attn_mask))
-    alibi = None if alibi_slopes is None else form.alibi(lib.asarray(alibi_slopes))
-    q4 = _times(form.q4, call.q_factor)
-    if lib.is_torch:
+    p = _prepare(_op, query, key, value, layout=layout, attn_mask=attn_mask,
+                 alibi_slopes=alibi_slopes, draw_seed=True, scale=scale, causal=causal,
+                 window_size=window_size, softcap=softcap, dropout_p=dropout_p, seed=seed,
+                 offset=offset, enable_gqa=enable_gqa, backend=backend, num_threads=num_threads)
+    q4 = _times(p.form.q4, p.call.q_factor)
+    if p.lib.is_torch:
         from .torch import AttentionFunction
-        out4, lse3 = AttentionFunction.apply(q4, form.k4, form.v4, mask4, alibi, call)
+        out4, lse3 = AttentionFunction.apply(q4, p.form.k4, p.form.v4, p.mask4, p.alibi, p.call)
     else:
-        out4, lse3 = forward4(lib, q4, form.k4, form.v4, mask4, alibi, call)
-    out = give_back(form.to_caller(out4))
-    return (out, give_back(form.lse_to_caller(lse3))) if return_lse else out
+        out4, lse3 = forward4(p.lib, q4, p.form.k4, p.form.v4, p.mask4, p.alibi, p.call)
+    out = p.give_back(p.form.to_caller(out4))
+    return (out, p.give_back(p.form.lse_to_caller(lse3))) if return_lse else out
 
 
 def attention_backward(dout, query, key, value, out, softmax_lse, *, layout="bhld", scale=None,
@@ -282,23 +301,17 @@ def attention_backward(dout, query, key, value, out, softmax_lse, *, layout="bhl
     Every option must be the forward call's; with dropout, seed and offset are required: the
     (seed, offset) that attncore.get_rng_state() returned just before the forward call.
     """
-    op = "attention_backward"
-    lib, query, give_back = _arrays.adopt(query)
-    form = _Form(lib, op, layout, query, lib.asarray(key), lib.asarray(value))
-    call = _resolve_call(op, form, scale=scale, causal=causal, window_size=window_size,
-                         softcap=softcap, dropout_p=dropout_p, seed=seed, offset=offset,
-                         enable_gqa=enable_gqa, backend=backend, num_threads=num_threads,
-                         draw_seed=False)
-    mask = None if attn_mask is None else lib.asarray(attn_mask)
-    mask4 = None if mask is None else form.mask4(mask)
-    want_dbias = mask is not None and lib.dtype_name(mask) != "bool"
-    alibi = None if alibi_slopes is None else form.alibi(lib.asarray(alibi_slopes))
+    p = _prepare("attention_backward", query, key, value, layout=layout, attn_mask=attn_mask,
+                 alibi_slopes=alibi_slopes, draw_seed=False, scale=scale, causal=causal,
+                 window_size=window_size, softcap=softcap, dropout_p=dropout_p, seed=seed,
+                 offset=offset, enable_gqa=enable_gqa, backend=backend, num_threads=num_threads)
+    form, factor = p.form, p.call.q_factor
+    want_dbias = p.mask is not None and p.lib.dtype_name(p.mask) != "bool"
     dq4, dk4, dv4, dbias4 = backward4(
-        lib, form.from_caller(dout, "dout"), _times(form.q4, call.q_factor), form.k4,
-        form.v4, form.from_caller(out, "out"), form.lse_from_caller(softmax_lse), mask4, alibi,
-        call, want_dbias)
-    grads = [form.to_caller(_times(dq4, call.q_factor)), form.to_caller(dk4),
-             form.to_caller(dv4)]
+        p.lib, form.from_caller(dout, "dout"), _times(form.q4, factor), form.k4, form.v4,
+        form.from_caller(out, "out"), form.lse_from_caller(softmax_lse), p.mask4, p.alibi,
+        p.call, want_dbias)
+    grads = [form.to_caller(_times(dq4, factor)), form.to_caller(dk4), form.to_caller(dv4)]
     if want_dbias:
-        grads.append(form.dbias_to_caller(dbias4, mask))
-    return tuple(give_back(g) for g in grads)
+        grads.append(form.dbias_to_caller(dbias4, p.mask))
+    return tuple(p.give_back(g) for g in grads)
