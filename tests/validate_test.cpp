@@ -399,6 +399,28 @@ TEST(ValidateBaseline, ValidCallSucceeds) {
   }
 }
 
+// Empty views may have any strides (numpy gives an empty array all-zero strides): Lq = 0 and
+// Lk = 0 calls with such inputs and outputs succeed on every backend.
+TEST(ValidateBaseline, EmptyViewsWithZeroStrides) {
+  float unused[1];
+  const auto zero_strided = [&](std::initializer_list<std::int64_t> shape) {
+    return TensorView::strided(unused, DType::f32, shape, {0, 0, 0, 0});
+  };
+  for (Backend backend : {Backend::automatic, Backend::reference, Backend::math, Backend::flash}) {
+    // Lq = 0: q [1, 2, 0, 8], out [1, 2, 0, 8], lse [1, 2, 0] are empty.
+    const Tensor k(DType::f32, {1, 2, 5, 8});  // [B, Hkv, Lk, D]
+    const TensorView q = zero_strided({1, 2, 0, 8});
+    const TensorView out = zero_strided({1, 2, 0, 8});
+    EXPECT_NO_THROW(forward_into(q, k, k, out, std::nullopt, {}, backend)) << name_of(backend);
+    // Lk = 0: k, v [1, 2, 0, 8] are empty; the output rows are 0.
+    const Tensor q2(DType::f32, {1, 2, 3, 8});  // [B, Hq, Lq, D]
+    const TensorView empty_kv = zero_strided({1, 2, 0, 8});
+    ForwardResult r;
+    EXPECT_NO_THROW(r = forward(q2, empty_kv, empty_kv, {}, backend)) << name_of(backend);
+    for (std::int64_t i = 0; i < r.out.numel(); ++i) EXPECT_EQ(r.out.data_as<float>()[i], 0.0f);
+  }
+}
+
 // Checks an Unsupported error: type, op prefix, "expected" and the key words.
 void expect_unsupported(const std::function<void()>& call, const std::string& op,
                         const std::vector<std::string>& keywords) {

@@ -1,0 +1,285 @@
+// attncore._core: the extension module behind the `attncore` Python package. It runs
+// attncore::forward_into / backward_into on Python arrays, read and written in place: numpy
+// arrays (and any other buffer-protocol object) through the buffer protocol, everything else
+// (torch tensors, bf16 included) through `__dlpack__`. Nothing is copied; the package allocates
+// the outputs and reshapes its arguments into the rank-4 views this module takes.
+#include <dlpack/dlpack.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "attncore/attncore.h"
+
+namespace py = pybind11;
+
+namespace {
+
+using attncore::DType;
+using attncore::InvalidArgument;
+using attncore::TensorView;
+using attncore::Unsupported;
+
+// DLPack 0.8 added a bool type code; DLPack 0.6 (Debian 12's header) does not name it.
+constexpr std::uint8_t kDLBoolCode = 6;
+
+// The data addresses of the arrays of this thread's last call, by argument name: lets the
+// tests prove that a strided view reached the kernels without a copy.
+thread_local std::map<std::string, std::uintptr_t> last_call_addresses;
+
+DType dtype_from_format(std::string format, py::ssize_t itemsize, const char* name) {
+  // Native or explicitly little-endian byte order only (this library runs on little-endian CPUs).
+  if (!format.empty() && (format[0] == '@' || format[0] == '=' || format[0] == '<'))
+    format.erase(0, 1);
+  if (format == "f" && itemsize == 4) return DType::f32;
+  if (format == "d" && itemsize == 8) return DType::f64;
+  if (format == "e" && itemsize == 2) return DType::f16;
+  if (format == "?" && itemsize == 1) return DType::b8;
+  throw InvalidArgument(std::string(name) + " has an unsupported element type (format='" + format +
+                        "', expected float32, float64, float16 or bool)");
+}
+
+DType dtype_from_dlpack(const DLDataType& t, bool is_mask, const char* name) {
+  if (t.lanes == 1) {
+    if (t.code == kDLFloat && t.bits == 32) return DType::f32;
+    if (t.code == kDLFloat && t.bits == 64) return DType::f64;
+    if (t.code == kDLFloat && t.bits == 16) return DType::f16;
+    if (t.code == kDLBfloat && t.bits == 16) return DType::bf16;
+    if (t.code == kDLBoolCode && t.bits == 8) return DType::b8;
+    // Producers that cannot export bool (torch 1.13) pass a bool mask's bytes as uint8.
+    if (is_mask && t.code == kDLUInt && t.bits == 8) return DType::b8;
+  }
+  throw InvalidArgument(std::string(name) +
+                        " has an unsupported element type (dlpack code=" + std::to_string(t.code) +
+                        ", bits=" + std::to_string(t.bits) + ", lanes=" + std::to_string(t.lanes) +
+                        ", expected float32, float64, float16, bfloat16 or bool)");
+}
+
+// One Python array seen as a TensorView onto its own memory, valid while this object lives.
+class Borrowed {
+ public:
+  Borrowed(py::handle obj, const char* name, bool writable, bool is_mask = false) {
+    if (PyObject_CheckBuffer(obj.ptr())) {
+      from_buffer(obj, name, writable);
+    } else if (py::hasattr(obj, "__dlpack__")) {
+      from_dlpack(obj, name, is_mask);
+    } else {
+      throw InvalidArgument(std::string(name) + " is not an array (type=" +
+                            std::string(py::str(py::type::of(obj).attr("__name__"))) +
+                            ", expected a numpy array or an object with __dlpack__)");
+    }
+    last_call_addresses[name] = reinterpret_cast<std::uintptr_t>(view_.data);
+  }
+  Borrowed(Borrowed&&) = default;
+  Borrowed& operator=(Borrowed&&) = delete;
+
+  const TensorView& view() const { return view_; }
+
+ private:
+  void check_rank(std::int64_t rank, const char* name) {
+    if (rank > attncore::kMaxRank) {
+      throw InvalidArgument(std::string(name) + " has too many dimensions (rank=" +
+                            std::to_string(rank) + ", expected <= 4)");
+    }
+    view_.rank = static_cast<int>(rank);
+  }
+
+  void from_buffer(py::handle obj, const char* name, bool writable) {
+    buffer_ = py::reinterpret_borrow<py::buffer>(obj).request(writable);
+    const py::buffer_info& b = *buffer_;
+    check_rank(b.ndim, name);
+    view_.dtype = dtype_from_format(b.format, b.itemsize, name);
+    view_.data = b.ptr;
+    for (int d = 0; d < view_.rank; ++d) {
+      const auto stride = b.strides[static_cast<std::size_t>(d)];
+      if (stride < 0 || stride % b.itemsize != 0) {
+        throw InvalidArgument(std::string(name) + " has a stride that is not a non-negative " +
+                              "multiple of its item size (stride[" + std::to_string(d) +
+                              "]=" + std::to_string(stride) + " bytes, itemsize=" +
+                              std::to_string(b.itemsize) + "); pass a contiguous copy");
+      }
+      view_.shape[static_cast<std::size_t>(d)] = b.shape[static_cast<std::size_t>(d)];
+      view_.stride[static_cast<std::size_t>(d)] = stride / b.itemsize;
+    }
+  }
+
+  void from_dlpack(py::handle obj, const char* name, bool is_mask) {
+    py::capsule capsule = obj.attr("__dlpack__")();
+    auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
+    if (managed == nullptr) throw py::error_already_set();
+    // The capsule is consumed: from here on, this object calls the deleter.
+    PyCapsule_SetName(capsule.ptr(), "used_dltensor");
+    managed_.reset(managed);
+    const DLTensor& t = managed->dl_tensor;
+    if (t.device.device_type != kDLCPU && t.device.device_type != kDLCUDAHost) {
+      throw Unsupported(std::string(name) + " is not in CPU memory (dlpack device_type=" +
+                        std::to_string(static_cast<int>(t.device.device_type)) +
+                        ", expected CPU); attncore has CPU backends only");
+    }
+    check_rank(t.ndim, name);
+    view_.dtype = dtype_from_dlpack(t.dtype, is_mask, name);
+    view_.data = static_cast<char*>(t.data) + t.byte_offset;
+    std::int64_t running = 1;
+    for (int d = view_.rank; d-- > 0;) {
+      view_.shape[static_cast<std::size_t>(d)] = t.shape[d];
+      view_.stride[static_cast<std::size_t>(d)] = t.strides != nullptr ? t.strides[d] : running;
+      running *= t.shape[d];
+    }
+  }
+
+  struct CallDeleter {
+    void operator()(DLManagedTensor* t) const {
+      if (t->deleter != nullptr) t->deleter(t);
+    }
+  };
+
+  TensorView view_;
+  std::optional<py::buffer_info> buffer_;  // released (with the GIL held) on destruction
+  std::unique_ptr<DLManagedTensor, CallDeleter> managed_;  // DLPack: deleter runs on destruction
+};
+
+std::optional<Borrowed> borrow_optional(py::handle obj, const char* name, bool writable,
+                                        bool is_mask = false) {
+  std::optional<Borrowed> b;
+  if (!obj.is_none()) b.emplace(obj, name, writable, is_mask);
+  return b;
+}
+
+std::optional<TensorView> view_of(const std::optional<Borrowed>& b) {
+  if (!b) return std::nullopt;
+  return b->view();
+}
+
+attncore::Causal causal_from_name(const std::string& name) {
+  for (auto c :
+       {attncore::Causal::none, attncore::Causal::upper_left, attncore::Causal::lower_right}) {
+    if (attncore::name_of(c) == name) return c;
+  }
+  throw InvalidArgument("causal is invalid (causal='" + name +
+                        "', expected 'none', 'upper-left' or 'lower-right')");
+}
+
+attncore::Backend backend_from_name(const std::string& name) {
+  for (auto b : {attncore::Backend::automatic, attncore::Backend::reference,
+                 attncore::Backend::math, attncore::Backend::flash}) {
+    if (attncore::name_of(b) == name) return b;
+  }
+  throw InvalidArgument("backend is invalid (backend='" + name +
+                        "', expected 'auto', 'reference', 'math' or 'flash')");
+}
+
+// The options of one call, as the package passes them (keyword arguments of both functions).
+struct CallOptions {
+  std::optional<double> scale;
+  std::string causal;
+  std::int64_t window_left, window_right;
+  double softcap, dropout_p;
+  std::uint64_t seed, offset;
+  bool enable_gqa;
+  int num_threads;
+  std::string backend;
+
+  attncore::Options options(const std::optional<Borrowed>& mask,
+                            const std::optional<Borrowed>& alibi, bool compute_dbias) const {
+    attncore::Options o;
+    o.scale = scale;
+    o.causal = causal_from_name(causal);
+    o.window_left = window_left;
+    o.window_right = window_right;
+    o.softcap = softcap;
+    o.alibi_slopes = view_of(alibi);
+    o.mask = view_of(mask);
+    o.compute_dbias = compute_dbias;
+    o.dropout_p = dropout_p;
+    o.seed = seed;
+    o.offset = offset;
+    o.enable_gqa = enable_gqa;
+    o.num_threads = num_threads;
+    return o;
+  }
+};
+
+// q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv]; writes out [B, Hq, Lq, Dv] and, when
+// given, lse [B, Hq, Lq]. mask: rank 2 or 4; alibi_slopes: [Hq] or [B, Hq].
+void forward(py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
+             py::handle mask, py::handle alibi_slopes, const CallOptions& call) {
+  last_call_addresses.clear();
+  const Borrowed bq(q, "query", false), bk(k, "key", false), bv(v, "value", false);
+  const Borrowed bout(out, "out", true);
+  const auto blse = borrow_optional(lse, "lse", true);
+  const auto bmask = borrow_optional(mask, "mask", false, /*is_mask=*/true);
+  const auto balibi = borrow_optional(alibi_slopes, "alibi_slopes", false);
+  const attncore::Options options = call.options(bmask, balibi, false);
+  const attncore::Backend backend = backend_from_name(call.backend);
+  py::gil_scoped_release release;
+  attncore::forward_into(bq.view(), bk.view(), bv.view(), bout.view(), view_of(blse), options,
+                         backend);
+}
+
+// The gradients of forward's call with the same q, k, v and options: writes dq, dk, dv (shaped
+// like q, k, v) and, when given, dbias (shaped like mask, which must then be additive).
+void backward(py::handle dout, py::handle q, py::handle k, py::handle v, py::handle out,
+              py::handle lse, py::handle dq, py::handle dk, py::handle dv, py::handle dbias,
+              py::handle mask, py::handle alibi_slopes, const CallOptions& call) {
+  last_call_addresses.clear();
+  const Borrowed bdout(dout, "dout", false), bq(q, "query", false), bk(k, "key", false),
+      bv(v, "value", false), bout(out, "out", false), blse(lse, "lse", false);
+  const Borrowed bdq(dq, "dq", true), bdk(dk, "dk", true), bdv(dv, "dv", true);
+  const auto bdbias = borrow_optional(dbias, "dbias", true);
+  const auto bmask = borrow_optional(mask, "mask", false, /*is_mask=*/true);
+  const auto balibi = borrow_optional(alibi_slopes, "alibi_slopes", false);
+  const attncore::Options options = call.options(bmask, balibi, bdbias.has_value());
+  const attncore::Backend backend = backend_from_name(call.backend);
+  py::gil_scoped_release release;
+  attncore::backward_into(bdout.view(), bq.view(), bk.view(), bv.view(), bout.view(), blse.view(),
+                          bdq.view(), bdk.view(), bdv.view(), view_of(bdbias), options, backend);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "attncore's C++ library on Python arrays (used by the attncore package)";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const attncore::InvalidArgument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const attncore::Unsupported& e) {
+      PyErr_SetString(PyExc_NotImplementedError, e.what());
+    } catch (const attncore::Error& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+  });
+
+  py::class_<CallOptions>(m, "CallOptions")
+      .def(
+          py::init([](std::optional<double> scale, std::string causal, std::int64_t window_left,
+                      std::int64_t window_right, double softcap, double dropout_p,
+                      std::uint64_t seed, std::uint64_t offset, bool enable_gqa, int num_threads,
+                      std::string backend) {
+            return CallOptions{
+                scale,  std::move(causal), window_left, window_right,      softcap, dropout_p, seed,
+                offset, enable_gqa,        num_threads, std::move(backend)};
+          }),
+          py::kw_only(), py::arg("scale"), py::arg("causal"), py::arg("window_left"),
+          py::arg("window_right"), py::arg("softcap"), py::arg("dropout_p"), py::arg("seed"),
+          py::arg("offset"), py::arg("enable_gqa"), py::arg("num_threads"), py::arg("backend"));
+
+  m.def("forward", &forward, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("out"),
+        py::arg("lse").none(true), py::arg("mask").none(true), py::arg("alibi_slopes").none(true),
+        py::arg("options"));
+  m.def("backward", &backward, py::arg("dout"), py::arg("query"), py::arg("key"), py::arg("value"),
+        py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
+        py::arg("dbias").none(true), py::arg("mask").none(true), py::arg("alibi_slopes").none(true),
+        py::arg("options"));
+  m.def("version", &attncore::version);
+  m.def("simd_target", &attncore::simd_target);
+  m.def(
+      "_last_call_addresses", [] { return last_call_addresses; },
+      "The data address of each array of this thread's last forward/backward call, by name");
+}

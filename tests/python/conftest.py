@@ -1,0 +1,37 @@
+"""Shared helpers of the Python tests: random inputs and the comparisons with the oracle."""
+
+import pytest
+import torch
+
+
+def randn(*shape, dtype=torch.float64, seed=0, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+    return x.requires_grad_(requires_grad)
+
+
+# Largest error, relative to the oracle's largest magnitude, each input dtype is held to:
+# float64 differs from the oracle by summation order only; float32 by float32 rounding of
+# products over up to 1025 keys; bf16/f16 by their 8/11-bit mantissas (inputs are rounded
+# before the oracle sees them, so only the computation's own roundings count).
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 2e-5, torch.bfloat16: 2e-2,
+             torch.float16: 4e-3}
+
+
+def assert_close(actual, expected, dtype, what=""):
+    actual = torch.as_tensor(actual).double()
+    expected = expected.double()
+    assert actual.shape == expected.shape, what
+    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
+    # -inf LSE rows (no visible key) must match exactly.
+    both_inf = torch.isinf(expected) & (actual == expected)
+    err = torch.where(both_inf, torch.zeros(()), (actual - expected).abs())
+    worst = err.max().item() if err.numel() else 0.0
+    assert worst <= TOLERANCE[dtype] * scale, f"{what}: max error {worst:.3g} (scale {scale:.3g})"
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test starts from the same dropout stream."""
+    import attncore
+    attncore.manual_seed(0)

@@ -1,0 +1,186 @@
+"""Arrays in and out: numpy (float32/16/64), torch (bf16 too) and other DLPack producers, read in
+place where the strides allow (only the last stride must be 1), results in the caller's type."""
+
+import numpy as np
+import pytest
+import torch
+
+import attncore
+import reference
+from attncore import _core
+from conftest import assert_close, randn
+
+
+def _address(x):
+    return x.data_ptr() if isinstance(x, torch.Tensor) else x.__array_interface__["data"][0]
+
+
+def _bhld(seed, batch=2, heads=3, length=9, dim=16, dtype=torch.float64):
+    return randn(batch, heads, length, dim, seed=seed).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=str)
+@pytest.mark.parametrize("backend", ["flash", "math", "reference"])
+def test_torch_reduced_precision(dtype, backend):
+    q, k, v = (_bhld(s, dtype=dtype) for s in (1, 2, 3))
+    mask = randn(9, 9, seed=4)  # float32 mask with a reduced-precision query: as torch allows
+    out = attncore.scaled_dot_product_attention(q, k, v, attn_mask=mask.float(),
+                                                backend=backend)
+    assert isinstance(out, torch.Tensor) and out.dtype == dtype
+    expected, _ = reference.attention(q, k, v, mask=mask.float())
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=str)
+def test_numpy_dtypes(dtype):
+    q, k, v = (_bhld(s).numpy().astype(dtype) for s in (1, 2, 3))
+    out, lse = attncore.attention(q, k, v, causal="lower-right", return_lse=True)
+    assert isinstance(out, np.ndarray) and out.dtype == dtype
+    assert lse.dtype == (np.float64 if dtype == np.float64 else np.float32)
+    expected, expected_lse = reference.attention(
+        *(torch.from_numpy(x) for x in (q, k, v)), causal="lower-right")
+    tdtype = {np.float16: torch.float16, np.float32: torch.float32,
+              np.float64: torch.float64}[dtype]
+    assert_close(out, expected, tdtype)
+    assert_close(lse, expected_lse, tdtype)
+
+
+def test_bf16_gradients_through_autograd():
+    q, k, v = (_bhld(s, dtype=torch.bfloat16).requires_grad_() for s in (1, 2, 3))
+    out = attncore.torch.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out.float().sum().backward()
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    expected, _ = reference.attention(*ref, causal="upper-left")
+    expected.sum().backward()
+    for got, want in zip((q, k, v), ref):
+        assert got.grad.dtype == torch.bfloat16
+        assert_close(got.grad, want.grad, torch.bfloat16)
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+def test_transposed_views_are_read_in_place(library):
+    """A [B, L, H, D] buffer passed as its [B, H, L, D] transpose gives the contiguous copy's
+    result, and the kernels get the buffer's own address (no copy)."""
+    blhd = [randn(2, 9, 3, 16, seed=s) for s in (1, 2, 3)]
+    if library == "numpy":
+        blhd = [x.numpy() for x in blhd]
+        views = [x.swapaxes(1, 2) for x in blhd]
+        copies = [np.ascontiguousarray(x) for x in views]
+    else:
+        views = [x.transpose(1, 2) for x in blhd]
+        copies = [x.contiguous() for x in views]
+    out = attncore.scaled_dot_product_attention(*views, is_causal=True)
+    addresses = _core._last_call_addresses()
+    assert [addresses[name] for name in ("query", "key", "value")] == [
+        _address(x) for x in blhd]
+    expected = attncore.scaled_dot_product_attention(*copies, is_causal=True)
+    assert (np.asarray(out) == np.asarray(expected)).all()  # bitwise: same math
+
+
+def test_sliced_and_expanded_views_are_read_in_place():
+    """Heads sliced out of a packed QKV buffer [B, L, 3, H, D] and a stride-0 broadcast mask."""
+    qkv = randn(2, 9, 3, 4, 16, seed=1)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # [B, H, L, D] views
+    mask = randn(9, 9, seed=2).expand(2, 4, 9, 9)
+    out = attncore.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    addresses = _core._last_call_addresses()
+    assert addresses["query"] == q.data_ptr() and addresses["value"] == v.data_ptr()
+    assert addresses["mask"] == mask.data_ptr()
+    expected, _ = reference.attention(q, k, v, mask=mask)
+    assert_close(out, expected, torch.float64)
+
+
+def test_flash_layout_in_place_and_contiguous_out():
+    q, k, v = (randn(2, 9, 3, 16, seed=s).float() for s in (1, 2, 3))
+    out = attncore.flash_attn_func(q, k, v, causal=True)
+    assert _core._last_call_addresses()["query"] == q.data_ptr()
+    # The result is written in place, in the caller's [B, L, H, D] layout.
+    assert out.is_contiguous() and _core._last_call_addresses()["out"] == out.data_ptr()
+
+
+def test_copies_only_what_the_strides_forbid():
+    """A last stride other than 1 (numpy: also negative strides) is copied; results stay right."""
+    base = randn(2, 3, 9, 32, seed=1).numpy()
+    q = base[..., ::2]  # last stride 2 elements
+    k = randn(2, 3, 9, 16, seed=2).numpy()[:, :, ::-1]  # negative stride
+    v = randn(2, 3, 9, 16, seed=3).numpy()
+    out = attncore.scaled_dot_product_attention(q, k, v)
+    addresses = _core._last_call_addresses()
+    assert addresses["query"] != _address(base) and addresses["value"] == _address(v)
+    expected, _ = reference.attention(*(torch.from_numpy(np.ascontiguousarray(x))
+                                        for x in (q, k, v)))
+    assert_close(out, expected, torch.float64)
+
+
+def test_read_only_numpy_arrays():
+    q, k, v = (_bhld(s).numpy() for s in (1, 2, 3))
+    for x in (q, k, v):
+        x.flags.writeable = False
+    out = attncore.scaled_dot_product_attention(q, k, v)
+    expected, _ = reference.attention(*(torch.from_numpy(x.copy()) for x in (q, k, v)))
+    assert_close(out, expected, torch.float64)
+
+
+class DlpackOnly:
+    """An array of some other library: nothing but the DLPack protocol."""
+
+    def __init__(self, tensor):
+        self._tensor = tensor
+
+    def __dlpack__(self, stream=None):
+        return self._tensor.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self._tensor.__dlpack_device__()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_other_dlpack_producers(dtype):
+    q, k, v = (_bhld(s, dtype=dtype) for s in (1, 2, 3))
+    out = attncore.scaled_dot_product_attention(*(DlpackOnly(x) for x in (q, k, v)))
+    assert _core._last_call_addresses()["query"] == q.data_ptr()
+    # float32 comes back as numpy; bfloat16, which numpy lacks, as torch.
+    assert isinstance(out, np.ndarray if dtype == torch.float32 else torch.Tensor)
+    expected, _ = reference.attention(q, k, v)
+    assert_close(torch.as_tensor(out), expected, dtype)
+
+
+def test_mixed_libraries_follow_the_query():
+    q, k, v = (_bhld(s) for s in (1, 2, 3))
+    out = attncore.scaled_dot_product_attention(q, k.numpy(), v.numpy())
+    assert isinstance(out, torch.Tensor)
+    out = attncore.scaled_dot_product_attention(q.numpy(), k, v)
+    assert isinstance(out, np.ndarray)
+
+
+def test_empty_sizes():
+    """Lq = 0, Lk = 0 and B = 0 give outputs of the right shapes (Lk = 0: zeros, LSE -inf)."""
+    for batch, seqlen_q, seqlen_k in ((2, 0, 5), (2, 4, 0), (0, 4, 5)):
+        q = np.ones((batch, 3, seqlen_q, 8))
+        k = np.ones((batch, 3, seqlen_k, 8))
+        out, lse = attncore.attention(q, k, k, return_lse=True)
+        assert out.shape == (batch, 3, seqlen_q, 8) and lse.shape == (batch, 3, seqlen_q)
+        assert (out == 0).all() and (lse == -np.inf).all()
+
+
+def test_version_and_backend_names():
+    assert attncore.__version__.count(".") == 2
+    assert attncore.SDPBackend("flash") is attncore.SDPBackend.FLASH
+    assert attncore.SDPBackend.FLASH_ATTENTION is attncore.SDPBackend.FLASH
+    q = _bhld(1)
+    for backend in ("reference", "math", attncore.SDPBackend.REFERENCE, None, "auto"):
+        attncore.scaled_dot_product_attention(q, q, q, backend=backend)
+
+
+def test_concurrent_calls_from_python_threads():
+    """The module releases the GIL while it computes: calls from several threads run side by
+    side and each gets its own result."""
+    from concurrent.futures import ThreadPoolExecutor
+    inputs = [[randn(2, 3, 33, 16, seed=10 * i + s).numpy() for s in range(3)] for i in range(6)]
+    serial = [attncore.scaled_dot_product_attention(*x, is_causal=True) for x in inputs]
+    with ThreadPoolExecutor(3) as pool:
+        parallel = list(pool.map(
+            lambda x: attncore.scaled_dot_product_attention(*x, is_causal=True), inputs))
+    for a, b in zip(serial, parallel):
+        assert (a == b).all()
