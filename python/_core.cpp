@@ -163,13 +163,14 @@ attncore::Causal causal_from_name(const std::string& name) {
                         "', expected 'none', 'upper-left' or 'lower-right')");
 }
 
+// The library's backend_from_name, with the package's message.
 attncore::Backend backend_from_name(const std::string& name) {
-  for (auto b : {attncore::Backend::automatic, attncore::Backend::reference,
-                 attncore::Backend::math, attncore::Backend::flash}) {
-    if (attncore::name_of(b) == name) return b;
+  try {
+    return attncore::backend_from_name(name);
+  } catch (const InvalidArgument&) {
+    throw InvalidArgument("backend is invalid (backend='" + name +
+                          "', expected 'auto', 'reference', 'math' or 'flash')");
   }
-  throw InvalidArgument("backend is invalid (backend='" + name +
-                        "', expected 'auto', 'reference', 'math' or 'flash')");
 }
 
 // The options of one call, as the package passes them (keyword arguments of both functions).
@@ -239,6 +240,50 @@ void backward(py::handle dout, py::handle q, py::handle k, py::handle v, py::han
                           bdq.view(), bdk.view(), bdv.view(), view_of(bdbias), options, backend);
 }
 
+// Names of backends, in order.
+std::vector<std::string> names_of(const std::vector<attncore::Backend>& backends) {
+  std::vector<std::string> names;
+  for (attncore::Backend b : backends) names.emplace_back(attncore::name_of(b));
+  return names;
+}
+
+// An Explanation as ([(name, enabled, reasons, estimated_seconds)], chosen name or None,
+// summary).
+py::tuple explanation_tuple(const attncore::Explanation& e) {
+  py::list verdicts;
+  for (const attncore::BackendVerdict& v : e.verdicts) {
+    verdicts.append(py::make_tuple(std::string(attncore::name_of(v.backend)), v.enabled, v.reasons,
+                                   v.estimated_seconds));
+  }
+  py::object chosen = py::none();
+  if (e.chosen != attncore::Backend::automatic)
+    chosen = py::str(std::string(attncore::name_of(e.chosen)));
+  return py::make_tuple(verdicts, chosen, e.summary());
+}
+
+// What automatic selection does with forward's call (the same arguments, nothing written).
+py::tuple explain_forward(py::handle q, py::handle k, py::handle v, py::handle mask,
+                          py::handle alibi_slopes, const CallOptions& call) {
+  const Borrowed bq(q, "query", false), bk(k, "key", false), bv(v, "value", false);
+  const auto bmask = borrow_optional(mask, "mask", false, /*is_mask=*/true);
+  const auto balibi = borrow_optional(alibi_slopes, "alibi_slopes", false);
+  return explanation_tuple(attncore::explain_forward(bq.view(), bk.view(), bv.view(),
+                                                     call.options(bmask, balibi, false)));
+}
+
+// The same for backward's call; dbias is asked for when `want_dbias` (an additive mask).
+py::tuple explain_backward(py::handle dout, py::handle q, py::handle k, py::handle v,
+                           py::handle out, py::handle lse, py::handle mask, py::handle alibi_slopes,
+                           bool want_dbias, const CallOptions& call) {
+  const Borrowed bdout(dout, "dout", false), bq(q, "query", false), bk(k, "key", false),
+      bv(v, "value", false), bout(out, "out", false), blse(lse, "lse", false);
+  const auto bmask = borrow_optional(mask, "mask", false, /*is_mask=*/true);
+  const auto balibi = borrow_optional(alibi_slopes, "alibi_slopes", false);
+  return explanation_tuple(attncore::explain_backward(bdout.view(), bq.view(), bk.view(), bv.view(),
+                                                      bout.view(), blse.view(),
+                                                      call.options(bmask, balibi, want_dbias)));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -277,6 +322,22 @@ PYBIND11_MODULE(_core, m) {
         py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
         py::arg("dbias").none(true), py::arg("mask").none(true), py::arg("alibi_slopes").none(true),
         py::arg("options"));
+  m.def("explain_forward", &explain_forward, py::arg("query"), py::arg("key"), py::arg("value"),
+        py::arg("mask").none(true), py::arg("alibi_slopes").none(true), py::arg("options"));
+  m.def("explain_backward", &explain_backward, py::arg("dout"), py::arg("query"), py::arg("key"),
+        py::arg("value"), py::arg("out"), py::arg("lse"), py::arg("mask").none(true),
+        py::arg("alibi_slopes").none(true), py::arg("want_dbias"), py::arg("options"));
+  m.def(
+      "enabled_backends", [] { return names_of(attncore::enabled_backends()); },
+      "The backends automatic selection may choose on this thread, in priority order");
+  m.def(
+      "set_enabled_backends",
+      [](const std::vector<std::string>& names) {
+        std::vector<attncore::Backend> backends;
+        for (const std::string& name : names) backends.push_back(backend_from_name(name));
+        return names_of(attncore::set_enabled_backends(backends));
+      },
+      py::arg("backends"), "Replaces this thread's enabled backends; returns the previous list");
   m.def("version", &attncore::version);
   m.def("simd_target", &attncore::simd_target);
   m.def(

@@ -6,20 +6,23 @@
     attncore.torch                the same functions with torch autograd (AttentionFunction)
     manual_seed, get_rng_state, set_rng_state   attncore's dropout generator
     SDPBackend                    backend names for the backend= keyword
+    sdpa_kernel, enabled_backends the backends automatic selection may choose, per thread
+    explain                       each backend's verdict on a call, and the choice
 
 Invalid arguments raise ValueError and unsupported combinations NotImplementedError, with the
 C++ library's message.
 """
 
 from . import _core
-from ._attention import attention, attention_backward
+from ._attention import attention, attention_backward, explain
 from ._dropins import flash_attn_func, scaled_dot_product_attention
 from ._random import get_rng_state, manual_seed, set_rng_state
-from .backends import SDPBackend
+from .backends import BackendVerdict, Explanation, SDPBackend, enabled_backends, sdpa_kernel
 
 __version__ = _core.version()
 
 __all__ = [
-    "SDPBackend", "attention", "attention_backward", "flash_attn_func", "get_rng_state",
-    "manual_seed", "scaled_dot_product_attention", "set_rng_state",
+    "BackendVerdict", "Explanation", "SDPBackend", "attention", "attention_backward",
+    "enabled_backends", "explain", "flash_attn_func", "get_rng_state", "manual_seed",
+    "scaled_dot_product_attention", "sdpa_kernel", "set_rng_state",
 ]

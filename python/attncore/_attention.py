@@ -15,7 +15,7 @@ import typing
 from typing import Optional
 
 from . import _arrays, _core, _random
-from .backends import backend_name
+from .backends import backend_name, explanation_from_core
 
 LAYOUTS = ("bhld", "blhd")
 CAUSAL = ("none", "upper-left", "lower-right")
@@ -315,3 +315,33 @@ def attention_backward(dout, query, key, value, out, softmax_lse, *, layout="bhl
     if want_dbias:
         grads.append(form.dbias_to_caller(dbias4, p.mask))
     return tuple(p.give_back(g) for g in grads)
+
+
+def explain(query, key, value, *, backward=False, layout="bhld", scale=None, causal=None,
+            window_size=(-1, -1), softcap=0.0, alibi_slopes=None, attn_mask=None, dropout_p=0.0,
+            enable_gqa=True, num_threads=0):
+    """What automatic backend selection does with attention()'s call (backward=True: with its
+    backward) on this thread, inside the current sdpa_kernel: an Explanation with each
+    backend's verdict (enabled, the reasons it cannot run the call, the cost model's estimate)
+    and the backend chosen (None when none can run it). The arrays are validated like the
+    call's; nothing is computed."""
+    p = _prepare("explain", query, key, value, layout=layout, attn_mask=attn_mask,
+                 alibi_slopes=alibi_slopes, draw_seed=False, scale=scale, causal=causal,
+                 window_size=window_size, softcap=softcap, dropout_p=dropout_p, seed=0, offset=0,
+                 enable_gqa=enable_gqa, backend=None, num_threads=num_threads)
+    lib, form, options = p.lib, p.form, p.call.core_options()
+    q4 = _times(form.q4, p.call.q_factor)
+    mask4, alibi = _core_or_none(lib, p.mask4), _core_or_none(lib, p.alibi)
+    if not backward:
+        raw = _core.explain_forward(lib.to_core(q4), lib.to_core(form.k4), lib.to_core(form.v4),
+                                    mask4, alibi, options)
+    else:  # out and dout shaped as the call's output, lse as its LSE (never read)
+        batch, heads_q, seqlen_q, _ = q4.shape
+        dtype = lib.dtype_name(q4)
+        out = lib.empty((batch, heads_q, seqlen_q, form.v4.shape[-1]), dtype)
+        lse = lib.empty((batch, heads_q, seqlen_q), _lse_dtype(dtype))
+        want_dbias = p.mask is not None and lib.dtype_name(p.mask) != "bool"
+        raw = _core.explain_backward(lib.to_core(out), lib.to_core(q4), lib.to_core(form.k4),
+                                     lib.to_core(form.v4), lib.to_core(out), lib.to_core(lse),
+                                     mask4, alibi, want_dbias, options)
+    return explanation_from_core(raw)

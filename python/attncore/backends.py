@@ -1,15 +1,23 @@
-"""Backend names: attncore.SDPBackend and what the `backend=` keyword accepts."""
+"""Backends: attncore.SDPBackend, what the `backend=` keyword accepts, the sdpa_kernel context
+manager (which backends automatic selection may choose on this thread) and explain()'s
+answer (attncore.explain: each backend's verdict on a call)."""
 
+import contextlib
+import dataclasses
 import enum
+from typing import Optional
+
+from . import _core
 
 
 class SDPBackend(enum.Enum):
-    """attncore's backends, named as in the C++ library and the attncore program. Where a
-    function takes a backend, the strings "reference", "math" and "flash" work as well."""
+    """attncore's backends, named as in the C++ library and the attncore program, declared in
+    the library's default priority order. Where a function takes a backend, the strings
+    "flash", "math" and "reference" work as well."""
 
-    REFERENCE = "reference"  # plain loops in fp64: obviously correct, slow
-    MATH = "math"  # scores materialised, GEMMs through OpenBLAS (torch's "math")
     FLASH = "flash"  # fused tiled online softmax, SIMD (f32, bf16, f16)
+    MATH = "math"  # scores materialised, GEMMs through OpenBLAS (torch's "math")
+    REFERENCE = "reference"  # plain loops in fp64: obviously correct, slow
     FLASH_ATTENTION = "flash"  # torch's name for the fused kernel: the same member as FLASH
 
 
@@ -24,3 +32,70 @@ def backend_name(backend):
         return backend
     raise ValueError(f"backend is invalid (backend={backend!r}, expected None, 'auto', "
                      "'reference', 'math', 'flash' or an attncore.SDPBackend)")
+
+
+def enabled_backends():
+    """The backends automatic selection may choose on this thread, in priority order."""
+    return [SDPBackend(name) for name in _core.enabled_backends()]
+
+
+@contextlib.contextmanager
+def sdpa_kernel(backends, set_priority=False):
+    """Within the block, calls on this thread that name no backend choose among `backends`
+    only (an SDPBackend or name, or a list of them), like torch.nn.attention.sdpa_kernel: in
+    the library's default priority order, or in the given order with set_priority=True. The
+    previous list comes back on exit, exceptions included. Calls that name a backend run it
+    regardless."""
+    if isinstance(backends, (SDPBackend, str)):
+        backends = [backends]
+    names = [backend_name(b) for b in backends]
+    if not set_priority:
+        order = [b.value for b in SDPBackend]
+        names = sorted(names, key=lambda n: order.index(n) if n in order else -1)
+    previous = _core.set_enabled_backends(names)
+    try:
+        yield
+    finally:
+        _core.set_enabled_backends(previous)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendVerdict:
+    """One backend's verdict on one call."""
+
+    backend: SDPBackend
+    enabled: bool  # in this thread's enabled list (sdpa_kernel)
+    reasons: tuple  # why it cannot run the call, one sentence each; empty: it can
+    estimated_seconds: Optional[float]  # the library's cost model; None where it has none
+
+    @property
+    def can_run(self):
+        return not self.reasons
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """What automatic selection does with a call on this thread."""
+
+    verdicts: tuple  # BackendVerdict of the enabled backends in priority order, then the rest
+    chosen: Optional[SDPBackend]  # None when no backend can run the call
+    summary: str  # the same, as text
+
+    def __str__(self):
+        return self.summary
+
+    def __getitem__(self, backend):
+        """The verdict of one backend (an SDPBackend or name)."""
+        name = backend_name(backend)
+        return next(v for v in self.verdicts if v.backend.value == name)
+
+
+def explanation_from_core(raw):
+    """Explanation from _core.explain_forward / explain_backward's
+    ([(name, enabled, reasons, estimated_seconds)], chosen name or None, summary)."""
+    verdicts, chosen, summary = raw
+    return Explanation(
+        verdicts=tuple(BackendVerdict(SDPBackend(name), enabled, tuple(reasons),
+                                      seconds if seconds >= 0 else None)
+                       for name, enabled, reasons, seconds in verdicts),
+        chosen=None if chosen is None else SDPBackend(chosen), summary=summary)
