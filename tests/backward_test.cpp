@@ -117,8 +117,8 @@ std::vector<BackwardCase> backward_grid() {
   }
   // The flash backend on every SIMD target this CPU runs (tiles of 128 keys, blocks of 48-64
   // rows: lengths around both), every variant, f32 / bf16 / f16.
-  const Len flash_lens[] = {{1, 1}, {7, 9}, {47, 49}, {64, 65}, {65, 63}, {17, 130}, {130, 17},
-                            {129, 128}, {1, 200}};
+  const Len flash_lens[] = {{1, 1},    {7, 9},    {47, 49},   {64, 65}, {65, 63},
+                            {17, 130}, {130, 17}, {129, 128}, {1, 200}};
   for (const std::string& target : simd_targets_supported()) {
     for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
       for (Variant variant : backward_variants()) {
@@ -378,8 +378,8 @@ TEST(Backward, GqaSumsOverQueryHeads) {
       }
       EXPECT_TRUE(all_close(read_view(a.dk), dk_sum, tol * (1 + max_abs(dk_sum)), "dk"));
       EXPECT_TRUE(all_close(read_view(a.dv), dv_sum, tol * (1 + max_abs(dv_sum)), "dv"));
-      EXPECT_TRUE(all_close(read_view(a.dq), read_view(b.dq),
-                            tol * (1 + max_abs(read_view(b.dq))), "dq"));
+      EXPECT_TRUE(
+          all_close(read_view(a.dq), read_view(b.dq), tol * (1 + max_abs(read_view(b.dq))), "dq"));
     }
   }
 }
@@ -428,6 +428,28 @@ TEST(Backward, FullyMaskedRowsGiveZeroGradients) {
 }
 
 // Thread count never changes the gradients' bits.
+// dq, dk, dv (and dbias) of one result, one after the other.
+std::vector<double> all_gradients(const BackwardResult& r, bool with_dbias) {
+  std::vector<double> all = read_view(r.dq);
+  for (const Tensor* t : {&r.dk, &r.dv, &r.dbias}) {
+    if (t == &r.dbias && !with_dbias) continue;
+    const std::vector<double> e = read_view(*t);
+    all.insert(all.end(), e.begin(), e.end());
+  }
+  return all;
+}
+
+// Whether every run equals the first bit for bit.
+::testing::AssertionResult bitwise_equal_runs(const std::vector<std::vector<double>>& runs) {
+  for (std::size_t t = 1; t < runs.size(); ++t) {
+    if (runs[t].size() != runs[0].size() ||
+        std::memcmp(runs[0].data(), runs[t].data(), runs[0].size() * sizeof(double)) != 0) {
+      return ::testing::AssertionFailure() << "gradients of run " << t << " differ from run 0's";
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
 TEST(Backward, ThreadCountDoesNotChangeBits) {
   for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
     for (Variant variant : {Variant::combo, Variant::dropout_combo}) {
@@ -447,18 +469,9 @@ TEST(Backward, ThreadCountDoesNotChangeBits) {
             forward(q.view, k.view, v.view, forward_options(p.options), backend);
         const BackwardResult r =
             backward(dout.view, q.view, k.view, v.view, f.out, f.lse, p.options, backend);
-        std::vector<double> all = read_view(r.dq);
-        for (const Tensor* t : {&r.dk, &r.dv, &r.dbias}) {
-          const std::vector<double> e = read_view(*t);
-          all.insert(all.end(), e.begin(), e.end());
-        }
-        runs.push_back(all);
+        runs.push_back(all_gradients(r, /*with_dbias=*/true));
       }
-      for (std::size_t t = 1; t < runs.size(); ++t) {
-        ASSERT_EQ(runs[t].size(), runs[0].size());
-        EXPECT_EQ(std::memcmp(runs[0].data(), runs[t].data(), runs[0].size() * sizeof(double)), 0)
-            << "gradients differ between 1 and " << t + 1 << " threads";
-      }
+      EXPECT_TRUE(bitwise_equal_runs(runs));  // 1, 2, 3 threads
     }
   }
 }
@@ -484,18 +497,9 @@ TEST(Backward, GroupedHeadsSumInHeadOrderOnAnyThreadCount) {
         p.options.num_threads = threads;
         const BackwardResult r =
             backward(dout.view, q.view, k.view, v.view, f.out, f.lse, p.options, Backend::flash);
-        std::vector<double> all = read_view(r.dq);
-        for (const Tensor* t : {&r.dk, &r.dv}) {
-          const std::vector<double> e = read_view(*t);
-          all.insert(all.end(), e.begin(), e.end());
-        }
-        runs.push_back(all);
+        runs.push_back(all_gradients(r, /*with_dbias=*/false));
       }
-      for (std::size_t t = 1; t < runs.size(); ++t) {
-        ASSERT_EQ(runs[t].size(), runs[0].size());
-        EXPECT_EQ(std::memcmp(runs[0].data(), runs[t].data(), runs[0].size() * sizeof(double)), 0)
-            << "gradients differ between run 0 and run " << t;
-      }
+      EXPECT_TRUE(bitwise_equal_runs(runs));
     }
   }
 }
@@ -528,17 +532,9 @@ TEST(Backward, FewHeadsSplitKeyTiles) {
                             grad_tolerance(DType::f32, exact.dk, {}, scale), "dk"));
       EXPECT_TRUE(all_close(read_view(r.dv), exact.dv,
                             grad_tolerance(DType::f32, exact.dv, {}, scale), "dv"));
-      std::vector<double> all = read_view(r.dq);
-      for (const Tensor* t : {&r.dk, &r.dv}) {
-        const std::vector<double> e = read_view(*t);
-        all.insert(all.end(), e.begin(), e.end());
-      }
-      runs.push_back(all);
+      runs.push_back(all_gradients(r, /*with_dbias=*/false));
     }
-    for (std::size_t t = 1; t < runs.size(); ++t) {
-      EXPECT_EQ(std::memcmp(runs[0].data(), runs[t].data(), runs[0].size() * sizeof(double)), 0)
-          << "gradients differ between 1 and " << t + 1 << " threads";
-    }
+    EXPECT_TRUE(bitwise_equal_runs(runs));  // 1, 2, 3 threads
   }
 }
 

@@ -366,6 +366,30 @@ TEST(SelectCostModel, FlashForLargeProblems) {
   EXPECT_EQ(choose(problem(4, 32, 8, 1, 4096, 128), m), Backend::flash);
 }
 
+// The choice compares one-thread estimates, so that it, and with it every bit of the result,
+// is the same for any thread count, even where the call's own estimates rank the backends the
+// other way (a slow pool wake-up penalises math's many parallel regions on 2+ threads).
+TEST(SelectCostModel, ChoiceDoesNotDependOnTheThreadCount) {
+  CostModel m = test_model();
+  m.machine.dispatch_seconds = 1e-3;
+  bool ranks_differ = false;  // the case the rule is for occurs in this sweep
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    for (Pass pass : {Pass::forward, Pass::backward}) {
+      for (std::int64_t l : {16, 32, 64, 128, 256, 512}) {
+        const Backend one = choose(problem(1, 8, 8, l, l, 64, dtype, 1), m, pass);
+        for (int threads : {2, 8}) {
+          const Problem p = problem(1, 8, 8, l, l, 64, dtype, threads);
+          EXPECT_EQ(choose(p, m, pass), one) << "L=" << l << " threads=" << threads;
+          const bool flash_faster = detail::estimate_seconds(Backend::flash, pass, p, m) <
+                                    detail::estimate_seconds(Backend::math, pass, p, m);
+          ranks_differ |= flash_faster != (one == Backend::flash);
+        }
+      }
+    }
+  }
+  EXPECT_TRUE(ranks_differ);
+}
+
 TEST(SelectCostModel, MathForTinyProblems) {
   // 16 keys padded to a 128-key tile cost flash 8x the products and a packed tile.
   const CostModel m = test_model();

@@ -695,6 +695,19 @@ std::string format(const char* fmt, double x) {
   return buf;
 }
 
+// The call's dtype and shape, as `run --json` and `explain --json` report them.
+void add_shape(JsonObject& j, const RunConfig& c) {
+  j.add("dtype", name_of(c.dtype));
+  j.add("batch", c.batch);
+  j.add("heads_q", c.heads_q);
+  j.add("heads_kv", c.heads_kv);
+  j.add("seqlen_q", c.seqlen_q);
+  j.add("seqlen_k", c.seqlen_k);
+  j.add("head_dim", c.head_dim);
+  j.add("head_dim_v", c.head_dim_v);
+  j.add("causal", name_of(c.causal));
+}
+
 int cmd_run(const std::vector<std::string>& args) {
   for (const std::string& a : args) {
     if (a == "--help" || a == "-h") {
@@ -719,15 +732,7 @@ int cmd_run(const std::vector<std::string>& args) {
     JsonObject j;
     j.add("version", attncore::version());
     j.add("backend", name_of(c.backend));
-    j.add("dtype", name_of(c.dtype));
-    j.add("batch", c.batch);
-    j.add("heads_q", c.heads_q);
-    j.add("heads_kv", c.heads_kv);
-    j.add("seqlen_q", c.seqlen_q);
-    j.add("seqlen_k", c.seqlen_k);
-    j.add("head_dim", c.head_dim);
-    j.add("head_dim_v", c.head_dim_v);
-    j.add("causal", name_of(c.causal));
+    add_shape(j, c);
     j.add("window_left", c.window_left);
     j.add("window_right", c.window_right);
     j.add("softcap", c.softcap);
@@ -826,15 +831,7 @@ int cmd_explain(const std::vector<std::string>& args) {
     JsonObject j;
     j.add("version", attncore::version());
     j.add("pass", pass);
-    j.add("dtype", name_of(c.dtype));
-    j.add("batch", c.batch);
-    j.add("heads_q", c.heads_q);
-    j.add("heads_kv", c.heads_kv);
-    j.add("seqlen_q", c.seqlen_q);
-    j.add("seqlen_k", c.seqlen_k);
-    j.add("head_dim", c.head_dim);
-    j.add("head_dim_v", c.head_dim_v);
-    j.add("causal", name_of(c.causal));
+    add_shape(j, c);
     j.add("threads", threads);
     std::vector<std::string> enabled;
     for (Backend b : attncore::enabled_backends()) enabled.push_back(json_string(name_of(b)));

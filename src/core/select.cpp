@@ -24,6 +24,7 @@
 #include "core/threadpool.h"
 #include "core/validate.h"
 #include "cpu/flash.h"
+#include "cpu/math.h"
 #include "policy/mask.h"
 #include "policy/score_row.h"
 
@@ -233,12 +234,14 @@ double estimate_math(Pass pass, const Problem& p, const CostModel& m) {
   // tasks of each (batch, kv head) and the conversions of K and V; backward, per query head
   // passes 1 and 3 over query blocks and pass 4 over key blocks, and the conversions.
   const double tasks = s.heads_q / s.heads_kv * q_blocks;
+  const double kv_conversions =  // K and V, each about Lk * dims / 2 elements
+      converted && s.lk * s.dims / 2 >= kMathParallelConvertElements ? 2 : 0;
   double regions = 0;
   if (forward) {
-    regions = s.batch * s.heads_kv * ((tasks >= 2 ? 1 : 0) + (converted ? 2 : 0));
+    regions = s.batch * s.heads_kv * ((tasks >= 2 ? 1 : 0) + kv_conversions);
   } else {
     regions = s.batch * s.heads_q * ((q_blocks >= 2 ? 2 : 0) + (k_blocks >= 2 ? 1 : 0)) +
-              s.batch * s.heads_kv * (converted ? 2 : 0);
+              s.batch * s.heads_kv * kv_conversions;
   }
   const double threads = std::max(1.0, std::min(s.threads, forward ? tasks : q_blocks));
   const double dispatch = s.threads > 1 ? regions * m.machine.dispatch_seconds : 0;
@@ -433,10 +436,15 @@ Explanation select(Pass pass, const Problem& p, Backend requested,
     return e;
   }
   // The fastest estimate among the enabled backends that can run, reference aside; backends
-  // without an estimate rank after those with one, in priority order.
+  // without an estimate rank after those with one, in priority order. The estimates compared
+  // are those of one thread, so that the choice, and with it every bit of the result, does
+  // not depend on the thread count (DESIGN.md section 6); the verdicts show the call's own.
+  Problem serial = p;
+  serial.threads = 1;
   const BackendVerdict* best = nullptr;
-  auto rank = [](const BackendVerdict& v) {
-    return v.estimated_seconds >= 0 ? v.estimated_seconds : HUGE_VAL;
+  auto rank = [&](const BackendVerdict& v) {
+    const double t = estimate_seconds(v.backend, pass, serial, model);
+    return t >= 0 ? t : HUGE_VAL;
   };
   for (const BackendVerdict& v : e.verdicts) {
     if (!v.reasons.empty() || v.backend == Backend::reference) continue;

@@ -68,6 +68,7 @@ Matrix<T> head_rows(const TensorView& t, std::int64_t b, std::int64_t h, std::in
     return {static_cast<const T*>(t.data) + base, rows == 1 ? cols : t.stride[2]};
   }
   buffer.resize(static_cast<std::size_t>(rows * cols));
+  if (rows * cols < kMathParallelConvertElements) threads = 1;
   parallel_for(rows, threads, [&](std::int64_t r_begin, std::int64_t r_end) {
     for (std::int64_t r = r_begin; r < r_end; ++r) {
       load_row(t.data, t.dtype, base + r * t.stride[2], cols, buffer.data() + r * cols);

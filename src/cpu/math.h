@@ -4,9 +4,17 @@
 // beat, and the fallback for anything they do not support.
 #pragma once
 
+#include <cstdint>
+
 #include "core/problem.h"
 
 namespace attncore::detail {
+
+// 16-bit rows are converted to f32 by several threads only from this many elements on: waking
+// the pool costs 4-35 us (the dispatch the cost model measures), converting an element 0.74-0.85
+// ns (select.cpp: kMathConvertFlops), so a second thread gains only past about 2^15 elements.
+// Below it, small bf16 calls on 2 threads took 0.95 ms against 0.15 ms on one.
+constexpr std::int64_t kMathParallelConvertElements = std::int64_t{1} << 16;
 
 void math_forward(const Problem& p, const ForwardArgs& args);
 void math_backward(const Problem& p, const BackwardArgs& args);
