@@ -480,26 +480,31 @@ TEST(Backward, ThreadCountDoesNotChangeBits) {
 // dV tiles in head order (into the f32 outputs, or an f32 sum beside bf16 / f16 outputs), so
 // the gradients are bitwise the same for 1, 2, 3 and 5 threads.
 TEST(Backward, GroupedHeadsSumInHeadOrderOnAnyThreadCount) {
-  const Dims d{2, 8, 2, 150, 300, 40, 24};  // 4 query heads per kv head, 3 key tiles
-  for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
-    for (Variant variant : {Variant::plain, Variant::causal_lower_right, Variant::dropout}) {
-      SCOPED_TRACE(std::string(name_of(dtype)) + " " + name_of_variant(variant));
-      Problem p = make_problem(d, {variant, dtype, false, 33});
-      const Operands x = make_operands(d, dtype, 33);
-      const Buffer q = make_buffer(dtype, to_shape(d.q_shape()), Layout::bhsd, x.q);
-      const Buffer k = make_buffer(dtype, to_shape(d.k_shape()), Layout::bshd, x.k);
-      const Buffer v = make_buffer(dtype, to_shape(d.v_shape()), Layout::bhsd, x.v);
-      const Buffer dout = make_buffer(dtype, to_shape(d.out_shape()), Layout::bhsd, x.dout);
-      p.options.num_threads = 1;
-      const ForwardResult f = forward(q.view, k.view, v.view, p.options, Backend::flash);
-      std::vector<std::vector<double>> runs;
-      for (int threads : {1, 2, 3, 5}) {
-        p.options.num_threads = threads;
-        const BackwardResult r =
-            backward(dout.view, q.view, k.view, v.view, f.out, f.lse, p.options, Backend::flash);
-        runs.push_back(all_gradients(r, /*with_dbias=*/false));
+  // 4 query heads per kv head, 3 key tiles; Lq = 150: an item per head, Lq = 100: items of 2
+  // heads, Lq = 20: one item of 4 heads per kv head (short rows share the packed K/V tiles).
+  for (std::int64_t lq : {150, 100, 20}) {
+    for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+      for (Variant variant : {Variant::plain, Variant::causal_lower_right, Variant::dropout}) {
+        const Dims d{2, 8, 2, lq, 300, 40, 24};
+        SCOPED_TRACE(std::string(name_of(dtype)) + " " + name_of_variant(variant) +
+                     " Lq=" + std::to_string(lq));
+        Problem p = make_problem(d, {variant, dtype, false, 33});
+        const Operands x = make_operands(d, dtype, 33);
+        const Buffer q = make_buffer(dtype, to_shape(d.q_shape()), Layout::bhsd, x.q);
+        const Buffer k = make_buffer(dtype, to_shape(d.k_shape()), Layout::bshd, x.k);
+        const Buffer v = make_buffer(dtype, to_shape(d.v_shape()), Layout::bhsd, x.v);
+        const Buffer dout = make_buffer(dtype, to_shape(d.out_shape()), Layout::bhsd, x.dout);
+        p.options.num_threads = 1;
+        const ForwardResult f = forward(q.view, k.view, v.view, p.options, Backend::flash);
+        std::vector<std::vector<double>> runs;
+        for (int threads : {1, 2, 3, 5}) {
+          p.options.num_threads = threads;
+          const BackwardResult r =
+              backward(dout.view, q.view, k.view, v.view, f.out, f.lse, p.options, Backend::flash);
+          runs.push_back(all_gradients(r, /*with_dbias=*/false));
+        }
+        EXPECT_TRUE(bitwise_equal_runs(runs));
       }
-      EXPECT_TRUE(bitwise_equal_runs(runs));
     }
   }
 }

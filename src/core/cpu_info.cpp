@@ -288,7 +288,9 @@ int default_num_threads() {
     if (errno == 0 && *end == '\0' && n > 0 && n <= kMaxThreads) return static_cast<int>(n);
     // Not a positive integer (or absurdly large): ignored, as an unset variable.
   }
-  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  // Read once: glibc reads /sys for it (several microseconds, and every call asks).
+  static const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return cores;
 }
 
 // threads <= 0 means default_num_threads(). Each run lasts about kRunSeconds; the best of

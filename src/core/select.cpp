@@ -398,6 +398,7 @@ CostModel current_cost_model() {
   m.flash_tile_rows = target.layout.tile_rows;
   m.flash_block_rows = target.layout.block_rows;
   m.flash_bf16_dot = std::strcmp(target.name, "avx512bf16") == 0;
+  m.choice_threads = default_num_threads();
   return m;
 }
 
@@ -437,13 +438,14 @@ Explanation select(Pass pass, const Problem& p, Backend requested,
   }
   // The fastest estimate among the enabled backends that can run, reference aside; backends
   // without an estimate rank after those with one, in priority order. The estimates compared
-  // are those of one thread, so that the choice, and with it every bit of the result, does
-  // not depend on the thread count (DESIGN.md section 6); the verdicts show the call's own.
-  Problem serial = p;
-  serial.threads = 1;
+  // are those at the model's choice_threads, so that the choice, and with it every bit of the
+  // result, does not depend on the call's thread count (DESIGN.md section 6); the verdicts
+  // show the call's own.
+  Problem reference_call = p;
+  reference_call.threads = std::max(1, model.choice_threads);
   const BackendVerdict* best = nullptr;
   auto rank = [&](const BackendVerdict& v) {
-    const double t = estimate_seconds(v.backend, pass, serial, model);
+    const double t = estimate_seconds(v.backend, pass, reference_call, model);
     return t >= 0 ? t : HUGE_VAL;
   };
   for (const BackendVerdict& v : e.verdicts) {

@@ -27,6 +27,10 @@ struct CostModel {
   int flash_tile_rows = 8;      // rows of the micro-tile (query rows are padded to it)
   int flash_block_rows = 64;    // query rows per work item
   bool flash_bf16_dot = false;  // bf16 products on native dot instructions (forward)
+  // The thread count automatic selection compares estimates at, whatever a call's own: the
+  // library's default (every core), so that the choice suits the usual call and does not
+  // depend on the call's thread count.
+  int choice_threads = 1;
 };
 
 // The model of this process: constants measured once (lazily, thread-safe), kernel shapes of

@@ -206,19 +206,20 @@ void zero_view(const TensorView& t) {
 
 }  // namespace
 
-// Where a query head's dK and dV of one key tile go. With one query head per kv head, straight
-// into the outputs. With a group of several, into an f32 sum per (b, kv head, tile) that the
-// group's heads add to in head order: head g adds its tile once head g - 1 has added its own
-// (a turn counter per tile), and the last head stores the sum. f32 outputs hold the sum
-// themselves; bf16 and f16 outputs get an f32 sum of dK and dV beside them. Items are taken in
-// order, so a head waits only on heads that are running or done: no deadlock, and the sum is
-// bitwise the same for any thread count.
+// Where a work item's dK and dV of one key tile go. A kv head's query heads are cut into runs
+// (`runs` per kv head), one per item. With one run, straight into the outputs. With several,
+// into an f32 sum per (b, kv head, tile) that the runs add to in head order: run r adds its
+// tile once run r - 1 has added its own (a turn counter per tile), and the last run stores the
+// sum. f32 outputs hold the sum themselves; bf16 and f16 outputs get an f32 sum of dK and dV
+// beside them. Items are taken in order, so a run waits only on runs that are running or done:
+// no deadlock, and the sum is bitwise the same for any thread count.
 class KvTileReducer {
  public:
-  KvTileReducer(const Problem& p, const BackwardArgs& a, std::int64_t d_pad, std::int64_t dv_pad,
-                std::int64_t key_tile, std::int64_t key_rows)
+  KvTileReducer(const Problem& p, const BackwardArgs& a, std::int64_t runs, std::int64_t d_pad,
+                std::int64_t dv_pad, std::int64_t key_tile, std::int64_t key_rows)
       : p_(p),
         a_(a),
+        runs_(runs),
         d_pad_(d_pad),
         dv_pad_(dv_pad),
         key_tile_(key_tile),
@@ -226,24 +227,24 @@ class KvTileReducer {
         tile_floats_(key_rows * (d_pad + dv_pad)),
         in_place_(a.dk.dtype == DType::f32 && a.dv.dtype == DType::f32),
         // [B][Hkv][tiles][key_rows][d_pad + dv_pad]: dK rows, then dV rows
-        sums_(p.group > 1 && !in_place_ ? p.batch * p.heads_kv * tiles_ * tile_floats_ : 1),
-        turns_(p.group > 1 ? p.batch * p.heads_kv * tiles_ : 0) {}
+        sums_(runs > 1 && !in_place_ ? p.batch * p.heads_kv * tiles_ * tile_floats_ : 1),
+        turns_(runs > 1 ? p.batch * p.heads_kv * tiles_ : 0) {}
 
-  // The head's context for put(): the item's (b, h).
-  struct Head {
+  // An item's context for put(): its (b, kv head) and run.
+  struct Run {
     KvTileReducer* reducer;
-    std::int64_t b, h;
+    std::int64_t b, kv_head, run;
   };
   static void put(void* context, std::int64_t t, const float* dk, const float* dv) {
-    const Head& head = *static_cast<const Head*>(context);
-    head.reducer->add(head.b, head.h, t, dk, dv);
+    const Run& r = *static_cast<const Run*>(context);
+    r.reducer->add(r.b, r.kv_head, r.run, t, dk, dv);
   }
 
  private:
-  void add(std::int64_t b, std::int64_t h, std::int64_t t, const float* dk, const float* dv) {
-    const std::int64_t kv_head = h / p_.group, g = h % p_.group;
+  void add(std::int64_t b, std::int64_t kv_head, std::int64_t g, std::int64_t t, const float* dk,
+           const float* dv) {
     const std::int64_t keys = std::min(key_tile_, p_.seqlen_k - t * key_tile_);
-    if (p_.group == 1) {
+    if (runs_ == 1) {
       store(b, kv_head, t, keys, dk, dv);
       return;
     }
@@ -251,9 +252,9 @@ class KvTileReducer {
     std::atomic<std::int64_t>& turn = turns_[static_cast<std::size_t>(slot)];
     for (std::int64_t seen = turn.load(std::memory_order_acquire); seen != g;
          seen = turn.load(std::memory_order_acquire)) {
-      turn.wait(seen, std::memory_order_acquire);  // sleeps until head `seen` has added its tile
+      turn.wait(seen, std::memory_order_acquire);  // sleeps until run `seen` has added its tile
     }
-    // sum = tile (head 0) or sum + tile, over `rows` rows of `cols` floats.
+    // sum = tile (run 0) or sum + tile, over `rows` rows of `cols` floats.
     auto accumulate = [g](const float* tile, std::int64_t tile_stride, float* sum,
                           std::int64_t sum_stride, std::int64_t rows, std::int64_t cols) {
       for (std::int64_t r = 0; r < rows; ++r) {
@@ -275,7 +276,7 @@ class KvTileReducer {
       float* sum_v = sum_k + keys * d_pad_;
       accumulate(dk, d_pad_, sum_k, d_pad_, keys, d_pad_);
       accumulate(dv, dv_pad_, sum_v, dv_pad_, keys, dv_pad_);
-      if (g == p_.group - 1) store(b, kv_head, t, keys, sum_k, sum_v);
+      if (g == runs_ - 1) store(b, kv_head, t, keys, sum_k, sum_v);
     }
     turn.store(g + 1, std::memory_order_release);
     turn.notify_all();
@@ -294,6 +295,7 @@ class KvTileReducer {
 
   const Problem& p_;
   const BackwardArgs& a_;
+  std::int64_t runs_;
   std::int64_t d_pad_, dv_pad_, key_tile_, tiles_, tile_floats_;
   bool in_place_;
   AlignedFloats sums_;
@@ -319,42 +321,56 @@ void flash_backward(const Problem& p, const BackwardArgs& a) {
   shape.dv_pad = round_up(dv, layout.dv_align);
   shape.lq_pad = round_up(p.seqlen_q, tile_rows);
   const std::int64_t key_rows = round_up(tile, tile_rows);
+  // Items: runs of `run_heads` consecutive query heads of one kv head. One head per item keeps
+  // the workspace to one head's rows; with short Lq, a run fills about kRunRows rows so that
+  // each K/V tile packed serves them all (decode-shaped backward: one head per item packed every
+  // tile once per head, B=4 Hq=32 Hkv=8 Lq=1 Lk=4096 f32: 139 ms against 84 ms for math).
+  constexpr std::int64_t kRunRows = 256;
+  const std::int64_t run_heads =
+      std::clamp<std::int64_t>(kRunRows / std::max<std::int64_t>(p.seqlen_q, 1), 1, p.group);
+  const std::int64_t runs = (p.group + run_heads - 1) / run_heads;  // per kv head
+  const std::int64_t rows = run_heads * shape.lq_pad;               // the item's query rows, padded
   // Sizes in floats, in FlashBackwardScratch's order; 16-float (64-byte) aligned each. bf16
   // pairs take half the floats of the f32 values they hold.
-  const std::int64_t rows = shape.lq_pad;  // the head's query rows, padded
   const bool pairs = layout.bf16_dot && p.dtype == DType::bf16;
   const std::int64_t per_float = pairs ? 2 : 1;
   // clang-format off
   const std::int64_t sizes[] = {
-      rows * shape.d_pad, p.seqlen_q,                                   // dq, delta
-      tile * d, tile * shape.d_pad, tile * dv, tile * shape.dv_pad,     // k_t, k_rows, v_t, v_rows
-      key_rows * shape.d_pad, key_rows * shape.dv_pad,                  // dk, dv
-      rows * shape.d_pad / per_float, rows * shape.dv_pad / per_float,  // q_rows, do_rows
+      rows * shape.d_pad, run_heads * p.seqlen_q,                         // dq, delta
+      tile * d, tile * shape.d_pad, tile * dv, tile * shape.dv_pad,       // k_t, k_rows, v_t, v_rows
+      key_rows * shape.d_pad, key_rows * shape.dv_pad,                    // dk, dv
+      rows * shape.d_pad / per_float, rows * shape.dv_pad / per_float,    // q_rows, do_rows
       pairs ? rows * ((d + 1) / 2) : 0, pairs ? rows * ((dv + 1) / 2) : 0,  // q_t, do_t
-      p.seqlen_q,                                                       // lse
-      block * tile + tile_rows, block * tile + tile_rows, tile,         // s, ds, dcap
-      pairs ? 3 * (block / 2) * tile : 0};                              // pairs
+      run_heads * p.seqlen_q,                                             // lse
+      block * tile + tile_rows, block * tile + tile_rows, tile,           // s, ds, dcap
+      pairs ? 3 * (block / 2) * tile : 0};                                // pairs
   // clang-format on
   std::int64_t per_thread = 0;
   for (std::int64_t n : sizes) per_thread += round_up(n, 16);
-  // Heads own their dQ rows; dBias rows are shared only when the mask broadcasts over batch or
-  // heads, and then one thread runs the heads in order.
+  // Items own their dQ rows; dBias rows are shared only when the mask broadcasts over batch or
+  // heads, and then one thread runs the items in order.
   const int threads = dbias.shared_across(p) ? 1 : std::max(1, p.threads);
-  const std::int64_t heads = p.batch * p.heads_q;
-  // Fewer than 4 heads in all (B = 1 with 1 to 3 heads) would leave threads idle: each head's
-  // key tiles are cut into up to 4 parts run as separate items (the kv reducer orders them per
-  // tile like heads), each with its own dQ part, summed in part order afterwards. The cut
-  // depends only on the problem, never on the thread count, so results stay bitwise the same
-  // for any thread count.
-  constexpr std::int64_t kSplitBelowHeads = 4, kMaxParts = 4;
+  const std::int64_t kv_runs = p.batch * p.heads_kv * runs;
+  // Fewer than 4 runs in all (B = 1 with 1 to 3 heads, or short Lq) would leave threads idle:
+  // each run's key tiles are cut into up to 4 parts run as separate items (the reducer orders
+  // them per tile like runs), each with its own dQ part, summed in part order afterwards. The
+  // cut depends only on the problem, never on the thread count, so results stay bitwise the
+  // same for any thread count.
+  constexpr std::int64_t kSplitBelowRuns = 4, kMaxParts = 4;
   const std::int64_t tiles = (p.seqlen_k + tile - 1) / tile;
   const std::int64_t parts =
-      heads < kSplitBelowHeads && !dbias.active() ? std::min(tiles, kMaxParts) : 1;
-  const std::int64_t head_dq = rows * shape.d_pad;  // [lq_pad][d_pad]
-  AlignedFloats dq_parts(parts > 1 ? heads * parts * head_dq : 1);
-  const std::int64_t items = heads * parts;
+      kv_runs < kSplitBelowRuns && !dbias.active() ? std::min(tiles, kMaxParts) : 1;
+  const std::int64_t item_dq = rows * shape.d_pad;  // [run_heads][lq_pad][d_pad]
+  AlignedFloats dq_parts(parts > 1 ? kv_runs * parts * item_dq : 1);
+  const std::int64_t items = kv_runs * parts;
   AlignedFloats scratch(threads * per_thread);
-  KvTileReducer reducer(p, a, shape.d_pad, shape.dv_pad, tile, key_rows);
+  KvTileReducer reducer(p, a, runs, shape.d_pad, shape.dv_pad, tile, key_rows);
+  // The heads of run r of (b, kv head): [first, last).
+  auto run_heads_of = [&](std::int64_t kv_run, std::int64_t* first, std::int64_t* last) {
+    const std::int64_t kv_head = kv_run / runs % p.heads_kv, r = kv_run % runs;
+    *first = kv_head * p.group + r * run_heads;
+    *last = std::min(*first + run_heads, (kv_head + 1) * p.group);
+  };
   std::atomic<std::int64_t> next{0};
   run_tasks(static_cast<int>(std::min<std::int64_t>(threads, items)), threads, [&](int slot) {
     FlashBackwardScratch w = shape;
@@ -371,28 +387,36 @@ void flash_backward(const Problem& p, const BackwardArgs& a) {
     std::fill_n(w.s, block * tile + tile_rows, 0.0f);
     std::fill_n(w.ds, block * tile + tile_rows, 0.0f);
     for (std::int64_t n = next.fetch_add(1); n < items; n = next.fetch_add(1)) {
-      const std::int64_t head = n / parts, part = n % parts;
-      KvTileReducer::Head context{&reducer, head / p.heads_q, head % p.heads_q};
+      const std::int64_t kv_run = n / parts, part = n % parts;
+      const std::int64_t b = kv_run / (runs * p.heads_kv);
+      std::int64_t first = 0, last = 0;
+      run_heads_of(kv_run, &first, &last);
+      KvTileReducer::Run context{&reducer, b, first / p.group, kv_run % runs};
       FlashBackwardScratch item = w;
       item.tile_begin = tiles * part / parts;
       item.tile_end = tiles * (part + 1) / parts;
       item.store_dq = parts == 1;
       item.put_kv_tile = &KvTileReducer::put;
       item.put_context = &context;
-      if (parts > 1) item.dq = dq_parts.get() + n * head_dq;
-      target.run_backward_head(p, a, context.b, context.h, item, dbias.active() ? &dbias : nullptr);
+      if (parts > 1) item.dq = dq_parts.get() + n * item_dq;
+      target.run_backward_heads(p, a, b, first, last, item, dbias.active() ? &dbias : nullptr);
     }
   });
   if (parts > 1) {  // dQ = the parts summed in order
-    for (std::int64_t head = 0; head < heads; ++head) {
-      float* sum = dq_parts.get() + head * parts * head_dq;
+    for (std::int64_t kv_run = 0; kv_run < kv_runs; ++kv_run) {
+      float* sum = dq_parts.get() + kv_run * parts * item_dq;
       for (std::int64_t part = 1; part < parts; ++part) {
-        const float* add = sum + part * head_dq;
-        for (std::int64_t e = 0; e < head_dq; ++e) sum[e] += add[e];
+        const float* add = sum + part * item_dq;
+        for (std::int64_t e = 0; e < item_dq; ++e) sum[e] += add[e];
       }
-      const std::int64_t b = head / p.heads_q, h = head % p.heads_q;
-      for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
-        store_row(sum + i * shape.d_pad, d, a.dq.data, a.dq.dtype, offset4(a.dq, b, h, i, 0));
+      const std::int64_t b = kv_run / (runs * p.heads_kv);
+      std::int64_t first = 0, last = 0;
+      run_heads_of(kv_run, &first, &last);
+      for (std::int64_t h = first; h < last; ++h) {
+        for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
+          store_row(sum + ((h - first) * shape.lq_pad + i) * shape.d_pad, d, a.dq.data, a.dq.dtype,
+                    offset4(a.dq, b, h, i, 0));
+        }
       }
     }
   }

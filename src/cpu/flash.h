@@ -54,7 +54,8 @@ struct FlashItem {
   std::int64_t b, kv_head, first, rows;
 };
 
-// One thread's scratch for the backward of one query head (sizes set by flash_backward).
+// One thread's scratch for the backward of a run of query heads of one kv head (sizes set by
+// flash_backward for the longest run).
 struct FlashBackwardScratch {
   std::int64_t d_pad, dv_pad;         // head dims padded to the micro-tile width
   std::int64_t lq_pad;                // Lq padded to whole micro-tiles
@@ -63,8 +64,8 @@ struct FlashBackwardScratch {
   // Takes the head's dK [key rows][d_pad] and dV [key rows][dv_pad] of key tile t.
   void (*put_kv_tile)(void* context, std::int64_t t, const float* dk, const float* dv);
   void* put_context;
-  float* dq;     // [lq_pad][d_pad]: the head's dQ, fp32
-  float* delta;  // [Lq]: <dO_i, O_i>
+  float* dq;     // [heads][lq_pad][d_pad]: the heads' dQ, fp32
+  float* delta;  // [heads][Lq]: <dO_i, O_i>
   // Tiles in the forward's layouts (F32Dot or Bf16Dot, flash_kernel-inl.h), K packed as both
   // keys and values:
   float* k_t;     // K's k-layout: for S
@@ -73,13 +74,14 @@ struct FlashBackwardScratch {
   float* v_rows;  // V's v-layout: written by the packing, unused
   float* dk;      // [key rows][d_pad]: the tile's dK
   float* dv;      // [key rows][dv_pad]: the tile's dV
-  // The head's rows, packed once; blocks of block_rows rows, each in its own layout:
-  float* q_rows;   // [lq_pad][d_pad] ([d_pad / cols][rows][cols] per block, cols = dv_align;
+  // The heads' rows, packed once; blocks of block_rows rows, each in its own layout:
+  float* q_rows;   // [heads][lq_pad][d_pad] ([d_pad / cols][rows][cols] per block, cols = dv_align;
                    // bf16: pairs of rows): q for dK, and for S in f32
-  float* do_rows;  // [lq_pad][dv_pad] (likewise): dO for dV, and for dP in f32
-  float* q_t;      // bf16 only: [lq_pad / tile rows][(D + 1) / 2][tile rows] pairs along D: q for S
+  float* do_rows;  // [heads][lq_pad][dv_pad] (likewise): dO for dV, and for dP in f32
+  float* q_t;      // bf16 only: [heads][lq_pad / tile rows][(D + 1) / 2][tile rows] pairs along D
+                   // (q for S)
   float* do_t;     // bf16 only: likewise for dO: for dP
-  float* lse;      // [Lq]
+  float* lse;      // [heads][Lq]
   float* s;        // [block_rows][key_tile] (+ tile rows): S, P, then P * M
   float* ds;       // [block_rows][key_tile] (+ tile rows): dP, then dS
   float* dcap;     // [key_tile]: the softcap derivative of one row
@@ -93,10 +95,11 @@ using FlashPackFn = void (*)(const Problem& p, const ForwardArgs& a, std::int64_
                              std::int64_t kv_head, std::int64_t t_begin, std::int64_t t_end,
                              float* k_tiles, float* v_rows, std::int64_t dv_pad);
 
-// The backward of one query head (b, h); dbias is null unless it is asked for.
+// The backward of query heads [h_begin, h_end) of batch b, all of one kv head; dbias is null
+// unless it is asked for.
 using FlashBackwardFn = void (*)(const Problem& p, const BackwardArgs& a, std::int64_t b,
-                                 std::int64_t h, const FlashBackwardScratch& scratch,
-                                 DbiasAccumulator* dbias);
+                                 std::int64_t h_begin, std::int64_t h_end,
+                                 const FlashBackwardScratch& scratch, DbiasAccumulator* dbias);
 
 struct FlashTarget {
   const char* name;      // "avx512bf16", "avx512", "avx2", "generic"
@@ -104,7 +107,7 @@ struct FlashTarget {
   FlashLayout layout;
   FlashBlockFn run_block;
   FlashPackFn pack_tiles;
-  FlashBackwardFn run_backward_head;
+  FlashBackwardFn run_backward_heads;
 };
 
 // The targets this build compiled, best first, and whether this CPU can run each.

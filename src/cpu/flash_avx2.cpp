@@ -16,7 +16,7 @@
 namespace attncore::detail {
 FlashTarget flash_target_avx2() {
   return {"avx2", ATTNCORE_TARGET_FEATURES, avx2::kLayout, &avx2::run_block, &avx2::pack_tiles,
-          &avx2::run_backward_head};
+          &avx2::run_backward_heads};
 }
 }  // namespace attncore::detail
 #endif  // __x86_64__

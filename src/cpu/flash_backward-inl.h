@@ -2,13 +2,14 @@
 // after flash_kernel-inl.h (whose vector helpers, packing and micro-kernels it uses), with the
 // same macros defined.
 //
-// One work item is one query head (b, h) (or, for fewer than 4 heads in all, a part of its key
-// tiles), owned by one thread: its dQ rows are written by nobody else, and its dK and dV of
-// each key tile go to put_kv_tile, which sums the query heads of a kv group in head order
-// (src/cpu/flash.cpp). No atomic adds: bitwise the same for any thread count.
+// One work item is a run of query heads [h_begin, h_end) of one kv head (one head, unless Lq is
+// short: flash.cpp) or, for fewer than 4 heads in all, a part of its key tiles, owned by one
+// thread: its dQ rows are written by nobody else, and its dK and dV of each key tile go to
+// put_kv_tile, which sums the items of a kv group in head order (src/cpu/flash.cpp). No atomic
+// adds: bitwise the same for any thread count.
 //   Delta_i = <dO_i, O_i>;  q, dO packed once
 //   for each key tile:  dK = dV = 0
-//     for each block of rows the band reaches:
+//     for each head, each block of its rows the band reaches:
 //       S = q K^T (with the score mods), P = exp(S - LSE)   (P = 0 where masked or LSE = -inf)
 //       dP = dO V^T * M                                      (M: the dropout factor)
 //       dS = P (dP - Delta), dBias += dS, dS *= softcap' * scale
@@ -158,10 +159,12 @@ inline void tile_products(Bf16Dot, const FlashBackwardScratch& w, const float* q
 #endif
 
 template <class Dot>
-void run_backward_head_with(const Problem& p, const BackwardArgs& a, std::int64_t b, std::int64_t h,
-                            const FlashBackwardScratch& w, DbiasAccumulator* dbias) {
+void run_backward_heads_with(const Problem& p, const BackwardArgs& a, std::int64_t b,
+                             std::int64_t h_begin, std::int64_t h_end,
+                             const FlashBackwardScratch& w, DbiasAccumulator* dbias) {
   const std::int64_t d = p.head_dim, dv = p.head_dim_v, lq = p.seqlen_q, lk = p.seqlen_k;
-  const std::int64_t d_pad = w.d_pad, dv_pad = w.dv_pad, kv_head = h / p.group;
+  const std::int64_t d_pad = w.d_pad, dv_pad = w.dv_pad, kv_head = h_begin / p.group;
+  const std::int64_t lq_pad = w.lq_pad;  // each head's rows, padded to whole micro-tiles
   // dK/dV rows: whole micro-tiles (rows past the tile's keys are scratch, never stored).
   const std::int64_t keys_pad = (kKeyTile + kTileRows - 1) / kTileRows * kTileRows;
   const CausalWindowMask band(p);
@@ -179,49 +182,55 @@ void run_backward_head_with(const Problem& p, const BackwardArgs& a, std::int64_
   const bool has_mods = p.alibi != nullptr || p.mask_kind != MaskKind::none;
   const ForwardArgs k_as_kv{a.q, a.k, a.k, {}, {}}, v_as_kv{a.dout, a.v, a.v, {}, {}};
   const ForwardArgs q_args{a.q, a.k, a.v, {}, {}}, do_args{a.dout, a.v, a.v, {}, {}};
-  // Where the block starting at row `row0` starts in the packed rows: f32 rows, or bf16 pairs
-  // of rows (half as many floats' worth); the bf16 kernel also packs pairs along D for S and
-  // dP (q_t, do_t).
+  // Where the block starting at row `at` of the item's padded rows (head h's rows start at
+  // (h - h_begin) * lq_pad) starts in the packed rows: f32 rows, or bf16 pairs of rows (half as
+  // many floats' worth); the bf16 kernel also packs pairs along D for S and dP (q_t, do_t).
   constexpr bool kPairs = std::is_same_v<typename Dot::Operand, std::uint32_t>;
   const std::int64_t q_rows_per_row = kPairs ? d_pad / 2 : d_pad;
   const std::int64_t do_rows_per_row = kPairs ? dv_pad / 2 : dv_pad;
   const std::int64_t d_pairs = (d + 1) / 2, dv_pairs = (dv + 1) / 2;
 
-  // Delta_i = <dO_i, O_i> and LSE_i for every row; dQ accumulators to zero.
-  for (std::int64_t i = 0; i < lq; ++i) {
-    const std::int64_t o_row = offset4(a.out, b, h, i, 0), do_row = offset4(a.dout, b, h, i, 0);
-    float delta = 0.0f;
-    for (std::int64_t e = 0; e < dv; ++e) {
-      delta += load_element<float>(a.dout.data, a.dout.dtype, do_row + e) *
-               load_element<float>(a.out.data, a.out.dtype, o_row + e);
+  // Delta_i = <dO_i, O_i> and LSE_i for every row of the heads; dQ accumulators to zero.
+  for (std::int64_t h = h_begin; h < h_end; ++h) {
+    for (std::int64_t i = 0; i < lq; ++i) {
+      const std::int64_t o_row = offset4(a.out, b, h, i, 0), do_row = offset4(a.dout, b, h, i, 0);
+      float delta = 0.0f;
+      for (std::int64_t e = 0; e < dv; ++e) {
+        delta += load_element<float>(a.dout.data, a.dout.dtype, do_row + e) *
+                 load_element<float>(a.out.data, a.out.dtype, o_row + e);
+      }
+      const std::int64_t n = (h - h_begin) * lq + i;
+      w.delta[n] = delta;
+      w.lse[n] = load_element<float>(
+          a.lse.data, a.lse.dtype, b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2]);
     }
-    w.delta[i] = delta;
-    w.lse[i] = load_element<float>(a.lse.data, a.lse.dtype,
-                                   b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2]);
   }
-  for (std::int64_t e = 0; e < w.lq_pad * d_pad; ++e) w.dq[e] = 0.0f;
+  for (std::int64_t e = 0; e < (h_end - h_begin) * lq_pad * d_pad; ++e) w.dq[e] = 0.0f;
 
-  // The head's queries and output gradients in the layouts the products read, once (not once
+  // The heads' queries and output gradients in the layouts the products read, once (not once
   // per key tile).
   const std::int64_t blocks = (lq + kBlockRows - 1) / kBlockRows;
-  for (std::int64_t blk = 0; blk < blocks; ++blk) {
-    const std::int64_t row0 = blk * kBlockRows,
-                       rows = std::min<std::int64_t>(kBlockRows, lq - row0);
-    const std::int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
-    std::int64_t head_of[kBlockRows], index_of[kBlockRows];
-    for (std::int64_t r = 0; r < rows; ++r) {
-      head_of[r] = h;
-      index_of[r] = row0 + r;
+  for (std::int64_t h = h_begin; h < h_end; ++h) {
+    for (std::int64_t blk = 0; blk < blocks; ++blk) {
+      const std::int64_t row0 = blk * kBlockRows,
+                         rows = std::min<std::int64_t>(kBlockRows, lq - row0);
+      const std::int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
+      const std::int64_t at = (h - h_begin) * lq_pad + row0;
+      std::int64_t head_of[kBlockRows], index_of[kBlockRows];
+      for (std::int64_t r = 0; r < rows; ++r) {
+        head_of[r] = h;
+        index_of[r] = row0 + r;
+      }
+      if constexpr (kPairs) {
+        Dot::load_queries(p, q_args, b, head_of, index_of, rows, padded_rows, w.q_t + at * d_pairs);
+        Dot::load_queries(pdo, do_args, b, head_of, index_of, rows, padded_rows,
+                          w.do_t + at * dv_pairs);
+      }
+      pack_rows<Dot>(a.q, b, head_of, index_of, rows, padded_rows, d, d_pad,
+                     w.q_rows + at * q_rows_per_row);
+      pack_rows<Dot>(a.dout, b, head_of, index_of, rows, padded_rows, dv, dv_pad,
+                     w.do_rows + at * do_rows_per_row);
     }
-    if constexpr (kPairs) {
-      Dot::load_queries(p, q_args, b, head_of, index_of, rows, padded_rows, w.q_t + row0 * d_pairs);
-      Dot::load_queries(pdo, do_args, b, head_of, index_of, rows, padded_rows,
-                        w.do_t + row0 * dv_pairs);
-    }
-    pack_rows<Dot>(a.q, b, head_of, index_of, rows, padded_rows, d, d_pad,
-                   w.q_rows + row0 * q_rows_per_row);
-    pack_rows<Dot>(a.dout, b, head_of, index_of, rows, padded_rows, dv, dv_pad,
-                   w.do_rows + row0 * do_rows_per_row);
   }
 
   for (std::int64_t t = w.tile_begin; t < w.tile_end; ++t) {
@@ -230,90 +239,99 @@ void run_backward_head_with(const Problem& p, const BackwardArgs& a, std::int64_
     Dot::pack_tile(pv, v_as_kv, b, kv_head, t, w.v_t, w.v_rows, dv_pad);
     for (std::int64_t e = 0; e < keys_pad * d_pad; ++e) w.dk[e] = 0.0f;
     for (std::int64_t e = 0; e < keys_pad * dv_pad; ++e) w.dv[e] = 0.0f;
-    for (std::int64_t blk = 0; blk < blocks; ++blk) {
-      const std::int64_t row0 = blk * kBlockRows,
-                         rows = std::min<std::int64_t>(kBlockRows, lq - row0);
-      const std::int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
-      RowSetKeys seen;
-      for (std::int64_t r = 0; r < rows; ++r) seen.add(band.row(row0 + r));
-      if (seen.classify(j0, j0 + keys) == TileKind::empty) continue;
-      const float* q_rows = w.q_rows + row0 * q_rows_per_row;
-      const float* do_rows = w.do_rows + row0 * do_rows_per_row;
-      if constexpr (kPairs) {
-        Dot::scores(p, w.q_t + row0 * d_pairs, w.k_t, padded_rows, w.s);       // S = q.k
-        Dot::scores(pdo, w.do_t + row0 * dv_pairs, w.v_t, padded_rows, w.ds);  // dP = dO.v
-      } else {
-        scores_from_rows(q_rows, w.k_t, d, padded_rows, w.s);
-        scores_from_rows(do_rows, w.v_t, dv, padded_rows, w.ds);
+    for (std::int64_t h = h_begin; h < h_end; ++h) {
+      for (std::int64_t blk = 0; blk < blocks; ++blk) {
+        const std::int64_t row0 = blk * kBlockRows,
+                           rows = std::min<std::int64_t>(kBlockRows, lq - row0);
+        const std::int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
+        RowSetKeys seen;
+        for (std::int64_t r = 0; r < rows; ++r) seen.add(band.row(row0 + r));
+        if (seen.classify(j0, j0 + keys) == TileKind::empty) continue;
+        const std::int64_t at = (h - h_begin) * lq_pad + row0;  // in the packed rows
+        const float* q_rows = w.q_rows + at * q_rows_per_row;
+        const float* do_rows = w.do_rows + at * do_rows_per_row;
+        if constexpr (kPairs) {
+          Dot::scores(p, w.q_t + at * d_pairs, w.k_t, padded_rows, w.s);       // S = q.k
+          Dot::scores(pdo, w.do_t + at * dv_pairs, w.v_t, padded_rows, w.ds);  // dP = dO.v
+        } else {
+          scores_from_rows(q_rows, w.k_t, d, padded_rows, w.s);
+          scores_from_rows(do_rows, w.v_t, dv, padded_rows, w.ds);
+        }
+        for (std::int64_t r = 0; r < padded_rows; ++r) {
+          float* s = w.s + r * kKeyTile;
+          float* ds = w.ds + r * kKeyTile;
+          const std::int64_t i = row0 + r;
+          const float lse = r < rows ? w.lse[(h - h_begin) * lq + i] : -INFINITY;
+          if (lse == -INFINITY) {  // padding rows and rows with no visible key: P = dS = 0
+            for (int c = 0; c < kKeyTile; ++c) s[c] = ds[c] = 0.0f;
+            continue;
+          }
+          for (int c = 0; c < kKeyTile; c += kLanes) store(s + c, load(s + c) * scale);
+          float* dcap = w.dcap;  // [kKeyTile] the softcap derivative of this row
+          for (int c = 0; c < kKeyTile; ++c) dcap[c] = 1.0f;
+          if (cap != 0.0f) {
+            for (int c = 0; c < kKeyTile; c += kLanes) {
+              const Vec capped = cap * tanhv(load(s + c) * (1.0f / cap));
+              const Vec ratio = capped * (1.0f / cap);
+              store(s + c, capped);
+              store(dcap + c, 1.0f - ratio * ratio);
+            }
+          }
+          if (has_mods) apply_score_mods(mods, b, h, i, j0, keys, s);
+          // P = exp(S - LSE) on the row's visible keys, 0 elsewhere.
+          const KeyRange visible = band.row(i);
+          const std::int64_t lo = std::clamp<std::int64_t>(visible.begin - j0, 0, kKeyTile);
+          const std::int64_t hi = std::clamp<std::int64_t>(visible.end - j0, lo, keys);
+          for (int c = 0; c < kKeyTile; c += kLanes)
+            store(s + c, exp2v((load(s + c) - lse) * kLog2e));
+          for (std::int64_t c = 0; c < lo; ++c) s[c] = 0.0f;
+          for (std::int64_t c = hi; c < kKeyTile; ++c) s[c] = 0.0f;
+          const float delta = w.delta[(h - h_begin) * lq + i];
+          const DropoutRow dropout(p, b, h, i);
+          if (!dropout.active() && dbias == nullptr) {
+            for (int c = 0; c < kKeyTile; c += kLanes) {  // dS = P (dP - Delta) * softcap' * scale
+              const Vec prob = load(s + c);
+              store(ds + c, prob * (load(ds + c) - delta) * load(dcap + c) * scale);
+            }
+            continue;
+          }
+          double* dbias_row = dbias != nullptr ? dbias->row(b, h, i) : nullptr;
+          for (std::int64_t c = 0; c < kKeyTile; ++c) {
+            const float prob = s[c];
+            const float keep = prob != 0.0f ? dropout.factor<float>(j0 + c) : 0.0f;
+            const float dscore = prob * (keep * ds[c] - delta);  // dS = P (dP - Delta)
+            if (dbias_row != nullptr && c < keys) {
+              dbias_row[(j0 + c) * dbias->column_stride()] += dscore;
+            }
+            ds[c] = dscore * dcap[c] * scale;  // the gradient of <q_i, k_j>
+            s[c] = prob * keep;                // dV's weights
+          }
+        }
+        tile_products(Dot{}, w, q_rows, do_rows, padded_rows, keys_pad, w.dq + at * d_pad);
       }
-      for (std::int64_t r = 0; r < padded_rows; ++r) {
-        float* s = w.s + r * kKeyTile;
-        float* ds = w.ds + r * kKeyTile;
-        const std::int64_t i = row0 + r;
-        const float lse = r < rows ? w.lse[i] : -INFINITY;
-        if (lse == -INFINITY) {  // padding rows and rows with no visible key: P = dS = 0
-          for (int c = 0; c < kKeyTile; ++c) s[c] = ds[c] = 0.0f;
-          continue;
-        }
-        for (int c = 0; c < kKeyTile; c += kLanes) store(s + c, load(s + c) * scale);
-        float* dcap = w.dcap;  // [kKeyTile] the softcap derivative of this row
-        for (int c = 0; c < kKeyTile; ++c) dcap[c] = 1.0f;
-        if (cap != 0.0f) {
-          for (int c = 0; c < kKeyTile; c += kLanes) {
-            const Vec capped = cap * tanhv(load(s + c) * (1.0f / cap));
-            const Vec ratio = capped * (1.0f / cap);
-            store(s + c, capped);
-            store(dcap + c, 1.0f - ratio * ratio);
-          }
-        }
-        if (has_mods) apply_score_mods(mods, b, h, i, j0, keys, s);
-        // P = exp(S - LSE) on the row's visible keys, 0 elsewhere.
-        const KeyRange visible = band.row(i);
-        const std::int64_t lo = std::clamp<std::int64_t>(visible.begin - j0, 0, kKeyTile);
-        const std::int64_t hi = std::clamp<std::int64_t>(visible.end - j0, lo, keys);
-        for (int c = 0; c < kKeyTile; c += kLanes)
-          store(s + c, exp2v((load(s + c) - lse) * kLog2e));
-        for (std::int64_t c = 0; c < lo; ++c) s[c] = 0.0f;
-        for (std::int64_t c = hi; c < kKeyTile; ++c) s[c] = 0.0f;
-        const float delta = w.delta[i];
-        const DropoutRow dropout(p, b, h, i);
-        if (!dropout.active() && dbias == nullptr) {
-          for (int c = 0; c < kKeyTile; c += kLanes) {  // dS = P (dP - Delta) * softcap' * scale
-            const Vec prob = load(s + c);
-            store(ds + c, prob * (load(ds + c) - delta) * load(dcap + c) * scale);
-          }
-          continue;
-        }
-        double* dbias_row = dbias != nullptr ? dbias->row(b, h, i) : nullptr;
-        for (std::int64_t c = 0; c < kKeyTile; ++c) {
-          const float prob = s[c];
-          const float keep = prob != 0.0f ? dropout.factor<float>(j0 + c) : 0.0f;
-          const float dscore = prob * (keep * ds[c] - delta);  // dS = P (dP - Delta)
-          if (dbias_row != nullptr && c < keys) {
-            dbias_row[(j0 + c) * dbias->column_stride()] += dscore;
-          }
-          ds[c] = dscore * dcap[c] * scale;  // the gradient of <q_i, k_j>
-          s[c] = prob * keep;                // dV's weights
-        }
-      }
-      tile_products(Dot{}, w, q_rows, do_rows, padded_rows, keys_pad, w.dq + row0 * d_pad);
     }
     w.put_kv_tile(w.put_context, t, w.dk, w.dv);
   }
   if (!w.store_dq) return;  // a part of the key tiles: the caller sums the dQ parts
-  for (std::int64_t i = 0; i < lq; ++i) {
-    store_row(w.dq + i * d_pad, d, a.dq.data, a.dq.dtype, offset4(a.dq, b, h, i, 0));
+  for (std::int64_t h = h_begin; h < h_end; ++h) {
+    for (std::int64_t i = 0; i < lq; ++i) {
+      store_row(w.dq + ((h - h_begin) * lq_pad + i) * d_pad, d, a.dq.data, a.dq.dtype,
+                offset4(a.dq, b, h, i, 0));
+    }
   }
 }
 
 // The exported entry point: native bf16 products for bf16 inputs where this target has them, f32
 // for everything else.
-void run_backward_head(const Problem& p, const BackwardArgs& a, std::int64_t b, std::int64_t h,
-                       const FlashBackwardScratch& w, DbiasAccumulator* dbias) {
+void run_backward_heads(const Problem& p, const BackwardArgs& a, std::int64_t b,
+                        std::int64_t h_begin, std::int64_t h_end, const FlashBackwardScratch& w,
+                        DbiasAccumulator* dbias) {
 #if ATTNCORE_BF16_DOT
-  if (p.dtype == DType::bf16) return run_backward_head_with<Bf16Dot>(p, a, b, h, w, dbias);
+  if (p.dtype == DType::bf16) {
+    return run_backward_heads_with<Bf16Dot>(p, a, b, h_begin, h_end, w, dbias);
+  }
 #endif
-  run_backward_head_with<F32Dot>(p, a, b, h, w, dbias);
+  run_backward_heads_with<F32Dot>(p, a, b, h_begin, h_end, w, dbias);
 }
 
 }  // namespace attncore::detail::ATTNCORE_TARGET_NS

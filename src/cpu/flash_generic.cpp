@@ -17,6 +17,6 @@ namespace attncore::detail {
 FlashTarget flash_target_generic() {
   return {"generic", ATTNCORE_TARGET_FEATURES, generic::kLayout, &generic::run_block,
           &generic::pack_tiles,
-          &generic::run_backward_head};
+          &generic::run_backward_heads};
 }
 }  // namespace attncore::detail
