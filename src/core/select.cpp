@@ -191,10 +191,12 @@ double estimate_flash(Pass pass, const Problem& p, const CostModel& m) {
         pairs *
         (kBackwardFlops * 2 * s.dims / kFlashBackwardEfficiency + kFlashBackwardSoftmaxFlops) /
         flops_per_s;
-    packed += s.batch * s.heads_q * s.lq * s.dims;
+    // Items as flash_backward cuts them; each run of heads packs the K/V tiles it visits.
+    const FlashBackwardPlan plan = plan_flash_backward(p, m.flash_key_tile, p.compute_dbias);
+    const double runs = groups * static_cast<double>(plan.runs);
+    packed = runs * lk_pad * s.dims + s.batch * s.heads_q * s.lq * s.dims;
     bytes = (groups * s.lk + 3 * s.batch * s.heads_q * s.lq) * s.dims * s.element;
-    const double tiles = lk_pad / tile;
-    items = groups * (groups < 4 ? std::min(tiles, 4.0) : 1.0);  // src/cpu/flash.cpp's cut
+    items = runs * static_cast<double>(plan.parts);
   }
   compute += cut * kFlashCutPairFlops[s.element == 4 ? 0 : 1] / flops_per_s;
   const double threads = std::max(1.0, std::min(s.threads, items));

@@ -302,6 +302,30 @@ class KvTileReducer {
   std::vector<std::atomic<std::int64_t>> turns_;
 };
 
+FlashBackwardPlan plan_flash_backward(const Problem& p, std::int64_t key_tile, bool dbias) {
+  // Runs of `run_heads` consecutive query heads of one kv head. One head per item keeps the
+  // workspace to one head's rows; with short Lq, a run fills about kRunRows rows so that each
+  // K/V tile packed serves them all (decode-shaped backward B=4 Hq=32 Hkv=8 Lq=1 Lk=4096 f32,
+  // 1 thread: 139 ms with one head per item, packing every tile once per head; 76 ms with runs
+  // of 4 heads; math 85 ms).
+  constexpr std::int64_t kRunRows = 256;
+  FlashBackwardPlan plan{};
+  plan.run_heads =
+      std::clamp<std::int64_t>(kRunRows / std::max<std::int64_t>(p.seqlen_q, 1), 1, p.group);
+  plan.runs = (p.group + plan.run_heads - 1) / plan.run_heads;  // per kv head
+  // Fewer than 4 runs in all (B = 1 with 1 to 3 heads, or short Lq) would leave threads idle:
+  // each run's key tiles are cut into up to 4 parts run as separate items (the reducer orders
+  // them per tile like runs), each with its own dQ part, summed in part order afterwards. Not
+  // with dBias, whose rows parts would share. The cut depends only on the problem, never on the
+  // thread count, so results stay bitwise the same for any thread count.
+  constexpr std::int64_t kSplitBelowRuns = 4, kMaxParts = 4;
+  const std::int64_t tiles = (p.seqlen_k + key_tile - 1) / key_tile;
+  plan.parts = p.batch * p.heads_kv * plan.runs < kSplitBelowRuns && !dbias
+                   ? std::clamp<std::int64_t>(tiles, 1, kMaxParts)
+                   : 1;
+  return plan;
+}
+
 void flash_backward(const Problem& p, const BackwardArgs& a) {
   DbiasAccumulator dbias(p);
   if (p.batch == 0) return;
@@ -321,16 +345,9 @@ void flash_backward(const Problem& p, const BackwardArgs& a) {
   shape.dv_pad = round_up(dv, layout.dv_align);
   shape.lq_pad = round_up(p.seqlen_q, tile_rows);
   const std::int64_t key_rows = round_up(tile, tile_rows);
-  // Items: runs of `run_heads` consecutive query heads of one kv head. One head per item keeps
-  // the workspace to one head's rows; with short Lq, a run fills about kRunRows rows so that
-  // each K/V tile packed serves them all (decode-shaped backward B=4 Hq=32 Hkv=8 Lq=1 Lk=4096
-  // f32, 1 thread: 139 ms with one head per item, packing every tile once per head; 76 ms with
-  // runs of 4 heads; math 85 ms).
-  constexpr std::int64_t kRunRows = 256;
-  const std::int64_t run_heads =
-      std::clamp<std::int64_t>(kRunRows / std::max<std::int64_t>(p.seqlen_q, 1), 1, p.group);
-  const std::int64_t runs = (p.group + run_heads - 1) / run_heads;  // per kv head
-  const std::int64_t rows = run_heads * shape.lq_pad;               // the item's query rows, padded
+  const FlashBackwardPlan plan = plan_flash_backward(p, tile, dbias.active());
+  const std::int64_t run_heads = plan.run_heads, runs = plan.runs, parts = plan.parts;
+  const std::int64_t rows = run_heads * shape.lq_pad;  // the item's query rows, padded
   // Sizes in floats, in FlashBackwardScratch's order; 16-float (64-byte) aligned each. bf16
   // pairs take half the floats of the f32 values they hold.
   const bool pairs = layout.bf16_dot && p.dtype == DType::bf16;
@@ -352,15 +369,7 @@ void flash_backward(const Problem& p, const BackwardArgs& a) {
   // heads, and then one thread runs the items in order.
   const int threads = dbias.shared_across(p) ? 1 : std::max(1, p.threads);
   const std::int64_t kv_runs = p.batch * p.heads_kv * runs;
-  // Fewer than 4 runs in all (B = 1 with 1 to 3 heads, or short Lq) would leave threads idle:
-  // each run's key tiles are cut into up to 4 parts run as separate items (the reducer orders
-  // them per tile like runs), each with its own dQ part, summed in part order afterwards. The
-  // cut depends only on the problem, never on the thread count, so results stay bitwise the
-  // same for any thread count.
-  constexpr std::int64_t kSplitBelowRuns = 4, kMaxParts = 4;
   const std::int64_t tiles = (p.seqlen_k + tile - 1) / tile;
-  const std::int64_t parts =
-      kv_runs < kSplitBelowRuns && !dbias.active() ? std::min(tiles, kMaxParts) : 1;
   const std::int64_t item_dq = rows * shape.d_pad;  // [run_heads][lq_pad][d_pad]
   AlignedFloats dq_parts(parts > 1 ? kv_runs * parts * item_dq : 1);
   const std::int64_t items = kv_runs * parts;

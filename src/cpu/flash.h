@@ -120,4 +120,11 @@ const FlashTarget& flash_target_chosen();
 void flash_forward(const Problem& p, const ForwardArgs& args);
 void flash_backward(const Problem& p, const BackwardArgs& args);
 
+// How flash_backward cuts a problem into work items: runs of `run_heads` query heads of one kv
+// head (`runs` per kv head), each run's key tiles in `parts` parts.
+struct FlashBackwardPlan {
+  std::int64_t run_heads, runs, parts;
+};
+FlashBackwardPlan plan_flash_backward(const Problem& p, std::int64_t key_tile, bool dbias);
+
 }  // namespace attncore::detail
