@@ -67,11 +67,10 @@ void pack_rows(const TensorView& t, std::int64_t b, const std::int64_t* head_of,
       const std::uint16_t* hi =
           2 * r2 + 1 < rows ? data + offset4(t, b, head_of[2 * r2 + 1], index_of[2 * r2 + 1], 0)
                             : nullptr;
-      for (std::int64_t c = 0; c < width_pad; ++c) {
-        const std::uint32_t l = lo != nullptr && c < width ? lo[c] : 0u;
-        const std::uint32_t h = hi != nullptr && c < width ? hi[c] : 0u;
-        out[(c / kTileCols) * (padded_rows / 2) * kTileCols + r2 * kTileCols + c % kTileCols] =
-            l | (h << 16);
+      for (std::int64_t c0 = 0; c0 < width_pad; c0 += kTileCols) {
+        const std::int64_t n = std::clamp<std::int64_t>(width - c0, 0, kTileCols);
+        Dot::pair_across(lo != nullptr ? lo + c0 : nullptr, hi != nullptr ? hi + c0 : nullptr, n,
+                         kTileCols, out + c0 * (padded_rows / 2) + r2 * kTileCols);
       }
     }
   } else {

@@ -338,6 +338,35 @@ struct Bf16Dot {
   }
   static __m512bh load_pairs(const std::uint32_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
+  // dst[e2 * stride] = the bf16 pair (row[2 e2], row[2 e2 + 1]) for e2 < (d + 1) / 2, 0 past d;
+  // zeros for a null row.
+  static void pair_along(const std::uint16_t* row, std::int64_t d, std::uint32_t* dst,
+                         std::int64_t stride) {
+    if (row == nullptr) {
+      for (std::int64_t e2 = 0; e2 < pairs(d); ++e2) dst[e2 * stride] = 0;
+      return;
+    }
+    for (std::int64_t e2 = 0; e2 < d / 2; ++e2) {
+      std::uint32_t pair;  // little-endian: row[2 e2] in the low half
+      std::memcpy(&pair, row + 2 * e2, sizeof pair);
+      dst[e2 * stride] = pair;
+    }
+    if (d % 2 != 0) dst[(d / 2) * stride] = row[d - 1];
+  }
+  // dst[e] = the bf16 pair (lo[e], hi[e]) for e < n, dst[e] = 0 for n <= e < width; a null row
+  // reads as zeros.
+  static void pair_across(const std::uint16_t* lo, const std::uint16_t* hi, std::int64_t n,
+                          std::int64_t width, std::uint32_t* dst) {
+    if (lo != nullptr && hi != nullptr) {
+      for (std::int64_t e = 0; e < n; ++e) dst[e] = lo[e] | (std::uint32_t{hi[e]} << 16);
+    } else if (lo != nullptr) {
+      for (std::int64_t e = 0; e < n; ++e) dst[e] = lo[e];
+    } else {
+      n = 0;
+    }
+    for (std::int64_t e = n; e < width; ++e) dst[e] = 0;
+  }
+
   // K tile t: pairs (d, d+1) of one key; V tile: pairs (key j, key j+1) of one column; zero
   // past Lk, D and Dv.
   static void pack_tile(const Problem& p, const ForwardArgs& a, std::int64_t b,
@@ -350,25 +379,17 @@ struct Bf16Dot {
     const std::int64_t keys = std::min<std::int64_t>(kKeyTile, p.seqlen_k - j0);
     const auto* k = static_cast<const std::uint16_t*>(a.k.data) + offset4(a.k, b, kv_head, j0, 0);
     for (std::int64_t c = 0; c < kKeyTile; ++c) {
-      const std::uint16_t* row = c < keys ? k + c * a.k.stride[2] : nullptr;
-      for (std::int64_t e2 = 0; e2 < d_pairs; ++e2) {
-        std::uint32_t pair = 0;
-        if (row != nullptr) {
-          pair = row[2 * e2];
-          if (2 * e2 + 1 < d) pair |= static_cast<std::uint32_t>(row[2 * e2 + 1]) << 16;
-        }
-        kt[k_index(d_pairs, e2, c)] = pair;
-      }
+      pair_along(c < keys ? k + c * a.k.stride[2] : nullptr, d, kt + k_index(d_pairs, 0, c),
+                 kTileCols);
     }
     const auto* v = static_cast<const std::uint16_t*>(a.v.data) + offset4(a.v, b, kv_head, j0, 0);
     for (std::int64_t c2 = 0; c2 < kKeyTile / 2; ++c2) {
-      const bool has_lo = 2 * c2 < keys, has_hi = 2 * c2 + 1 < keys;
-      const std::uint16_t* lo = has_lo ? v + 2 * c2 * a.v.stride[2] : nullptr;
-      const std::uint16_t* hi = has_hi ? v + (2 * c2 + 1) * a.v.stride[2] : nullptr;
-      for (std::int64_t e = 0; e < dv_pad; ++e) {
-        const std::uint32_t l = has_lo && e < dv ? lo[e] : 0u;
-        const std::uint32_t h = has_hi && e < dv ? hi[e] : 0u;
-        vt[v_index(c2, e)] = l | (h << 16);
+      const std::uint16_t* lo = 2 * c2 < keys ? v + 2 * c2 * a.v.stride[2] : nullptr;
+      const std::uint16_t* hi = 2 * c2 + 1 < keys ? v + (2 * c2 + 1) * a.v.stride[2] : nullptr;
+      for (std::int64_t e0 = 0; e0 < dv_pad; e0 += kTileCols) {
+        const std::int64_t n = std::clamp<std::int64_t>(dv - e0, 0, kTileCols);
+        pair_across(lo != nullptr ? lo + e0 : nullptr, hi != nullptr ? hi + e0 : nullptr, n,
+                    kTileCols, vt + v_index(c2, e0));
       }
     }
   }
@@ -384,14 +405,7 @@ struct Bf16Dot {
       const std::uint16_t* src = r < rows ? static_cast<const std::uint16_t*>(a.q.data) +
                                                 offset4(a.q, b, head_of[r], index_of[r], 0)
                                           : nullptr;
-      for (std::int64_t e2 = 0; e2 < d_pairs; ++e2) {
-        std::uint32_t pair = 0;
-        if (src != nullptr) {
-          pair = src[2 * e2];
-          if (2 * e2 + 1 < d) pair |= static_cast<std::uint32_t>(src[2 * e2 + 1]) << 16;
-        }
-        dst[e2 * kTileRows] = pair;
-      }
+      pair_along(src, d, dst, kTileRows);
     }
   }
 
