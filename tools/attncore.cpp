@@ -695,6 +695,14 @@ std::string format(const char* fmt, double x) {
   return buf;
 }
 
+// Whether the flags ask for the command's usage text.
+bool asks_for_help(const std::vector<std::string>& args) {
+  for (const std::string& a : args) {
+    if (a == "--help" || a == "-h") return true;
+  }
+  return false;
+}
+
 // The call's dtype and shape, as `run --json` and `explain --json` report them.
 void add_shape(JsonObject& j, const RunConfig& c) {
   j.add("dtype", name_of(c.dtype));
@@ -709,11 +717,9 @@ void add_shape(JsonObject& j, const RunConfig& c) {
 }
 
 int cmd_run(const std::vector<std::string>& args) {
-  for (const std::string& a : args) {
-    if (a == "--help" || a == "-h") {
-      std::fputs(kUsage, stdout);
-      return kExitOk;
-    }
+  if (asks_for_help(args)) {
+    std::fputs(kUsage, stdout);
+    return kExitOk;
   }
   const RunConfig c = parse_run_flags(args);
   const Problem p = make_problem(c);
@@ -807,11 +813,9 @@ std::string json_string(std::string_view text) {
 }
 
 int cmd_explain(const std::vector<std::string>& args) {
-  for (const std::string& a : args) {
-    if (a == "--help" || a == "-h") {
-      std::fputs(kUsage, stdout);
-      return kExitOk;
-    }
+  if (asks_for_help(args)) {
+    std::fputs(kUsage, stdout);
+    return kExitOk;
   }
   const RunConfig c = parse_run_flags(args);
   // The views point at one byte: explain validates shapes and strides and reads no data.
@@ -1231,11 +1235,9 @@ int cmd_bench_select(const BenchConfig& bc) {
 }
 
 int cmd_bench(const std::vector<std::string>& args) {
-  for (const std::string& a : args) {
-    if (a == "--help" || a == "-h") {
-      std::fputs(kBenchUsage, stdout);
-      return kExitOk;
-    }
+  if (asks_for_help(args)) {
+    std::fputs(kBenchUsage, stdout);
+    return kExitOk;
   }
   const BenchConfig bc = parse_bench_flags(args);
   if (bc.select) return cmd_bench_select(bc);
