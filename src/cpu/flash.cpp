@@ -355,7 +355,7 @@ void flash_backward(const Problem& p, const BackwardArgs& a) {
   // clang-format off
   const std::int64_t sizes[] = {
       rows * shape.d_pad, run_heads * p.seqlen_q,                         // dq, delta
-      tile * d, tile * shape.d_pad, tile * dv, tile * shape.dv_pad,       // k_t, k_rows, v_t, v_rows
+      tile * d, tile * shape.d_pad, tile * dv,                           // k_t, k_rows, v_t
       key_rows * shape.d_pad, key_rows * shape.dv_pad,                    // dk, dv
       rows * shape.d_pad / per_float, rows * shape.dv_pad / per_float,    // q_rows, do_rows
       pairs ? rows * ((d + 1) / 2) : 0, pairs ? rows * ((dv + 1) / 2) : 0,  // q_t, do_t
@@ -385,9 +385,8 @@ void flash_backward(const Problem& p, const BackwardArgs& a) {
   run_tasks(static_cast<int>(std::min<std::int64_t>(threads, items)), threads, [&](int slot) {
     FlashBackwardScratch w = shape;
     float* at = scratch.get() + slot * per_thread;
-    float** fields[] = {&w.dq,  &w.delta, &w.k_t,    &w.k_rows,  &w.v_t,  &w.v_rows,
-                        &w.dk,  &w.dv,    &w.q_rows, &w.do_rows, &w.q_t,  &w.do_t,
-                        &w.lse, &w.s,     &w.ds,     &w.dcap,    &w.pairs};
+    float** fields[] = {&w.dq,      &w.delta, &w.k_t,  &w.k_rows, &w.v_t, &w.dk, &w.dv,   &w.q_rows,
+                        &w.do_rows, &w.q_t,   &w.do_t, &w.lse,    &w.s,   &w.ds, &w.dcap, &w.pairs};
     for (std::size_t f = 0; f < std::size(fields); ++f) {
       *fields[f] = at;
       at += round_up(sizes[f], 16);

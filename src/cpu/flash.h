@@ -71,7 +71,6 @@ struct FlashBackwardScratch {
   float* k_t;     // K's k-layout: for S
   float* k_rows;  // K's v-layout (bf16: pairs along keys): for dQ
   float* v_t;     // V's k-layout: for dP
-  float* v_rows;  // V's v-layout: written by the packing, unused
   float* dk;      // [key rows][d_pad]: the tile's dK
   float* dv;      // [key rows][dv_pad]: the tile's dV
   // The heads' rows, packed once; blocks of block_rows rows, each in its own layout:

@@ -235,7 +235,7 @@ void run_backward_heads_with(const Problem& p, const BackwardArgs& a, std::int64
   for (std::int64_t t = w.tile_begin; t < w.tile_end; ++t) {
     const std::int64_t j0 = t * kKeyTile, keys = std::min<std::int64_t>(kKeyTile, lk - j0);
     Dot::pack_tile(pk, k_as_kv, b, kv_head, t, w.k_t, w.k_rows, d_pad);
-    Dot::pack_tile(pv, v_as_kv, b, kv_head, t, w.v_t, w.v_rows, dv_pad);
+    Dot::pack_tile(pv, v_as_kv, b, kv_head, t, w.v_t, nullptr, dv_pad);  // V's k-layout only
     for (std::int64_t e = 0; e < keys_pad * d_pad; ++e) w.dk[e] = 0.0f;
     for (std::int64_t e = 0; e < keys_pad * dv_pad; ++e) w.dv[e] = 0.0f;
     for (std::int64_t h = h_begin; h < h_end; ++h) {

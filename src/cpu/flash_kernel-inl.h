@@ -220,7 +220,7 @@ struct F32Dot {
   }
 
   // Packs key tile t of (b, kv_head) in f32: K transposed into kt [D][kKeyTile] and V into
-  // vt [kKeyTile][dv_pad], zero past Lk and past Dv.
+  // vt [kKeyTile][dv_pad] (unless vt is null), zero past Lk and past Dv.
   static void pack_tile(const Problem& p, const ForwardArgs& a, std::int64_t b,
                         std::int64_t kv_head, std::int64_t t, float* kt, float* vt,
                         std::int64_t dv_pad) {
@@ -254,18 +254,19 @@ struct F32Dot {
     };
     const auto* k16 = static_cast<const std::uint16_t*>(a.k.data) + k0;
     const auto* v16 = static_cast<const std::uint16_t*>(a.v.data);
+    const bool with_v = vt != nullptr;  // null: K only
     switch (a.k.dtype) {
       case DType::bf16:
         transpose(k16, [](std::uint16_t x) { return bf16::to_float(x); });
-        copy_v(v16, [](std::uint16_t x) { return bf16::to_float(x); });
+        if (with_v) copy_v(v16, [](std::uint16_t x) { return bf16::to_float(x); });
         break;
       case DType::f16:
         transpose(k16, [](std::uint16_t x) { return f16::to_float(x); });
-        copy_v(v16, [](std::uint16_t x) { return f16::to_float(x); });
+        if (with_v) copy_v(v16, [](std::uint16_t x) { return f16::to_float(x); });
         break;
       default:  // f32
         transpose(static_cast<const float*>(a.k.data) + k0, [](float x) { return x; });
-        copy_v(static_cast<const float*>(a.v.data), [](float x) { return x; });
+        if (with_v) copy_v(static_cast<const float*>(a.v.data), [](float x) { return x; });
         break;
     }
   }
@@ -367,8 +368,8 @@ struct Bf16Dot {
     for (std::int64_t e = n; e < width; ++e) dst[e] = 0;
   }
 
-  // K tile t: pairs (d, d+1) of one key; V tile: pairs (key j, key j+1) of one column; zero
-  // past Lk, D and Dv.
+  // K tile t: pairs (d, d+1) of one key; V tile (unless vt_floats is null): pairs (key j,
+  // key j+1) of one column; zero past Lk, D and Dv.
   static void pack_tile(const Problem& p, const ForwardArgs& a, std::int64_t b,
                         std::int64_t kv_head, std::int64_t t, float* kt_floats, float* vt_floats,
                         std::int64_t dv_pad) {
@@ -382,6 +383,7 @@ struct Bf16Dot {
       pair_along(c < keys ? k + c * a.k.stride[2] : nullptr, d, kt + k_index(d_pairs, 0, c),
                  kTileCols);
     }
+    if (vt == nullptr) return;
     const auto* v = static_cast<const std::uint16_t*>(a.v.data) + offset4(a.v, b, kv_head, j0, 0);
     for (std::int64_t c2 = 0; c2 < kKeyTile / 2; ++c2) {
       const std::uint16_t* lo = 2 * c2 < keys ? v + 2 * c2 * a.v.stride[2] : nullptr;
