@@ -191,11 +191,12 @@ double estimate_flash(Pass pass, const Problem& p, const CostModel& m) {
         pairs *
         (kBackwardFlops * 2 * s.dims / kFlashBackwardEfficiency + kFlashBackwardSoftmaxFlops) /
         flops_per_s;
-    // Items as flash_backward cuts them; each run of heads packs the K/V tiles it visits, K and
-    // V in two layouts each (for S and dQ, for dP and dV).
+    // Items as flash_backward cuts them; each run of heads packs the K/V tiles it visits, K in
+    // two layouts (for S and for dQ) and V in one (for dP).
     const FlashBackwardPlan plan = plan_flash_backward(p, m.flash_key_tile, p.compute_dbias);
     const double runs = groups * static_cast<double>(plan.runs);
-    packed = 2 * runs * lk_pad * s.dims + s.batch * s.heads_q * s.lq * s.dims;
+    packed = runs * lk_pad * static_cast<double>(2 * p.head_dim + p.head_dim_v) +
+             s.batch * s.heads_q * s.lq * s.dims;
     bytes = (groups * s.lk + 3 * s.batch * s.heads_q * s.lq) * s.dims * s.element;
     items = runs * static_cast<double>(plan.parts);
   }
