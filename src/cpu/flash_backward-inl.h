@@ -24,12 +24,13 @@ ATTNCORE_TARGET_PRAGMA
 namespace attncore::detail::ATTNCORE_TARGET_NS {
 
 // out[r][c] += sum_n a(r, n) * b[n][c] for r < rows (a multiple of kTileRows), c < cols_pad (a
-// multiple of kTileCols), with a(r, n) = a[r * kRowStride + n * kStepStride] and b packed as
-// [cols_pad / kTileCols][steps][kTileCols], in Dot's operands (f32, or bf16 pairs: then n
-// counts pairs).
+// multiple of kTileCols), n < steps, with a(r, n) = a[r * kRowStride + n * kStepStride] and b
+// packed as [cols_pad / kTileCols][b_steps][kTileCols] (b_steps >= steps), in Dot's operands
+// (f32, or bf16 pairs: then n counts pairs).
 template <class Dot, int kRowStride, int kStepStride>
 void add_product(const typename Dot::Operand* a, std::int64_t rows, std::int64_t steps,
-                 const typename Dot::Operand* b, std::int64_t cols_pad, float* out) {
+                 const typename Dot::Operand* b, std::int64_t b_steps, std::int64_t cols_pad,
+                 float* out) {
   for (std::int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
     for (std::int64_t c0 = 0; c0 < cols_pad; c0 += kTileCols) {
       Vec acc[kTileRows][kTileVectors];
@@ -40,7 +41,7 @@ void add_product(const typename Dot::Operand* a, std::int64_t rows, std::int64_t
         for (int v = 0; v < kTileVectors; ++v) acc[r][v] = load(o + r * cols_pad + v * kLanes);
       }
       Dot::template rank1_updates<kRowStride, kStepStride>(
-          acc, a + r0 * kRowStride, b + (c0 / kTileCols) * steps * kTileCols, steps);
+          acc, a + r0 * kRowStride, b + (c0 / kTileCols) * b_steps * kTileCols, steps);
 #pragma GCC unroll 16
       for (int r = 0; r < kTileRows; ++r) {
 #pragma GCC unroll 4
@@ -99,13 +100,14 @@ void pack_rows(const TensorView& t, std::int64_t b, const std::int64_t* head_of,
   }
 }
 
-// S [padded_rows][kKeyTile] = a . K_tile^T (unscaled), with a's rows as pack_rows<F32Dot> lays
-// them out ([d_pad / kTileCols][padded_rows][kTileCols]) and the tile in F32Dot's k-layout: the
-// rows the dK and dV products read serve S and dP too, so no second copy is packed.
+// S [padded_rows][kKeyTile] = a . K_tile^T (unscaled), columns [0, cols), with a's rows as
+// pack_rows<F32Dot> lays them out ([d_pad / kTileCols][padded_rows][kTileCols]) and the tile in
+// F32Dot's k-layout: the rows the dK and dV products read serve S and dP too, so no second copy
+// is packed.
 inline void scores_from_rows(const float* rows, const float* k_tile, std::int64_t width,
-                             std::int64_t padded_rows, float* s) {
+                             std::int64_t padded_rows, std::int64_t cols, float* s) {
   for (std::int64_t r0 = 0; r0 < padded_rows; r0 += kTileRows) {
-    for (int c = 0; c < kKeyTile; c += kTileCols) {
+    for (std::int64_t c = 0; c < cols; c += kTileCols) {
       Vec acc[kTileRows][kTileVectors] = {};
       for (std::int64_t e0 = 0; e0 < width; e0 += kTileCols) {
         F32Dot::rank1_updates<kTileCols, 1>(acc, rows + e0 * padded_rows + r0 * kTileCols,
@@ -122,14 +124,15 @@ inline void scores_from_rows(const float* rows, const float* k_tile, std::int64_
   }
 }
 
-// dV += (P M)^T dO and dK += dS^T q (rows: the tile's keys); dQ += dS K (rows: this block), in
-// f32 straight from S and dS.
+// dV += (P M)^T dO and dK += dS^T q (rows: the tile's keys, keys_pad of them); dQ += dS K
+// (rows: this block; sums over the tile's first `cols` keys), in f32 straight from S and dS.
 inline void tile_products(F32Dot, const FlashBackwardScratch& w, const float* q_rows,
                           const float* do_rows, std::int64_t padded_rows, std::int64_t keys_pad,
-                          float* dq) {
-  add_product<F32Dot, 1, kKeyTile>(w.s, keys_pad, padded_rows, do_rows, w.dv_pad, w.dv);
-  add_product<F32Dot, 1, kKeyTile>(w.ds, keys_pad, padded_rows, q_rows, w.d_pad, w.dk);
-  add_product<F32Dot, kKeyTile, 1>(w.ds, padded_rows, kKeyTile, w.k_rows, w.d_pad, dq);
+                          std::int64_t cols, float* dq) {
+  add_product<F32Dot, 1, kKeyTile>(w.s, keys_pad, padded_rows, do_rows, padded_rows, w.dv_pad,
+                                   w.dv);
+  add_product<F32Dot, 1, kKeyTile>(w.ds, keys_pad, padded_rows, q_rows, padded_rows, w.d_pad, w.dk);
+  add_product<F32Dot, kKeyTile, 1>(w.ds, padded_rows, cols, w.k_rows, kKeyTile, w.d_pad, dq);
 }
 
 #if ATTNCORE_BF16_DOT
@@ -137,23 +140,28 @@ inline void tile_products(F32Dot, const FlashBackwardScratch& w, const float* q_
 // them), interleaved by rows for dV and dK and paired along keys for dQ; f32 accumulation.
 inline void tile_products(Bf16Dot, const FlashBackwardScratch& w, const float* q_rows_floats,
                           const float* do_rows_floats, std::int64_t padded_rows,
-                          std::int64_t keys_pad, float* dq) {
+                          std::int64_t keys_pad, std::int64_t cols, float* dq) {
   auto* pm_rows = reinterpret_cast<std::uint32_t*>(w.pairs);        // [padded_rows / 2][kKeyTile]
   std::uint32_t* ds_rows = pm_rows + (padded_rows / 2) * kKeyTile;  // [padded_rows / 2][kKeyTile]
   std::uint32_t* ds_keys = ds_rows + (padded_rows / 2) * kKeyTile;  // [padded_rows][kKeyTile / 2]
   for (std::int64_t r2 = 0; r2 < padded_rows / 2; ++r2) {
     const float* lo = w.s + 2 * r2 * kKeyTile;
-    Bf16Dot::round_interleaved(lo, lo + kKeyTile, kKeyTile, pm_rows + r2 * kKeyTile);
+    Bf16Dot::round_interleaved(lo, lo + kKeyTile, cols, pm_rows + r2 * kKeyTile);
     const float* dlo = w.ds + 2 * r2 * kKeyTile;
-    Bf16Dot::round_interleaved(dlo, dlo + kKeyTile, kKeyTile, ds_rows + r2 * kKeyTile);
+    Bf16Dot::round_interleaved(dlo, dlo + kKeyTile, cols, ds_rows + r2 * kKeyTile);
   }
-  Bf16Dot::round_pairs(w.ds, padded_rows * kKeyTile, ds_keys);
+  for (std::int64_t r = 0; r < padded_rows; ++r) {
+    Bf16Dot::round_pairs(w.ds + r * kKeyTile, cols, ds_keys + r * (kKeyTile / 2));
+  }
   const auto* do_rows = reinterpret_cast<const std::uint32_t*>(do_rows_floats);
   const auto* q_rows = reinterpret_cast<const std::uint32_t*>(q_rows_floats);
   const auto* k_rows = reinterpret_cast<const std::uint32_t*>(w.k_rows);
-  add_product<Bf16Dot, 1, kKeyTile>(pm_rows, keys_pad, padded_rows / 2, do_rows, w.dv_pad, w.dv);
-  add_product<Bf16Dot, 1, kKeyTile>(ds_rows, keys_pad, padded_rows / 2, q_rows, w.d_pad, w.dk);
-  add_product<Bf16Dot, kKeyTile / 2, 1>(ds_keys, padded_rows, kKeyTile / 2, k_rows, w.d_pad, dq);
+  const std::int64_t row_pairs = padded_rows / 2;
+  add_product<Bf16Dot, 1, kKeyTile>(pm_rows, keys_pad, row_pairs, do_rows, row_pairs, w.dv_pad,
+                                    w.dv);
+  add_product<Bf16Dot, 1, kKeyTile>(ds_rows, keys_pad, row_pairs, q_rows, row_pairs, w.d_pad, w.dk);
+  add_product<Bf16Dot, kKeyTile / 2, 1>(ds_keys, padded_rows, cols / 2, k_rows, kKeyTile / 2,
+                                        w.d_pad, dq);
 }
 #endif
 
@@ -164,8 +172,6 @@ void run_backward_heads_with(const Problem& p, const BackwardArgs& a, std::int64
   const std::int64_t d = p.head_dim, dv = p.head_dim_v, lq = p.seqlen_q, lk = p.seqlen_k;
   const std::int64_t d_pad = w.d_pad, dv_pad = w.dv_pad, kv_head = h_begin / p.group;
   const std::int64_t lq_pad = w.lq_pad;  // each head's rows, padded to whole micro-tiles
-  // dK/dV rows: whole micro-tiles (rows past the tile's keys are scratch, never stored).
-  const std::int64_t keys_pad = (kKeyTile + kTileRows - 1) / kTileRows * kTileRows;
   const CausalWindowMask band(p);
   const float scale = static_cast<float>(p.scale), cap = static_cast<float>(p.softcap);
   // The problems whose packing and products the forward's code serves: K as both K and V
@@ -234,6 +240,11 @@ void run_backward_heads_with(const Problem& p, const BackwardArgs& a, std::int64
 
   for (std::int64_t t = w.tile_begin; t < w.tile_end; ++t) {
     const std::int64_t j0 = t * kKeyTile, keys = std::min<std::int64_t>(kKeyTile, lk - j0);
+    const std::int64_t cols = tile_cols(keys);  // S, dS and the dQ product: columns [0, cols)
+    // dK/dV rows: whole micro-tiles (rows past the tile's keys are scratch, never stored; with
+    // 6-row micro-tiles they may pass `cols`: those columns of S and dS are zeroed below).
+    const std::int64_t keys_pad = (keys + kTileRows - 1) / kTileRows * kTileRows;
+    const std::int64_t tail_end = std::min<std::int64_t>(keys_pad, kKeyTile);
     Dot::pack_tile(pk, k_as_kv, b, kv_head, t, w.k_t, w.k_rows, d_pad);
     Dot::pack_tile(pv, v_as_kv, b, kv_head, t, w.v_t, nullptr, dv_pad);  // V's k-layout only
     for (std::int64_t e = 0; e < keys_pad * d_pad; ++e) w.dk[e] = 0.0f;
@@ -250,26 +261,27 @@ void run_backward_heads_with(const Problem& p, const BackwardArgs& a, std::int64
         const float* q_rows = w.q_rows + at * q_rows_per_row;
         const float* do_rows = w.do_rows + at * do_rows_per_row;
         if constexpr (kPairs) {
-          Dot::scores(p, w.q_t + at * d_pairs, w.k_t, padded_rows, w.s);       // S = q.k
-          Dot::scores(pdo, w.do_t + at * dv_pairs, w.v_t, padded_rows, w.ds);  // dP = dO.v
+          Dot::scores(p, w.q_t + at * d_pairs, w.k_t, padded_rows, cols, w.s);       // S = q.k
+          Dot::scores(pdo, w.do_t + at * dv_pairs, w.v_t, padded_rows, cols, w.ds);  // dP = dO.v
         } else {
-          scores_from_rows(q_rows, w.k_t, d, padded_rows, w.s);
-          scores_from_rows(do_rows, w.v_t, dv, padded_rows, w.ds);
+          scores_from_rows(q_rows, w.k_t, d, padded_rows, cols, w.s);
+          scores_from_rows(do_rows, w.v_t, dv, padded_rows, cols, w.ds);
         }
         for (std::int64_t r = 0; r < padded_rows; ++r) {
           float* s = w.s + r * kKeyTile;
           float* ds = w.ds + r * kKeyTile;
           const std::int64_t i = row0 + r;
           const float lse = r < rows ? w.lse[(h - h_begin) * lq + i] : -INFINITY;
+          for (std::int64_t c = cols; c < tail_end; ++c) s[c] = ds[c] = 0.0f;  // dK/dV rows' tail
           if (lse == -INFINITY) {  // padding rows and rows with no visible key: P = dS = 0
-            for (int c = 0; c < kKeyTile; ++c) s[c] = ds[c] = 0.0f;
+            for (std::int64_t c = 0; c < cols; ++c) s[c] = ds[c] = 0.0f;
             continue;
           }
-          for (int c = 0; c < kKeyTile; c += kLanes) store(s + c, load(s + c) * scale);
+          for (std::int64_t c = 0; c < cols; c += kLanes) store(s + c, load(s + c) * scale);
           float* dcap = w.dcap;  // [kKeyTile] the softcap derivative of this row
-          for (int c = 0; c < kKeyTile; ++c) dcap[c] = 1.0f;
+          for (std::int64_t c = 0; c < cols; ++c) dcap[c] = 1.0f;
           if (cap != 0.0f) {
-            for (int c = 0; c < kKeyTile; c += kLanes) {
+            for (std::int64_t c = 0; c < cols; c += kLanes) {
               const Vec capped = cap * tanhv(load(s + c) * (1.0f / cap));
               const Vec ratio = capped * (1.0f / cap);
               store(s + c, capped);
@@ -281,21 +293,22 @@ void run_backward_heads_with(const Problem& p, const BackwardArgs& a, std::int64
           const KeyRange visible = band.row(i);
           const std::int64_t lo = std::clamp<std::int64_t>(visible.begin - j0, 0, kKeyTile);
           const std::int64_t hi = std::clamp<std::int64_t>(visible.end - j0, lo, keys);
-          for (int c = 0; c < kKeyTile; c += kLanes)
+          for (std::int64_t c = 0; c < cols; c += kLanes)
             store(s + c, exp2v((load(s + c) - lse) * kLog2e));
           for (std::int64_t c = 0; c < lo; ++c) s[c] = 0.0f;
-          for (std::int64_t c = hi; c < kKeyTile; ++c) s[c] = 0.0f;
+          for (std::int64_t c = hi; c < cols; ++c) s[c] = 0.0f;
           const float delta = w.delta[(h - h_begin) * lq + i];
           const DropoutRow dropout(p, b, h, i);
           if (!dropout.active() && dbias == nullptr) {
-            for (int c = 0; c < kKeyTile; c += kLanes) {  // dS = P (dP - Delta) * softcap' * scale
+            for (std::int64_t c = 0; c < cols;
+                 c += kLanes) {  // dS = P (dP - Delta) * softcap' * scale
               const Vec prob = load(s + c);
               store(ds + c, prob * (load(ds + c) - delta) * load(dcap + c) * scale);
             }
             continue;
           }
           double* dbias_row = dbias != nullptr ? dbias->row(b, h, i) : nullptr;
-          for (std::int64_t c = 0; c < kKeyTile; ++c) {
+          for (std::int64_t c = 0; c < cols; ++c) {
             const float prob = s[c];
             const float keep = prob != 0.0f ? dropout.factor<float>(j0 + c) : 0.0f;
             const float dscore = prob * (keep * ds[c] - delta);  // dS = P (dP - Delta)
@@ -306,7 +319,7 @@ void run_backward_heads_with(const Problem& p, const BackwardArgs& a, std::int64
             s[c] = prob * keep;                // dV's weights
           }
         }
-        tile_products(Dot{}, w, q_rows, do_rows, padded_rows, keys_pad, w.dq + at * d_pad);
+        tile_products(Dot{}, w, q_rows, do_rows, padded_rows, keys_pad, cols, w.dq + at * d_pad);
       }
     }
     w.put_kv_tile(w.put_context, t, w.dk, w.dv);

@@ -58,6 +58,12 @@ constexpr int kBlockRows = 8 * kTileRows;
 constexpr int kKeyTile = 128;
 static_assert(kKeyTile % kTileCols == 0, "a key tile is whole QK micro-tiles");
 
+// The columns of a tile with `keys` keys that are computed: whole QK micro-tiles, so a short
+// last tile (or a short Lk) costs its keys, not kKeyTile. Columns past them are never read.
+inline std::int64_t tile_cols(std::int64_t keys) {
+  return (keys + kTileCols - 1) / kTileCols * kTileCols;
+}
+
 using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
 using IVec = std::int32_t __attribute__((vector_size(kLanes * sizeof(float))));
 
@@ -120,12 +126,14 @@ constexpr float kLog2e = 1.4426950408889634f;
 // tanh(y) = 1 - 2 / (e^(2y) + 1): saturates to +-1, NaN stays NaN.
 inline Vec tanhv(Vec y) { return 1.0f - 2.0f / (exp2v(y * (2.0f * kLog2e)) + 1.0f); }
 
-// The score modifiers of DESIGN.md section 1.2 on one row of a tile (keys j0 .. j0+kKeyTile).
+// The score modifiers of DESIGN.md section 1.2 on one row of a tile (keys j0 .. j0 + keys).
 inline void apply_score_mods(const Problem& p, std::int64_t b, std::int64_t h, std::int64_t i,
                              std::int64_t j0, std::int64_t keys, float* s) {
   if (p.softcap != 0.0) {
     const float cap = static_cast<float>(p.softcap), inv_cap = 1.0f / cap;
-    for (int c = 0; c < kKeyTile; c += kLanes) store(s + c, cap * tanhv(load(s + c) * inv_cap));
+    for (std::int64_t c = 0; c < keys; c += kLanes) {
+      store(s + c, cap * tanhv(load(s + c) * inv_cap));
+    }
   }
   if (p.alibi != nullptr) {
     const float slope = p.alibi[b * p.alibi_stride_b + h * p.alibi_stride_h];
@@ -201,9 +209,9 @@ struct F32Dot {
     }
   }
 
-  // o[r][c] = alpha[r] * o[r][c] + sum_j p[r][j] * v[j][c].
-  static void pv_micro(const float* p, const float* v, const float* alpha, float* o,
-                       std::int64_t ldo) {
+  // o[r][c] = alpha[r] * o[r][c] + sum_{j < keys} p[r][j] * v[j][c].
+  static void pv_micro(const float* p, const float* v, std::int64_t keys, const float* alpha,
+                       float* o, std::int64_t ldo) {
     Vec acc[kTileRows][kTileVectors];
 #pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) {
@@ -211,7 +219,7 @@ struct F32Dot {
 #pragma GCC unroll 4
       for (int c = 0; c < kTileVectors; ++c) acc[r][c] = load(o + r * ldo + c * kLanes) * a;
     }
-    rank1_updates<kKeyTile, 1>(acc, p, v, kKeyTile);
+    rank1_updates<kKeyTile, 1>(acc, p, v, keys);
 #pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) {
 #pragma GCC unroll 4
@@ -228,6 +236,7 @@ struct F32Dot {
     constexpr std::int64_t kChunk = 16;  // head-dim columns per pass: 16 lines written per key
     const std::int64_t j0 = t * kKeyTile;
     const std::int64_t keys = std::min<std::int64_t>(kKeyTile, p.seqlen_k - j0);
+    const std::int64_t cols = tile_cols(keys);
     const std::int64_t k0 = offset4(a.k, b, kv_head, j0, 0), ldk = a.k.stride[2];
     // One loop per input dtype (f32, bf16, f16: the flash backend's), none inside.
     auto transpose = [&](const auto* src, auto to_float) {
@@ -237,12 +246,12 @@ struct F32Dot {
           for (std::int64_t e = e0; e < e1; ++e) kt[k_index(d, e, c)] = to_float(src[c * ldk + e]);
         }
         for (std::int64_t e = e0; e < e1; ++e) {
-          for (std::int64_t c = keys; c < kKeyTile; ++c) kt[k_index(d, e, c)] = 0.0f;
+          for (std::int64_t c = keys; c < cols; ++c) kt[k_index(d, e, c)] = 0.0f;
         }
       }
     };
     auto copy_v = [&](const auto* v, auto to_float) {
-      for (std::int64_t c = 0; c < kKeyTile; ++c) {
+      for (std::int64_t c = 0; c < cols; ++c) {
         const auto* row = c < keys ? v + offset4(a.v, b, kv_head, j0 + c, 0) : v;
         for (std::int64_t e0 = 0; e0 < dv_pad; e0 += kTileCols) {
           float* chunk = vt + v_index(c, e0);  // kTileCols columns of key c
@@ -290,25 +299,25 @@ struct F32Dot {
     }
   }
 
-  // S [padded_rows][kKeyTile] = q . K_tile^T
+  // S [padded_rows][kKeyTile] = q . K_tile^T, columns [0, cols)
   static void scores(const Problem& p, const float* q, const float* k_tile,
-                     std::int64_t padded_rows, float* s) {
+                     std::int64_t padded_rows, std::int64_t cols, float* s) {
     for (std::int64_t r = 0; r < padded_rows; r += kTileRows) {
-      for (int c = 0; c < kKeyTile; c += kTileCols) {
+      for (std::int64_t c = 0; c < cols; c += kTileCols) {
         qk_micro(q + r * p.head_dim, k_tile + k_index(p.head_dim, 0, c), p.head_dim,
                  s + r * kKeyTile + c);
       }
     }
   }
 
-  // O [padded_rows][dv_pad] = alpha O + P . V_tile
+  // O [padded_rows][dv_pad] = alpha O + P . V_tile, over the tile's first `cols` keys
   static void accumulate(const float* probs, const float* v_tile, std::int64_t dv_pad,
-                         std::int64_t padded_rows, const float* alpha, float* /*probs16*/,
-                         float* out) {
+                         std::int64_t padded_rows, std::int64_t cols, const float* alpha,
+                         float* /*probs16*/, float* out) {
     for (std::int64_t r = 0; r < padded_rows; r += kTileRows) {
       for (std::int64_t c = 0; c < dv_pad; c += kTileCols) {
-        pv_micro(probs + r * kKeyTile, v_tile + v_index(0, c), alpha + r, out + r * dv_pad + c,
-                 dv_pad);
+        pv_micro(probs + r * kKeyTile, v_tile + v_index(0, c), cols, alpha + r,
+                 out + r * dv_pad + c, dv_pad);
       }
     }
   }
@@ -378,14 +387,15 @@ struct Bf16Dot {
     const std::int64_t d = p.head_dim, dv = p.head_dim_v, d_pairs = pairs(d);
     const std::int64_t j0 = t * kKeyTile;
     const std::int64_t keys = std::min<std::int64_t>(kKeyTile, p.seqlen_k - j0);
+    const std::int64_t cols = tile_cols(keys);
     const auto* k = static_cast<const std::uint16_t*>(a.k.data) + offset4(a.k, b, kv_head, j0, 0);
-    for (std::int64_t c = 0; c < kKeyTile; ++c) {
+    for (std::int64_t c = 0; c < cols; ++c) {
       pair_along(c < keys ? k + c * a.k.stride[2] : nullptr, d, kt + k_index(d_pairs, 0, c),
                  kTileCols);
     }
     if (vt == nullptr) return;
     const auto* v = static_cast<const std::uint16_t*>(a.v.data) + offset4(a.v, b, kv_head, j0, 0);
-    for (std::int64_t c2 = 0; c2 < kKeyTile / 2; ++c2) {
+    for (std::int64_t c2 = 0; c2 < cols / 2; ++c2) {
       const std::uint16_t* lo = 2 * c2 < keys ? v + 2 * c2 * a.v.stride[2] : nullptr;
       const std::uint16_t* hi = 2 * c2 + 1 < keys ? v + (2 * c2 + 1) * a.v.stride[2] : nullptr;
       for (std::int64_t e0 = 0; e0 < dv_pad; e0 += kTileCols) {
@@ -454,14 +464,14 @@ struct Bf16Dot {
     }
   }
 
-  // S [padded_rows][kKeyTile] = q . K_tile^T (unscaled)
+  // S [padded_rows][kKeyTile] = q . K_tile^T (unscaled), columns [0, cols)
   static void scores(const Problem& p, const float* q_floats, const float* kt_floats,
-                     std::int64_t padded_rows, float* s) {
+                     std::int64_t padded_rows, std::int64_t cols, float* s) {
     const auto* q = reinterpret_cast<const std::uint32_t*>(q_floats);
     const auto* kt = reinterpret_cast<const std::uint32_t*>(kt_floats);
     const std::int64_t d_pairs = pairs(p.head_dim);
     for (std::int64_t r0 = 0; r0 < padded_rows; r0 += kTileRows) {
-      for (int c = 0; c < kKeyTile; c += kTileCols) {
+      for (std::int64_t c = 0; c < cols; c += kTileCols) {
         Vec acc[kTileRows][kTileVectors] = {};
         rank1_updates<1, kTileRows>(acc, q + r0 * d_pairs, kt + k_index(d_pairs, 0, c), d_pairs);
 #pragma GCC unroll 16
@@ -474,12 +484,15 @@ struct Bf16Dot {
     }
   }
 
-  // O [padded_rows][dv_pad] = alpha O + bf16(P) . V_tile, P rounded into probs16.
+  // O [padded_rows][dv_pad] = alpha O + bf16(P) . V_tile over the tile's first `cols` keys, P
+  // rounded into probs16.
   static void accumulate(const float* probs, const float* vt_floats, std::int64_t dv_pad,
-                         std::int64_t padded_rows, const float* alpha, float* probs16_floats,
-                         float* out) {
+                         std::int64_t padded_rows, std::int64_t cols, const float* alpha,
+                         float* probs16_floats, float* out) {
     auto* p16 = reinterpret_cast<std::uint32_t*>(probs16_floats);  // [padded_rows][kKeyTile / 2]
-    round_pairs(probs, padded_rows * kKeyTile, p16);
+    for (std::int64_t r = 0; r < padded_rows; ++r) {
+      round_pairs(probs + r * kKeyTile, cols, p16 + r * (kKeyTile / 2));
+    }
     const auto* vt = reinterpret_cast<const std::uint32_t*>(vt_floats);
     for (std::int64_t r0 = 0; r0 < padded_rows; r0 += kTileRows) {
       for (std::int64_t c = 0; c < dv_pad; c += kTileCols) {
@@ -492,7 +505,7 @@ struct Bf16Dot {
             acc[r][v] = load(out + (r0 + r) * dv_pad + c + v * kLanes) * a;
         }
         rank1_updates<kKeyTile / 2, 1>(acc, p16 + r0 * (kKeyTile / 2), vt + v_index(0, c),
-                                       kKeyTile / 2);
+                                       cols / 2);
 #pragma GCC unroll 16
         for (int r = 0; r < kTileRows; ++r) {
 #pragma GCC unroll 4
@@ -542,6 +555,7 @@ void run_block_with(const Problem& p, const ForwardArgs& a, const FlashPanel& pa
   for (std::int64_t t = tile_begin; t < tile_end; ++t) {
     const std::int64_t j0 = t * kKeyTile;
     const std::int64_t keys = std::min<std::int64_t>(kKeyTile, lk - j0);
+    const std::int64_t cols = tile_cols(keys);  // S, P and the products: columns [0, cols)
     // The last tile's keys past Lk are padding: such a tile is never full.
     const bool full = keys == kKeyTile && seen.classify(j0, j0 + kKeyTile) == TileKind::full;
     // The panel's tile, or (panel without tiles: a single item of its group) this tile packed
@@ -554,18 +568,18 @@ void run_block_with(const Problem& p, const ForwardArgs& a, const FlashPanel& pa
     } else {
       Dot::pack_tile(p, a, b, item.kv_head, t, w.k_tile, w.v_tile, dv_pad);
     }
-    Dot::scores(p, w.q, k_tile, padded_rows, w.scores);
+    Dot::scores(p, w.q, k_tile, padded_rows, cols, w.scores);
     for (std::int64_t r = 0; r < padded_rows; ++r) {
       float* s = w.scores + r * kKeyTile;
       if (r >= rows) {  // padding rows take no part
-        for (int c = 0; c < kKeyTile; ++c) s[c] = 0.0f;
+        for (std::int64_t c = 0; c < cols; ++c) s[c] = 0.0f;
         continue;
       }
       const std::int64_t h = head_of[r], i = index_of[r];
       float row_scale = score_scale;  // S * row_scale is the score of DESIGN.md section 1.1
       if (has_mods) {
         if (row_scale != 1.0f) {
-          for (int c = 0; c < kKeyTile; c += kLanes) store(s + c, load(s + c) * row_scale);
+          for (std::int64_t c = 0; c < cols; c += kLanes) store(s + c, load(s + c) * row_scale);
           row_scale = 1.0f;
         }
         apply_score_mods(p, b, h, i, j0, keys, s);
@@ -574,7 +588,7 @@ void run_block_with(const Problem& p, const ForwardArgs& a, const FlashPanel& pa
         const KeyRange visible = band.row(i);
         const std::int64_t lo = std::max<std::int64_t>(visible.begin - j0, 0);
         const std::int64_t hi = std::min<std::int64_t>(visible.end - j0, keys);
-        for (std::int64_t c = 0; c < kKeyTile; ++c) {
+        for (std::int64_t c = 0; c < cols; ++c) {
           if (c < lo || c >= hi) s[c] = -INFINITY;
         }
       }
@@ -584,13 +598,13 @@ void run_block_with(const Problem& p, const ForwardArgs& a, const FlashPanel& pa
       // while the max stays.
       const float factor = row_scale * kLog2e;
       Vec vmx = load(s);
-      for (int c = kLanes; c < kKeyTile; c += kLanes) vmx = vmax(load(s + c), vmx);
+      for (std::int64_t c = kLanes; c < cols; c += kLanes) vmx = vmax(load(s + c), vmx);
       const float tile_max = reduce_max(vmx) * factor;
       const float old_max = w.row_max[r];
       // NaN scores make the row NaN (never "nothing visible").
       const float new_max = tile_max > old_max || std::isnan(tile_max) ? tile_max : old_max;
       if (new_max == -INFINITY) {  // nothing visible yet: P = 0, nothing to rescale
-        for (int c = 0; c < kKeyTile; ++c) s[c] = 0.0f;
+        for (std::int64_t c = 0; c < cols; ++c) s[c] = 0.0f;
         w.alpha[r] = 1.0f;
         continue;
       }
@@ -598,7 +612,7 @@ void run_block_with(const Problem& p, const ForwardArgs& a, const FlashPanel& pa
                           : old_max == new_max ? 1.0f
                                                : exp2v(splat(old_max - new_max))[0];
       Vec vsum = splat(0.0f);
-      for (int c = 0; c < kKeyTile; c += kLanes) {
+      for (std::int64_t c = 0; c < cols; c += kLanes) {
         const Vec prob = exp2v(load(s + c) * factor - new_max);
         vsum += prob;
         store(s + c, prob);
@@ -611,7 +625,7 @@ void run_block_with(const Problem& p, const ForwardArgs& a, const FlashPanel& pa
         for (std::int64_t c = 0; c < keys; ++c) s[c] *= dropout.factor<float>(j0 + c);
       }
     }
-    Dot::accumulate(w.scores, v_tile, dv_pad, padded_rows, w.alpha, w.probs16, w.out);
+    Dot::accumulate(w.scores, v_tile, dv_pad, padded_rows, cols, w.alpha, w.probs16, w.out);
   }
 
   // out = O / l, lse = m ln 2 + log l; rows with no visible key: exactly 0 (even where V holds
