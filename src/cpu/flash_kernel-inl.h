@@ -28,7 +28,10 @@
 #include <cstring>
 #include <type_traits>
 
-#if ATTNCORE_BF16_DOT
+#if ATTNCORE_LANES == 16  // the AVX-512 targets: intrinsics for bf16 dots and transposes
+// GCC 12 warns, wrongly, that its own _mm512_undefined_* placeholders (`__m512 __Y = __Y;`)
+// may be read uninitialised wherever a masked or widening intrinsic is inlined.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 #endif
 
@@ -122,6 +125,46 @@ inline Vec exp2v(Vec x) {
 }
 
 constexpr float kLog2e = 1.4426950408889634f;
+
+#if ATTNCORE_LANES == 16
+// Transposes a 16 x 16 block of 32-bit elements in registers: r[i][j] becomes r[j][i]. Pairs
+// of rows interleaved, then pairs of pairs, then 128-bit quarters twice: 64 shuffles for 256
+// elements (a scalar transpose moves one element per load and store; packing K for decode ran
+// at ~7 GB/s with it).
+inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+  }
+}
+
+// Up to 16 elements of a row as f32 (zero past n): f32, bf16 (exact widening) or f16.
+inline __m512 load_as_f32(const float* p, int n) {
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+}
+inline __m512 load_as_f32(const std::uint16_t* p, int n, DType dtype) {
+  const __m256i h = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
+  if (dtype == DType::f16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
 
 // tanh(y) = 1 - 2 / (e^(2y) + 1): saturates to +-1, NaN stays NaN.
 inline Vec tanhv(Vec y) { return 1.0f - 2.0f / (exp2v(y * (2.0f * kLog2e)) + 1.0f); }
@@ -233,13 +276,37 @@ struct F32Dot {
                         std::int64_t kv_head, std::int64_t t, float* kt, float* vt,
                         std::int64_t dv_pad) {
     const std::int64_t d = p.head_dim, dv = p.head_dim_v;
-    constexpr std::int64_t kChunk = 16;  // head-dim columns per pass: 16 lines written per key
     const std::int64_t j0 = t * kKeyTile;
     const std::int64_t keys = std::min<std::int64_t>(kKeyTile, p.seqlen_k - j0);
-    const std::int64_t cols = tile_cols(keys);
+    const std::int64_t cols = tile_cols(keys), lk = p.seqlen_k;
     const std::int64_t k0 = offset4(a.k, b, kv_head, j0, 0), ldk = a.k.stride[2];
     // One loop per input dtype (f32, bf16, f16: the flash backend's), none inside.
     auto transpose = [&](const auto* src, auto to_float) {
+#if ATTNCORE_LANES == 16
+      // 16 keys x 16 dims through registers; 16 keys are contiguous in a column of kt.
+      static_assert(kTileCols % 16 == 0, "16 keys lie in one micro-tile column");
+      (void)to_float;
+      for (std::int64_t c0 = 0; c0 < cols; c0 += 16) {
+        for (std::int64_t e0 = 0; e0 < d; e0 += 16) {
+          const int n = static_cast<int>(std::min<std::int64_t>(16, d - e0));
+          __m512 r[16];
+          for (int i = 0; i < 16; ++i) {
+            const auto* row = src + (c0 + i) * ldk + e0;
+            if (j0 + c0 + 32 + i < lk) __builtin_prefetch(row + 32 * ldk);  // 32 keys on
+            if (c0 + i >= keys) {
+              r[i] = _mm512_setzero_ps();
+            } else if constexpr (std::is_same_v<std::decay_t<decltype(*src)>, float>) {
+              r[i] = load_as_f32(row, n);
+            } else {
+              r[i] = load_as_f32(row, n, a.k.dtype);
+            }
+          }
+          transpose16(r);
+          for (int e = 0; e < n; ++e) _mm512_storeu_ps(kt + k_index(d, e0 + e, c0), r[e]);
+        }
+      }
+#else
+      constexpr std::int64_t kChunk = 16;  // head-dim columns per pass: 16 lines written per key
       for (std::int64_t e0 = 0; e0 < d; e0 += kChunk) {
         const std::int64_t e1 = std::min(d, e0 + kChunk);
         for (std::int64_t c = 0; c < keys; ++c) {
@@ -249,6 +316,7 @@ struct F32Dot {
           for (std::int64_t c = keys; c < cols; ++c) kt[k_index(d, e, c)] = 0.0f;
         }
       }
+#endif
     };
     auto copy_v = [&](const auto* v, auto to_float) {
       for (std::int64_t c = 0; c < cols; ++c) {
@@ -256,6 +324,11 @@ struct F32Dot {
         for (std::int64_t e0 = 0; e0 < dv_pad; e0 += kTileCols) {
           float* chunk = vt + v_index(c, e0);  // kTileCols columns of key c
           const std::int64_t n = c < keys ? std::clamp<std::int64_t>(dv - e0, 0, kTileCols) : 0;
+          if (j0 + c + 16 < lk) {  // the same columns 16 keys on (the next tile's too)
+            const auto* ahead = v + offset4(a.v, b, kv_head, j0 + c + 16, e0);
+            __builtin_prefetch(ahead);
+            __builtin_prefetch(ahead + kTileCols - 1);
+          }
           for (std::int64_t e = 0; e < n; ++e) chunk[e] = to_float(row[e0 + e]);
           for (std::int64_t e = n; e < kTileCols; ++e) chunk[e] = 0.0f;
         }
@@ -388,16 +461,38 @@ struct Bf16Dot {
     const std::int64_t j0 = t * kKeyTile;
     const std::int64_t keys = std::min<std::int64_t>(kKeyTile, p.seqlen_k - j0);
     const std::int64_t cols = tile_cols(keys);
+    const std::int64_t ldk = a.k.stride[2], ldv = a.v.stride[2], ahead = p.seqlen_k - j0;
     const auto* k = static_cast<const std::uint16_t*>(a.k.data) + offset4(a.k, b, kv_head, j0, 0);
-    for (std::int64_t c = 0; c < cols; ++c) {
-      pair_along(c < keys ? k + c * a.k.stride[2] : nullptr, d, kt + k_index(d_pairs, 0, c),
-                 kTileCols);
+    // 16 keys x 16 pairs (32 bf16) through registers, as F32Dot's transpose; prefetching 32
+    // keys on (the next tile's too) doubled packing's speed where K and V come from memory.
+    for (std::int64_t c0 = 0; c0 < cols; c0 += 16) {
+      for (std::int64_t e2 = 0; e2 < d_pairs; e2 += 16) {
+        const std::int64_t n = std::min<std::int64_t>(32, d - 2 * e2);  // bf16 elements
+        const auto mask = static_cast<__mmask32>((std::uint64_t{1} << n) - 1);
+        __m512 r[16];
+        for (int i = 0; i < 16; ++i) {
+          const std::uint16_t* row = k + (c0 + i) * ldk + 2 * e2;
+          if (c0 + 32 + i < ahead) __builtin_prefetch(row + 32 * ldk);
+          r[i] = c0 + i < keys ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(mask, row))
+                               : _mm512_setzero_ps();
+        }
+        transpose16(r);
+        for (std::int64_t e = 0; e < std::min<std::int64_t>(16, d_pairs - e2); ++e) {
+          _mm512_storeu_ps(reinterpret_cast<float*>(kt + k_index(d_pairs, e2 + e, c0)), r[e]);
+        }
+      }
     }
     if (vt == nullptr) return;
     const auto* v = static_cast<const std::uint16_t*>(a.v.data) + offset4(a.v, b, kv_head, j0, 0);
     for (std::int64_t c2 = 0; c2 < cols / 2; ++c2) {
-      const std::uint16_t* lo = 2 * c2 < keys ? v + 2 * c2 * a.v.stride[2] : nullptr;
-      const std::uint16_t* hi = 2 * c2 + 1 < keys ? v + (2 * c2 + 1) * a.v.stride[2] : nullptr;
+      const std::uint16_t* lo = 2 * c2 < keys ? v + 2 * c2 * ldv : nullptr;
+      const std::uint16_t* hi = 2 * c2 + 1 < keys ? v + (2 * c2 + 1) * ldv : nullptr;
+      if (2 * c2 + 16 < ahead) {  // the next rows' lines, 16 keys on
+        for (std::int64_t e = 0; e < dv; e += 32) __builtin_prefetch(v + (2 * c2 + 16) * ldv + e);
+      }
+      if (2 * c2 + 17 < ahead) {
+        for (std::int64_t e = 0; e < dv; e += 32) __builtin_prefetch(v + (2 * c2 + 17) * ldv + e);
+      }
       for (std::int64_t e0 = 0; e0 < dv_pad; e0 += kTileCols) {
         const std::int64_t n = std::clamp<std::int64_t>(dv - e0, 0, kTileCols);
         pair_across(lo != nullptr ? lo + e0 : nullptr, hi != nullptr ? hi + e0 : nullptr, n,
