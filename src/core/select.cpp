@@ -71,17 +71,30 @@ thread_local std::vector<Backend> t_enabled(std::begin(kAllBackends), std::end(k
 // elements/s per thread). Two shapes that differ only in D give two equations per backend:
 // B=1 Hq=8 L=2048 D=128 and D=64 (forward), Hq=4 (backward).
 
-// flash: packing K and V (and in the backward q and dO) into f32 tiles, per element of the
-// padded tiles, in FMA-equivalent flops: decode B=1 Hq=8 Lq=1 Lk=128 D=128 f32 (full tiles)
-// took 95 us, 70 us beyond the products, for 262144 packed elements.
-constexpr double kFlashPackFlops = 60;
-// flash: the extra cost of a (query, key) pair in a tile that mask code cuts (the band's edge,
-// or the keys past Lk in the last tile), FMA-equivalent flops: B=1 Hq=8 D=64 L=32 (32768
-// pairs, all in the cut tile) took 129 us in f32 and 237 us in bf16, 72 and 179 us beyond the
-// other terms; L=64 (65536 pairs) 283 us in f32 and 285 us in bf16, 131 and 174 us beyond:
-// 495 and 450 in f32, 1230 and 600 in bf16 (the bf16 excess is nearly constant per tile, not
-// per pair: the model's weakest term, placed between the two).
-constexpr double kFlashCutPairFlops[] = {450, 900};  // f32, 16-bit
+// flash: packing K and V (and in the backward q and dO) into tiles, per element of the padded
+// tiles, in FMA-equivalent flops, for f32 tiles and for bf16 pairs: decode B=1 Hq=8 Lq=1 Lk=128
+// D=128 (262144 packed elements, in cache) took 51 us in f32 and 23 us in bf16, 27 and 8 us
+// beyond the products (perf: pack_tile 54% and 46% of the call).
+constexpr double kFlashPackFlops[] = {25, 8};  // f32 tiles, bf16 pairs
+// flash backward: the same per packed element (q and dO rows, K in two layouts, V in one) with
+// each run's dK and dV reduced and stored: B=1 Hq=8 D=64 f32 L=32 took 118 us, L=64 285 us,
+// 39 and 82 us beyond the other terms for 81920 and 163840 elements: 114 and 118 flops at 237
+// GFLOP/s (bf16 L=32: 124). The term is 2% of the L=2048 backward.
+constexpr double kFlashBackwardPackFlops = 115;
+// flash: K and V read from memory when the call's K and V exceed this (below, a call that
+// repeats finds them in the caches: L2 + L3 of the development machine hold 33 MiB), at this
+// share of the measured bandwidth (packing and reading overlap): decode B=4 Hq=32 Hkv=8 Lq=1
+// Lk=4096 D=128 (134 MB of f32, 67 MB of bf16) took 8.5 and 4.6 ms, 5.5 and 2.8 ms beyond the
+// products, at 35.7 GB/s measured: 0.68 and 0.67.
+constexpr double kFlashCachedBytes = 8 << 20;
+constexpr double kFlashStreamEfficiency = 0.68;
+// flash: the extra cost of a query row in a tile that mask code cuts (the band's edge, or the
+// last tile when it is short), FMA-equivalent flops (its scalar mask loop and the row's fixed
+// softmax work, which a full tile spreads over 128 keys): B=1 Hq=8 D=64 L=32 (256 rows, every
+// tile cut) took 48.8 us in f32 and 32.2 us in bf16, 26 and 18 us beyond the other terms; L=64
+// (512 rows) 125 and 82 us, 53 and 35 us beyond: 24.8K and 25K flops a row in f32, 17K and
+// 16.5K in bf16, at 241 GFLOP/s (per row, not per pair: the per-pair fits disagreed 2x).
+constexpr double kFlashCutRowFlops[] = {25000, 17000};  // f32 tiles, bf16 pairs
 // flash forward: D=128 108 ms, D=64 61.8 ms: 0.88 of the FMA peak on the products, and 106
 // FMA-equivalent flops per score for the online softmax (exp2 polynomial, max, sum, rescale).
 constexpr double kFlashEfficiency = 0.88;
@@ -89,9 +102,11 @@ constexpr double kFlashSoftmaxFlops = 106;
 // flash forward with native bf16 dot products (vdpbf16ps: twice the flops of an FMA): bf16
 // D=128 65.8 ms, with the softmax term above: 1.67 of the f32 FMA peak.
 constexpr double kFlashBf16DotEfficiency = 1.67;
-// flash backward (2.5x the forward's flops): D=128 142 ms, D=64 72.3 ms: 0.71 and 37.
-constexpr double kFlashBackwardEfficiency = 0.71;
-constexpr double kFlashBackwardSoftmaxFlops = 37;
+// flash backward (2.5x the forward's flops), for f32 tiles and for bf16 pairs on native dots:
+// B=1 Hq=16 L=2048, medians of 3 at 237 GFLOP/s: f32 D=128 427 ms, D=64 215 ms: 0.854 of the
+// peak and 10 flops a pair beyond the products; bf16 244 and 128 ms: 1.56 and 42.
+constexpr double kFlashBackwardEfficiency[] = {0.854, 1.56};
+constexpr double kFlashBackwardSoftmaxFlops[] = {10, 42};
 
 // math: OpenBLAS sgemm's share of the FMA peak on the attention GEMMs (blocks of 128 query
 // rows), and the cost of one score in elements of the measured softmax row (scale, masks,
@@ -99,9 +114,9 @@ constexpr double kFlashBackwardSoftmaxFlops = 37;
 constexpr double kMathGemmEfficiency = 0.455;
 constexpr double kMathSoftmaxCost = 0.85;
 // math: the fixed cost of one query row (softmax_row's log and division, the row's setup) in
-// softmax-row elements: B=1 Hq=8 L=32 D=64 took 108 us, about 35 us (256 rows) beyond the
-// other terms.
-constexpr double kMathRowCost = 25;
+// softmax-row elements: B=1 Hq=8 L=32 D=64 took 73 us (1 thread), about 10 us (256 rows)
+// beyond the other terms; B=1 Hq=1 L=16: 3.4 us.
+constexpr double kMathRowCost = 10;
 // math: converting one 16-bit element to f32, in FMA-equivalent flops: decode B=1 Hq=8 Lq=1
 // Lk=128 D=128 took 0.32 ms in bf16 and 0.08 ms in f32, 0.92 ns more for each of the 262144
 // converted elements; B=4 Hq=32 Hkv=8 Lq=1 Lk=4096: 0.74 ns. 190 at 224 GFLOP/s is 0.85 ns.
@@ -109,11 +124,18 @@ constexpr double kMathConvertFlops = 190;
 // math: K and V streamed per block of query rows: decode B=4 Hq=32 Hkv=8 Lq=1 Lk=4096 D=128
 // f32 took 52.9 ms, 49 ms of it for 537 MB of K and V: 0.47 of the measured 23 GB/s.
 constexpr double kMathStreamEfficiency = 0.47;
-// math backward: D=128 398 ms, D=64 268 ms, GEMMs at the forward's efficiency and the two
-// Lq x Lk matrices (P * M and dS, written once and read twice: 24 bytes a pair) at the
-// memory bandwidth leave 1.72 and 1.52 softmax-row elements a pair: 1.6.
-constexpr double kMathBackwardSoftmaxCost = 1.6;
+// math backward: B=1 Hq=16 L=2048 D=128 f32 took 1131 ms (1 thread); GEMMs at the forward's
+// efficiency and the two Lq x Lk matrices (P * M and dS, written once and read twice: 24 bytes
+// a pair) at the memory bandwidth leave 1.15 softmax-row elements a pair (fitted at 1.52-1.72
+// on two shapes before the backward's BLAS calls were batched per head).
+constexpr double kMathBackwardSoftmaxCost = 1.15;
 constexpr double kMathBackwardBytesPerPair = 24;
+// math backward: storing one dK or dV element (store_rows, per kv head), FMA-equivalent flops:
+// decode B=1 Hq=8 Lq=1 Lk=128 D=128 f32 took 0.36 ms, 0.22 ms beyond the other terms for
+// 262144 elements (perf: store_rows 39% of the call); B=4 Hq=32 Hkv=8 Lk=4096 then comes
+// within 10%. Shapes with Lq >= Lk (L=32, 64) store the same and run 20-30% faster than this
+// term says: it decides only decode-shaped backwards, where it is measured.
+constexpr double kMathBackwardStoreFlops = 200;
 
 // Fixed cost per call, forward and backward: what B=1 Hq=1 L=16 D=64 took beyond the model's
 // terms (flash 12.6 and 28.9 us, math 3.6 and 10.3 us).
@@ -162,35 +184,39 @@ double estimate_flash(Pass pass, const Problem& p, const CostModel& m) {
   const double flops_per_s = m.machine.fma_gflops * 1e9;
   const double bytes_per_s = m.machine.memory_gbps * 1e9;
   const double tile = m.flash_key_tile;
+  const bool bf16_dot = p.dtype == DType::bf16 && m.flash_bf16_dot;  // bf16 pairs, native dots
   const double groups = s.batch * s.heads_kv;
   const double group_rows = s.heads_q / s.heads_kv * s.lq;
-  // Keys per query row the kernel computes: whole tiles, and along a band's edge one more.
-  const bool banded = p.causal != Causal::none || p.window_left >= 0 || p.window_right >= 0;
-  const double lk_pad = round_up(s.lk, tile);
+  // Keys per query row the kernel computes: whole tiles, the last one's keys rounded up to
+  // whole micro-tiles, and along a band's edge half a tile more on average (a band that hides
+  // nothing, as lower-right causal at Lq = 1, cuts no tile).
+  const bool banded = (p.causal != Causal::none || p.window_left >= 0 || p.window_right >= 0) &&
+                      visible_pairs(p) < s.lq * s.lk;
+  const double lk_pad = round_up(s.lk, m.flash_tile_cols);
+  const bool short_last_tile = std::fmod(s.lk, tile) != 0;
   const double keys = !banded    ? lk_pad
-                      : s.lq > 0 ? std::min(lk_pad, visible_pairs(p) / s.lq + tile)
+                      : s.lq > 0 ? std::min(lk_pad, visible_pairs(p) / s.lq + tile / 2)
                                  : 0;
   const double rows_pad = groups * round_up(group_rows, m.flash_tile_rows);
   const double pairs = rows_pad * keys;
-  // Pairs in tiles the mask code cuts: one tile per row along a band's edge, and the last
-  // tile when Lk is not a whole number of tiles.
-  const double cut =
-      rows_pad * std::min(keys, (banded ? tile : 0) + (std::fmod(s.lk, tile) != 0 ? tile : 0));
+  // Rows of tiles the mask code cuts: one tile per row along a band's edge, and the last tile
+  // when Lk is not a whole number of tiles.
+  const double cut_rows =
+      rows_pad * std::min(std::ceil(keys / tile), (banded ? 1.0 : 0.0) + (short_last_tile ? 1 : 0));
   // Packed elements: K and V once per group (the packing reads them); the backward also packs
   // q and dO. Other traffic: q read and out written (backward: and the gradients).
   double packed = groups * lk_pad * s.dims;
   double compute, bytes, items;
   if (pass == Pass::forward) {
-    const bool dot = p.dtype == DType::bf16 && m.flash_bf16_dot;
-    const double efficiency = dot ? kFlashBf16DotEfficiency : kFlashEfficiency;
+    const double efficiency = bf16_dot ? kFlashBf16DotEfficiency : kFlashEfficiency;
     compute = pairs * (2 * s.dims / efficiency + kFlashSoftmaxFlops) / flops_per_s;
     bytes = s.batch * s.heads_q * s.lq * s.dims * s.element;
     items = groups * std::ceil(group_rows / m.flash_block_rows);
   } else {
-    compute =
-        pairs *
-        (kBackwardFlops * 2 * s.dims / kFlashBackwardEfficiency + kFlashBackwardSoftmaxFlops) /
-        flops_per_s;
+    compute = pairs *
+              (kBackwardFlops * 2 * s.dims / kFlashBackwardEfficiency[bf16_dot ? 1 : 0] +
+               kFlashBackwardSoftmaxFlops[bf16_dot ? 1 : 0]) /
+              flops_per_s;
     // Items as flash_backward cuts them; each run of heads packs the K/V tiles it visits, K in
     // two layouts (for S and for dQ) and V in one (for dP).
     const FlashBackwardPlan plan = plan_flash_backward(p, m.flash_key_tile, p.compute_dbias);
@@ -200,11 +226,17 @@ double estimate_flash(Pass pass, const Problem& p, const CostModel& m) {
     bytes = (groups * s.lk + 3 * s.batch * s.heads_q * s.lq) * s.dims * s.element;
     items = runs * static_cast<double>(plan.parts);
   }
-  compute += cut * kFlashCutPairFlops[s.element == 4 ? 0 : 1] / flops_per_s;
+  compute += cut_rows * kFlashCutRowFlops[bf16_dot ? 1 : 0] / flops_per_s;
   const double threads = std::max(1.0, std::min(s.threads, items));
-  // Packing: per-element work, or streaming K and V from memory, whichever is slower.
-  const double pack = std::max(packed * kFlashPackFlops / flops_per_s / threads,
-                               groups * s.lk * s.dims * s.element / bytes_per_s);
+  // Packing: per-element work, or reading K and V from memory, whichever is slower.
+  const double kv_bytes = groups * s.lk * s.dims * s.element;
+  const double read =
+      kv_bytes > kFlashCachedBytes ? kv_bytes / (bytes_per_s * kFlashStreamEfficiency) : 0;
+  const double pack = std::max(
+      packed *
+          (pass == Pass::forward ? kFlashPackFlops[bf16_dot ? 1 : 0] : kFlashBackwardPackFlops) /
+          flops_per_s / threads,
+      read);
   const double dispatch = threads > 1 ? m.machine.dispatch_seconds : 0;
   return kFlashCallSeconds[pass == Pass::forward ? 0 : 1] + dispatch + compute / threads + pack +
          bytes / bytes_per_s;
@@ -225,9 +257,11 @@ double estimate_math(Pass pass, const Problem& p, const CostModel& m) {
   // 16-bit inputs are converted to f32: K and V once per kv head, q (and dout) per block.
   const double conversions =
       converted ? (s.batch * s.heads_kv * s.lk + (forward ? 1 : 2) * rows) * s.dims : 0;
-  const double compute =
-      (gemm_flops / kMathGemmEfficiency + conversions * kMathConvertFlops) / flops_per_s +
-      (pairs * softmax_cost + rows * kMathRowCost) / m.machine.softmax_per_s;
+  const double stores = forward ? 0 : s.batch * s.heads_kv * s.lk * s.dims;  // dK and dV
+  const double compute = (gemm_flops / kMathGemmEfficiency + conversions * kMathConvertFlops +
+                          stores * kMathBackwardStoreFlops) /
+                             flops_per_s +
+                         (pairs * softmax_cost + rows * kMathRowCost) / m.machine.softmax_per_s;
   // K and V streamed once per block of query rows (BLAS's GEMV-like products at Lq = 1 run far
   // below the bandwidth: kMathStreamEfficiency); q and out (backward: dout and the gradients)
   // once; the backward's Lq x Lk matrices.
@@ -399,9 +433,10 @@ CostModel current_cost_model() {
   m.machine = measured;
   const FlashTarget& target = flash_target_chosen();
   m.flash_key_tile = target.layout.key_tile;
+  m.flash_tile_cols = target.layout.dv_align;
   m.flash_tile_rows = target.layout.tile_rows;
   m.flash_block_rows = target.layout.block_rows;
-  m.flash_bf16_dot = std::strcmp(target.name, "avx512bf16") == 0;
+  m.flash_bf16_dot = target.layout.bf16_dot;
   m.choice_threads = default_num_threads();
   return m;
 }

@@ -24,6 +24,7 @@ std::vector<std::string> can_use(Backend backend, Pass pass, const Problem& p);
 struct CostModel {
   CostConstants machine;
   int flash_key_tile = 128;     // keys per tile
+  int flash_tile_cols = 32;     // keys of a micro-tile (a short last tile is padded to it)
   int flash_tile_rows = 8;      // rows of the micro-tile (query rows are padded to it)
   int flash_block_rows = 64;    // query rows per work item
   bool flash_bf16_dot = false;  // bf16 products on native dot instructions (forward)
