@@ -13,6 +13,7 @@
 #include <new>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -176,6 +177,14 @@ Sizes sizes_of(const Problem& p) {
           static_cast<double>(size_of(p.dtype)), static_cast<double>(std::max(1, p.threads))};
 }
 
+// A parallel region of `work` seconds on one thread: the caller starts at once and helpers
+// once awake (`wake` seconds on), so it takes work / threads + wake * (1 - 1 / threads), and
+// never more than `work` (the caller takes every task when the helpers are late: threadpool.cpp).
+double parallel_seconds(double work, double threads, double wake) {
+  if (threads <= 1) return work;
+  return std::min(work, work / threads + wake * (1 - 1 / threads));
+}
+
 // Memory traffic is shared by the threads (the decode shapes barely speed up with a second
 // thread on the development machine: flash 24.5 -> 21.2 ms, math 52.9 -> 46.2 ms), so byte
 // terms are not divided by the thread count; work terms are, over the threads that get work.
@@ -227,18 +236,19 @@ double estimate_flash(Pass pass, const Problem& p, const CostModel& m) {
     items = runs * static_cast<double>(plan.parts);
   }
   compute += cut_rows * kFlashCutRowFlops[bf16_dot ? 1 : 0] / flops_per_s;
-  const double threads = std::max(1.0, std::min(s.threads, items));
-  // Packing: per-element work, or reading K and V from memory, whichever is slower.
+  // Packing: per-element work, or reading K and V from memory, whichever is slower (each
+  // thread reads its own groups: decode B=4 Hq=32 Hkv=8 Lk=4096 ran 2.0x faster on 2 threads).
   const double kv_bytes = groups * s.lk * s.dims * s.element;
   const double read =
       kv_bytes > kFlashCachedBytes ? kv_bytes / (bytes_per_s * kFlashStreamEfficiency) : 0;
   const double pack = std::max(
       packed *
           (pass == Pass::forward ? kFlashPackFlops[bf16_dot ? 1 : 0] : kFlashBackwardPackFlops) /
-          flops_per_s / threads,
+          flops_per_s,
       read);
-  const double dispatch = threads > 1 ? m.machine.dispatch_seconds : 0;
-  return kFlashCallSeconds[pass == Pass::forward ? 0 : 1] + dispatch + compute / threads + pack +
+  const double threads = std::max(1.0, std::min(s.threads, items));
+  return kFlashCallSeconds[pass == Pass::forward ? 0 : 1] +
+         parallel_seconds(compute + pack, threads, m.machine.dispatch_seconds) +
          bytes / bytes_per_s;
 }
 
@@ -282,8 +292,8 @@ double estimate_math(Pass pass, const Problem& p, const CostModel& m) {
               s.batch * s.heads_kv * kv_conversions;
   }
   const double threads = std::max(1.0, std::min(s.threads, forward ? tasks : q_blocks));
-  const double dispatch = s.threads > 1 ? regions * m.machine.dispatch_seconds : 0;
-  return kMathCallSeconds[forward ? 0 : 1] + dispatch + compute / threads + bytes / bytes_per_s;
+  const double wake = threads > 1 ? regions * m.machine.dispatch_seconds * (1 - 1 / threads) : 0;
+  return kMathCallSeconds[forward ? 0 : 1] + wake + compute / threads + bytes / bytes_per_s;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -346,19 +356,33 @@ double measure_softmax_per_s() {
   return best;
 }
 
-// One parallel region of the thread pool with 2 threads and no work: the fastest of 16 after
-// 4 that start the worker and let it settle (the fastest: the least disturbed on a shared
-// host, where the median swung from 5 to 45 us between processes). 0 with one core.
+// How long a sleeping helper of the thread pool takes to start a task: a 2-task region whose
+// caller, in its task, waits up to 1 ms for the helper to start the other. The fastest of 16
+// after 4 that start the worker and let it settle (the fastest: the least disturbed on a
+// shared host, where the median swung from 5 to 45 us between processes). 0 with one core.
 double measure_dispatch_seconds() {
   if (default_num_threads() < 2) return 0;
   double best = HUGE_VAL;
   for (int run = 0; run < 20; ++run) {
+    std::atomic<bool> started{false};
+    std::chrono::steady_clock::time_point t_start{};
+    const std::thread::id caller = std::this_thread::get_id();
     const auto t0 = std::chrono::steady_clock::now();
-    run_tasks(2, 2, [](int) {});
-    const auto t1 = std::chrono::steady_clock::now();
-    if (run >= 4) best = std::min(best, std::chrono::duration<double>(t1 - t0).count());
+    run_tasks(2, 2, [&](int) {
+      if (std::this_thread::get_id() != caller) {
+        t_start = std::chrono::steady_clock::now();
+        started.store(true, std::memory_order_release);
+        return;
+      }
+      while (!started.load(std::memory_order_acquire) &&
+             std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(1)) {
+      }
+    });
+    if (run >= 4 && started.load()) {
+      best = std::min(best, std::chrono::duration<double>(t_start - t0).count());
+    }
   }
-  return best;
+  return best == HUGE_VAL ? 1e-3 : best;
 }
 
 CostConstants measure_cost_constants() {
