@@ -428,6 +428,46 @@ TEST(SelectCostModel, CausalHalvesFlashNotMath) {
   EXPECT_DOUBLE_EQ(detail::estimate_seconds(Backend::math, Pass::forward, p, m), math);
 }
 
+TEST(SelectCostModel, ShortLastTileCostsItsMicroTiles) {
+  // Lk = 129 and 160 both end in one 32-key micro-tile past 128: flash computes the same (only
+  // the bytes of K and V read differ).
+  const CostModel m = test_model();
+  for (Pass pass : {Pass::forward, Pass::backward}) {
+    const double lk129 =
+        detail::estimate_seconds(Backend::flash, pass, problem(1, 8, 8, 256, 129, 64), m);
+    const double lk160 =
+        detail::estimate_seconds(Backend::flash, pass, problem(1, 8, 8, 256, 160, 64), m);
+    const double lk256 =
+        detail::estimate_seconds(Backend::flash, pass, problem(1, 8, 8, 256, 256, 64), m);
+    EXPECT_NEAR(lk129, lk160, 1e-2 * lk160);
+    EXPECT_LT(lk160, 0.9 * lk256);
+  }
+}
+
+TEST(SelectCostModel, ABandThatHidesNothingCutsNothing) {
+  // Lower-right causal at Lq = 1 sees every key: the same work as no mask.
+  const CostModel m = test_model();
+  Problem plain = problem(4, 32, 8, 1, 4096, 128), causal = plain;
+  causal.causal = Causal::lower_right;
+  EXPECT_DOUBLE_EQ(detail::estimate_seconds(Backend::flash, Pass::forward, causal, m),
+                   detail::estimate_seconds(Backend::flash, Pass::forward, plain, m));
+}
+
+TEST(SelectCostModel, MoreThreadsNeverCostMoreThanOne) {
+  // However slow the wake-up, the pool's caller can do every task alone.
+  CostModel m = test_model();
+  m.machine.dispatch_seconds = 1.0;
+  for (Pass pass : {Pass::forward, Pass::backward}) {
+    for (std::int64_t l : {16, 256, 2048}) {
+      const double one = detail::estimate_seconds(Backend::flash, pass,
+                                                  problem(1, 8, 8, l, l, 64, DType::f32, 1), m);
+      const double two = detail::estimate_seconds(Backend::flash, pass,
+                                                  problem(1, 8, 8, l, l, 64, DType::f32, 2), m);
+      EXPECT_LE(two, one) << "L=" << l;
+    }
+  }
+}
+
 TEST(SelectCostModel, TiesGoToTheEarlierBackend) {
   // Equal estimates: both backends at the same (infinite) cost; the priority order decides.
   CostModel m = test_model();
