@@ -155,6 +155,30 @@ inline void transpose16(__m512 (&r)[16]) {
   }
 }
 
+// A key tile's rows transposed, 16 keys x 16 32-bit columns at a time through registers: row c
+// (c < keys; zeros for keys <= c < cols) starts at row(c) and has `width` columns of `per_column`
+// input elements each; load(row, e0, n) reads its n columns from e0; columns e of keys
+// c0 .. c0 + 15 go to store(e, c0, vector). Rows 32 keys on are prefetched while below `ahead`
+// (the next tile's too): packing K for decode from memory went twice as fast with it.
+template <class Row, class Load, class Store>
+inline void transpose_keys(std::int64_t keys, std::int64_t cols, std::int64_t width,
+                           std::int64_t per_column, std::int64_t ahead, std::int64_t row_stride,
+                           Row row, Load load, Store store) {
+  for (std::int64_t c0 = 0; c0 < cols; c0 += 16) {
+    for (std::int64_t e0 = 0; e0 < width; e0 += 16) {
+      const int n = static_cast<int>(std::min<std::int64_t>(16, width - e0));
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) {
+        const auto* at = row(c0 + i);
+        if (c0 + 32 + i < ahead) __builtin_prefetch(at + 32 * row_stride + e0 * per_column);
+        r[i] = c0 + i < keys ? load(at, e0, n) : _mm512_setzero_ps();
+      }
+      transpose16(r);
+      for (int e = 0; e < n; ++e) store(e0 + e, c0, r[e]);
+    }
+  }
+}
+
 // Up to 16 elements of a row as f32 (zero past n): f32, bf16 (exact widening) or f16.
 inline __m512 load_as_f32(const float* p, int n) {
   return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
@@ -283,28 +307,21 @@ struct F32Dot {
     // One loop per input dtype (f32, bf16, f16: the flash backend's), none inside.
     auto transpose = [&](const auto* src, auto to_float) {
 #if ATTNCORE_LANES == 16
-      // 16 keys x 16 dims through registers; 16 keys are contiguous in a column of kt.
+      // 16 keys are contiguous in a column of kt.
       static_assert(kTileCols % 16 == 0, "16 keys lie in one micro-tile column");
       (void)to_float;
-      for (std::int64_t c0 = 0; c0 < cols; c0 += 16) {
-        for (std::int64_t e0 = 0; e0 < d; e0 += 16) {
-          const int n = static_cast<int>(std::min<std::int64_t>(16, d - e0));
-          __m512 r[16];
-          for (int i = 0; i < 16; ++i) {
-            const auto* row = src + (c0 + i) * ldk + e0;
-            if (j0 + c0 + 32 + i < lk) __builtin_prefetch(row + 32 * ldk);  // 32 keys on
-            if (c0 + i >= keys) {
-              r[i] = _mm512_setzero_ps();
-            } else if constexpr (std::is_same_v<std::decay_t<decltype(*src)>, float>) {
-              r[i] = load_as_f32(row, n);
+      transpose_keys(
+          keys, cols, d, 1, lk - j0, ldk, [&](std::int64_t c) { return src + c * ldk; },
+          [&](const auto* row, std::int64_t e0, int n) {
+            if constexpr (std::is_same_v<std::decay_t<decltype(*row)>, float>) {
+              return load_as_f32(row + e0, n);
             } else {
-              r[i] = load_as_f32(row, n, a.k.dtype);
+              return load_as_f32(row + e0, n, a.k.dtype);
             }
-          }
-          transpose16(r);
-          for (int e = 0; e < n; ++e) _mm512_storeu_ps(kt + k_index(d, e0 + e, c0), r[e]);
-        }
-      }
+          },
+          [&](std::int64_t e, std::int64_t c0, __m512 x) {
+            _mm512_storeu_ps(kt + k_index(d, e, c0), x);
+          });
 #else
       constexpr std::int64_t kChunk = 16;  // head-dim columns per pass: 16 lines written per key
       for (std::int64_t e0 = 0; e0 < d; e0 += kChunk) {
@@ -463,25 +480,17 @@ struct Bf16Dot {
     const std::int64_t cols = tile_cols(keys);
     const std::int64_t ldk = a.k.stride[2], ldv = a.v.stride[2], ahead = p.seqlen_k - j0;
     const auto* k = static_cast<const std::uint16_t*>(a.k.data) + offset4(a.k, b, kv_head, j0, 0);
-    // 16 keys x 16 pairs (32 bf16) through registers, as F32Dot's transpose; prefetching 32
-    // keys on (the next tile's too) doubled packing's speed where K and V come from memory.
-    for (std::int64_t c0 = 0; c0 < cols; c0 += 16) {
-      for (std::int64_t e2 = 0; e2 < d_pairs; e2 += 16) {
-        const std::int64_t n = std::min<std::int64_t>(32, d - 2 * e2);  // bf16 elements
-        const auto mask = static_cast<__mmask32>((std::uint64_t{1} << n) - 1);
-        __m512 r[16];
-        for (int i = 0; i < 16; ++i) {
-          const std::uint16_t* row = k + (c0 + i) * ldk + 2 * e2;
-          if (c0 + 32 + i < ahead) __builtin_prefetch(row + 32 * ldk);
-          r[i] = c0 + i < keys ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(mask, row))
-                               : _mm512_setzero_ps();
-        }
-        transpose16(r);
-        for (std::int64_t e = 0; e < std::min<std::int64_t>(16, d_pairs - e2); ++e) {
-          _mm512_storeu_ps(reinterpret_cast<float*>(kt + k_index(d_pairs, e2 + e, c0)), r[e]);
-        }
-      }
-    }
+    // 16 keys x 16 pairs (32 bf16) at a time, as F32Dot's transpose.
+    transpose_keys(
+        keys, cols, d_pairs, 2, ahead, ldk, [&](std::int64_t c) { return k + c * ldk; },
+        [&](const std::uint16_t* row, std::int64_t e2, int) {
+          const std::int64_t n = std::min<std::int64_t>(32, d - 2 * e2);  // bf16 elements
+          const auto mask = static_cast<__mmask32>((std::uint64_t{1} << n) - 1);
+          return _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(mask, row + 2 * e2));
+        },
+        [&](std::int64_t e2, std::int64_t c0, __m512 x) {
+          _mm512_storeu_ps(reinterpret_cast<float*>(kt + k_index(d_pairs, e2, c0)), x);
+        });
     if (vt == nullptr) return;
     const auto* v = static_cast<const std::uint16_t*>(a.v.data) + offset4(a.v, b, kv_head, j0, 0);
     for (std::int64_t c2 = 0; c2 < cols / 2; ++c2) {
