@@ -18,7 +18,6 @@
 // that causal and window masks leave; a boolean mask is data, not structure, and is not
 // discounted (its pairs are counted as visible).
 #include "attncore/attncore.h"
-#include "plot.h"
 
 #include <algorithm>
 #include <charconv>
@@ -35,6 +34,8 @@
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "plot.h"
 
 namespace {
 
@@ -62,7 +63,7 @@ struct CheckFailed {
 // Names the command line accepts. Backends and causal kinds use the library's own spellings.
 
 constexpr Backend kBackends[] = {Backend::automatic, Backend::reference, Backend::math,
-                                  Backend::flash};
+                                 Backend::flash};
 constexpr Causal kCausals[] = {Causal::none, Causal::upper_left, Causal::lower_right};
 constexpr DType kDTypes[] = {DType::f32, DType::bf16, DType::f16};
 
@@ -120,8 +121,9 @@ struct RunConfig {
   std::uint64_t seed = 0;
   Backend backend = Backend::automatic;
   bool backward = false;
-  int threads = 0;  // 0: the library's default (ATTNCORE_NUM_THREADS or all cores)
-  int repeat = 3;   // best of 3: enough to skip the first call's page faults
+  int threads = 0;   // 0: the library's default (ATTNCORE_NUM_THREADS or all cores)
+  std::string simd;  // the flash SIMD target; "": the automatic choice
+  int repeat = 3;    // best of 3: enough to skip the first call's page faults
   bool check = false;
   bool json = false;
 
@@ -163,6 +165,8 @@ run flags (defaults in brackets):
   --backend B              auto, reference, math or flash [auto]
   --backward               also time the backward (with a random dout)
   --threads N              threads, 0 = ATTNCORE_NUM_THREADS or all cores [0]
+  --simd T                 the flash kernels' SIMD target: avx512bf16, avx512, avx2 or generic
+                           (`attncore info` lists this CPU's) [the best this CPU runs]
   --repeat N               calls timed; the best is reported [3]
   --check                  max abs error against the reference backend in f64
   --json                   print one JSON object on stdout and nothing else
@@ -252,6 +256,7 @@ RunConfig parse_run_flags(const std::vector<std::string>& args) {
       {"--backend", true, [&](auto f, auto v) { c.backend = parse_enum(f, v, kBackends); }},
       {"--backward", false, [&](auto, auto) { c.backward = true; }},
       {"--threads", true, [&](auto f, auto v) { c.threads = parse_count(f, v, 0); }},
+      {"--simd", true, [&](auto, auto v) { c.simd = std::string(v); }},
       {"--repeat", true, [&](auto f, auto v) { c.repeat = parse_count(f, v, 1); }},
       {"--check", false, [&](auto, auto) { c.check = true; }},
       {"--json", false, [&](auto, auto) { c.json = true; }},
@@ -722,6 +727,7 @@ int cmd_run(const std::vector<std::string>& args) {
     return kExitOk;
   }
   const RunConfig c = parse_run_flags(args);
+  attncore::set_simd_target(c.simd);  // "" = the automatic choice
   const Problem p = make_problem(c);
   const RunResult r = run_once(p);
   const int threads = c.resolved_threads();
@@ -747,6 +753,7 @@ int cmd_run(const std::vector<std::string>& args) {
     j.add("dropout", c.dropout);
     j.add("seed", c.seed);
     j.add("threads", threads);
+    j.add("simd", attncore::simd_target());
     j.add("repeat", c.repeat);
     j.add("flops", r.flops);
     j.add("flop_count", "2*(D+Dv) per causal/window-visible pair; bool mask not discounted");
@@ -818,6 +825,7 @@ int cmd_explain(const std::vector<std::string>& args) {
     return kExitOk;
   }
   const RunConfig c = parse_run_flags(args);
+  attncore::set_simd_target(c.simd);
   // The views point at one byte: explain validates shapes and strides and reads no data.
   static char no_data;
   const CallViews w = call_views(c, &no_data);
@@ -1053,6 +1061,7 @@ constexpr const char* kBenchUsage = R"(usage: attncore bench [flags]
   --dtypes T,T             f32, bf16, f16 [f32,bf16]
   --causal C,C             none, upper-left, lower-right [none,lower-right]
   --threads N              threads, 0 = ATTNCORE_NUM_THREADS or all cores [0]
+  --simd T                 the flash kernels' SIMD target (as for run) [the best this CPU runs]
   --repeat N               calls timed per point; the best counts [3]
   --backward               also time the backward (a row per point, pass "bwd");
                            with --select: time the backward instead of the forward
@@ -1072,7 +1081,7 @@ struct BenchConfig {
   std::vector<Causal> causals = {Causal::none, Causal::lower_right};
   int threads = 0, repeat = 3, passes = 3;
   bool backward = false, select = false;
-  std::string csv, json, png;
+  std::string simd, csv, json, png;
 };
 
 std::vector<std::string_view> split_commas(std::string_view text) {
@@ -1101,7 +1110,8 @@ BenchConfig parse_bench_flags(const std::vector<std::string>& args) {
     const std::string_view value = args[++i];
     if (flag == "--seqlens") {
       c.seqlens.clear();
-      for (std::string_view part : split_commas(value)) c.seqlens.push_back(parse_int(flag, part, 1));
+      for (std::string_view part : split_commas(value))
+        c.seqlens.push_back(parse_int(flag, part, 1));
     } else if (flag == "--batch") {
       c.batch = parse_int(flag, value, 1);
     } else if (flag == "--heads-q") {
@@ -1112,14 +1122,18 @@ BenchConfig parse_bench_flags(const std::vector<std::string>& args) {
       c.head_dim = parse_int(flag, value, 1);
     } else if (flag == "--dtypes") {
       c.dtypes.clear();
-      for (std::string_view part : split_commas(value)) c.dtypes.push_back(parse_enum(flag, part, kDTypes));
+      for (std::string_view part : split_commas(value))
+        c.dtypes.push_back(parse_enum(flag, part, kDTypes));
     } else if (flag == "--causal") {
       c.causals.clear();
-      for (std::string_view part : split_commas(value)) c.causals.push_back(parse_enum(flag, part, kCausals));
+      for (std::string_view part : split_commas(value))
+        c.causals.push_back(parse_enum(flag, part, kCausals));
     } else if (flag == "--threads") {
       c.threads = parse_count(flag, value, 0);
     } else if (flag == "--repeat") {
       c.repeat = parse_count(flag, value, 1);
+    } else if (flag == "--simd") {
+      c.simd = value;
     } else if (flag == "--passes") {
       c.passes = parse_count(flag, value, 1);
     } else if (flag == "--csv") {
@@ -1174,8 +1188,8 @@ int cmd_bench_select(const BenchConfig& bc) {
       "%d calls\n\n",
       attncore::version(), pass, threads, bc.passes, bc.repeat);
   std::printf("%-14s %-5s %-26s %10s %10s %10s  %-6s %-6s %12s %9s\n", "shape", "dtype",
-              "B Hq Hkv Lq Lk D", "flash ms", "math ms", "auto ms", "auto", "best",
-              "choice/best", "auto/best");
+              "B Hq Hkv Lq Lk D", "flash ms", "math ms", "auto ms", "auto", "best", "choice/best",
+              "auto/best");
   double worst = 0, worst_auto = 0;
   for (const SelectShape& sh : kShapes) {
     for (DType dtype : kSelectDTypes) {
@@ -1245,18 +1259,21 @@ int cmd_bench(const std::vector<std::string>& args) {
     return kExitOk;
   }
   const BenchConfig bc = parse_bench_flags(args);
+  attncore::set_simd_target(bc.simd);
   if (bc.select) return cmd_bench_select(bc);
   const int threads = bc.threads > 0 ? bc.threads : attncore::default_num_threads();
   std::fprintf(stderr, "measuring the FMA peak ...");
   const double peak = attncore::measure_fma_peak_gflops(threads);
   std::fprintf(stderr, "\r%*s\r", 28, "");
   const Backend backends[] = {Backend::math, Backend::flash};
-  const std::size_t total = bc.seqlens.size() * bc.dtypes.size() * bc.causals.size() * std::size(backends);
-  std::printf("attncore %s bench: B=%lld Hq=%lld Hkv=%lld D=%lld, Lq = Lk, forward, %d threads, "
-              "measured f32 FMA peak %.0f GFLOP/s (simd %s)\n\n",
-              attncore::version(), static_cast<long long>(bc.batch),
-              static_cast<long long>(bc.heads_q), static_cast<long long>(bc.heads_kv),
-              static_cast<long long>(bc.head_dim), threads, peak, attncore::simd_target().c_str());
+  const std::size_t total =
+      bc.seqlens.size() * bc.dtypes.size() * bc.causals.size() * std::size(backends);
+  std::printf(
+      "attncore %s bench: B=%lld Hq=%lld Hkv=%lld D=%lld, Lq = Lk, forward, %d threads, "
+      "measured f32 FMA peak %.0f GFLOP/s (simd %s)\n\n",
+      attncore::version(), static_cast<long long>(bc.batch), static_cast<long long>(bc.heads_q),
+      static_cast<long long>(bc.heads_kv), static_cast<long long>(bc.head_dim), threads, peak,
+      attncore::simd_target().c_str());
   std::printf("%8s %-5s %-12s %-7s %-4s %10s %9s %7s %8s\n", "L", "dtype", "causal", "backend",
               "pass", "ms", "GFLOP/s", "%peak", "vs math");
   std::vector<BenchRow> rows;
@@ -1268,7 +1285,8 @@ int cmd_bench(const std::vector<std::string>& args) {
         for (Backend backend : backends) {
           constexpr int kBarWidth = 30;
           const int filled = static_cast<int>(kBarWidth * done / total);
-          std::fprintf(stderr, "\r[%s%s] %zu/%zu L=%lld %s %s %s   ", std::string(filled, '#').c_str(),
+          std::fprintf(stderr, "\r[%s%s] %zu/%zu L=%lld %s %s %s   ",
+                       std::string(filled, '#').c_str(),
                        std::string(kBarWidth - filled, '.').c_str(), done, total,
                        static_cast<long long>(seqlen), std::string(name_of(dtype)).c_str(),
                        std::string(name_of(causal)).c_str(), std::string(name_of(backend)).c_str());
@@ -1294,7 +1312,13 @@ int cmd_bench(const std::vector<std::string>& args) {
           ++done;
           std::fprintf(stderr, "\r%*s\r", kBarWidth + 60, "");
           auto add_row = [&](const char* pass, double seconds, double flops, double math) {
-            const BenchRow row{seqlen, dtype,   causal, backend, pass, seconds, gflops(flops, seconds),
+            const BenchRow row{seqlen,
+                               dtype,
+                               causal,
+                               backend,
+                               pass,
+                               seconds,
+                               gflops(flops, seconds),
                                math > 0 ? math / seconds : 0.0};
             rows.push_back(row);
             std::printf("%8lld %-5s %-12s %-7s %-4s %10.3f %9.1f %6.1f%% %7.2fx\n",
@@ -1317,15 +1341,18 @@ int cmd_bench(const std::vector<std::string>& args) {
   if (!bc.csv.empty()) {
     std::FILE* f = std::fopen(bc.csv.c_str(), "w");
     if (f == nullptr) throw UsageError{"--csv: cannot write '" + bc.csv + "'"};
-    std::fprintf(f, "seqlen,batch,heads_q,heads_kv,head_dim,dtype,causal,backend,pass,threads,seconds,gflops,"
-                    "percent_of_peak,speedup_vs_math\n");
+    std::fprintf(
+        f,
+        "seqlen,batch,heads_q,heads_kv,head_dim,dtype,causal,backend,pass,threads,seconds,gflops,"
+        "percent_of_peak,speedup_vs_math\n");
     for (const BenchRow& r : rows) {
       std::fprintf(f, "%lld,%lld,%lld,%lld,%lld,%s,%s,%s,%s,%d,%.9g,%.6g,%.4g,%.4g\n",
                    static_cast<long long>(r.seqlen), static_cast<long long>(bc.batch),
                    static_cast<long long>(bc.heads_q), static_cast<long long>(bc.heads_kv),
                    static_cast<long long>(bc.head_dim), std::string(name_of(r.dtype)).c_str(),
                    std::string(name_of(r.causal)).c_str(), std::string(name_of(r.backend)).c_str(),
-                   r.pass, threads, r.seconds, r.gflops, peak > 0 ? 100 * r.gflops / peak : 0.0, r.speedup);
+                   r.pass, threads, r.seconds, r.gflops, peak > 0 ? 100 * r.gflops / peak : 0.0,
+                   r.speedup);
     }
     std::fclose(f);
   }
