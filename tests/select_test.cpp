@@ -393,7 +393,7 @@ TEST(SelectCostModel, ChoiceDoesNotDependOnTheThreadCount) {
 }
 
 TEST(SelectCostModel, MathForTinyProblems) {
-  // 16 keys padded to a 32-key micro-tile, 8 query rows to 16, and a cut tile's row costs.
+  // 16 keys padded to a 32-key micro-tile, and a cut tile's per-row costs.
   const CostModel m = test_model();
   EXPECT_EQ(choose(problem(1, 1, 1, 16, 16, 64), m), Backend::math);
   EXPECT_EQ(choose(problem(1, 1, 1, 16, 16, 64), m, Pass::backward), Backend::math);
@@ -457,13 +457,15 @@ TEST(SelectCostModel, MoreThreadsNeverCostMoreThanOne) {
   // However slow the wake-up, the pool's caller can do every task alone.
   CostModel m = test_model();
   m.machine.dispatch_seconds = 1.0;
-  for (Pass pass : {Pass::forward, Pass::backward}) {
-    for (std::int64_t l : {16, 256, 2048}) {
-      const double one = detail::estimate_seconds(Backend::flash, pass,
-                                                  problem(1, 8, 8, l, l, 64, DType::f32, 1), m);
-      const double two = detail::estimate_seconds(Backend::flash, pass,
-                                                  problem(1, 8, 8, l, l, 64, DType::f32, 2), m);
-      EXPECT_LE(two, one) << "L=" << l;
+  for (Backend b : {Backend::flash, Backend::math}) {
+    for (Pass pass : {Pass::forward, Pass::backward}) {
+      for (std::int64_t l : {16, 256, 2048}) {
+        const double one =
+            detail::estimate_seconds(b, pass, problem(1, 8, 8, l, l, 64, DType::f32, 1), m);
+        const double two =
+            detail::estimate_seconds(b, pass, problem(1, 8, 8, l, l, 64, DType::f32, 2), m);
+        EXPECT_LE(two, one) << name_of(b) << " L=" << l;
+      }
     }
   }
 }

@@ -294,8 +294,12 @@ double estimate_math(Pass pass, const Problem& p, const CostModel& m) {
               s.batch * s.heads_kv * kv_conversions;
   }
   const double threads = std::max(1.0, std::min(s.threads, forward ? tasks : q_blocks));
-  const double wake = threads > 1 ? regions * m.machine.dispatch_seconds * (1 - 1 / threads) : 0;
-  return kMathCallSeconds[forward ? 0 : 1] + wake + compute / threads + bytes / bytes_per_s;
+  // Each region: its share of the work plus a helper's wake-up, at most its work alone.
+  const double per_region = compute / std::max(1.0, regions);
+  const double parallel =
+      regions > 0 ? regions * parallel_seconds(per_region, threads, m.machine.dispatch_seconds)
+                  : compute / threads;
+  return kMathCallSeconds[forward ? 0 : 1] + parallel + bytes / bytes_per_s;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -359,7 +363,10 @@ double measure_softmax_per_s() {
 }
 
 // How long a sleeping helper of the thread pool takes to start a task: a 2-task region whose
-// caller, in its task, waits up to 1 ms for the helper to start the other. The fastest of 16
+// caller, in its task, waits up to 1 ms for the helper to start the other. Where no helper
+// comes (the pool busy with another caller's job, or the process held to one CPU), 1 ms: the
+// model then expects no gain from a second thread, which the caller's taking every task
+// bounds (parallel_seconds). The fastest of 16
 // after 4 that start the worker and let it settle (the fastest: the least disturbed on a
 // shared host, where the median swung from 5 to 45 us between processes). 0 with one core.
 double measure_dispatch_seconds() {
@@ -378,13 +385,13 @@ double measure_dispatch_seconds() {
       }
       while (!started.load(std::memory_order_acquire) &&
              std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(1)) {
+        std::this_thread::yield();  // the helper's own clock times it; on one CPU it can run
       }
     });
-    if (run >= 4 && started.load()) {
-      best = std::min(best, std::chrono::duration<double>(t_start - t0).count());
-    }
+    if (!started.load()) return 1e-3;  // no helper came
+    if (run >= 4) best = std::min(best, std::chrono::duration<double>(t_start - t0).count());
   }
-  return best == HUGE_VAL ? 1e-3 : best;
+  return best;
 }
 
 CostConstants measure_cost_constants() {

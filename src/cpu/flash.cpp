@@ -392,7 +392,8 @@ void flash_backward(const Problem& p, const BackwardArgs& a) {
       at += round_up(sizes[f], 16);
     }
     // The dK, dV products read S and dS over whole micro-tiles of keys (132 rows for 6-row
-    // tiles): the rows past the key tile are never written, so they start as zeros.
+    // tiles): past a full tile's 128 columns they read the next row's first ones, and past the
+    // last row this slack, zeroed here (those dK, dV rows are scratch, never stored).
     std::fill_n(w.s, block * tile + tile_rows, 0.0f);
     std::fill_n(w.ds, block * tile + tile_rows, 0.0f);
     for (std::int64_t n = next.fetch_add(1); n < items; n = next.fetch_add(1)) {

@@ -126,13 +126,15 @@ inline Vec exp2v(Vec x) {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
+// Transposes a kLanes x kLanes block of floats in registers: r[i][j] becomes r[j][i]. A scalar
+// transpose moves one element per load and store (packing K for decode ran at ~7 GB/s with
+// it). AVX-512: pairs of rows interleaved, then pairs of pairs, then 128-bit quarters twice, 64
+// shuffles for 256 elements. Other widths: log2(kLanes) stages of two-input shuffles (Eklundh):
+// at stage s, rows i and i + s (i & s == 0) swap the lanes j & s of one with j - s of the other.
 #if ATTNCORE_LANES == 16
-// Transposes a 16 x 16 block of 32-bit elements in registers: r[i][j] becomes r[j][i]. Pairs
-// of rows interleaved, then pairs of pairs, then 128-bit quarters twice: 64 shuffles for 256
-// elements (a scalar transpose moves one element per load and store; packing K for decode ran
-// at ~7 GB/s with it).
-inline void transpose16(__m512 (&r)[16]) {
-  __m512 t[16];
+inline void transpose_lanes(Vec (&rows)[kLanes]) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = rows[i];
   for (int i = 0; i < 16; i += 2) {
     t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
     t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
@@ -150,40 +152,70 @@ inline void transpose16(__m512 (&r)[16]) {
     t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
   }
   for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    rows[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    rows[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
   }
 }
+#else
+template <int kStage>
+inline void transpose_stage(Vec (&r)[kLanes], IVec first, IVec second) {
+  for (int i = 0; i < kLanes; ++i) {
+    if ((i & kStage) != 0) continue;
+    const Vec a = r[i], b = r[i + kStage];
+    r[i] = __builtin_shuffle(a, b, first);
+    r[i + kStage] = __builtin_shuffle(a, b, second);
+  }
+}
+inline void transpose_lanes(Vec (&r)[kLanes]) {
+#if ATTNCORE_LANES == 8
+  transpose_stage<4>(r, IVec{0, 1, 2, 3, 8, 9, 10, 11}, IVec{4, 5, 6, 7, 12, 13, 14, 15});
+  transpose_stage<2>(r, IVec{0, 1, 8, 9, 4, 5, 12, 13}, IVec{2, 3, 10, 11, 6, 7, 14, 15});
+  transpose_stage<1>(r, IVec{0, 8, 2, 10, 4, 12, 6, 14}, IVec{1, 9, 3, 11, 5, 13, 7, 15});
+#elif ATTNCORE_LANES == 4
+  transpose_stage<2>(r, IVec{0, 1, 4, 5}, IVec{2, 3, 6, 7});
+  transpose_stage<1>(r, IVec{0, 4, 2, 6}, IVec{1, 5, 3, 7});
+#else
+#error "transpose_lanes: kLanes must be 4, 8 or 16"
+#endif
+}
+#endif
 
-// A key tile's rows transposed, 16 keys x 16 32-bit columns at a time through registers: row c
-// (c < keys; zeros for keys <= c < cols) starts at row(c) and has `width` columns of `per_column`
-// input elements each; load(row, e0, n) reads its n columns from e0; columns e of keys
-// c0 .. c0 + 15 go to store(e, c0, vector). Rows 32 keys on are prefetched while below `ahead`
-// (the next tile's too): packing K for decode from memory went twice as fast with it.
+// A key tile's rows transposed, kLanes keys x kLanes 32-bit columns at a time through
+// registers: row c (c < keys; zeros for keys <= c < cols) starts at row(c) and has `width`
+// columns of `per_column` input elements each; load(row, e0, n) reads its n columns from e0 as
+// a Vec (zero past n); columns e of keys c0 .. c0 + kLanes - 1 go to store(e, c0, vector). Rows
+// 32 keys on are prefetched while below `ahead` (the next tile's too): packing K for decode
+// from memory went twice as fast with it (AVX-512; AVX2 24.8 -> see the README).
 template <class Row, class Load, class Store>
 inline void transpose_keys(std::int64_t keys, std::int64_t cols, std::int64_t width,
                            std::int64_t per_column, std::int64_t ahead, std::int64_t row_stride,
                            Row row, Load load, Store store) {
-  for (std::int64_t c0 = 0; c0 < cols; c0 += 16) {
-    for (std::int64_t e0 = 0; e0 < width; e0 += 16) {
-      const int n = static_cast<int>(std::min<std::int64_t>(16, width - e0));
-      __m512 r[16];
-      for (int i = 0; i < 16; ++i) {
+  static_assert(kTileCols % kLanes == 0, "kLanes keys lie in one micro-tile column");
+  for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
+    for (std::int64_t e0 = 0; e0 < width; e0 += kLanes) {
+      const int n = static_cast<int>(std::min<std::int64_t>(kLanes, width - e0));
+      Vec r[kLanes];
+      for (int i = 0; i < kLanes; ++i) {
+        if (c0 + i >= keys) {  // padding keys (then no row is ahead within Lk either)
+          r[i] = Vec{};
+          continue;
+        }
         const auto* at = row(c0 + i);
         if (c0 + 32 + i < ahead) __builtin_prefetch(at + 32 * row_stride + e0 * per_column);
-        r[i] = c0 + i < keys ? load(at, e0, n) : _mm512_setzero_ps();
+        r[i] = load(at, e0, n);
       }
-      transpose16(r);
+      transpose_lanes(r);
       for (int e = 0; e < n; ++e) store(e0 + e, c0, r[e]);
     }
   }
 }
 
 // Up to 16 elements of a row as f32 (zero past n): f32, bf16 (exact widening) or f16.
-inline __m512 load_as_f32(const float* p, int n) {
+#if ATTNCORE_LANES == 16
+inline Vec load_as_f32(const float* p, int n) {
   return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
 }
-inline __m512 load_as_f32(const std::uint16_t* p, int n, DType dtype) {
+inline Vec load_as_f32(const std::uint16_t* p, int n, DType dtype) {
   const __m256i h = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
   if (dtype == DType::f16) return _mm512_cvtph_ps(h);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -306,34 +338,36 @@ struct F32Dot {
     const std::int64_t k0 = offset4(a.k, b, kv_head, j0, 0), ldk = a.k.stride[2];
     // One loop per input dtype (f32, bf16, f16: the flash backend's), none inside.
     auto transpose = [&](const auto* src, auto to_float) {
-#if ATTNCORE_LANES == 16
-      // 16 keys are contiguous in a column of kt.
-      static_assert(kTileCols % 16 == 0, "16 keys lie in one micro-tile column");
-      (void)to_float;
+      constexpr bool kF32 = std::is_same_v<std::decay_t<decltype(*src)>, float>;
       transpose_keys(
           keys, cols, d, 1, lk - j0, ldk, [&](std::int64_t c) { return src + c * ldk; },
           [&](const auto* row, std::int64_t e0, int n) {
-            if constexpr (std::is_same_v<std::decay_t<decltype(*row)>, float>) {
+#if ATTNCORE_LANES == 16  // masked loads, widened in registers
+            (void)to_float;
+            if constexpr (kF32) {
               return load_as_f32(row + e0, n);
             } else {
               return load_as_f32(row + e0, n, a.k.dtype);
             }
-          },
-          [&](std::int64_t e, std::int64_t c0, __m512 x) {
-            _mm512_storeu_ps(kt + k_index(d, e, c0), x);
-          });
 #else
-      constexpr std::int64_t kChunk = 16;  // head-dim columns per pass: 16 lines written per key
-      for (std::int64_t e0 = 0; e0 < d; e0 += kChunk) {
-        const std::int64_t e1 = std::min(d, e0 + kChunk);
-        for (std::int64_t c = 0; c < keys; ++c) {
-          for (std::int64_t e = e0; e < e1; ++e) kt[k_index(d, e, c)] = to_float(src[c * ldk + e]);
-        }
-        for (std::int64_t e = e0; e < e1; ++e) {
-          for (std::int64_t c = keys; c < cols; ++c) kt[k_index(d, e, c)] = 0.0f;
-        }
-      }
+            // Whole vectors without a trip through memory (scalar stores read back as a
+            // vector stall store forwarding: bf16 decode on AVX2 ran 1.5x slower that way).
+            if (n == kLanes) {
+              if constexpr (kF32) {
+                return load(row + e0);
+              } else {
+                Vec x;
+#pragma GCC unroll 16
+                for (int e = 0; e < kLanes; ++e) x[e] = to_float(row[e0 + e]);
+                return x;
+              }
+            }
+            float x[kLanes] = {};
+            for (int e = 0; e < n; ++e) x[e] = to_float(row[e0 + e]);
+            return load(x);
 #endif
+          },
+          [&](std::int64_t e, std::int64_t c0, Vec x) { store(kt + k_index(d, e, c0), x); });
     };
     auto copy_v = [&](const auto* v, auto to_float) {
       for (std::int64_t c = 0; c < cols; ++c) {
@@ -488,8 +522,8 @@ struct Bf16Dot {
           const auto mask = static_cast<__mmask32>((std::uint64_t{1} << n) - 1);
           return _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(mask, row + 2 * e2));
         },
-        [&](std::int64_t e2, std::int64_t c0, __m512 x) {
-          _mm512_storeu_ps(reinterpret_cast<float*>(kt + k_index(d_pairs, e2, c0)), x);
+        [&](std::int64_t e2, std::int64_t c0, Vec x) {
+          store(reinterpret_cast<float*>(kt + k_index(d_pairs, e2, c0)), x);
         });
     if (vt == nullptr) return;
     const auto* v = static_cast<const std::uint16_t*>(a.v.data) + offset4(a.v, b, kv_head, j0, 0);
