@@ -185,7 +185,7 @@ inline void transpose_lanes(Vec (&r)[kLanes]) {
 // columns of `per_column` input elements each; load(row, e0, n) reads its n columns from e0 as
 // a Vec (zero past n); columns e of keys c0 .. c0 + kLanes - 1 go to store(e, c0, vector). Rows
 // 32 keys on are prefetched while below `ahead` (the next tile's too): packing K for decode
-// from memory went twice as fast with it (AVX-512; AVX2 24.8 -> see the README).
+// from memory went twice as fast with it (AVX-512; the README has the figures).
 template <class Row, class Load, class Store>
 inline void transpose_keys(std::int64_t keys, std::int64_t cols, std::int64_t width,
                            std::int64_t per_column, std::int64_t ahead, std::int64_t row_stride,
