@@ -147,8 +147,11 @@ void flash_forward(const Problem& p, const ForwardArgs& a) {
   // (at most 1/8 of q, k, v and out together): groups are spread over the threads. Else the
   // groups go one after the other, their packing and their items shared by all threads.
   // A group with one item (decode) packs each tile just before its use, into scratch: no
-  // panel at all. Items compute the same in every mode.
-  const bool on_the_fly = plan.count == 1 && groups >= threads;
+  // panel at all; an item of at most one micro-tile of rows reads K and V in place, without
+  // packing, and so never gets a panel (its bits must not depend on the thread count). Items
+  // compute the same in every mode.
+  const bool direct = plan.count == 1 && p.group * p.seqlen_q <= layout.tile_rows;
+  const bool on_the_fly = plan.count == 1 && (groups >= threads || direct);
   const double dims = static_cast<double>(d) + static_cast<double>(p.head_dim_v);
   const double operand_floats = static_cast<double>(p.batch) * dims *
                                 (static_cast<double>(p.heads_q) * static_cast<double>(p.seqlen_q) +
