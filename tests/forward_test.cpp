@@ -109,9 +109,9 @@ std::vector<ForwardCase> forward_grid() {
   }
   // The flash backend on every SIMD target this CPU runs, every variant, f32 / bf16 / f16.
   // Tile edges: its blocks are 64 (AVX-512) or 48 query rows and its key tiles 128 keys.
-  const Len flash_lens[] = {{1, 1},    {7, 7},   {47, 49},   {48, 48},  {63, 64},  {64, 65},
-                            {65, 63},  {97, 97}, {1, 130},   {130, 17}, {17, 130}, {129, 128},
-                            {128, 129}, {33, 1}};
+  const Len flash_lens[] = {{1, 1},    {7, 7},     {47, 49},   {48, 48}, {63, 64},
+                            {64, 65},  {65, 63},   {97, 97},   {1, 130}, {130, 17},
+                            {17, 130}, {129, 128}, {128, 129}, {33, 1}};
   for (const std::string& target : simd_targets_supported()) {
     for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
       for (Variant variant : variants) {
@@ -159,7 +159,8 @@ std::vector<ForwardCase> forward_grid() {
       {1, 2, 2, 7, 0, 64, 64}, {2, 4, 2, 0, 7, 40, 40}, {0, 2, 1, 5, 5, 64, 32}};
   for (Backend backend : {Backend::reference, Backend::math, Backend::flash, Backend::automatic}) {
     for (DType dtype : {DType::f32, DType::bf16, DType::f64}) {
-      if ((backend == Backend::automatic || backend == Backend::flash) && dtype == DType::f64) continue;
+      if ((backend == Backend::automatic || backend == Backend::flash) && dtype == DType::f64)
+        continue;
       for (const Dims& d : empties) {
         for (Variant variant : {Variant::plain, Variant::causal_lower_right, Variant::additive_11qk,
                                 Variant::alibi_heads, Variant::dropout}) {
@@ -416,29 +417,34 @@ TEST(Forward, GqaEqualsRepeatedHeads) {
 TEST(Forward, ThreadCountDoesNotChangeBits) {
   for (Backend backend : {Backend::reference, Backend::math, Backend::automatic, Backend::flash}) {
     for (DType dtype : {DType::f32, DType::bf16}) {
-      for (Variant variant : {Variant::plain, Variant::combo, Variant::dropout_combo}) {
-        SCOPED_TRACE(std::string(name_of(backend)) + " " + std::string(name_of(dtype)) + " " +
-                     name_of_variant(variant));
-        const Dims d{2, 4, 2, 97, 129, 64, 64};
-        Problem p = make_problem(d, {variant, DType::f32, true, 8});
-        const Operands x = make_operands(d, dtype, 8);
-        const Buffer q = make_buffer(dtype, to_shape(d.q_shape()), Layout::bshd, x.q);
-        const Buffer k = make_buffer(dtype, to_shape(d.k_shape()), Layout::bshd, x.k);
-        const Buffer v = make_buffer(dtype, to_shape(d.v_shape()), Layout::bshd, x.v);
-        std::vector<std::vector<double>> outs, lses;
-        for (int threads : {1, 2, 3}) {
-          p.options.num_threads = threads;
-          const ForwardResult r = forward(q.view, k.view, v.view, p.options, backend);
-          outs.push_back(read_view(r.out));
-          lses.push_back(read_view(r.lse));
-        }
-        for (std::size_t t = 1; t < outs.size(); ++t) {
-          EXPECT_EQ(std::memcmp(outs[0].data(), outs[t].data(), outs[0].size() * sizeof(double)), 0)
-              << "out differs between 1 and " << t + 1 << " threads (max |diff| "
-              << max_abs_diff(outs[0], outs[t]) << ")";
-          EXPECT_EQ(std::memcmp(lses[0].data(), lses[t].data(), lses[0].size() * sizeof(double)), 0)
-              << "lse differs between 1 and " << t + 1 << " threads (max |diff| "
-              << max_abs_diff(lses[0], lses[t]) << ")";
+      // Prefill, and decode with one kv head (fewer groups than threads: it must not switch
+      // between reading K and V in place and packing them).
+      for (const Dims& d : {Dims{2, 4, 2, 97, 129, 64, 64}, Dims{1, 4, 1, 1, 300, 64, 64}}) {
+        for (Variant variant : {Variant::plain, Variant::combo, Variant::dropout_combo}) {
+          SCOPED_TRACE(std::string(name_of(backend)) + " " + std::string(name_of(dtype)) + " " +
+                       name_of_variant(variant) + " Lq=" + std::to_string(d.len_q));
+          Problem p = make_problem(d, {variant, DType::f32, true, 8});
+          const Operands x = make_operands(d, dtype, 8);
+          const Buffer q = make_buffer(dtype, to_shape(d.q_shape()), Layout::bshd, x.q);
+          const Buffer k = make_buffer(dtype, to_shape(d.k_shape()), Layout::bshd, x.k);
+          const Buffer v = make_buffer(dtype, to_shape(d.v_shape()), Layout::bshd, x.v);
+          std::vector<std::vector<double>> outs, lses;
+          for (int threads : {1, 2, 3}) {
+            p.options.num_threads = threads;
+            const ForwardResult r = forward(q.view, k.view, v.view, p.options, backend);
+            outs.push_back(read_view(r.out));
+            lses.push_back(read_view(r.lse));
+          }
+          for (std::size_t t = 1; t < outs.size(); ++t) {
+            EXPECT_EQ(std::memcmp(outs[0].data(), outs[t].data(), outs[0].size() * sizeof(double)),
+                      0)
+                << "out differs between 1 and " << t + 1 << " threads (max |diff| "
+                << max_abs_diff(outs[0], outs[t]) << ")";
+            EXPECT_EQ(std::memcmp(lses[0].data(), lses[t].data(), lses[0].size() * sizeof(double)),
+                      0)
+                << "lse differs between 1 and " << t + 1 << " threads (max |diff| "
+                << max_abs_diff(lses[0], lses[t]) << ")";
+          }
         }
       }
     }
@@ -567,8 +573,10 @@ TEST(Forward, DefaultScaleIsInverseSqrtHeadDim) {
 TEST(Forward, LongRowsKeepUniformWeights) {
   const std::int64_t lk = 1 << 17;  // 1024 tiles of 128 keys
   const Dims d{1, 1, 1, 1, lk, 1, 1};
-  std::vector<double> q = {1.0}, k(static_cast<std::size_t>(lk), 1.0), v(static_cast<std::size_t>(lk));
-  for (std::int64_t j = 0; j < lk; ++j) v[static_cast<std::size_t>(j)] = static_cast<double>(j) / lk;
+  std::vector<double> q = {1.0}, k(static_cast<std::size_t>(lk), 1.0),
+                      v(static_cast<std::size_t>(lk));
+  for (std::int64_t j = 0; j < lk; ++j)
+    v[static_cast<std::size_t>(j)] = static_cast<double>(j) / lk;
   const Tensor tq = make_tensor(DType::f32, to_shape(d.q_shape()), q);
   const Tensor tk = make_tensor(DType::f32, to_shape(d.k_shape()), k);
   const Tensor tv = make_tensor(DType::f32, to_shape(d.v_shape()), v);
@@ -578,7 +586,8 @@ TEST(Forward, LongRowsKeepUniformWeights) {
     const ForwardResult r = forward(tq, tk, tv, options, backend);
     const double out = read_view(r.out)[0], lse = read_view(r.lse)[0];
     const double want_out = static_cast<double>(lk - 1) / (2.0 * static_cast<double>(lk));
-    const double want_lse = static_cast<double>(static_cast<float>(47.1)) + std::log(static_cast<double>(lk));
+    const double want_lse =
+        static_cast<double>(static_cast<float>(47.1)) + std::log(static_cast<double>(lk));
     EXPECT_NEAR(out, want_out, 1e-5 * want_out) << name_of(backend);
     EXPECT_NEAR(lse, want_lse, 2e-5 * want_lse) << name_of(backend);
   }
