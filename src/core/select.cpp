@@ -77,6 +77,10 @@ thread_local std::vector<Backend> t_enabled(std::begin(kAllBackends), std::end(k
 // D=128 (262144 packed elements, in cache) took 51 us in f32 and 23 us in bf16, 27 and 8 us
 // beyond the products (perf: pack_tile 54% and 46% of the call).
 constexpr double kFlashPackFlops[] = {25, 8};  // f32 tiles, bf16 pairs
+// flash forward, decode items of at most one micro-tile of rows on f32 tiles (DirectKv: K and V
+// read in place, rows not padded): per K/V element, B=1 Hq=8 Lq=1 D=128 Lk=128 took 26.5 us
+// and Lk=1024 196 us (in cache, 240 GFLOP/s), 20.6 and 19.7 flops an element beyond the rest.
+constexpr double kFlashDirectFlops = 20;
 // flash backward: the same per packed element (q and dO rows, K in two layouts, V in one) with
 // each run's dK and dV reduced and stored: B=1 Hq=8 D=64 f32 L=32 took 118 us, L=64 285 us,
 // 39 and 82 us beyond the other terms for 81920 and 163840 elements: 114 and 118 flops at 237
@@ -208,7 +212,10 @@ double estimate_flash(Pass pass, const Problem& p, const CostModel& m) {
   const double keys = !banded    ? lk_pad
                       : s.lq > 0 ? std::min(lk_pad, visible_pairs(p) / s.lq + tile / 2)
                                  : 0;
-  const double rows_pad = groups * round_up(group_rows, m.flash_tile_rows);
+  // Decode items of at most one micro-tile of rows read K and V in place (f32 tiles): their
+  // rows are not padded, and no tile is packed.
+  const bool direct = pass == Pass::forward && !bf16_dot && group_rows <= m.flash_tile_rows;
+  const double rows_pad = groups * (direct ? group_rows : round_up(group_rows, m.flash_tile_rows));
   const double pairs = rows_pad * keys;
   // Rows of tiles the mask code cuts: one tile per row along a band's edge, and the last tile
   // when Lk is not a whole number of tiles.
@@ -243,11 +250,10 @@ double estimate_flash(Pass pass, const Problem& p, const CostModel& m) {
   const double kv_bytes = groups * s.lk * s.dims * s.element;
   const double read =
       kv_bytes > kFlashCachedBytes ? kv_bytes / (bytes_per_s * kFlashStreamEfficiency) : 0;
-  const double pack = std::max(
-      packed *
-          (pass == Pass::forward ? kFlashPackFlops[bf16_dot ? 1 : 0] : kFlashBackwardPackFlops) /
-          flops_per_s,
-      read);
+  const double per_element = pass == Pass::backward ? kFlashBackwardPackFlops
+                             : direct               ? kFlashDirectFlops
+                                                    : kFlashPackFlops[bf16_dot ? 1 : 0];
+  const double pack = std::max(packed * per_element / flops_per_s, read);
   const double threads = std::max(1.0, std::min(s.threads, items));
   return kFlashCallSeconds[pass == Pass::forward ? 0 : 1] +
          parallel_seconds(compute + pack, threads, m.machine.dispatch_seconds) +
