@@ -111,6 +111,10 @@ ItemPlan plan_items(const Problem& p, std::int64_t block_rows) {
 
 }  // namespace
 
+bool flash_reads_kv_in_place(const Problem& p, int tile_rows, bool bf16_dot) {
+  return p.group * p.seqlen_q <= tile_rows && !(bf16_dot && p.dtype == DType::bf16);
+}
+
 void flash_forward(const Problem& p, const ForwardArgs& a) {
   if (p.empty_output()) return;
   const FlashTarget& target = flash_target_chosen();
@@ -150,8 +154,9 @@ void flash_forward(const Problem& p, const ForwardArgs& a) {
   // panel at all; an item of at most one micro-tile of rows reads K and V in place, without
   // packing, and so never gets a panel (its bits must not depend on the thread count). Items
   // compute the same in every mode.
-  const bool direct = plan.count == 1 && p.group * p.seqlen_q <= layout.tile_rows;
-  const bool on_the_fly = plan.count == 1 && (groups >= threads || direct);
+  const bool on_the_fly =
+      plan.count == 1 &&
+      (groups >= threads || flash_reads_kv_in_place(p, layout.tile_rows, layout.bf16_dot));
   const double dims = static_cast<double>(d) + static_cast<double>(p.head_dim_v);
   const double operand_floats = static_cast<double>(p.batch) * dims *
                                 (static_cast<double>(p.heads_q) * static_cast<double>(p.seqlen_q) +

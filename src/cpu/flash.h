@@ -117,6 +117,11 @@ bool flash_target_supported(const FlashTarget& t);
 const FlashTarget& flash_target_chosen();
 
 void flash_forward(const Problem& p, const ForwardArgs& args);
+
+// Whether the forward reads K and V in place instead of packing tiles: decode, each kv group's
+// rows (group * Lq) within one micro-tile of `tile_rows`, on f32 products (not native bf16
+// dots). flash_forward gives such a problem no panel whatever the thread count.
+bool flash_reads_kv_in_place(const Problem& p, int tile_rows, bool bf16_dot);
 void flash_backward(const Problem& p, const BackwardArgs& args);
 
 // How flash_backward cuts a problem into work items: runs of `run_heads` query heads of one kv

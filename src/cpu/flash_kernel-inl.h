@@ -815,7 +815,8 @@ void run_block_with(const Problem& p, const ForwardArgs& a, const FlashPanel& pa
   }
 
   // A group's only item of at most one micro-tile of rows (decode) reads K and V in place;
-  // flash.cpp gives every such problem no panel, whatever the thread count.
+  // flash.cpp gives every such problem no panel, whatever the thread count
+  // (flash_reads_kv_in_place: the same rule).
   const bool direct = Dot::kDirectDecode && panel.k_tiles == nullptr && rows <= kTileRows;
   if (direct) {
     DirectKv::load_queries(p, a, b, head_of, index_of, rows, w.q);
