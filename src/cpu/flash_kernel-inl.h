@@ -371,7 +371,8 @@ struct F32Dot {
     const std::int64_t keys = std::min<std::int64_t>(kKeyTile, p.seqlen_k - j0);
     const std::int64_t cols = tile_cols(keys), lk = p.seqlen_k;
     const std::int64_t k0 = offset4(a.k, b, kv_head, j0, 0), ldk = a.k.stride[2];
-    // One loop per input dtype (f32, bf16, f16: the flash backend's), none inside.
+    // K through registers (load_part widens 16-bit rows: bf16 or f16 by a.k.dtype); V by one
+    // copy loop per input dtype (f32, bf16, f16: the flash backend's), none inside.
     auto transpose = [&](const auto* src) {
       transpose_keys(
           keys, cols, d, 1, lk - j0, ldk, [&](std::int64_t c) { return src + c * ldk; },
