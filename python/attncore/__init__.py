@@ -13,6 +13,8 @@ Invalid arguments raise ValueError and unsupported combinations NotImplementedEr
 C++ library's message.
 """
 
+import importlib as _importlib
+
 from . import _core
 from ._attention import attention, attention_backward, explain
 from ._dropins import flash_attn_func, scaled_dot_product_attention
@@ -26,3 +28,11 @@ __all__ = [
     "enabled_backends", "explain", "flash_attn_func", "get_rng_state", "manual_seed",
     "scaled_dot_product_attention", "sdpa_kernel", "set_rng_state",
 ]
+
+
+def __getattr__(name):
+    # attncore.torch, the submodule, on first use as an attribute (importing it needs torch).
+    # Once imported it is bound here as `torch`, so this file never names the torch library so.
+    if name == "torch":
+        return _importlib.import_module(".torch", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

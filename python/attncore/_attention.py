@@ -1,5 +1,5 @@
 """attention() and attention_backward(): attncore's own Python functions, on which the torch-SDPA
-and flash-attn drop-ins are built, and the rank-4 calls into attncore._core below them.
+and flash-attn drop-ins (_dropins) are built, over the rank-4 calls of _rank4.
 
 Arrays are numpy arrays, torch tensors or other DLPack producers (see _arrays). Each argument is
 brought to the rank-4 views the C++ library takes, without a copy where its strides allow (only
@@ -9,51 +9,15 @@ the last stride must be 1):
 and results come back in the caller's layout, library and dtype.
 """
 
-import dataclasses
 import math
 import typing
-from typing import Optional
 
 from . import _arrays, _core, _random
+from ._rank4 import Call, backward4, core_or_none, forward4, lse_dtype
 from .backends import backend_name, explanation_from_core
 
 LAYOUTS = ("bhld", "blhd")
 CAUSAL = ("none", "upper-left", "lower-right")
-
-
-@dataclasses.dataclass(frozen=True)
-class Call:
-    """One call's options, everything but its arrays: what a backward replays."""
-
-    scale: Optional[float] = None  # the caller's; <= 0 is applied to q (see q_factor)
-    causal: str = "none"  # "none", "upper-left" (torch is_causal), "lower-right" (flash-attn)
-    window_size: tuple = (-1, -1)  # (left, right), flash-attn semantics; -1 = unbounded
-    softcap: float = 0.0
-    dropout_p: float = 0.0
-    seed: int = 0
-    offset: int = 0
-    enable_gqa: bool = True
-    backend: str = "auto"
-    num_threads: int = 0
-
-    @property
-    def q_factor(self):
-        """1, -1 or 0: what q is multiplied by so that the library's scale is positive (the
-        library takes scale > 0; torch and flash-attn take any scale)."""
-        if self.scale is None or not self.scale <= 0 or math.isinf(self.scale):
-            return 1
-        return 0 if self.scale == 0 else -1
-
-    def core_options(self):
-        scale = self.scale
-        if scale is not None and self.q_factor != 1:
-            scale = 1.0 if self.q_factor == 0 else -scale
-        window_left, window_right = self.window_size
-        return _core.CallOptions(
-            scale=scale, causal=self.causal, window_left=window_left,
-            window_right=window_right, softcap=self.softcap, dropout_p=self.dropout_p,
-            seed=self.seed, offset=self.offset, enable_gqa=self.enable_gqa,
-            num_threads=self.num_threads, backend=self.backend)
 
 
 def _resolve_call(op, form, *, scale, causal, window_size, softcap, dropout_p, seed, offset,
@@ -197,41 +161,6 @@ def _times(x, factor):
     return x if factor == 1 else x * factor
 
 
-def _lse_dtype(dtype_name):
-    return "float64" if dtype_name == "float64" else "float32"
-
-
-def _core_or_none(lib, x):
-    return None if x is None else lib.to_core(x)
-
-
-def forward4(lib, q4, k4, v4, mask4, alibi, call):
-    """out [B, Hq, Lq, Dv] (laid out in memory like q4) and lse [B, Hq, Lq] of the views
-    q4 [B, Hq, Lq, D], k4 [B, Hkv, Lk, D], v4 [B, Hkv, Lk, Dv], mask4 [B|1, Hq|1, Lq|1, Lk|1]."""
-    batch, heads_q, seqlen_q, _ = q4.shape
-    dtype = lib.dtype_name(q4)
-    out = _arrays.empty_in_order_of(lib, q4, (batch, heads_q, seqlen_q, v4.shape[-1]), dtype)
-    lse = lib.empty((batch, heads_q, seqlen_q), _lse_dtype(dtype))
-    _core.forward(lib.to_core(q4), lib.to_core(k4), lib.to_core(v4), lib.to_core(out),
-                  lib.to_core(lse), _core_or_none(lib, mask4), _core_or_none(lib, alibi),
-                  call.core_options())
-    return out, lse
-
-
-def backward4(lib, dout4, q4, k4, v4, out4, lse3, mask4, alibi, call, want_dbias):
-    """dq, dk, dv (shaped and laid out like q4, k4, v4) and dbias (mask4's shape, or None) of
-    forward4's call; dout4 and out4 [B, Hq, Lq, Dv], lse3 [B, Hq, Lq]."""
-    dtype = lib.dtype_name(q4)
-    dq, dk, dv = (_arrays.empty_in_order_of(lib, x, tuple(x.shape), dtype)
-                  for x in (q4, k4, v4))
-    dbias = lib.empty(tuple(mask4.shape), lib.dtype_name(mask4)) if want_dbias else None
-    _core.backward(lib.to_core(dout4), lib.to_core(q4), lib.to_core(k4), lib.to_core(v4),
-                   lib.to_core(out4), lib.to_core(lse3), lib.to_core(dq), lib.to_core(dk),
-                   lib.to_core(dv), _core_or_none(lib, dbias), _core_or_none(lib, mask4),
-                   _core_or_none(lib, alibi), call.core_options())
-    return dq, dk, dv, dbias
-
-
 class _Prepared(typing.NamedTuple):
     """One call's arrays and options, brought to the library's form."""
 
@@ -282,7 +211,8 @@ def attention(query, key, value, *, layout="bhld", scale=None, causal=None, wind
                  offset=offset, enable_gqa=enable_gqa, backend=backend, num_threads=num_threads)
     q4 = _times(p.form.q4, p.call.q_factor)
     if p.lib.is_torch:
-        from .torch import AttentionFunction
+        # Imported here: _autograd imports torch, which numpy callers need not have.
+        from ._autograd import AttentionFunction
         out4, lse3 = AttentionFunction.apply(q4, p.form.k4, p.form.v4, p.mask4, p.alibi, p.call)
     else:
         out4, lse3 = forward4(p.lib, q4, p.form.k4, p.form.v4, p.mask4, p.alibi, p.call)
@@ -331,7 +261,7 @@ def explain(query, key, value, *, backward=False, layout="bhld", scale=None, cau
                  enable_gqa=enable_gqa, backend=None, num_threads=num_threads)
     lib, form, options = p.lib, p.form, p.call.core_options()
     q4 = _times(form.q4, p.call.q_factor)
-    mask4, alibi = _core_or_none(lib, p.mask4), _core_or_none(lib, p.alibi)
+    mask4, alibi = core_or_none(lib, p.mask4), core_or_none(lib, p.alibi)
     if not backward:
         raw = _core.explain_forward(lib.to_core(q4), lib.to_core(form.k4), lib.to_core(form.v4),
                                     mask4, alibi, options)
@@ -339,7 +269,7 @@ def explain(query, key, value, *, backward=False, layout="bhld", scale=None, cau
         batch, heads_q, seqlen_q, _ = q4.shape
         dtype = lib.dtype_name(q4)
         out = lib.empty((batch, heads_q, seqlen_q, form.v4.shape[-1]), dtype)
-        lse = lib.empty((batch, heads_q, seqlen_q), _lse_dtype(dtype))
+        lse = lib.empty((batch, heads_q, seqlen_q), lse_dtype(dtype))
         want_dbias = p.mask is not None and lib.dtype_name(p.mask) != "bool"
         raw = _core.explain_backward(lib.to_core(out), lib.to_core(q4), lib.to_core(form.k4),
                                      lib.to_core(form.v4), lib.to_core(out), lib.to_core(lse),

@@ -1,0 +1,82 @@
+"""The rank-4 calls into attncore._core: Call (one call's options, everything but its arrays)
+and forward4/backward4 on views q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv].
+
+Below both _attention (which brings the caller's arrays to these views) and _autograd (whose
+AttentionFunction runs them for torch tensors).
+"""
+
+import dataclasses
+import math
+from typing import Optional
+
+from . import _arrays, _core
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One call's options, everything but its arrays: what a backward replays."""
+
+    scale: Optional[float] = None  # the caller's; <= 0 is applied to q (see q_factor)
+    causal: str = "none"  # "none", "upper-left" (torch is_causal), "lower-right" (flash-attn)
+    window_size: tuple = (-1, -1)  # (left, right), flash-attn semantics; -1 = unbounded
+    softcap: float = 0.0
+    dropout_p: float = 0.0
+    seed: int = 0
+    offset: int = 0
+    enable_gqa: bool = True
+    backend: str = "auto"
+    num_threads: int = 0
+
+    @property
+    def q_factor(self):
+        """1, -1 or 0: what q is multiplied by so that the library's scale is positive (the
+        library takes scale > 0; torch and flash-attn take any scale)."""
+        if self.scale is None or not self.scale <= 0 or math.isinf(self.scale):
+            return 1
+        return 0 if self.scale == 0 else -1
+
+    def core_options(self):
+        scale = self.scale
+        if scale is not None and self.q_factor != 1:
+            scale = 1.0 if self.q_factor == 0 else -scale
+        window_left, window_right = self.window_size
+        return _core.CallOptions(
+            scale=scale, causal=self.causal, window_left=window_left,
+            window_right=window_right, softcap=self.softcap, dropout_p=self.dropout_p,
+            seed=self.seed, offset=self.offset, enable_gqa=self.enable_gqa,
+            num_threads=self.num_threads, backend=self.backend)
+
+
+def lse_dtype(dtype_name):
+    return "float64" if dtype_name == "float64" else "float32"
+
+
+def core_or_none(lib, x):
+    return None if x is None else lib.to_core(x)
+
+
+def forward4(lib, q4, k4, v4, mask4, alibi, call):
+    """out [B, Hq, Lq, Dv] (laid out in memory like q4) and lse [B, Hq, Lq] of the views
+    q4 [B, Hq, Lq, D], k4 [B, Hkv, Lk, D], v4 [B, Hkv, Lk, Dv], mask4 [B|1, Hq|1, Lq|1, Lk|1]."""
+    batch, heads_q, seqlen_q, _ = q4.shape
+    dtype = lib.dtype_name(q4)
+    out = _arrays.empty_in_order_of(lib, q4, (batch, heads_q, seqlen_q, v4.shape[-1]), dtype)
+    lse = lib.empty((batch, heads_q, seqlen_q), lse_dtype(dtype))
+    _core.forward(lib.to_core(q4), lib.to_core(k4), lib.to_core(v4), lib.to_core(out),
+                  lib.to_core(lse), core_or_none(lib, mask4), core_or_none(lib, alibi),
+                  call.core_options())
+    return out, lse
+
+
+def backward4(lib, dout4, q4, k4, v4, out4, lse3, mask4, alibi, call, want_dbias):
+    """dq, dk, dv (shaped and laid out like q4, k4, v4) and dbias (mask4's shape, or None) of
+    forward4's call; dout4 and out4 [B, Hq, Lq, Dv], lse3 [B, Hq, Lq]."""
+    dtype = lib.dtype_name(q4)
+    dq, dk, dv = (_arrays.empty_in_order_of(lib, x, tuple(x.shape), dtype)
+                  for x in (q4, k4, v4))
+    dbias = lib.empty(tuple(mask4.shape), lib.dtype_name(mask4)) if want_dbias else None
+    _core.backward(lib.to_core(dout4), lib.to_core(q4), lib.to_core(k4), lib.to_core(v4),
+                   lib.to_core(out4), lib.to_core(lse3), lib.to_core(dq), lib.to_core(dk),
+                   lib.to_core(dv), core_or_none(lib, dbias), core_or_none(lib, mask4),
+                   core_or_none(lib, alibi), call.core_options())
+    return dq, dk, dv, dbias
