@@ -24,9 +24,9 @@ bool visible(Causal causal, std::int64_t wl, std::int64_t wr, std::int64_t lq, s
 
 // Checks one configuration; returns the number of failures (and records the first ones).
 int check(Causal causal, std::int64_t wl, std::int64_t wr, std::int64_t lq, std::int64_t lk) {
-  Problem p;
-  p.seqlen_q = lq;
-  p.seqlen_k = lk;
+  detail::Params p;
+  p.seq.lq = lq;
+  p.seq.lk = lk;
   p.causal = causal;
   p.window_left = wl;
   p.window_right = wr;

@@ -22,7 +22,6 @@ namespace {
 
 using detail::CostModel;
 using detail::Pass;
-using detail::Problem;
 
 const std::vector<Backend> kDefault = {Backend::flash, Backend::math, Backend::reference};
 
@@ -55,6 +54,20 @@ const char* const kNoLimit = "; flash and reference have no such limit";
 
 // ---------------------------------------------------------------------------------------------
 // Every reason, through explain (the verdicts) and through an explicit request (the error).
+
+// A call as selection sees it: what it computes (Params) and on how many threads.
+struct Call : detail::Params {
+  int threads = 1;
+};
+
+double estimate(Backend b, Pass pass, const Call& c, const CostModel& m) {
+  return detail::estimate_seconds(b, pass, c, detail::Launch{c.threads}, m);
+}
+
+Explanation select_call(Pass pass, const Call& c, Backend requested,
+                        const std::vector<Backend>& enabled, const CostModel& m) {
+  return detail::select(pass, c, detail::Launch{c.threads}, requested, enabled, m);
+}
 
 TEST(SelectReasons, FlashRejectsF64) {
   const TensorView q = fake(DType::f64, {1, 2, 8, 16});
@@ -147,10 +160,10 @@ TEST(SelectReasons, NotEnabledOnThisThread) {
 
 TEST(SelectReasons, ReferenceRunsEverything) {
   for (DType dtype : {DType::f32, DType::f64, DType::bf16, DType::f16}) {
-    Problem p;
+    Call p;
     p.dtype = dtype;
     p.batch = p.heads_q = p.heads_kv = 1;
-    p.seqlen_q = p.seqlen_k = p.head_dim = p.head_dim_v = kBig;
+    p.seq.lq = p.seq.lk = p.head_dim = p.head_dim_v = kBig;
     for (Pass pass : {Pass::forward, Pass::backward}) {
       EXPECT_TRUE(detail::can_use(Backend::reference, pass, p).empty());
     }
@@ -331,23 +344,23 @@ CostModel test_model() {
   return m;
 }
 
-Problem problem(std::int64_t batch, std::int64_t heads_q, std::int64_t heads_kv, std::int64_t lq,
+Call problem(std::int64_t batch, std::int64_t heads_q, std::int64_t heads_kv, std::int64_t lq,
                 std::int64_t lk, std::int64_t d, DType dtype = DType::f32, int threads = 1) {
-  Problem p;
+  Call p;
   p.batch = batch;
   p.heads_q = heads_q;
   p.heads_kv = heads_kv;
   p.group = heads_q / heads_kv;
-  p.seqlen_q = lq;
-  p.seqlen_k = lk;
+  p.seq.lq = lq;
+  p.seq.lk = lk;
   p.head_dim = p.head_dim_v = d;
   p.dtype = dtype;
   p.threads = threads;
   return p;
 }
 
-Backend choose(const Problem& p, const CostModel& m, Pass pass = Pass::forward) {
-  return detail::select(pass, p, Backend::automatic, kDefault, m).chosen;
+Backend choose(const Call& p, const CostModel& m, Pass pass = Pass::forward) {
+  return select_call(pass, p, Backend::automatic, kDefault, m).chosen;
 }
 
 TEST(SelectCostModel, FlashForLargeProblems) {
@@ -355,7 +368,7 @@ TEST(SelectCostModel, FlashForLargeProblems) {
   for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
     for (int threads : {1, 2, 8}) {
       for (Pass pass : {Pass::forward, Pass::backward}) {
-        Problem p = problem(1, 16, 16, 2048, 2048, 128, dtype, threads);
+        Call p = problem(1, 16, 16, 2048, 2048, 128, dtype, threads);
         EXPECT_EQ(choose(p, m, pass), Backend::flash);
         p.causal = Causal::lower_right;
         EXPECT_EQ(choose(p, m, pass), Backend::flash);
@@ -380,10 +393,10 @@ TEST(SelectCostModel, ChoiceDoesNotDependOnTheThreadCount) {
       for (std::int64_t l : {16, 32, 64, 128, 256, 512}) {
         const Backend one = choose(problem(1, 8, 8, l, l, 64, dtype, 1), m, pass);
         for (int threads : {2, 8}) {
-          const Problem p = problem(1, 8, 8, l, l, 64, dtype, threads);
+          const Call p = problem(1, 8, 8, l, l, 64, dtype, threads);
           EXPECT_EQ(choose(p, m, pass), one) << "L=" << l << " threads=" << threads;
-          const bool flash_faster = detail::estimate_seconds(Backend::flash, pass, p, m) <
-                                    detail::estimate_seconds(Backend::math, pass, p, m);
+          const bool flash_faster = estimate(Backend::flash, pass, p, m) <
+                                    estimate(Backend::math, pass, p, m);
           ranks_differ |= flash_faster != (one == Backend::flash);
         }
       }
@@ -401,7 +414,7 @@ TEST(SelectCostModel, MathForTinyProblems) {
 
 TEST(SelectCostModel, ConstantsMoveTheChoice) {
   // A middle-sized problem: the softmax rate of the unfused path decides.
-  const Problem p = problem(1, 8, 8, 64, 64, 64);
+  const Call p = problem(1, 8, 8, 64, 64, 64);
   CostModel slow_exp = test_model(), fast_exp = test_model();
   slow_exp.machine.softmax_per_s = 1e7;
   fast_exp.machine.softmax_per_s = 1e11;
@@ -410,22 +423,22 @@ TEST(SelectCostModel, ConstantsMoveTheChoice) {
   // Faster FMAs make every estimate smaller; a slower memory makes math's decode dearer.
   CostModel fast = test_model();
   fast.machine.fma_gflops *= 2;
-  const Problem big = problem(1, 16, 16, 1024, 1024, 128);
+  const Call big = problem(1, 16, 16, 1024, 1024, 128);
   for (Backend b : {Backend::flash, Backend::math}) {
-    EXPECT_LT(detail::estimate_seconds(b, Pass::forward, big, fast),
-              detail::estimate_seconds(b, Pass::forward, big, test_model()));
+    EXPECT_LT(estimate(b, Pass::forward, big, fast),
+              estimate(b, Pass::forward, big, test_model()));
   }
-  EXPECT_LT(detail::estimate_seconds(Backend::reference, Pass::forward, big, test_model()), 0);
+  EXPECT_LT(estimate(Backend::reference, Pass::forward, big, test_model()), 0);
 }
 
 TEST(SelectCostModel, CausalHalvesFlashNotMath) {
   const CostModel m = test_model();
-  Problem p = problem(1, 16, 16, 4096, 4096, 128);
-  const double flash = detail::estimate_seconds(Backend::flash, Pass::forward, p, m);
-  const double math = detail::estimate_seconds(Backend::math, Pass::forward, p, m);
+  Call p = problem(1, 16, 16, 4096, 4096, 128);
+  const double flash = estimate(Backend::flash, Pass::forward, p, m);
+  const double math = estimate(Backend::math, Pass::forward, p, m);
   p.causal = Causal::upper_left;
-  EXPECT_LT(detail::estimate_seconds(Backend::flash, Pass::forward, p, m), 0.6 * flash);
-  EXPECT_DOUBLE_EQ(detail::estimate_seconds(Backend::math, Pass::forward, p, m), math);
+  EXPECT_LT(estimate(Backend::flash, Pass::forward, p, m), 0.6 * flash);
+  EXPECT_DOUBLE_EQ(estimate(Backend::math, Pass::forward, p, m), math);
 }
 
 TEST(SelectCostModel, ShortLastTileCostsItsMicroTiles) {
@@ -434,11 +447,11 @@ TEST(SelectCostModel, ShortLastTileCostsItsMicroTiles) {
   const CostModel m = test_model();
   for (Pass pass : {Pass::forward, Pass::backward}) {
     const double lk129 =
-        detail::estimate_seconds(Backend::flash, pass, problem(1, 8, 8, 256, 129, 64), m);
+        estimate(Backend::flash, pass, problem(1, 8, 8, 256, 129, 64), m);
     const double lk160 =
-        detail::estimate_seconds(Backend::flash, pass, problem(1, 8, 8, 256, 160, 64), m);
+        estimate(Backend::flash, pass, problem(1, 8, 8, 256, 160, 64), m);
     const double lk256 =
-        detail::estimate_seconds(Backend::flash, pass, problem(1, 8, 8, 256, 256, 64), m);
+        estimate(Backend::flash, pass, problem(1, 8, 8, 256, 256, 64), m);
     EXPECT_NEAR(lk129, lk160, 1e-2 * lk160);
     EXPECT_LT(lk160, 0.9 * lk256);
   }
@@ -447,10 +460,10 @@ TEST(SelectCostModel, ShortLastTileCostsItsMicroTiles) {
 TEST(SelectCostModel, ABandThatHidesNothingCutsNothing) {
   // Lower-right causal at Lq = 1 sees every key: the same work as no mask.
   const CostModel m = test_model();
-  Problem plain = problem(4, 32, 8, 1, 4096, 128), causal = plain;
+  Call plain = problem(4, 32, 8, 1, 4096, 128), causal = plain;
   causal.causal = Causal::lower_right;
-  EXPECT_DOUBLE_EQ(detail::estimate_seconds(Backend::flash, Pass::forward, causal, m),
-                   detail::estimate_seconds(Backend::flash, Pass::forward, plain, m));
+  EXPECT_DOUBLE_EQ(estimate(Backend::flash, Pass::forward, causal, m),
+                   estimate(Backend::flash, Pass::forward, plain, m));
 }
 
 TEST(SelectCostModel, MoreThreadsNeverCostMoreThanOne) {
@@ -461,9 +474,9 @@ TEST(SelectCostModel, MoreThreadsNeverCostMoreThanOne) {
     for (Pass pass : {Pass::forward, Pass::backward}) {
       for (std::int64_t l : {16, 256, 2048}) {
         const double one =
-            detail::estimate_seconds(b, pass, problem(1, 8, 8, l, l, 64, DType::f32, 1), m);
+            estimate(b, pass, problem(1, 8, 8, l, l, 64, DType::f32, 1), m);
         const double two =
-            detail::estimate_seconds(b, pass, problem(1, 8, 8, l, l, 64, DType::f32, 2), m);
+            estimate(b, pass, problem(1, 8, 8, l, l, 64, DType::f32, 2), m);
         EXPECT_LE(two, one) << name_of(b) << " L=" << l;
       }
     }
@@ -474,10 +487,10 @@ TEST(SelectCostModel, TiesGoToTheEarlierBackend) {
   // Equal estimates: both backends at the same (infinite) cost; the priority order decides.
   CostModel m = test_model();
   m.machine.fma_gflops = 0;  // every estimate is +inf
-  const Problem p = problem(1, 2, 2, 64, 64, 32);
-  EXPECT_EQ(detail::select(Pass::forward, p, Backend::automatic, kDefault, m).chosen,
+  const Call p = problem(1, 2, 2, 64, 64, 32);
+  EXPECT_EQ(select_call(Pass::forward, p, Backend::automatic, kDefault, m).chosen,
             Backend::flash);
-  EXPECT_EQ(detail::select(Pass::forward, p, Backend::automatic,
+  EXPECT_EQ(select_call(Pass::forward, p, Backend::automatic,
                            {Backend::math, Backend::flash, Backend::reference}, m)
                 .chosen,
             Backend::math);

@@ -52,3 +52,5 @@ void backward_into(const TensorView& dout, const TensorView& q, const TensorView
                    Backend backend = Backend::automatic);
 
 }  // namespace attncore
+
+#include "attncore/varlen.h"

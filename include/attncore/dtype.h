@@ -13,6 +13,7 @@ enum class DType : std::uint8_t {
   bf16,  // bfloat16: the high half of a binary32
   f16,   // IEEE binary16
   b8,    // bool, one byte, 0 = false; only for boolean attention masks
+  i32,   // int32 index arrays (cu_seqlens, seqused_k, page tables); never a value type
 };
 
 constexpr std::size_t size_of(DType t) {
@@ -27,6 +28,8 @@ constexpr std::size_t size_of(DType t) {
       return 2;
     case DType::b8:
       return 1;
+    case DType::i32:
+      return 4;
   }
   return 0;
 }
@@ -43,11 +46,13 @@ constexpr std::string_view name_of(DType t) {
       return "f16";
     case DType::b8:
       return "bool";
+    case DType::i32:
+      return "i32";
   }
   return "?";
 }
 
-constexpr bool is_floating(DType t) { return t != DType::b8; }
+constexpr bool is_floating(DType t) { return t != DType::b8 && t != DType::i32; }
 
 // bfloat16 storage: conversion from float rounds to nearest even; NaN stays NaN.
 struct bf16 {

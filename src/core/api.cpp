@@ -1,15 +1,13 @@
 // The public entry points: validate, allocate what the caller did not provide, pick the
-// backend (core/select.h), run it.
+// backend (core/select.h), run it through the backend table.
 #include <new>
 #include <string>
 
 #include "attncore/attncore.h"
 #include "core/select.h"
+#include "core/sequence.h"
 #include "core/threadpool.h"
 #include "core/validate.h"
-#include "cpu/flash.h"
-#include "cpu/math.h"
-#include "reference/reference.h"
 
 namespace attncore {
 
@@ -17,7 +15,9 @@ namespace {
 
 using detail::BackwardArgs;
 using detail::ForwardArgs;
-using detail::Problem;
+using detail::Launch;
+using detail::Params;
+using detail::Pass;
 
 // Allocation and kernel failures surface as attncore::Error with the op's name.
 template <class Fn>
@@ -29,31 +29,26 @@ void guarded(const char* op, const char* stage, Fn&& fn) {
   }
 }
 
-void run_forward(const Problem& p, const ForwardArgs& args, Backend backend) {
-  const Backend chosen = detail::select_backend(detail::Pass::forward, p, backend);
+Launch launch_of(const Options& options) { return {detail::resolve_threads(options.num_threads)}; }
+
+void run_forward(const Params& p, const Launch& launch, const ForwardArgs& args, Backend backend) {
+  const Backend chosen = detail::select_backend(Pass::forward, p, launch, backend);
   guarded("forward", "running the backend (outputs are incomplete)", [&] {
-    if (chosen == Backend::flash) {
-      detail::flash_forward(p, args);
-    } else if (chosen == Backend::math) {
-      detail::math_forward(p, args);
-    } else {
-      detail::reference_forward(p, args);
-    }
+    detail::find_backend(chosen)->forward(p, launch, args);
+    detail::fill_unused_rows(p, args);
   });
 }
 
-void run_backward(const Problem& p, const BackwardArgs& args, Backend backend) {
-  const Backend chosen = detail::select_backend(detail::Pass::backward, p, backend);
+void run_backward(const Params& p, const Launch& launch, const BackwardArgs& args,
+                  Backend backend) {
+  const Backend chosen = detail::select_backend(Pass::backward, p, launch, backend);
   guarded("backward", "running the backend (outputs are incomplete)", [&] {
-    if (chosen == Backend::flash) {
-      detail::flash_backward(p, args);
-    } else if (chosen == Backend::math) {
-      detail::math_backward(p, args);
-    } else {
-      detail::reference_backward(p, args);
-    }
+    detail::find_backend(chosen)->backward(p, launch, args);
+    detail::fill_unused_rows(p, args);
   });
 }
+
+DType lse_dtype(const Params& p) { return p.dtype == DType::f64 ? DType::f64 : DType::f32; }
 
 }  // namespace
 
@@ -61,25 +56,23 @@ void forward_into(const TensorView& q, const TensorView& k, const TensorView& v,
                   const TensorView& out, const std::optional<TensorView>& lse,
                   const Options& options, Backend backend) {
   const ForwardArgs args{q, k, v, out, lse.value_or(TensorView{})};
-  Problem p = detail::validate_forward(args, options, backend, /*check_outputs=*/true);
-  p.threads = detail::resolve_threads(p.threads);
-  run_forward(p, args, backend);
+  const Params p = detail::validate_forward(args, options, backend, /*check_outputs=*/true);
+  run_forward(p, launch_of(options), args, backend);
 }
 
 ForwardResult forward(const TensorView& q, const TensorView& k, const TensorView& v,
                       const Options& options, Backend backend) {
   ForwardArgs args{q, k, v, {}, {}};
-  Problem p = detail::validate_forward(args, options, backend, /*check_outputs=*/false);
-  p.threads = detail::resolve_threads(p.threads);
+  const Params p = detail::validate_forward(args, options, backend, /*check_outputs=*/false);
+  const Launch launch = launch_of(options);
   ForwardResult r;
   guarded("forward", "allocating out and lse", [&] {
-    r.out = Tensor(p.dtype, {p.batch, p.heads_q, p.seqlen_q, p.head_dim_v});
-    r.lse =
-        Tensor(p.dtype == DType::f64 ? DType::f64 : DType::f32, {p.batch, p.heads_q, p.seqlen_q});
+    r.out = Tensor(p.dtype, {p.batch, p.heads_q, p.seq.lq, p.head_dim_v});
+    r.lse = Tensor(lse_dtype(p), {p.batch, p.heads_q, p.seq.lq});
   });
   args.out = r.out;
   args.lse = r.lse;
-  run_forward(p, args, backend);
+  run_forward(p, launch, args, backend);
   return r;
 }
 
@@ -89,22 +82,21 @@ void backward_into(const TensorView& dout, const TensorView& q, const TensorView
                    const std::optional<TensorView>& dbias, const Options& options,
                    Backend backend) {
   const BackwardArgs args{dout, q, k, v, out, lse, dq, dk, dv, dbias.value_or(TensorView{})};
-  Problem p = detail::validate_backward(args, options, backend, /*check_outputs=*/true);
-  p.threads = detail::resolve_threads(p.threads);
-  run_backward(p, args, backend);
+  const Params p = detail::validate_backward(args, options, backend, /*check_outputs=*/true);
+  run_backward(p, launch_of(options), args, backend);
 }
 
 BackwardResult backward(const TensorView& dout, const TensorView& q, const TensorView& k,
                         const TensorView& v, const TensorView& out, const TensorView& lse,
                         const Options& options, Backend backend) {
   BackwardArgs args{dout, q, k, v, out, lse, {}, {}, {}, {}};
-  Problem p = detail::validate_backward(args, options, backend, /*check_outputs=*/false);
-  p.threads = detail::resolve_threads(p.threads);
+  const Params p = detail::validate_backward(args, options, backend, /*check_outputs=*/false);
+  const Launch launch = launch_of(options);
   BackwardResult r;
   guarded("backward", "allocating the gradients", [&] {
-    r.dq = Tensor(p.dtype, {p.batch, p.heads_q, p.seqlen_q, p.head_dim});
-    r.dk = Tensor(p.dtype, {p.batch, p.heads_kv, p.seqlen_k, p.head_dim});
-    r.dv = Tensor(p.dtype, {p.batch, p.heads_kv, p.seqlen_k, p.head_dim_v});
+    r.dq = Tensor(p.dtype, {p.batch, p.heads_q, p.seq.lq, p.head_dim});
+    r.dk = Tensor(p.dtype, {p.batch, p.heads_kv, p.seq.lk, p.head_dim});
+    r.dv = Tensor(p.dtype, {p.batch, p.heads_kv, p.seq.lk, p.head_dim_v});
     if (p.compute_dbias)
       r.dbias = Tensor(p.mask_original.dtype, p.mask_original.shape.data(), p.mask_original.rank);
   });
@@ -112,7 +104,54 @@ BackwardResult backward(const TensorView& dout, const TensorView& q, const Tenso
   args.dk = r.dk;
   args.dv = r.dv;
   args.dbias = r.dbias.view();
-  run_backward(p, args, backend);
+  run_backward(p, launch, args, backend);
+  return r;
+}
+
+void forward_varlen_into(const TensorView& q, const TensorView& k, const TensorView& v,
+                         const VarlenSeqs& seqs, const TensorView& out,
+                         const std::optional<TensorView>& lse, const Options& options,
+                         Backend backend) {
+  ForwardArgs args{q, k, v, out, lse.value_or(TensorView{})};
+  const Params p = detail::validate_varlen_forward(args, seqs, options, backend, true);
+  run_forward(p, launch_of(options), args, backend);
+}
+
+ForwardResult forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
+                             const VarlenSeqs& seqs, const Options& options, Backend backend) {
+  ForwardArgs args{q, k, v, {}, {}};
+  const Params p = detail::validate_varlen_forward(args, seqs, options, backend, false);
+  ForwardResult r;
+  guarded("forward", "allocating out and lse", [&] {
+    r.out = Tensor(p.dtype, {p.seq.rows_q, p.heads_q, p.head_dim_v});
+    r.lse = Tensor(lse_dtype(p), {p.heads_q, p.seq.rows_q});
+  });
+  // Validated again with the outputs: cheap next to the call, and one path for both forms.
+  forward_varlen_into(q, k, v, seqs, r.out, r.lse.view(), options, backend);
+  return r;
+}
+
+void backward_varlen_into(const TensorView& dout, const TensorView& q, const TensorView& k,
+                          const TensorView& v, const TensorView& out, const TensorView& lse,
+                          const VarlenSeqs& seqs, const TensorView& dq, const TensorView& dk,
+                          const TensorView& dv, const Options& options, Backend backend) {
+  BackwardArgs args{dout, q, k, v, out, lse, dq, dk, dv, {}};
+  const Params p = detail::validate_varlen_backward(args, seqs, options, backend, true);
+  run_backward(p, launch_of(options), args, backend);
+}
+
+BackwardResult backward_varlen(const TensorView& dout, const TensorView& q, const TensorView& k,
+                               const TensorView& v, const TensorView& out, const TensorView& lse,
+                               const VarlenSeqs& seqs, const Options& options, Backend backend) {
+  BackwardArgs args{dout, q, k, v, out, lse, {}, {}, {}, {}};
+  const Params p = detail::validate_varlen_backward(args, seqs, options, backend, false);
+  BackwardResult r;
+  guarded("backward", "allocating the gradients", [&] {
+    r.dq = Tensor(p.dtype, {p.seq.rows_q, p.heads_q, p.head_dim});
+    r.dk = Tensor(p.dtype, {p.seq.rows_k, p.heads_kv, p.head_dim});
+    r.dv = Tensor(p.dtype, {p.seq.rows_k, p.heads_kv, p.head_dim_v});
+  });
+  backward_varlen_into(dout, q, k, v, out, lse, seqs, r.dq, r.dk, r.dv, options, backend);
   return r;
 }
 

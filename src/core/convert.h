@@ -27,6 +27,8 @@ inline T load_element(const void* base, DType dtype, std::int64_t index) {
       return static_cast<T>(f16::to_float(static_cast<const std::uint16_t*>(base)[index]));
     case DType::b8:
       return static_cast<const std::uint8_t*>(base)[index] ? T(1) : T(0);
+    case DType::i32:
+      return static_cast<T>(static_cast<const std::int32_t*>(base)[index]);
   }
   return T(0);
 }
@@ -48,6 +50,9 @@ inline void store_element(void* base, DType dtype, std::int64_t index, T value) 
       return;
     case DType::b8:
       static_cast<std::uint8_t*>(base)[index] = value != T(0);
+      return;
+    case DType::i32:
+      static_cast<std::int32_t*>(base)[index] = static_cast<std::int32_t>(value);
       return;
   }
 }

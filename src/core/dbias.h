@@ -6,13 +6,13 @@
 #include <vector>
 
 #include "core/convert.h"
-#include "core/problem.h"
+#include "core/params.h"
 
 namespace attncore::detail {
 
 class DbiasAccumulator {
  public:
-  explicit DbiasAccumulator(const Problem& p) {
+  explicit DbiasAccumulator(const Params& p) {
     if (!p.compute_dbias) return;
     const TensorView& m = p.mask_original;
     const int lead = 4 - m.rank;
@@ -32,7 +32,7 @@ class DbiasAccumulator {
   std::int64_t column_stride() const { return stride_[3]; }
 
   // Whether two (b, h) tasks can add into the same element.
-  bool shared_across(const Problem& p) const {
+  bool shared_across(const Params& p) const {
     return active() && ((stride_[0] == 0 && p.batch > 1) || (stride_[1] == 0 && p.heads_q > 1));
   }
 

@@ -14,6 +14,7 @@
 #include "attncore/error.h"
 #include "attncore/info.h"
 #include "core/convert.h"
+#include "core/sequence.h"
 #include "core/threadpool.h"
 #include "policy/mask.h"
 
@@ -91,45 +92,66 @@ struct ItemPlan {
   std::int64_t count;     // items per kv group
   std::int64_t block_rows;
 
-  FlashItem item(std::int64_t b, std::int64_t kv_head, std::int64_t n, const Problem& p) const {
+  FlashItem item(std::int64_t b, std::int64_t kv_head, std::int64_t n, const Params& p) const {
     if (per_head > 0) {
       const std::int64_t head = n / per_head, row0 = (n % per_head) * block_rows;
-      return {b, kv_head, head * p.seqlen_q + row0, std::min(block_rows, p.seqlen_q - row0)};
+      return {b, kv_head, head * p.seq.lq + row0, std::min(block_rows, p.seq.lq - row0)};
     }
     const std::int64_t first = n * block_rows;
-    return {b, kv_head, first, std::min(block_rows, p.group * p.seqlen_q - first)};
+    return {b, kv_head, first, std::min(block_rows, p.group * p.seq.lq - first)};
   }
 };
 
-ItemPlan plan_items(const Problem& p, std::int64_t block_rows) {
-  if (p.seqlen_q >= block_rows) {
-    const std::int64_t per_head = (p.seqlen_q + block_rows - 1) / block_rows;
+ItemPlan plan_items(const Params& p, std::int64_t block_rows) {
+  if (p.seq.lq >= block_rows) {
+    const std::int64_t per_head = (p.seq.lq + block_rows - 1) / block_rows;
     return {per_head, per_head * p.group, block_rows};
   }
-  return {0, (p.group * p.seqlen_q + block_rows - 1) / block_rows, block_rows};
+  return {0, (p.group * p.seq.lq + block_rows - 1) / block_rows, block_rows};
 }
 
 }  // namespace
 
-bool flash_reads_kv_in_place(const Problem& p, int tile_rows, bool bf16_dot) {
-  return p.group * p.seqlen_q <= tile_rows && !(bf16_dot && p.dtype == DType::bf16);
+bool flash_reads_kv_in_place(const Params& p, int tile_rows, bool bf16_dot) {
+  return p.group * p.seq.lq <= tile_rows && !(bf16_dot && p.dtype == DType::bf16);
 }
 
-void flash_forward(const Problem& p, const ForwardArgs& a) {
-  if (p.empty_output()) return;
+// The kv groups (b, kv head) of a call in the order threads take them: dense, in order; varlen,
+// the longest sequences first (lq * lk, the largest first: no long group is left to the end of
+// a spread run while the other threads idle). Ties keep their order: the order depends only on
+// the problem.
+std::vector<std::int64_t> flash_group_order(const Params& p) {
+  std::vector<std::int64_t> order(static_cast<std::size_t>(p.batch * p.heads_kv));
+  for (std::size_t g = 0; g < order.size(); ++g) order[g] = static_cast<std::int64_t>(g);
+  if (!p.seq.varlen()) return order;
+  std::vector<double> work(static_cast<std::size_t>(p.batch));
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    const SeqSpan s = p.seq.at(b);
+    work[static_cast<std::size_t>(b)] = static_cast<double>(s.lq) * static_cast<double>(s.lk);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](std::int64_t x, std::int64_t y) {
+    return work[static_cast<std::size_t>(x / p.heads_kv)] >
+           work[static_cast<std::size_t>(y / p.heads_kv)];
+  });
+  return order;
+}
+
+void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& call_args) {
+  if (call.empty_output()) return;
   const FlashTarget& target = flash_target_chosen();
   const FlashLayout& layout = target.layout;
-  const std::int64_t d = p.head_dim;
-  const std::int64_t tiles = (p.seqlen_k + layout.key_tile - 1) / layout.key_tile;
-  const std::int64_t dv_pad = round_up(p.head_dim_v, layout.dv_align);
+  const std::int64_t d = call.head_dim;
+  // Sized for the longest sequence (varlen) or every sequence (dense).
+  const std::int64_t tiles = (call.seq.max_k() + layout.key_tile - 1) / layout.key_tile;
+  const std::int64_t dv_pad = round_up(call.head_dim_v, layout.dv_align);
   const std::int64_t panel_floats = round_up(tiles * layout.key_tile * (d + dv_pad), 16);
   const std::int64_t scratch_floats =
       round_up(layout.block_rows * (d + layout.key_tile + dv_pad + 3) +
                    layout.key_tile * (d + dv_pad) + layout.block_rows * layout.key_tile / 2,
                16);
-  const int threads = std::max(1, p.threads);
-  const ItemPlan plan = plan_items(p, layout.block_rows);
-  const std::int64_t groups = p.batch * p.heads_kv;
+  const int threads = std::max(1, launch.threads);
+  const std::int64_t groups = call.batch * call.heads_kv;
+  const std::vector<std::int64_t> order = flash_group_order(call);
 
   auto scratch_of = [&](float* base) {
     const std::int64_t r = layout.block_rows;
@@ -153,14 +175,18 @@ void flash_forward(const Problem& p, const ForwardArgs& a) {
   // A group with one item (decode) packs each tile just before its use, into scratch: no
   // panel at all; an item of at most one micro-tile of rows reads K and V in place, without
   // packing, and so never gets a panel (its bits must not depend on the thread count). Items
-  // compute the same in every mode.
+  // compute the same in every mode. Each group resolves its sequence once (core/sequence.h).
+  const ItemPlan dense_plan = plan_items(call, layout.block_rows);
   const bool on_the_fly =
-      plan.count == 1 &&
-      (groups >= threads || flash_reads_kv_in_place(p, layout.tile_rows, layout.bf16_dot));
-  const double dims = static_cast<double>(d) + static_cast<double>(p.head_dim_v);
-  const double operand_floats = static_cast<double>(p.batch) * dims *
-                                (static_cast<double>(p.heads_q) * static_cast<double>(p.seqlen_q) +
-                                 static_cast<double>(p.heads_kv) * static_cast<double>(p.seqlen_k));
+      !call.seq.varlen() && dense_plan.count == 1 &&
+      (groups >= threads || flash_reads_kv_in_place(call, layout.tile_rows, layout.bf16_dot));
+  const double dims = static_cast<double>(d) + static_cast<double>(call.head_dim_v);
+  const double q_rows = call.seq.varlen() ? static_cast<double>(call.seq.cu_q[call.batch])
+                                          : static_cast<double>(call.batch * call.seq.lq);
+  const double k_rows = call.seq.varlen() ? static_cast<double>(call.seq.cu_k[call.batch])
+                                          : static_cast<double>(call.batch * call.seq.lk);
+  const double operand_floats = dims * (static_cast<double>(call.heads_q) * q_rows +
+                                        static_cast<double>(call.heads_kv) * k_rows);
   const bool spread = groups >= 2 * threads || groups % threads == 0;
   if (on_the_fly ||
       (spread && 8.0 * threads * static_cast<double>(panel_floats) <= operand_floats)) {
@@ -169,13 +195,19 @@ void flash_forward(const Problem& p, const ForwardArgs& a) {
     run_tasks(threads, threads, [&](int slot) {
       float* k_tiles = on_the_fly ? nullptr : panels.get() + slot * panel_floats;
       float* v_rows = on_the_fly ? nullptr : k_tiles + tiles * layout.key_tile * d;
-      const FlashPanel panel{k_tiles, v_rows, dv_pad};
       const FlashScratch w = scratch_of(scratch.get() + slot * scratch_floats);
-      for (std::int64_t g = next.fetch_add(1); g < groups; g = next.fetch_add(1)) {
-        const std::int64_t b = g / p.heads_kv, kv_head = g % p.heads_kv;
-        if (!on_the_fly) target.pack_tiles(p, a, b, kv_head, 0, tiles, k_tiles, v_rows, dv_pad);
-        for (std::int64_t n = 0; n < plan.count; ++n)
-          target.run_block(p, a, panel, plan.item(b, kv_head, n, p), w);
+      for (std::int64_t n = next.fetch_add(1); n < groups; n = next.fetch_add(1)) {
+        const std::int64_t g = order[static_cast<std::size_t>(n)];
+        const std::int64_t b = g / call.heads_kv, kv_head = g % call.heads_kv;
+        const Sequence<ForwardArgs> s = resolve_sequence(call, call_args, b);
+        const ItemPlan plan = plan_items(s.p, layout.block_rows);
+        // One item: tiles packed on the fly (the same bits as from a panel).
+        const bool packed = !on_the_fly && plan.count > 1;
+        const FlashPanel panel{packed ? k_tiles : nullptr, packed ? v_rows : nullptr, dv_pad};
+        const std::int64_t seq_tiles = (s.p.seq.lk + layout.key_tile - 1) / layout.key_tile;
+        if (packed) target.pack_tiles(s.p, s.a, b, kv_head, 0, seq_tiles, k_tiles, v_rows, dv_pad);
+        for (std::int64_t i = 0; i < plan.count; ++i)
+          target.run_block(s.p, s.a, panel, plan.item(b, kv_head, i, s.p), w);
       }
     });
     return;
@@ -183,25 +215,41 @@ void flash_forward(const Problem& p, const ForwardArgs& a) {
   AlignedFloats shared(panel_floats);
   float* k_tiles = shared.get();
   float* v_rows = k_tiles + tiles * layout.key_tile * d;
-  const FlashPanel panel{k_tiles, v_rows, dv_pad};
-  for (std::int64_t g = 0; g < groups; ++g) {
-    const std::int64_t b = g / p.heads_kv, kv_head = g % p.heads_kv;
-    parallel_for(tiles, threads, [&](std::int64_t t_begin, std::int64_t t_end) {
-      target.pack_tiles(p, a, b, kv_head, t_begin, t_end, k_tiles, v_rows, dv_pad);
-    });
+  for (std::int64_t g : order) {
+    const std::int64_t b = g / call.heads_kv, kv_head = g % call.heads_kv;
+    const Sequence<ForwardArgs> s = resolve_sequence(call, call_args, b);
+    const ItemPlan plan = plan_items(s.p, layout.block_rows);
+    if (plan.count == 0) continue;
+    // An item that reads K and V in place never gets a panel (see above).
+    const bool packed = !flash_reads_kv_in_place(s.p, layout.tile_rows, layout.bf16_dot);
+    const FlashPanel panel{packed ? k_tiles : nullptr, packed ? v_rows : nullptr, dv_pad};
+    const std::int64_t seq_tiles = (s.p.seq.lk + layout.key_tile - 1) / layout.key_tile;
+    if (packed) {
+      parallel_for(seq_tiles, threads, [&](std::int64_t t_begin, std::int64_t t_end) {
+        target.pack_tiles(s.p, s.a, b, kv_head, t_begin, t_end, k_tiles, v_rows, dv_pad);
+      });
+    }
     // Items are handed out in order from one counter (causal items differ in cost).
     std::atomic<std::int64_t> next{0};
     run_tasks(static_cast<int>(std::min<std::int64_t>(threads, plan.count)), threads,
               [&](int slot) {
                 const FlashScratch w = scratch_of(scratch.get() + slot * scratch_floats);
                 for (std::int64_t n = next.fetch_add(1); n < plan.count; n = next.fetch_add(1)) {
-                  target.run_block(p, a, panel, plan.item(b, kv_head, n, p), w);
+                  target.run_block(s.p, s.a, panel, plan.item(b, kv_head, n, s.p), w);
                 }
               });
   }
 }
 
 namespace {
+
+// Writes zeros into heads [h_begin, h_end) of batch b of a rank-4 view.
+void zero_rows(const TensorView& t, std::int64_t b, std::int64_t h_begin, std::int64_t h_end) {
+  std::vector<float> zeros(static_cast<std::size_t>(t.shape[3]), 0.0f);
+  for (std::int64_t h = h_begin; h < h_end; ++h)
+    for (std::int64_t i = 0; i < t.shape[2]; ++i)
+      store_row(zeros.data(), t.shape[3], t.data, t.dtype, offset4(t, b, h, i, 0));
+}
 
 // Writes zeros into every element of a rank-4 view.
 void zero_view(const TensorView& t) {
@@ -220,43 +268,57 @@ void zero_view(const TensorView& t) {
 // tile once run r - 1 has added its own (a turn counter per tile), and the last run stores the
 // sum. f32 outputs hold the sum themselves; bf16 and f16 outputs get an f32 sum of dK and dV
 // beside them. Items are taken in order, so a run waits only on runs that are running or done:
-// no deadlock, and the sum is bitwise the same for any thread count.
+// no deadlock, and the sum is bitwise the same for any thread count. Each sequence b has its
+// own number of tiles (varlen); its tiles' slots start at tile_base_[b] * Hkv.
 class KvTileReducer {
  public:
-  KvTileReducer(const Problem& p, const BackwardArgs& a, std::int64_t runs, std::int64_t d_pad,
+  KvTileReducer(const Params& p, const BackwardArgs& a, std::int64_t runs, std::int64_t d_pad,
                 std::int64_t dv_pad, std::int64_t key_tile, std::int64_t key_rows)
       : p_(p),
-        a_(a),
         runs_(runs),
         d_pad_(d_pad),
         dv_pad_(dv_pad),
         key_tile_(key_tile),
-        tiles_((p.seqlen_k + key_tile - 1) / key_tile),
+        tile_base_(tile_bases(p, key_tile)),
         tile_floats_(key_rows * (d_pad + dv_pad)),
         in_place_(a.dk.dtype == DType::f32 && a.dv.dtype == DType::f32),
-        // [B][Hkv][tiles][key_rows][d_pad + dv_pad]: dK rows, then dV rows
-        sums_(runs > 1 && !in_place_ ? p.batch * p.heads_kv * tiles_ * tile_floats_ : 1),
-        turns_(runs > 1 ? p.batch * p.heads_kv * tiles_ : 0) {}
+        // [slots][key_rows][d_pad + dv_pad]: dK rows, then dV rows
+        sums_(runs > 1 && !in_place_ ? slots() * tile_floats_ : 1),
+        turns_(runs > 1 ? slots() : 0) {}
 
-  // An item's context for put(): its (b, kv head) and run.
+  // An item's context for put(): its sequence (resolved), (b, kv head) and run.
   struct Run {
     KvTileReducer* reducer;
-    std::int64_t b, kv_head, run;
+    const BackwardArgs* a;
+    std::int64_t lk, b, kv_head, run;
   };
   static void put(void* context, std::int64_t t, const float* dk, const float* dv) {
     const Run& r = *static_cast<const Run*>(context);
-    r.reducer->add(r.b, r.kv_head, r.run, t, dk, dv);
+    r.reducer->add(r, t, dk, dv);
   }
 
  private:
-  void add(std::int64_t b, std::int64_t kv_head, std::int64_t g, std::int64_t t, const float* dk,
-           const float* dv) {
-    const std::int64_t keys = std::min(key_tile_, p_.seqlen_k - t * key_tile_);
+  static std::vector<std::int64_t> tile_bases(const Params& p, std::int64_t key_tile) {
+    std::vector<std::int64_t> base(static_cast<std::size_t>(p.batch) + 1, 0);
+    for (std::int64_t b = 0; b < p.batch; ++b) {
+      const std::int64_t lk = p.seq.at(b).lk;
+      base[static_cast<std::size_t>(b) + 1] =
+          base[static_cast<std::size_t>(b)] + (lk + key_tile - 1) / key_tile;
+    }
+    return base;
+  }
+  std::int64_t slots() const { return tile_base_.back() * p_.heads_kv; }
+
+  void add(const Run& r, std::int64_t t, const float* dk, const float* dv) {
+    const std::int64_t keys = std::min(key_tile_, r.lk - t * key_tile_);
     if (runs_ == 1) {
-      store(b, kv_head, t, keys, dk, dv);
+      store(r, t, keys, dk, dv);
       return;
     }
-    const std::int64_t slot = (b * p_.heads_kv + kv_head) * tiles_ + t;
+    const std::int64_t tiles = (r.lk + key_tile_ - 1) / key_tile_;
+    const std::int64_t slot =
+        tile_base_[static_cast<std::size_t>(r.b)] * p_.heads_kv + r.kv_head * tiles + t;
+    const std::int64_t g = r.run;
     std::atomic<std::int64_t>& turn = turns_[static_cast<std::size_t>(slot)];
     for (std::int64_t seen = turn.load(std::memory_order_acquire); seen != g;
          seen = turn.load(std::memory_order_acquire)) {
@@ -265,17 +327,18 @@ class KvTileReducer {
     // sum = tile (run 0) or sum + tile, over `rows` rows of `cols` floats.
     auto accumulate = [g](const float* tile, std::int64_t tile_stride, float* sum,
                           std::int64_t sum_stride, std::int64_t rows, std::int64_t cols) {
-      for (std::int64_t r = 0; r < rows; ++r) {
-        const float* add = tile + r * tile_stride;
-        float* to = sum + r * sum_stride;
+      for (std::int64_t row = 0; row < rows; ++row) {
+        const float* add = tile + row * tile_stride;
+        float* to = sum + row * sum_stride;
         for (std::int64_t e = 0; e < cols; ++e) to[e] = g == 0 ? add[e] : to[e] + add[e];
       }
     };
     const std::int64_t j0 = t * key_tile_;
+    const BackwardArgs& a = *r.a;
     if (in_place_) {  // the f32 outputs hold the sums (rows with a unit last stride)
       for (std::int64_t c = 0; c < keys; ++c) {
-        float* k_row = static_cast<float*>(a_.dk.data) + offset4(a_.dk, b, kv_head, j0 + c, 0);
-        float* v_row = static_cast<float*>(a_.dv.data) + offset4(a_.dv, b, kv_head, j0 + c, 0);
+        float* k_row = static_cast<float*>(a.dk.data) + offset4(a.dk, r.b, r.kv_head, j0 + c, 0);
+        float* v_row = static_cast<float*>(a.dv.data) + offset4(a.dv, r.b, r.kv_head, j0 + c, 0);
         accumulate(dk + c * d_pad_, 0, k_row, 0, 1, p_.head_dim);
         accumulate(dv + c * dv_pad_, 0, v_row, 0, 1, p_.head_dim_v);
       }
@@ -284,42 +347,44 @@ class KvTileReducer {
       float* sum_v = sum_k + keys * d_pad_;
       accumulate(dk, d_pad_, sum_k, d_pad_, keys, d_pad_);
       accumulate(dv, dv_pad_, sum_v, dv_pad_, keys, dv_pad_);
-      if (g == runs_ - 1) store(b, kv_head, t, keys, sum_k, sum_v);
+      if (g == runs_ - 1) store(r, t, keys, sum_k, sum_v);
     }
     turn.store(g + 1, std::memory_order_release);
     turn.notify_all();
   }
 
-  void store(std::int64_t b, std::int64_t kv_head, std::int64_t t, std::int64_t keys,
-             const float* dk, const float* dv) const {
+  void store(const Run& r, std::int64_t t, std::int64_t keys, const float* dk,
+             const float* dv) const {
     const std::int64_t j0 = t * key_tile_;
+    const BackwardArgs& a = *r.a;
     for (std::int64_t c = 0; c < keys; ++c) {
-      store_row(dk + c * d_pad_, p_.head_dim, a_.dk.data, a_.dk.dtype,
-                offset4(a_.dk, b, kv_head, j0 + c, 0));
-      store_row(dv + c * dv_pad_, p_.head_dim_v, a_.dv.data, a_.dv.dtype,
-                offset4(a_.dv, b, kv_head, j0 + c, 0));
+      store_row(dk + c * d_pad_, p_.head_dim, a.dk.data, a.dk.dtype,
+                offset4(a.dk, r.b, r.kv_head, j0 + c, 0));
+      store_row(dv + c * dv_pad_, p_.head_dim_v, a.dv.data, a.dv.dtype,
+                offset4(a.dv, r.b, r.kv_head, j0 + c, 0));
     }
   }
 
-  const Problem& p_;
-  const BackwardArgs& a_;
+  const Params& p_;
   std::int64_t runs_;
-  std::int64_t d_pad_, dv_pad_, key_tile_, tiles_, tile_floats_;
+  std::int64_t d_pad_, dv_pad_, key_tile_;
+  std::vector<std::int64_t> tile_base_;  // [B + 1]: tiles of the sequences before b
+  std::int64_t tile_floats_;
   bool in_place_;
   AlignedFloats sums_;
   std::vector<std::atomic<std::int64_t>> turns_;
 };
 
-FlashBackwardPlan plan_flash_backward(const Problem& p, std::int64_t key_tile, bool dbias) {
+FlashBackwardPlan plan_flash_backward(const Params& p, std::int64_t key_tile, bool dbias) {
   // Runs of `run_heads` consecutive query heads of one kv head. One head per item keeps the
   // workspace to one head's rows; with short Lq, a run fills about kRunRows rows so that each
   // K/V tile packed serves them all (decode-shaped backward B=4 Hq=32 Hkv=8 Lq=1 Lk=4096 f32,
   // 1 thread: 139 ms with one head per item, packing every tile once per head; 76 ms with runs
-  // of 4 heads; math 85 ms).
+  // of 4 heads; math 85 ms). Varlen calls plan for their longest sequences.
   constexpr std::int64_t kRunRows = 256;
+  const std::int64_t lq = p.seq.max_q(), lk = p.seq.max_k();
   FlashBackwardPlan plan{};
-  plan.run_heads =
-      std::clamp<std::int64_t>(kRunRows / std::max<std::int64_t>(p.seqlen_q, 1), 1, p.group);
+  plan.run_heads = std::clamp<std::int64_t>(kRunRows / std::max<std::int64_t>(lq, 1), 1, p.group);
   plan.runs = (p.group + plan.run_heads - 1) / plan.run_heads;  // per kv head
   // Fewer than 4 runs in all (B = 1 with 1 to 3 heads, or short Lq) would leave threads idle:
   // each run's key tiles are cut into up to 4 parts run as separate items (the reducer orders
@@ -327,17 +392,18 @@ FlashBackwardPlan plan_flash_backward(const Problem& p, std::int64_t key_tile, b
   // with dBias, whose rows parts would share. The cut depends only on the problem, never on the
   // thread count, so results stay bitwise the same for any thread count.
   constexpr std::int64_t kSplitBelowRuns = 4, kMaxParts = 4;
-  const std::int64_t tiles = (p.seqlen_k + key_tile - 1) / key_tile;
+  const std::int64_t tiles = (lk + key_tile - 1) / key_tile;
   plan.parts = p.batch * p.heads_kv * plan.runs < kSplitBelowRuns && !dbias
                    ? std::clamp<std::int64_t>(tiles, 1, kMaxParts)
                    : 1;
   return plan;
 }
 
-void flash_backward(const Problem& p, const BackwardArgs& a) {
+void flash_backward(const Params& p, const Launch& launch, const BackwardArgs& a) {
   DbiasAccumulator dbias(p);
   if (p.batch == 0) return;
-  if (p.seqlen_q == 0 || p.seqlen_k == 0) {  // no pair: every gradient is 0
+  const std::int64_t max_q = p.seq.max_q(), max_k = p.seq.max_k();
+  if (!p.seq.varlen() && (max_q == 0 || max_k == 0)) {  // no pair: every gradient is 0
     zero_view(a.dq);
     zero_view(a.dk);
     zero_view(a.dv);
@@ -351,7 +417,7 @@ void flash_backward(const Problem& p, const BackwardArgs& a) {
   FlashBackwardScratch shape{};
   shape.d_pad = round_up(d, layout.dv_align);
   shape.dv_pad = round_up(dv, layout.dv_align);
-  shape.lq_pad = round_up(p.seqlen_q, tile_rows);
+  shape.lq_pad = round_up(max_q, tile_rows);  // each sequence's rows fit
   const std::int64_t key_rows = round_up(tile, tile_rows);
   const FlashBackwardPlan plan = plan_flash_backward(p, tile, dbias.active());
   const std::int64_t run_heads = plan.run_heads, runs = plan.runs, parts = plan.parts;
@@ -362,12 +428,12 @@ void flash_backward(const Problem& p, const BackwardArgs& a) {
   const std::int64_t per_float = pairs ? 2 : 1;
   // clang-format off
   const std::int64_t sizes[] = {
-      rows * shape.d_pad, run_heads * p.seqlen_q,                         // dq, delta
+      rows * shape.d_pad, run_heads * max_q,                              // dq, delta
       tile * d, tile * shape.d_pad, tile * dv,                           // k_t, k_rows, v_t
       key_rows * shape.d_pad, key_rows * shape.dv_pad,                    // dk, dv
       rows * shape.d_pad / per_float, rows * shape.dv_pad / per_float,    // q_rows, do_rows
       pairs ? rows * ((d + 1) / 2) : 0, pairs ? rows * ((dv + 1) / 2) : 0,  // q_t, do_t
-      run_heads * p.seqlen_q,                                             // lse
+      run_heads * max_q,                                                  // lse
       block * tile + tile_rows, block * tile + tile_rows, tile,           // s, ds, dcap
       pairs ? 3 * (block / 2) * tile : 0};                                // pairs
   // clang-format on
@@ -375,9 +441,8 @@ void flash_backward(const Problem& p, const BackwardArgs& a) {
   for (std::int64_t n : sizes) per_thread += round_up(n, 16);
   // Items own their dQ rows; dBias rows are shared only when the mask broadcasts over batch or
   // heads, and then one thread runs the items in order.
-  const int threads = dbias.shared_across(p) ? 1 : std::max(1, p.threads);
+  const int threads = dbias.shared_across(p) ? 1 : std::max(1, launch.threads);
   const std::int64_t kv_runs = p.batch * p.heads_kv * runs;
-  const std::int64_t tiles = (p.seqlen_k + tile - 1) / tile;
   const std::int64_t item_dq = rows * shape.d_pad;  // [run_heads][lq_pad][d_pad]
   AlignedFloats dq_parts(parts > 1 ? kv_runs * parts * item_dq : 1);
   const std::int64_t items = kv_runs * parts;
@@ -409,31 +474,46 @@ void flash_backward(const Problem& p, const BackwardArgs& a) {
       const std::int64_t b = kv_run / (runs * p.heads_kv);
       std::int64_t first = 0, last = 0;
       run_heads_of(kv_run, &first, &last);
-      KvTileReducer::Run context{&reducer, b, first / p.group, kv_run % runs};
+      const Sequence<BackwardArgs> s = resolve_sequence(p, a, b);
+      const std::int64_t kv_head = first / p.group;
+      if (s.p.seq.lq == 0 || s.p.seq.lk == 0) {  // a sequence with no pair: zero gradients
+        if (part == 0) zero_rows(s.a.dq, b, first, last);
+        if (part == 0 && kv_run % runs == 0) {
+          zero_rows(s.a.dk, b, kv_head, kv_head + 1);
+          zero_rows(s.a.dv, b, kv_head, kv_head + 1);
+        }
+        continue;
+      }
+      KvTileReducer::Run context{&reducer, &s.a, s.p.seq.lk, b, kv_head, kv_run % runs};
+      const std::int64_t tiles = (s.p.seq.lk + tile - 1) / tile;
       FlashBackwardScratch item = w;
+      item.lq_pad = round_up(s.p.seq.lq, tile_rows);
       item.tile_begin = tiles * part / parts;
       item.tile_end = tiles * (part + 1) / parts;
       item.store_dq = parts == 1;
       item.put_kv_tile = &KvTileReducer::put;
       item.put_context = &context;
       if (parts > 1) item.dq = dq_parts.get() + n * item_dq;
-      target.run_backward_heads(p, a, b, first, last, item, dbias.active() ? &dbias : nullptr);
+      target.run_backward_heads(s.p, s.a, b, first, last, item, dbias.active() ? &dbias : nullptr);
     }
   });
   if (parts > 1) {  // dQ = the parts summed in order
     for (std::int64_t kv_run = 0; kv_run < kv_runs; ++kv_run) {
+      const std::int64_t b = kv_run / (runs * p.heads_kv);
+      const Sequence<BackwardArgs> s = resolve_sequence(p, a, b);
+      if (s.p.seq.lq == 0 || s.p.seq.lk == 0) continue;
+      const std::int64_t lq_pad = round_up(s.p.seq.lq, tile_rows);
       float* sum = dq_parts.get() + kv_run * parts * item_dq;
       for (std::int64_t part = 1; part < parts; ++part) {
         const float* add = sum + part * item_dq;
         for (std::int64_t e = 0; e < item_dq; ++e) sum[e] += add[e];
       }
-      const std::int64_t b = kv_run / (runs * p.heads_kv);
       std::int64_t first = 0, last = 0;
       run_heads_of(kv_run, &first, &last);
       for (std::int64_t h = first; h < last; ++h) {
-        for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
-          store_row(sum + ((h - first) * shape.lq_pad + i) * shape.d_pad, d, a.dq.data, a.dq.dtype,
-                    offset4(a.dq, b, h, i, 0));
+        for (std::int64_t i = 0; i < s.p.seq.lq; ++i) {
+          store_row(sum + ((h - first) * lq_pad + i) * shape.d_pad, d, s.a.dq.data, s.a.dq.dtype,
+                    offset4(s.a.dq, b, h, i, 0));
         }
       }
     }

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "core/dbias.h"
-#include "core/problem.h"
+#include "core/backend_table.h"
 
 namespace attncore::detail {
 
@@ -87,16 +87,16 @@ struct FlashBackwardScratch {
   float* pairs;    // [3][block_rows / 2][key_tile]: P M and dS as bf16 pairs (bf16 products)
 };
 
-using FlashBlockFn = void (*)(const Problem& p, const ForwardArgs& a, const FlashPanel& panel,
+using FlashBlockFn = void (*)(const Params& p, const ForwardArgs& a, const FlashPanel& panel,
                               const FlashItem& item, const FlashScratch& scratch);
 // Packs the K/V tiles [t_begin, t_end) of (b, kv_head) into the panel's layout.
-using FlashPackFn = void (*)(const Problem& p, const ForwardArgs& a, std::int64_t b,
+using FlashPackFn = void (*)(const Params& p, const ForwardArgs& a, std::int64_t b,
                              std::int64_t kv_head, std::int64_t t_begin, std::int64_t t_end,
                              float* k_tiles, float* v_rows, std::int64_t dv_pad);
 
 // The backward of query heads [h_begin, h_end) of batch b, all of one kv head; dbias is null
 // unless it is asked for.
-using FlashBackwardFn = void (*)(const Problem& p, const BackwardArgs& a, std::int64_t b,
+using FlashBackwardFn = void (*)(const Params& p, const BackwardArgs& a, std::int64_t b,
                                  std::int64_t h_begin, std::int64_t h_end,
                                  const FlashBackwardScratch& scratch, DbiasAccumulator* dbias);
 
@@ -116,19 +116,24 @@ bool flash_target_supported(const FlashTarget& t);
 // The target the next calls use: the best supported one, or the one set_simd_target chose.
 const FlashTarget& flash_target_chosen();
 
-void flash_forward(const Problem& p, const ForwardArgs& args);
+void flash_forward(const Params& p, const Launch& launch, const ForwardArgs& args);
 
 // Whether the forward reads K and V in place instead of packing tiles: decode, each kv group's
 // rows (group * Lq) within one micro-tile of `tile_rows`, on f32 products (not native bf16
 // dots). flash_forward gives such a problem no panel whatever the thread count.
-bool flash_reads_kv_in_place(const Problem& p, int tile_rows, bool bf16_dot);
-void flash_backward(const Problem& p, const BackwardArgs& args);
+bool flash_reads_kv_in_place(const Params& p, int tile_rows, bool bf16_dot);
+void flash_backward(const Params& p, const Launch& launch, const BackwardArgs& args);
 
 // How flash_backward cuts a problem into work items: runs of `run_heads` query heads of one kv
 // head (`runs` per kv head), each run's key tiles in `parts` parts.
 struct FlashBackwardPlan {
   std::int64_t run_heads, runs, parts;
 };
-FlashBackwardPlan plan_flash_backward(const Problem& p, std::int64_t key_tile, bool dbias);
+FlashBackwardPlan plan_flash_backward(const Params& p, std::int64_t key_tile, bool dbias);
+
+// Its entry in the backend table (flash_cost.cpp).
+void flash_can_use(Pass pass, const Params& p, std::vector<std::string>& reasons);
+double flash_estimate(Pass pass, const Params& p, const Launch& launch, const CostModel& model);
+void flash_describe(CostModel& model);
 
 }  // namespace attncore::detail

@@ -166,23 +166,23 @@ inline void tile_products(Bf16Dot, const FlashBackwardScratch& w, const float* q
 #endif
 
 template <class Dot>
-void run_backward_heads_with(const Problem& p, const BackwardArgs& a, std::int64_t b,
+void run_backward_heads_with(const Params& p, const BackwardArgs& a, std::int64_t b,
                              std::int64_t h_begin, std::int64_t h_end,
                              const FlashBackwardScratch& w, DbiasAccumulator* dbias) {
-  const std::int64_t d = p.head_dim, dv = p.head_dim_v, lq = p.seqlen_q, lk = p.seqlen_k;
+  const std::int64_t d = p.head_dim, dv = p.head_dim_v, lq = p.seq.lq, lk = p.seq.lk;
   const std::int64_t d_pad = w.d_pad, dv_pad = w.dv_pad, kv_head = h_begin / p.group;
   const std::int64_t lq_pad = w.lq_pad;  // each head's rows, padded to whole micro-tiles
   const CausalWindowMask band(p);
   const float scale = static_cast<float>(p.scale), cap = static_cast<float>(p.softcap);
   // The problems whose packing and products the forward's code serves: K as both K and V
   // (k-layout for S, rows for dQ), V as K (k-layout for dP), dO as unscaled queries.
-  Problem pk = p;
+  Params pk = p;
   pk.head_dim_v = d;
-  Problem pv = p;
+  Params pv = p;
   pv.head_dim = dv;
-  Problem pdo = pv;
+  Params pdo = pv;
   pdo.scale = 1.0;
-  Problem mods = p;  // ALiBi and the mask; softcap is applied here to keep its derivative
+  Params mods = p;  // ALiBi and the mask; softcap is applied here to keep its derivative
   mods.softcap = 0.0;
   const bool has_mods = p.alibi != nullptr || p.mask_kind != MaskKind::none;
   const ForwardArgs k_as_kv{a.q, a.k, a.k, {}, {}}, v_as_kv{a.dout, a.v, a.v, {}, {}};
@@ -335,7 +335,7 @@ void run_backward_heads_with(const Problem& p, const BackwardArgs& a, std::int64
 
 // The exported entry point: native bf16 products for bf16 inputs where this target has them, f32
 // for everything else.
-void run_backward_heads(const Problem& p, const BackwardArgs& a, std::int64_t b,
+void run_backward_heads(const Params& p, const BackwardArgs& a, std::int64_t b,
                         std::int64_t h_begin, std::int64_t h_end, const FlashBackwardScratch& w,
                         DbiasAccumulator* dbias) {
 #if ATTNCORE_BF16_DOT

@@ -258,7 +258,7 @@ inline Vec load_part(const float* p, int n, DType) { return load_part(p, n); }
 inline Vec tanhv(Vec y) { return 1.0f - 2.0f / (exp2v(y * (2.0f * kLog2e)) + 1.0f); }
 
 // The score modifiers of DESIGN.md section 1.2 on one row of a tile (keys j0 .. j0 + keys).
-inline void apply_score_mods(const Problem& p, std::int64_t b, std::int64_t h, std::int64_t i,
+inline void apply_score_mods(const Params& p, std::int64_t b, std::int64_t h, std::int64_t i,
                              std::int64_t j0, std::int64_t keys, float* s) {
   if (p.softcap != 0.0) {
     const float cap = static_cast<float>(p.softcap), inv_cap = 1.0f / cap;
@@ -268,7 +268,7 @@ inline void apply_score_mods(const Problem& p, std::int64_t b, std::int64_t h, s
   }
   if (p.alibi != nullptr) {
     const float slope = p.alibi[b * p.alibi_stride_b + h * p.alibi_stride_h];
-    const std::int64_t diag = i + p.seqlen_k - p.seqlen_q;  // |diag - j| is the distance
+    const std::int64_t diag = i + p.seq.lk - p.seq.lq;  // |diag - j| is the distance
     for (std::int64_t c = 0; c < keys; ++c) {
       const std::int64_t distance = diag - (j0 + c);
       s[c] -= slope * static_cast<float>(distance < 0 ? -distance : distance);
@@ -363,13 +363,13 @@ struct F32Dot {
 
   // Packs key tile t of (b, kv_head) in f32: K transposed into kt [D][kKeyTile] and V into
   // vt [kKeyTile][dv_pad] (unless vt is null), zero past Lk and past Dv.
-  static void pack_tile(const Problem& p, const ForwardArgs& a, std::int64_t b,
+  static void pack_tile(const Params& p, const ForwardArgs& a, std::int64_t b,
                         std::int64_t kv_head, std::int64_t t, float* kt, float* vt,
                         std::int64_t dv_pad) {
     const std::int64_t d = p.head_dim, dv = p.head_dim_v;
     const std::int64_t j0 = t * kKeyTile;
-    const std::int64_t keys = std::min<std::int64_t>(kKeyTile, p.seqlen_k - j0);
-    const std::int64_t cols = tile_cols(keys), lk = p.seqlen_k;
+    const std::int64_t keys = std::min<std::int64_t>(kKeyTile, p.seq.lk - j0);
+    const std::int64_t cols = tile_cols(keys), lk = p.seq.lk;
     const std::int64_t k0 = offset4(a.k, b, kv_head, j0, 0), ldk = a.k.stride[2];
     // K through registers (load_part widens 16-bit rows: bf16 or f16 by a.k.dtype); V by one
     // copy loop per input dtype (f32, bf16, f16: the flash backend's), none inside.
@@ -417,7 +417,7 @@ struct F32Dot {
   }
 
   // q = Q rows * scale, as [padded_rows / kTileRows][D][kTileRows] (zero rows past `rows`).
-  static void load_queries(const Problem& p, const ForwardArgs& a, std::int64_t b,
+  static void load_queries(const Params& p, const ForwardArgs& a, std::int64_t b,
                            const std::int64_t* head_of, const std::int64_t* index_of,
                            std::int64_t rows, std::int64_t padded_rows, float* q) {
     const std::int64_t d = p.head_dim;
@@ -436,7 +436,7 @@ struct F32Dot {
   }
 
   // S [padded_rows][kKeyTile] = q . K_tile^T, columns [0, cols)
-  static void scores(const Problem& p, const float* q, const float* k_tile,
+  static void scores(const Params& p, const float* q, const float* k_tile,
                      std::int64_t padded_rows, std::int64_t cols, float* s) {
     for (std::int64_t r = 0; r < padded_rows; r += kTileRows) {
       for (std::int64_t c = 0; c < cols; c += kTileCols) {
@@ -518,16 +518,16 @@ struct Bf16Dot {
 
   // K tile t: pairs (d, d+1) of one key; V tile (unless vt_floats is null): pairs (key j,
   // key j+1) of one column; zero past Lk, D and Dv.
-  static void pack_tile(const Problem& p, const ForwardArgs& a, std::int64_t b,
+  static void pack_tile(const Params& p, const ForwardArgs& a, std::int64_t b,
                         std::int64_t kv_head, std::int64_t t, float* kt_floats, float* vt_floats,
                         std::int64_t dv_pad) {
     auto* kt = reinterpret_cast<std::uint32_t*>(kt_floats);
     auto* vt = reinterpret_cast<std::uint32_t*>(vt_floats);
     const std::int64_t d = p.head_dim, dv = p.head_dim_v, d_pairs = pairs(d);
     const std::int64_t j0 = t * kKeyTile;
-    const std::int64_t keys = std::min<std::int64_t>(kKeyTile, p.seqlen_k - j0);
+    const std::int64_t keys = std::min<std::int64_t>(kKeyTile, p.seq.lk - j0);
     const std::int64_t cols = tile_cols(keys);
-    const std::int64_t ldk = a.k.stride[2], ldv = a.v.stride[2], ahead = p.seqlen_k - j0;
+    const std::int64_t ldk = a.k.stride[2], ldv = a.v.stride[2], ahead = p.seq.lk - j0;
     const auto* k = static_cast<const std::uint16_t*>(a.k.data) + offset4(a.k, b, kv_head, j0, 0);
     // 16 keys x 16 pairs (32 bf16) at a time, as F32Dot's transpose.
     transpose_keys(
@@ -560,7 +560,7 @@ struct Bf16Dot {
   }
 
   // q as [padded_rows / kTileRows][D/2][kTileRows] bf16 pairs (zero rows past `rows`).
-  static void load_queries(const Problem& p, const ForwardArgs& a, std::int64_t b,
+  static void load_queries(const Params& p, const ForwardArgs& a, std::int64_t b,
                            const std::int64_t* head_of, const std::int64_t* index_of,
                            std::int64_t rows, std::int64_t padded_rows, float* q_floats) {
     auto* q = reinterpret_cast<std::uint32_t*>(q_floats);
@@ -618,7 +618,7 @@ struct Bf16Dot {
   }
 
   // S [padded_rows][kKeyTile] = q . K_tile^T (unscaled), columns [0, cols)
-  static void scores(const Problem& p, const float* q_floats, const float* kt_floats,
+  static void scores(const Params& p, const float* q_floats, const float* kt_floats,
                      std::int64_t padded_rows, std::int64_t cols, float* s) {
     const auto* q = reinterpret_cast<const std::uint32_t*>(q_floats);
     const auto* kt = reinterpret_cast<const std::uint32_t*>(kt_floats);
@@ -675,7 +675,7 @@ struct Bf16Dot {
 // lie, in f32, instead of packing each tile first: packing is most of such an item's work.
 struct DirectKv {
   // q [kTileRows][D]: the rows' queries, unscaled, in f32 (zero rows past `rows`).
-  static void load_queries(const Problem& p, const ForwardArgs& a, std::int64_t b,
+  static void load_queries(const Params& p, const ForwardArgs& a, std::int64_t b,
                            const std::int64_t* head_of, const std::int64_t* index_of,
                            std::int64_t rows, float* q) {
     const std::int64_t d = p.head_dim;
@@ -692,7 +692,7 @@ struct DirectKv {
   // time, one accumulator per key (in registers: the key loop is unrolled) summed across lanes
   // by a register transpose. Rows 32 keys on (the next tile's too) are prefetched.
   template <class T>
-  static void scores(const Problem& p, const T* k, std::int64_t ldk, DType dtype, std::int64_t keys,
+  static void scores(const Params& p, const T* k, std::int64_t ldk, DType dtype, std::int64_t keys,
                      std::int64_t cols, std::int64_t ahead, const float* q, std::int64_t rows,
                      float* s) {
     const std::int64_t d = p.head_dim;
@@ -726,7 +726,7 @@ struct DirectKv {
   // O [kTileRows][dv_pad] = alpha O + P . V[j0 .. j0 + keys): V rows read once, kTileCols
   // columns at a time for every row.
   template <class T>
-  static void accumulate(const Problem& p, const T* v, std::int64_t ldv, DType dtype,
+  static void accumulate(const Params& p, const T* v, std::int64_t ldv, DType dtype,
                          std::int64_t keys, std::int64_t ahead, const float* probs,
                          std::int64_t dv_pad, const float* alpha, float* out) {
     const std::int64_t dv = p.head_dim_v;
@@ -767,10 +767,10 @@ struct DirectKv {
   }
 
   // Both for key tile t of (b, kv_head), in the input's dtype.
-  static void tile_scores(const Problem& p, const ForwardArgs& a, std::int64_t b,
+  static void tile_scores(const Params& p, const ForwardArgs& a, std::int64_t b,
                           std::int64_t kv_head, std::int64_t j0, std::int64_t keys,
                           std::int64_t cols, const float* q, std::int64_t rows, float* s) {
-    const std::int64_t at = offset4(a.k, b, kv_head, j0, 0), ahead = p.seqlen_k - j0;
+    const std::int64_t at = offset4(a.k, b, kv_head, j0, 0), ahead = p.seq.lk - j0;
     if (a.k.dtype == DType::f32) {
       scores(p, static_cast<const float*>(a.k.data) + at, a.k.stride[2], a.k.dtype, keys, cols,
              ahead, q, rows, s);
@@ -779,11 +779,11 @@ struct DirectKv {
              cols, ahead, q, rows, s);
     }
   }
-  static void tile_accumulate(const Problem& p, const ForwardArgs& a, std::int64_t b,
+  static void tile_accumulate(const Params& p, const ForwardArgs& a, std::int64_t b,
                               std::int64_t kv_head, std::int64_t j0, std::int64_t keys,
                               const float* probs, std::int64_t dv_pad, const float* alpha,
                               float* out) {
-    const std::int64_t at = offset4(a.v, b, kv_head, j0, 0), ahead = p.seqlen_k - j0;
+    const std::int64_t at = offset4(a.v, b, kv_head, j0, 0), ahead = p.seq.lk - j0;
     if (a.v.dtype == DType::f32) {
       accumulate(p, static_cast<const float*>(a.v.data) + at, a.v.stride[2], a.v.dtype, keys, ahead,
                  probs, dv_pad, alpha, out);
@@ -796,9 +796,9 @@ struct DirectKv {
 
 // One work item: see the top of this file.
 template <class Dot>
-void run_block_with(const Problem& p, const ForwardArgs& a, const FlashPanel& panel,
+void run_block_with(const Params& p, const ForwardArgs& a, const FlashPanel& panel,
                     const FlashItem& item, const FlashScratch& w) {
-  const std::int64_t d = p.head_dim, dv_pad = panel.dv_pad, lk = p.seqlen_k, b = item.b;
+  const std::int64_t d = p.head_dim, dv_pad = panel.dv_pad, lk = p.seq.lk, b = item.b;
   const std::int64_t rows = item.rows;
   const std::int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
   const CausalWindowMask band(p);
@@ -810,8 +810,8 @@ void run_block_with(const Problem& p, const ForwardArgs& a, const FlashPanel& pa
   RowSetKeys seen;
   for (std::int64_t r = 0; r < rows; ++r) {
     const std::int64_t n = item.first + r;
-    head_of[r] = item.kv_head * p.group + n / p.seqlen_q;
-    index_of[r] = n % p.seqlen_q;
+    head_of[r] = item.kv_head * p.group + n / p.seq.lq;
+    index_of[r] = n % p.seq.lq;
     seen.add(band.row(index_of[r]));
   }
 
@@ -906,7 +906,7 @@ void run_block_with(const Problem& p, const ForwardArgs& a, const FlashPanel& pa
       w.row_sum[r] = w.row_sum[r] * alpha + reduce_sum(vsum);
       w.row_max[r] = new_max;
       w.alpha[r] = alpha;
-      if (p.dropout_p > 0.0) {  // after the sum: the normaliser is the pre-dropout sum
+      if (p.dropout.p > 0.0) {  // after the sum: the normaliser is the pre-dropout sum
         const DropoutRow dropout(p, b, h, i);
         for (std::int64_t c = 0; c < keys; ++c) s[c] *= dropout.factor<float>(j0 + c);
       }
@@ -942,7 +942,7 @@ void run_block_with(const Problem& p, const ForwardArgs& a, const FlashPanel& pa
 
 // The exported entry points: native bf16 dot products for bf16 inputs where this target has
 // them, f32 for everything else.
-void run_block(const Problem& p, const ForwardArgs& a, const FlashPanel& panel,
+void run_block(const Params& p, const ForwardArgs& a, const FlashPanel& panel,
                const FlashItem& item, const FlashScratch& w) {
 #if ATTNCORE_BF16_DOT
   if (p.dtype == DType::bf16) return run_block_with<Bf16Dot>(p, a, panel, item, w);
@@ -952,7 +952,7 @@ void run_block(const Problem& p, const ForwardArgs& a, const FlashPanel& panel,
 
 // Packs tiles [t_begin, t_end) into a panel: K [tiles][D][kKeyTile] floats' worth, then V
 // [tiles * kKeyTile][dv_pad] floats' worth.
-void pack_tiles(const Problem& p, const ForwardArgs& a, std::int64_t b, std::int64_t kv_head,
+void pack_tiles(const Params& p, const ForwardArgs& a, std::int64_t b, std::int64_t kv_head,
                 std::int64_t t_begin, std::int64_t t_end, float* k_tiles, float* v_rows,
                 std::int64_t dv_pad) {
   for (std::int64_t t = t_begin; t < t_end; ++t) {

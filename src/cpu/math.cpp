@@ -16,6 +16,7 @@
 
 #include "core/convert.h"
 #include "core/dbias.h"
+#include "core/sequence.h"
 #include "core/threadpool.h"
 #include "policy/score_row.h"
 
@@ -92,7 +93,7 @@ std::int64_t lse_offset(const TensorView& lse, std::int64_t b, std::int64_t h, s
 
 std::int64_t num_blocks(std::int64_t rows) { return (rows + kBlockRows - 1) / kBlockRows; }
 
-// Runs body(task) for tasks [0, n) on p.threads threads; each thread first makes its own
+// Runs body(task) for tasks [0, n) on `threads` threads; each thread first makes its own
 // workspace with make_workspace() and passes it to every task it runs.
 template <class MakeWorkspace, class Body>
 void for_each_task(std::int64_t n, int threads, MakeWorkspace&& make_workspace, Body&& body) {
@@ -103,22 +104,23 @@ void for_each_task(std::int64_t n, int threads, MakeWorkspace&& make_workspace, 
 }
 
 template <class T>
-void forward_impl(const Problem& p, const ForwardArgs& a) {
+void forward_impl(const Params& p, int threads, const ForwardArgs& a, std::int64_t b_begin,
+                  std::int64_t b_end) {
   const CausalWindowMask causal_window(p);
-  const std::int64_t lq = p.seqlen_q, lk = p.seqlen_k, d = p.head_dim, dv = p.head_dim_v;
+  const std::int64_t lq = p.seq.lq, lk = p.seq.lk, d = p.head_dim, dv = p.head_dim_v;
   const std::int64_t blocks = num_blocks(lq);
   struct Workspace {
     std::vector<T> q, scores, out;  // [rows, D], [rows, Lk] (S, then P), [rows, Dv]
     std::vector<bool> unseen;       // [rows]: the row sees no key
   };
   std::vector<T> k_buf, v_buf;
-  for (std::int64_t b = 0; b < p.batch; ++b) {
+  for (std::int64_t b = b_begin; b < b_end; ++b) {
     for (std::int64_t kv_head = 0; kv_head < p.heads_kv; ++kv_head) {
-      const Matrix<T> k = head_rows<T>(a.k, b, kv_head, 0, lk, d, k_buf, p.threads);   // [Lk, D]
-      const Matrix<T> v = head_rows<T>(a.v, b, kv_head, 0, lk, dv, v_buf, p.threads);  // [Lk, Dv]
+      const Matrix<T> k = head_rows<T>(a.k, b, kv_head, 0, lk, d, k_buf, threads);   // [Lk, D]
+      const Matrix<T> v = head_rows<T>(a.v, b, kv_head, 0, lk, dv, v_buf, threads);  // [Lk, Dv]
       // Tasks: (query head of the group, block of query rows).
       for_each_task(
-          p.group * blocks, p.threads,
+          p.group * blocks, threads,
           [&] {
             Workspace w;
             w.scores.resize(static_cast<std::size_t>(std::min(lq, kBlockRows) * lk));
@@ -165,10 +167,11 @@ void forward_impl(const Problem& p, const ForwardArgs& a) {
 }
 
 template <class T>
-void backward_impl(const Problem& p, const BackwardArgs& a) {
+void backward_impl(const Params& p, int threads, const BackwardArgs& a, std::int64_t b_begin,
+                   std::int64_t b_end) {
   const CausalWindowMask causal_window(p);
   DbiasAccumulator dbias(p);
-  const std::int64_t lq = p.seqlen_q, lk = p.seqlen_k, d = p.head_dim, dv = p.head_dim_v;
+  const std::int64_t lq = p.seq.lq, lk = p.seq.lk, d = p.head_dim, dv = p.head_dim_v;
   const bool softcap_on = p.softcap != 0.0;
   const T scale = static_cast<T>(p.scale);
   const std::int64_t q_blocks = num_blocks(lq), k_blocks = num_blocks(lk);
@@ -183,12 +186,12 @@ void backward_impl(const Problem& p, const BackwardArgs& a) {
     std::vector<T> q, dout, out, dq;  // [rows, D], [rows, Dv], [rows, Dv], [rows, D]
   };
   auto make_workspace = [] { return Workspace{}; };
-  for (std::int64_t b = 0; b < p.batch; ++b) {
+  for (std::int64_t b = b_begin; b < b_end; ++b) {
     for (std::int64_t kv_head = 0; kv_head < p.heads_kv; ++kv_head) {
       std::fill(dk.begin(), dk.end(), T(0));
       std::fill(dvv.begin(), dvv.end(), T(0));
-      const Matrix<T> k = head_rows<T>(a.k, b, kv_head, 0, lk, d, k_buf, p.threads);   // [Lk, D]
-      const Matrix<T> v = head_rows<T>(a.v, b, kv_head, 0, lk, dv, v_buf, p.threads);  // [Lk, Dv]
+      const Matrix<T> k = head_rows<T>(a.k, b, kv_head, 0, lk, d, k_buf, threads);   // [Lk, D]
+      const Matrix<T> v = head_rows<T>(a.v, b, kv_head, 0, lk, dv, v_buf, threads);  // [Lk, Dv]
       for (std::int64_t h = kv_head * p.group; h < (kv_head + 1) * p.group && lq > 0; ++h) {
         if (lk == 0) {
           std::vector<T> zeros(static_cast<std::size_t>(lq * d), T(0));
@@ -196,7 +199,7 @@ void backward_impl(const Problem& p, const BackwardArgs& a) {
           continue;
         }
         // Pass 1, blocks of query rows: S = Q K^T and dP = dO V^T, then P * M and dS per row.
-        for_each_task(q_blocks, p.threads, make_workspace, [&](std::int64_t blk, Workspace& w) {
+        for_each_task(q_blocks, threads, make_workspace, [&](std::int64_t blk, Workspace& w) {
           const std::int64_t row0 = blk * kBlockRows, rows = std::min(kBlockRows, lq - row0);
           const Matrix<T> q = head_rows<T>(a.q, b, h, row0, rows, d, w.q);            // [rows, D]
           const Matrix<T> dout = head_rows<T>(a.dout, b, h, row0, rows, dv, w.dout);  // [rows, Dv]
@@ -230,7 +233,7 @@ void backward_impl(const Problem& p, const BackwardArgs& a) {
         // Pass 2, blocks of key columns: dbias += dS (columns are owned by one task unless the
         // mask broadcasts over keys).
         if (dbias.active()) {
-          const int threads = dbias.column_stride() == 0 ? 1 : p.threads;
+          const int threads = dbias.column_stride() == 0 ? 1 : threads;
           parallel_for(lk, threads, [&](std::int64_t j_begin, std::int64_t j_end) {
             for (std::int64_t i = 0; i < lq; ++i) {
               double* row = dbias.row(b, h, i);
@@ -243,7 +246,7 @@ void backward_impl(const Problem& p, const BackwardArgs& a) {
         }
         // Pass 3, blocks of query rows: dS times the softcap derivative is d/d(scale q.k);
         // dQ = scale * dS K.
-        for_each_task(q_blocks, p.threads, make_workspace, [&](std::int64_t blk, Workspace& w) {
+        for_each_task(q_blocks, threads, make_workspace, [&](std::int64_t blk, Workspace& w) {
           const std::int64_t row0 = blk * kBlockRows, rows = std::min(kBlockRows, lq - row0);
           T* ds_rows = dscores.data() + row0 * lk;
           if (softcap_on) {
@@ -255,10 +258,10 @@ void backward_impl(const Problem& p, const BackwardArgs& a) {
           store_rows(w.dq.data(), a.dq, b, h, row0, rows, d);
         });
         // Pass 4, blocks of key rows: dV += (P M)^T dO and dK += scale * dS^T Q over all rows.
-        const Matrix<T> q = head_rows<T>(a.q, b, h, 0, lq, d, q_buf, p.threads);  // [Lq, D]
+        const Matrix<T> q = head_rows<T>(a.q, b, h, 0, lq, d, q_buf, threads);  // [Lq, D]
         const Matrix<T> dout =
-            head_rows<T>(a.dout, b, h, 0, lq, dv, do_buf, p.threads);  // [Lq, Dv]
-        parallel_for(k_blocks, p.threads, [&](std::int64_t blk_begin, std::int64_t blk_end) {
+            head_rows<T>(a.dout, b, h, 0, lq, dv, do_buf, threads);  // [Lq, Dv]
+        parallel_for(k_blocks, threads, [&](std::int64_t blk_begin, std::int64_t blk_end) {
           for (std::int64_t blk = blk_begin; blk < blk_end; ++blk) {
             const std::int64_t col0 = blk * kBlockRows, cols = std::min(kBlockRows, lk - col0);
             gemm(true, false, cols, dv, lq, T(1), weights.data() + col0, lk, dout.data, dout.ld,
@@ -277,22 +280,28 @@ void backward_impl(const Problem& p, const BackwardArgs& a) {
 
 }  // namespace
 
-void math_forward(const Problem& p, const ForwardArgs& a) {
+void math_forward(const Params& p, const Launch& launch, const ForwardArgs& a) {
   openblas_set_num_threads(1);  // see the threading note at the top
-  if (p.dtype == DType::f64) {
-    forward_impl<double>(p, a);
-  } else {
-    forward_impl<float>(p, a);
-  }
+  for_each_sequence(p, a, [&](const Params& sp, const ForwardArgs& sa, std::int64_t b0,
+                              std::int64_t b1) {
+    if (p.dtype == DType::f64) {
+      forward_impl<double>(sp, launch.threads, sa, b0, b1);
+    } else {
+      forward_impl<float>(sp, launch.threads, sa, b0, b1);
+    }
+  });
 }
 
-void math_backward(const Problem& p, const BackwardArgs& a) {
+void math_backward(const Params& p, const Launch& launch, const BackwardArgs& a) {
   openblas_set_num_threads(1);
-  if (p.dtype == DType::f64) {
-    backward_impl<double>(p, a);
-  } else {
-    backward_impl<float>(p, a);
-  }
+  for_each_sequence(p, a, [&](const Params& sp, const BackwardArgs& sa, std::int64_t b0,
+                              std::int64_t b1) {
+    if (p.dtype == DType::f64) {
+      backward_impl<double>(sp, launch.threads, sa, b0, b1);
+    } else {
+      backward_impl<float>(sp, launch.threads, sa, b0, b1);
+    }
+  });
 }
 
 }  // namespace attncore::detail

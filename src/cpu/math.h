@@ -6,7 +6,10 @@
 
 #include <cstdint>
 
-#include "core/problem.h"
+#include <string>
+#include <vector>
+
+#include "core/backend_table.h"
 
 namespace attncore::detail {
 
@@ -16,7 +19,11 @@ namespace attncore::detail {
 // Below it, small bf16 calls on 2 threads took 0.95 ms against 0.15 ms on one.
 constexpr std::int64_t kMathParallelConvertElements = std::int64_t{1} << 16;
 
-void math_forward(const Problem& p, const ForwardArgs& args);
-void math_backward(const Problem& p, const BackwardArgs& args);
+void math_forward(const Params& p, const Launch& launch, const ForwardArgs& args);
+void math_backward(const Params& p, const Launch& launch, const BackwardArgs& args);
+
+// Its entry in the backend table (math_cost.cpp).
+void math_can_use(Pass pass, const Params& p, std::vector<std::string>& reasons);
+double math_estimate(Pass pass, const Params& p, const Launch& launch, const CostModel& model);
 
 }  // namespace attncore::detail

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <limits>
 
-#include "core/problem.h"
+#include "core/params.h"
 
 namespace attncore::detail {
 
@@ -22,9 +22,9 @@ struct KeyRange {
 
 class CausalWindowMask {
  public:
-  explicit CausalWindowMask(const Problem& p)
-      : seqlen_q_(p.seqlen_q),
-        seqlen_k_(p.seqlen_k),
+  explicit CausalWindowMask(const Params& p)
+      : seqlen_q_(p.seq.lq),
+        seqlen_k_(p.seq.lk),
         causal_(p.causal),
         window_left_(p.window_left),
         window_right_(p.window_right) {}

@@ -11,7 +11,7 @@
 
 #include "core/convert.h"
 #include "core/philox.h"
-#include "core/problem.h"
+#include "core/params.h"
 #include "policy/mask.h"
 #include "policy/score_mod.h"
 
@@ -21,15 +21,15 @@ namespace attncore::detail {
 // (scale, softcap, ALiBi, additive mask) or -inf where a mask hides key j. When `dcap` is not
 // null it receives d(score)/d(scale * q.k), the softcap derivative (0 where masked).
 template <class T>
-void finish_scores(const Problem& p, const CausalWindowMask& causal_window, std::int64_t b,
+void finish_scores(const Params& p, const CausalWindowMask& causal_window, std::int64_t b,
                    std::int64_t h, std::int64_t i, T* s, T* dcap) {
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   const KeyRange visible = causal_window.row(i);
   const T scale = static_cast<T>(p.scale);
-  for (std::int64_t j = 0; j < std::min(visible.begin, p.seqlen_k); ++j) s[j] = kNegInf;
-  for (std::int64_t j = visible.end; j < p.seqlen_k; ++j) s[j] = kNegInf;
+  for (std::int64_t j = 0; j < std::min(visible.begin, p.seq.lk); ++j) s[j] = kNegInf;
+  for (std::int64_t j = visible.end; j < p.seq.lk; ++j) s[j] = kNegInf;
   if (dcap) {
-    for (std::int64_t j = 0; j < p.seqlen_k; ++j) dcap[j] = T(0);
+    for (std::int64_t j = 0; j < p.seq.lk; ++j) dcap[j] = T(0);
   }
   if (p.softcap == 0.0 && !p.alibi && p.mask_kind == MaskKind::none) {
     for (std::int64_t j = visible.begin; j < visible.end; ++j) s[j] *= scale;  // the common case
@@ -45,7 +45,7 @@ void finish_scores(const Problem& p, const CausalWindowMask& causal_window, std:
   for (std::int64_t j = visible.begin; j < visible.end; ++j) {
     T x = softcap_apply(scale * s[j], cap);
     if (dcap) dcap[j] = softcap_grad_from_capped(x, cap);
-    if (p.alibi) x += alibi_bias(slope, i, j, p.seqlen_q, p.seqlen_k);
+    if (p.alibi) x += alibi_bias(slope, i, j, p.seq.lq, p.seq.lk);
     if (p.mask_kind != MaskKind::none) {
       const T m = load_element<T>(p.mask.data, p.mask.dtype, mask_row + j * p.mask.stride[3]);
       if (p.mask_kind == MaskKind::additive) {
@@ -85,19 +85,21 @@ T softmax_row(T* s, std::int64_t n) {
 }
 
 // The dropout factor of element (b, h, i, j): 1/(1-p) if kept, else 0 (1 without dropout).
+// Addressed as in a [B, Hq, dropout.rows, dropout.cols] batch (DESIGN.md section 1.5).
 class DropoutRow {
  public:
-  DropoutRow(const Problem& p, std::int64_t b, std::int64_t h, std::int64_t i)
-      : seed_(p.seed),
-        p_(static_cast<float>(p.dropout_p)),
-        keep_scale_(1.0 / (1.0 - p.dropout_p)),
-        base_(p.offset + ((static_cast<std::uint64_t>(b) * static_cast<std::uint64_t>(p.heads_q) +
-                           static_cast<std::uint64_t>(h)) *
-                              static_cast<std::uint64_t>(p.seqlen_q) +
-                          static_cast<std::uint64_t>(i)) *
-                             static_cast<std::uint64_t>(p.seqlen_k)),
-        base_high_(base_ < p.offset ? 1u : 0u),  // offset + index passed 2^64
-        active_(p.dropout_p > 0.0) {}
+  DropoutRow(const Params& p, std::int64_t b, std::int64_t h, std::int64_t i)
+      : seed_(p.dropout.seed),
+        p_(static_cast<float>(p.dropout.p)),
+        keep_scale_(1.0 / (1.0 - p.dropout.p)),
+        base_(p.dropout.offset +
+              ((static_cast<std::uint64_t>(b) * static_cast<std::uint64_t>(p.heads_q) +
+                static_cast<std::uint64_t>(h)) *
+                   static_cast<std::uint64_t>(p.dropout.rows) +
+               static_cast<std::uint64_t>(i)) *
+                  static_cast<std::uint64_t>(p.dropout.cols)),
+        base_high_(base_ < p.dropout.offset ? 1u : 0u),  // offset + index passed 2^64
+        active_(p.dropout.p > 0.0) {}
 
   bool active() const { return active_; }
 

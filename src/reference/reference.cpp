@@ -7,6 +7,7 @@
 
 #include "core/convert.h"
 #include "core/dbias.h"
+#include "core/sequence.h"
 #include "core/threadpool.h"
 #include "policy/score_row.h"
 
@@ -15,11 +16,11 @@ namespace attncore::detail {
 namespace {
 
 // scores[j] = <q[b, h, i, :], k[b, h / group, j, :]> in fp64, j in [0, Lk).
-void dot_row(const Problem& p, const TensorView& q, const TensorView& k, std::int64_t b,
+void dot_row(const Params& p, const TensorView& q, const TensorView& k, std::int64_t b,
              std::int64_t h, std::int64_t i, double* scores) {
   const std::int64_t kv_head = h / p.group;
   const std::int64_t q_row = offset4(q, b, h, i, 0);
-  for (std::int64_t j = 0; j < p.seqlen_k; ++j) {
+  for (std::int64_t j = 0; j < p.seq.lk; ++j) {
     const std::int64_t k_row = offset4(k, b, kv_head, j, 0);
     double dot = 0.0;
     for (std::int64_t d = 0; d < p.head_dim; ++d) {
@@ -30,25 +31,25 @@ void dot_row(const Problem& p, const TensorView& q, const TensorView& k, std::in
   }
 }
 
-}  // namespace
-
-void reference_forward(const Problem& p, const ForwardArgs& a) {
+// Sequences [b_begin, b_end) of a dense call (or one resolved sequence of a varlen call).
+void forward_rows(const Params& p, int threads, const ForwardArgs& a, std::int64_t b_begin,
+                  std::int64_t b_end) {
   const CausalWindowMask causal_window(p);
-  const std::int64_t rows = p.batch * p.heads_q * p.seqlen_q;
-  parallel_for(rows, p.threads, [&](std::int64_t row_begin, std::int64_t row_end) {
-    std::vector<double> probs(static_cast<std::size_t>(p.seqlen_k));  // [Lk]
+  const std::int64_t rows = (b_end - b_begin) * p.heads_q * p.seq.lq;
+  parallel_for(rows, threads, [&](std::int64_t row_begin, std::int64_t row_end) {
+    std::vector<double> probs(static_cast<std::size_t>(p.seq.lk));  // [Lk]
     std::vector<double> out(static_cast<std::size_t>(p.head_dim_v));  // [Dv]
     for (std::int64_t row = row_begin; row < row_end; ++row) {
-      const std::int64_t i = row % p.seqlen_q;
-      const std::int64_t h = (row / p.seqlen_q) % p.heads_q;
-      const std::int64_t b = row / (p.seqlen_q * p.heads_q);
+      const std::int64_t i = row % p.seq.lq;
+      const std::int64_t h = (row / p.seq.lq) % p.heads_q;
+      const std::int64_t b = b_begin + row / (p.seq.lq * p.heads_q);
       const std::int64_t kv_head = h / p.group;
       dot_row(p, a.q, a.k, b, h, i, probs.data());
       finish_scores<double>(p, causal_window, b, h, i, probs.data(), nullptr);
-      const double lse = softmax_row(probs.data(), p.seqlen_k);
+      const double lse = softmax_row(probs.data(), p.seq.lk);
       const DropoutRow dropout(p, b, h, i);
       std::fill(out.begin(), out.end(), 0.0);
-      for (std::int64_t j = 0; j < p.seqlen_k; ++j) {
+      for (std::int64_t j = 0; j < p.seq.lk; ++j) {
         const double weight = probs[static_cast<std::size_t>(j)] * dropout.factor<double>(j);
         if (weight == 0.0) continue;
         const std::int64_t v_row = offset4(a.v, b, kv_head, j, 0);
@@ -66,15 +67,16 @@ void reference_forward(const Problem& p, const ForwardArgs& a) {
   });
 }
 
-void reference_backward(const Problem& p, const BackwardArgs& a) {
+void backward_rows(const Params& p, int call_threads, const BackwardArgs& a, std::int64_t b_begin,
+                   std::int64_t b_end) {
   const CausalWindowMask causal_window(p);
   DbiasAccumulator dbias(p);
   // Tasks own (b, kv head): its dk/dv rows and the dq rows of its query heads. They share
   // dbias only when the mask broadcasts across them; then one task runs at a time.
-  const int threads = dbias.shared_across(p) ? 1 : p.threads;
-  const std::int64_t tasks = p.batch * p.heads_kv;
+  const int threads = dbias.shared_across(p) ? 1 : call_threads;
+  const std::int64_t tasks = (b_end - b_begin) * p.heads_kv;
   parallel_for(tasks, threads, [&](std::int64_t task_begin, std::int64_t task_end) {
-    const auto lk = static_cast<std::size_t>(p.seqlen_k);
+    const auto lk = static_cast<std::size_t>(p.seq.lk);
     std::vector<double> probs(lk), dcap(lk);                               // [Lk]
     std::vector<double> dk(lk * static_cast<std::size_t>(p.head_dim));     // [Lk, D]
     std::vector<double> dv(lk * static_cast<std::size_t>(p.head_dim_v));   // [Lk, Dv]
@@ -82,16 +84,16 @@ void reference_backward(const Problem& p, const BackwardArgs& a) {
     std::vector<double> q_row(static_cast<std::size_t>(p.head_dim));       // [D]
     std::vector<double> dout_row(static_cast<std::size_t>(p.head_dim_v));  // [Dv]
     for (std::int64_t task = task_begin; task < task_end; ++task) {
-      const std::int64_t b = task / p.heads_kv, kv_head = task % p.heads_kv;
+      const std::int64_t b = b_begin + task / p.heads_kv, kv_head = task % p.heads_kv;
       std::fill(dk.begin(), dk.end(), 0.0);
       std::fill(dv.begin(), dv.end(), 0.0);
       for (std::int64_t h = kv_head * p.group; h < (kv_head + 1) * p.group; ++h) {
-        for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
+        for (std::int64_t i = 0; i < p.seq.lq; ++i) {
           std::fill(dq.begin(), dq.end(), 0.0);
           const double lse =
               load_element<double>(a.lse.data, a.lse.dtype,
                                    b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2]);
-          if (lse != -INFINITY && p.seqlen_k > 0) {
+          if (lse != -INFINITY && p.seq.lk > 0) {
             load_row(a.q.data, a.q.dtype, offset4(a.q, b, h, i, 0), p.head_dim, q_row.data());
             load_row(a.dout.data, a.dout.dtype, offset4(a.dout, b, h, i, 0), p.head_dim_v,
                      dout_row.data());
@@ -106,7 +108,7 @@ void reference_backward(const Problem& p, const BackwardArgs& a) {
             finish_scores<double>(p, causal_window, b, h, i, probs.data(), dcap.data());
             const DropoutRow dropout(p, b, h, i);
             double* dbias_row = dbias.active() ? dbias.row(b, h, i) : nullptr;
-            for (std::int64_t j = 0; j < p.seqlen_k; ++j) {
+            for (std::int64_t j = 0; j < p.seq.lk; ++j) {
               const auto ju = static_cast<std::size_t>(j);
               const double prob = std::exp(probs[ju] - lse);  // P[i, j], 0 where masked
               if (prob == 0.0) continue;
@@ -132,7 +134,7 @@ void reference_backward(const Problem& p, const BackwardArgs& a) {
           store_row(dq.data(), p.head_dim, a.dq.data, a.dq.dtype, offset4(a.dq, b, h, i, 0));
         }
       }
-      for (std::int64_t j = 0; j < p.seqlen_k; ++j) {
+      for (std::int64_t j = 0; j < p.seq.lk; ++j) {
         const auto ju = static_cast<std::size_t>(j);
         store_row(dk.data() + ju * static_cast<std::size_t>(p.head_dim), p.head_dim, a.dk.data,
                   a.dk.dtype, offset4(a.dk, b, kv_head, j, 0));
@@ -142,6 +144,18 @@ void reference_backward(const Problem& p, const BackwardArgs& a) {
     }
   });
   dbias.store(a.dbias);
+}
+
+}  // namespace
+
+void reference_forward(const Params& p, const Launch& launch, const ForwardArgs& a) {
+  for_each_sequence(p, a, [&](const Params& sp, const ForwardArgs& sa, std::int64_t b0,
+                              std::int64_t b1) { forward_rows(sp, launch.threads, sa, b0, b1); });
+}
+
+void reference_backward(const Params& p, const Launch& launch, const BackwardArgs& a) {
+  for_each_sequence(p, a, [&](const Params& sp, const BackwardArgs& sa, std::int64_t b0,
+                              std::int64_t b1) { backward_rows(sp, launch.threads, sa, b0, b1); });
 }
 
 }  // namespace attncore::detail

@@ -2,11 +2,11 @@
 // Obviously correct first, fast never.
 #pragma once
 
-#include "core/problem.h"
+#include "core/params.h"
 
 namespace attncore::detail {
 
-void reference_forward(const Problem& p, const ForwardArgs& args);
-void reference_backward(const Problem& p, const BackwardArgs& args);
+void reference_forward(const Params& p, const Launch& launch, const ForwardArgs& args);
+void reference_backward(const Params& p, const Launch& launch, const BackwardArgs& args);
 
 }  // namespace attncore::detail

@@ -21,6 +21,8 @@ double load(const void* base, DType dtype, std::int64_t offset) {
       return f16::to_float(static_cast<const f16*>(base)[offset].bits);
     case DType::b8:
       return static_cast<const std::uint8_t*>(base)[offset] != 0 ? 1.0 : 0.0;
+    case DType::i32:
+      return static_cast<const std::int32_t*>(base)[offset];
   }
   return 0.0;
 }
@@ -41,6 +43,9 @@ void store(void* base, DType dtype, std::int64_t offset, double x) {
       return;
     case DType::b8:
       static_cast<std::uint8_t*>(base)[offset] = x != 0.0 ? 1 : 0;
+      return;
+    case DType::i32:
+      static_cast<std::int32_t*>(base)[offset] = static_cast<std::int32_t>(x);
       return;
   }
 }
@@ -78,6 +83,8 @@ double round_to(double x, DType dtype) {
       return static_cast<float>(f16(static_cast<float>(x)));
     case DType::b8:
       return x != 0.0 ? 1.0 : 0.0;
+    case DType::i32:
+      return std::nearbyint(x);
   }
   return x;
 }

@@ -1,0 +1,55 @@
+// Variable-length ("packed") batches, flash-attn's varlen layout: the sequences of a batch are
+// concatenated along the row dim, and int32 offsets say where each begins.
+//
+//   q   [total_q, Hq, D]     sequence b's queries are rows [cu_seqlens_q[b], cu_seqlens_q[b+1])
+//   k   [total_k, Hkv, D]    its keys rows [cu_seqlens_k[b], cu_seqlens_k[b+1]) (or the first
+//   v   [total_k, Hkv, Dv]   seqused_k[b] of them)
+//   out [total_q, Hq, Dv], lse [Hq, total_q] (f32; f64 for f64 inputs)
+//
+// Causal alignment, windows and ALiBi apply per sequence; dropout addresses element (b, h, i, j)
+// as in a batch padded to [B, Hq, max_seqlen_q, max_seqlen_k]. Buffers may hold more rows than
+// the sequences use: unused query rows get output 0 and LSE -inf, unused rows of dq, dk, dv get
+// 0. Tensor masks are not supported with varlen calls (Unsupported).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "attncore/attncore.h"
+
+namespace attncore {
+
+struct VarlenSeqs {
+  TensorView cu_seqlens_q;              // i32 [B + 1], from 0, non-decreasing, contiguous
+  TensorView cu_seqlens_k;              // i32 [B + 1], likewise
+  std::optional<TensorView> seqused_k;  // i32 [B]: keys of sequence b actually used
+  std::int64_t max_seqlen_q = 0;        // >= every query length (may be larger)
+  std::int64_t max_seqlen_k = 0;        // >= every key length (may be larger)
+};
+
+// Forward into new tensors: out [total_q, Hq, Dv], lse [Hq, total_q].
+ForwardResult forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
+                             const VarlenSeqs& seqs, const Options& options = {},
+                             Backend backend = Backend::automatic);
+
+// Forward into caller-provided views: out [total_q, Hq, Dv] of q's dtype and, when given,
+// lse [Hq, total_q]. Both are fully written.
+void forward_varlen_into(const TensorView& q, const TensorView& k, const TensorView& v,
+                         const VarlenSeqs& seqs, const TensorView& out,
+                         const std::optional<TensorView>& lse, const Options& options = {},
+                         Backend backend = Backend::automatic);
+
+// Gradients of the forward call with the same inputs, given its out and lse. dbias is never
+// returned (no tensor masks).
+BackwardResult backward_varlen(const TensorView& dout, const TensorView& q, const TensorView& k,
+                               const TensorView& v, const TensorView& out, const TensorView& lse,
+                               const VarlenSeqs& seqs, const Options& options = {},
+                               Backend backend = Backend::automatic);
+
+void backward_varlen_into(const TensorView& dout, const TensorView& q, const TensorView& k,
+                          const TensorView& v, const TensorView& out, const TensorView& lse,
+                          const VarlenSeqs& seqs, const TensorView& dq, const TensorView& dk,
+                          const TensorView& dv, const Options& options = {},
+                          Backend backend = Backend::automatic);
+
+}  // namespace attncore

@@ -1,0 +1,28 @@
+// The backend table of this build (core/backend_table.h), in the default priority order: the
+// one place that names the concrete backends.
+#include "core/backend_table.h"
+#include "cpu/flash.h"
+#include "cpu/math.h"
+#include "reference/reference.h"
+
+namespace attncore::detail {
+
+const std::vector<BackendEntry>& backend_table() {
+  static const std::vector<BackendEntry> table = {
+      {Backend::flash, flash_can_use, flash_estimate, flash_forward, flash_backward, nullptr,
+       flash_describe},
+      {Backend::math, math_can_use, math_estimate, math_forward, math_backward, nullptr, nullptr},
+      {Backend::reference, nullptr, nullptr, reference_forward, reference_backward, nullptr,
+       nullptr},
+  };
+  return table;
+}
+
+const BackendEntry* find_backend(Backend b) {
+  for (const BackendEntry& e : backend_table()) {
+    if (e.id == b) return &e;
+  }
+  return nullptr;
+}
+
+}  // namespace attncore::detail

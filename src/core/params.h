@@ -1,0 +1,117 @@
+// The one description of a validated attention call, as every backend receives it: geometry,
+// sequence info, variant (score modifiers and masks) and dropout in `Params`; the views (q, the
+// KV source k/v, outputs) in `ForwardArgs` / `BackwardArgs`; threads apart in `Launch`. Only
+// src/core/validate.cpp builds a Params; nothing below it re-checks.
+//
+// Dense and variable-length calls differ only in their SeqInfo. A backend resolves sequence b
+// once per work item (resolve_sequence, core/sequence.h) into a dense Params of that sequence's
+// lengths with views rebased to its first rows: kernels only ever see dense sequences.
+#pragma once
+
+#include <cstdint>
+
+#include "attncore/options.h"
+#include "attncore/tensor.h"
+
+namespace attncore::detail {
+
+enum class MaskKind : std::uint8_t { none, boolean, additive };
+
+// Where sequence b's rows are: query rows [q0, q0 + lq) and key rows [k0, k0 + lk) of the
+// packed buffers (dense: q0 = k0 = 0, the batch dim addresses the sequence).
+struct SeqSpan {
+  std::int64_t q0, lq, k0, lk;
+};
+
+// The sequence-info policy: dense (every sequence has lq queries and lk keys) or varlen
+// (flash-attn's cu_seqlens: sequence b has queries [cu_q[b], cu_q[b+1]) and keys
+// [cu_k[b], cu_k[b] + (used_k ? used_k[b] : cu_k[b+1] - cu_k[b]))).
+struct SeqInfo {
+  // Dense: the lengths of every sequence. Varlen: max_seqlen_q / max_seqlen_k as passed (they
+  // may exceed the real maxima; dropout addresses elements with them).
+  std::int64_t lq = 0, lk = 0;
+  // Varlen only (null for dense), validated: int32 [B + 1], [B + 1], [B] or null.
+  const std::int32_t* cu_q = nullptr;
+  const std::int32_t* cu_k = nullptr;
+  const std::int32_t* used_k = nullptr;
+  // Varlen only: the longest real sequence (sizes workspaces), and the rows of the buffers.
+  std::int64_t longest_q = 0, longest_k = 0;
+  std::int64_t rows_q = 0, rows_k = 0;
+
+  bool varlen() const { return cu_q != nullptr; }
+  // The longest query / key sequence any work item sees.
+  std::int64_t max_q() const { return varlen() ? longest_q : lq; }
+  std::int64_t max_k() const { return varlen() ? longest_k : lk; }
+  SeqSpan at(std::int64_t b) const {
+    if (!varlen()) return {0, lq, 0, lk};
+    const std::int64_t k0 = cu_k[b];
+    return {cu_q[b], cu_q[b + 1] - cu_q[b], k0,
+            used_k != nullptr ? std::int64_t{used_k[b]} : cu_k[b + 1] - k0};
+  }
+};
+
+// Dropout (DESIGN.md section 1.5): element (b, h, i, j) is addressed as if the batch were
+// [B, Hq, rows, cols]: rows = Lq, cols = Lk dense; max_seqlen_q, max_seqlen_k varlen.
+struct Dropout {
+  double p = 0.0;  // 0 = off
+  std::uint64_t seed = 0;
+  std::uint64_t offset = 0;
+  std::int64_t rows = 0, cols = 0;
+  bool active() const { return p > 0.0; }
+};
+
+struct Params {
+  // Geometry.
+  std::int64_t batch = 0;       // B
+  std::int64_t heads_q = 0;     // Hq
+  std::int64_t heads_kv = 0;    // Hkv
+  std::int64_t head_dim = 0;    // D
+  std::int64_t head_dim_v = 0;  // Dv
+  std::int64_t group = 1;       // Hq / Hkv: query heads per key/value head
+  DType dtype = DType::f32;     // of q, k, v, out (and dout, dq, dk, dv)
+
+  // Sequence info: a resolved (per-sequence) Params is always dense.
+  SeqInfo seq;
+
+  // Variant: score modifiers and masks (DESIGN.md section 1.2-1.3).
+  double scale = 1.0;
+  Causal causal = Causal::none;
+  std::int64_t window_left = -1;  // -1 = unbounded; windows wider than Lq + Lk become -1
+  std::int64_t window_right = -1;
+  double softcap = 0.0;  // 0 = off
+  // ALiBi slope of (b, h) is alibi[b * alibi_stride_b + h * alibi_stride_h] (f32).
+  const float* alibi = nullptr;
+  std::int64_t alibi_stride_b = 0;
+  std::int64_t alibi_stride_h = 0;
+  // The mask as a rank-4 view [B, Hq, Lq, Lk] with stride 0 on broadcast dims (dense only).
+  MaskKind mask_kind = MaskKind::none;
+  TensorView mask;
+  // The mask's own rank and shape (dbias is reduced to it).
+  TensorView mask_original;
+  bool compute_dbias = false;
+
+  Dropout dropout;
+
+  bool empty_output() const { return batch == 0 || heads_q == 0 || seq.max_q() == 0; }
+};
+
+// How a call runs, apart from what it computes.
+struct Launch {
+  int threads = 1;  // resolved: >= 1
+};
+
+// The views of a forward call: q [B, Hq, Lq, D], the KV source k [B, Hkv, Lk, D] and
+// v [B, Hkv, Lk, Dv], out [B, Hq, Lq, Dv], lse [B, Hq, Lq] (lse.data may be null: not wanted).
+// Varlen calls hold their packed buffers in the same rank-4 form with a batch dim of stride 0:
+// q [total_q, Hq, D] as [1, Hq, total_q, D], lse [Hq, total_q] as [1, Hq, total_q].
+struct ForwardArgs {
+  TensorView q, k, v, out, lse;
+};
+
+// The views of a backward call: as ForwardArgs plus dout [B, Hq, Lq, Dv] and the gradients
+// dq/dk/dv shaped like q/k/v; dbias shaped like the original mask (data null when not wanted).
+struct BackwardArgs {
+  TensorView dout, q, k, v, out, lse, dq, dk, dv, dbias;
+};
+
+}  // namespace attncore::detail

@@ -1,0 +1,84 @@
+// The sequence-info policy resolved for one sequence (DESIGN.md section 1, variable-length
+// batches): sequence b of a call as a dense call of its own lengths, with its views rebased to
+// the sequence's first rows. The batch index keeps its meaning (ALiBi slopes, dropout
+// addresses); varlen views have a batch stride of 0, so b addresses no memory.
+//
+// Backends resolve once per work item; a dense call resolves to itself.
+#pragma once
+
+#include <cstdint>
+
+#include "core/params.h"
+
+namespace attncore::detail {
+
+// Rows [first, first + count) of dim 2 of a rank-3 or rank-4 view.
+inline TensorView rows_of(const TensorView& t, std::int64_t first, std::int64_t count) {
+  if (t.data == nullptr) return t;
+  TensorView r = t;
+  r.data = static_cast<char*>(t.data) +
+           first * t.stride[2] * static_cast<std::int64_t>(size_of(t.dtype));
+  r.shape[2] = count;
+  return r;
+}
+
+// Params of sequence b: dense, its own lengths. Dropout keeps the call's addressing.
+inline Params sequence_params(const Params& p, const SeqSpan& s) {
+  Params r = p;
+  r.seq = SeqInfo{};
+  r.seq.lq = s.lq;
+  r.seq.lk = s.lk;
+  return r;
+}
+
+inline ForwardArgs sequence_args(const ForwardArgs& a, const SeqSpan& s) {
+  return {rows_of(a.q, s.q0, s.lq), rows_of(a.k, s.k0, s.lk), rows_of(a.v, s.k0, s.lk),
+          rows_of(a.out, s.q0, s.lq), rows_of(a.lse, s.q0, s.lq)};
+}
+
+inline BackwardArgs sequence_args(const BackwardArgs& a, const SeqSpan& s) {
+  return {rows_of(a.dout, s.q0, s.lq), rows_of(a.q, s.q0, s.lq),   rows_of(a.k, s.k0, s.lk),
+          rows_of(a.v, s.k0, s.lk),    rows_of(a.out, s.q0, s.lq),  rows_of(a.lse, s.q0, s.lq),
+          rows_of(a.dq, s.q0, s.lq),   rows_of(a.dk, s.k0, s.lk),   rows_of(a.dv, s.k0, s.lk),
+          a.dbias};
+}
+
+// A call's sequence b, resolved: what a backend's work item runs on.
+template <class Args>
+struct Sequence {
+  Params p;
+  Args a;
+};
+
+template <class Args>
+Sequence<Args> resolve_sequence(const Params& p, const Args& a, std::int64_t b) {
+  if (!p.seq.varlen()) return {p, a};
+  const SeqSpan s = p.seq.at(b);
+  return {sequence_params(p, s), sequence_args(a, s)};
+}
+
+// Varlen calls: rows of the buffers that belong to no sequence (past cu_seqlens_q[-1]; keys
+// past cu_seqlens_k[-1] or between seqused_k[b] and the next sequence) get what DESIGN.md
+// section 1 says: output 0 and LSE -inf; zero dq, dk, dv. Dense calls: nothing to do.
+void fill_unused_rows(const Params& p, const ForwardArgs& a);
+void fill_unused_rows(const Params& p, const BackwardArgs& a);
+
+}  // namespace attncore::detail
+
+namespace attncore::detail {
+
+// Runs f(params, args, b_begin, b_end) over the call: once over the whole batch for a dense
+// call; once per sequence for a varlen call, each resolved (f then sees b_end = b_begin + 1).
+template <class Args, class F>
+void for_each_sequence(const Params& p, const Args& a, F&& f) {
+  if (!p.seq.varlen()) {
+    f(p, a, std::int64_t{0}, p.batch);
+    return;
+  }
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    const Sequence<Args> s = resolve_sequence(p, a, b);
+    f(s.p, s.a, b, b + 1);
+  }
+}
+
+}  // namespace attncore::detail

@@ -1,0 +1,162 @@
+// The checks validate.cpp and validate_varlen.cpp share: one Checker with DESIGN.md section 4's
+// message form, `<op>: <what> <problem> (<name>=<value>, expected <constraint>)[; <remedy>]`.
+#pragma once
+
+#include <sstream>
+#include <string>
+
+#include "attncore/error.h"
+#include "core/params.h"
+
+namespace attncore::detail {
+
+inline std::string fmt_double(double x) {
+  std::ostringstream os;
+  os << x;
+  return os.str();
+}
+
+inline std::string dims_string(const std::int64_t* dims, int n) {
+  std::ostringstream os;
+  os << '[';
+  for (int d = 0; d < n; ++d) os << (d ? ", " : "") << dims[d];
+  os << ']';
+  return os.str();
+}
+
+class Checker {
+ public:
+  explicit Checker(const char* op) : op_(op) {}
+
+  [[noreturn]] void fail(const std::string& what) const {
+    throw InvalidArgument(std::string(op_) + ": " + what);
+  }
+  [[noreturn]] void unsupported(const std::string& what) const {
+    throw Unsupported(std::string(op_) + ": " + what);
+  }
+
+  // Structure every view must have: rank, non-negative sizes and strides, an element count and
+  // an address range that fit in int64, data unless empty, unit last stride.
+  void view(const TensorView& t, const char* name, int rank, const char* layout) const {
+    if (t.rank != rank) {
+      fail(std::string(name) + " has the wrong rank (rank=" + std::to_string(t.rank) +
+           ", expected " + std::to_string(rank) + ": " + layout + ")");
+    }
+    structure(t, name);
+  }
+
+  void structure(const TensorView& t, const char* name) const {
+    if (t.rank < 0 || t.rank > kMaxRank) {
+      fail(std::string(name) + " has an invalid rank (rank=" + std::to_string(t.rank) +
+           ", expected 0.." + std::to_string(kMaxRank) + ")");
+    }
+    if (static_cast<unsigned>(t.dtype) > static_cast<unsigned>(DType::i32)) {
+      fail(std::string(name) + " has an invalid dtype (dtype=" +
+           std::to_string(static_cast<unsigned>(t.dtype)) + ", expected a DType value)");
+    }
+    for (int d = 0; d < t.rank; ++d) {
+      if (t.size(d) < 0) {
+        fail(std::string(name) + " has a negative size (shape=" + t.shape_string() +
+             ", expected sizes >= 0)");
+      }
+      if (t.stride_of(d) < 0) {
+        fail(std::string(name) + " has a negative stride (stride[" + std::to_string(d) +
+             "]=" + std::to_string(t.stride_of(d)) + ", expected >= 0)");
+      }
+    }
+    const std::int64_t n = t.numel();
+    if (n < 0) {
+      fail(std::string(name) + " has too many elements (shape=" + t.shape_string() +
+           ", expected an element count that fits in int64)");
+    }
+    if (n == 0) return;
+    // The last element's offset, and its byte offset, must fit in int64.
+    std::int64_t extent = 0;
+    for (int d = 0; d < t.rank; ++d) {
+      const std::int64_t span = t.size(d) - 1;
+      if (span > 0 && t.stride_of(d) > (INT64_MAX - extent) / span) {
+        fail(std::string(name) + " spans too much memory (shape=" + t.shape_string() +
+             ", expected strides whose extent fits in int64)");
+      }
+      extent += span * t.stride_of(d);
+    }
+    if (extent > INT64_MAX / 8) {
+      fail(std::string(name) + " spans too much memory (extent=" + std::to_string(extent) +
+           " elements, expected < 2^60)");
+    }
+    if (t.data == nullptr) {
+      fail(std::string(name) + " has null data with non-zero size (shape=" + t.shape_string() +
+           ", expected a valid pointer)");
+    }
+  }
+
+  // Strides of an empty view address nothing (numpy gives them all 0), so neither check below
+  // applies to one.
+  void unit_last_stride(const TensorView& t, const char* name) const {
+    if (t.numel() == 0) return;
+    if (t.rank > 0 && t.size(t.rank - 1) > 1 && t.stride_of(t.rank - 1) != 1) {
+      fail(std::string(name) + " has a non-unit last stride (stride[" + std::to_string(t.rank - 1) +
+           "]=" + std::to_string(t.stride_of(t.rank - 1)) +
+           ", expected 1); make the head dimension contiguous");
+    }
+  }
+
+  // An output may not map two elements to one address through a zero stride.
+  void writable(const TensorView& t, const char* name) const {
+    if (t.numel() == 0) return;
+    for (int d = 0; d < t.rank; ++d) {
+      if (t.size(d) > 1 && t.stride_of(d) == 0) {
+        fail(std::string(name) + " is an output with a zero stride (stride[" + std::to_string(d) +
+             "]=0, expected > 0 on dims of size > 1)");
+      }
+    }
+  }
+
+  void dtype(const TensorView& t, const char* name, DType expected, const char* like) const {
+    if (t.dtype != expected) {
+      fail(std::string(name) + " has the wrong dtype (dtype=" + std::string(name_of(t.dtype)) +
+           ", expected " + std::string(name_of(expected)) + like + ")");
+    }
+  }
+
+  void shape(const TensorView& t, const char* name, const std::int64_t* expected,
+             const char* layout, const std::string& detail = "") const {
+    for (int d = 0; d < t.rank; ++d) {
+      if (t.size(d) != expected[d]) {
+        fail(std::string(name) + " has shape " + t.shape_string() + ", expected " +
+             dims_string(expected, t.rank) + " (" + layout + ")" + detail);
+      }
+    }
+  }
+
+  void backend(Backend b) const {
+    if (static_cast<unsigned>(b) > static_cast<unsigned>(Backend::flash)) {
+      unsupported("backend is not available in this build (backend=" +
+                  std::to_string(static_cast<unsigned>(b)) +
+                  ", expected auto, reference, math or flash)");
+    }
+  }
+
+  // q, k, v of one floating dtype, head dims contiguous.
+  void inputs(const TensorView& q, const TensorView& k, const TensorView& v) const {
+    if (!is_floating(q.dtype)) {
+      fail("query has an unsupported dtype (dtype=" + std::string(name_of(q.dtype)) +
+           ", expected f32, f64, bf16 or f16)");
+    }
+    dtype(k, "key", q.dtype, " like query");
+    dtype(v, "value", q.dtype, " like query");
+    unit_last_stride(q, "query");
+    unit_last_stride(k, "key");
+    unit_last_stride(v, "value");
+  }
+
+ private:
+  const char* op_;
+};
+
+// Checks of the options, the same for dense and varlen calls; fills p's variant and dropout
+// (p's geometry and sequence info are set). validate.cpp.
+void resolve_variant(const Checker& check, const Options& o, Params& p);
+
+
+}  // namespace attncore::detail

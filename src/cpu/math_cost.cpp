@@ -1,0 +1,132 @@
+// The math backend's entry in the backend table: what it cannot run (BLAS's 32-bit sizes) and
+// its cost term (fitted to its measured times; core/cost.h says how).
+#include <climits>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "core/cost.h"
+#include "cpu/math.h"
+
+namespace attncore::detail {
+
+namespace {
+
+// math: OpenBLAS sgemm's share of the FMA peak on the attention GEMMs (blocks of 128 query
+// rows), and the cost of one score in elements of the measured softmax row (scale, masks,
+// softmax, LSE): forward D=128 336 ms, D=64 246 ms: 0.455 and 0.85.
+constexpr double kMathGemmEfficiency = 0.455;
+constexpr double kMathSoftmaxCost = 0.85;
+// math: the fixed cost of one query row (softmax_row's log and division, the row's setup) in
+// softmax-row elements: B=1 Hq=8 L=32 D=64 took 73 us (1 thread), about 10 us (256 rows)
+// beyond the other terms; B=1 Hq=1 L=16: 3.4 us.
+constexpr double kMathRowCost = 10;
+// math: converting one 16-bit element to f32, in FMA-equivalent flops: decode B=1 Hq=8 Lq=1
+// Lk=128 D=128 took 0.32 ms in bf16 and 0.08 ms in f32, 0.92 ns more for each of the 262144
+// converted elements; B=4 Hq=32 Hkv=8 Lq=1 Lk=4096: 0.74 ns. 190 at 224 GFLOP/s is 0.85 ns.
+constexpr double kMathConvertFlops = 190;
+// math: K and V streamed per block of query rows: decode B=4 Hq=32 Hkv=8 Lq=1 Lk=4096 D=128
+// f32 took 52.9 ms, 49 ms of it for 537 MB of K and V: 0.47 of the measured 23 GB/s.
+constexpr double kMathStreamEfficiency = 0.47;
+// math backward: B=1 Hq=16 L=2048 D=128 f32 took 1131 ms (1 thread); GEMMs at the forward's
+// efficiency and the two Lq x Lk matrices (P * M and dS, written once and read twice: 24 bytes
+// a pair) at the memory bandwidth leave 1.15 softmax-row elements a pair (fitted at 1.52-1.72
+// on two shapes before the backward's BLAS calls were batched per head).
+constexpr double kMathBackwardSoftmaxCost = 1.15;
+constexpr double kMathBackwardBytesPerPair = 24;
+// math backward: storing one dK or dV element (store_rows, per kv head), FMA-equivalent flops:
+// decode B=1 Hq=8 Lq=1 Lk=128 D=128 f32 took 0.36 ms, 0.22 ms beyond the other terms for
+// 262144 elements (perf: store_rows 39% of the call); B=4 Hq=32 Hkv=8 Lk=4096 then comes
+// within 10%. Shapes with Lq >= Lk (L=32, 64) store the same and run 20-30% faster than this
+// term says: it decides only decode-shaped backwards, where it is measured.
+constexpr double kMathBackwardStoreFlops = 200;
+
+// Fixed cost per call, forward and backward (validation, allocation, the row loops' setup):
+// with these, B=1 Hq=1 L=16 D=64 on 1 thread is estimated at flash 4.3 and 13 us, math 3.9 and
+// 11 us, measured 4.4 and 9, 3.4 and 7 (the backward's other terms run over by the same 4 us
+// on both, which keeps their order).
+constexpr double kMathCallSeconds[] = {1e-6, 4e-6};
+
+// math: query rows per block (src/cpu/math.cpp kBlockRows): K and V are read once per block.
+constexpr double kMathBlockRows = 128;
+double estimate_math(Pass pass, const Params& p, const Launch& launch, const CostModel& m) {
+  const Sizes s = sizes_of(p, launch);
+  const double flops_per_s = m.machine.fma_gflops * 1e9;
+  const double bytes_per_s = m.machine.memory_gbps * 1e9;
+  const double pairs = s.batch * s.heads_q * s.lq * s.lk;  // every pair, masked or not
+  const double q_blocks = std::ceil(s.lq / kMathBlockRows);
+  const double k_blocks = std::ceil(s.lk / kMathBlockRows);
+  const bool converted = p.dtype != DType::f32 && p.dtype != DType::f64;
+  const bool forward = pass == Pass::forward;
+  const double gemm_flops = (forward ? 1 : kBackwardFlops) * 2 * s.dims * pairs;
+  const double softmax_cost = forward ? kMathSoftmaxCost : kMathBackwardSoftmaxCost;
+  const double rows = s.batch * s.heads_q * s.lq;
+  // 16-bit inputs are converted to f32: K and V once per kv head, q (and dout) per block.
+  const double conversions =
+      converted ? (s.batch * s.heads_kv * s.lk + (forward ? 1 : 2) * rows) * s.dims : 0;
+  const double stores = forward ? 0 : s.batch * s.heads_kv * s.lk * s.dims;  // dK and dV
+  const double compute = (gemm_flops / kMathGemmEfficiency + conversions * kMathConvertFlops +
+                          stores * kMathBackwardStoreFlops) /
+                             flops_per_s +
+                         (pairs * softmax_cost + rows * kMathRowCost) / m.machine.softmax_per_s;
+  // K and V streamed once per block of query rows (BLAS's GEMV-like products at Lq = 1 run far
+  // below the bandwidth: kMathStreamEfficiency); q and out (backward: dout and the gradients)
+  // once; the backward's Lq x Lk matrices.
+  double bytes = s.batch * s.heads_q * q_blocks * s.lk * s.dims * 4 / kMathStreamEfficiency +
+                 s.batch * s.heads_q * s.lq * s.dims * s.element;
+  if (!forward) bytes = 2 * bytes + pairs * kMathBackwardBytesPerPair;
+  // Parallel regions that wake the pool (a region with one task runs inline): forward, the
+  // tasks of each (batch, kv head) and the conversions of K and V; backward, per query head
+  // passes 1 and 3 over query blocks and pass 4 over key blocks, and the conversions.
+  const double tasks = s.heads_q / s.heads_kv * q_blocks;
+  const double kv_conversions =  // K and V, each about Lk * dims / 2 elements
+      converted && s.lk * s.dims / 2 >= kMathParallelConvertElements ? 2 : 0;
+  double regions = 0;
+  if (forward) {
+    regions = s.batch * s.heads_kv * ((tasks >= 2 ? 1 : 0) + kv_conversions);
+  } else {
+    regions = s.batch * s.heads_q * ((q_blocks >= 2 ? 2 : 0) + (k_blocks >= 2 ? 1 : 0)) +
+              s.batch * s.heads_kv * kv_conversions;
+  }
+  const double threads = std::max(1.0, std::min(s.threads, forward ? tasks : q_blocks));
+  // Each region: its share of the work plus a helper's wake-up, at most its work alone.
+  const double per_region = compute / std::max(1.0, regions);
+  const double parallel =
+      regions > 0 ? regions * parallel_seconds(per_region, threads, m.machine.dispatch_seconds)
+                  : compute / threads;
+  return kMathCallSeconds[forward ? 0 : 1] + parallel + bytes / bytes_per_s;
+}
+
+}  // namespace
+
+void math_can_use(Pass, const Params& p, std::vector<std::string>& reasons) {
+  // The math backend hands sizes, and the Lq x Lk score matrix of one head in its backward,
+  // to BLAS as 32-bit ints.
+  constexpr std::int64_t kMax = INT_MAX;
+  const struct {
+    const char* name;
+    std::int64_t value;
+  } sizes[] = {{"Lq", p.seq.max_q()}, {"Lk", p.seq.max_k()}, {"D", p.head_dim}, {"Dv", p.head_dim_v}};
+  bool each_fits = true;
+  for (const auto& size : sizes) {
+    if (size.value > kMax) {
+      each_fits = false;
+      reasons.push_back(std::string("math: ") + size.name +
+                        " does not fit BLAS's 32-bit sizes (" + size.name + "=" +
+                        std::to_string(size.value) +
+                        ", expected <= 2147483647); flash and reference have no such limit");
+    }
+  }
+  if (each_fits && p.seq.max_k() > 0 && p.seq.max_q() > kMax / p.seq.max_k()) {
+    reasons.push_back("math: Lq * Lk does not fit BLAS's 32-bit sizes (Lq=" +
+                      std::to_string(p.seq.max_q()) + ", Lk=" + std::to_string(p.seq.max_k()) +
+                      ", expected Lq * Lk <= 2147483647); flash and reference have no such "
+                      "limit");
+  }
+}
+
+double math_estimate(Pass pass, const Params& p, const Launch& launch, const CostModel& m) {
+  return estimate_math(pass, p, launch, m);
+}
+
+}  // namespace attncore::detail
