@@ -1,0 +1,94 @@
+// attncore explain: the backend `auto` picks for the call the run flags describe, with every
+// backend's verdict, the cost model's estimates and its measured constants. Runs nothing: the
+// library's public explain_forward / explain_backward and cost_constants answer.
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "attncore/attncore.h"
+#include "commands.h"
+#include "flags.h"
+#include "json.h"
+#include "run_config.h"
+
+namespace attncore_tools {
+
+using attncore::Backend;
+
+int cmd_explain(const std::vector<std::string>& args) {
+  if (asks_for_help(args)) {
+    std::fputs(usage_text().c_str(), stdout);
+    return kExitOk;
+  }
+  const RunConfig c = parse_run_flags(args);
+  attncore::set_simd_target(c.simd);
+  // The views point at one byte: explain validates shapes and strides and reads no data.
+  static char no_data;
+  const CallViews w = c.views(&no_data);
+  const attncore::Options options = c.options(w.alibi, w.mask);
+  std::optional<attncore::BackendScope> only;  // --backend B: B alone is considered
+  if (c.backend != Backend::automatic) only.emplace(std::vector<Backend>{c.backend});
+  const attncore::Explanation e =
+      c.backward ? attncore::explain_backward(w.out, w.q, w.k, w.v, w.out, w.lse, options)
+                 : attncore::explain_forward(w.q, w.k, w.v, options);
+  const attncore::CostConstants k = attncore::cost_constants();
+  const int threads = c.resolved_threads();
+  const char* pass = c.backward ? "backward" : "forward";
+
+  if (c.json) {
+    JsonObject j;
+    j.add("version", attncore::version());
+    j.add("pass", pass);
+    c.add_shape(j);
+    j.add("threads", threads);
+    std::vector<std::string> enabled;
+    for (Backend b : attncore::enabled_backends()) {
+      enabled.push_back(JsonObject::quoted(name_of(b)));
+    }
+    j.add_json("enabled", json_array(enabled));
+    if (e.chosen == Backend::automatic) {
+      j.add_null("chosen");
+    } else {
+      j.add("chosen", name_of(e.chosen));
+    }
+    std::vector<std::string> verdicts;
+    for (const attncore::BackendVerdict& v : e.verdicts) {
+      JsonObject o;
+      o.add("backend", name_of(v.backend));
+      o.add("enabled", v.enabled);
+      o.add("can_run", v.reasons.empty());
+      std::vector<std::string> reasons;
+      for (const std::string& r : v.reasons) reasons.push_back(JsonObject::quoted(r));
+      o.add_json("reasons", json_array(reasons));
+      o.add("estimated_seconds", v.estimated_seconds >= 0
+                                     ? std::optional<double>(v.estimated_seconds)
+                                     : std::optional<double>());
+      verdicts.push_back(o.str());
+    }
+    j.add_json("verdicts", json_array(verdicts));
+    JsonObject constants;
+    constants.add("fma_gflops", k.fma_gflops);
+    constants.add("memory_gbps", k.memory_gbps);
+    constants.add("softmax_per_s", k.softmax_per_s);
+    constants.add("dispatch_seconds", k.dispatch_seconds);
+    constants.add("measure_seconds", k.measure_seconds);
+    j.add_json("constants", constants.str());
+    std::printf("%s\n", j.str().c_str());
+    return kExitOk;
+  }
+
+  std::printf("attncore explain: %s, dtype=%s %s causal=%s threads=%d\n", pass,
+              std::string(name_of(c.dtype)).c_str(), c.shape_text().c_str(),
+              std::string(name_of(c.causal)).c_str(), threads);
+  std::printf("%s", e.summary().c_str());
+  std::printf(
+      "cost model: f32 FMA %.0f GFLOP/s per thread, memory %.1f GB/s per thread, softmax "
+      "%.0f M elements/s per thread, thread pool wake-up %.1f us (measured in %.0f ms at first "
+      "use)\n",
+      k.fma_gflops, k.memory_gbps, k.softmax_per_s * 1e-6, k.dispatch_seconds * 1e6,
+      k.measure_seconds * 1e3);
+  return kExitOk;
+}
+
+}  // namespace attncore_tools

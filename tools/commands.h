@@ -1,0 +1,41 @@
+// What the command files share: exit codes, the two errors that map to them, and the commands'
+// entry points (one file each: cmd_default.cpp, cmd_info.cpp, cmd_run.cpp, cmd_explain.cpp,
+// cmd_bench.cpp).
+#pragma once
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+namespace attncore_tools {
+
+// Exit codes (DESIGN.md section 7).
+constexpr int kExitOk = 0;
+constexpr int kExitLibraryError = 1;
+constexpr int kExitUsage = 2;
+
+// A command line the program cannot run: reported with the usage text, exit code 2.
+struct UsageError {
+  std::string message;
+};
+
+// Failed self-checks in the default sweep: exit code 1 (the library computed a wrong result).
+struct CheckFailed {
+  std::string message;
+};
+
+// `args` are the arguments after the command's name.
+int cmd_default();
+int cmd_info(const std::vector<std::string>& args);
+int cmd_run(const std::vector<std::string>& args);
+int cmd_explain(const std::vector<std::string>& args);
+int cmd_bench(const std::vector<std::string>& args);
+
+// One number through a printf format ("%.0e").
+inline std::string format(const char* fmt, double x) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, fmt, x);
+  return buf;
+}
+
+}  // namespace attncore_tools

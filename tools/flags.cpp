@@ -1,0 +1,447 @@
+// The flag table of `run`, `explain` and `bench`: every flag once, with its name, value kind
+// (the type of the config field it lands in), default (that field's initial value unless the
+// row says otherwise), help line and commands. One parser reads the command line through it and
+// the usage texts are generated from it. Bad usage throws UsageError (exit code 2).
+#include "flags.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <optional>
+#include <string_view>
+#include <type_traits>
+#include <variant>
+
+#include "commands.h"
+
+namespace attncore_tools {
+
+using attncore::Backend;
+using attncore::Causal;
+using attncore::DType;
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Values. Backends, causal kinds and dtypes use the library's own spellings.
+
+template <class Enum>
+struct Accepted;
+template <>
+struct Accepted<Backend> {
+  static constexpr Backend values[] = {Backend::automatic, Backend::reference, Backend::math,
+                                       Backend::flash};
+};
+template <>
+struct Accepted<Causal> {
+  static constexpr Causal values[] = {Causal::none, Causal::upper_left, Causal::lower_right};
+};
+template <>
+struct Accepted<DType> {
+  static constexpr DType values[] = {DType::f32, DType::bf16, DType::f16};
+};
+template <>
+struct Accepted<MaskKind> {
+  static constexpr MaskKind values[] = {MaskKind::none, MaskKind::boolean, MaskKind::additive};
+};
+
+template <class Enum>
+Enum parse_enum(std::string_view flag, std::string_view text) {
+  for (Enum e : Accepted<Enum>::values) {
+    if (name_of(e) == text) return e;
+  }
+  std::string choices;
+  for (Enum e : Accepted<Enum>::values) {
+    if (!choices.empty()) choices += ',';
+    choices += name_of(e);
+  }
+  throw UsageError{std::string(flag) + ": unknown value '" + std::string(text) +
+                   "' (expected one of " + choices + ")"};
+}
+
+std::int64_t parse_int(std::string_view flag, std::string_view text, std::int64_t min_value) {
+  std::int64_t v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || end != text.data() + text.size() || text.empty()) {
+    throw UsageError{std::string(flag) + ": '" + std::string(text) + "' is not an integer"};
+  }
+  if (v < min_value) {
+    throw UsageError{std::string(flag) + ": " + std::string(text) + " is below the minimum " +
+                     std::to_string(min_value)};
+  }
+  return v;
+}
+
+std::uint64_t parse_uint(std::string_view flag, std::string_view text) {
+  std::uint64_t v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || end != text.data() + text.size() || text.empty()) {
+    throw UsageError{std::string(flag) + ": '" + std::string(text) +
+                     "' is not a non-negative integer"};
+  }
+  return v;
+}
+
+double parse_double(std::string_view flag, std::string_view text) {
+  double v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || end != text.data() + text.size() || text.empty()) {
+    throw UsageError{std::string(flag) + ": '" + std::string(text) + "' is not a number"};
+  }
+  return v;
+}
+
+int parse_count(std::string_view flag, std::string_view text, std::int64_t min_value) {
+  constexpr std::int64_t kMaxCount = 1 << 20;  // far above any sane thread or repeat count
+  const std::int64_t v = parse_int(flag, text, min_value);
+  if (v > kMaxCount)
+    throw UsageError{std::string(flag) + ": " + std::string(text) + " is too large"};
+  return static_cast<int>(v);
+}
+
+Window parse_window(std::string_view flag, std::string_view text) {
+  const auto comma = text.find(',');
+  if (comma == std::string_view::npos) {
+    throw UsageError{std::string(flag) + ": '" + std::string(text) + "' is not L,R"};
+  }
+  // The library checks the values (-1 = unbounded, else >= 0).
+  constexpr std::int64_t kAny = std::numeric_limits<std::int64_t>::min();
+  Window w;
+  w.left = parse_int(flag, text.substr(0, comma), kAny);
+  w.right = parse_int(flag, text.substr(comma + 1), kAny);
+  return w;
+}
+
+std::vector<std::string_view> split_commas(std::string_view text) {
+  std::vector<std::string_view> parts;
+  for (std::size_t at = 0;;) {
+    const std::size_t comma = text.find(',', at);
+    parts.push_back(text.substr(at, comma == std::string_view::npos ? comma : comma - at));
+    if (comma == std::string_view::npos) return parts;
+    at = comma + 1;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The table.
+
+// The commands a flag belongs to; `explain` takes run's flags.
+enum FlagSet : unsigned { kRun = 1, kBench = 2, kBoth = kRun | kBench };
+
+// Where a flag's value lands, which is also its kind: the field's type says how the value is
+// read (integers, counts, numbers, enums, lists of them, text) and shown as a default. A switch
+// lands in a bool. std::monostate: lands nowhere (--help, handled before parsing).
+using Field =
+    std::variant<std::monostate, bool RunConfig::*, std::int64_t RunConfig::*, int RunConfig::*,
+                 double RunConfig::*, std::uint64_t RunConfig::*, std::string RunConfig::*,
+                 DType RunConfig::*, Causal RunConfig::*, Backend RunConfig::*,
+                 MaskKind RunConfig::*, Window RunConfig::*, bool BenchSweep::*, int BenchSweep::*,
+                 std::string BenchSweep::*, std::vector<std::int64_t> BenchSweep::*,
+                 std::vector<DType> BenchSweep::*, std::vector<Causal> BenchSweep::*>;
+
+struct Flag {
+  std::string_view name;
+  std::string_view value_name;  // the value's placeholder in the usage text; "": a switch
+  FlagSet commands;
+  Field field;
+  std::string_view help;  // '\n' continues on the next line
+  // The default the usage text shows; "": the field's initial value in the command's config
+  // (none for switches and files).
+  std::string_view shown_default = "";
+  std::int64_t min = 0;  // counts (int fields): the smallest value accepted
+};
+
+// Sizes (integer fields and lists of them) accept 0 in run and explain (empty problems are
+// legal; the library checks the rest) and at least 1 in bench, which times every point.
+std::int64_t min_size(FlagSet command) { return command == kBench ? 1 : 0; }
+
+// In the order of the usage texts.
+constexpr Flag kFlags[] = {
+    {"--batch", "N", kBoth, &RunConfig::batch, "batch size B"},
+    {"--heads-q", "N", kBoth, &RunConfig::heads_q, "query heads Hq"},
+    {"--heads-kv", "N", kBoth, &RunConfig::heads_kv, "key/value heads Hkv, Hq % Hkv == 0",
+     "= heads-q"},
+    {"--seqlen-q", "N", kRun, &RunConfig::seqlen_q, "query length Lq"},
+    {"--seqlen-k", "N", kRun, &RunConfig::seqlen_k, "key/value length Lk", "= seqlen-q"},
+    {"--seqlens", "L,L,...", kBench, &BenchSweep::seqlens, "sequence lengths, Lq = Lk"},
+    {"--head-dim", "N", kBoth, &RunConfig::head_dim, "query/key head dim D"},
+    {"--head-dim-v", "N", kRun, &RunConfig::head_dim_v, "value head dim Dv", "= head-dim"},
+    {"--dtype", "T", kRun, &RunConfig::dtype, "f32, bf16 or f16"},
+    {"--dtypes", "T,T", kBench, &BenchSweep::dtypes, "f32, bf16, f16"},
+    {"--causal", "C", kRun, &RunConfig::causal, "none, upper-left or lower-right"},
+    {"--causal", "C,C", kBench, &BenchSweep::causals, "none, upper-left, lower-right"},
+    {"--window", "L,R", kRun, &RunConfig::window, "sliding window, -1 = unbounded on that side"},
+    {"--softcap", "X", kRun, &RunConfig::softcap, "softcap, 0 = off"},
+    {"--alibi", "", kRun, &RunConfig::alibi, "ALiBi with the standard slopes 2^(-8(h+1)/Hq)"},
+    {"--mask", "M", kRun, &RunConfig::mask,
+     "none, bool (random, 90% true) or additive (random in [-2, 0)),\nshape [Lq, Lk]"},
+    {"--dropout", "P", kRun, &RunConfig::dropout, "dropout probability"},
+    {"--seed", "S", kRun, &RunConfig::seed, "seed of the random inputs and of dropout"},
+    {"--backend", "B", kRun, &RunConfig::backend, "auto, reference, math or flash"},
+    {"--backward", "", kBoth, &RunConfig::backward, "also time the backward (with a random dout)"},
+    {"--threads", "N", kBoth, &RunConfig::threads,
+     "threads, 0 = ATTNCORE_NUM_THREADS or all cores"},
+    {"--simd", "T", kBoth, &RunConfig::simd,
+     "the flash kernels' SIMD target: avx512bf16, avx512, avx2 or generic\n(`attncore info` "
+     "lists this CPU's)",
+     "the best this CPU runs"},
+    {"--repeat", "N", kBoth, &RunConfig::repeat, "calls timed; the best is reported", "", 1},
+    {"--check", "", kRun, &RunConfig::check, "max abs error against the reference backend in f64"},
+    {"--json", "", kRun, &RunConfig::json, "print one JSON object on stdout and nothing else"},
+    {"--select", "", kBench, &BenchSweep::select,
+     "instead: a fixed sweep of shapes (tiny to long, decode, causal;\nf32 and bf16), each "
+     "backend and auto's choice timed in --passes\ninterleaved passes (median), and auto's time "
+     "over the best one's;\nwith --backward: the backward instead of the forward"},
+    {"--passes", "N", kBench, &BenchSweep::passes, "with --select: interleaved passes per shape",
+     "", 1},
+    {"--csv", "FILE", kBench, &BenchSweep::csv, "also write the table as CSV"},
+    {"--json", "FILE", kBench, &BenchSweep::json, "also write it as JSON"},
+    {"--png", "FILE", kBench, &BenchSweep::png, "also plot GFLOP/s against sequence length"},
+    {"--help", "", kBoth, std::monostate{}, "this text"},
+};
+
+// A name means one flag per command.
+constexpr bool names_are_unique() {
+  for (const Flag& a : kFlags) {
+    for (const Flag& b : kFlags) {
+      if (&a != &b && a.name == b.name && (a.commands & b.commands) != 0) return false;
+    }
+  }
+  return true;
+}
+static_assert(names_are_unique());
+
+// ---------------------------------------------------------------------------------------------
+// Reading a value into its field, and showing a field's default.
+
+template <class Member>
+struct MemberTraits;
+template <class T, class Owner>
+struct MemberTraits<T Owner::*> {
+  using type = T;
+  using owner = Owner;
+};
+
+template <class T>
+struct IsVector : std::false_type {};
+template <class T>
+struct IsVector<std::vector<T>> : std::true_type {};
+
+template <class T>
+T parse_value(const Flag& f, FlagSet command, std::string_view text) {
+  if constexpr (std::is_same_v<T, bool>) {
+    return true;  // a switch
+  } else if constexpr (std::is_same_v<T, std::int64_t>) {
+    return parse_int(f.name, text, min_size(command));
+  } else if constexpr (std::is_same_v<T, int>) {
+    return parse_count(f.name, text, f.min);
+  } else if constexpr (std::is_same_v<T, double>) {
+    return parse_double(f.name, text);
+  } else if constexpr (std::is_same_v<T, std::uint64_t>) {
+    return parse_uint(f.name, text);
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    return std::string(text);
+  } else if constexpr (std::is_same_v<T, Window>) {
+    return parse_window(f.name, text);
+  } else if constexpr (IsVector<T>::value) {
+    T values;
+    for (std::string_view part : split_commas(text)) {
+      values.push_back(parse_value<typename T::value_type>(f, command, part));
+    }
+    return values;
+  } else {
+    return parse_enum<T>(f.name, text);
+  }
+}
+
+template <class T>
+std::string show_value(const T& value) {
+  if constexpr (std::is_same_v<T, bool> || std::is_same_v<T, std::string>) {
+    return "";  // switches and files have no default to show
+  } else if constexpr (std::is_integral_v<T>) {
+    return std::to_string(value);
+  } else if constexpr (std::is_same_v<T, double>) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g", value);
+    return buf;
+  } else if constexpr (std::is_same_v<T, Window>) {
+    return std::to_string(value.left) + "," + std::to_string(value.right);
+  } else if constexpr (IsVector<T>::value) {
+    std::string s;
+    for (const auto& e : value) {
+      if (!s.empty()) s += ',';
+      s += show_value(e);
+    }
+    return s;
+  } else {
+    return std::string(name_of(value));
+  }
+}
+
+// The configs a command line fills: the run config and, for bench, the sweep (which run's
+// flags never reach).
+struct Target {
+  RunConfig& run;
+  BenchSweep& sweep;
+};
+
+template <class Owner>
+Owner& owner_of(const Target& t) {
+  if constexpr (std::is_same_v<Owner, RunConfig>) {
+    return t.run;
+  } else {
+    return t.sweep;
+  }
+}
+
+void land(const Flag& f, FlagSet command, std::string_view text, const Target& into) {
+  std::visit(
+      [&](auto field) {
+        if constexpr (!std::is_same_v<decltype(field), std::monostate>) {
+          using Traits = MemberTraits<decltype(field)>;
+          owner_of<typename Traits::owner>(into).*field =
+              parse_value<typename Traits::type>(f, command, text);
+        }
+      },
+      f.field);
+}
+
+std::string shown_default(const Flag& f, const Target& defaults) {
+  if (!f.shown_default.empty()) return std::string(f.shown_default);
+  return std::visit(
+      [&](auto field) -> std::string {
+        if constexpr (std::is_same_v<decltype(field), std::monostate>) {
+          return "";
+        } else {
+          return show_value(owner_of<typename MemberTraits<decltype(field)>::owner>(defaults).*
+                            field);
+        }
+      },
+      f.field);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parsing and usage.
+
+// Reads `args` into `into` (which holds the command's defaults). --flag value and --flag=value;
+// a value never starts with "--".
+void parse_flags(const std::vector<std::string>& args, FlagSet command, const Target& into) {
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    std::string_view arg = args[i];
+    std::optional<std::string_view> inline_value;  // --flag=value
+    if (const auto eq = arg.find('='); arg.starts_with("--") && eq != std::string_view::npos) {
+      inline_value = arg.substr(eq + 1);
+      arg = arg.substr(0, eq);
+    }
+    const Flag* flag = nullptr;
+    for (const Flag& f : kFlags) {
+      if ((f.commands & command) != 0 && arg == f.name) flag = &f;
+    }
+    if (flag == nullptr) {
+      throw UsageError{(command == kBench ? "unknown bench flag '" : "unknown argument '") +
+                       args[i] + "'"};
+    }
+    if (flag->value_name.empty()) {
+      if (inline_value) throw UsageError{std::string(arg) + " takes no value"};
+      land(*flag, command, {}, into);
+      continue;
+    }
+    std::string_view value;
+    if (inline_value) {
+      value = *inline_value;
+    } else if (i + 1 < args.size() && !std::string_view(args[i + 1]).starts_with("--")) {
+      value = args[++i];
+    } else {
+      throw UsageError{std::string(arg) + " needs a value"};
+    }
+    land(*flag, command, value, into);
+  }
+}
+
+// The flag lines of a command's usage text: "  --name VALUE" in a 27-column field, then the
+// help, the default in brackets after its last line.
+std::string flag_lines(FlagSet command, const Target& defaults) {
+  constexpr std::size_t kHelpColumn = 27;
+  std::string text;
+  for (const Flag& f : kFlags) {
+    if ((f.commands & command) == 0) continue;
+    std::string line = "  ";
+    line += f.name;
+    if (!f.value_name.empty()) {
+      line += ' ';
+      line += f.value_name;
+    }
+    line.resize(std::max(kHelpColumn, line.size() + 1), ' ');
+    for (const char ch : f.help) {
+      if (ch == '\n') {
+        line += '\n';
+        line.append(kHelpColumn, ' ');
+      } else {
+        line += ch;
+      }
+    }
+    const std::string d = shown_default(f, defaults);
+    if (!d.empty()) line += " [" + d + "]";
+    text += line;
+    text += '\n';
+  }
+  return text;
+}
+
+constexpr const char* kCommands = R"(usage:
+  attncore                 check and time every backend on a few shapes (the default)
+  attncore info            version, CPU, SIMD targets, threads, measured FMA peak
+  attncore run [flags]     time (and check) one attention call on random data
+  attncore explain [flags] which backend `auto` picks for the call the run flags describe, and
+                           why: every backend's verdict, the cost model's estimates and constants
+                           (runs nothing; --backend B considers only B; --backward: the backward)
+  attncore bench [flags]   fused kernels against math over sequence lengths (bench --help)
+
+run flags (defaults in brackets):
+)";
+
+}  // namespace
+
+bool asks_for_help(const std::vector<std::string>& args) {
+  for (const std::string& a : args) {
+    if (a == "--help" || a == "-h") return true;
+  }
+  return false;
+}
+
+RunConfig parse_run_flags(const std::vector<std::string>& args) {
+  RunConfig c;
+  BenchSweep unused;
+  parse_flags(args, kRun, {c, unused});
+  c.finish();
+  return c;
+}
+
+BenchConfig parse_bench_flags(const std::vector<std::string>& args) {
+  BenchConfig c;
+  parse_flags(args, kBench, {c.run, c.sweep});
+  c.run.finish();
+  return c;
+}
+
+const std::string& usage_text() {
+  static const std::string text = [] {
+    RunConfig defaults;
+    BenchSweep unused;
+    return kCommands + flag_lines(kRun, {defaults, unused});
+  }();
+  return text;
+}
+
+const std::string& bench_usage_text() {
+  static const std::string text = [] {
+    BenchConfig defaults;
+    return "usage: attncore bench [flags]   (Lq = Lk, Dv = D; defaults in brackets)\n" +
+           flag_lines(kBench, {defaults.run, defaults.sweep});
+  }();
+  return text;
+}
+
+}  // namespace attncore_tools

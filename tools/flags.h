@@ -1,0 +1,26 @@
+// The command line of `run`, `explain` and `bench`: one table of flags (flags.cpp) parses them
+// into a RunConfig or BenchConfig and generates the usage texts.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "run_config.h"
+
+namespace attncore_tools {
+
+// Whether the arguments ask for the command's usage text (--help or -h anywhere).
+bool asks_for_help(const std::vector<std::string>& args);
+
+// The flags of `run` and `explain`; the config comes back finished (RunConfig::finish).
+RunConfig parse_run_flags(const std::vector<std::string>& args);
+// The flags of `bench`; its run config comes back finished.
+BenchConfig parse_bench_flags(const std::vector<std::string>& args);
+
+// The commands and run's flags: `attncore --help`, `run --help`, `explain --help`, and the text
+// after a usage error.
+const std::string& usage_text();
+// `bench --help`.
+const std::string& bench_usage_text();
+
+}  // namespace attncore_tools

@@ -1,0 +1,61 @@
+// The data of a configured call: element access by dtype, a portable random generator, and
+// PreparedCall (a RunConfig with its random inputs and the Options that view them).
+#pragma once
+
+#include <cstdint>
+
+#include "attncore/attncore.h"
+#include "run_config.h"
+
+namespace attncore_tools {
+
+// splitmix64 (Steele et al. 2014), so the data is the same on every platform (std::
+// distributions are implementation-defined).
+class Random {
+ public:
+  explicit Random(std::uint64_t seed) : state_(seed) {}
+  std::uint64_t next() {
+    std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  // Uniform in [0, 1) with 53 random bits.
+  double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
+
+ private:
+  std::uint64_t state_;
+};
+
+// Element `offset` (in elements from t.data) of a view of any dtype, converted to or from double
+// (the 16-bit types through float; bool: 0 or 1; i32 truncated toward zero).
+void store(const attncore::TensorView& t, std::int64_t offset, double value);
+double load(const attncore::TensorView& t, std::int64_t offset);
+
+// Calls f(offset) for every element of a strided view, in row-major order.
+template <class F>
+void for_each_offset(const attncore::TensorView& t, F&& f) {
+  constexpr int kDims = attncore::kMaxRank;
+  std::int64_t n[kDims] = {1, 1, 1, 1}, st[kDims] = {0, 0, 0, 0};
+  for (int d = 0; d < t.rank; ++d) {
+    n[kDims - t.rank + d] = t.size(d);
+    st[kDims - t.rank + d] = t.stride_of(d);
+  }
+  for (std::int64_t a = 0; a < n[0]; ++a)
+    for (std::int64_t b = 0; b < n[1]; ++b)
+      for (std::int64_t c = 0; c < n[2]; ++c)
+        for (std::int64_t d = 0; d < n[3]; ++d) f(a * st[0] + b * st[1] + c * st[2] + d * st[3]);
+}
+
+// A configured call ready to run: q, k, v uniform in [-1, 1) (dout too with --backward), the
+// ALiBi slopes and the mask when configured, and the options viewing them.
+struct PreparedCall {
+  RunConfig cfg;
+  attncore::Tensor q, k, v, dout, mask, alibi;
+  attncore::Options options;
+};
+
+// `c` must be finished (RunConfig::finish).
+PreparedCall prepare_call(const RunConfig& c);
+
+}  // namespace attncore_tools

@@ -1,0 +1,33 @@
+// One timed (and optionally checked) call, and the FLOP counts its rates are based on.
+//
+// FLOPs (DESIGN.md section 5): forward 2*(D + Dv) per visible (query, key) pair and head, that
+// is 4*B*Hq*Lq*Lk*D with no mask and Dv = D; backward 2.5x forward. "Visible" counts the pairs
+// that causal and window masks leave; a boolean mask is data, not structure, and is not
+// discounted (its pairs are counted as visible).
+#pragma once
+
+#include <optional>
+
+#include "check.h"
+#include "inputs.h"
+#include "run_config.h"
+
+namespace attncore_tools {
+
+double forward_flops(const RunConfig& c);
+constexpr double kBackwardFlopFactor = 2.5;  // DESIGN.md section 5
+
+// FLOPs over seconds in GFLOP/s; 0 when either is 0.
+double gflops(double flops, double seconds);
+
+struct RunResult {
+  double flops = 0, seconds = 0;
+  double bwd_flops = 0, bwd_seconds = 0;
+  std::optional<CheckResult> check;
+};
+
+// Times the forward (and with cfg.backward the backward) on cfg.backend, best of cfg.repeat
+// calls each, then checks the results when cfg.check asks for it.
+RunResult run_once(const PreparedCall& p);
+
+}  // namespace attncore_tools

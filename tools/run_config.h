@@ -1,0 +1,102 @@
+// The configuration of one attention call (RunConfig), filled in by the flag table (flags.cpp)
+// or by the sweeps of `attncore` and `attncore bench`, and what it produces: the library's
+// Options and the tensor views of the call. BenchConfig adds bench's sweep to a RunConfig.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "attncore/attncore.h"
+
+namespace attncore_tools {
+
+class JsonObject;
+
+// The attention mask `run --mask` adds: none, random boolean or random additive, [Lq, Lk].
+enum class MaskKind { none, boolean, additive };
+std::string_view name_of(MaskKind m);
+using attncore::name_of;
+
+// A sliding window; -1 = unbounded on that side.
+struct Window {
+  std::int64_t left = -1;
+  std::int64_t right = -1;
+};
+
+// The views of a configured call's inputs and outputs over one `data` pointer; the ALiBi slopes
+// and the mask have rank 0 when the call has none.
+struct CallViews {
+  attncore::TensorView q, k, v, out, lse, alibi, mask;
+};
+
+struct RunConfig {
+  std::int64_t batch = 1;
+  std::int64_t heads_q = 8;      // a typical small model (GPT-2 has 12, BERT-base 12, Llama 32)
+  std::int64_t heads_kv = -1;    // -1: = heads_q
+  std::int64_t seqlen_q = 1024;  // a common context length: long enough to be compute-bound
+  std::int64_t seqlen_k = -1;    // -1: = seqlen_q
+  std::int64_t head_dim = 64;    // the most common head dim with 128
+  std::int64_t head_dim_v = -1;  // -1: = head_dim
+  attncore::DType dtype = attncore::DType::f32;
+  attncore::Causal causal = attncore::Causal::none;
+  Window window;
+  double softcap = 0.0;
+  bool alibi = false;
+  MaskKind mask = MaskKind::none;
+  double dropout = 0.0;
+  std::uint64_t seed = 0;
+  attncore::Backend backend = attncore::Backend::automatic;
+  bool backward = false;
+  int threads = 0;   // 0: the library's default (ATTNCORE_NUM_THREADS or all cores)
+  std::string simd;  // the flash SIMD target; "": the automatic choice
+  int repeat = 3;    // best of 3: enough to skip the first call's page faults
+  bool check = false;
+  bool json = false;
+
+  // Resolves the "same as" defaults (heads_kv, seqlen_k, head_dim_v).
+  void finish();
+  int resolved_threads() const;
+
+  // The call's options; `alibi` and `mask` are the views of its slopes and mask (used when the
+  // configuration asks for them).
+  attncore::Options options(const attncore::TensorView& alibi,
+                            const attncore::TensorView& mask) const;
+  // Contiguous views of the call's tensors, all over `data`: `attncore explain` passes one byte
+  // (it validates shapes and reads no data), prepare_call takes the shapes of its tensors.
+  CallViews views(void* data) const;
+
+  // "B=1 Hq=8 Hkv=8 Lq=1024 Lk=1024 D=64 Dv=64"
+  std::string shape_text() const;
+  // The call's dtype, shape and causal kind, as `run --json` and `explain --json` report them.
+  void add_shape(JsonObject& j) const;
+};
+
+// What `attncore bench` sweeps over, and the files it writes.
+struct BenchSweep {
+  std::vector<std::int64_t> seqlens = {512, 1024, 2048, 4096};  // Lq = Lk
+  std::vector<attncore::DType> dtypes = {attncore::DType::f32, attncore::DType::bf16};
+  std::vector<attncore::Causal> causals = {attncore::Causal::none, attncore::Causal::lower_right};
+  int passes = 3;  // bench --select: interleaved passes per shape
+  bool select = false;
+  std::string csv, json, png;  // "": not written
+};
+
+// bench's defaults for the flags it shares with run: larger heads than run's, so that the
+// kernels are compared where they are compute-bound.
+inline RunConfig bench_run_defaults() {
+  RunConfig c;
+  c.heads_q = 16;
+  c.head_dim = 128;
+  return c;
+}
+
+// `attncore bench`: the flags it shares with run land in `run` (B, Hq, Hkv, D, threads, SIMD
+// target, repeat, backward), its own in `sweep`.
+struct BenchConfig {
+  RunConfig run = bench_run_defaults();
+  BenchSweep sweep;
+};
+
+}  // namespace attncore_tools
