@@ -116,24 +116,65 @@ bool flash_reads_kv_in_place(const Params& p, int tile_rows, bool bf16_dot) {
   return p.group * p.seq.lq <= tile_rows && !(bf16_dot && p.dtype == DType::bf16);
 }
 
-// The kv groups (b, kv head) of a call in the order threads take them: dense, in order; varlen,
-// the longest sequences first (lq * lk, the largest first: no long group is left to the end of
-// a spread run while the other threads idle). Ties keep their order: the order depends only on
-// the problem.
-std::vector<std::int64_t> flash_group_order(const Params& p) {
-  std::vector<std::int64_t> order(static_cast<std::size_t>(p.batch * p.heads_kv));
-  for (std::size_t g = 0; g < order.size(); ++g) order[g] = static_cast<std::int64_t>(g);
-  if (!p.seq.varlen()) return order;
-  std::vector<double> work(static_cast<std::size_t>(p.batch));
-  for (std::int64_t b = 0; b < p.batch; ++b) {
-    const SeqSpan s = p.seq.at(b);
-    work[static_cast<std::size_t>(b)] = static_cast<double>(s.lq) * static_cast<double>(s.lk);
+FlashForwardPlan plan_flash_forward(const Params& call, int threads, const FlashLayout& layout) {
+  FlashForwardPlan plan;
+  const std::int64_t groups = call.batch * call.heads_kv;
+  // Work of a group: its query rows times keys (the cost of a plain, unmasked group).
+  std::vector<double> work(static_cast<std::size_t>(call.batch));
+  double total = 0;
+  for (std::int64_t b = 0; b < call.batch; ++b) {
+    const SeqSpan s = call.seq.at(b);
+    const double w = static_cast<double>(s.lq) * static_cast<double>(s.lk) *
+                     static_cast<double>(call.group);
+    work[static_cast<std::size_t>(b)] = w;
+    total += w * static_cast<double>(call.heads_kv);
   }
-  std::stable_sort(order.begin(), order.end(), [&](std::int64_t x, std::int64_t y) {
-    return work[static_cast<std::size_t>(x / p.heads_kv)] >
-           work[static_cast<std::size_t>(y / p.heads_kv)];
-  });
-  return order;
+  // Threads take whole groups, varlen ones the longest first (ties keep their order): no long
+  // group is left to the end while the other threads idle. The order depends only on the
+  // problem.
+  plan.order.resize(static_cast<std::size_t>(groups));
+  for (std::size_t g = 0; g < plan.order.size(); ++g) plan.order[g] = static_cast<std::int64_t>(g);
+  if (call.seq.varlen()) {
+    std::stable_sort(plan.order.begin(), plan.order.end(), [&](std::int64_t x, std::int64_t y) {
+      return work[static_cast<std::size_t>(x / call.heads_kv)] >
+             work[static_cast<std::size_t>(y / call.heads_kv)];
+    });
+  }
+  // Enough kv groups to keep every thread busy on whole groups (each thread packs its groups
+  // into its own panel, no barrier between groups), and panels small next to the operands
+  // (at most 1/8 of q, k, v and out together): groups are spread over the threads. Varlen
+  // groups are spread only when, handed out in this order to whichever thread is free, no
+  // thread gets more than 5% above its share (one sequence of 8192 among 63 of 16 with 32
+  // query heads on one kv head is one group: it runs with every thread on its items). Else the groups go one after the other, their packing and their
+  // items shared by all threads. A group with one item (decode) packs each tile just before
+  // its use, into scratch: no panel at all.
+  const std::int64_t tiles = (call.seq.max_k() + layout.key_tile - 1) / layout.key_tile;
+  const std::int64_t dv_pad = round_up(call.head_dim_v, layout.dv_align);
+  plan.panel_floats = round_up(tiles * layout.key_tile * (call.head_dim + dv_pad), 16);
+  plan.on_the_fly = !call.seq.varlen() && plan_items(call, layout.block_rows).count == 1 &&
+                    (groups >= threads ||
+                     flash_reads_kv_in_place(call, layout.tile_rows, layout.bf16_dot));
+  const double dims = static_cast<double>(call.head_dim + call.head_dim_v);
+  const double q_rows = call.seq.varlen() ? static_cast<double>(call.seq.cu_q[call.batch])
+                                          : static_cast<double>(call.batch * call.seq.lq);
+  const double k_rows = call.seq.varlen() ? static_cast<double>(call.seq.cu_k[call.batch])
+                                          : static_cast<double>(call.batch * call.seq.lk);
+  const double operand_floats = dims * (static_cast<double>(call.heads_q) * q_rows +
+                                        static_cast<double>(call.heads_kv) * k_rows);
+  const bool enough_groups = groups >= 2 * threads || groups % threads == 0;
+  bool even = true;
+  if (call.seq.varlen()) {
+    std::vector<double> load(static_cast<std::size_t>(threads), 0.0);
+    for (std::int64_t g : plan.order) {
+      *std::min_element(load.begin(), load.end()) +=
+          work[static_cast<std::size_t>(g / call.heads_kv)];
+    }
+    even = *std::max_element(load.begin(), load.end()) <= 1.05 * total / threads;
+  }
+  plan.spread = plan.on_the_fly ||
+                (enough_groups && even &&
+                 8.0 * threads * static_cast<double>(plan.panel_floats) <= operand_floats);
+  return plan;
 }
 
 void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& call_args) {
@@ -144,14 +185,15 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
   // Sized for the longest sequence (varlen) or every sequence (dense).
   const std::int64_t tiles = (call.seq.max_k() + layout.key_tile - 1) / layout.key_tile;
   const std::int64_t dv_pad = round_up(call.head_dim_v, layout.dv_align);
-  const std::int64_t panel_floats = round_up(tiles * layout.key_tile * (d + dv_pad), 16);
   const std::int64_t scratch_floats =
       round_up(layout.block_rows * (d + layout.key_tile + dv_pad + 3) +
                    layout.key_tile * (d + dv_pad) + layout.block_rows * layout.key_tile / 2,
                16);
   const int threads = std::max(1, launch.threads);
   const std::int64_t groups = call.batch * call.heads_kv;
-  const std::vector<std::int64_t> order = flash_group_order(call);
+  const FlashForwardPlan plan = plan_flash_forward(call, threads, layout);
+  const std::int64_t panel_floats = plan.panel_floats;
+  const bool on_the_fly = plan.on_the_fly;
 
   auto scratch_of = [&](float* base) {
     const std::int64_t r = layout.block_rows;
@@ -168,28 +210,11 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
   };
   AlignedFloats scratch(threads * scratch_floats);
 
-  // Enough kv groups to keep every thread busy on whole groups (each thread packs its groups
-  // into its own panel, no barrier between groups), and panels small next to the operands
-  // (at most 1/8 of q, k, v and out together): groups are spread over the threads. Else the
-  // groups go one after the other, their packing and their items shared by all threads.
-  // A group with one item (decode) packs each tile just before its use, into scratch: no
-  // panel at all; an item of at most one micro-tile of rows reads K and V in place, without
-  // packing, and so never gets a panel (its bits must not depend on the thread count). Items
-  // compute the same in every mode. Each group resolves its sequence once (core/sequence.h).
-  const ItemPlan dense_plan = plan_items(call, layout.block_rows);
-  const bool on_the_fly =
-      !call.seq.varlen() && dense_plan.count == 1 &&
-      (groups >= threads || flash_reads_kv_in_place(call, layout.tile_rows, layout.bf16_dot));
-  const double dims = static_cast<double>(d) + static_cast<double>(call.head_dim_v);
-  const double q_rows = call.seq.varlen() ? static_cast<double>(call.seq.cu_q[call.batch])
-                                          : static_cast<double>(call.batch * call.seq.lq);
-  const double k_rows = call.seq.varlen() ? static_cast<double>(call.seq.cu_k[call.batch])
-                                          : static_cast<double>(call.batch * call.seq.lk);
-  const double operand_floats = dims * (static_cast<double>(call.heads_q) * q_rows +
-                                        static_cast<double>(call.heads_kv) * k_rows);
-  const bool spread = groups >= 2 * threads || groups % threads == 0;
-  if (on_the_fly ||
-      (spread && 8.0 * threads * static_cast<double>(panel_floats) <= operand_floats)) {
+  // Modes and order: plan_flash_forward. An item of at most one micro-tile of rows reads K and
+  // V in place, without packing, and so never gets a panel (its bits must not depend on the
+  // thread count). Items compute the same in every mode. Each group resolves its sequence once
+  // (core/sequence.h).
+  if (plan.spread) {
     AlignedFloats panels(on_the_fly ? 1 : threads * panel_floats);
     std::atomic<std::int64_t> next{0};
     run_tasks(threads, threads, [&](int slot) {
@@ -197,17 +222,17 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
       float* v_rows = on_the_fly ? nullptr : k_tiles + tiles * layout.key_tile * d;
       const FlashScratch w = scratch_of(scratch.get() + slot * scratch_floats);
       for (std::int64_t n = next.fetch_add(1); n < groups; n = next.fetch_add(1)) {
-        const std::int64_t g = order[static_cast<std::size_t>(n)];
+        const std::int64_t g = plan.order[static_cast<std::size_t>(n)];
         const std::int64_t b = g / call.heads_kv, kv_head = g % call.heads_kv;
         const Sequence<ForwardArgs> s = resolve_sequence(call, call_args, b);
-        const ItemPlan plan = plan_items(s.p, layout.block_rows);
+        const ItemPlan items = plan_items(s.p, layout.block_rows);
         // One item: tiles packed on the fly (the same bits as from a panel).
-        const bool packed = !on_the_fly && plan.count > 1;
+        const bool packed = !on_the_fly && items.count > 1;
         const FlashPanel panel{packed ? k_tiles : nullptr, packed ? v_rows : nullptr, dv_pad};
         const std::int64_t seq_tiles = (s.p.seq.lk + layout.key_tile - 1) / layout.key_tile;
         if (packed) target.pack_tiles(s.p, s.a, b, kv_head, 0, seq_tiles, k_tiles, v_rows, dv_pad);
-        for (std::int64_t i = 0; i < plan.count; ++i)
-          target.run_block(s.p, s.a, panel, plan.item(b, kv_head, i, s.p), w);
+        for (std::int64_t i = 0; i < items.count; ++i)
+          target.run_block(s.p, s.a, panel, items.item(b, kv_head, i, s.p), w);
       }
     });
     return;
@@ -215,11 +240,11 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
   AlignedFloats shared(panel_floats);
   float* k_tiles = shared.get();
   float* v_rows = k_tiles + tiles * layout.key_tile * d;
-  for (std::int64_t g : order) {
+  for (std::int64_t g : plan.order) {
     const std::int64_t b = g / call.heads_kv, kv_head = g % call.heads_kv;
     const Sequence<ForwardArgs> s = resolve_sequence(call, call_args, b);
-    const ItemPlan plan = plan_items(s.p, layout.block_rows);
-    if (plan.count == 0) continue;
+    const ItemPlan items = plan_items(s.p, layout.block_rows);
+    if (items.count == 0) continue;
     // An item that reads K and V in place never gets a panel (see above).
     const bool packed = !flash_reads_kv_in_place(s.p, layout.tile_rows, layout.bf16_dot);
     const FlashPanel panel{packed ? k_tiles : nullptr, packed ? v_rows : nullptr, dv_pad};
@@ -231,11 +256,11 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
     }
     // Items are handed out in order from one counter (causal items differ in cost).
     std::atomic<std::int64_t> next{0};
-    run_tasks(static_cast<int>(std::min<std::int64_t>(threads, plan.count)), threads,
+    run_tasks(static_cast<int>(std::min<std::int64_t>(threads, items.count)), threads,
               [&](int slot) {
                 const FlashScratch w = scratch_of(scratch.get() + slot * scratch_floats);
-                for (std::int64_t n = next.fetch_add(1); n < plan.count; n = next.fetch_add(1)) {
-                  target.run_block(s.p, s.a, panel, plan.item(b, kv_head, n, s.p), w);
+                for (std::int64_t n = next.fetch_add(1); n < items.count; n = next.fetch_add(1)) {
+                  target.run_block(s.p, s.a, panel, items.item(b, kv_head, n, s.p), w);
                 }
               });
   }

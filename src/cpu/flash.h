@@ -118,6 +118,17 @@ const FlashTarget& flash_target_chosen();
 
 void flash_forward(const Params& p, const Launch& launch, const ForwardArgs& args);
 
+// How flash_forward runs a call on `threads` threads: kv groups (b, kv head) spread over the
+// threads, each thread taking the next group in `order` (else the groups go one after the
+// other, their items shared by all threads), and whether tiles are packed on the fly.
+struct FlashForwardPlan {
+  bool spread = false;
+  bool on_the_fly = false;
+  std::vector<std::int64_t> order;  // group b * Hkv + kv_head, in the order they are taken
+  std::int64_t panel_floats = 0;    // one panel: the longest sequence's K and V tiles
+};
+FlashForwardPlan plan_flash_forward(const Params& p, int threads, const FlashLayout& layout);
+
 // Whether the forward reads K and V in place instead of packing tiles: decode, each kv group's
 // rows (group * Lq) within one micro-tile of `tile_rows`, on f32 products (not native bf16
 // dots). flash_forward gives such a problem no panel whatever the thread count.
