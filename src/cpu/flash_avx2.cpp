@@ -10,13 +10,13 @@
 #define ATTNCORE_BF16_DOT 0
 #define ATTNCORE_TILE_VECTORS 2
 #define ATTNCORE_TILE_ROWS 6
-#include "cpu/flash_kernel-inl.h"
 #include "cpu/flash_backward-inl.h"
+#include "cpu/flash_tile_loop-inl.h"
 
 namespace attncore::detail {
 FlashTarget flash_target_avx2() {
-  return {"avx2", ATTNCORE_TARGET_FEATURES, avx2::kLayout, &avx2::run_block, &avx2::pack_tiles,
-          &avx2::run_backward_heads};
+  return {"avx2",           ATTNCORE_TARGET_FEATURES, avx2::kLayout,
+          &avx2::run_block, &avx2::pack_tiles,        &avx2::run_backward_heads};
 }
 }  // namespace attncore::detail
 #endif  // __x86_64__

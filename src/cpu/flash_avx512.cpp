@@ -11,14 +11,13 @@
 #define ATTNCORE_BF16_DOT 0
 #define ATTNCORE_TILE_VECTORS 2
 #define ATTNCORE_TILE_ROWS 8
-#include "cpu/flash_kernel-inl.h"
 #include "cpu/flash_backward-inl.h"
+#include "cpu/flash_tile_loop-inl.h"
 
 namespace attncore::detail {
 FlashTarget flash_target_avx512() {
-  return {"avx512", ATTNCORE_TARGET_FEATURES, avx512::kLayout, &avx512::run_block,
-          &avx512::pack_tiles,
-          &avx512::run_backward_heads};
+  return {"avx512",           ATTNCORE_TARGET_FEATURES, avx512::kLayout,
+          &avx512::run_block, &avx512::pack_tiles,      &avx512::run_backward_heads};
 }
 }  // namespace attncore::detail
 #endif  // __x86_64__

@@ -12,14 +12,13 @@
 #define ATTNCORE_BF16_DOT 1
 #define ATTNCORE_TILE_VECTORS 2
 #define ATTNCORE_TILE_ROWS 8
-#include "cpu/flash_kernel-inl.h"
 #include "cpu/flash_backward-inl.h"
+#include "cpu/flash_tile_loop-inl.h"
 
 namespace attncore::detail {
 FlashTarget flash_target_avx512bf16() {
-  return {"avx512bf16", ATTNCORE_TARGET_FEATURES, avx512bf16::kLayout, &avx512bf16::run_block,
-          &avx512bf16::pack_tiles,
-          &avx512bf16::run_backward_heads};
+  return {"avx512bf16",           ATTNCORE_TARGET_FEATURES, avx512bf16::kLayout,
+          &avx512bf16::run_block, &avx512bf16::pack_tiles,  &avx512bf16::run_backward_heads};
 }
 }  // namespace attncore::detail
 #endif  // __x86_64__

@@ -1,6 +1,5 @@
-// The fused backward for one SIMD target. Included by each src/cpu/flash_<target>.cpp right
-// after flash_kernel-inl.h (whose vector helpers, packing and micro-kernels it uses), with the
-// same macros defined.
+// The fused backward for one SIMD target (the macros are described in flash_layout-inl.h),
+// built on the forward's vector helpers, score mods, packing and micro-kernels.
 //
 // One work item is a run of query heads [h_begin, h_end) of one kv head (one head, unless Lq is
 // short: flash.cpp) or, for fewer than 4 heads in all, a part of its key tiles, owned by one
@@ -17,6 +16,23 @@
 //     put_kv_tile(dK, dV)
 //   store dQ
 // Matches DESIGN.md section 1.9 and src/reference/reference.cpp.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "core/convert.h"
+#include "core/params.h"
+#include "cpu/flash.h"
+#include "cpu/flash_dot_bf16-inl.h"
+#include "cpu/flash_dot_f32-inl.h"
+#include "cpu/flash_layout-inl.h"
+#include "cpu/flash_score_mods-inl.h"
+#include "cpu/flash_simd-inl.h"
+#include "policy/mask.h"
+#include "policy/score_row.h"
 
 #pragma GCC push_options
 ATTNCORE_TARGET_PRAGMA

@@ -10,13 +10,12 @@
 #define ATTNCORE_BF16_DOT 0
 #define ATTNCORE_TILE_VECTORS 2
 #define ATTNCORE_TILE_ROWS 6
-#include "cpu/flash_kernel-inl.h"
 #include "cpu/flash_backward-inl.h"
+#include "cpu/flash_tile_loop-inl.h"
 
 namespace attncore::detail {
 FlashTarget flash_target_generic() {
-  return {"generic", ATTNCORE_TARGET_FEATURES, generic::kLayout, &generic::run_block,
-          &generic::pack_tiles,
-          &generic::run_backward_heads};
+  return {"generic",           ATTNCORE_TARGET_FEATURES, generic::kLayout,
+          &generic::run_block, &generic::pack_tiles,     &generic::run_backward_heads};
 }
 }  // namespace attncore::detail

@@ -1,0 +1,60 @@
+// The score modifiers of DESIGN.md section 1.2 (softcap, ALiBi, additive and boolean masks) on
+// one row of a score tile, for one SIMD target: used by the forward tile loop and the backward.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "core/convert.h"
+#include "core/params.h"
+#include "cpu/flash_simd-inl.h"
+
+#pragma GCC push_options
+ATTNCORE_TARGET_PRAGMA
+
+namespace attncore::detail::ATTNCORE_TARGET_NS {
+
+// tanh(y) = 1 - 2 / (e^(2y) + 1): saturates to +-1, NaN stays NaN.
+inline Vec tanhv(Vec y) { return 1.0f - 2.0f / (exp2v(y * (2.0f * kLog2e)) + 1.0f); }
+
+// The score modifiers of DESIGN.md section 1.2 on one row of a tile (keys j0 .. j0 + keys).
+inline void apply_score_mods(const Params& p, std::int64_t b, std::int64_t h, std::int64_t i,
+                             std::int64_t j0, std::int64_t keys, float* s) {
+  if (p.softcap != 0.0) {
+    const float cap = static_cast<float>(p.softcap), inv_cap = 1.0f / cap;
+    for (std::int64_t c = 0; c < keys; c += kLanes) {
+      store(s + c, cap * tanhv(load(s + c) * inv_cap));
+    }
+  }
+  if (p.alibi != nullptr) {
+    const float slope = p.alibi[b * p.alibi_stride_b + h * p.alibi_stride_h];
+    const std::int64_t diag = i + p.seq.lk - p.seq.lq;  // |diag - j| is the distance
+    for (std::int64_t c = 0; c < keys; ++c) {
+      const std::int64_t distance = diag - (j0 + c);
+      s[c] -= slope * static_cast<float>(distance < 0 ? -distance : distance);
+    }
+  }
+  if (p.mask_kind != MaskKind::none) {
+    const std::int64_t base = offset4(p.mask, b, h, i, j0);
+    const std::int64_t stride = p.mask.stride[3];
+    if (p.mask_kind == MaskKind::additive) {
+      if (p.mask.dtype == DType::f32 && stride == 1) {
+        const float* m = static_cast<const float*>(p.mask.data) + base;
+        for (std::int64_t c = 0; c < keys; ++c) s[c] += m[c];
+      } else {
+        for (std::int64_t c = 0; c < keys; ++c) {
+          s[c] += load_element<float>(p.mask.data, p.mask.dtype, base + c * stride);
+        }
+      }
+    } else {
+      const auto* m = static_cast<const std::uint8_t*>(p.mask.data) + base;
+      for (std::int64_t c = 0; c < keys; ++c) {
+        if (m[c * stride] == 0) s[c] = -INFINITY;
+      }
+    }
+  }
+}
+
+}  // namespace attncore::detail::ATTNCORE_TARGET_NS
+
+#pragma GCC pop_options

@@ -1,0 +1,215 @@
+// The vector vocabulary of the flash kernels for one SIMD target (the macros are described in
+// flash_layout-inl.h): Vec with its loads, stores and horizontal reductions, exp2v, register
+// transposes (transpose_keys: a key tile's rows into columns) and load_part (part of a row as
+// f32, widening 16-bit inputs).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if ATTNCORE_LANES == 16  // the AVX-512 targets: intrinsics for bf16 dots and transposes
+// GCC 12 warns, wrongly, that its own _mm512_undefined_* placeholders (`__m512 __Y = __Y;`)
+// may be read uninitialised wherever a masked or widening intrinsic is inlined.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#endif
+
+#include "attncore/dtype.h"
+#include "cpu/flash_layout-inl.h"
+
+#pragma GCC push_options
+ATTNCORE_TARGET_PRAGMA
+
+namespace attncore::detail::ATTNCORE_TARGET_NS {
+
+using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
+using IVec = std::int32_t __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+inline Vec splat(float x) { return x - Vec{}; }  // x - (+0) == x exactly: folds to a broadcast
+// max that propagates NaN from either side (a NaN score must make its row NaN).
+inline Vec vmax(Vec a, Vec b) { return (a > b) | (a != a) ? a : b; }
+// Horizontal max and sum by halving (log2 lanes vector steps instead of a scalar loop).
+template <int N>
+struct VecOf {
+  typedef float type __attribute__((vector_size(N * sizeof(float))));
+};
+template <int N, class Op>
+inline float reduce(typename VecOf<N>::type v, Op op) {
+  if constexpr (N == 1) {
+    return v[0];
+  } else {
+    typename VecOf<N / 2>::type lo, hi;
+    std::memcpy(&lo, &v, sizeof lo);
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+    return reduce<N / 2>(op(lo, hi), op);
+  }
+}
+inline float reduce_max(Vec v) {
+  return reduce<kLanes>(v, [](auto a, auto b) { return (a > b) | (a != a) ? a : b; });
+}
+inline float reduce_sum(Vec v) {
+  return reduce<kLanes>(v, [](auto a, auto b) { return a + b; });
+}
+
+// 2^x for a vector: x = n + f with n integral and |f| <= 1/2, 2^f by a degree-5 polynomial
+// with constant term exactly 1 (so 2^0 = 1: a rescale by an unchanged max is exact) and the
+// other coefficients fitted for least relative error on [-1/2, 1/2] (1.6e-7 evaluated in f32),
+// 2^n by building the exponent bits. Below -126.5 the result is 0 (so 2^-inf = 0); NaN stays
+// NaN.
+inline Vec exp2v(Vec x) {
+  x = x < splat(-127.0f) ? splat(-127.0f) : x;
+  x = x > splat(127.0f) ? splat(127.0f) : x;
+  const Vec n = (x + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 * 2^23
+  const Vec f = x - n;
+  Vec poly = splat(1.3218672470e-3f);
+  poly = poly * f + 9.6716979384e-3f;
+  poly = poly * f + 5.5508929525e-2f;
+  poly = poly * f + 2.4022238003e-1f;
+  poly = poly * f + 6.9314685594e-1f;
+  poly = poly * f + 1.0f;
+  const IVec bits = (__builtin_convertvector(n, IVec) + 127) << 23;  // n = -127: +0
+  Vec two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return poly * two_n;
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Transposes a kLanes x kLanes block of floats in registers: r[i][j] becomes r[j][i]. A scalar
+// transpose moves one element per load and store (packing K for decode ran at ~7 GB/s with
+// it). AVX-512: pairs of rows interleaved, then pairs of pairs, then 128-bit quarters twice, 64
+// shuffles for 256 elements. Other widths: log2(kLanes) stages of two-input shuffles (Eklundh):
+// at stage s, rows i and i + s (i & s == 0) swap the lanes j & s of one with j - s of the other.
+#if ATTNCORE_LANES == 16
+inline void transpose_lanes(Vec (&rows)[kLanes]) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = rows[i];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 8; ++i) {
+    rows[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    rows[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+  }
+}
+#else
+template <int kStage>
+inline void transpose_stage(Vec (&r)[kLanes], IVec first, IVec second) {
+  for (int i = 0; i < kLanes; ++i) {
+    if ((i & kStage) != 0) continue;
+    const Vec a = r[i], b = r[i + kStage];
+    r[i] = __builtin_shuffle(a, b, first);
+    r[i + kStage] = __builtin_shuffle(a, b, second);
+  }
+}
+inline void transpose_lanes(Vec (&r)[kLanes]) {
+#if ATTNCORE_LANES == 8
+  transpose_stage<4>(r, IVec{0, 1, 2, 3, 8, 9, 10, 11}, IVec{4, 5, 6, 7, 12, 13, 14, 15});
+  transpose_stage<2>(r, IVec{0, 1, 8, 9, 4, 5, 12, 13}, IVec{2, 3, 10, 11, 6, 7, 14, 15});
+  transpose_stage<1>(r, IVec{0, 8, 2, 10, 4, 12, 6, 14}, IVec{1, 9, 3, 11, 5, 13, 7, 15});
+#elif ATTNCORE_LANES == 4
+  transpose_stage<2>(r, IVec{0, 1, 4, 5}, IVec{2, 3, 6, 7});
+  transpose_stage<1>(r, IVec{0, 4, 2, 6}, IVec{1, 5, 3, 7});
+#else
+#error "transpose_lanes: kLanes must be 4, 8 or 16"
+#endif
+}
+#endif
+
+// A key tile's rows transposed, kLanes keys x kLanes 32-bit columns at a time through
+// registers: row c (c < keys; zeros for keys <= c < cols) starts at row(c) and has `width`
+// columns of `per_column` input elements each; load(row, e0, n) reads its n columns from e0 as
+// a Vec (zero past n); columns e of keys c0 .. c0 + kLanes - 1 go to store(e, c0, vector). Rows
+// 32 keys on are prefetched while below `ahead` (the next tile's too): packing K for decode
+// from memory went twice as fast with it (AVX-512; the README has the figures).
+template <class Row, class Load, class Store>
+inline void transpose_keys(std::int64_t keys, std::int64_t cols, std::int64_t width,
+                           std::int64_t per_column, std::int64_t ahead, std::int64_t row_stride,
+                           Row row, Load load, Store store) {
+  static_assert(kTileCols % kLanes == 0, "kLanes keys lie in one micro-tile column");
+  for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
+    for (std::int64_t e0 = 0; e0 < width; e0 += kLanes) {
+      const int n = static_cast<int>(std::min<std::int64_t>(kLanes, width - e0));
+      Vec r[kLanes];
+      for (int i = 0; i < kLanes; ++i) {
+        if (c0 + i >= keys) {  // padding keys (then no row is ahead within Lk either)
+          r[i] = Vec{};
+          continue;
+        }
+        const auto* at = row(c0 + i);
+        if (c0 + 32 + i < ahead) __builtin_prefetch(at + 32 * row_stride + e0 * per_column);
+        r[i] = load(at, e0, n);
+      }
+      transpose_lanes(r);
+      for (int e = 0; e < n; ++e) store(e0 + e, c0, r[e]);
+    }
+  }
+}
+
+// n <= kLanes elements of a row as f32, zero past n: f32, or 16-bit (bf16: exact widening; f16).
+// Whole vectors never pass through memory (scalar stores read back as a vector stall store
+// forwarding: bf16 decode on AVX2 ran 1.5x slower that way).
+#if ATTNCORE_LANES == 16
+inline Vec load_part(const float* p, int n) {
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+}
+inline Vec load_part(const std::uint16_t* p, int n, DType dtype) {
+  const __m256i h = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
+  if (dtype == DType::f16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#else
+inline Vec load_part(const float* p, int n) {
+  if (n == kLanes) return load(p);
+  float x[kLanes] = {};
+  for (int e = 0; e < n; ++e) x[e] = p[e];
+  return load(x);
+}
+inline Vec load_part(const std::uint16_t* p, int n, DType dtype) {
+  if (n == kLanes && dtype == DType::bf16) {
+    using Halves = std::uint16_t __attribute__((vector_size(kLanes * sizeof(std::uint16_t))));
+    Halves h;
+    std::memcpy(&h, p, sizeof h);
+    const IVec bits = __builtin_convertvector(h, IVec) << 16;
+    Vec x;
+    std::memcpy(&x, &bits, sizeof x);
+    return x;
+  }
+  if (n == kLanes) {
+    Vec x;
+#pragma GCC unroll 16
+    for (int e = 0; e < kLanes; ++e) x[e] = f16::to_float(p[e]);
+    return x;
+  }
+  float x[kLanes] = {};
+  for (int e = 0; e < n; ++e)
+    x[e] = dtype == DType::f16 ? f16::to_float(p[e]) : bf16::to_float(p[e]);
+  return load(x);
+}
+#endif
+// A row of the input's dtype (f32 or 16-bit) from element e0, n <= kLanes of them.
+inline Vec load_part(const float* p, int n, DType) { return load_part(p, n); }
+
+}  // namespace attncore::detail::ATTNCORE_TARGET_NS
+
+#pragma GCC pop_options

@@ -1,0 +1,214 @@
+// The flash forward kernel for one SIMD target (the macros are described in
+// flash_layout-inl.h): the tile loop of one work item, and the exported entry points run_block
+// and pack_tiles.
+//
+// Per work item (rows [row0, row0 + rows) of one query head):
+//   q = Q rows * scale;  O = 0;  m = -inf;  l = 0
+//   for each key tile intersecting the rows' causal / window band:
+//     S = q . K_tile^T                       (micro-kernel 1; keys in vector lanes)
+//     S = score mods (softcap, ALiBi, mask)   (only when the call has them)
+//     S = -inf outside each row's band        (only on tiles the band cuts: "partial" tiles)
+//     online softmax: m' = max(m, rowmax S); alpha = exp(m - m'); P = exp(S - m')
+//                     l = alpha l + rowsum P;  P *= dropout factor
+//     O = alpha O + P . V_tile                (micro-kernel 2; Dv in vector lanes)
+//   out = O / l (0 where l = 0);  lse = m + log l (-inf where l = 0)
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "core/convert.h"
+#include "core/params.h"
+#include "cpu/flash.h"
+#include "cpu/flash_direct_kv-inl.h"
+#include "cpu/flash_dot_bf16-inl.h"
+#include "cpu/flash_dot_f32-inl.h"
+#include "cpu/flash_layout-inl.h"
+#include "cpu/flash_score_mods-inl.h"
+#include "cpu/flash_simd-inl.h"
+#include "policy/mask.h"
+#include "policy/score_row.h"
+
+#pragma GCC push_options
+ATTNCORE_TARGET_PRAGMA
+
+namespace attncore::detail::ATTNCORE_TARGET_NS {
+
+// One work item: see the top of this file.
+template <class Dot>
+void run_block_with(const Params& p, const ForwardArgs& a, const FlashPanel& panel,
+                    const FlashItem& item, const FlashScratch& w) {
+  const std::int64_t d = p.head_dim, dv_pad = panel.dv_pad, lk = p.seq.lk, b = item.b;
+  const std::int64_t rows = item.rows;
+  const std::int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
+  const CausalWindowMask band(p);
+  const bool has_mods = p.softcap != 0.0 || p.alibi != nullptr || p.mask_kind != MaskKind::none;
+
+  // Each row's head and query index, and the keys the rows see (which tiles to visit, and
+  // which of them are full: seen entirely by every row, so that no mask code runs).
+  std::int64_t head_of[kBlockRows], index_of[kBlockRows];
+  RowSetKeys seen;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t n = item.first + r;
+    head_of[r] = item.kv_head * p.group + n / p.seq.lq;
+    index_of[r] = n % p.seq.lq;
+    seen.add(band.row(index_of[r]));
+  }
+
+  // A group's only item of at most one micro-tile of rows (decode) reads K and V in place;
+  // flash.cpp gives every such problem no panel, whatever the thread count
+  // (flash_reads_kv_in_place: the same rule).
+  const bool direct = Dot::kDirectDecode && panel.k_tiles == nullptr && rows <= kTileRows;
+  if (direct) {
+    DirectKv::load_queries(p, a, b, head_of, index_of, rows, w.q);
+  } else {
+    Dot::load_queries(p, a, b, head_of, index_of, rows, padded_rows, w.q);
+  }
+  // S is in units of q.k times score_scale: scale is in the queries already, or applied here.
+  const float score_scale = Dot::kScaledQueries && !direct ? 1.0f : static_cast<float>(p.scale);
+  for (std::int64_t e = 0; e < padded_rows * dv_pad; ++e) w.out[e] = 0.0f;
+  for (std::int64_t r = 0; r < padded_rows; ++r) {
+    w.row_max[r] = -INFINITY;
+    w.row_sum[r] = 0.0f;
+    w.alpha[r] = 1.0f;
+  }
+
+  const KeyRange span = seen.span();
+  const std::int64_t tile_begin = span.begin / kKeyTile;
+  const std::int64_t tile_end = span.empty() ? tile_begin : (span.end + kKeyTile - 1) / kKeyTile;
+  for (std::int64_t t = tile_begin; t < tile_end; ++t) {
+    const std::int64_t j0 = t * kKeyTile;
+    const std::int64_t keys = std::min<std::int64_t>(kKeyTile, lk - j0);
+    const std::int64_t cols = tile_cols(keys);  // S, P and the products: columns [0, cols)
+    // The last tile's keys past Lk are padding: such a tile is never full.
+    const bool full = keys == kKeyTile && seen.classify(j0, j0 + kKeyTile) == TileKind::full;
+    // The panel's tile, or (panel without tiles: a single item of its group) this tile packed
+    // now into scratch, where it stays in L1/L2 for its one use.
+    const float* k_tile = w.k_tile;
+    const float* v_tile = w.v_tile;
+    if (direct) {
+      DirectKv::tile_scores(p, a, b, item.kv_head, j0, keys, cols, w.q, rows, w.scores);
+    } else if (panel.k_tiles != nullptr) {
+      k_tile = panel.k_tiles + t * d * kKeyTile;
+      v_tile = panel.v_rows + j0 * dv_pad;
+    } else {
+      Dot::pack_tile(p, a, b, item.kv_head, t, w.k_tile, w.v_tile, dv_pad);
+    }
+    if (!direct) Dot::scores(p, w.q, k_tile, padded_rows, cols, w.scores);
+    for (std::int64_t r = 0; r < padded_rows; ++r) {
+      float* s = w.scores + r * kKeyTile;
+      if (r >= rows) {  // padding rows take no part
+        for (std::int64_t c = 0; c < cols; ++c) s[c] = 0.0f;
+        continue;
+      }
+      const std::int64_t h = head_of[r], i = index_of[r];
+      float row_scale = score_scale;  // S * row_scale is the score of DESIGN.md section 1.1
+      if (has_mods) {
+        if (row_scale != 1.0f) {
+          for (std::int64_t c = 0; c < cols; c += kLanes) store(s + c, load(s + c) * row_scale);
+          row_scale = 1.0f;
+        }
+        apply_score_mods(p, b, h, i, j0, keys, s);
+      }
+      if (!full) {
+        const KeyRange visible = band.row(i);
+        const std::int64_t lo = std::max<std::int64_t>(visible.begin - j0, 0);
+        const std::int64_t hi = std::min<std::int64_t>(visible.end - j0, keys);
+        for (std::int64_t c = 0; c < cols; ++c) {
+          if (c < lo || c >= hi) s[c] = -INFINITY;
+        }
+      }
+      // Online softmax: the one place the running max and sum are updated. The max is kept in
+      // log2 units (score * log2 e, rounded once): P = 2^(S * factor - max) and the rescale
+      // alpha = 2^(old max - new max) use the same rounded values, and alpha is exactly 1
+      // while the max stays.
+      const float factor = row_scale * kLog2e;
+      Vec vmx = load(s);
+      for (std::int64_t c = kLanes; c < cols; c += kLanes) vmx = vmax(load(s + c), vmx);
+      const float tile_max = reduce_max(vmx) * factor;
+      const float old_max = w.row_max[r];
+      // NaN scores make the row NaN (never "nothing visible").
+      const float new_max = tile_max > old_max || std::isnan(tile_max) ? tile_max : old_max;
+      if (new_max == -INFINITY) {  // nothing visible yet: P = 0, nothing to rescale
+        for (std::int64_t c = 0; c < cols; ++c) s[c] = 0.0f;
+        w.alpha[r] = 1.0f;
+        continue;
+      }
+      const float alpha = old_max == -INFINITY ? 0.0f
+                          : old_max == new_max ? 1.0f
+                                               : exp2v(splat(old_max - new_max))[0];
+      Vec vsum = splat(0.0f);
+      for (std::int64_t c = 0; c < cols; c += kLanes) {
+        const Vec prob = exp2v(load(s + c) * factor - new_max);
+        vsum += prob;
+        store(s + c, prob);
+      }
+      w.row_sum[r] = w.row_sum[r] * alpha + reduce_sum(vsum);
+      w.row_max[r] = new_max;
+      w.alpha[r] = alpha;
+      if (p.dropout.p > 0.0) {  // after the sum: the normaliser is the pre-dropout sum
+        const DropoutRow dropout(p, b, h, i);
+        for (std::int64_t c = 0; c < keys; ++c) s[c] *= dropout.factor<float>(j0 + c);
+      }
+    }
+    if (direct) {
+      DirectKv::tile_accumulate(p, a, b, item.kv_head, j0, keys, w.scores, dv_pad, w.alpha, w.out);
+    } else {
+      Dot::accumulate(w.scores, v_tile, dv_pad, padded_rows, cols, w.alpha, w.probs16, w.out);
+    }
+  }
+
+  // out = O / l, lse = m ln 2 + log l; rows with no visible key: exactly 0 (even where V holds
+  // inf or NaN, which 0-weighted keys still bring into O) and -inf.
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float sum = w.row_sum[r];
+    float* o = w.out + r * dv_pad;
+    if (sum == 0.0f) {
+      for (std::int64_t e = 0; e < p.head_dim_v; ++e) o[e] = 0.0f;
+    } else {
+      const float inv = 1.0f / sum;
+      for (std::int64_t e = 0; e < p.head_dim_v; ++e) o[e] *= inv;
+    }
+    const std::int64_t h = head_of[r], i = index_of[r];
+    store_row(o, p.head_dim_v, a.out.data, a.out.dtype, offset4(a.out, b, h, i, 0));
+    if (a.lse.data != nullptr) {
+      constexpr float kLn2 = 0.6931471805599453f;
+      const float lse = sum == 0.0f ? -INFINITY : w.row_max[r] * kLn2 + std::log(sum);
+      store_element(a.lse.data, a.lse.dtype,
+                    b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2], lse);
+    }
+  }
+}
+
+// The exported entry points: native bf16 dot products for bf16 inputs where this target has
+// them, f32 for everything else.
+void run_block(const Params& p, const ForwardArgs& a, const FlashPanel& panel,
+               const FlashItem& item, const FlashScratch& w) {
+#if ATTNCORE_BF16_DOT
+  if (p.dtype == DType::bf16) return run_block_with<Bf16Dot>(p, a, panel, item, w);
+#endif
+  run_block_with<F32Dot>(p, a, panel, item, w);
+}
+
+// Packs tiles [t_begin, t_end) into a panel: K [tiles][D][kKeyTile] floats' worth, then V
+// [tiles * kKeyTile][dv_pad] floats' worth.
+void pack_tiles(const Params& p, const ForwardArgs& a, std::int64_t b, std::int64_t kv_head,
+                std::int64_t t_begin, std::int64_t t_end, float* k_tiles, float* v_rows,
+                std::int64_t dv_pad) {
+  for (std::int64_t t = t_begin; t < t_end; ++t) {
+    float* kt = k_tiles + t * p.head_dim * kKeyTile;
+    float* vt = v_rows + t * kKeyTile * dv_pad;
+#if ATTNCORE_BF16_DOT
+    if (p.dtype == DType::bf16) {
+      Bf16Dot::pack_tile(p, a, b, kv_head, t, kt, vt, dv_pad);
+      continue;
+    }
+#endif
+    F32Dot::pack_tile(p, a, b, kv_head, t, kt, vt, dv_pad);
+  }
+}
+
+}  // namespace attncore::detail::ATTNCORE_TARGET_NS
+
+#pragma GCC pop_options
