@@ -1,19 +1,111 @@
 // Reference forward and backward: for every (b, h, i), the scores of all keys in fp64, the
 // dense softmax, dropout, then the output or the gradients. See DESIGN.md section 1.
+//
+// An oracle for users shares no code with what it checks: the masks, score modifiers and
+// softmax here are plain loops of their own, written from DESIGN.md section 1, not the
+// policies the math and flash backends use. What it shares is the definition of the dropout
+// stream (core/philox.h, checked against Philox's published known answers) and dtype
+// conversion.
 #include "reference/reference.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "core/convert.h"
 #include "core/dbias.h"
+#include "core/philox.h"
 #include "core/sequence.h"
 #include "core/threadpool.h"
-#include "policy/score_row.h"
 
 namespace attncore::detail {
 
 namespace {
+
+constexpr double kNegInf = -INFINITY;
+
+// Whether query row i sees key j under the causal and window masks (DESIGN.md section 1.3).
+bool visible(const Params& p, std::int64_t i, std::int64_t j) {
+  const std::int64_t diag = i + p.seq.lk - p.seq.lq;  // the lower-right diagonal of row i
+  if (p.causal == Causal::upper_left && j > i) return false;
+  if (p.causal == Causal::lower_right && j > diag) return false;
+  if (p.window_left >= 0 && j < diag - p.window_left) return false;
+  if (p.window_right >= 0 && j > diag + p.window_right) return false;
+  return true;
+}
+
+// s[j]: on entry <q_i, k_j>; on return the final score of DESIGN.md section 1.2-1.3 (scale,
+// softcap, ALiBi, additive mask) or -inf where a mask hides key j. dcap[j] (when not null):
+// d(score)/d(scale q.k), 1 - tanh^2 under softcap, 0 where hidden.
+void final_scores(const Params& p, std::int64_t b, std::int64_t h, std::int64_t i, double* s,
+                  double* dcap) {
+  const double slope =
+      p.alibi ? static_cast<double>(p.alibi[b * p.alibi_stride_b + h * p.alibi_stride_h]) : 0.0;
+  for (std::int64_t j = 0; j < p.seq.lk; ++j) {
+    if (dcap) dcap[j] = 0.0;
+    if (!visible(p, i, j)) {
+      s[j] = kNegInf;
+      continue;
+    }
+    double x = p.scale * s[j];
+    double d = 1.0;
+    if (p.softcap != 0.0) {
+      const double t = std::tanh(x / p.softcap);
+      x = p.softcap * t;
+      d = 1.0 - t * t;
+    }
+    if (p.alibi) x -= slope * std::fabs(static_cast<double>(i + p.seq.lk - p.seq.lq - j));
+    if (p.mask_kind != MaskKind::none) {
+      const double m = load_element<double>(p.mask.data, p.mask.dtype, offset4(p.mask, b, h, i, j));
+      if (p.mask_kind == MaskKind::additive) {
+        x += m;
+      } else if (m == 0.0) {
+        s[j] = kNegInf;
+        continue;
+      }
+    }
+    s[j] = x;
+    if (dcap) dcap[j] = d;
+  }
+}
+
+// s -> softmax(s) in place over n keys; returns log(sum_j exp(s_j)). No visible key: P = 0 and
+// -inf; a NaN score: NaN.
+double softmax(double* s, std::int64_t n) {
+  double m = kNegInf;
+  bool nan = false;
+  for (std::int64_t j = 0; j < n; ++j) {
+    nan |= std::isnan(s[j]);
+    m = std::max(m, s[j]);
+  }
+  if (nan) m = NAN;
+  if (m == kNegInf) {
+    for (std::int64_t j = 0; j < n; ++j) s[j] = 0.0;
+    return kNegInf;
+  }
+  double sum = 0.0;
+  for (std::int64_t j = 0; j < n; ++j) sum += (s[j] = std::exp(s[j] - m));
+  for (std::int64_t j = 0; j < n; ++j) s[j] /= sum;
+  return m + std::log(sum);
+}
+
+// The dropout factor of element (b, h, i, j): 1/(1-p) if kept, else 0 (1 without dropout);
+// addressed as in a [B, Hq, dropout.rows, dropout.cols] batch (DESIGN.md section 1.5).
+double dropout_factor(const Params& p, std::int64_t b, std::int64_t h, std::int64_t i,
+                      std::int64_t j) {
+  if (!p.dropout.active()) return 1.0;
+  using U = std::uint64_t;  // the element index is < 2^63; offset + index may pass 2^64
+  const U index =
+      ((static_cast<U>(b) * static_cast<U>(p.heads_q) + static_cast<U>(h)) *
+           static_cast<U>(p.dropout.rows) +
+       static_cast<U>(i)) *
+          static_cast<U>(p.dropout.cols) +
+      static_cast<U>(j);
+  const U pos = p.dropout.offset + index;
+  const bool keep = dropout_keep(p.dropout.seed, pos, static_cast<float>(p.dropout.p),
+                                 pos < p.dropout.offset ? 1 : 0);
+  return keep ? 1.0 / (1.0 - p.dropout.p) : 0.0;
+}
 
 // scores[j] = <q[b, h, i, :], k[b, h / group, j, :]> in fp64, j in [0, Lk).
 void dot_row(const Params& p, const TensorView& q, const TensorView& k, std::int64_t b,
@@ -34,7 +126,6 @@ void dot_row(const Params& p, const TensorView& q, const TensorView& k, std::int
 // Sequences [b_begin, b_end) of a dense call (or one resolved sequence of a varlen call).
 void forward_rows(const Params& p, int threads, const ForwardArgs& a, std::int64_t b_begin,
                   std::int64_t b_end) {
-  const CausalWindowMask causal_window(p);
   const std::int64_t rows = (b_end - b_begin) * p.heads_q * p.seq.lq;
   parallel_for(rows, threads, [&](std::int64_t row_begin, std::int64_t row_end) {
     std::vector<double> probs(static_cast<std::size_t>(p.seq.lk));  // [Lk]
@@ -45,12 +136,11 @@ void forward_rows(const Params& p, int threads, const ForwardArgs& a, std::int64
       const std::int64_t b = b_begin + row / (p.seq.lq * p.heads_q);
       const std::int64_t kv_head = h / p.group;
       dot_row(p, a.q, a.k, b, h, i, probs.data());
-      finish_scores<double>(p, causal_window, b, h, i, probs.data(), nullptr);
-      const double lse = softmax_row(probs.data(), p.seq.lk);
-      const DropoutRow dropout(p, b, h, i);
+      final_scores(p, b, h, i, probs.data(), nullptr);
+      const double lse = softmax(probs.data(), p.seq.lk);
       std::fill(out.begin(), out.end(), 0.0);
       for (std::int64_t j = 0; j < p.seq.lk; ++j) {
-        const double weight = probs[static_cast<std::size_t>(j)] * dropout.factor<double>(j);
+        const double weight = probs[static_cast<std::size_t>(j)] * dropout_factor(p, b, h, i, j);
         if (weight == 0.0) continue;
         const std::int64_t v_row = offset4(a.v, b, kv_head, j, 0);
         for (std::int64_t d = 0; d < p.head_dim_v; ++d) {
@@ -69,7 +159,6 @@ void forward_rows(const Params& p, int threads, const ForwardArgs& a, std::int64
 
 void backward_rows(const Params& p, int call_threads, const BackwardArgs& a, std::int64_t b_begin,
                    std::int64_t b_end) {
-  const CausalWindowMask causal_window(p);
   DbiasAccumulator dbias(p);
   // Tasks own (b, kv head): its dk/dv rows and the dq rows of its query heads. They share
   // dbias only when the mask broadcasts across them; then one task runs at a time.
@@ -105,14 +194,13 @@ void backward_rows(const Params& p, int call_threads, const BackwardArgs& a, std
                        load_element<double>(a.out.data, a.out.dtype, out_row + d);
             }
             dot_row(p, a.q, a.k, b, h, i, probs.data());
-            finish_scores<double>(p, causal_window, b, h, i, probs.data(), dcap.data());
-            const DropoutRow dropout(p, b, h, i);
+            final_scores(p, b, h, i, probs.data(), dcap.data());
             double* dbias_row = dbias.active() ? dbias.row(b, h, i) : nullptr;
             for (std::int64_t j = 0; j < p.seq.lk; ++j) {
               const auto ju = static_cast<std::size_t>(j);
               const double prob = std::exp(probs[ju] - lse);  // P[i, j], 0 where masked
               if (prob == 0.0) continue;
-              const double keep = dropout.factor<double>(j);
+              const double keep = dropout_factor(p, b, h, i, j);
               const std::int64_t v_row = offset4(a.v, b, kv_head, j, 0);
               double dprob = 0.0;  // dP[i, j] = keep * <dO_i, v_j>
               for (std::int64_t d = 0; d < p.head_dim_v; ++d) {

@@ -1,0 +1,84 @@
+// The online softmax of one query row, the one place its running max and sum are kept and
+// combined (DESIGN.md section 1.4, 1.6 and 1.12): the flash tile loop updates it tile by tile,
+// split-KV merges partial states, and the public merge combines finished (out, LSE) pairs.
+//
+// Scores enter in log2 units (score * log2 e, rounded once by the caller), so that the
+// probabilities 2^(s - max) and the rescale 2^(old max - new max) use the same rounded values;
+// the LSE leaves in natural log. The accumulator acc = sum_j 2^(s_j - max) v_j is the caller's
+// (a row of Dv floats it rescales by the factor update() returns).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+namespace attncore::detail {
+
+struct SoftmaxState {
+  float max = -INFINITY;  // running max of the scores seen, log2 units (-inf: none visible)
+  float sum = 0.0f;       // sum of 2^(s - max) over the scores seen
+
+  // The max after a tile whose largest score is `tile_max`. NaN scores make the row NaN (never
+  // "nothing visible"). -inf: still nothing visible (the tile's probabilities are all 0).
+  float next_max(float tile_max) const {
+    return tile_max > max || std::isnan(tile_max) ? tile_max : max;
+  }
+
+  // Moves the state to `new_max` (from next_max, not -inf); returns alpha, the factor the sum
+  // and the accumulator are rescaled by: 0 when nothing was visible before, exactly 1 while the
+  // max stays, else 2^(old max - new max) by `exp2` (the caller's vector exp2 on one lane).
+  template <class Exp2>
+  float rescale(float new_max, Exp2&& exp2) {
+    const float alpha = max == -INFINITY ? 0.0f : max == new_max ? 1.0f : exp2(max - new_max);
+    sum *= alpha;
+    max = new_max;
+    return alpha;
+  }
+
+  // Adds a tile's probabilities (computed against the current max).
+  void add(float tile_sum) { sum += tile_sum; }
+
+  // Merges the state of a disjoint set of keys (split-KV): returns the factors (for this
+  // state's accumulator, for the other's) that bring both accumulators to the merged max.
+  template <class Exp2>
+  void merge(const SoftmaxState& other, Exp2&& exp2, float* self_factor, float* other_factor) {
+    const float new_max = next_max(other.max);
+    *self_factor = max == -INFINITY ? 0.0f : max == new_max ? 1.0f : exp2(max - new_max);
+    *other_factor = other.max == -INFINITY  ? 0.0f
+                    : other.max == new_max ? 1.0f
+                                           : exp2(other.max - new_max);
+    sum = sum * *self_factor + other.sum * *other_factor;
+    max = new_max;
+  }
+
+  // The factor the accumulator is multiplied by to give the output: 1 / sum, or 0 for a row
+  // with no visible key (its output is exactly 0, even where V holds inf or NaN).
+  float out_factor() const { return sum == 0.0f ? 0.0f : 1.0f / sum; }
+
+  // The row's LSE in natural log: max ln 2 + ln sum, -inf for a row with no visible key.
+  float lse() const {
+    constexpr float kLn2 = 0.6931471805599453f;
+    return sum == 0.0f ? -INFINITY : max * kLn2 + std::log(sum);
+  }
+};
+
+// Merges two finished results over disjoint key sets (DESIGN.md section 1.12):
+// LSE = log(exp(lse_a) + exp(lse_b)) computed stably, out = exp(lse_a - LSE) out_a +
+// exp(lse_b - LSE) out_b; a side with LSE -inf contributes nothing, both -inf give 0 and -inf.
+// Writes out[0, n) and returns the merged LSE. T: float or double.
+template <class T>
+T merge_outputs(const T* out_a, T lse_a, const T* out_b, T lse_b, std::int64_t n, T* out) {
+  if (lse_a == -INFINITY && lse_b == -INFINITY) {
+    for (std::int64_t e = 0; e < n; ++e) out[e] = T(0);
+    return lse_a;
+  }
+  const T hi = lse_a > lse_b || std::isnan(lse_a) ? lse_a : lse_b;
+  const T lse = hi + std::log(std::exp(lse_a - hi) + std::exp(lse_b - hi));
+  const T wa = lse_a == -INFINITY ? T(0) : std::exp(lse_a - lse);
+  const T wb = lse_b == -INFINITY ? T(0) : std::exp(lse_b - lse);
+  for (std::int64_t e = 0; e < n; ++e) {
+    out[e] = (lse_a == -INFINITY ? T(0) : wa * out_a[e]) + (lse_b == -INFINITY ? T(0) : wb * out_b[e]);
+  }
+  return lse;
+}
+
+}  // namespace attncore::detail

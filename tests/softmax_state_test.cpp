@@ -1,0 +1,122 @@
+// The online softmax state (policy/softmax_state.h): tile-by-tile updates give the dense
+// softmax's LSE and weights, states of disjoint key sets merge to the state of all keys, and
+// finished (out, LSE) pairs merge as DESIGN.md section 1.12 says.
+#include "policy/softmax_state.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "testing/random.h"
+
+namespace attncore::detail {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr double kInf = std::numeric_limits<double>::infinity();
+float exp2_scalar(float x) { return std::exp2(x); }
+
+// Runs scores s (natural units) and values v [n][dv] through the state in tiles of `tile`;
+// returns acc and the state.
+SoftmaxState run(const std::vector<float>& s, const std::vector<float>& v, int dv, int tile,
+                 std::vector<float>& acc) {
+  SoftmaxState st;
+  acc.assign(static_cast<std::size_t>(dv), 0.0f);
+  for (std::size_t j0 = 0; j0 < s.size(); j0 += static_cast<std::size_t>(tile)) {
+    const std::size_t end = std::min(s.size(), j0 + static_cast<std::size_t>(tile));
+    float tile_max = -INFINITY;
+    for (std::size_t j = j0; j < end; ++j) tile_max = std::fmax(tile_max, s[j] * kLog2e);
+    const float new_max = st.next_max(tile_max);
+    if (new_max == -INFINITY) continue;
+    const float alpha = st.rescale(new_max, exp2_scalar);
+    for (float& a : acc) a *= alpha;
+    float tile_sum = 0;
+    for (std::size_t j = j0; j < end; ++j) {
+      const float p = std::exp2(s[j] * kLog2e - new_max);
+      tile_sum += p;
+      for (int e = 0; e < dv; ++e) acc[static_cast<std::size_t>(e)] += p * v[j * dv + e];
+    }
+    st.add(tile_sum);
+  }
+  return st;
+}
+
+TEST(SoftmaxState, TilesGiveTheDenseSoftmax) {
+  attncore::test::Random rng(3);
+  for (int n : {1, 7, 128, 300}) {
+    std::vector<float> s(static_cast<std::size_t>(n)), v(static_cast<std::size_t>(n) * 4);
+    for (float& x : s) x = static_cast<float>(rng.uniform(-8, 8));
+    for (float& x : v) x = static_cast<float>(rng.uniform(-1, 1));
+    double m = -INFINITY, sum = 0;
+    for (float x : s) m = std::fmax(m, x);
+    for (float x : s) sum += std::exp(x - m);
+    std::vector<float> acc;
+    const SoftmaxState st = run(s, v, 4, 32, acc);
+    EXPECT_NEAR(st.lse(), m + std::log(sum), 1e-5 * (1 + std::fabs(m)));
+    for (int e = 0; e < 4; ++e) {
+      double want = 0;
+      for (int j = 0; j < n; ++j) want += std::exp(s[j] - m) / sum * v[j * 4 + e];
+      EXPECT_NEAR(acc[e] * st.out_factor(), want, 1e-5);
+    }
+  }
+}
+
+TEST(SoftmaxState, DisjointKeySetsMergeToTheWhole) {
+  attncore::test::Random rng(4);
+  std::vector<float> s(200), v(200 * 3);
+  for (float& x : s) x = static_cast<float>(rng.uniform(-10, 10));
+  for (float& x : v) x = static_cast<float>(rng.uniform(-1, 1));
+  std::vector<float> acc_all, acc_a, acc_b;
+  const SoftmaxState all = run(s, v, 3, 64, acc_all);
+  for (std::size_t cut : {std::size_t{0}, std::size_t{1}, std::size_t{77}, std::size_t{200}}) {
+    const std::vector<float> sa(s.begin(), s.begin() + cut), sb(s.begin() + cut, s.end());
+    const std::vector<float> va(v.begin(), v.begin() + cut * 3), vb(v.begin() + cut * 3, v.end());
+    SoftmaxState a = run(sa, va, 3, 64, acc_a);
+    const SoftmaxState b = run(sb, vb, 3, 64, acc_b);
+    float fa = 0, fb = 0;
+    a.merge(b, exp2_scalar, &fa, &fb);
+    EXPECT_NEAR(a.lse(), all.lse(), 1e-5) << "cut " << cut;
+    for (int e = 0; e < 3; ++e) {
+      const float merged = (fa == 0 ? 0 : fa * acc_a[e]) + (fb == 0 ? 0 : fb * acc_b[e]);
+      EXPECT_NEAR(merged * a.out_factor(), acc_all[e] * all.out_factor(), 1e-5) << "cut " << cut;
+    }
+  }
+  // Nothing visible on either side stays nothing visible.
+  SoftmaxState none;
+  float fa = 0, fb = 0;
+  none.merge(SoftmaxState{}, exp2_scalar, &fa, &fb);
+  EXPECT_EQ(none.lse(), -INFINITY);
+  EXPECT_EQ(none.out_factor(), 0.0f);
+}
+
+TEST(SoftmaxState, MergeOutputs) {
+  // Two halves of one row's keys, finished separately, merge to the whole.
+  const double s[] = {0.3, -1.2, 2.0, 0.7, -0.4};
+  const double v[] = {1.0, -2.0, 0.5, 3.0, -1.0};
+  auto finish = [&](int begin, int end, double* out) {
+    double m = -INFINITY, sum = 0, acc = 0;
+    for (int j = begin; j < end; ++j) m = std::fmax(m, s[j]);
+    for (int j = begin; j < end; ++j) {
+      sum += std::exp(s[j] - m);
+      acc += std::exp(s[j] - m) * v[j];
+    }
+    *out = sum == 0 ? 0 : acc / sum;
+    return sum == 0 ? -INFINITY : m + std::log(sum);
+  };
+  double whole = 0, a = 0, b = 0, merged = 0;
+  const double lse = finish(0, 5, &whole);
+  const double lse_a = finish(0, 2, &a), lse_b = finish(2, 5, &b);
+  EXPECT_NEAR(merge_outputs(&a, lse_a, &b, lse_b, 1, &merged), lse, 1e-12);
+  EXPECT_NEAR(merged, whole, 1e-12);
+  // A side with LSE -inf contributes nothing, even NaN in its output.
+  const double nan = std::nan("");
+  EXPECT_EQ(merge_outputs(&a, lse_a, &nan, -kInf, 1, &merged), lse_a);
+  EXPECT_EQ(merged, a);
+  EXPECT_EQ(merge_outputs(&nan, -kInf, &nan, -kInf, 1, &merged), -kInf);
+  EXPECT_EQ(merged, 0.0);
+}
+
+}  // namespace
+}  // namespace attncore::detail
