@@ -9,11 +9,12 @@ namespace attncore::detail {
 
 const std::vector<BackendEntry>& backend_table() {
   static const std::vector<BackendEntry> table = {
-      {Backend::flash, flash_can_use, flash_estimate, flash_forward, flash_backward, nullptr,
-       flash_describe},
-      {Backend::math, math_can_use, math_estimate, math_forward, math_backward, nullptr, nullptr},
-      {Backend::reference, nullptr, nullptr, reference_forward, reference_backward, nullptr,
-       nullptr},
+      {Backend::flash, flash_can_use, flash_estimate, flash_forward, flash_backward,
+       flash_workspace_bytes, flash_describe},
+      {Backend::math, math_can_use, math_estimate, math_forward, math_backward,
+       math_workspace_bytes, nullptr},
+      {Backend::reference, nullptr, nullptr, reference_forward, reference_backward,
+       reference_workspace_bytes, nullptr},
   };
   return table;
 }

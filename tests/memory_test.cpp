@@ -1,6 +1,7 @@
 // The flash backend's memory: no Lq x Lk buffer. The forward's workspace is O(threads x tile)
 // plus one packed kv head: peak resident memory during a call stays within 1.25x the bytes of
 // q, k, v and out. The backward's workspace stays within 1.25x one f32 copy of dQ (2 threads).
+// A call whose workspace the machine cannot hold is refused before any work.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -87,6 +88,33 @@ TEST(Memory, FlashBackwardWorkspaceWithinOneCopyOfDq) {
   EXPECT_LE(static_cast<double>(peak - rss_before), 1.25 * dq_kib)
       << "peak " << peak << " KiB, before the call " << rss_before << " KiB, dQ " << dq_kib
       << " KiB";
+}
+
+// Stride-0 views make absurd sizes cheap to build: K and V of 2^36 keys, one element each. Each
+// backend's workspace grows with Lk (flash: a packed panel; math: the scores; reference: a
+// row of scores), and each is refused up front with OutOfMemory naming the bytes.
+TEST(Memory, WorkspacesPastTheMachineAreRefusedUpFront) {
+  float one = 0.5f;
+  const std::int64_t lk = std::int64_t{1} << 36;
+  const TensorView q = TensorView::strided(&one, DType::f32, {1, 1, 64, 64}, {0, 0, 0, 1});
+  const TensorView kv = TensorView::strided(&one, DType::f32, {1, 1, lk, 64}, {0, 0, 0, 1});
+  Tensor out(DType::f32, {1, 1, 64, 64});
+  for (Backend backend : {Backend::flash, Backend::math, Backend::reference}) {
+    try {
+      forward_into(q, kv, kv, out, std::nullopt, {}, backend);
+      ADD_FAILURE() << name_of(backend) << ": no error";
+    } catch (const OutOfMemory& e) {
+      const std::string message = e.what();
+      EXPECT_EQ(message.rfind("forward: the " + std::string(name_of(backend)) +
+                                  " backend's workspace exceeds this machine's memory (workspace=",
+                              0),
+                0u)
+          << message;
+    } catch (const Unsupported& e) {
+      // math: Lq * Lk past BLAS's 32-bit sizes is refused first, also before any work.
+      EXPECT_EQ(backend, Backend::math) << e.what();
+    }
+  }
 }
 
 }  // namespace

@@ -25,4 +25,12 @@ class Unsupported : public Error {
   using Error::Error;
 };
 
+// The call needs more memory than this machine can give: refused before any work when its
+// workspace exceeds the machine's memory, or an allocation failed (the message says whether
+// outputs are incomplete).
+class OutOfMemory : public Error {
+ public:
+  using Error::Error;
+};
+
 }  // namespace attncore

@@ -1,9 +1,11 @@
 // The public entry points: validate, allocate what the caller did not provide, pick the
 // backend (core/select.h), run it through the backend table.
+#include <cstdio>
 #include <new>
 #include <string>
 
 #include "attncore/attncore.h"
+#include "core/cpu_info.h"
 #include "core/select.h"
 #include "core/sequence.h"
 #include "core/threadpool.h"
@@ -19,31 +21,50 @@ using detail::Launch;
 using detail::Params;
 using detail::Pass;
 
-// Allocation and kernel failures surface as attncore::Error with the op's name.
+// Allocation failures surface as attncore::OutOfMemory with the op's name.
 template <class Fn>
 void guarded(const char* op, const char* stage, Fn&& fn) {
   try {
     fn();
   } catch (const std::bad_alloc&) {
-    throw Error(std::string(op) + ": out of memory while " + stage);
+    throw OutOfMemory(std::string(op) + ": out of memory while " + stage);
+  }
+}
+
+// Refuses, before any work, a call whose workspace this machine cannot hold.
+void check_workspace(const char* op, const detail::BackendEntry& backend, Pass pass,
+                     const Params& p, const Launch& launch) {
+  const double bytes = backend.workspace_bytes(pass, p, launch);
+  const double memory = detail::physical_memory_bytes();
+  if (!(bytes <= memory)) {
+    char text[160];
+    std::snprintf(text, sizeof text, "(workspace=%.4g bytes, expected <= %.4g bytes", bytes,
+                  memory);
+    throw OutOfMemory(std::string(op) + ": the " + std::string(name_of(backend.id)) +
+                      " backend's workspace exceeds this machine's memory " + text +
+                      "); reduce the sizes or the thread count");
   }
 }
 
 Launch launch_of(const Options& options) { return {detail::resolve_threads(options.num_threads)}; }
 
 void run_forward(const Params& p, const Launch& launch, const ForwardArgs& args, Backend backend) {
-  const Backend chosen = detail::select_backend(Pass::forward, p, launch, backend);
+  const detail::BackendEntry& entry =
+      *detail::find_backend(detail::select_backend(Pass::forward, p, launch, backend));
+  check_workspace("forward", entry, Pass::forward, p, launch);
   guarded("forward", "running the backend (outputs are incomplete)", [&] {
-    detail::find_backend(chosen)->forward(p, launch, args);
+    entry.forward(p, launch, args);
     detail::fill_unused_rows(p, args);
   });
 }
 
 void run_backward(const Params& p, const Launch& launch, const BackwardArgs& args,
                   Backend backend) {
-  const Backend chosen = detail::select_backend(Pass::backward, p, launch, backend);
+  const detail::BackendEntry& entry =
+      *detail::find_backend(detail::select_backend(Pass::backward, p, launch, backend));
+  check_workspace("backward", entry, Pass::backward, p, launch);
   guarded("backward", "running the backend (outputs are incomplete)", [&] {
-    detail::find_backend(chosen)->backward(p, launch, args);
+    entry.backward(p, launch, args);
     detail::fill_unused_rows(p, args);
   });
 }

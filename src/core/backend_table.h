@@ -39,7 +39,8 @@ struct BackendEntry {
   double (*estimate)(Pass pass, const Params& p, const Launch& launch, const CostModel& model);
   void (*forward)(const Params& p, const Launch& launch, const ForwardArgs& args);
   void (*backward)(const Params& p, const Launch& launch, const BackwardArgs& args);
-  // Bytes of scratch memory the call allocates (beyond its outputs); null: negligible.
+  // Bytes of scratch memory the call allocates (beyond its outputs), computed before any work;
+  // the entry points refuse a call whose workspace exceeds the machine's memory.
   double (*workspace_bytes)(Pass pass, const Params& p, const Launch& launch);
   // Fills the model's fields that describe this backend's kernels; null: none.
   void (*describe)(CostModel& model);

@@ -17,6 +17,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__unix__)
+#include <unistd.h>
+#endif
+
 #include "attncore/error.h"
 #include "attncore/info.h"
 
@@ -327,6 +331,14 @@ double measure_fma_peak_gflops(int threads, double run_seconds, int runs) {
     throw Error("measure_fma_peak_gflops: threads cannot be started (threads=" +
                 std::to_string(threads) + ", expected what the system allows; " + e.what() + ")");
   }
+}
+
+double physical_memory_bytes() {
+#if defined(__unix__)
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages > 0 && page > 0) return static_cast<double>(pages) * static_cast<double>(page);
+#endif
+  return 0x1p62;
 }
 
 }  // namespace detail

@@ -7,4 +7,7 @@ namespace attncore::detail {
 // `run_seconds` each (measure_fma_peak_gflops of attncore/info.h is this with 0.06 s x 3).
 double measure_fma_peak_gflops(int threads, double run_seconds, int runs);
 
+// This machine's physical memory in bytes (sysconf); 2^62 where the OS does not say.
+double physical_memory_bytes();
+
 }  // namespace attncore::detail

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -116,6 +117,18 @@ bool flash_reads_kv_in_place(const Params& p, int tile_rows, bool bf16_dot) {
   return p.group * p.seq.lq <= tile_rows && !(bf16_dot && p.dtype == DType::bf16);
 }
 
+namespace {
+
+// One thread's FlashScratch of the forward, in floats.
+std::int64_t forward_scratch_floats(const FlashLayout& layout, std::int64_t d,
+                                    std::int64_t dv_pad) {
+  return round_up(layout.block_rows * (d + layout.key_tile + dv_pad + 3) +
+                      layout.key_tile * (d + dv_pad) + layout.block_rows * layout.key_tile / 2,
+                  16);
+}
+
+}  // namespace
+
 FlashForwardPlan plan_flash_forward(const Params& call, int threads, const FlashLayout& layout) {
   FlashForwardPlan plan;
   const std::int64_t groups = call.batch * call.heads_kv;
@@ -185,10 +198,7 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
   // Sized for the longest sequence (varlen) or every sequence (dense).
   const std::int64_t tiles = (call.seq.max_k() + layout.key_tile - 1) / layout.key_tile;
   const std::int64_t dv_pad = round_up(call.head_dim_v, layout.dv_align);
-  const std::int64_t scratch_floats =
-      round_up(layout.block_rows * (d + layout.key_tile + dv_pad + 3) +
-                   layout.key_tile * (d + dv_pad) + layout.block_rows * layout.key_tile / 2,
-               16);
+  const std::int64_t scratch_floats = forward_scratch_floats(layout, d, dv_pad);
   const int threads = std::max(1, launch.threads);
   const std::int64_t groups = call.batch * call.heads_kv;
   const FlashForwardPlan plan = plan_flash_forward(call, threads, layout);
@@ -424,6 +434,88 @@ FlashBackwardPlan plan_flash_backward(const Params& p, std::int64_t key_tile, bo
   return plan;
 }
 
+namespace {
+
+// The backward's sizes, in floats: the scratch shape, the plan, and one thread's workspace.
+struct BackwardSizes {
+  FlashBackwardScratch shape;
+  FlashBackwardPlan plan;
+  std::int64_t key_rows, rows;  // rows of a key tile (padded to micro-tiles); an item's q rows
+  std::int64_t sizes[16];       // FlashBackwardScratch's buffers, in its order
+  std::int64_t per_thread;
+};
+
+BackwardSizes backward_sizes(const Params& p, const FlashLayout& layout, bool dbias) {
+  BackwardSizes z{};
+  const std::int64_t d = p.head_dim, dv = p.head_dim_v, tile = layout.key_tile;
+  const std::int64_t block = layout.block_rows, tile_rows = layout.tile_rows;
+  const std::int64_t max_q = p.seq.max_q();
+  z.shape.d_pad = round_up(d, layout.dv_align);
+  z.shape.dv_pad = round_up(dv, layout.dv_align);
+  z.shape.lq_pad = round_up(max_q, tile_rows);  // each sequence's rows fit
+  z.key_rows = round_up(tile, tile_rows);
+  z.plan = plan_flash_backward(p, tile, dbias);
+  const std::int64_t run_heads = z.plan.run_heads;
+  z.rows = run_heads * z.shape.lq_pad;
+  // 16-float (64-byte) aligned each. bf16 pairs take half the floats of the f32 values they
+  // hold.
+  const bool pairs = layout.bf16_dot && p.dtype == DType::bf16;
+  const std::int64_t per_float = pairs ? 2 : 1, rows = z.rows;
+  const FlashBackwardScratch& s = z.shape;
+  // clang-format off
+  const std::int64_t sizes[] = {
+      rows * s.d_pad, run_heads * max_q,                                  // dq, delta
+      tile * d, tile * s.d_pad, tile * dv,                               // k_t, k_rows, v_t
+      z.key_rows * s.d_pad, z.key_rows * s.dv_pad,                        // dk, dv
+      rows * s.d_pad / per_float, rows * s.dv_pad / per_float,            // q_rows, do_rows
+      pairs ? rows * ((d + 1) / 2) : 0, pairs ? rows * ((dv + 1) / 2) : 0,  // q_t, do_t
+      run_heads * max_q,                                                  // lse
+      block * tile + tile_rows, block * tile + tile_rows, tile,           // s, ds, dcap
+      pairs ? 3 * (block / 2) * tile : 0};                                // pairs
+  // clang-format on
+  static_assert(std::size(sizes) == std::size(BackwardSizes{}.sizes));
+  for (std::size_t f = 0; f < std::size(sizes); ++f) {
+    z.sizes[f] = sizes[f];
+    z.per_thread += round_up(sizes[f], 16);
+  }
+  return z;
+}
+
+}  // namespace
+
+double flash_workspace_bytes(Pass pass, const Params& p, const Launch& launch) {
+  const FlashLayout& layout = flash_target_chosen().layout;
+  const double threads = std::max(1, launch.threads);
+  const double max_q = static_cast<double>(p.seq.max_q()), max_k = static_cast<double>(p.seq.max_k());
+  const double dims = static_cast<double>(p.head_dim + p.head_dim_v) + 128;
+  // A bound first, in doubles: sizes past it are refused before any int64 size is formed.
+  const double bound = (max_q * static_cast<double>(p.group) + max_k + layout.key_tile +
+                        layout.block_rows) *
+                       dims * (threads + 1) * 16.0 * static_cast<double>(p.batch * p.heads_kv + 1);
+  if (!(bound < 0x1p50)) return bound;
+  if (pass == Pass::forward) {
+    const FlashForwardPlan plan = plan_flash_forward(p, launch.threads, layout);
+    const double scratch = static_cast<double>(forward_scratch_floats(
+        layout, p.head_dim, round_up(p.head_dim_v, layout.dv_align)));
+    const double panels = plan.on_the_fly ? 0
+                          : plan.spread   ? threads * static_cast<double>(plan.panel_floats)
+                                          : static_cast<double>(plan.panel_floats);
+    return 4.0 * (threads * scratch + panels);
+  }
+  const BackwardSizes z = backward_sizes(p, layout, p.compute_dbias);
+  const double kv_runs = static_cast<double>(p.batch * p.heads_kv * z.plan.runs);
+  const double dq_parts = z.plan.parts > 1 ? kv_runs * static_cast<double>(z.plan.parts) *
+                                                 static_cast<double>(z.rows * z.shape.d_pad)
+                                           : 0;
+  // The reducer's f32 sums of dK and dV (several runs per kv head, 16-bit outputs).
+  const double tiles = std::ceil(max_k / layout.key_tile) * static_cast<double>(p.batch);
+  const double sums = z.plan.runs > 1 && p.dtype != DType::f32
+                          ? tiles * static_cast<double>(p.heads_kv) *
+                                static_cast<double>(z.key_rows * (z.shape.d_pad + z.shape.dv_pad))
+                          : 0;
+  return 4.0 * (threads * static_cast<double>(z.per_thread) + dq_parts + sums);
+}
+
 void flash_backward(const Params& p, const Launch& launch, const BackwardArgs& a) {
   DbiasAccumulator dbias(p);
   if (p.batch == 0) return;
@@ -437,33 +529,13 @@ void flash_backward(const Params& p, const Launch& launch, const BackwardArgs& a
   }
   const FlashTarget& target = flash_target_chosen();
   const FlashLayout& layout = target.layout;
-  const std::int64_t d = p.head_dim, dv = p.head_dim_v, tile = layout.key_tile;
+  const BackwardSizes z = backward_sizes(p, layout, dbias.active());
+  const std::int64_t d = p.head_dim, tile = layout.key_tile;
   const std::int64_t block = layout.block_rows, tile_rows = layout.tile_rows;
-  FlashBackwardScratch shape{};
-  shape.d_pad = round_up(d, layout.dv_align);
-  shape.dv_pad = round_up(dv, layout.dv_align);
-  shape.lq_pad = round_up(max_q, tile_rows);  // each sequence's rows fit
-  const std::int64_t key_rows = round_up(tile, tile_rows);
-  const FlashBackwardPlan plan = plan_flash_backward(p, tile, dbias.active());
-  const std::int64_t run_heads = plan.run_heads, runs = plan.runs, parts = plan.parts;
-  const std::int64_t rows = run_heads * shape.lq_pad;  // the item's query rows, padded
-  // Sizes in floats, in FlashBackwardScratch's order; 16-float (64-byte) aligned each. bf16
-  // pairs take half the floats of the f32 values they hold.
-  const bool pairs = layout.bf16_dot && p.dtype == DType::bf16;
-  const std::int64_t per_float = pairs ? 2 : 1;
-  // clang-format off
-  const std::int64_t sizes[] = {
-      rows * shape.d_pad, run_heads * max_q,                              // dq, delta
-      tile * d, tile * shape.d_pad, tile * dv,                           // k_t, k_rows, v_t
-      key_rows * shape.d_pad, key_rows * shape.dv_pad,                    // dk, dv
-      rows * shape.d_pad / per_float, rows * shape.dv_pad / per_float,    // q_rows, do_rows
-      pairs ? rows * ((d + 1) / 2) : 0, pairs ? rows * ((dv + 1) / 2) : 0,  // q_t, do_t
-      run_heads * max_q,                                                  // lse
-      block * tile + tile_rows, block * tile + tile_rows, tile,           // s, ds, dcap
-      pairs ? 3 * (block / 2) * tile : 0};                                // pairs
-  // clang-format on
-  std::int64_t per_thread = 0;
-  for (std::int64_t n : sizes) per_thread += round_up(n, 16);
+  const FlashBackwardScratch& shape = z.shape;
+  const std::int64_t key_rows = z.key_rows, rows = z.rows, per_thread = z.per_thread;
+  const std::int64_t run_heads = z.plan.run_heads, runs = z.plan.runs, parts = z.plan.parts;
+  const std::int64_t* sizes = z.sizes;
   // Items own their dQ rows; dBias rows are shared only when the mask broadcasts over batch or
   // heads, and then one thread runs the items in order.
   const int threads = dbias.shared_across(p) ? 1 : std::max(1, launch.threads);
@@ -485,7 +557,7 @@ void flash_backward(const Params& p, const Launch& launch, const BackwardArgs& a
     float* at = scratch.get() + slot * per_thread;
     float** fields[] = {&w.dq,      &w.delta, &w.k_t,  &w.k_rows, &w.v_t, &w.dk, &w.dv,   &w.q_rows,
                         &w.do_rows, &w.q_t,   &w.do_t, &w.lse,    &w.s,   &w.ds, &w.dcap, &w.pairs};
-    for (std::size_t f = 0; f < std::size(fields); ++f) {
+    for (std::size_t f = 0; f < std::size(fields); ++f) {  // BackwardSizes::sizes' order
       *fields[f] = at;
       at += round_up(sizes[f], 16);
     }

@@ -145,6 +145,8 @@ FlashBackwardPlan plan_flash_backward(const Params& p, std::int64_t key_tile, bo
 // Its entry in the backend table (flash_cost.cpp).
 void flash_can_use(Pass pass, const Params& p, std::vector<std::string>& reasons);
 double flash_estimate(Pass pass, const Params& p, const Launch& launch, const CostModel& model);
+// Bytes flash_forward / flash_backward allocate for the call (flash.cpp).
+double flash_workspace_bytes(Pass pass, const Params& p, const Launch& launch);
 void flash_describe(CostModel& model);
 
 }  // namespace attncore::detail

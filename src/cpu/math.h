@@ -25,5 +25,6 @@ void math_backward(const Params& p, const Launch& launch, const BackwardArgs& ar
 // Its entry in the backend table (math_cost.cpp).
 void math_can_use(Pass pass, const Params& p, std::vector<std::string>& reasons);
 double math_estimate(Pass pass, const Params& p, const Launch& launch, const CostModel& model);
+double math_workspace_bytes(Pass pass, const Params& p, const Launch& launch);
 
 }  // namespace attncore::detail

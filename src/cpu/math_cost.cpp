@@ -129,4 +129,17 @@ double math_estimate(Pass pass, const Params& p, const Launch& launch, const Cos
   return estimate_math(pass, p, launch, m);
 }
 
+double math_workspace_bytes(Pass pass, const Params& p, const Launch& launch) {
+  const double element = p.dtype == DType::f64 ? 8 : 4;
+  const double lq = static_cast<double>(p.seq.max_q()), lk = static_cast<double>(p.seq.max_k());
+  const double d = static_cast<double>(p.head_dim), dv = static_cast<double>(p.head_dim_v);
+  const double threads = std::max(1, launch.threads), block = std::min(lq, kMathBlockRows);
+  // K and V of one kv head in the compute type; per thread a block's q, scores and output.
+  const double kv = lk * (d + dv);
+  if (pass == Pass::forward) return element * (kv + threads * block * (d + lk + dv + 1));
+  // The backward's P * M, dS and softcap derivative [Lq, Lk], dK and dV sums, q and dO of a
+  // head, and per thread a block's q, dO, out and dQ.
+  return element * (3 * lq * lk + 2 * kv + lq * (d + dv) + threads * block * 2 * (d + dv));
+}
+
 }  // namespace attncore::detail

@@ -246,4 +246,11 @@ void reference_backward(const Params& p, const Launch& launch, const BackwardArg
                               std::int64_t b1) { backward_rows(sp, launch.threads, sa, b0, b1); });
 }
 
+double reference_workspace_bytes(Pass pass, const Params& p, const Launch& launch) {
+  const double lk = static_cast<double>(p.seq.max_k()), threads = std::max(1, launch.threads);
+  const double d = static_cast<double>(p.head_dim), dv = static_cast<double>(p.head_dim_v);
+  if (pass == Pass::forward) return 8 * threads * (lk + dv);
+  return 8 * threads * (lk * (2 + d + dv) + 2 * d + dv);
+}
+
 }  // namespace attncore::detail
