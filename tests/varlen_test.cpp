@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "attncore/attncore.h"
+#include "core/sequence.h"
 #include "cpu/flash.h"
 #include "testing/oracle.h"
 #include "testing/problem.h"
@@ -624,6 +625,30 @@ TEST(Varlen, FlashPlanBalancesThreads) {
           << "Hq=" << heads_q << " Hkv=" << heads_kv << " threads=" << threads << " spread=" << plan.spread;
     }
   }
+}
+
+}  // namespace
+}  // namespace attncore::test
+
+namespace attncore::test {
+namespace {
+
+// The cost model prices a varlen call as the dense batch of the same sequences, query rows and
+// pairs: (3 x 5) + (1 x 30) + (17 x 3) = 96 pairs over 21 rows.
+TEST(Varlen, CostModelSeesTheDenseEquivalent) {
+  const Packed p = make_packed({{3, 1, 17}, {5, 30, 3}, {}, 0, 0, 2, 1, 16, 16}, DType::f32,
+                               variants()[0], 1);
+  detail::Params params;
+  params.batch = 3;
+  params.seq.cu_q = p.cu_q.data();
+  params.seq.cu_k = p.cu_k.data();
+  params.seq.lq = 100;  // max_seqlen as passed: not what the model prices
+  params.seq.lk = 100;
+  const detail::Params dense = detail::dense_equivalent(params);
+  EXPECT_FALSE(dense.seq.varlen());
+  EXPECT_EQ(dense.seq.lq, 7);   // 21 rows / 3
+  EXPECT_EQ(dense.seq.lk, 5);   // 96 pairs / 21 rows = 4.6
+  EXPECT_EQ(dense.batch, 3);
 }
 
 }  // namespace

@@ -39,8 +39,8 @@ inline double visible_pairs(const Params& p) {
   return sum * static_cast<double>(p.seq.lq) / kSamples;
 }
 
-// The call's sizes as the cost terms use them. A varlen call is modelled as its batch padded
-// to the longest sequences (an upper bound: the terms are per-sequence sums).
+// The call's sizes as the cost terms use them (a varlen call arrives as its dense equivalent,
+// core/sequence.h).
 struct Sizes {
   double batch, heads_q, heads_kv, lq, lk, dims, element, threads;
 };
@@ -49,8 +49,8 @@ inline Sizes sizes_of(const Params& p, const Launch& launch) {
   return {static_cast<double>(p.batch),
           static_cast<double>(p.heads_q),
           static_cast<double>(p.heads_kv),
-          static_cast<double>(p.seq.max_q()),
-          static_cast<double>(p.seq.max_k()),
+          static_cast<double>(p.seq.lq),
+          static_cast<double>(p.seq.lk),
           static_cast<double>(p.head_dim + p.head_dim_v),
           static_cast<double>(size_of(p.dtype)),
           static_cast<double>(std::max(1, launch.threads))};

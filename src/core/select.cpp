@@ -24,6 +24,7 @@
 #include "attncore/info.h"
 #include "core/cpu_info.h"
 #include "core/threadpool.h"
+#include "core/sequence.h"
 #include "core/validate.h"
 #include "policy/score_row.h"
 
@@ -193,7 +194,8 @@ CostModel current_cost_model() {
 double estimate_seconds(Backend backend, Pass pass, const Params& p, const Launch& launch,
                         const CostModel& model) {
   const BackendEntry* e = find_backend(backend);
-  return e != nullptr && e->estimate != nullptr ? e->estimate(pass, p, launch, model) : -1;
+  if (e == nullptr || e->estimate == nullptr) return -1;
+  return e->estimate(pass, dense_equivalent(p), launch, model);
 }
 
 Explanation select(Pass pass, const Params& p, const Launch& launch, Backend requested,

@@ -6,6 +6,8 @@
 // Backends resolve once per work item; a dense call resolves to itself.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "core/params.h"
@@ -55,6 +57,23 @@ Sequence<Args> resolve_sequence(const Params& p, const Args& a, std::int64_t b) 
   if (!p.seq.varlen()) return {p, a};
   const SeqSpan s = p.seq.at(b);
   return {sequence_params(p, s), sequence_args(a, s)};
+}
+
+// A varlen call seen as a dense batch of the same number of sequences, query rows and
+// (query, key) pairs: Lq = the mean query length, Lk = pairs / query rows (rounded). What the
+// cost model prices; a dense call is itself.
+inline Params dense_equivalent(const Params& p) {
+  if (!p.seq.varlen()) return p;
+  double rows = 0, pairs = 0;
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    const SeqSpan s = p.seq.at(b);
+    rows += static_cast<double>(s.lq);
+    pairs += static_cast<double>(s.lq) * static_cast<double>(s.lk);
+  }
+  const double batch = static_cast<double>(std::max<std::int64_t>(p.batch, 1));
+  const SeqSpan mean{0, static_cast<std::int64_t>(std::llround(rows / batch)), 0,
+                     rows > 0 ? static_cast<std::int64_t>(std::llround(pairs / rows)) : 0};
+  return sequence_params(p, mean);
 }
 
 // Varlen calls: rows of the buffers that belong to no sequence (past cu_seqlens_q[-1]; keys
