@@ -1,8 +1,11 @@
 // attncore._core: the extension module behind the `attncore` Python package. It runs
-// attncore::forward_into / backward_into on Python arrays, read and written in place: numpy
+// attncore::forward_into / backward_into and their variable-length forms
+// (forward_varlen_into / backward_varlen_into) on Python arrays, read and written in place: numpy
 // arrays (and any other buffer-protocol object) through the buffer protocol, everything else
 // (torch tensors, bf16 included) through `__dlpack__`. Nothing is copied; the package allocates
-// the outputs and reshapes its arguments into the rank-4 views this module takes.
+// the outputs and reshapes its arguments into the views this module takes (rank 4 for dense
+// calls, the packed rank-3 views for variable-length ones). int32 arrays become DType::i32 views,
+// which the library takes as index arrays (cu_seqlens, seqused_k) and refuses elsewhere.
 #include <dlpack/dlpack.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -14,6 +17,7 @@
 #include <string>
 
 #include "attncore/attncore.h"
+#include "attncore/varlen.h"
 
 namespace py = pybind11;
 
@@ -39,8 +43,11 @@ DType dtype_from_format(std::string format, py::ssize_t itemsize, const char* na
   if (format == "d" && itemsize == 8) return DType::f64;
   if (format == "e" && itemsize == 2) return DType::f16;
   if (format == "?" && itemsize == 1) return DType::b8;
+  // numpy's int32 is 'i' ('l' where a C long has 4 bytes).
+  if ((format == "i" || format == "l") && itemsize == 4) return DType::i32;
   throw InvalidArgument(std::string(name) + " has an unsupported element type (format='" + format +
-                        "', expected float32, float64, float16 or bool)");
+                        "', itemsize=" + std::to_string(itemsize) +
+                        ", expected float32, float64, float16, bool or int32)");
 }
 
 DType dtype_from_dlpack(const DLDataType& t, bool is_mask, const char* name) {
@@ -50,13 +57,14 @@ DType dtype_from_dlpack(const DLDataType& t, bool is_mask, const char* name) {
     if (t.code == kDLFloat && t.bits == 16) return DType::f16;
     if (t.code == kDLBfloat && t.bits == 16) return DType::bf16;
     if (t.code == kDLBoolCode && t.bits == 8) return DType::b8;
+    if (t.code == kDLInt && t.bits == 32) return DType::i32;
     // Producers that cannot export bool (torch 1.13) pass a bool mask's bytes as uint8.
     if (is_mask && t.code == kDLUInt && t.bits == 8) return DType::b8;
   }
   throw InvalidArgument(std::string(name) +
                         " has an unsupported element type (dlpack code=" + std::to_string(t.code) +
                         ", bits=" + std::to_string(t.bits) + ", lanes=" + std::to_string(t.lanes) +
-                        ", expected float32, float64, float16, bfloat16 or bool)");
+                        ", expected float32, float64, float16, bfloat16, bool or int32)");
 }
 
 // One Python array seen as a TensorView onto its own memory, valid while this object lives.
@@ -240,6 +248,69 @@ void backward(py::handle dout, py::handle q, py::handle k, py::handle v, py::han
                           bdq.view(), bdk.view(), bdv.view(), view_of(bdbias), options, backend);
 }
 
+// The index arrays of a variable-length call, borrowed for the duration of the call.
+struct BorrowedSeqs {
+  Borrowed cu_seqlens_q, cu_seqlens_k;
+  std::optional<Borrowed> seqused_k;
+  std::int64_t max_seqlen_q, max_seqlen_k;
+
+  BorrowedSeqs(py::handle cu_q, py::handle cu_k, py::handle used, std::int64_t max_q,
+               std::int64_t max_k)
+      : cu_seqlens_q(cu_q, "cu_seqlens_q", false),
+        cu_seqlens_k(cu_k, "cu_seqlens_k", false),
+        seqused_k(borrow_optional(used, "seqused_k", false)),
+        max_seqlen_q(max_q),
+        max_seqlen_k(max_k) {}
+
+  attncore::VarlenSeqs seqs() const {
+    return {cu_seqlens_q.view(), cu_seqlens_k.view(), view_of(seqused_k), max_seqlen_q,
+            max_seqlen_k};
+  }
+};
+
+// Packed q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv] with int32 cu_seqlens_q,
+// cu_seqlens_k [B + 1] and seqused_k [B] (or None); writes out [total_q, Hq, Dv] and, when
+// given, lse [Hq, total_q]. mask is passed on so that the library refuses it (Unsupported).
+void forward_varlen(py::handle q, py::handle k, py::handle v, py::handle cu_seqlens_q,
+                    py::handle cu_seqlens_k, py::handle seqused_k, std::int64_t max_seqlen_q,
+                    std::int64_t max_seqlen_k, py::handle out, py::handle lse, py::handle mask,
+                    py::handle alibi_slopes, const CallOptions& call) {
+  last_call_addresses.clear();
+  const Borrowed bq(q, "query", false), bk(k, "key", false), bv(v, "value", false);
+  const BorrowedSeqs seqs(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k);
+  const Borrowed bout(out, "out", true);
+  const auto blse = borrow_optional(lse, "lse", true);
+  const auto bmask = borrow_optional(mask, "mask", false, /*is_mask=*/true);
+  const auto balibi = borrow_optional(alibi_slopes, "alibi_slopes", false);
+  const attncore::Options options = call.options(bmask, balibi, false);
+  const attncore::Backend backend = backend_from_name(call.backend);
+  py::gil_scoped_release release;
+  attncore::forward_varlen_into(bq.view(), bk.view(), bv.view(), seqs.seqs(), bout.view(),
+                                view_of(blse), options, backend);
+}
+
+// The gradients of forward_varlen's call with the same inputs: writes dq, dk, dv (shaped like
+// q, k, v; rows that belong to no sequence get 0).
+void backward_varlen(py::handle dout, py::handle q, py::handle k, py::handle v, py::handle out,
+                     py::handle lse, py::handle cu_seqlens_q, py::handle cu_seqlens_k,
+                     py::handle seqused_k, std::int64_t max_seqlen_q, std::int64_t max_seqlen_k,
+                     py::handle dq, py::handle dk, py::handle dv, py::handle mask,
+                     py::handle alibi_slopes, const CallOptions& call) {
+  last_call_addresses.clear();
+  const Borrowed bdout(dout, "dout", false), bq(q, "query", false), bk(k, "key", false),
+      bv(v, "value", false), bout(out, "out", false), blse(lse, "lse", false);
+  const BorrowedSeqs seqs(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k);
+  const Borrowed bdq(dq, "dq", true), bdk(dk, "dk", true), bdv(dv, "dv", true);
+  const auto bmask = borrow_optional(mask, "mask", false, /*is_mask=*/true);
+  const auto balibi = borrow_optional(alibi_slopes, "alibi_slopes", false);
+  const attncore::Options options = call.options(bmask, balibi, false);
+  const attncore::Backend backend = backend_from_name(call.backend);
+  py::gil_scoped_release release;
+  attncore::backward_varlen_into(bdout.view(), bq.view(), bk.view(), bv.view(), bout.view(),
+                                 blse.view(), seqs.seqs(), bdq.view(), bdk.view(), bdv.view(),
+                                 options, backend);
+}
+
 // Names of backends, in order.
 std::vector<std::string> names_of(const std::vector<attncore::Backend>& backends) {
   std::vector<std::string> names;
@@ -322,6 +393,16 @@ PYBIND11_MODULE(_core, m) {
         py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
         py::arg("dbias").none(true), py::arg("mask").none(true), py::arg("alibi_slopes").none(true),
         py::arg("options"));
+  m.def("forward_varlen", &forward_varlen, py::arg("query"), py::arg("key"), py::arg("value"),
+        py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("seqused_k").none(true),
+        py::arg("max_seqlen_q"), py::arg("max_seqlen_k"), py::arg("out"),
+        py::arg("lse").none(true), py::arg("mask").none(true), py::arg("alibi_slopes").none(true),
+        py::arg("options"));
+  m.def("backward_varlen", &backward_varlen, py::arg("dout"), py::arg("query"), py::arg("key"),
+        py::arg("value"), py::arg("out"), py::arg("lse"), py::arg("cu_seqlens_q"),
+        py::arg("cu_seqlens_k"), py::arg("seqused_k").none(true), py::arg("max_seqlen_q"),
+        py::arg("max_seqlen_k"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
+        py::arg("mask").none(true), py::arg("alibi_slopes").none(true), py::arg("options"));
   m.def("explain_forward", &explain_forward, py::arg("query"), py::arg("key"), py::arg("value"),
         py::arg("mask").none(true), py::arg("alibi_slopes").none(true), py::arg("options"));
   m.def("explain_backward", &explain_backward, py::arg("dout"), py::arg("query"), py::arg("key"),
@@ -342,5 +423,5 @@ PYBIND11_MODULE(_core, m) {
   m.def("simd_target", &attncore::simd_target);
   m.def(
       "_last_call_addresses", [] { return last_call_addresses; },
-      "The data address of each array of this thread's last forward/backward call, by name");
+      "The data address of each array of this thread's last call, by name");
 }

@@ -1,8 +1,12 @@
 """attncore: exact scaled-dot-product attention on CPUs, for numpy arrays and torch tensors.
 
-    scaled_dot_product_attention  torch.nn.functional's, as a drop-in
-    flash_attn_func               flash_attn's, as a drop-in
+    scaled_dot_product_attention  torch.nn.functional's, as a drop-in (nested tensors too)
+    flash_attn_func, flash_attn_qkvpacked_func, flash_attn_kvpacked_func,
+    flash_attn_varlen_func, flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func
+                                  flash_attn's, as drop-ins (packed inputs read in place)
     attention, attention_backward attncore's own, with every option; the backward for numpy
+    attention_varlen, attention_varlen_backward
+                                  the same for variable-length batches packed along the rows
     attncore.torch                the same functions with torch autograd (AttentionFunction)
     manual_seed, get_rng_state, set_rng_state   attncore's dropout generator
     SDPBackend                    backend names for the backend= keyword
@@ -16,8 +20,11 @@ C++ library's message.
 import importlib as _importlib
 
 from . import _core
-from ._attention import attention, attention_backward, explain
-from ._dropins import flash_attn_func, scaled_dot_product_attention
+from ._attention import (attention, attention_backward, attention_varlen,
+                         attention_varlen_backward, explain)
+from ._dropins import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+                       flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
+                       flash_attn_varlen_qkvpacked_func, scaled_dot_product_attention)
 from ._random import get_rng_state, manual_seed, set_rng_state
 from .backends import BackendVerdict, Explanation, SDPBackend, enabled_backends, sdpa_kernel
 
@@ -25,7 +32,10 @@ __version__ = _core.version()
 
 __all__ = [
     "BackendVerdict", "Explanation", "SDPBackend", "attention", "attention_backward",
-    "enabled_backends", "explain", "flash_attn_func", "get_rng_state", "manual_seed",
+    "attention_varlen", "attention_varlen_backward", "enabled_backends", "explain",
+    "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func", "get_rng_state", "manual_seed",
     "scaled_dot_product_attention", "sdpa_kernel", "set_rng_state",
 ]
 

@@ -195,8 +195,10 @@ def _back_through_dlpack(cls):
 def empty_in_order_of(lib, like, shape, dtype_name):
     """A new array of `shape` whose dims lie in memory in the order of `like`'s strides (largest
     first), so that the result of a [B, L, H, D] input viewed as [B, H, L, D] is itself a
-    [B, L, H, D] buffer seen as [B, H, L, D]."""
+    [B, L, H, D] buffer seen as [B, H, L, D]. The last dim stays innermost (attncore writes
+    head dims with unit stride), also where `like` has a stride-0 (broadcast) dim."""
     strides = lib.strides(like)
-    order = sorted(range(len(shape)), key=lambda d: -strides[d])
+    rank = len(shape)
+    order = sorted(range(rank - 1), key=lambda d: -strides[d]) + ([rank - 1] if rank else [])
     buffer = lib.empty(tuple(shape[d] for d in order), dtype_name)
     return lib.permute(buffer, tuple(order.index(d) for d in range(len(shape))))

@@ -1,26 +1,29 @@
-"""attention() and attention_backward(): attncore's own Python functions, on which the torch-SDPA
-and flash-attn drop-ins (_dropins) are built, over the rank-4 calls of _rank4.
+"""attention() and attention_backward(), attention_varlen() and attention_varlen_backward():
+attncore's own Python functions, on which the torch-SDPA and flash-attn drop-ins (_dropins) are
+built, over the rank-4 calls of _rank4 and the packed calls of _varlen.
 
 Arrays are numpy arrays, torch tensors or other DLPack producers (see _arrays). Each argument is
 brought to the rank-4 views the C++ library takes, without a copy where its strides allow (only
 the last stride must be 1):
     q [..., Hq, Lq, D]  (layout "bhld", torch)  or  [..., Lq, Hq, D]  (layout "blhd", flash-attn)
     ->  [B, Hq, Lq, D]  with B the product of the leading (batch) dims,
-and results come back in the caller's layout, library and dtype.
+and results come back in the caller's layout, library and dtype. Variable-length calls take the
+packed views as they are: q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv].
 """
 
 import math
 import typing
 
 from . import _arrays, _core, _random
-from ._rank4 import Call, backward4, core_or_none, forward4, lse_dtype
+from ._rank4 import Call, DenseKernel, backward4, core_or_none, forward4, lse_dtype, times
+from ._varlen import Seqs, VarlenKernel
 from .backends import backend_name, explanation_from_core
 
 LAYOUTS = ("bhld", "blhd")
 CAUSAL = ("none", "upper-left", "lower-right")
 
 
-def _resolve_call(op, form, *, scale, causal, window_size, softcap, dropout_p, seed, offset,
+def _resolve_call(op, positions, *, scale, causal, window_size, softcap, dropout_p, seed, offset,
                   enable_gqa, backend, num_threads, draw_seed):
     causal = "none" if causal is None or causal is False else causal
     if causal not in CAUSAL:
@@ -38,8 +41,7 @@ def _resolve_call(op, form, *, scale, causal, window_size, softcap, dropout_p, s
         if not draw_seed:
             raise ValueError(f"{op}: dropout needs the forward call's seed (seed=None, expected "
                              "the (seed, offset) attncore.get_rng_state() gave before it)")
-        seed, offset = _random.default_generator.take(form.batch_size * form.heads_q *
-                                                      form.seqlen_q * form.seqlen_k)
+        seed, offset = _random.default_generator.take(positions)
     else:
         seed, offset = _random.check_u64("seed", seed), _random.check_u64("offset", offset or 0)
     return Call(scale=None if scale is None else float(scale), causal=causal,
@@ -155,12 +157,6 @@ class _Form:
         return slopes
 
 
-def _times(x, factor):
-    """x * factor for factor in (1, -1, 0); a product, so that torch autograd sees it and NaN
-    stays NaN."""
-    return x if factor == 1 else x * factor
-
-
 class _Prepared(typing.NamedTuple):
     """One call's arrays and options, brought to the library's form."""
 
@@ -176,7 +172,8 @@ class _Prepared(typing.NamedTuple):
 def _prepare(op, query, key, value, *, layout, attn_mask, alibi_slopes, draw_seed, **options):
     lib, query, give_back = _arrays.adopt(query)
     form = _Form(lib, op, layout, query, lib.asarray(key), lib.asarray(value))
-    call = _resolve_call(op, form, draw_seed=draw_seed, **options)
+    positions = form.batch_size * form.heads_q * form.seqlen_q * form.seqlen_k
+    call = _resolve_call(op, positions, draw_seed=draw_seed, **options)
     mask = None if attn_mask is None else lib.asarray(attn_mask)
     mask4 = None if mask is None else form.mask4(mask)
     alibi = None if alibi_slopes is None else form.alibi(lib.asarray(alibi_slopes))
@@ -209,7 +206,7 @@ def attention(query, key, value, *, layout="bhld", scale=None, causal=None, wind
                  alibi_slopes=alibi_slopes, draw_seed=True, scale=scale, causal=causal,
                  window_size=window_size, softcap=softcap, dropout_p=dropout_p, seed=seed,
                  offset=offset, enable_gqa=enable_gqa, backend=backend, num_threads=num_threads)
-    q4 = _times(p.form.q4, p.call.q_factor)
+    q4 = times(p.form.q4, p.call.q_factor)
     if p.lib.is_torch:
         # Imported here: _autograd imports torch, which numpy callers need not have.
         from ._autograd import AttentionFunction
@@ -238,13 +235,139 @@ def attention_backward(dout, query, key, value, out, softmax_lse, *, layout="bhl
     form, factor = p.form, p.call.q_factor
     want_dbias = p.mask is not None and p.lib.dtype_name(p.mask) != "bool"
     dq4, dk4, dv4, dbias4 = backward4(
-        p.lib, form.from_caller(dout, "dout"), _times(form.q4, factor), form.k4, form.v4,
+        p.lib, form.from_caller(dout, "dout"), times(form.q4, factor), form.k4, form.v4,
         form.from_caller(out, "out"), form.lse_from_caller(softmax_lse), p.mask4, p.alibi,
         p.call, want_dbias)
-    grads = [form.to_caller(_times(dq4, factor)), form.to_caller(dk4), form.to_caller(dv4)]
+    grads = [form.to_caller(times(dq4, factor)), form.to_caller(dk4), form.to_caller(dv4)]
     if want_dbias:
         grads.append(form.dbias_to_caller(dbias4, p.mask))
     return tuple(p.give_back(g) for g in grads)
+
+
+class Packed(typing.NamedTuple):
+    """One call on views of packed (or separate) sources: its results and what made them."""
+
+    out: object  # [B, Hq, Lq, Dv] (dense) or [total_q, Hq, Dv] (varlen), in lib
+    lse: object  # [B, Hq, Lq] or [Hq, total_q]
+    lib: object
+    give_back: object
+    kernel: object  # DenseKernel or VarlenKernel: its call, slopes and sequences
+    views: tuple  # (q, k, v) as the kernel took them
+
+
+def separate(query, key, value):
+    """The split of three separate sources: each is its own view."""
+    return query, key, value
+
+
+def _adopt_sources(sources):
+    """(lib, give_back, sources) with every source in the first one's library, each with a
+    unit last stride (a copy only where it has none)."""
+    lib, first, give_back = _arrays.adopt(sources[0])
+    sources = (first,) + tuple(lib.asarray(s) for s in sources[1:])
+    return lib, give_back, tuple(lib.unit_last_stride(s) for s in sources)
+
+
+def _run(lib, kernel, split, sources):
+    """(out, lse) of the kernel on split(*sources); torch tensors through
+    PackedAttentionFunction, so that gradients reach the sources."""
+    if lib.is_torch:
+        # Imported here: _autograd imports torch, which numpy callers need not have.
+        from ._autograd import PackedAttentionFunction
+        return PackedAttentionFunction.apply(kernel, split, *sources)
+    return kernel.forward(lib, *split(*sources))
+
+
+def dense_packed(op, sources, split, *, alibi_slopes, **options):
+    """A dense call on rank-4 views split(*sources) = (q4 [B, Hq, Lq, D], k4 [B, Hkv, Lk, D],
+    v4 [B, Hkv, Lk, Dv]) with attention()'s options (no mask): a Packed with out4 and lse3."""
+    lib, give_back, sources = _adopt_sources(sources)
+    q4, k4, _ = views = split(*sources)
+    batch, heads_q, seqlen_q, _ = q4.shape
+    call = _resolve_call(op, batch * heads_q * seqlen_q * k4.shape[2], draw_seed=True,
+                         **options)
+    alibi = None if alibi_slopes is None else lib.asarray(alibi_slopes)
+    kernel = DenseKernel(alibi, call)
+    out, lse = _run(lib, kernel, split, sources)
+    return Packed(out, lse, lib, give_back, kernel, views)
+
+
+def varlen_packed(op, sources, split, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                  seqused_k, attn_mask, alibi_slopes, **options):
+    """A variable-length call on views split(*sources) = (q [total_q, Hq, D],
+    k [total_k, Hkv, D], v [total_k, Hkv, Dv]) with attention_varlen()'s options: a Packed."""
+    lib, give_back, sources = _adopt_sources(sources)
+    q, _, _ = views = split(*sources)
+    seqs = Seqs.of(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
+    heads_q = q.shape[1] if q.ndim == 3 else 0
+    positions = (seqs.batch_size * heads_q * max(seqs.max_seqlen_q, 0) *
+                 max(seqs.max_seqlen_k, 0))
+    call = _resolve_call(op, positions, draw_seed=True, **options)
+    mask = None if attn_mask is None else lib.asarray(attn_mask)
+    alibi = None if alibi_slopes is None else lib.asarray(alibi_slopes)
+    kernel = VarlenKernel(seqs, alibi, call, mask)
+    out, lse = _run(lib, kernel, split, sources)
+    return Packed(out, lse, lib, give_back, kernel, views)
+
+
+def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     *, seqused_k=None, scale=None, causal=None, window_size=(-1, -1),
+                     softcap=0.0, alibi_slopes=None, attn_mask=None, dropout_p=0.0, seed=None,
+                     offset=None, enable_gqa=True, backend=None, num_threads=0,
+                     return_lse=False, _op="attention_varlen"):
+    """Exact attention over a variable-length batch packed along the rows (DESIGN.md section 1,
+    "Variable-length batches"), with attention()'s options.
+
+    query [total_q, Hq, D], key [total_k, Hkv, D], value [total_k, Hkv, Dv]: sequence b owns
+    query rows cu_seqlens_q[b]:cu_seqlens_q[b+1] and key rows cu_seqlens_k[b]:cu_seqlens_k[b+1]
+    (int32 [B + 1], from 0, non-decreasing); with seqused_k (int32 [B]) only the first
+    seqused_k[b] of its keys take part, for every purpose. max_seqlen_q and max_seqlen_k bound
+    the lengths (they may be larger) and address dropout as a batch padded to them would.
+    Returns out [total_q, Hq, Dv] (query's library and dtype) and, with return_lse,
+    lse [Hq, total_q]. Query rows past cu_seqlens_q[-1] get out 0 and lse -inf.
+
+    causal, window_size, softcap and alibi_slopes ([Hq] or [B, Hq]) apply within each sequence
+    on its own lengths (the lower-right diagonal is i + Lk_b - Lq_b). attn_mask is not
+    supported with variable-length batches (NotImplementedError). Dropout takes
+    B * Hq * max_seqlen_q * max_seqlen_k positions of attncore's generator unless seed and
+    offset are given. torch tensors are differentiable (query, key, value).
+    """
+    r = varlen_packed(_op, (query, key, value), separate, cu_seqlens_q, cu_seqlens_k,
+                      max_seqlen_q, max_seqlen_k, seqused_k=seqused_k, attn_mask=attn_mask,
+                      alibi_slopes=alibi_slopes, scale=scale, causal=causal,
+                      window_size=window_size, softcap=softcap, dropout_p=dropout_p, seed=seed,
+                      offset=offset, enable_gqa=enable_gqa, backend=backend,
+                      num_threads=num_threads)
+    out = r.give_back(r.out)
+    return (out, r.give_back(r.lse)) if return_lse else out
+
+
+def attention_varlen_backward(dout, query, key, value, out, softmax_lse, cu_seqlens_q,
+                              cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_k=None,
+                              scale=None, causal=None, window_size=(-1, -1), softcap=0.0,
+                              alibi_slopes=None, attn_mask=None, dropout_p=0.0, seed=None,
+                              offset=None, enable_gqa=True, backend=None, num_threads=0):
+    """Gradients (dq, dk, dv), shaped like query, key and value, of an attention_varlen() call
+    (or a flash_attn_varlen_* call described with its options) from its out
+    [total_q, Hq, Dv] and softmax_lse [Hq, total_q]. Rows of dk and dv that belong to no used
+    key, and rows of dq past cu_seqlens_q[-1], are 0.
+
+    Every option must be the forward call's; with dropout, seed and offset are required: the
+    (seed, offset) that attncore.get_rng_state() returned just before the forward call.
+    """
+    op = "attention_varlen_backward"
+    lib, give_back, (query, key, value) = _adopt_sources((query, key, value))
+    seqs = Seqs.of(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
+    call = _resolve_call(op, 0, draw_seed=False, scale=scale, causal=causal,
+                         window_size=window_size, softcap=softcap, dropout_p=dropout_p,
+                         seed=seed, offset=offset, enable_gqa=enable_gqa, backend=backend,
+                         num_threads=num_threads)
+    mask = None if attn_mask is None else lib.asarray(attn_mask)
+    alibi = None if alibi_slopes is None else lib.asarray(alibi_slopes)
+    kernel = VarlenKernel(seqs, alibi, call, mask)
+    grads = kernel.backward(lib, lib.unit_last_stride(lib.asarray(dout)), query, key, value,
+                            lib.asarray(out), lib.asarray(softmax_lse))
+    return tuple(give_back(g) for g in grads)
 
 
 def explain(query, key, value, *, backward=False, layout="bhld", scale=None, causal=None,
@@ -260,7 +383,7 @@ def explain(query, key, value, *, backward=False, layout="bhld", scale=None, cau
                  window_size=window_size, softcap=softcap, dropout_p=dropout_p, seed=0, offset=0,
                  enable_gqa=enable_gqa, backend=None, num_threads=num_threads)
     lib, form, options = p.lib, p.form, p.call.core_options()
-    q4 = _times(form.q4, p.call.q_factor)
+    q4 = times(form.q4, p.call.q_factor)
     mask4, alibi = core_or_none(lib, p.mask4), core_or_none(lib, p.alibi)
     if not backward:
         raw = _core.explain_forward(lib.to_core(q4), lib.to_core(form.k4), lib.to_core(form.v4),

@@ -1,4 +1,6 @@
-"""AttentionFunction: forward4/backward4 as a torch.autograd.Function, so loss.backward() works.
+"""AttentionFunction: forward4/backward4 as a torch.autograd.Function, so loss.backward() works;
+PackedAttentionFunction: the same for calls whose q, k, v are views of packed tensors (or of
+three separate ones), dense or variable-length.
 
 _attention imports this module when it meets torch tensors (numpy callers need not have torch);
 the public name is attncore.torch.AttentionFunction.
@@ -33,6 +35,35 @@ class AttentionFunction(_torch.autograd.Function):
         dq, dk, dv, dbias = backward4(lib, lib.unit_last_stride(dout), query, key, value, out,
                                       lse, mask, alibi_slopes, ctx.call, want_dbias)
         return dq, dk, dv, dbias, None, None
+
+
+class PackedAttentionFunction(_torch.autograd.Function):
+    """(out, lse) of kernel.forward(q, k, v) where (q, k, v) = split(*sources): the sources are
+    q, k and v themselves, q and a packed kv, or one packed qkv, and split takes views of them
+    (no copies). The backward allocates one gradient per source, laid out like it, and the
+    kernel writes dq, dk, dv into split's views of those, so a packed input's gradient is one
+    packed tensor. kernel: an attncore._rank4.DenseKernel or attncore._varlen.VarlenKernel.
+    lse is not differentiable."""
+
+    @staticmethod
+    def forward(ctx, kernel, split, *sources):
+        out, lse = kernel.forward(_arrays.TORCH, *split(*sources))
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(*sources, out, lse)
+        ctx.kernel, ctx.split = kernel, split
+        return out, lse
+
+    @staticmethod
+    @_once_differentiable
+    def backward(ctx, dout, _dlse):
+        *sources, out, lse = ctx.saved_tensors
+        lib = _arrays.TORCH
+        grads = [_arrays.empty_in_order_of(lib, s, tuple(s.shape), lib.dtype_name(s))
+                 for s in sources]
+        ctx.kernel.backward_into(lib, lib.unit_last_stride(dout), *ctx.split(*sources), out, lse,
+                                 *ctx.split(*grads))
+        needed = ctx.needs_input_grad[2:]
+        return (None, None) + tuple(g if need else None for g, need in zip(grads, needed))
 
 
 # Documented, and shown in reprs, under its public module.

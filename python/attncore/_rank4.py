@@ -1,5 +1,6 @@
 """The rank-4 calls into attncore._core: Call (one call's options, everything but its arrays)
-and forward4/backward4 on views q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv].
+and forward4/backward4 on views q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv]; the
+same as a DenseKernel for calls on views of packed tensors.
 
 Below both _attention (which brings the caller's arrays to these views) and _autograd (whose
 AttentionFunction runs them for torch tensors).
@@ -75,8 +76,39 @@ def backward4(lib, dout4, q4, k4, v4, out4, lse3, mask4, alibi, call, want_dbias
     dq, dk, dv = (_arrays.empty_in_order_of(lib, x, tuple(x.shape), dtype)
                   for x in (q4, k4, v4))
     dbias = lib.empty(tuple(mask4.shape), lib.dtype_name(mask4)) if want_dbias else None
+    backward4_into(lib, dout4, q4, k4, v4, out4, lse3, dq, dk, dv, dbias, mask4, alibi, call)
+    return dq, dk, dv, dbias
+
+
+def backward4_into(lib, dout4, q4, k4, v4, out4, lse3, dq, dk, dv, dbias, mask4, alibi, call):
+    """backward4 into given views dq, dk, dv (shaped like q4, k4, v4) and dbias or None."""
     _core.backward(lib.to_core(dout4), lib.to_core(q4), lib.to_core(k4), lib.to_core(v4),
                    lib.to_core(out4), lib.to_core(lse3), lib.to_core(dq), lib.to_core(dk),
                    lib.to_core(dv), core_or_none(lib, dbias), core_or_none(lib, mask4),
                    core_or_none(lib, alibi), call.core_options())
-    return dq, dk, dv, dbias
+
+
+def times(x, factor):
+    """x * factor for factor in (1, -1, 0); a product, so that torch autograd sees it and NaN
+    stays NaN."""
+    return x if factor == 1 else x * factor
+
+
+class DenseKernel:
+    """forward4/backward4 of one call without a mask, for callers that hold q4, k4, v4 as views
+    of packed tensors (attncore._autograd.PackedAttentionFunction): the backward writes into
+    the caller's dq, dk, dv views. Call.q_factor is applied here."""
+
+    def __init__(self, alibi, call):
+        self.alibi, self.call = alibi, call
+
+    def forward(self, lib, q4, k4, v4):
+        """(out [B, Hq, Lq, Dv], lse [B, Hq, Lq])."""
+        return forward4(lib, times(q4, self.call.q_factor), k4, v4, None, self.alibi, self.call)
+
+    def backward_into(self, lib, dout4, q4, k4, v4, out4, lse3, dq, dk, dv):
+        factor = self.call.q_factor
+        backward4_into(lib, dout4, times(q4, factor), k4, v4, out4, lse3, dq, dk, dv, None, None,
+                       self.alibi, self.call)
+        if factor != 1:
+            dq[...] = dq * factor

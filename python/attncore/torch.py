@@ -1,17 +1,26 @@
 """attncore for torch: its attention as a torch.autograd.Function, so loss.backward() works.
 
-scaled_dot_product_attention, flash_attn_func and attention here are the package's own
-functions (they send torch tensors through AttentionFunction); importing them from
-attncore.torch documents that the caller wants torch semantics and autograd. Gradients reach
-query, key, value and a float attn_mask that requires grad (its gradient is dBias); ALiBi
-slopes get none. A backward with dropout replays the forward's (seed, offset).
+scaled_dot_product_attention, the flash-attn drop-ins (flash_attn_func and its packed and
+variable-length forms), attention and attention_varlen here are the package's own functions
+(they send torch tensors through autograd Functions); importing them from attncore.torch
+documents that the caller wants torch semantics and autograd. Gradients reach query, key, value
+(a packed qkv or kv as one packed gradient) and a float attn_mask that requires grad (its
+gradient is dBias); ALiBi slopes get none. A backward with dropout replays the forward's
+(seed, offset). Nested tensors passed to scaled_dot_product_attention take no autograd.
 
 AttentionFunction is defined in _autograd, below _attention, which uses it; this module only
 gathers the names.
 """
 
-from ._attention import attention
+from ._attention import attention, attention_varlen
 from ._autograd import AttentionFunction
-from ._dropins import flash_attn_func, scaled_dot_product_attention
+from ._dropins import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+                       flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
+                       flash_attn_varlen_qkvpacked_func, scaled_dot_product_attention)
 
-__all__ = ["AttentionFunction", "attention", "flash_attn_func", "scaled_dot_product_attention"]
+__all__ = [
+    "AttentionFunction", "attention", "attention_varlen", "flash_attn_func",
+    "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
+    "scaled_dot_product_attention",
+]

@@ -1,0 +1,83 @@
+"""Nested (jagged) tensors in torch SDPA's convention, [B, H, *, D] with query, key and value
+all nested: run as one variable-length batch (attention_varlen) without padding, the result
+nested again.
+
+torch 1.13's nested tensors have no DLPack export and no autograd through custom Functions, so
+the components are copied into packed [total, H, D] tensors and the output is copied back into
+a new nested tensor; inputs that require grad are refused.
+"""
+
+import sys
+
+from ._attention import attention_varlen
+
+
+def _torch():
+    return sys.modules["torch"]
+
+
+def _components(op, name, x):
+    """The [H, L_b, D] components of a nested tensor of rank 4."""
+    if not getattr(x, "is_nested", False):
+        raise NotImplementedError(
+            f"{op}: {name} is not a nested tensor (expected query, key and value all nested "
+            "or none); pass them all as nested tensors, or all as dense tensors")
+    if x.dim() != 4:
+        raise ValueError(f"{op}: {name} has the wrong rank (rank={x.dim()}, expected 4: "
+                         "[B, H, *, D] nested)")
+    parts = x.unbind()
+    for b, part in enumerate(parts):
+        if tuple(part.shape[::2]) != tuple(parts[0].shape[::2]):
+            raise ValueError(f"{op}: {name} has components of different heads or head dims "
+                             f"({name}[{b}] has shape {list(part.shape)}, expected "
+                             f"[{parts[0].shape[0]}, *, {parts[0].shape[2]}] like {name}[0])")
+    return parts
+
+
+def _packed(parts):
+    """([total, H, D] tensor, int32 cu_seqlens [B + 1], max length) of [H, L_b, D] parts."""
+    torch = _torch()
+    lengths = [part.shape[1] for part in parts]
+    cu_seqlens = torch.zeros(len(parts) + 1, dtype=torch.int32)
+    if parts:
+        cu_seqlens[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+    return (torch.cat([part.transpose(0, 1) for part in parts]), cu_seqlens,
+            max(lengths, default=0))
+
+
+def scaled_dot_product_attention(op, query, key, value, *, attn_mask, dropout_p, is_causal,
+                                 scale, enable_gqa, backend):
+    """scaled_dot_product_attention on nested query [B, Hq, *, E], key [B, Hkv, *, E] and
+    value [B, Hkv, *, Ev]: each batch entry attends within its own lengths (is_causal
+    upper-left per entry). Returns nested [B, Hq, *, Ev]."""
+    torch = _torch()
+    parts = [_components(op, name, x) for x, name in
+             ((query, "query"), (key, "key"), (value, "value"))]
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
+        raise NotImplementedError(
+            f"{op}: nested tensors that require grad are not supported (requires_grad=True, "
+            "expected False); torch 1.13 has no autograd for nested tensors through custom "
+            "functions: pad the batch (torch.nested.to_padded_tensor) and pass a mask, or run "
+            "under torch.no_grad()")
+    if attn_mask is not None:
+        raise NotImplementedError(
+            f"{op}: attn_mask is not supported with nested tensors (attn_mask=given, expected "
+            "None); each entry already attends within its own lengths")
+    batch = len(parts[0])
+    for x, name in zip(parts[1:], ("key", "value")):
+        if len(x) != batch:
+            raise ValueError(f"{op}: {name} has a different batch size (B={len(x)}, expected "
+                             f"query's {batch})")
+    if batch == 0:
+        return torch.nested.nested_tensor([], dtype=query.dtype)
+    (q, cu_q, max_q), (k, cu_k, max_k) = _packed(parts[0]), _packed(parts[1])
+    v, cu_v, _ = _packed(parts[2])
+    if not torch.equal(cu_k, cu_v):
+        raise ValueError(f"{op}: value has other lengths than key (cu_seqlens={cu_v.tolist()}, "
+                         f"expected key's {cu_k.tolist()})")
+    out = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale,
+                           causal="upper-left" if is_causal else None, dropout_p=dropout_p,
+                           enable_gqa=enable_gqa or k.shape[1] == 1, backend=backend, _op=op)
+    bounds = cu_q.tolist()
+    return torch.nested.nested_tensor([out[bounds[b]:bounds[b + 1]].transpose(0, 1)
+                                       for b in range(batch)])

@@ -1,0 +1,133 @@
+"""The variable-length calls into attncore._core: Seqs (a call's index arrays and maximum
+lengths) and VarlenKernel (forward and backward on packed views q [total_q, Hq, D],
+k [total_k, Hkv, D], v [total_k, Hkv, Dv]; out [total_q, Hq, Dv], lse [Hq, total_q]).
+
+Index arrays (cu_seqlens_q, cu_seqlens_k [B + 1], seqused_k [B]) are int32 arrays of any
+library the package takes, read in place; a list or tuple of ints becomes an int32 numpy array.
+Their dtype, shape and values are checked by the library.
+"""
+
+import operator
+import sys
+import typing
+
+import numpy as np
+
+from . import _arrays, _core
+from ._rank4 import core_or_none, lse_dtype, times
+
+
+def index_array(x):
+    """An index array as _core reads it: numpy arrays and torch tensors as they are, other
+    DLPack producers through numpy (else torch), lists and tuples of ints as int32 numpy."""
+    if x is None:
+        return None
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return x.detach()
+    if isinstance(x, np.ndarray):
+        return x
+    if isinstance(x, (list, tuple)):
+        array = np.asarray(x)
+        if array.dtype.kind in "iu" and (array.size == 0 or (array.min() >= -2 ** 31 and
+                                                              array.max() < 2 ** 31)):
+            return array.astype(np.int32)
+        return array  # floats, or ints past int32: refused by _core or the library
+    return _arrays.adopt(x)[1]
+
+
+def max_seqlen(name, value):
+    """A maximum length as an int (TypeError for anything but an integer)."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} is not an integer (type={type(value).__name__}, expected "
+                        "int)") from None
+
+
+class Seqs(typing.NamedTuple):
+    """One varlen call's sequences: int32 cu_seqlens_q, cu_seqlens_k [B + 1], seqused_k [B] or
+    None, and the maximum lengths (which address dropout as a padded batch would)."""
+
+    cu_seqlens_q: object
+    cu_seqlens_k: object
+    seqused_k: object
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @classmethod
+    def of(cls, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None):
+        return cls(index_array(cu_seqlens_q), index_array(cu_seqlens_k), index_array(seqused_k),
+                   max_seqlen("max_seqlen_q", max_seqlen_q),
+                   max_seqlen("max_seqlen_k", max_seqlen_k))
+
+    @property
+    def batch_size(self):
+        """B, from cu_seqlens_q's length (0 where its shape is wrong: the library says so)."""
+        shape = tuple(self.cu_seqlens_q.shape)
+        return shape[0] - 1 if len(shape) == 1 and shape[0] >= 1 else 0
+
+    def lengths(self):
+        """(cu_seqlens_q, cu_seqlens_k, seqused_k or None) as numpy int arrays, for host-side
+        bookkeeping after a call has validated them."""
+        def host(x):
+            if x is None:
+                return None
+            torch = sys.modules.get("torch")
+            if torch is not None and isinstance(x, torch.Tensor):
+                return x.cpu().numpy().astype(np.int64)
+            return np.asarray(x).astype(np.int64)
+        return host(self.cu_seqlens_q), host(self.cu_seqlens_k), host(self.seqused_k)
+
+    def core_args(self):
+        return (self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_k, self.max_seqlen_q,
+                self.max_seqlen_k)
+
+
+def _dims(x, rank):
+    """x's shape when it has this rank, else None (the library names the problem)."""
+    shape = tuple(x.shape)
+    return shape if len(shape) == rank else None
+
+
+class VarlenKernel:
+    """Forward and backward of one variable-length call: its sequences, ALiBi slopes ([Hq] or
+    [B, Hq]) or None, options (an attncore._rank4.Call) and attn_mask (always refused by the
+    library, passed on for its message). Call.q_factor is applied here."""
+
+    def __init__(self, seqs, alibi, call, mask=None):
+        self.seqs, self.alibi, self.call, self.mask = seqs, alibi, call, mask
+
+    def forward(self, lib, q, k, v):
+        """(out [total_q, Hq, Dv] laid out like q, lse [Hq, total_q])."""
+        q_dims, v_dims = _dims(q, 3), _dims(v, 3)
+        total_q, heads_q = q_dims[:2] if q_dims else (0, 0)
+        dim_v = v_dims[2] if v_dims else 0
+        dtype = lib.dtype_name(q)
+        out = (_arrays.empty_in_order_of(lib, q, (total_q, heads_q, dim_v), dtype) if q_dims
+               else lib.empty((0, 0, 0), dtype))
+        lse = lib.empty((heads_q, total_q), lse_dtype(dtype))
+        _core.forward_varlen(lib.to_core(times(q, self.call.q_factor)), lib.to_core(k),
+                             lib.to_core(v), *self.seqs.core_args(), lib.to_core(out),
+                             lib.to_core(lse), core_or_none(lib, self.mask),
+                             core_or_none(lib, self.alibi), self.call.core_options())
+        return out, lse
+
+    def backward(self, lib, dout, q, k, v, out, lse):
+        """(dq, dk, dv), shaped and laid out like q, k, v."""
+        dtype = lib.dtype_name(q)
+        grads = [_arrays.empty_in_order_of(lib, x, tuple(x.shape), dtype) if _dims(x, 3)
+                 else lib.empty((0, 0, 0), dtype) for x in (q, k, v)]
+        self.backward_into(lib, dout, q, k, v, out, lse, *grads)
+        return tuple(grads)
+
+    def backward_into(self, lib, dout, q, k, v, out, lse, dq, dk, dv):
+        """The gradients written into dq, dk, dv (views shaped like q, k, v)."""
+        factor = self.call.q_factor
+        _core.backward_varlen(lib.to_core(dout), lib.to_core(times(q, factor)), lib.to_core(k),
+                              lib.to_core(v), lib.to_core(out), lib.to_core(lse),
+                              *self.seqs.core_args(), lib.to_core(dq), lib.to_core(dk),
+                              lib.to_core(dv), core_or_none(lib, self.mask),
+                              core_or_none(lib, self.alibi), self.call.core_options())
+        if factor != 1:
+            dq[...] = dq * factor
