@@ -32,15 +32,7 @@ Params resolve(const Checker& check, const TensorView& q, const TensorView& k, c
   p.heads_kv = k.size(1);
   p.seq.lk = k.size(2);
   p.head_dim_v = v.size(3);
-  if (p.head_dim < 1) {
-    check.fail("query has head dim 0 (D=0, expected D >= 1)");
-  }
-  if (p.head_dim_v < 1) {
-    check.fail("value has head dim 0 (Dv=0, expected Dv >= 1)");
-  }
-  if (p.heads_q < 1) {
-    check.fail("query has no heads (Hq=0, expected Hq >= 1)");
-  }
+  check.dims(p);
   const std::int64_t k_expected[4] = {p.batch, k.size(1) < 1 ? 1 : k.size(1), p.seq.lk,
                                       p.head_dim};
   const std::string heads = " with Hq % Hkv == 0 (Hq=" + std::to_string(p.heads_q) +
@@ -50,11 +42,7 @@ Params resolve(const Checker& check, const TensorView& q, const TensorView& k, c
     check.fail("key has shape " + k.shape_string() + ", expected [" + std::to_string(p.batch) +
                ", Hkv, Lk, " + std::to_string(p.head_dim) + "]" + heads);
   }
-  if (!o.enable_gqa && p.heads_kv != p.heads_q) {
-    check.fail("key has fewer heads than query without GQA (Hkv=" + std::to_string(p.heads_kv) +
-               ", expected Hkv == Hq=" + std::to_string(p.heads_q) + "); set enable_gqa");
-  }
-  p.group = p.heads_q / p.heads_kv;
+  check.group(p, o);
   const std::int64_t v_expected[4] = {p.batch, p.heads_kv, p.seq.lk, p.head_dim_v};
   check.shape(v, "value", v_expected, "[B, Hkv, Lk, Dv] like key");
   p.dropout.rows = p.seq.lq;

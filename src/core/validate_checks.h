@@ -150,6 +150,22 @@ class Checker {
     unit_last_stride(v, "value");
   }
 
+  // Head dims and query heads of p (set from q and v) are at least 1.
+  void dims(const Params& p) const {
+    if (p.head_dim < 1) fail("query has head dim 0 (D=0, expected D >= 1)");
+    if (p.head_dim_v < 1) fail("value has head dim 0 (Dv=0, expected Dv >= 1)");
+    if (p.heads_q < 1) fail("query has no heads (Hq=0, expected Hq >= 1)");
+  }
+
+  // Fewer kv heads than query heads needs GQA enabled; sets p.group (Hq % Hkv == 0 checked).
+  void group(Params& p, const Options& o) const {
+    if (!o.enable_gqa && p.heads_kv != p.heads_q) {
+      fail("key has fewer heads than query without GQA (Hkv=" + std::to_string(p.heads_kv) +
+           ", expected Hkv == Hq=" + std::to_string(p.heads_q) + "); set enable_gqa");
+    }
+    p.group = p.heads_q / p.heads_kv;
+  }
+
  private:
   const char* op_;
 };

@@ -99,19 +99,13 @@ Params resolve_varlen(const Checker& check, TensorView& q, TensorView& k, Tensor
   p.head_dim = q.size(2);
   p.heads_kv = k.size(1);
   p.head_dim_v = v.size(2);
-  if (p.head_dim < 1) check.fail("query has head dim 0 (D=0, expected D >= 1)");
-  if (p.head_dim_v < 1) check.fail("value has head dim 0 (Dv=0, expected Dv >= 1)");
-  if (p.heads_q < 1) check.fail("query has no heads (Hq=0, expected Hq >= 1)");
+  check.dims(p);
   if (p.heads_kv < 1 || p.heads_q % p.heads_kv != 0 || k.size(2) != p.head_dim) {
     check.fail("key has shape " + k.shape_string() + ", expected [total_k, Hkv, " +
                std::to_string(p.head_dim) + "] with Hq % Hkv == 0 (Hq=" +
                std::to_string(p.heads_q) + ", Hkv=" + std::to_string(p.heads_kv) + ")");
   }
-  if (!o.enable_gqa && p.heads_kv != p.heads_q) {
-    check.fail("key has fewer heads than query without GQA (Hkv=" + std::to_string(p.heads_kv) +
-               ", expected Hkv == Hq=" + std::to_string(p.heads_q) + "); set enable_gqa");
-  }
-  p.group = p.heads_q / p.heads_kv;
+  check.group(p, o);
   const std::int64_t v_expected[3] = {k.size(0), p.heads_kv, p.head_dim_v};
   check.shape(v, "value", v_expected, "[total_k, Hkv, Dv] like key");
 
