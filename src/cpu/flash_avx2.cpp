@@ -1,10 +1,10 @@
-// The flash forward kernel compiled for AVX2 with FMA, every dtype in f32.
+// The flash kernels (forward and backward) compiled for AVX2 with FMA, every dtype in f32.
 #include "cpu/flash.h"
 #if defined(__x86_64__)
 
 // The ISA as the compiler names it, and as CpuInfo::features names it: keep them equal.
 #define ATTNCORE_TARGET_NS avx2
-#define ATTNCORE_TARGET_PRAGMA _Pragma("GCC target(\"avx2,fma,f16c\")")
+#define ATTNCORE_TARGET __attribute__((target("avx2,fma,f16c")))
 #define ATTNCORE_TARGET_FEATURES "avx2 fma f16c"
 #define ATTNCORE_LANES 8
 #define ATTNCORE_BF16_DOT 0

@@ -1,11 +1,11 @@
-// The flash forward kernel compiled for AVX-512 (F, BW, VL, DQ), every dtype in f32.
+// The flash kernels (forward and backward) compiled for AVX-512 (F, BW, VL, DQ), every dtype
+// in f32.
 #include "cpu/flash.h"
 #if defined(__x86_64__)
 
 // The ISA as the compiler names it, and as CpuInfo::features names it: keep them equal.
 #define ATTNCORE_TARGET_NS avx512
-#define ATTNCORE_TARGET_PRAGMA \
-  _Pragma("GCC target(\"avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c\")")
+#define ATTNCORE_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 #define ATTNCORE_TARGET_FEATURES "avx512f avx512bw avx512vl avx512dq avx2 fma f16c"
 #define ATTNCORE_LANES 16
 #define ATTNCORE_BF16_DOT 0

@@ -34,9 +34,6 @@
 #include "policy/mask.h"
 #include "policy/score_row.h"
 
-#pragma GCC push_options
-ATTNCORE_TARGET_PRAGMA
-
 namespace attncore::detail::ATTNCORE_TARGET_NS {
 
 // out[r][c] += sum_n a(r, n) * b[n][c] for r < rows (a multiple of kTileRows), c < cols_pad (a
@@ -44,9 +41,9 @@ namespace attncore::detail::ATTNCORE_TARGET_NS {
 // packed as [cols_pad / kTileCols][b_steps][kTileCols] (b_steps >= steps), in Dot's operands
 // (f32, or bf16 pairs: then n counts pairs).
 template <class Dot, int kRowStride, int kStepStride>
-void add_product(const typename Dot::Operand* a, std::int64_t rows, std::int64_t steps,
-                 const typename Dot::Operand* b, std::int64_t b_steps, std::int64_t cols_pad,
-                 float* out) {
+ATTNCORE_TARGET void add_product(const typename Dot::Operand* a, std::int64_t rows,
+                                 std::int64_t steps, const typename Dot::Operand* b,
+                                 std::int64_t b_steps, std::int64_t cols_pad, float* out) {
   for (std::int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
     for (std::int64_t c0 = 0; c0 < cols_pad; c0 += kTileCols) {
       Vec acc[kTileRows][kTileVectors];
@@ -72,9 +69,10 @@ void add_product(const typename Dot::Operand* a, std::int64_t rows, std::int64_t
 // Bf16Dot, as [width_pad / kTileCols][padded_rows / 2][kTileCols] bf16 pairs of rows (2 r2, 2 r2
 // + 1), so that a product sums over rows two at a time.
 template <class Dot>
-void pack_rows(const TensorView& t, std::int64_t b, const std::int64_t* head_of,
-               const std::int64_t* index_of, std::int64_t rows, std::int64_t padded_rows,
-               std::int64_t width, std::int64_t width_pad, float* out_floats) {
+ATTNCORE_TARGET void pack_rows(const TensorView& t, std::int64_t b, const std::int64_t* head_of,
+                               const std::int64_t* index_of, std::int64_t rows,
+                               std::int64_t padded_rows, std::int64_t width, std::int64_t width_pad,
+                               float* out_floats) {
   if constexpr (std::is_same_v<typename Dot::Operand, std::uint32_t>) {  // bf16 input, pairs
     auto* out = reinterpret_cast<std::uint32_t*>(out_floats);
     const auto* data = static_cast<const std::uint16_t*>(t.data);
@@ -91,7 +89,8 @@ void pack_rows(const TensorView& t, std::int64_t b, const std::int64_t* head_of,
       }
     }
   } else {
-    auto pack = [&](const auto* data, auto to_float) {  // one loop per dtype, none inside
+    // One loop per dtype, none inside.
+    auto pack = [&](const auto* data, auto to_float) ATTNCORE_TARGET {
       for (std::int64_t r = 0; r < padded_rows; ++r) {
         const auto* src = r < rows ? data + offset4(t, b, head_of[r], index_of[r], 0) : nullptr;
         for (std::int64_t c = 0; c < width_pad; ++c) {
@@ -103,14 +102,14 @@ void pack_rows(const TensorView& t, std::int64_t b, const std::int64_t* head_of,
     switch (t.dtype) {
       case DType::bf16:
         pack(static_cast<const std::uint16_t*>(t.data),
-             [](std::uint16_t x) { return bf16::to_float(x); });
+             [](std::uint16_t x) ATTNCORE_TARGET { return bf16::to_float(x); });
         break;
       case DType::f16:
         pack(static_cast<const std::uint16_t*>(t.data),
-             [](std::uint16_t x) { return f16::to_float(x); });
+             [](std::uint16_t x) ATTNCORE_TARGET { return f16::to_float(x); });
         break;
       default:  // f32
-        pack(static_cast<const float*>(t.data), [](float x) { return x; });
+        pack(static_cast<const float*>(t.data), [](float x) ATTNCORE_TARGET { return x; });
         break;
     }
   }
@@ -120,8 +119,9 @@ void pack_rows(const TensorView& t, std::int64_t b, const std::int64_t* head_of,
 // pack_rows<F32Dot> lays them out ([d_pad / kTileCols][padded_rows][kTileCols]) and the tile in
 // F32Dot's k-layout: the rows the dK and dV products read serve S and dP too, so no second copy
 // is packed.
-inline void scores_from_rows(const float* rows, const float* k_tile, std::int64_t width,
-                             std::int64_t padded_rows, std::int64_t cols, float* s) {
+ATTNCORE_TARGET inline void scores_from_rows(const float* rows, const float* k_tile,
+                                             std::int64_t width, std::int64_t padded_rows,
+                                             std::int64_t cols, float* s) {
   for (std::int64_t r0 = 0; r0 < padded_rows; r0 += kTileRows) {
     for (std::int64_t c = 0; c < cols; c += kTileCols) {
       Vec acc[kTileRows][kTileVectors] = {};
@@ -142,9 +142,10 @@ inline void scores_from_rows(const float* rows, const float* k_tile, std::int64_
 
 // dV += (P M)^T dO and dK += dS^T q (rows: the tile's keys, keys_pad of them); dQ += dS K
 // (rows: this block; sums over the tile's first `cols` keys), in f32 straight from S and dS.
-inline void tile_products(F32Dot, const FlashBackwardScratch& w, const float* q_rows,
-                          const float* do_rows, std::int64_t padded_rows, std::int64_t keys_pad,
-                          std::int64_t cols, float* dq) {
+ATTNCORE_TARGET inline void tile_products(F32Dot, const FlashBackwardScratch& w,
+                                          const float* q_rows, const float* do_rows,
+                                          std::int64_t padded_rows, std::int64_t keys_pad,
+                                          std::int64_t cols, float* dq) {
   add_product<F32Dot, 1, kKeyTile>(w.s, keys_pad, padded_rows, do_rows, padded_rows, w.dv_pad,
                                    w.dv);
   add_product<F32Dot, 1, kKeyTile>(w.ds, keys_pad, padded_rows, q_rows, padded_rows, w.d_pad, w.dk);
@@ -154,9 +155,10 @@ inline void tile_products(F32Dot, const FlashBackwardScratch& w, const float* q_
 #if ATTNCORE_BF16_DOT
 // The same products on bf16 pairs: P M and dS rounded to bf16 (as a bf16 autograd run rounds
 // them), interleaved by rows for dV and dK and paired along keys for dQ; f32 accumulation.
-inline void tile_products(Bf16Dot, const FlashBackwardScratch& w, const float* q_rows_floats,
-                          const float* do_rows_floats, std::int64_t padded_rows,
-                          std::int64_t keys_pad, std::int64_t cols, float* dq) {
+ATTNCORE_TARGET inline void tile_products(Bf16Dot, const FlashBackwardScratch& w,
+                                          const float* q_rows_floats, const float* do_rows_floats,
+                                          std::int64_t padded_rows, std::int64_t keys_pad,
+                                          std::int64_t cols, float* dq) {
   auto* pm_rows = reinterpret_cast<std::uint32_t*>(w.pairs);        // [padded_rows / 2][kKeyTile]
   std::uint32_t* ds_rows = pm_rows + (padded_rows / 2) * kKeyTile;  // [padded_rows / 2][kKeyTile]
   std::uint32_t* ds_keys = ds_rows + (padded_rows / 2) * kKeyTile;  // [padded_rows][kKeyTile / 2]
@@ -182,9 +184,10 @@ inline void tile_products(Bf16Dot, const FlashBackwardScratch& w, const float* q
 #endif
 
 template <class Dot>
-void run_backward_heads_with(const Params& p, const BackwardArgs& a, std::int64_t b,
-                             std::int64_t h_begin, std::int64_t h_end,
-                             const FlashBackwardScratch& w, DbiasAccumulator* dbias) {
+ATTNCORE_TARGET void run_backward_heads_with(const Params& p, const BackwardArgs& a, std::int64_t b,
+                                             std::int64_t h_begin, std::int64_t h_end,
+                                             const FlashBackwardScratch& w,
+                                             DbiasAccumulator* dbias) {
   const std::int64_t d = p.head_dim, dv = p.head_dim_v, lq = p.seq.lq, lk = p.seq.lk;
   const std::int64_t d_pad = w.d_pad, dv_pad = w.dv_pad, kv_head = h_begin / p.group;
   const std::int64_t lq_pad = w.lq_pad;  // each head's rows, padded to whole micro-tiles
@@ -351,9 +354,9 @@ void run_backward_heads_with(const Params& p, const BackwardArgs& a, std::int64_
 
 // The exported entry point: native bf16 products for bf16 inputs where this target has them, f32
 // for everything else.
-void run_backward_heads(const Params& p, const BackwardArgs& a, std::int64_t b,
-                        std::int64_t h_begin, std::int64_t h_end, const FlashBackwardScratch& w,
-                        DbiasAccumulator* dbias) {
+ATTNCORE_TARGET void run_backward_heads(const Params& p, const BackwardArgs& a, std::int64_t b,
+                                        std::int64_t h_begin, std::int64_t h_end,
+                                        const FlashBackwardScratch& w, DbiasAccumulator* dbias) {
 #if ATTNCORE_BF16_DOT
   if (p.dtype == DType::bf16) {
     return run_backward_heads_with<Bf16Dot>(p, a, b, h_begin, h_end, w, dbias);
@@ -363,5 +366,3 @@ void run_backward_heads(const Params& p, const BackwardArgs& a, std::int64_t b,
 }
 
 }  // namespace attncore::detail::ATTNCORE_TARGET_NS
-
-#pragma GCC pop_options

@@ -9,18 +9,16 @@
 #include "core/params.h"
 #include "cpu/flash_simd-inl.h"
 
-#pragma GCC push_options
-ATTNCORE_TARGET_PRAGMA
-
 namespace attncore::detail::ATTNCORE_TARGET_NS {
 
 // Decode-shaped items (one per kv group, at most kTileRows query rows) read K and V where they
 // lie, in f32, instead of packing each tile first: packing is most of such an item's work.
 struct DirectKv {
   // q [kTileRows][D]: the rows' queries, unscaled, in f32 (zero rows past `rows`).
-  static void load_queries(const Params& p, const ForwardArgs& a, std::int64_t b,
-                           const std::int64_t* head_of, const std::int64_t* index_of,
-                           std::int64_t rows, float* q) {
+  ATTNCORE_TARGET static void load_queries(const Params& p, const ForwardArgs& a, std::int64_t b,
+                                           const std::int64_t* head_of,
+                                           const std::int64_t* index_of, std::int64_t rows,
+                                           float* q) {
     const std::int64_t d = p.head_dim;
     for (std::int64_t r = 0; r < kTileRows; ++r) {
       if (r < rows) {
@@ -35,9 +33,9 @@ struct DirectKv {
   // time, one accumulator per key (in registers: the key loop is unrolled) summed across lanes
   // by a register transpose. Rows 32 keys on (the next tile's too) are prefetched.
   template <class T>
-  static void scores(const Params& p, const T* k, std::int64_t ldk, DType dtype, std::int64_t keys,
-                     std::int64_t cols, std::int64_t ahead, const float* q, std::int64_t rows,
-                     float* s) {
+  ATTNCORE_TARGET static void scores(const Params& p, const T* k, std::int64_t ldk, DType dtype,
+                                     std::int64_t keys, std::int64_t cols, std::int64_t ahead,
+                                     const float* q, std::int64_t rows, float* s) {
     const std::int64_t d = p.head_dim;
     constexpr std::int64_t kLine = 64 / sizeof(T);  // elements per cache line
     for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
@@ -69,9 +67,9 @@ struct DirectKv {
   // O [kTileRows][dv_pad] = alpha O + P . V[j0 .. j0 + keys): V rows read once, kTileCols
   // columns at a time for every row.
   template <class T>
-  static void accumulate(const Params& p, const T* v, std::int64_t ldv, DType dtype,
-                         std::int64_t keys, std::int64_t ahead, const float* probs,
-                         std::int64_t dv_pad, const float* alpha, float* out) {
+  ATTNCORE_TARGET static void accumulate(const Params& p, const T* v, std::int64_t ldv, DType dtype,
+                                         std::int64_t keys, std::int64_t ahead, const float* probs,
+                                         std::int64_t dv_pad, const float* alpha, float* out) {
     const std::int64_t dv = p.head_dim_v;
     for (std::int64_t e0 = 0; e0 < dv_pad; e0 += kTileCols) {
       Vec acc[kTileRows][kTileVectors];
@@ -110,9 +108,10 @@ struct DirectKv {
   }
 
   // Both for key tile t of (b, kv_head), in the input's dtype.
-  static void tile_scores(const Params& p, const ForwardArgs& a, std::int64_t b,
-                          std::int64_t kv_head, std::int64_t j0, std::int64_t keys,
-                          std::int64_t cols, const float* q, std::int64_t rows, float* s) {
+  ATTNCORE_TARGET static void tile_scores(const Params& p, const ForwardArgs& a, std::int64_t b,
+                                          std::int64_t kv_head, std::int64_t j0, std::int64_t keys,
+                                          std::int64_t cols, const float* q, std::int64_t rows,
+                                          float* s) {
     const std::int64_t at = offset4(a.k, b, kv_head, j0, 0), ahead = p.seq.lk - j0;
     if (a.k.dtype == DType::f32) {
       scores(p, static_cast<const float*>(a.k.data) + at, a.k.stride[2], a.k.dtype, keys, cols,
@@ -122,10 +121,10 @@ struct DirectKv {
              cols, ahead, q, rows, s);
     }
   }
-  static void tile_accumulate(const Params& p, const ForwardArgs& a, std::int64_t b,
-                              std::int64_t kv_head, std::int64_t j0, std::int64_t keys,
-                              const float* probs, std::int64_t dv_pad, const float* alpha,
-                              float* out) {
+  ATTNCORE_TARGET static void tile_accumulate(const Params& p, const ForwardArgs& a, std::int64_t b,
+                                              std::int64_t kv_head, std::int64_t j0,
+                                              std::int64_t keys, const float* probs,
+                                              std::int64_t dv_pad, const float* alpha, float* out) {
     const std::int64_t at = offset4(a.v, b, kv_head, j0, 0), ahead = p.seq.lk - j0;
     if (a.v.dtype == DType::f32) {
       accumulate(p, static_cast<const float*>(a.v.data) + at, a.v.stride[2], a.v.dtype, keys, ahead,
@@ -138,5 +137,3 @@ struct DirectKv {
 };
 
 }  // namespace attncore::detail::ATTNCORE_TARGET_NS
-
-#pragma GCC pop_options

@@ -12,9 +12,6 @@
 #include "core/params.h"
 #include "cpu/flash_simd-inl.h"  // and <immintrin.h>
 
-#pragma GCC push_options
-ATTNCORE_TARGET_PRAGMA
-
 namespace attncore::detail::ATTNCORE_TARGET_NS {
 
 // bf16 inputs on vdpbf16ps (AVX512-BF16): q and K as bf16 pairs along D, P rounded to bf16 and
@@ -29,25 +26,28 @@ struct Bf16Dot {
   static_assert(kLanes == 16, "one zmm of f32 lanes per vector");
   static_assert(kTileRows % 2 == 0, "micro-tiles hold whole pairs of rows");
 
-  static std::int64_t pairs(std::int64_t n) { return (n + 1) / 2; }
+  ATTNCORE_TARGET static std::int64_t pairs(std::int64_t n) { return (n + 1) / 2; }
   // Tiles in units of bf16 pairs, each micro-kernel call streaming one contiguous block:
   // K as [kKeyTile / kTileCols][D / 2][kTileCols], V as [dv_pad / kTileCols][kKeyTile /
   // 2][kTileCols].
-  static std::int64_t k_index(std::int64_t d_pairs, std::int64_t e2, std::int64_t c) {
+  ATTNCORE_TARGET static std::int64_t k_index(std::int64_t d_pairs, std::int64_t e2,
+                                              std::int64_t c) {
     return (c / kTileCols) * d_pairs * kTileCols + e2 * kTileCols + c % kTileCols;
   }
-  static std::int64_t v_index(std::int64_t c2, std::int64_t e) {
+  ATTNCORE_TARGET static std::int64_t v_index(std::int64_t c2, std::int64_t e) {
     return (e / kTileCols) * (kKeyTile / 2) * kTileCols + c2 * kTileCols + e % kTileCols;
   }
-  static __m512bh splat_pair(std::uint32_t pair) {
+  ATTNCORE_TARGET static __m512bh splat_pair(std::uint32_t pair) {
     return (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
   }
-  static __m512bh load_pairs(const std::uint32_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  ATTNCORE_TARGET static __m512bh load_pairs(const std::uint32_t* p) {
+    return (__m512bh)_mm512_loadu_si512(p);
+  }
 
   // dst[e2 * stride] = the bf16 pair (row[2 e2], row[2 e2 + 1]) for e2 < (d + 1) / 2, 0 past d;
   // zeros for a null row.
-  static void pair_along(const std::uint16_t* row, std::int64_t d, std::uint32_t* dst,
-                         std::int64_t stride) {
+  ATTNCORE_TARGET static void pair_along(const std::uint16_t* row, std::int64_t d,
+                                         std::uint32_t* dst, std::int64_t stride) {
     if (row == nullptr) {
       for (std::int64_t e2 = 0; e2 < pairs(d); ++e2) dst[e2 * stride] = 0;
       return;
@@ -61,8 +61,8 @@ struct Bf16Dot {
   }
   // dst[e] = the bf16 pair (lo[e], hi[e]) for e < n, dst[e] = 0 for n <= e < width; a null row
   // reads as zeros.
-  static void pair_across(const std::uint16_t* lo, const std::uint16_t* hi, std::int64_t n,
-                          std::int64_t width, std::uint32_t* dst) {
+  ATTNCORE_TARGET static void pair_across(const std::uint16_t* lo, const std::uint16_t* hi,
+                                          std::int64_t n, std::int64_t width, std::uint32_t* dst) {
     if (lo != nullptr && hi != nullptr) {
       for (std::int64_t e = 0; e < n; ++e) dst[e] = lo[e] | (std::uint32_t{hi[e]} << 16);
     } else if (lo != nullptr) {
@@ -75,8 +75,9 @@ struct Bf16Dot {
 
   // K tile t: pairs (d, d+1) of one key; V tile (unless vt_floats is null): pairs (key j,
   // key j+1) of one column; zero past Lk, D and Dv.
-  static void pack_tile(const Params& p, const ForwardArgs& a, std::int64_t b, std::int64_t kv_head,
-                        std::int64_t t, float* kt_floats, float* vt_floats, std::int64_t dv_pad) {
+  ATTNCORE_TARGET static void pack_tile(const Params& p, const ForwardArgs& a, std::int64_t b,
+                                        std::int64_t kv_head, std::int64_t t, float* kt_floats,
+                                        float* vt_floats, std::int64_t dv_pad) {
     auto* kt = reinterpret_cast<std::uint32_t*>(kt_floats);
     auto* vt = reinterpret_cast<std::uint32_t*>(vt_floats);
     const std::int64_t d = p.head_dim, dv = p.head_dim_v, d_pairs = pairs(d);
@@ -87,15 +88,15 @@ struct Bf16Dot {
     const auto* k = static_cast<const std::uint16_t*>(a.k.data) + offset4(a.k, b, kv_head, j0, 0);
     // 16 keys x 16 pairs (32 bf16) at a time, as F32Dot's transpose.
     transpose_keys(
-        keys, cols, d_pairs, 2, ahead, ldk, [&](std::int64_t c) { return k + c * ldk; },
-        [&](const std::uint16_t* row, std::int64_t e2, int) {
+        keys, cols, d_pairs, 2, ahead, ldk,
+        [&](std::int64_t c) ATTNCORE_TARGET { return k + c * ldk; },
+        [&](const std::uint16_t* row, std::int64_t e2, int) ATTNCORE_TARGET {
           const std::int64_t n = std::min<std::int64_t>(32, d - 2 * e2);  // bf16 elements
           const auto mask = static_cast<__mmask32>((std::uint64_t{1} << n) - 1);
           return _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(mask, row + 2 * e2));
         },
-        [&](std::int64_t e2, std::int64_t c0, Vec x) {
-          store(reinterpret_cast<float*>(kt + k_index(d_pairs, e2, c0)), x);
-        });
+        [&](std::int64_t e2, std::int64_t c0, Vec x)
+            ATTNCORE_TARGET { store(reinterpret_cast<float*>(kt + k_index(d_pairs, e2, c0)), x); });
     if (vt == nullptr) return;
     const auto* v = static_cast<const std::uint16_t*>(a.v.data) + offset4(a.v, b, kv_head, j0, 0);
     for (std::int64_t c2 = 0; c2 < cols / 2; ++c2) {
@@ -116,9 +117,10 @@ struct Bf16Dot {
   }
 
   // q as [padded_rows / kTileRows][D/2][kTileRows] bf16 pairs (zero rows past `rows`).
-  static void load_queries(const Params& p, const ForwardArgs& a, std::int64_t b,
-                           const std::int64_t* head_of, const std::int64_t* index_of,
-                           std::int64_t rows, std::int64_t padded_rows, float* q_floats) {
+  ATTNCORE_TARGET static void load_queries(const Params& p, const ForwardArgs& a, std::int64_t b,
+                                           const std::int64_t* head_of,
+                                           const std::int64_t* index_of, std::int64_t rows,
+                                           std::int64_t padded_rows, float* q_floats) {
     auto* q = reinterpret_cast<std::uint32_t*>(q_floats);
     const std::int64_t d = p.head_dim, d_pairs = pairs(d);
     for (std::int64_t r = 0; r < padded_rows; ++r) {
@@ -132,7 +134,7 @@ struct Bf16Dot {
 
   // out[n / 2] = the bf16 pair (x[n], x[n + 1]), rounded to nearest even, for n < count (a
   // multiple of 2 * kLanes).
-  static void round_pairs(const float* x, std::int64_t count, std::uint32_t* out) {
+  ATTNCORE_TARGET static void round_pairs(const float* x, std::int64_t count, std::uint32_t* out) {
     for (std::int64_t n = 0; n < count; n += 2 * kLanes) {
       const __m512bh pair =
           _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + n + kLanes), _mm512_loadu_ps(x + n));
@@ -141,8 +143,8 @@ struct Bf16Dot {
   }
   // out[c] = the bf16 pair (lo[c], hi[c]) for c < count (a multiple of kLanes): two rows
   // interleaved, so that a product can sum over rows two at a time.
-  static void round_interleaved(const float* lo, const float* hi, std::int64_t count,
-                                std::uint32_t* out) {
+  ATTNCORE_TARGET static void round_interleaved(const float* lo, const float* hi,
+                                                std::int64_t count, std::uint32_t* out) {
     alignas(64) static constexpr std::uint16_t kZip[32] = {
         0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
         8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
@@ -158,8 +160,9 @@ struct Bf16Dot {
   // r < kTileRows, c < kTileCols, n < steps (in pairs), with a(r, n) = a[r * kRowStride + n *
   // kStepStride] a bf16 pair broadcast and b's rows of pairs kTileCols apart.
   template <int kRowStride, int kStepStride>
-  static void rank1_updates(Vec (&acc)[kTileRows][kTileVectors], const std::uint32_t* a,
-                            const std::uint32_t* b, std::int64_t steps) {
+  ATTNCORE_TARGET static void rank1_updates(Vec (&acc)[kTileRows][kTileVectors],
+                                            const std::uint32_t* a, const std::uint32_t* b,
+                                            std::int64_t steps) {
     for (std::int64_t n = 0; n < steps; ++n) {
       __m512bh row[kTileVectors];
 #pragma GCC unroll 4
@@ -174,8 +177,8 @@ struct Bf16Dot {
   }
 
   // S [padded_rows][kKeyTile] = q . K_tile^T (unscaled), columns [0, cols)
-  static void scores(const Params& p, const float* q_floats, const float* kt_floats,
-                     std::int64_t padded_rows, std::int64_t cols, float* s) {
+  ATTNCORE_TARGET static void scores(const Params& p, const float* q_floats, const float* kt_floats,
+                                     std::int64_t padded_rows, std::int64_t cols, float* s) {
     const auto* q = reinterpret_cast<const std::uint32_t*>(q_floats);
     const auto* kt = reinterpret_cast<const std::uint32_t*>(kt_floats);
     const std::int64_t d_pairs = pairs(p.head_dim);
@@ -195,9 +198,10 @@ struct Bf16Dot {
 
   // O [padded_rows][dv_pad] = alpha O + bf16(P) . V_tile over the tile's first `cols` keys, P
   // rounded into probs16.
-  static void accumulate(const float* probs, const float* vt_floats, std::int64_t dv_pad,
-                         std::int64_t padded_rows, std::int64_t cols, const float* alpha,
-                         float* probs16_floats, float* out) {
+  ATTNCORE_TARGET static void accumulate(const float* probs, const float* vt_floats,
+                                         std::int64_t dv_pad, std::int64_t padded_rows,
+                                         std::int64_t cols, const float* alpha,
+                                         float* probs16_floats, float* out) {
     auto* p16 = reinterpret_cast<std::uint32_t*>(probs16_floats);  // [padded_rows][kKeyTile / 2]
     for (std::int64_t r = 0; r < padded_rows; ++r) {
       round_pairs(probs + r * kKeyTile, cols, p16 + r * (kKeyTile / 2));
@@ -227,7 +231,5 @@ struct Bf16Dot {
 };
 
 }  // namespace attncore::detail::ATTNCORE_TARGET_NS
-
-#pragma GCC pop_options
 
 #endif  // ATTNCORE_BF16_DOT

@@ -9,9 +9,6 @@
 #include "core/params.h"
 #include "cpu/flash_simd-inl.h"
 
-#pragma GCC push_options
-ATTNCORE_TARGET_PRAGMA
-
 namespace attncore::detail::ATTNCORE_TARGET_NS {
 
 // Every dtype computed in f32: queries pre-scaled and transposed per micro-tile, P in f32.
@@ -24,10 +21,11 @@ struct F32Dot {
   static constexpr bool kDirectDecode = true;
   using Operand = float;
 
-  static std::int64_t k_index(std::int64_t d_count, std::int64_t e, std::int64_t c) {
+  ATTNCORE_TARGET static std::int64_t k_index(std::int64_t d_count, std::int64_t e,
+                                              std::int64_t c) {
     return (c / kTileCols) * d_count * kTileCols + e * kTileCols + c % kTileCols;
   }
-  static std::int64_t v_index(std::int64_t c, std::int64_t e) {
+  ATTNCORE_TARGET static std::int64_t v_index(std::int64_t c, std::int64_t e) {
     return (e / kTileCols) * kKeyTile * kTileCols + c * kTileCols + e % kTileCols;
   }
 
@@ -35,8 +33,8 @@ struct F32Dot {
   // r < kTileRows, c < kTileCols, n < steps, with a(r, n) = a[r * kRowStride + n * kStepStride]
   // broadcast and b's rows kTileCols apart.
   template <int kRowStride, int kStepStride>
-  static void rank1_updates(Vec (&acc)[kTileRows][kTileVectors], const float* a, const float* b,
-                            std::int64_t steps) {
+  ATTNCORE_TARGET static void rank1_updates(Vec (&acc)[kTileRows][kTileVectors], const float* a,
+                                            const float* b, std::int64_t steps) {
     for (std::int64_t n = 0; n < steps; ++n) {
       Vec row[kTileVectors];
 #pragma GCC unroll 4
@@ -52,7 +50,8 @@ struct F32Dot {
 
   // s[r][c] = sum_d q_t[d][r] * k_tile[d][c]. The queries come transposed ([D][kTileRows]) so
   // that one pointer with constant offsets reaches every row.
-  static void qk_micro(const float* q_t, const float* k_tile, std::int64_t d_count, float* s) {
+  ATTNCORE_TARGET static void qk_micro(const float* q_t, const float* k_tile, std::int64_t d_count,
+                                       float* s) {
     Vec acc[kTileRows][kTileVectors] = {};
     rank1_updates<1, kTileRows>(acc, q_t, k_tile, d_count);
 #pragma GCC unroll 16
@@ -63,8 +62,8 @@ struct F32Dot {
   }
 
   // o[r][c] = alpha[r] * o[r][c] + sum_{j < keys} p[r][j] * v[j][c].
-  static void pv_micro(const float* p, const float* v, std::int64_t keys, const float* alpha,
-                       float* o, std::int64_t ldo) {
+  ATTNCORE_TARGET static void pv_micro(const float* p, const float* v, std::int64_t keys,
+                                       const float* alpha, float* o, std::int64_t ldo) {
     Vec acc[kTileRows][kTileVectors];
 #pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) {
@@ -82,8 +81,9 @@ struct F32Dot {
 
   // Packs key tile t of (b, kv_head) in f32: K transposed into kt [D][kKeyTile] and V into
   // vt [kKeyTile][dv_pad] (unless vt is null), zero past Lk and past Dv.
-  static void pack_tile(const Params& p, const ForwardArgs& a, std::int64_t b, std::int64_t kv_head,
-                        std::int64_t t, float* kt, float* vt, std::int64_t dv_pad) {
+  ATTNCORE_TARGET static void pack_tile(const Params& p, const ForwardArgs& a, std::int64_t b,
+                                        std::int64_t kv_head, std::int64_t t, float* kt, float* vt,
+                                        std::int64_t dv_pad) {
     const std::int64_t d = p.head_dim, dv = p.head_dim_v;
     const std::int64_t j0 = t * kKeyTile;
     const std::int64_t keys = std::min<std::int64_t>(kKeyTile, p.seq.lk - j0);
@@ -91,15 +91,16 @@ struct F32Dot {
     const std::int64_t k0 = offset4(a.k, b, kv_head, j0, 0), ldk = a.k.stride[2];
     // K through registers (load_part widens 16-bit rows: bf16 or f16 by a.k.dtype); V by one
     // copy loop per input dtype (f32, bf16, f16: the flash backend's), none inside.
-    auto transpose = [&](const auto* src) {
+    auto transpose = [&](const auto* src) ATTNCORE_TARGET {
       transpose_keys(
-          keys, cols, d, 1, lk - j0, ldk, [&](std::int64_t c) { return src + c * ldk; },
-          [&](const auto* row, std::int64_t e0, int n) {
-            return load_part(row + e0, n, a.k.dtype);
-          },
-          [&](std::int64_t e, std::int64_t c0, Vec x) { store(kt + k_index(d, e, c0), x); });
+          keys, cols, d, 1, lk - j0, ldk,
+          [&](std::int64_t c) ATTNCORE_TARGET { return src + c * ldk; },
+          [&](const auto* row, std::int64_t e0, int n)
+              ATTNCORE_TARGET { return load_part(row + e0, n, a.k.dtype); },
+          [&](std::int64_t e, std::int64_t c0, Vec x)
+              ATTNCORE_TARGET { store(kt + k_index(d, e, c0), x); });
     };
-    auto copy_v = [&](const auto* v, auto to_float) {
+    auto copy_v = [&](const auto* v, auto to_float) ATTNCORE_TARGET {
       for (std::int64_t c = 0; c < cols; ++c) {
         const auto* row = c < keys ? v + offset4(a.v, b, kv_head, j0 + c, 0) : v;
         for (std::int64_t e0 = 0; e0 < dv_pad; e0 += kTileCols) {
@@ -121,23 +122,25 @@ struct F32Dot {
     switch (a.k.dtype) {
       case DType::bf16:
         transpose(k16);
-        if (with_v) copy_v(v16, [](std::uint16_t x) { return bf16::to_float(x); });
+        if (with_v) copy_v(v16, [](std::uint16_t x) ATTNCORE_TARGET { return bf16::to_float(x); });
         break;
       case DType::f16:
         transpose(k16);
-        if (with_v) copy_v(v16, [](std::uint16_t x) { return f16::to_float(x); });
+        if (with_v) copy_v(v16, [](std::uint16_t x) ATTNCORE_TARGET { return f16::to_float(x); });
         break;
       default:  // f32
         transpose(static_cast<const float*>(a.k.data) + k0);
-        if (with_v) copy_v(static_cast<const float*>(a.v.data), [](float x) { return x; });
+        if (with_v)
+          copy_v(static_cast<const float*>(a.v.data), [](float x) ATTNCORE_TARGET { return x; });
         break;
     }
   }
 
   // q = Q rows * scale, as [padded_rows / kTileRows][D][kTileRows] (zero rows past `rows`).
-  static void load_queries(const Params& p, const ForwardArgs& a, std::int64_t b,
-                           const std::int64_t* head_of, const std::int64_t* index_of,
-                           std::int64_t rows, std::int64_t padded_rows, float* q) {
+  ATTNCORE_TARGET static void load_queries(const Params& p, const ForwardArgs& a, std::int64_t b,
+                                           const std::int64_t* head_of,
+                                           const std::int64_t* index_of, std::int64_t rows,
+                                           std::int64_t padded_rows, float* q) {
     const std::int64_t d = p.head_dim;
     const float scale = static_cast<float>(p.scale);
     for (std::int64_t r = 0; r < padded_rows; ++r) {
@@ -154,8 +157,8 @@ struct F32Dot {
   }
 
   // S [padded_rows][kKeyTile] = q . K_tile^T, columns [0, cols)
-  static void scores(const Params& p, const float* q, const float* k_tile, std::int64_t padded_rows,
-                     std::int64_t cols, float* s) {
+  ATTNCORE_TARGET static void scores(const Params& p, const float* q, const float* k_tile,
+                                     std::int64_t padded_rows, std::int64_t cols, float* s) {
     for (std::int64_t r = 0; r < padded_rows; r += kTileRows) {
       for (std::int64_t c = 0; c < cols; c += kTileCols) {
         qk_micro(q + r * p.head_dim, k_tile + k_index(p.head_dim, 0, c), p.head_dim,
@@ -165,9 +168,10 @@ struct F32Dot {
   }
 
   // O [padded_rows][dv_pad] = alpha O + P . V_tile, over the tile's first `cols` keys
-  static void accumulate(const float* probs, const float* v_tile, std::int64_t dv_pad,
-                         std::int64_t padded_rows, std::int64_t cols, const float* alpha,
-                         float* /*probs16*/, float* out) {
+  ATTNCORE_TARGET static void accumulate(const float* probs, const float* v_tile,
+                                         std::int64_t dv_pad, std::int64_t padded_rows,
+                                         std::int64_t cols, const float* alpha, float* /*probs16*/,
+                                         float* out) {
     for (std::int64_t r = 0; r < padded_rows; r += kTileRows) {
       for (std::int64_t c = 0; c < dv_pad; c += kTileCols) {
         pv_micro(probs + r * kKeyTile, v_tile + v_index(0, c), cols, alpha + r,
@@ -178,5 +182,3 @@ struct F32Dot {
 };
 
 }  // namespace attncore::detail::ATTNCORE_TARGET_NS
-
-#pragma GCC pop_options

@@ -1,10 +1,10 @@
-// The flash forward kernel compiled for the baseline ISA (SSE2 on x86-64, NEON on aarch64), every
-// dtype in f32.
+// The flash kernels (forward and backward) compiled for the baseline ISA (SSE2 on x86-64, NEON
+// on aarch64), every dtype in f32.
 #include "cpu/flash.h"
 
 // The ISA as the compiler names it, and as CpuInfo::features names it: keep them equal.
 #define ATTNCORE_TARGET_NS generic
-#define ATTNCORE_TARGET_PRAGMA
+#define ATTNCORE_TARGET
 #define ATTNCORE_TARGET_FEATURES ""
 #define ATTNCORE_LANES 4
 #define ATTNCORE_BF16_DOT 0

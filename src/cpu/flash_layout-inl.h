@@ -3,25 +3,25 @@
 //
 // The flash kernel headers (flash_*-inl.h) are compiled once per SIMD target: each
 // src/cpu/flash_<target>.cpp defines
-//   ATTNCORE_TARGET_NS      the target's namespace (avx512, avx2, generic)
-//   ATTNCORE_TARGET_PRAGMA  _Pragma("GCC target(...)") for the target's ISA, or nothing
+//   ATTNCORE_TARGET_NS      the target's namespace (avx512bf16, avx512, avx2, generic)
+//   ATTNCORE_TARGET         __attribute__((target("..."))) for the target's ISA, or nothing
 //   ATTNCORE_TARGET_FEATURES the CPU features the target needs (CpuInfo names, space-separated)
 //   ATTNCORE_LANES          f32 lanes per vector (16, 8, 4)
 //   ATTNCORE_TILE_ROWS      rows of the QK and PV micro-tiles
 //   ATTNCORE_TILE_VECTORS   width of the micro-tiles in vectors
 //   ATTNCORE_BF16_DOT       1: bf16 inputs run on native bf16 dot products (AVX512-BF16)
-// and then includes flash_tile_loop-inl.h (the forward) and flash_backward-inl.h. In each of
-// these headers the library headers come first, outside the target region, so that their inline
-// helpers stay baseline code (a target function may inline them; no baseline caller ever gets a
-// target copy). Everything in the region lives in the target's namespace.
+// and then includes flash_tile_loop-inl.h (the forward) and flash_backward-inl.h. Everything in
+// these headers lives in the target's namespace, and every function and lambda in them carries
+// ATTNCORE_TARGET, so that it is compiled for the target's ISA: a lambda does not take the
+// attribute of the function it is written in, and GCC and clang inline a callee only into a
+// caller whose ISA includes the callee's. The library headers they include carry no attribute:
+// their inline helpers stay baseline code, which a target function may inline, and no baseline
+// caller ever gets a target copy.
 #pragma once
 
 #include <cstdint>
 
 #include "cpu/flash.h"
-
-#pragma GCC push_options
-ATTNCORE_TARGET_PRAGMA
 
 namespace attncore::detail::ATTNCORE_TARGET_NS {
 
@@ -43,7 +43,7 @@ static_assert(kKeyTile % kTileCols == 0, "a key tile is whole QK micro-tiles");
 
 // The columns of a tile with `keys` keys that are computed: whole QK micro-tiles, so a short
 // last tile (or a short Lk) costs its keys, not kKeyTile. Columns past them are never read.
-inline std::int64_t tile_cols(std::int64_t keys) {
+ATTNCORE_TARGET inline std::int64_t tile_cols(std::int64_t keys) {
   return (keys + kTileCols - 1) / kTileCols * kTileCols;
 }
 
@@ -51,5 +51,3 @@ constexpr FlashLayout kLayout{kLanes,    kBlockRows, kKeyTile,
                               kTileCols, kTileRows,  ATTNCORE_BF16_DOT != 0};
 
 }  // namespace attncore::detail::ATTNCORE_TARGET_NS
-
-#pragma GCC pop_options

@@ -9,17 +9,17 @@
 #include "core/params.h"
 #include "cpu/flash_simd-inl.h"
 
-#pragma GCC push_options
-ATTNCORE_TARGET_PRAGMA
-
 namespace attncore::detail::ATTNCORE_TARGET_NS {
 
 // tanh(y) = 1 - 2 / (e^(2y) + 1): saturates to +-1, NaN stays NaN.
-inline Vec tanhv(Vec y) { return 1.0f - 2.0f / (exp2v(y * (2.0f * kLog2e)) + 1.0f); }
+ATTNCORE_TARGET inline Vec tanhv(Vec y) {
+  return 1.0f - 2.0f / (exp2v(y * (2.0f * kLog2e)) + 1.0f);
+}
 
 // The score modifiers of DESIGN.md section 1.2 on one row of a tile (keys j0 .. j0 + keys).
-inline void apply_score_mods(const Params& p, std::int64_t b, std::int64_t h, std::int64_t i,
-                             std::int64_t j0, std::int64_t keys, float* s) {
+ATTNCORE_TARGET inline void apply_score_mods(const Params& p, std::int64_t b, std::int64_t h,
+                                             std::int64_t i, std::int64_t j0, std::int64_t keys,
+                                             float* s) {
   if (p.softcap != 0.0) {
     const float cap = static_cast<float>(p.softcap), inv_cap = 1.0f / cap;
     for (std::int64_t c = 0; c < keys; c += kLanes) {
@@ -56,5 +56,3 @@ inline void apply_score_mods(const Params& p, std::int64_t b, std::int64_t h, st
 }
 
 }  // namespace attncore::detail::ATTNCORE_TARGET_NS
-
-#pragma GCC pop_options

@@ -7,41 +7,42 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #if ATTNCORE_LANES == 16  // the AVX-512 targets: intrinsics for bf16 dots and transposes
+#if defined(__GNUC__) && !defined(__clang__)
 // GCC 12 warns, wrongly, that its own _mm512_undefined_* placeholders (`__m512 __Y = __Y;`)
 // may be read uninitialised wherever a masked or widening intrinsic is inlined.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 #endif
 
 #include "attncore/dtype.h"
 #include "cpu/flash_layout-inl.h"
 
-#pragma GCC push_options
-ATTNCORE_TARGET_PRAGMA
-
 namespace attncore::detail::ATTNCORE_TARGET_NS {
 
 using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
 using IVec = std::int32_t __attribute__((vector_size(kLanes * sizeof(float))));
 
-inline Vec load(const float* p) {
+ATTNCORE_TARGET inline Vec load(const float* p) {
   Vec v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
-inline Vec splat(float x) { return x - Vec{}; }  // x - (+0) == x exactly: folds to a broadcast
+ATTNCORE_TARGET inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+// x - (+0) == x exactly: folds to a broadcast.
+ATTNCORE_TARGET inline Vec splat(float x) { return x - Vec{}; }
 // max that propagates NaN from either side (a NaN score must make its row NaN).
-inline Vec vmax(Vec a, Vec b) { return (a > b) | (a != a) ? a : b; }
+ATTNCORE_TARGET inline Vec vmax(Vec a, Vec b) { return ((a > b) | (a != a)) ? a : b; }
 // Horizontal max and sum by halving (log2 lanes vector steps instead of a scalar loop).
 template <int N>
 struct VecOf {
   typedef float type __attribute__((vector_size(N * sizeof(float))));
 };
 template <int N, class Op>
-inline float reduce(typename VecOf<N>::type v, Op op) {
+ATTNCORE_TARGET inline float reduce(typename VecOf<N>::type v, Op op) {
   if constexpr (N == 1) {
     return v[0];
   } else {
@@ -51,11 +52,12 @@ inline float reduce(typename VecOf<N>::type v, Op op) {
     return reduce<N / 2>(op(lo, hi), op);
   }
 }
-inline float reduce_max(Vec v) {
-  return reduce<kLanes>(v, [](auto a, auto b) { return (a > b) | (a != a) ? a : b; });
+ATTNCORE_TARGET inline float reduce_max(Vec v) {
+  return reduce<kLanes>(
+      v, [](auto a, auto b) ATTNCORE_TARGET { return ((a > b) | (a != a)) ? a : b; });
 }
-inline float reduce_sum(Vec v) {
-  return reduce<kLanes>(v, [](auto a, auto b) { return a + b; });
+ATTNCORE_TARGET inline float reduce_sum(Vec v) {
+  return reduce<kLanes>(v, [](auto a, auto b) ATTNCORE_TARGET { return a + b; });
 }
 
 // 2^x for a vector: x = n + f with n integral and |f| <= 1/2, 2^f by a degree-5 polynomial
@@ -63,7 +65,7 @@ inline float reduce_sum(Vec v) {
 // other coefficients fitted for least relative error on [-1/2, 1/2] (1.6e-7 evaluated in f32),
 // 2^n by building the exponent bits. Below -126.5 the result is 0 (so 2^-inf = 0); NaN stays
 // NaN.
-inline Vec exp2v(Vec x) {
+ATTNCORE_TARGET inline Vec exp2v(Vec x) {
   x = x < splat(-127.0f) ? splat(-127.0f) : x;
   x = x > splat(127.0f) ? splat(127.0f) : x;
   const Vec n = (x + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 * 2^23
@@ -88,7 +90,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 // shuffles for 256 elements. Other widths: log2(kLanes) stages of two-input shuffles (Eklundh):
 // at stage s, rows i and i + s (i & s == 0) swap the lanes j & s of one with j - s of the other.
 #if ATTNCORE_LANES == 16
-inline void transpose_lanes(Vec (&rows)[kLanes]) {
+ATTNCORE_TARGET inline void transpose_lanes(Vec (&rows)[kLanes]) {
   __m512 r[16], t[16];
   for (int i = 0; i < 16; ++i) r[i] = rows[i];
   for (int i = 0; i < 16; i += 2) {
@@ -113,26 +115,27 @@ inline void transpose_lanes(Vec (&rows)[kLanes]) {
   }
 }
 #else
-template <int kStage>
-inline void transpose_stage(Vec (&r)[kLanes], IVec first, IVec second) {
+// Stage s on rows i and i + s (i & s == 0), as two-input shuffles of (row i, row i + s) in which
+// index kLanes + j is lane j of row i + s: row i takes lane j - s of row i + s into each lane j
+// with j & s, and row i + s takes lane j + s of row i into each lane j without.
+template <int kStage, int... kLane>
+ATTNCORE_TARGET inline void transpose_stage(Vec (&r)[kLanes],
+                                            std::integer_sequence<int, kLane...>) {
   for (int i = 0; i < kLanes; ++i) {
     if ((i & kStage) != 0) continue;
     const Vec a = r[i], b = r[i + kStage];
-    r[i] = __builtin_shuffle(a, b, first);
-    r[i + kStage] = __builtin_shuffle(a, b, second);
+    r[i] =
+        __builtin_shufflevector(a, b, ((kLane & kStage) != 0 ? kLanes + kLane - kStage : kLane)...);
+    r[i + kStage] =
+        __builtin_shufflevector(a, b, ((kLane & kStage) != 0 ? kLanes + kLane : kLane + kStage)...);
   }
 }
-inline void transpose_lanes(Vec (&r)[kLanes]) {
-#if ATTNCORE_LANES == 8
-  transpose_stage<4>(r, IVec{0, 1, 2, 3, 8, 9, 10, 11}, IVec{4, 5, 6, 7, 12, 13, 14, 15});
-  transpose_stage<2>(r, IVec{0, 1, 8, 9, 4, 5, 12, 13}, IVec{2, 3, 10, 11, 6, 7, 14, 15});
-  transpose_stage<1>(r, IVec{0, 8, 2, 10, 4, 12, 6, 14}, IVec{1, 9, 3, 11, 5, 13, 7, 15});
-#elif ATTNCORE_LANES == 4
-  transpose_stage<2>(r, IVec{0, 1, 4, 5}, IVec{2, 3, 6, 7});
-  transpose_stage<1>(r, IVec{0, 4, 2, 6}, IVec{1, 5, 3, 7});
-#else
-#error "transpose_lanes: kLanes must be 4, 8 or 16"
-#endif
+ATTNCORE_TARGET inline void transpose_lanes(Vec (&r)[kLanes]) {
+  static_assert(kLanes == 4 || kLanes == 8, "transpose_lanes: kLanes must be 4, 8 or 16");
+  constexpr auto lanes = std::make_integer_sequence<int, kLanes>{};
+  if constexpr (kLanes == 8) transpose_stage<4>(r, lanes);
+  transpose_stage<2>(r, lanes);
+  transpose_stage<1>(r, lanes);
 }
 #endif
 
@@ -143,9 +146,10 @@ inline void transpose_lanes(Vec (&r)[kLanes]) {
 // 32 keys on are prefetched while below `ahead` (the next tile's too): packing K for decode
 // from memory went twice as fast with it (AVX-512; the README has the figures).
 template <class Row, class Load, class Store>
-inline void transpose_keys(std::int64_t keys, std::int64_t cols, std::int64_t width,
-                           std::int64_t per_column, std::int64_t ahead, std::int64_t row_stride,
-                           Row row, Load load, Store store) {
+ATTNCORE_TARGET inline void transpose_keys(std::int64_t keys, std::int64_t cols, std::int64_t width,
+                                           std::int64_t per_column, std::int64_t ahead,
+                                           std::int64_t row_stride, Row row, Load load,
+                                           Store store) {
   static_assert(kTileCols % kLanes == 0, "kLanes keys lie in one micro-tile column");
   for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
     for (std::int64_t e0 = 0; e0 < width; e0 += kLanes) {
@@ -170,22 +174,22 @@ inline void transpose_keys(std::int64_t keys, std::int64_t cols, std::int64_t wi
 // Whole vectors never pass through memory (scalar stores read back as a vector stall store
 // forwarding: bf16 decode on AVX2 ran 1.5x slower that way).
 #if ATTNCORE_LANES == 16
-inline Vec load_part(const float* p, int n) {
+ATTNCORE_TARGET inline Vec load_part(const float* p, int n) {
   return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
 }
-inline Vec load_part(const std::uint16_t* p, int n, DType dtype) {
+ATTNCORE_TARGET inline Vec load_part(const std::uint16_t* p, int n, DType dtype) {
   const __m256i h = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
   if (dtype == DType::f16) return _mm512_cvtph_ps(h);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 #else
-inline Vec load_part(const float* p, int n) {
+ATTNCORE_TARGET inline Vec load_part(const float* p, int n) {
   if (n == kLanes) return load(p);
   float x[kLanes] = {};
   for (int e = 0; e < n; ++e) x[e] = p[e];
   return load(x);
 }
-inline Vec load_part(const std::uint16_t* p, int n, DType dtype) {
+ATTNCORE_TARGET inline Vec load_part(const std::uint16_t* p, int n, DType dtype) {
   if (n == kLanes && dtype == DType::bf16) {
     using Halves = std::uint16_t __attribute__((vector_size(kLanes * sizeof(std::uint16_t))));
     Halves h;
@@ -208,8 +212,6 @@ inline Vec load_part(const std::uint16_t* p, int n, DType dtype) {
 }
 #endif
 // A row of the input's dtype (f32 or 16-bit) from element e0, n <= kLanes of them.
-inline Vec load_part(const float* p, int n, DType) { return load_part(p, n); }
+ATTNCORE_TARGET inline Vec load_part(const float* p, int n, DType) { return load_part(p, n); }
 
 }  // namespace attncore::detail::ATTNCORE_TARGET_NS
-
-#pragma GCC pop_options

@@ -30,15 +30,12 @@
 #include "policy/mask.h"
 #include "policy/score_row.h"
 
-#pragma GCC push_options
-ATTNCORE_TARGET_PRAGMA
-
 namespace attncore::detail::ATTNCORE_TARGET_NS {
 
 // One work item: see the top of this file.
 template <class Dot>
-void run_block_with(const Params& p, const ForwardArgs& a, const FlashPanel& panel,
-                    const FlashItem& item, const FlashScratch& w) {
+ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const FlashPanel& panel,
+                                    const FlashItem& item, const FlashScratch& w) {
   const std::int64_t d = p.head_dim, dv_pad = panel.dv_pad, lk = p.seq.lk, b = item.b;
   const std::int64_t rows = item.rows;
   const std::int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
@@ -183,8 +180,8 @@ void run_block_with(const Params& p, const ForwardArgs& a, const FlashPanel& pan
 
 // The exported entry points: native bf16 dot products for bf16 inputs where this target has
 // them, f32 for everything else.
-void run_block(const Params& p, const ForwardArgs& a, const FlashPanel& panel,
-               const FlashItem& item, const FlashScratch& w) {
+ATTNCORE_TARGET void run_block(const Params& p, const ForwardArgs& a, const FlashPanel& panel,
+                               const FlashItem& item, const FlashScratch& w) {
 #if ATTNCORE_BF16_DOT
   if (p.dtype == DType::bf16) return run_block_with<Bf16Dot>(p, a, panel, item, w);
 #endif
@@ -193,9 +190,9 @@ void run_block(const Params& p, const ForwardArgs& a, const FlashPanel& panel,
 
 // Packs tiles [t_begin, t_end) into a panel: K [tiles][D][kKeyTile] floats' worth, then V
 // [tiles * kKeyTile][dv_pad] floats' worth.
-void pack_tiles(const Params& p, const ForwardArgs& a, std::int64_t b, std::int64_t kv_head,
-                std::int64_t t_begin, std::int64_t t_end, float* k_tiles, float* v_rows,
-                std::int64_t dv_pad) {
+ATTNCORE_TARGET void pack_tiles(const Params& p, const ForwardArgs& a, std::int64_t b,
+                                std::int64_t kv_head, std::int64_t t_begin, std::int64_t t_end,
+                                float* k_tiles, float* v_rows, std::int64_t dv_pad) {
   for (std::int64_t t = t_begin; t < t_end; ++t) {
     float* kt = k_tiles + t * p.head_dim * kKeyTile;
     float* vt = v_rows + t * kKeyTile * dv_pad;
@@ -210,5 +207,3 @@ void pack_tiles(const Params& p, const ForwardArgs& a, std::int64_t b, std::int6
 }
 
 }  // namespace attncore::detail::ATTNCORE_TARGET_NS
-
-#pragma GCC pop_options
