@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import attncore
+import attncore.torch
 import reference
 from attncore import _core
 from conftest import assert_close, randn
@@ -97,6 +98,20 @@ def test_flash_layout_in_place_and_contiguous_out():
     assert _core._last_call_addresses()["query"] == q.data_ptr()
     # The result is written in place, in the caller's [B, L, H, D] layout.
     assert out.is_contiguous() and _core._last_call_addresses()["out"] == out.data_ptr()
+
+
+def test_broadcast_inputs_give_outputs_with_unit_last_stride():
+    """Inputs broadcast along the batch (stride 0) are read in place; the outputs and the
+    gradients are still laid out with the head dim innermost."""
+    q = randn(1, 3, 9, 16, seed=1).numpy()
+    out = attncore.scaled_dot_product_attention(*(np.broadcast_to(q, (2, 3, 9, 16)),) * 3)
+    assert out.shape == (2, 3, 9, 16) and out.strides[-1] == out.itemsize
+    expected, _ = reference.attention(*(torch.from_numpy(q),) * 3)
+    assert_close(out, expected.expand(2, 3, 9, 16), torch.float64)
+    base = randn(1, 3, 9, 16, seed=2, requires_grad=True)
+    view = base.expand(2, 3, 9, 16)
+    attncore.torch.scaled_dot_product_attention(view, view, view).sum().backward()
+    assert base.grad.shape == base.shape
 
 
 def test_copies_only_what_the_strides_forbid():

@@ -1,0 +1,766 @@
+"""Variable-length batches from Python: attention_varlen / attention_varlen_backward, flash-attn's
+varlen and packed drop-ins, and nested tensors through scaled_dot_product_attention, against the
+torch oracle in float64 run on each sequence alone (reference.attention), outputs and gradients.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.autograd import gradcheck
+
+import attncore
+import attncore.torch
+import reference
+from attncore import _core
+from conftest import assert_close, randn
+from test_arrays import DlpackOnly
+
+# torch 1.13 warns on every nested tensor it builds.
+pytestmark = pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+
+# Sequences of a batch: Lq below, equal to and above Lk, empty queries, empty keys, one row.
+LENS_Q = (5, 0, 13, 1, 8, 33, 4)
+LENS_K = (9, 4, 0, 97, 8, 20, 1)
+BACKENDS = ((torch.float64, "math"), (torch.float32, "flash"), (torch.float64, "reference"))
+
+
+def cu_seqlens(lengths):
+    return torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
+
+
+def packed(lengths, heads, dim, *, seed, pad=0, pad_value=math.nan):
+    """[sum(lengths) + pad, heads, dim] float64, the pad rows set to pad_value."""
+    x = randn(sum(lengths) + pad, heads, dim, seed=seed)
+    if pad:
+        x[-pad:] = pad_value
+    return x
+
+
+def alibi_slopes(kind, batch, heads):
+    if kind is None:
+        return None
+    slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)])
+    if kind == "heads":
+        return slopes
+    return slopes * torch.linspace(1.0, 0.25, batch)[:, None]
+
+
+def oracle(q, k, v, cu_q, cu_k, *, seqused_k=None, causal=None, window=(-1, -1), softcap=0.0,
+           alibi=None, scale=None, keep=None, dropout_p=0.0):
+    """(out [rows_q, Hq, Dv], lse [Hq, rows_q]) in float64, each sequence run alone as a dense
+    call of its own lengths; rows past cu_q[-1] get 0 and -inf. Differentiable. keep: the
+    dropout keep mask [B, Hq, max_q, max_k] (sequence b in the top-left corner)."""
+    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    heads_q, dim_v = q.shape[1], v.shape[2]
+    outs, lses = [], []
+    for b in range(len(cu_q) - 1):
+        q0, q1, k0 = cu_q[b], cu_q[b + 1], cu_k[b]
+        k1 = k0 + int(seqused_k[b]) if seqused_k is not None else cu_k[b + 1]
+        slopes = None if alibi is None else (alibi[b] if alibi.dim() == 2 else alibi)
+        keep_b = None if keep is None else keep[b, :, :q1 - q0, :k1 - k0]
+        out, lse = reference.attention(
+            q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1), v[k0:k1].transpose(0, 1),
+            scale=scale, causal=causal, window=window, softcap=softcap, alibi=slopes,
+            keep=keep_b, dropout_p=dropout_p)
+        outs.append(out.transpose(0, 1))
+        lses.append(lse)
+    pad = q.shape[0] - cu_q[-1]
+    outs.append(torch.zeros(pad, heads_q, dim_v, dtype=torch.float64))
+    lses.append(torch.full((heads_q, pad), -math.inf, dtype=torch.float64))
+    return torch.cat(outs, 0), torch.cat(lses, 1)
+
+
+# flash_attn_varlen_func's options, and the oracle's.
+VARIANTS = {
+    "plain": {},
+    "causal": dict(causal=True),
+    "window": dict(window_size=(3, 2)),
+    "window-left-causal": dict(window_size=(4, -1), causal=True),
+    "window-zero": dict(window_size=(0, 0)),
+    "softcap": dict(softcap=2.5),
+    "alibi-heads": dict(alibi="heads"),
+    "alibi-batch-heads-causal": dict(alibi="batch-heads", causal=True),
+    "scale": dict(softmax_scale=0.21),
+    "gqa-softcap-window": dict(heads_kv=2, softcap=4.0, window_size=(2, 5), causal=True),
+    "mqa-dim-v": dict(heads_kv=1, dim_v=24),
+    "seqused-k-causal": dict(seqused=True, causal=True),
+    "padded-rows": dict(pad_q=3, pad_k=5),
+    "padded-seqused-alibi": dict(pad_q=2, pad_k=4, seqused=True, alibi="heads"),
+}
+
+
+def _case(variant, heads_q=4, dim=40):
+    """(inputs dict, flash-attn options, oracle options) of one variant."""
+    options = dict(VARIANTS[variant])
+    heads_kv, dim_v = options.pop("heads_kv", heads_q), options.pop("dim_v", dim)
+    pad_q, pad_k = options.pop("pad_q", 0), options.pop("pad_k", 0)
+    alibi = alibi_slopes(options.pop("alibi", None), len(LENS_Q), heads_q)
+    seqused = options.pop("seqused", False)
+    q = packed(LENS_Q, heads_q, dim, seed=1, pad=pad_q)
+    k = packed(LENS_K, heads_kv, dim, seed=2, pad=pad_k)
+    v = packed(LENS_K, heads_kv, dim_v, seed=3, pad=pad_k)
+    used = None
+    if seqused:
+        used = torch.tensor([(n * 2) // 3 for n in LENS_K], dtype=torch.int32)
+        cu = cu_seqlens(LENS_K).tolist()
+        for b, n in enumerate(used.tolist()):  # keys past seqused_k are never read
+            k[cu[b] + n:cu[b + 1]] = math.nan
+            v[cu[b] + n:cu[b + 1]] = math.nan
+    inputs = dict(q=q, k=k, v=v, cu_q=cu_seqlens(LENS_Q), cu_k=cu_seqlens(LENS_K),
+                  max_q=max(LENS_Q), max_k=max(LENS_K), used=used, alibi=alibi)
+    ref = dict(causal="lower-right" if options.get("causal") else None,
+               window=options.get("window_size", (-1, -1)), softcap=options.get("softcap", 0.0),
+               scale=options.get("softmax_scale"), alibi=alibi, seqused_k=used)
+    return inputs, options, ref
+
+
+def _check_grads(named, dtype, what=""):
+    for name, got, want in named:
+        assert_close(got, want, dtype, f"{what}d{name}")
+
+
+@pytest.mark.parametrize("dtype,backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_flash_attn_varlen_func(variant, dtype, backend):
+    x, options, ref = _case(variant)
+    ins = [x[n].to(dtype).requires_grad_() for n in "qkv"]
+    out, lse, probs = attncore.torch.flash_attn_varlen_func(
+        *ins, x["cu_q"], x["cu_k"], x["max_q"], x["max_k"], alibi_slopes=x["alibi"],
+        return_attn_probs=True, seqused_k=x["used"], backend=backend, **options)
+    assert out.dtype == dtype and out.shape == (*x["q"].shape[:2], x["v"].shape[2])
+    assert lse.shape == (x["q"].shape[1], x["q"].shape[0])
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert probs.shape == (0,)
+    ref_ins = [t.detach().double().requires_grad_() for t in ins]
+    expected, expected_lse = oracle(*ref_ins, x["cu_q"], x["cu_k"], **ref)
+    assert_close(out.detach(), expected, dtype, "out")
+    assert_close(lse, expected_lse, dtype, "lse")
+    dout = randn(*out.shape, seed=9)
+    (out * dout.to(dtype)).sum().backward()
+    (expected * dout).sum().backward()
+    # Keys never read (NaN there) get zero gradients in both.
+    _check_grads(zip("qkv", (t.grad for t in ins),
+                     (torch.nan_to_num(t.grad) for t in ref_ins)), dtype)
+    for t in ins:
+        assert not t.grad.isnan().any()
+
+
+@pytest.mark.parametrize("variant", ["padded-rows", "padded-seqused-alibi"])
+def test_unused_rows(variant):
+    """Query rows past cu_seqlens_q[-1] (NaN in them) give out 0, lse -inf and dq 0; key rows
+    that belong to no used key (NaN) give dk = dv = 0."""
+    x, options, _ = _case(variant)
+    ins = [x[n].requires_grad_() for n in "qkv"]
+    out, lse, _ = attncore.torch.flash_attn_varlen_func(
+        *ins, x["cu_q"], x["cu_k"], x["max_q"], x["max_k"], alibi_slopes=x["alibi"],
+        seqused_k=x["used"], return_attn_probs=True, **options)
+    end_q, end_k = int(x["cu_q"][-1]), int(x["cu_k"][-1])
+    assert (out[end_q:] == 0).all() and (lse[:, end_q:] == -math.inf).all()
+    assert not out.isnan().any()
+    out.sum().backward()
+    assert (ins[0].grad[end_q:] == 0).all()
+    unused = torch.isnan(x["k"][:, 0, 0])
+    assert unused[end_k:].all()
+    assert (ins[1].grad[unused] == 0).all() and (ins[2].grad[unused] == 0).all()
+
+
+@pytest.mark.parametrize("dtype,backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("causal", ["upper-left", "lower-right"])
+def test_attention_varlen_both_alignments(causal, dtype, backend):
+    """attncore's own function names the alignment: upper-left (j <= i) and lower-right
+    (j <= i + Lk - Lq) per sequence, on sequences with Lq above and below Lk."""
+    x, _, _ = _case("plain")
+    ins = [x[n].to(dtype).requires_grad_() for n in "qkv"]
+    out, lse = attncore.attention_varlen(*ins, x["cu_q"], x["cu_k"], x["max_q"], x["max_k"],
+                                         causal=causal, backend=backend, return_lse=True)
+    ref_ins = [t.detach().double().requires_grad_() for t in ins]
+    expected, expected_lse = oracle(*ref_ins, x["cu_q"], x["cu_k"], causal=causal)
+    assert_close(out.detach(), expected, dtype, "out")
+    assert_close(lse, expected_lse, dtype, "lse")
+    dout = randn(*out.shape, seed=9)
+    (out * dout.to(dtype)).sum().backward()
+    (expected * dout).sum().backward()
+    _check_grads(zip("qkv", (t.grad for t in ins), (t.grad for t in ref_ins)), dtype)
+
+
+def test_upper_left_and_lower_right_differ():
+    """The two alignments agree where Lq == Lk and differ elsewhere (the test above would not
+    notice an option that is ignored)."""
+    x, _, _ = _case("plain")
+    args = (x["q"], x["k"], x["v"], x["cu_q"], x["cu_k"], x["max_q"], x["max_k"])
+    upper = attncore.attention_varlen(*args, causal="upper-left")
+    lower = attncore.attention_varlen(*args, causal="lower-right")
+    cu = x["cu_q"].tolist()
+    for b, (lq, lk) in enumerate(zip(LENS_Q, LENS_K)):
+        rows = slice(cu[b], cu[b + 1])
+        same = torch.equal(upper[rows], lower[rows])
+        assert same == (lq == lk or lq == 0 or lk == 0 or (lq == 1 and lk == 1)), b
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_reduced_precision(dtype):
+    x, options, ref = _case("gqa-softcap-window")
+    ins = [x[n].to(dtype) for n in "qkv"]
+    out = attncore.flash_attn_varlen_func(*ins, x["cu_q"], x["cu_k"], x["max_q"], x["max_k"],
+                                          **options)
+    assert out.dtype == dtype
+    expected, _ = oracle(*ins, x["cu_q"], x["cu_k"], **ref)
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("variant", ["plain", "alibi-batch-heads-causal", "seqused-k-causal",
+                                     "padded-rows", "gqa-softcap-window"])
+def test_numpy_forward_and_backward(variant):
+    """numpy in (int32 numpy index arrays), numpy out; attention_varlen_backward with the
+    forward's options gives the oracle's gradients."""
+    x, options, ref = _case(variant)
+    qn, kn, vn = (x[n].float().numpy() for n in "qkv")
+    cu_q, cu_k = x["cu_q"].numpy(), x["cu_k"].numpy()
+    used = None if x["used"] is None else x["used"].numpy()
+    alibi = None if x["alibi"] is None else x["alibi"].numpy()
+    out, lse, probs = attncore.flash_attn_varlen_func(
+        qn, kn, vn, cu_q, cu_k, x["max_q"], x["max_k"], alibi_slopes=alibi, seqused_k=used,
+        return_attn_probs=True, **options)
+    assert isinstance(out, np.ndarray) and out.dtype == np.float32
+    assert isinstance(lse, np.ndarray) and lse.shape == (qn.shape[1], qn.shape[0])
+    assert isinstance(probs, np.ndarray) and probs.shape == (0,)
+    ref_ins = [torch.from_numpy(t).double().requires_grad_() for t in (qn, kn, vn)]
+    expected, expected_lse = oracle(*ref_ins, x["cu_q"], x["cu_k"], **ref)
+    assert_close(out, expected, torch.float32, "out")
+    assert_close(lse, expected_lse, torch.float32, "lse")
+    dout = randn(*out.shape, seed=9)
+    (expected * dout).sum().backward()
+    grads = attncore.attention_varlen_backward(
+        dout.float().numpy(), qn, kn, vn, out, lse, cu_q, cu_k, x["max_q"], x["max_k"],
+        seqused_k=used, scale=options.get("softmax_scale"), causal=ref["causal"],
+        window_size=ref["window"], softcap=ref["softcap"], alibi_slopes=alibi)
+    assert len(grads) == 3
+    for got, t in zip(grads, (qn, kn, vn)):
+        assert isinstance(got, np.ndarray) and got.shape == t.shape and got.dtype == np.float32
+    _check_grads(zip("qkv", grads, (torch.nan_to_num(t.grad) for t in ref_ins)),
+                 torch.float32)
+
+
+def test_index_arrays_from_any_library():
+    """Index arrays as torch int32 (DLPack), numpy int32 (buffer protocol) and lists of ints
+    give the same result; the float tensors may come from another library."""
+    x, _, _ = _case("causal")
+    args = (x["max_q"], x["max_k"])
+    results = [
+        attncore.attention_varlen(x["q"], x["k"], x["v"], cu_q, cu_k, *args, causal="lower-right")
+        for cu_q, cu_k in ((x["cu_q"], x["cu_k"]), (x["cu_q"].numpy(), x["cu_k"].numpy()),
+                           (x["cu_q"].tolist(), x["cu_k"].tolist()))]
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+def test_dlpack_producers():
+    """Float tensors and int32 index arrays from a library attncore does not know (DLPack
+    only): read in place; float32 results come back as numpy."""
+    x, _, _ = _case("causal")
+    q, k, v = (x[n].float() for n in "qkv")
+    out = attncore.flash_attn_varlen_func(*(DlpackOnly(t) for t in (q, k, v)),
+                                          DlpackOnly(x["cu_q"]), DlpackOnly(x["cu_k"]),
+                                          x["max_q"], x["max_k"], causal=True)
+    addresses = _core._last_call_addresses()
+    assert addresses["query"] == q.data_ptr()
+    assert addresses["cu_seqlens_k"] == x["cu_k"].data_ptr()
+    assert isinstance(out, np.ndarray)
+    expected = attncore.flash_attn_varlen_func(q, k, v, x["cu_q"], x["cu_k"], x["max_q"],
+                                               x["max_k"], causal=True)
+    assert (out == expected.numpy()).all()
+
+
+def test_concurrent_calls_from_python_threads():
+    """Varlen calls release the GIL too: calls from several threads each get their own
+    result."""
+    from concurrent.futures import ThreadPoolExecutor
+    cu_q, cu_k = cu_seqlens(LENS_Q), cu_seqlens(LENS_K)
+    inputs = [[packed(lens, 2, 16, seed=10 * i + s).float().numpy()
+               for lens, s in ((LENS_Q, 1), (LENS_K, 2), (LENS_K, 3))] for i in range(6)]
+
+    def run(arrays):
+        return attncore.flash_attn_varlen_func(*arrays, cu_q, cu_k, max(LENS_Q), max(LENS_K),
+                                               causal=True)
+
+    serial = [run(a) for a in inputs]
+    with ThreadPoolExecutor(3) as pool:
+        parallel = list(pool.map(run, inputs))
+    for a, b in zip(serial, parallel):
+        assert (a == b).all()
+
+
+def test_empty_batch_and_empty_sequences():
+    """B = 0 (cu_seqlens [0]), and a batch whose every sequence is empty: outputs of the right
+    shapes, 0 and -inf; zero gradients."""
+    for lens_q, lens_k in (((), ()), ((0, 0), (0, 3)), ((2, 3), (0, 0))):
+        q = packed(lens_q, 2, 8, seed=1).requires_grad_()
+        k = packed(lens_k, 2, 8, seed=2).requires_grad_()
+        out, lse, _ = attncore.torch.flash_attn_varlen_func(
+            q, k, k, cu_seqlens(lens_q), cu_seqlens(lens_k), max(lens_q, default=0),
+            max(lens_k, default=0), return_attn_probs=True)
+        assert out.shape == q.shape and lse.shape == (2, q.shape[0])
+        assert (out == 0).all() and (lse == -math.inf).all()
+        out.sum().backward()
+        assert (q.grad == 0).all() and (k.grad == 0).all()
+
+
+def test_gradcheck_varlen():
+    """Central differences in float64 through attncore.torch.flash_attn_varlen_func."""
+    lens_q, lens_k = (2, 0, 3), (3, 2, 1)
+    q = packed(lens_q, 2, 4, seed=1, pad=1, pad_value=0.5).requires_grad_()
+    k = packed(lens_k, 1, 4, seed=2).requires_grad_()
+    v = packed(lens_k, 1, 4, seed=3).requires_grad_()
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    assert gradcheck(lambda q, k, v: attncore.torch.flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, 3, 3, causal=True, softcap=3.0, softmax_scale=-0.7), (q, k, v))
+
+
+# --- packed inputs ---------------------------------------------------------------------------
+
+def _address(x):
+    return x.data_ptr() if isinstance(x, torch.Tensor) else x.__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("dtype,backend", BACKENDS[:2], ids=str)
+@pytest.mark.parametrize("options", [{}, dict(causal=True, softmax_scale=-0.3),
+                                     dict(window_size=(2, 1), alibi=True)],
+                         ids=["plain", "causal-negative-scale", "window-alibi"])
+def test_flash_attn_varlen_qkvpacked_func(options, dtype, backend):
+    """One qkv [total, 3, H, D] with shared cu_seqlens: read in place, the gradient is one
+    tensor shaped like qkv."""
+    options = dict(options)
+    lens = (5, 0, 9, 1, 12)
+    heads = 3
+    alibi = alibi_slopes("heads", len(lens), heads) if options.pop("alibi", False) else None
+    qkv = randn(sum(lens) + 2, 3, heads, 32, seed=1).to(dtype).requires_grad_()
+    cu = cu_seqlens(lens)
+    out, lse, _ = attncore.torch.flash_attn_varlen_qkvpacked_func(
+        qkv, cu, max(lens), alibi_slopes=alibi, return_attn_probs=True, backend=backend,
+        **options)
+    addresses = _core._last_call_addresses()
+    assert [addresses[n] for n in ("key", "value")] == [qkv[:, i].data_ptr() for i in (1, 2)]
+    if "softmax_scale" not in options:  # a negative scale is applied to a copy of q
+        assert addresses["query"] == qkv.data_ptr()
+    ref_qkv = qkv.detach().double().requires_grad_()
+    expected, expected_lse = oracle(
+        ref_qkv[:, 0], ref_qkv[:, 1], ref_qkv[:, 2], cu, cu, alibi=alibi,
+        causal="lower-right" if options.get("causal") else None,
+        window=options.get("window_size", (-1, -1)), scale=options.get("softmax_scale"))
+    assert_close(out.detach(), expected, dtype, "out")
+    assert_close(lse, expected_lse, dtype, "lse")
+    dout = randn(*out.shape, seed=9)
+    (out * dout.to(dtype)).sum().backward()
+    (expected * dout).sum().backward()
+    assert qkv.grad.shape == qkv.shape and qkv.grad.dtype == dtype
+    assert_close(qkv.grad, ref_qkv.grad, dtype, "dqkv")
+
+
+@pytest.mark.parametrize("dtype,backend", BACKENDS[:2], ids=str)
+def test_flash_attn_varlen_kvpacked_func(dtype, backend):
+    """q and one kv [total_k, 2, Hkv, D] (GQA), seqused_k and padded kv rows: kv read in
+    place, its gradient one tensor shaped like kv."""
+    heads_q, heads_kv = 4, 2
+    q = packed(LENS_Q, heads_q, 24, seed=1).to(dtype).requires_grad_()
+    kv = randn(sum(LENS_K) + 3, 2, heads_kv, 24, seed=2).to(dtype).requires_grad_()
+    used = torch.tensor([max(n - 1, 0) for n in LENS_K], dtype=torch.int32)
+    cu_q, cu_k = cu_seqlens(LENS_Q), cu_seqlens(LENS_K)
+    out = attncore.torch.flash_attn_varlen_kvpacked_func(
+        q, kv, cu_q, cu_k, max(LENS_Q), max(LENS_K), causal=True, seqused_k=used,
+        backend=backend)
+    addresses = _core._last_call_addresses()
+    assert addresses["key"] == kv.data_ptr() and addresses["value"] == kv[:, 1].data_ptr()
+    assert addresses["query"] == q.data_ptr()
+    ref_q, ref_kv = (t.detach().double().requires_grad_() for t in (q, kv))
+    expected, _ = oracle(ref_q, ref_kv[:, 0], ref_kv[:, 1], cu_q, cu_k, seqused_k=used,
+                         causal="lower-right")
+    assert_close(out.detach(), expected, dtype, "out")
+    dout = randn(*out.shape, seed=9)
+    (out * dout.to(dtype)).sum().backward()
+    (expected * dout).sum().backward()
+    assert kv.grad.shape == kv.shape
+    _check_grads([("q", q.grad, ref_q.grad), ("kv", kv.grad, ref_kv.grad)], dtype)
+
+
+def _dense_oracle(q, k, v, **options):
+    """The oracle on [B, L, H, D] inputs, out back in [B, L, H, D]."""
+    out, lse = reference.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                   **options)
+    return out.transpose(1, 2), lse
+
+
+@pytest.mark.parametrize("dtype,backend", BACKENDS[:2], ids=str)
+@pytest.mark.parametrize("lengths", [(6, 6), (1, 1), (0, 0)], ids=str)
+def test_flash_attn_qkvpacked_func(lengths, dtype, backend):
+    """qkv [B, L, 3, H, D]: read in place, out [B, L, H, D] contiguous, one gradient."""
+    seqlen = lengths[0]
+    qkv = randn(2, seqlen, 3, 4, 40, seed=1).to(dtype).requires_grad_()
+    alibi = alibi_slopes("batch-heads", 2, 4)
+    out, lse, probs = attncore.torch.flash_attn_qkvpacked_func(
+        qkv, causal=True, softcap=3.0, alibi_slopes=alibi, return_attn_probs=True,
+        backend=backend)
+    if seqlen:
+        assert _core._last_call_addresses()["key"] == qkv[:, :, 1].data_ptr()
+    assert out.shape == (2, seqlen, 4, 40) and out.is_contiguous()
+    assert lse.shape == (2, 4, seqlen) and probs.shape == (0,)
+    ref = qkv.detach().double().requires_grad_()
+    expected, expected_lse = _dense_oracle(ref[:, :, 0], ref[:, :, 1], ref[:, :, 2],
+                                           causal="lower-right", softcap=3.0, alibi=alibi)
+    assert_close(out.detach(), expected, dtype, "out")
+    assert_close(lse, expected_lse, dtype, "lse")
+    dout = randn(*out.shape, seed=9)
+    (out * dout.to(dtype)).sum().backward()
+    (expected * dout).sum().backward()
+    assert qkv.grad.shape == qkv.shape
+    assert_close(qkv.grad, ref.grad, dtype, "dqkv")
+
+
+@pytest.mark.parametrize("dtype,backend", BACKENDS[:2], ids=str)
+def test_flash_attn_kvpacked_func(dtype, backend):
+    """q [B, Lq, Hq, D] and kv [B, Lk, 2, Hkv, D] with GQA and Lq < Lk (lower-right)."""
+    q = randn(2, 5, 6, 32, seed=1).to(dtype).requires_grad_()
+    kv = randn(2, 11, 2, 2, 32, seed=2).to(dtype).requires_grad_()
+    out = attncore.torch.flash_attn_kvpacked_func(q, kv, causal=True, window_size=(3, -1),
+                                                  backend=backend)
+    ref_q, ref_kv = (t.detach().double().requires_grad_() for t in (q, kv))
+    expected, _ = _dense_oracle(ref_q, ref_kv[:, :, 0], ref_kv[:, :, 1], causal="lower-right",
+                                window=(3, -1))
+    assert_close(out.detach(), expected, dtype, "out")
+    dout = randn(*out.shape, seed=9)
+    (out * dout.to(dtype)).sum().backward()
+    (expected * dout).sum().backward()
+    assert kv.grad.shape == kv.shape
+    _check_grads([("q", q.grad, ref_q.grad), ("kv", kv.grad, ref_kv.grad)], dtype)
+
+
+def test_packed_numpy():
+    """numpy packed inputs are read in place too, and the results are numpy arrays."""
+    qkv = randn(2, 7, 3, 2, 16, seed=1).float().numpy()
+    out = attncore.flash_attn_qkvpacked_func(qkv)
+    assert _core._last_call_addresses()["value"] == _address(qkv[:, :, 2])
+    expected = attncore.flash_attn_func(*(np.ascontiguousarray(qkv[:, :, i]) for i in range(3)))
+    assert isinstance(out, np.ndarray) and (out == expected).all()
+    lens = (3, 4)
+    qkv = randn(7, 3, 2, 16, seed=2).float().numpy()
+    out = attncore.flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens(lens).numpy(), 4)
+    assert _core._last_call_addresses()["key"] == _address(qkv[:, 1])
+    kv = np.ascontiguousarray(qkv[:, 1:])
+    also = attncore.flash_attn_varlen_kvpacked_func(qkv[:, 0], kv, cu_seqlens(lens).numpy(),
+                                                    cu_seqlens(lens).numpy(), 4, 4)
+    assert isinstance(out, np.ndarray) and (out == also).all()
+
+
+def test_gradcheck_packed():
+    qkv = randn(5, 3, 2, 4, seed=1, requires_grad=True)
+    cu = cu_seqlens((2, 3))
+    assert gradcheck(lambda t: attncore.torch.flash_attn_varlen_qkvpacked_func(
+        t, cu, 3, causal=True), (qkv,))
+    qkv = randn(2, 3, 3, 2, 4, seed=2, requires_grad=True)
+    assert gradcheck(lambda t: attncore.torch.flash_attn_qkvpacked_func(t, causal=True), (qkv,))
+
+
+def test_softcap_zero_or_negative_is_off():
+    x, _, _ = _case("plain")
+    args = (x["q"], x["k"], x["v"], x["cu_q"], x["cu_k"], x["max_q"], x["max_k"])
+    plain = attncore.flash_attn_varlen_func(*args)
+    assert torch.equal(plain, attncore.flash_attn_varlen_func(*args, softcap=0.0))
+    assert torch.equal(plain, attncore.flash_attn_varlen_func(*args, softcap=-1.0))
+    assert not torch.equal(plain, attncore.flash_attn_varlen_func(*args, softcap=1.0))
+
+
+# --- dropout ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["reference", "math", "flash"])
+def test_dropout_packed_equals_padded_dense(backend):
+    """A packed batch draws the mask of the same batch right-padded to (max_seqlen_q,
+    max_seqlen_k) and run dense with a key-padding bool mask, with the same (seed, offset);
+    the generator advances by B * Hq * max_seqlen_q * max_seqlen_k (the values passed)."""
+    dtype = torch.float32 if backend == "flash" else torch.float64
+    lens_q, lens_k = (5, 0, 7, 3, 6), (6, 2, 0, 9, 6)
+    max_q, max_k = 8, 11  # above the real maxima
+    heads, dim = 3, 16
+    q, k, v = (packed(lens, heads, dim, seed=s).to(dtype)
+               for lens, s in ((lens_q, 1), (lens_k, 2), (lens_k, 3)))
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    attncore.manual_seed(123)
+    seed, offset = attncore.get_rng_state()
+    out = attncore.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.3,
+                                          backend=backend)
+    batch = len(lens_q)
+    assert attncore.get_rng_state() == (seed, offset + batch * heads * max_q * max_k)
+
+    def pad(x, lengths, cu, rows):
+        y = torch.zeros(batch, heads, rows, x.shape[2], dtype=dtype)
+        for b, n in enumerate(lengths):
+            y[b, :, :n] = x[cu[b]:cu[b] + n].transpose(0, 1)
+        return y
+
+    key_padding = torch.arange(max_k)[None, :] < torch.tensor(lens_k)[:, None]  # [B, max_k]
+    dense = attncore.attention(pad(q, lens_q, cu_q, max_q), pad(k, lens_k, cu_k, max_k),
+                               pad(v, lens_k, cu_k, max_k), attn_mask=key_padding[:, None, None],
+                               dropout_p=0.3, seed=seed, offset=offset, backend=backend)
+    for b, n in enumerate(lens_q):
+        assert_close(out[cu_q[b]:cu_q[b] + n].transpose(0, 1), dense[b, :, :n].double(), dtype,
+                     f"sequence {b}")
+    without = attncore.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
+                                              backend=backend)
+    assert not torch.equal(out, without)
+
+
+@pytest.mark.parametrize("dtype,backend", BACKENDS[:2], ids=str)
+def test_dropout_s_dmask_and_gradients(dtype, backend):
+    """With dropout, S_dmask [B, Hq, max_q, max_k] holds the probabilities with the dropped
+    ones negated: the oracle given its keep mask reproduces out and the gradients through
+    autograd, and |S_dmask| is the oracle's softmax."""
+    p = 0.2
+    x, options, ref = _case("gqa-softcap-window")
+    ins = [x[n].to(dtype).requires_grad_() for n in "qkv"]
+    out, lse, s_dmask = attncore.torch.flash_attn_varlen_func(
+        *ins, x["cu_q"], x["cu_k"], x["max_q"], x["max_k"], dropout_p=p,
+        return_attn_probs=True, backend=backend, **options)
+    batch, heads_q = len(LENS_Q), x["q"].shape[1]
+    assert s_dmask.shape == (batch, heads_q, x["max_q"], x["max_k"])
+    assert s_dmask.dtype == dtype and not s_dmask.requires_grad
+    keep = s_dmask > 0
+    ref_ins = [t.detach().double().requires_grad_() for t in ins]
+    expected, expected_lse = oracle(*ref_ins, x["cu_q"], x["cu_k"], keep=keep, dropout_p=p,
+                                    **ref)
+    assert_close(out.detach(), expected, dtype, "out")
+    assert_close(lse, expected_lse, dtype, "lse")  # before dropout
+    dout = randn(*out.shape, seed=9)
+    (out * dout.to(dtype)).sum().backward()
+    (expected * dout).sum().backward()
+    _check_grads(zip("qkv", (t.grad for t in ins), (t.grad for t in ref_ins)), dtype)
+    # The probabilities: the oracle with v = the identity, per sequence.
+    cu_q, cu_k = x["cu_q"].tolist(), x["cu_k"].tolist()
+    for b in range(batch):
+        lq, lk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        qb = x["q"][cu_q[b]:cu_q[b + 1]].to(dtype).transpose(0, 1)
+        kb = x["k"][cu_k[b]:cu_k[b + 1]].to(dtype).transpose(0, 1)
+        eye = torch.eye(lk, dtype=torch.float64).expand(kb.shape[0], lk, lk)
+        probs, _ = reference.attention(qb, kb, eye, causal="lower-right", window=ref["window"],
+                                       softcap=ref["softcap"])
+        assert_close(s_dmask[b, :, :lq, :lk].abs(), probs, dtype, f"probabilities {b}")
+        assert (s_dmask[b, :, lq:] == 0).all() and (s_dmask[b, :, :, lk:] == 0).all()
+    kept = keep[s_dmask != 0].double().mean().item()
+    assert abs(kept - (1 - p)) < 0.05
+
+
+def test_dropout_s_dmask_dense():
+    """flash_attn_func and the dense packed forms return the same S_dmask shape [B, H, Lq, Lk],
+    and their outputs follow its keep mask."""
+    p = 0.25
+    q, k, v = (randn(2, 6, 3, 16, seed=s) for s in (1, 2, 3))
+    out, _, s_dmask = attncore.flash_attn_func(q, k, v, dropout_p=p, causal=True,
+                                               return_attn_probs=True)
+    assert s_dmask.shape == (2, 3, 6, 6)
+    expected, _ = _dense_oracle(q, k, v, causal="lower-right", keep=s_dmask > 0, dropout_p=p)
+    assert_close(out, expected, torch.float64)
+    qkv = torch.stack([q, k, v], dim=2)
+    attncore.manual_seed(5)
+    out, _, s_dmask = attncore.flash_attn_qkvpacked_func(qkv, dropout_p=p,
+                                                         return_attn_probs=True)
+    expected, _ = _dense_oracle(q, k, v, keep=s_dmask > 0, dropout_p=p)
+    assert_close(out, expected, torch.float64)
+    attncore.manual_seed(5)
+    again = attncore.flash_attn_kvpacked_func(q, qkv[:, :, 1:], dropout_p=p)
+    assert torch.equal(out, again)
+
+
+def test_attention_varlen_backward_replays_dropout():
+    """numpy: attention_varlen_backward with the forward's (seed, offset) gives the gradients
+    autograd gives through attncore.torch."""
+    p = 0.3
+    x, _, _ = _case("causal")
+    ins = [x[n].requires_grad_() for n in "qkv"]
+    args = (x["cu_q"], x["cu_k"], x["max_q"], x["max_k"])
+    state = attncore.get_rng_state()
+    out, lse = attncore.attention_varlen(*ins, *args, causal="lower-right", dropout_p=p,
+                                         return_lse=True)
+    dout = randn(*out.shape, seed=9)
+    (out * dout).sum().backward()
+    arrays = [t.detach().numpy() for t in ins]
+    grads = attncore.attention_varlen_backward(
+        dout.numpy(), *arrays, out.detach().numpy(), lse.numpy(), *(a.numpy() for a in args[:2]),
+        *args[2:], causal="lower-right", dropout_p=p, seed=state[0], offset=state[1])
+    for got, t in zip(grads, ins):
+        assert (got == t.grad.numpy()).all()
+    with pytest.raises(ValueError, match="dropout needs the forward call's seed"):
+        attncore.attention_varlen_backward(dout.numpy(), *arrays, out.detach().numpy(),
+                                           lse.numpy(), *args, dropout_p=p)
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+def _bad_inputs():
+    q = np.ones((7, 2, 8), np.float32)
+    cu = np.array([0, 3, 7], np.int32)
+    return q, cu
+
+
+def _varlen(**changes):
+    q, cu = _bad_inputs()
+    args = dict(q=q, k=q, v=q, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=4, max_seqlen_k=4)
+    args.update(changes)
+    return lambda: attncore.flash_attn_varlen_func(**args)
+
+
+INVALID = {
+    "float-cu-seqlens": (_varlen(cu_seqlens_q=np.array([0, 3, 7], np.float32)),
+                         r"^forward: cu_seqlens_q has the wrong dtype \(dtype=f32, expected i32\)"),
+    "float-list-cu-seqlens": (_varlen(cu_seqlens_k=[0.0, 3.0, 7.0]),
+                              r"^forward: cu_seqlens_k has the wrong dtype \(dtype=f64, "),
+    "int64-cu-seqlens": (_varlen(cu_seqlens_q=np.array([0, 3, 7])),
+                         r"cu_seqlens_q has an unsupported element type \(format='l', itemsize=8"),
+    "wrong-length": (_varlen(cu_seqlens_k=np.array([0, 7], np.int32)),
+                     r"^forward: cu_seqlens_k has shape \[2\], expected \[3\] \(\[B \+ 1\] like "
+                     r"cu_seqlens_q\)"),
+    "rank": (_varlen(cu_seqlens_q=np.array([[0, 3, 7]], np.int32)),
+             r"^forward: cu_seqlens_q has the wrong rank \(rank=2, expected 1"),
+    "decreasing": (_varlen(cu_seqlens_q=np.array([0, 5, 3], np.int32)),
+                   r"^forward: cu_seqlens_q is decreasing \(cu_seqlens_q\[2\]=3 < "
+                   r"cu_seqlens_q\[1\]=5"),
+    "not-from-zero": (_varlen(cu_seqlens_k=np.array([1, 3, 7], np.int32)),
+                      r"^forward: cu_seqlens_k does not start at 0"),
+    "past-the-rows": (_varlen(cu_seqlens_q=np.array([0, 3, 8], np.int32), max_seqlen_q=5),
+                      r"^forward: cu_seqlens_q ends past the rows of query \(cu_seqlens_q\[2\]=8, "
+                      r"expected <= 7\)"),
+    "max-seqlen-q-too-small": (_varlen(max_seqlen_q=3),
+                               r"^forward: max_seqlen_q is smaller than a sequence "
+                               r"\(max_seqlen_q=3, expected >= the longest sequence's 4\)"),
+    "max-seqlen-k-too-small": (_varlen(max_seqlen_k=0), r"^forward: max_seqlen_k is smaller"),
+    "seqused-k": (_varlen(seqused_k=np.array([3, 5], np.int32)),
+                  r"^forward: seqused_k is out of range \(seqused_k\[1\]=5, expected "),
+    "seqused-k-shape": (_varlen(seqused_k=np.array([3], np.int32)),
+                        r"^forward: seqused_k has shape \[1\], expected \[2\]"),
+    "index-array-as-query": (_varlen(q=np.ones((7, 2, 8), np.int32)),
+                             r"^forward: query has an unsupported dtype \(dtype=i32"),
+    "index-array-as-alibi": (_varlen(alibi_slopes=np.ones(2, np.int32)),
+                             r"^forward: alibi_slopes has the wrong dtype \(dtype=i32, expected "
+                             r"f32\)"),
+    "query-rank": (_varlen(q=np.ones((1, 7, 2, 8), np.float32)),
+                   r"^flash_attn_varlen_func: q has the wrong rank \(rank=4, expected 3"),
+    "key-heads": (_varlen(k=np.ones((7, 3, 8), np.float32), v=np.ones((7, 3, 8), np.float32)),
+                  r"^forward: key has shape \[7, 3, 8\], expected \[total_k, Hkv, 8\]"),
+    "qkv-packed-shape": (lambda: attncore.flash_attn_varlen_qkvpacked_func(
+        np.ones((7, 2, 2, 8), np.float32), _bad_inputs()[1], 4),
+        r"^flash_attn_varlen_qkvpacked_func: qkv has shape \[7, 2, 2, 8\], expected "
+        r"\[total, 3, H, D\]"),
+    "kv-packed-shape": (lambda: attncore.flash_attn_kvpacked_func(
+        np.ones((1, 7, 2, 8), np.float32), np.ones((1, 7, 3, 2, 8), np.float32)),
+        r"^flash_attn_kvpacked_func: kv has shape \[1, 7, 3, 2, 8\], expected "
+        r"\[B, L, 2, H, D\]"),
+    "dense-qkv-rank": (lambda: attncore.flash_attn_qkvpacked_func(np.ones((7, 3, 2, 8),
+                                                                          np.float32)),
+                       r"^flash_attn_qkvpacked_func: qkv has the wrong rank \(rank=4, expected "
+                       r"5"),
+    "backward-lse-shape": (lambda: attncore.attention_varlen_backward(
+        *(_bad_inputs()[0],) * 5, np.zeros((2, 6), np.float32), *(_bad_inputs()[1],) * 2, 4, 4),
+        r"^backward: lse has shape \[2, 6\], expected \[2, 7\] \(\[Hq, total_q\]\)"),
+}
+
+
+@pytest.mark.parametrize("case", INVALID)
+def test_invalid_arguments_raise_value_error(case):
+    call, message = INVALID[case]
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_max_seqlen_must_be_an_integer():
+    with pytest.raises(TypeError, match=r"max_seqlen_q is not an integer \(type=float"):
+        _varlen(max_seqlen_q=4.0)()
+    assert _varlen(max_seqlen_q=torch.tensor(4))().shape == (7, 2, 8)  # int-like is fine
+
+
+def test_unsupported_raise_not_implemented_error():
+    with pytest.raises(NotImplementedError, match=r"^flash_attn_varlen_func: block_table is not "
+                                                  r"supported \(block_table=given"):
+        _varlen(block_table=np.zeros((2, 1), np.int32))()
+    q, cu = _bad_inputs()
+    with pytest.raises(NotImplementedError,
+                       match=r"^forward: mask is not supported with variable-length sequences"):
+        attncore.attention_varlen(q, q, q, cu, cu, 4, 4, attn_mask=np.ones((4, 4), bool))
+
+
+@pytest.mark.xfail(reason="the library takes an int32 (i32) mask as an additive float mask; "
+                          "resolve_variant does not check the mask's dtype", strict=False)
+def test_index_array_as_mask():
+    q = np.ones((1, 2, 5, 8), np.float32)
+    with pytest.raises(ValueError, match=r"^forward: mask has the wrong dtype \(dtype=i32"):
+        attncore.attention(q, q, q, attn_mask=np.ones((5, 5), np.int32))
+
+
+# --- nested tensors --------------------------------------------------------------------------
+
+def _nested(lengths, heads, dim, seed, dtype=torch.float64):
+    parts = [randn(heads, n, dim, seed=seed + 10 * b).to(dtype) for b, n in enumerate(lengths)]
+    return torch.nested.nested_tensor(parts), parts
+
+
+@pytest.mark.parametrize("dtype,backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_nested_tensors(is_causal, dtype, backend):
+    """Nested [B, H, *, D] query, key and value (GQA: 2 key heads for 4 query heads) run without
+    padding and come back nested [B, Hq, *, Dv]; is_causal is upper-left per entry."""
+    lens_q, lens_k = (5, 0, 13, 1, 8), (9, 4, 0, 9, 8)
+    q, qs = _nested(lens_q, 4, 32, 1, dtype)
+    k, ks = _nested(lens_k, 2, 32, 2, dtype)
+    v, vs = _nested(lens_k, 2, 24, 3, dtype)
+    out = attncore.torch.scaled_dot_product_attention(q, k, v, is_causal=is_causal,
+                                                      enable_gqa=True, backend=backend)
+    assert out.is_nested and out.dtype == dtype
+    parts = out.unbind()
+    assert [tuple(t.shape) for t in parts] == [(4, n, 24) for n in lens_q]
+    for b in range(len(lens_q)):
+        expected, _ = reference.attention(qs[b], ks[b], vs[b],
+                                          causal="upper-left" if is_causal else None)
+        assert_close(parts[b], expected, dtype, f"entry {b}")
+
+
+def test_nested_dropout_follows_the_varlen_mask():
+    """A nested call with dropout draws the varlen call's mask (same seed and offset)."""
+    lens = (3, 6, 2)
+    q, qs = _nested(lens, 2, 8, 1)
+    attncore.manual_seed(9)
+    out = attncore.scaled_dot_product_attention(q, q, q, dropout_p=0.4)
+    packed_q = torch.cat([t.transpose(0, 1) for t in qs])
+    attncore.manual_seed(9)
+    expected = attncore.attention_varlen(packed_q, packed_q, packed_q, cu_seqlens(lens),
+                                         cu_seqlens(lens), 6, 6, dropout_p=0.4)
+    cu = cu_seqlens(lens).tolist()
+    for b, part in enumerate(out.unbind()):
+        assert torch.equal(part, expected[cu[b]:cu[b + 1]].transpose(0, 1))
+
+
+def test_nested_refusals():
+    q, _ = _nested((3, 4), 2, 8, 1)
+    dense = torch.ones(2, 2, 4, 8)
+    with pytest.raises(NotImplementedError, match="key is not a nested tensor"):
+        attncore.scaled_dot_product_attention(q, dense, dense)
+    with pytest.raises(NotImplementedError, match="attn_mask is not supported with nested"):
+        attncore.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=bool))
+    grad_q = torch.nested.nested_tensor([torch.ones(2, 3, 8), torch.ones(2, 4, 8)],
+                                        requires_grad=True)
+    with pytest.raises(NotImplementedError, match="nested tensors that require grad are not "
+                                                  "supported"):
+        attncore.torch.scaled_dot_product_attention(grad_q, grad_q, grad_q)
+    with torch.no_grad():
+        out = attncore.torch.scaled_dot_product_attention(grad_q, grad_q, grad_q)
+    assert out.is_nested
+    k, _ = _nested((3,), 2, 8, 2)
+    with pytest.raises(ValueError, match=r"key has a different batch size \(B=1, expected "
+                                         r"query's 2\)"):
+        attncore.scaled_dot_product_attention(q, k, k)
+
+
+def test_public_names():
+    for name in ("attention_varlen", "attention_varlen_backward", "flash_attn_varlen_func",
+                 "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
+                 "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func"):
+        assert name in attncore.__all__ and getattr(attncore, name).__doc__
+        assert name in attncore.__doc__
+        if name != "attention_varlen_backward":
+            assert getattr(attncore.torch, name) is getattr(attncore, name)
+            assert name in attncore.torch.__all__
