@@ -164,6 +164,9 @@ def test_numpy_use_does_not_import_torch():
          "q = np.ones((1, 2, 3, 4), np.float32)\n"
          "attncore.scaled_dot_product_attention(q, q, q)\n"
          "attncore.flash_attn_func(q, q, q)\n"
+         "cu = np.array([0, 1, 3], np.int32)\n"
+         "attncore.flash_attn_varlen_qkvpacked_func(np.ones((3, 3, 2, 4), np.float32), cu, 2,\n"
+         "                                          dropout_p=0.5, return_attn_probs=True)\n"
          "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n")
 
 
