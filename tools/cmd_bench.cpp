@@ -1,7 +1,8 @@
 // attncore bench: flash against math over sequence lengths (a table on stdout, optionally CSV,
-// JSON and a PNG chart), and bench --select: auto's choice against every backend over a fixed
-// sweep of shapes.
+// JSON and a PNG chart); bench --select: auto's choice against every backend over a fixed
+// sweep of shapes; bench --varlen: a ragged batch packed against dense and padded batches.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <string>
 #include <string_view>
@@ -146,6 +147,18 @@ void write_csv(const BenchConfig& bc, const std::vector<BenchRow>& rows, int thr
   std::fclose(f);
 }
 
+// One JSON object into `file`; "-": standard output.
+void write_json_object(const std::string& file, const JsonObject& j) {
+  if (file == "-") {
+    std::printf("%s\n", j.str().c_str());
+    return;
+  }
+  std::FILE* f = std::fopen(file.c_str(), "w");
+  if (f == nullptr) throw UsageError{"--json: cannot write '" + file + "'"};
+  std::fprintf(f, "%s\n", j.str().c_str());
+  std::fclose(f);
+}
+
 void write_json(const BenchConfig& bc, const std::vector<BenchRow>& rows, int threads,
                 double peak) {
   std::vector<std::string> items;
@@ -172,10 +185,7 @@ void write_json(const BenchConfig& bc, const std::vector<BenchRow>& rows, int th
   top.add("peak_gflops", peak);
   top.add("simd", attncore::simd_target());
   top.add_json("rows", json_array(items));
-  std::FILE* f = std::fopen(bc.sweep.json.c_str(), "w");
-  if (f == nullptr) throw UsageError{"--json: cannot write '" + bc.sweep.json + "'"};
-  std::fprintf(f, "%s\n", top.str().c_str());
-  std::fclose(f);
+  write_json_object(bc.sweep.json, top);
 }
 
 void write_png(const BenchConfig& bc, const std::vector<BenchRow>& rows,
@@ -209,6 +219,210 @@ void write_png(const BenchConfig& bc, const std::vector<BenchRow>& rows,
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// bench --varlen.
+
+// The batch: 32 sequences, lengths log-uniform between 64 and 2048 (drawn once with a fixed seed
+// and kept here, so that runs compare across builds and machines), the spread of a ragged
+// fine-tuning batch: 14826 tokens, root-mean-square length 721; padded to the longest it holds
+// 8.1x as many (query, key) pairs. Lq_b = Lk_b (self-attention).
+constexpr std::int64_t kVarlenLengths[] = {
+    288,  197, 73, 1083, 96,  227, 75, 371, 563, 106, 175, 186,  2048, 480, 410, 64,
+    1886, 98,  82, 1124, 120, 139, 78, 253, 108, 473, 611, 1254, 1709, 82,  88,  279};
+
+struct VarlenRow {
+  DType dtype;
+  Causal causal;
+  const char* pass;                                   // "fwd" or "bwd"
+  double varlen_s, dense_s, padded_s;                 // seconds
+  double varlen_gflops, dense_gflops, padded_gflops;  // useful work (see bench_varlen)
+  double over_dense() const { return dense_gflops > 0 ? varlen_gflops / dense_gflops : 0.0; }
+  double over_padded() const { return varlen_s > 0 ? padded_s / varlen_s : 0.0; }
+};
+
+// The packed batch (a), the dense batch of equal work (b) and the padded batch (c) of bench
+// --varlen, each timed forward and backward on flash. GFLOP/s of (a) and (c) count the real
+// sequences' visible pairs (so padding shows as lost throughput), those of (b) its own.
+int bench_varlen(const BenchConfig& bc) {
+  const std::vector<std::int64_t> lengths(std::begin(kVarlenLengths), std::end(kVarlenLengths));
+  const auto batch = static_cast<std::int64_t>(lengths.size());
+  double pairs = 0;  // sum of Lq_b * Lk_b
+  std::int64_t tokens = 0;
+  for (const std::int64_t l : lengths) {
+    pairs += static_cast<double>(l) * static_cast<double>(l);
+    tokens += l;
+  }
+  const std::int64_t longest = *std::max_element(lengths.begin(), lengths.end());
+  // (b): as many sequences, each of the root-mean-square length, so B * L^2 is the packed pair
+  // count to within the rounding of L.
+  const auto dense_len = static_cast<std::int64_t>(std::llround(std::sqrt(pairs / batch)));
+  const double dense_pairs =
+      static_cast<double>(batch) * static_cast<double>(dense_len) * static_cast<double>(dense_len);
+  const double padded_pairs =
+      static_cast<double>(batch) * static_cast<double>(longest) * static_cast<double>(longest);
+
+  const bool json_to_stdout = bc.sweep.json == "-";
+  std::FILE* const table = json_to_stdout ? stderr : stdout;
+  const int threads = bc.run.resolved_threads();
+  std::fprintf(stderr, "measuring the FMA peak ...");
+  const double peak = attncore::measure_fma_peak_gflops(threads);
+  std::fprintf(stderr, "\r%*s\r", 28, "");
+  std::string list;
+  for (const std::int64_t l : lengths) list += (list.empty() ? "" : ",") + std::to_string(l);
+  std::fprintf(table,
+               "attncore %s bench --varlen: flash, Hq=%lld Hkv=%lld D=%lld, %d thread%s, best of "
+               "%d calls, measured f32 FMA peak %.0f GFLOP/s (simd %s)\n",
+               attncore::version(), static_cast<long long>(bc.run.heads_q),
+               static_cast<long long>(bc.run.heads_kv), static_cast<long long>(bc.run.head_dim),
+               threads, threads == 1 ? "" : "s", bc.run.repeat, peak,
+               attncore::simd_target().c_str());
+  std::fprintf(table,
+               "varlen: %lld sequences packed, Lq = Lk = %s\n"
+               "        (%lld tokens, %.0f pairs)\n"
+               "dense:  %lld x %lld, the root-mean-square length: %.0f pairs (%+.3f%% of "
+               "varlen's)\n"
+               "padded: %lld x %lld with a key-padding bool mask [%lld, 1, 1, %lld]: %.0f pairs, "
+               "%.1f%% of them real\n\n",
+               static_cast<long long>(batch), list.c_str(), static_cast<long long>(tokens), pairs,
+               static_cast<long long>(batch), static_cast<long long>(dense_len), dense_pairs,
+               100 * (dense_pairs / pairs - 1), static_cast<long long>(batch),
+               static_cast<long long>(longest), static_cast<long long>(batch),
+               static_cast<long long>(longest), padded_pairs, 100 * pairs / padded_pairs);
+  std::fprintf(table, "%-5s %-12s %-4s %10s %9s %10s %9s %10s %9s %13s %14s\n", "dtype", "causal",
+               "pass", "varlen ms", "GFLOP/s", "dense ms", "GFLOP/s", "padded ms", "GFLOP/s",
+               "varlen/dense", "varlen/padded");
+  std::fflush(table);
+
+  std::vector<VarlenRow> rows;
+  for (DType dtype : bc.sweep.dtypes) {
+    for (Causal causal : bc.sweep.causals) {
+      // The shared flags (Hq, Hkv, D, repeat, threads) come with bc.run.
+      RunConfig base = bc.run;
+      base.dtype = dtype;
+      base.causal = causal;
+      base.backend = Backend::flash;
+      base.threads = threads;
+      base.backward = true;
+      base.check = false;
+      auto progress = [&](const char* what) {
+        std::fprintf(stderr, "\r%s %s %s ...%10s", std::string(name_of(dtype)).c_str(),
+                     std::string(name_of(causal)).c_str(), what, "");
+        std::fflush(stderr);
+      };
+      progress("varlen");
+      RunConfig packed = base;
+      packed.varlen = lengths;
+      packed.varlen_k.clear();
+      packed.seqused_k.clear();
+      packed.finish();
+      const RunResult a = run_once(prepare_call(packed));
+
+      progress("dense");
+      RunConfig dense = base;
+      dense.batch = batch;
+      dense.seqlen_q = dense.seqlen_k = dense_len;
+      const RunResult b = run_once(prepare_call(dense));
+
+      progress("padded");
+      RunConfig padded = base;
+      padded.batch = batch;
+      padded.seqlen_q = padded.seqlen_k = longest;
+      RunResult c;
+      {
+        PreparedCall p = prepare_call(padded);
+        p.mask = attncore::Tensor(DType::b8, {batch, 1, 1, longest});  // true: a real key
+        for (std::int64_t s = 0; s < batch; ++s) {
+          for (std::int64_t j = 0; j < lengths[static_cast<std::size_t>(s)]; ++j) {
+            store(p.mask, s * longest + j, 1.0);
+          }
+        }
+        p.options.mask = p.mask.view();
+        c = run_once(p);
+      }
+      std::fprintf(stderr, "\r%*s\r", 40, "");
+
+      // (a) and (c) do the same useful work: the real sequences' visible pairs, a.flops.
+      rows.push_back({dtype, causal, "fwd", a.seconds, b.seconds, c.seconds,
+                      gflops(a.flops, a.seconds), gflops(b.flops, b.seconds),
+                      gflops(a.flops, c.seconds)});
+      rows.push_back({dtype, causal, "bwd", a.bwd_seconds, b.bwd_seconds, c.bwd_seconds,
+                      gflops(a.bwd_flops, a.bwd_seconds), gflops(b.bwd_flops, b.bwd_seconds),
+                      gflops(a.bwd_flops, c.bwd_seconds)});
+      for (std::size_t n = rows.size() - 2; n < rows.size(); ++n) {
+        const VarlenRow& r = rows[n];
+        std::fprintf(table,
+                     "%-5s %-12s %-4s %10.2f %9.1f %10.2f %9.1f %10.2f %9.1f %12.2fx %13.2fx\n",
+                     std::string(name_of(r.dtype)).c_str(), std::string(name_of(r.causal)).c_str(),
+                     r.pass, r.varlen_s * 1e3, r.varlen_gflops, r.dense_s * 1e3, r.dense_gflops,
+                     r.padded_s * 1e3, r.padded_gflops, r.over_dense(), r.over_padded());
+      }
+      std::fflush(table);
+    }
+  }
+  // The notes under the table, one line each in the JSON.
+  constexpr const char* kFlopNote =
+      "GFLOP/s: 2*(D+Dv) per visible (query, key) pair and head, backward 2.5x; varlen and padded\n"
+      "count the real sequences' pairs (padding is lost throughput), dense its own.";
+  constexpr const char* kRatioNote =
+      "varlen/dense: varlen's GFLOP/s over dense's; varlen/padded: padded's time over varlen's.";
+  constexpr const char* kCausalNote =
+      "Causal, padded: the same causal kind on the padded Lmax x Lmax with the key-padding mask.\n"
+      "On the real rows it equals per-sequence causal here because Lq_b = Lk_b and the padding\n"
+      "is on the right; with Lq_b != Lk_b, per-sequence lower-right alignment would differ.";
+  std::fprintf(table, "\n%s\n%s\n%s\n", kFlopNote, kRatioNote, kCausalNote);
+  auto one_line = [](std::string text) {
+    std::replace(text.begin(), text.end(), '\n', ' ');
+    return text;
+  };
+
+  if (!bc.sweep.json.empty()) {
+    std::vector<std::string> items;
+    for (const VarlenRow& r : rows) {
+      JsonObject j;
+      j.add("dtype", name_of(r.dtype));
+      j.add("causal", name_of(r.causal));
+      j.add("pass", r.pass);
+      j.add("varlen_seconds", r.varlen_s);
+      j.add("varlen_gflops", r.varlen_gflops);
+      j.add("dense_seconds", r.dense_s);
+      j.add("dense_gflops", r.dense_gflops);
+      j.add("padded_seconds", r.padded_s);
+      j.add("padded_gflops", r.padded_gflops);
+      j.add("varlen_over_dense", r.over_dense());
+      j.add("varlen_over_padded", r.over_padded());
+      items.push_back(j.str());
+    }
+    std::vector<std::string> lens;
+    for (const std::int64_t l : lengths) lens.push_back(std::to_string(l));
+    JsonObject top;
+    top.add("version", attncore::version());
+    top.add("bench", "varlen");
+    top.add("backend", "flash");
+    top.add("heads_q", bc.run.heads_q);
+    top.add("heads_kv", bc.run.heads_kv);
+    top.add("head_dim", bc.run.head_dim);
+    top.add("head_dim_v", bc.run.head_dim_v);
+    top.add("threads", threads);
+    top.add("repeat", bc.run.repeat);
+    top.add("peak_gflops", peak);
+    top.add("simd", attncore::simd_target());
+    top.add("batch", batch);
+    top.add_json("seqlens", json_array(lens));
+    top.add("total_tokens", tokens);
+    top.add("pairs", pairs);
+    top.add("dense_batch", batch);
+    top.add("dense_seqlen", dense_len);
+    top.add("dense_pairs", dense_pairs);
+    top.add("padded_seqlen", longest);
+    top.add("padded_pairs", padded_pairs);
+    top.add("flop_count", one_line(kFlopNote));
+    top.add("causal_note", one_line(kCausalNote));
+    top.add_json("rows", json_array(items));
+    write_json_object(bc.sweep.json, top);
+  }
+  return kExitOk;
+}
+
 }  // namespace
 
 int cmd_bench(const std::vector<std::string>& args) {
@@ -219,6 +433,9 @@ int cmd_bench(const std::vector<std::string>& args) {
   const BenchConfig bc = parse_bench_flags(args);
   attncore::set_simd_target(bc.run.simd);
   if (bc.sweep.select) return bench_select(bc);
+  if (bc.sweep.varlen) return bench_varlen(bc);
+  // --json -: the JSON object alone on stdout, the table on stderr.
+  std::FILE* const table = bc.sweep.json == "-" ? stderr : stdout;
   const int threads = bc.run.resolved_threads();
   std::fprintf(stderr, "measuring the FMA peak ...");
   const double peak = attncore::measure_fma_peak_gflops(threads);
@@ -226,14 +443,15 @@ int cmd_bench(const std::vector<std::string>& args) {
   const std::vector<Backend> backends = {Backend::math, Backend::flash};
   const std::size_t total =
       bc.sweep.seqlens.size() * bc.sweep.dtypes.size() * bc.sweep.causals.size() * backends.size();
-  std::printf(
-      "attncore %s bench: B=%lld Hq=%lld Hkv=%lld D=%lld, Lq = Lk, forward, %d threads, "
-      "measured f32 FMA peak %.0f GFLOP/s (simd %s)\n\n",
-      attncore::version(), static_cast<long long>(bc.run.batch),
-      static_cast<long long>(bc.run.heads_q), static_cast<long long>(bc.run.heads_kv),
-      static_cast<long long>(bc.run.head_dim), threads, peak, attncore::simd_target().c_str());
-  std::printf("%8s %-5s %-12s %-7s %-4s %10s %9s %7s %8s\n", "L", "dtype", "causal", "backend",
-              "pass", "ms", "GFLOP/s", "%peak", "vs math");
+  std::fprintf(table,
+               "attncore %s bench: B=%lld Hq=%lld Hkv=%lld D=%lld, Lq = Lk, forward, %d threads, "
+               "measured f32 FMA peak %.0f GFLOP/s (simd %s)\n\n",
+               attncore::version(), static_cast<long long>(bc.run.batch),
+               static_cast<long long>(bc.run.heads_q), static_cast<long long>(bc.run.heads_kv),
+               static_cast<long long>(bc.run.head_dim), threads, peak,
+               attncore::simd_target().c_str());
+  std::fprintf(table, "%8s %-5s %-12s %-7s %-4s %10s %9s %7s %8s\n", "L", "dtype", "causal",
+               "backend", "pass", "ms", "GFLOP/s", "%peak", "vs math");
   std::vector<BenchRow> rows;
   std::size_t done = 0;
   for (DType dtype : bc.sweep.dtypes) {
@@ -274,20 +492,21 @@ int cmd_bench(const std::vector<std::string>& args) {
                                gflops(flops, seconds),
                                math > 0 ? math / seconds : 0.0};
             rows.push_back(row);
-            std::printf("%8lld %-5s %-12s %-7s %-4s %10.3f %9.1f %6.1f%% %7.2fx\n",
-                        static_cast<long long>(seqlen), std::string(name_of(dtype)).c_str(),
-                        std::string(name_of(causal)).c_str(), std::string(name_of(backend)).c_str(),
-                        pass, row.seconds * 1e3, row.gflops,
-                        peak > 0 ? 100 * row.gflops / peak : 0.0, row.speedup);
+            std::fprintf(table, "%8lld %-5s %-12s %-7s %-4s %10.3f %9.1f %6.1f%% %7.2fx\n",
+                         static_cast<long long>(seqlen), std::string(name_of(dtype)).c_str(),
+                         std::string(name_of(causal)).c_str(),
+                         std::string(name_of(backend)).c_str(), pass, row.seconds * 1e3, row.gflops,
+                         peak > 0 ? 100 * row.gflops / peak : 0.0, row.speedup);
           };
           add_row("fwd", r.seconds, r.flops, math_seconds);
           if (c.backward) add_row("bwd", r.bwd_seconds, r.bwd_flops, math_bwd_seconds);
-          std::fflush(stdout);
+          std::fflush(table);
         }
       }
     }
   }
-  std::printf(
+  std::fprintf(
+      table,
       "\nFLOPs: forward 4*B*Hq*D per visible (query, key) pair, backward 2.5x; vs math = math's "
       "time / this time.\n");
   if (!bc.sweep.csv.empty()) write_csv(bc, rows, threads, peak);

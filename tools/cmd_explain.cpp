@@ -22,6 +22,9 @@ int cmd_explain(const std::vector<std::string>& args) {
     return kExitOk;
   }
   const RunConfig c = parse_run_flags(args);
+  if (c.is_varlen()) {
+    throw UsageError{"explain does not take --varlen (the library explains dense calls)"};
+  }
   attncore::set_simd_target(c.simd);
   // The views point at one byte: explain validates shapes and strides and reads no data.
   static char no_data;

@@ -1,7 +1,10 @@
-// attncore run: one configured call on random data, timed (best of --repeat), in GFLOP/s and
-// percent of the measured FMA peak, optionally checked against the reference backend; as text
-// or as one JSON object (--json).
+// attncore run: one configured call on random data, dense or a packed variable-length batch
+// (--varlen), timed (best of --repeat), in GFLOP/s and percent of the measured FMA peak,
+// optionally checked against the reference backend (exit code 1 when an error is over the
+// tolerance of DESIGN.md section 6); as text or as one JSON object (--json), also when the call
+// fails.
 #include <cstdio>
+#include <exception>
 #include <optional>
 #include <string>
 #include <vector>
@@ -16,12 +19,9 @@
 
 namespace attncore_tools {
 
-int cmd_run(const std::vector<std::string>& args) {
-  if (asks_for_help(args)) {
-    std::fputs(usage_text().c_str(), stdout);
-    return kExitOk;
-  }
-  const RunConfig c = parse_run_flags(args);
+namespace {
+
+int run(const RunConfig& c) {
   attncore::set_simd_target(c.simd);  // "" = the automatic choice
   const PreparedCall p = prepare_call(c);
   const RunResult r = run_once(p);
@@ -34,6 +34,11 @@ int cmd_run(const std::vector<std::string>& args) {
     err = r.check->out_err;
     grad_err = r.check->grad_err;
   }
+  const bool failed = r.check && !r.check->passed();
+  const std::string failure =
+      failed ? "check failed: an error is over its tolerance (error/tolerance " +
+                   format("%.3g", r.check->worst_ratio) + ")"
+             : "";
 
   if (c.json) {
     JsonObject j;
@@ -51,7 +56,9 @@ int cmd_run(const std::vector<std::string>& args) {
     j.add("simd", attncore::simd_target());
     j.add("repeat", c.repeat);
     j.add("flops", r.flops);
-    j.add("flop_count", "2*(D+Dv) per causal/window-visible pair; bool mask not discounted");
+    j.add("flop_count", c.is_varlen()
+                            ? "2*(D+Dv) per causal/window-visible pair of each sequence"
+                            : "2*(D+Dv) per causal/window-visible pair; bool mask not discounted");
     j.add("seconds", r.seconds);
     j.add("gflops", fwd_gflops);
     j.add("peak_gflops", peak);
@@ -66,10 +73,15 @@ int cmd_run(const std::vector<std::string>& args) {
     if (c.backward) j.add("max_abs_err_grad", grad_err);
     if (r.check) {
       j.add("checked", r.check->scope);
+      j.add("tolerance", r.check->out_tolerance);
+      j.add("error_over_tolerance", r.check->worst_ratio);
+      j.add("check_passed", r.check->passed());
     } else {
       j.add_null("checked");
     }
+    if (failed) j.add("error", failure);
     std::printf("%s\n", j.str().c_str());
+    if (failed) throw CheckFailed{failure};
     return kExitOk;
   }
 
@@ -85,15 +97,40 @@ int cmd_run(const std::vector<std::string>& args) {
                 r.bwd_seconds * 1e3, bwd_gflops, peak > 0 ? 100 * bwd_gflops / peak : 0.0);
   }
   if (r.check) {
-    std::printf("check:     max_abs_err %.3g", r.check->out_err);
+    std::printf("check:     max_abs_err %.3g (tolerance %.3g)", r.check->out_err,
+                r.check->out_tolerance);
     if (r.check->grad_err) std::printf(", max_abs_err_grad %.3g", *r.check->grad_err);
     std::printf(" (against reference in f64; checked: %s)\n", r.check->scope.c_str());
+    std::printf("           largest error/tolerance %.3g: %s (tolerance %s)\n",
+                r.check->worst_ratio, failed ? "FAILED" : "passed", kCheckRule);
   }
-  std::printf(
-      "flops:     %.4g forward: 2*(D+Dv) per causal/window-visible pair, bool mask not "
-      "discounted%s\n",
-      r.flops, c.backward ? "; backward 2.5x forward" : "");
+  std::printf("flops:     %.4g forward: 2*(D+Dv) per causal/window-visible pair%s%s\n", r.flops,
+              c.is_varlen() ? " of each sequence" : ", bool mask not discounted",
+              c.backward ? "; backward 2.5x forward" : "");
+  if (failed) throw CheckFailed{failure};
   return kExitOk;
+}
+
+}  // namespace
+
+int cmd_run(const std::vector<std::string>& args) {
+  if (asks_for_help(args)) {
+    std::fputs(usage_text().c_str(), stdout);
+    return kExitOk;
+  }
+  const RunConfig c = parse_run_flags(args);
+  if (!c.json) return run(c);
+  // --json: a failing call still prints one JSON object, with an `error` field; the message
+  // also goes to stderr, and the exit code is the library error's.
+  try {
+    return run(c);
+  } catch (const std::exception& e) {  // library errors, out of memory
+    JsonObject j;
+    j.add("version", attncore::version());
+    j.add("error", e.what());
+    std::printf("%s\n", j.str().c_str());
+    throw;
+  }
 }
 
 }  // namespace attncore_tools

@@ -137,9 +137,10 @@ using Field =
     std::variant<std::monostate, bool RunConfig::*, std::int64_t RunConfig::*, int RunConfig::*,
                  double RunConfig::*, std::uint64_t RunConfig::*, std::string RunConfig::*,
                  DType RunConfig::*, Causal RunConfig::*, Backend RunConfig::*,
-                 MaskKind RunConfig::*, Window RunConfig::*, bool BenchSweep::*, int BenchSweep::*,
-                 std::string BenchSweep::*, std::vector<std::int64_t> BenchSweep::*,
-                 std::vector<DType> BenchSweep::*, std::vector<Causal> BenchSweep::*>;
+                 MaskKind RunConfig::*, Window RunConfig::*, std::vector<std::int64_t> RunConfig::*,
+                 bool BenchSweep::*, int BenchSweep::*, std::string BenchSweep::*,
+                 std::vector<std::int64_t> BenchSweep::*, std::vector<DType> BenchSweep::*,
+                 std::vector<Causal> BenchSweep::*>;
 
 struct Flag {
   std::string_view name;
@@ -165,6 +166,13 @@ constexpr Flag kFlags[] = {
      "= heads-q"},
     {"--seqlen-q", "N", kRun, &RunConfig::seqlen_q, "query length Lq"},
     {"--seqlen-k", "N", kRun, &RunConfig::seqlen_k, "key/value length Lk", "= seqlen-q"},
+    {"--varlen", "L,L,...", kRun, &RunConfig::varlen,
+     "instead of --seqlen-q/k: a packed variable-length batch (attncore/\nvarlen.h) of "
+     "sequences with these query lengths; B = their count"},
+    {"--varlen-k", "L,L,...", kRun, &RunConfig::varlen_k, "with --varlen: the key lengths",
+     "= varlen"},
+    {"--seqused-k", "L,L,...", kRun, &RunConfig::seqused_k,
+     "with --varlen: the keys each sequence uses (<= its key length)", "all"},
     {"--seqlens", "L,L,...", kBench, &BenchSweep::seqlens, "sequence lengths, Lq = Lk"},
     {"--head-dim", "N", kBoth, &RunConfig::head_dim, "query/key head dim D"},
     {"--head-dim-v", "N", kRun, &RunConfig::head_dim_v, "value head dim Dv", "= head-dim"},
@@ -196,8 +204,14 @@ constexpr Flag kFlags[] = {
      "over the best one's;\nwith --backward: the backward instead of the forward"},
     {"--passes", "N", kBench, &BenchSweep::passes, "with --select: interleaved passes per shape",
      "", 1},
+    {"--varlen", "", kBench, &BenchSweep::varlen,
+     "instead: a fixed ragged batch of 32 sequences (64 to 2048) run\npacked (varlen), as a dense "
+     "batch of equal work and padded to\nthe longest with a key-padding mask; forward and "
+     "backward, flash,\n1 thread unless --threads"},
     {"--csv", "FILE", kBench, &BenchSweep::csv, "also write the table as CSV"},
-    {"--json", "FILE", kBench, &BenchSweep::json, "also write it as JSON"},
+    {"--json", "FILE", kBench, &BenchSweep::json,
+     "also write it as one JSON object (- = standard output, the table\nthen goes to standard "
+     "error)"},
     {"--png", "FILE", kBench, &BenchSweep::png, "also plot GFLOP/s against sequence length"},
     {"--help", "", kBoth, std::monostate{}, "this text"},
 };
@@ -325,9 +339,17 @@ std::string shown_default(const Flag& f, const Target& defaults) {
 // ---------------------------------------------------------------------------------------------
 // Parsing and usage.
 
-// Reads `args` into `into` (which holds the command's defaults). --flag value and --flag=value;
-// a value never starts with "--".
-void parse_flags(const std::vector<std::string>& args, FlagSet command, const Target& into) {
+// The names of the flags a command line gave.
+using GivenFlags = std::vector<std::string_view>;
+
+bool given(const GivenFlags& flags, std::string_view name) {
+  return std::find(flags.begin(), flags.end(), name) != flags.end();
+}
+
+// Reads `args` into `into` (which holds the command's defaults) and returns the flags given.
+// --flag value and --flag=value; a value never starts with "--".
+GivenFlags parse_flags(const std::vector<std::string>& args, FlagSet command, const Target& into) {
+  GivenFlags seen;
   for (std::size_t i = 0; i < args.size(); ++i) {
     std::string_view arg = args[i];
     std::optional<std::string_view> inline_value;  // --flag=value
@@ -343,6 +365,7 @@ void parse_flags(const std::vector<std::string>& args, FlagSet command, const Ta
       throw UsageError{(command == kBench ? "unknown bench flag '" : "unknown argument '") +
                        args[i] + "'"};
     }
+    seen.push_back(flag->name);
     if (flag->value_name.empty()) {
       if (inline_value) throw UsageError{std::string(arg) + " takes no value"};
       land(*flag, command, {}, into);
@@ -357,6 +380,56 @@ void parse_flags(const std::vector<std::string>& args, FlagSet command, const Ta
       throw UsageError{std::string(arg) + " needs a value"};
     }
     land(*flag, command, value, into);
+  }
+  return seen;
+}
+
+// The packed-batch flags of run: lists of matching lengths, and no dense lengths beside them.
+void check_varlen_flags(const RunConfig& c, const GivenFlags& flags) {
+  for (const char* name : {"--varlen-k", "--seqused-k"}) {
+    if (!c.is_varlen() && given(flags, name)) {
+      throw UsageError{std::string(name) + " needs --varlen"};
+    }
+  }
+  if (!c.is_varlen()) return;
+  for (const char* name : {"--seqlen-q", "--seqlen-k"}) {
+    if (given(flags, name)) {
+      throw UsageError{std::string(name) +
+                       " does not go with --varlen (the lengths come from --varlen and "
+                       "--varlen-k)"};
+    }
+  }
+  const std::size_t n = c.varlen.size();
+  auto same_count = [&](const char* name, const std::vector<std::int64_t>& lengths) {
+    if (!lengths.empty() && lengths.size() != n) {
+      throw UsageError{std::string(name) + " gives " + std::to_string(lengths.size()) +
+                       (lengths.size() == 1 ? " length" : " lengths") + ", expected " +
+                       std::to_string(n) + " (one per sequence of --varlen)"};
+    }
+  };
+  same_count("--varlen-k", c.varlen_k);
+  same_count("--seqused-k", c.seqused_k);
+  // cu_seqlens are int32: the packed rows must fit.
+  auto fits = [](const char* name, const std::vector<std::int64_t>& lengths) {
+    std::int64_t total = 0;
+    for (const std::int64_t x : lengths) {
+      total += x;
+      if (x > std::numeric_limits<std::int32_t>::max() ||
+          total > std::numeric_limits<std::int32_t>::max()) {
+        throw UsageError{std::string(name) +
+                         ": the lengths add up past 2^31 - 1 (cu_seqlens are int32)"};
+      }
+    }
+  };
+  fits("--varlen", c.varlen);
+  fits("--varlen-k", c.varlen_k);
+  fits("--seqused-k", c.seqused_k);
+}
+
+// bench --varlen runs a fixed batch: the sweep's own flags have nothing to act on.
+void check_bench_varlen_flags(const GivenFlags& flags) {
+  for (const char* name : {"--batch", "--seqlens", "--select", "--passes", "--csv", "--png"}) {
+    if (given(flags, name)) throw UsageError{std::string(name) + " does not go with --varlen"};
   }
 }
 
@@ -397,7 +470,8 @@ constexpr const char* kCommands = R"(usage:
   attncore explain [flags] which backend `auto` picks for the call the run flags describe, and
                            why: every backend's verdict, the cost model's estimates and constants
                            (runs nothing; --backend B considers only B; --backward: the backward)
-  attncore bench [flags]   fused kernels against math over sequence lengths (bench --help)
+  attncore bench [flags]   fused kernels against math over sequence lengths; --varlen: a
+                           ragged batch packed, dense and padded (bench --help)
 
 run flags (defaults in brackets):
 )";
@@ -414,14 +488,20 @@ bool asks_for_help(const std::vector<std::string>& args) {
 RunConfig parse_run_flags(const std::vector<std::string>& args) {
   RunConfig c;
   BenchSweep unused;
-  parse_flags(args, kRun, {c, unused});
+  const GivenFlags flags = parse_flags(args, kRun, {c, unused});
+  check_varlen_flags(c, flags);
   c.finish();
   return c;
 }
 
 BenchConfig parse_bench_flags(const std::vector<std::string>& args) {
   BenchConfig c;
-  parse_flags(args, kBench, {c.run, c.sweep});
+  const GivenFlags flags = parse_flags(args, kBench, {c.run, c.sweep});
+  if (c.sweep.varlen) {
+    check_bench_varlen_flags(flags);
+    // One thread unless asked: the comparison is of kernels, not of thread scheduling.
+    if (!given(flags, "--threads")) c.run.threads = 1;
+  }
   c.run.finish();
   return c;
 }

@@ -2,6 +2,7 @@
 #include "inputs.h"
 
 #include <cmath>
+#include <vector>
 
 namespace attncore_tools {
 
@@ -62,27 +63,54 @@ void fill_uniform(const Tensor& t, std::uint64_t seed, std::uint64_t stream, dou
   for (std::int64_t i = 0; i < n; ++i) store(t, i, lo + (hi - lo) * rng.uniform());
 }
 
-Tensor allocate_like(const TensorView& t) {
-  return t.rank > 0 ? Tensor(t.dtype, t.shape.data(), t.rank) : Tensor();
+// int32 offsets [B + 1] of sequences of these lengths, from 0.
+Tensor offsets(const std::vector<std::int64_t>& lengths) {
+  Tensor t(DType::i32, {static_cast<std::int64_t>(lengths.size()) + 1});
+  std::int64_t at = 0;
+  for (std::size_t b = 0; b < lengths.size(); ++b) {
+    at += lengths[b];
+    store(t, static_cast<std::int64_t>(b) + 1, static_cast<double>(at));
+  }
+  return t;
 }
 
 }  // namespace
 
+Tensor allocate_like(const TensorView& t) {
+  return t.rank > 0 ? Tensor(t.dtype, t.shape.data(), t.rank) : Tensor();
+}
+
 PreparedCall prepare_call(const RunConfig& c) {
   PreparedCall p;
   p.cfg = c;
-  p.q = Tensor(c.dtype, {c.batch, c.heads_q, c.seqlen_q, c.head_dim});
-  p.k = Tensor(c.dtype, {c.batch, c.heads_kv, c.seqlen_k, c.head_dim});
-  p.v = Tensor(c.dtype, {c.batch, c.heads_kv, c.seqlen_k, c.head_dim_v});
+  // Dense [B, H, L, D] or packed [total, H, D] (RunConfig::views).
+  const CallViews shapes = c.views(nullptr);
+  p.q = allocate_like(shapes.q);
+  p.k = allocate_like(shapes.k);
+  p.v = allocate_like(shapes.v);
   // Inputs in [-1, 1): scores of size ~sqrt(D)/3 * scale, a realistic softmax spread.
   fill_uniform(p.q, c.seed, 1, -1, 1);
   fill_uniform(p.k, c.seed, 2, -1, 1);
   fill_uniform(p.v, c.seed, 3, -1, 1);
   if (c.backward) {
-    p.dout = Tensor(c.dtype, {c.batch, c.heads_q, c.seqlen_q, c.head_dim_v});
+    p.dout = allocate_like(shapes.out);
     fill_uniform(p.dout, c.seed, 4, -1, 1);
   }
-  const CallViews shapes = c.views(nullptr);
+  if (c.is_varlen()) {
+    p.cu_seqlens_q = offsets(c.varlen);
+    p.cu_seqlens_k = offsets(c.varlen_k);
+    p.seqs.cu_seqlens_q = p.cu_seqlens_q;
+    p.seqs.cu_seqlens_k = p.cu_seqlens_k;
+    if (!c.seqused_k.empty()) {
+      p.seqused_k = Tensor(DType::i32, {c.batch});
+      for (std::int64_t b = 0; b < c.batch; ++b) {
+        store(p.seqused_k, b, static_cast<double>(c.seqused_k[static_cast<std::size_t>(b)]));
+      }
+      p.seqs.seqused_k = p.seqused_k.view();
+    }
+    p.seqs.max_seqlen_q = c.seqlen_q;
+    p.seqs.max_seqlen_k = c.seqlen_k;
+  }
   p.alibi = allocate_like(shapes.alibi);
   if (c.alibi) {
     // The ALiBi paper's slopes: a geometric sequence starting at 2^(-8/Hq).

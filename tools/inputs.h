@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "attncore/attncore.h"
+#include "attncore/varlen.h"
 #include "run_config.h"
 
 namespace attncore_tools {
@@ -47,12 +48,18 @@ void for_each_offset(const attncore::TensorView& t, F&& f) {
         for (std::int64_t d = 0; d < n[3]; ++d) f(a * st[0] + b * st[1] + c * st[2] + d * st[3]);
 }
 
+// A new zero-filled tensor of `shape`'s dtype and shape; an empty tensor for a rank-0 view.
+attncore::Tensor allocate_like(const attncore::TensorView& shape);
+
 // A configured call ready to run: q, k, v uniform in [-1, 1) (dout too with --backward), the
-// ALiBi slopes and the mask when configured, and the options viewing them.
+// ALiBi slopes and the mask when configured, and the options viewing them. A packed batch
+// (cfg.is_varlen()) also has its int32 offsets and the VarlenSeqs viewing them.
 struct PreparedCall {
   RunConfig cfg;
   attncore::Tensor q, k, v, dout, mask, alibi;
   attncore::Options options;
+  attncore::Tensor cu_seqlens_q, cu_seqlens_k, seqused_k;
+  attncore::VarlenSeqs seqs;
 };
 
 // `c` must be finished (RunConfig::finish).

@@ -8,14 +8,13 @@
 namespace attncore_tools {
 
 using attncore::Causal;
-using attncore::DType;
 using attncore::Tensor;
 
 namespace {
 
-// (query, key) pairs of one head that causal and window masks leave visible.
-double visible_pairs(const RunConfig& c) {
-  const std::int64_t lq = c.seqlen_q, lk = c.seqlen_k, shift = lk - lq;
+// (query, key) pairs of one sequence and head that causal and window masks leave visible.
+double sequence_pairs(const RunConfig& c, std::int64_t lq, std::int64_t lk) {
+  const std::int64_t shift = lk - lq;
   double pairs = 0;
   for (std::int64_t i = 0; i < lq; ++i) {
     std::int64_t lo = 0, hi = lk - 1;  // inclusive
@@ -42,9 +41,19 @@ double best_seconds(int repeat, F&& f) {
 
 }  // namespace
 
+double visible_pairs(const RunConfig& c) {
+  if (!c.is_varlen())
+    return static_cast<double>(c.batch) * sequence_pairs(c, c.seqlen_q, c.seqlen_k);
+  double pairs = 0;
+  for (std::size_t b = 0; b < c.varlen.size(); ++b) {
+    pairs += sequence_pairs(c, c.varlen[b], c.used_k()[b]);
+  }
+  return pairs;
+}
+
 double forward_flops(const RunConfig& c) {
-  return 2.0 * static_cast<double>(c.head_dim + c.head_dim_v) * static_cast<double>(c.batch) *
-         static_cast<double>(c.heads_q) * visible_pairs(c);
+  return 2.0 * static_cast<double>(c.head_dim + c.head_dim_v) * static_cast<double>(c.heads_q) *
+         visible_pairs(c);
 }
 
 double gflops(double flops, double seconds) {
@@ -53,22 +62,32 @@ double gflops(double flops, double seconds) {
 
 RunResult run_once(const PreparedCall& p) {
   const RunConfig& c = p.cfg;
-  Tensor out(c.dtype, {c.batch, c.heads_q, c.seqlen_q, c.head_dim_v});
-  Tensor lse(DType::f32, {c.batch, c.heads_q, c.seqlen_q});
+  const CallViews shapes = c.views(nullptr);
+  const Tensor out = allocate_like(shapes.out);
+  const Tensor lse = allocate_like(shapes.lse);
   RunResult r;
   r.flops = forward_flops(c);
   r.seconds = best_seconds(c.repeat, [&] {
-    attncore::forward_into(p.q, p.k, p.v, out, lse.view(), p.options, c.backend);
+    if (c.is_varlen()) {
+      attncore::forward_varlen_into(p.q, p.k, p.v, p.seqs, out, lse.view(), p.options, c.backend);
+    } else {
+      attncore::forward_into(p.q, p.k, p.v, out, lse.view(), p.options, c.backend);
+    }
   });
   Tensor dq, dk, dv;
   if (c.backward) {
-    dq = Tensor(c.dtype, {c.batch, c.heads_q, c.seqlen_q, c.head_dim});
-    dk = Tensor(c.dtype, {c.batch, c.heads_kv, c.seqlen_k, c.head_dim});
-    dv = Tensor(c.dtype, {c.batch, c.heads_kv, c.seqlen_k, c.head_dim_v});
+    dq = allocate_like(shapes.q);
+    dk = allocate_like(shapes.k);
+    dv = allocate_like(shapes.v);
     r.bwd_flops = kBackwardFlopFactor * r.flops;
     r.bwd_seconds = best_seconds(c.repeat, [&] {
-      attncore::backward_into(p.dout, p.q, p.k, p.v, out, lse, dq, dk, dv, std::nullopt, p.options,
-                              c.backend);
+      if (c.is_varlen()) {
+        attncore::backward_varlen_into(p.dout, p.q, p.k, p.v, out, lse, p.seqs, dq, dk, dv,
+                                       p.options, c.backend);
+      } else {
+        attncore::backward_into(p.dout, p.q, p.k, p.v, out, lse, dq, dk, dv, std::nullopt,
+                                p.options, c.backend);
+      }
     });
   }
   if (c.check) {

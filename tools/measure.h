@@ -3,7 +3,8 @@
 // FLOPs (DESIGN.md section 5): forward 2*(D + Dv) per visible (query, key) pair and head, that
 // is 4*B*Hq*Lq*Lk*D with no mask and Dv = D; backward 2.5x forward. "Visible" counts the pairs
 // that causal and window masks leave; a boolean mask is data, not structure, and is not
-// discounted (its pairs are counted as visible).
+// discounted (its pairs are counted as visible). A packed batch counts each sequence's own pairs
+// (its Lq_b queries against its used keys, causal and window aligned per sequence).
 #pragma once
 
 #include <optional>
@@ -15,6 +16,9 @@
 namespace attncore_tools {
 
 double forward_flops(const RunConfig& c);
+// (query, key) pairs of one head that causal and window masks leave visible, over the whole
+// batch (B times one sequence's for a dense call; the sum over the sequences of a packed one).
+double visible_pairs(const RunConfig& c);
 constexpr double kBackwardFlopFactor = 2.5;  // DESIGN.md section 5
 
 // FLOPs over seconds in GFLOP/s; 0 when either is 0.
@@ -27,7 +31,8 @@ struct RunResult {
 };
 
 // Times the forward (and with cfg.backward the backward) on cfg.backend, best of cfg.repeat
-// calls each, then checks the results when cfg.check asks for it.
+// calls each, then checks the results when cfg.check asks for it. Dense calls go through
+// forward_into / backward_into, packed ones through forward_varlen_into / backward_varlen_into.
 RunResult run_once(const PreparedCall& p);
 
 }  // namespace attncore_tools

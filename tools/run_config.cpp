@@ -1,6 +1,8 @@
 // RunConfig: resolving its defaults, and the library Options and tensor views it describes.
 #include "run_config.h"
 
+#include <algorithm>
+#include <numeric>
 #include <sstream>
 
 #include "json.h"
@@ -22,10 +24,47 @@ std::string_view name_of(MaskKind m) {
   return "?";
 }
 
+namespace {
+
+std::int64_t longest(const std::vector<std::int64_t>& lengths) {
+  return lengths.empty() ? 0 : *std::max_element(lengths.begin(), lengths.end());
+}
+
+std::string join(const std::vector<std::int64_t>& values) {
+  std::string s;
+  for (const std::int64_t x : values) {
+    if (!s.empty()) s += ',';
+    s += std::to_string(x);
+  }
+  return s;
+}
+
+std::string json_list(const std::vector<std::int64_t>& values) {
+  std::vector<std::string> items;
+  for (const std::int64_t x : values) items.push_back(std::to_string(x));
+  return json_array(items);
+}
+
+}  // namespace
+
 void RunConfig::finish() {
   if (heads_kv < 0) heads_kv = heads_q;
-  if (seqlen_k < 0) seqlen_k = seqlen_q;
   if (head_dim_v < 0) head_dim_v = head_dim;
+  if (is_varlen()) {
+    if (varlen_k.empty()) varlen_k = varlen;
+    batch = static_cast<std::int64_t>(varlen.size());
+    seqlen_q = longest(varlen);
+    seqlen_k = longest(varlen_k);
+  }
+  if (seqlen_k < 0) seqlen_k = seqlen_q;
+}
+
+std::int64_t RunConfig::total_q() const {
+  return std::accumulate(varlen.begin(), varlen.end(), std::int64_t{0});
+}
+
+std::int64_t RunConfig::total_k() const {
+  return std::accumulate(varlen_k.begin(), varlen_k.end(), std::int64_t{0});
 }
 
 int RunConfig::resolved_threads() const {
@@ -49,11 +88,19 @@ attncore::Options RunConfig::options(const TensorView& alibi_slopes,
 
 CallViews RunConfig::views(void* data) const {
   CallViews w;
-  w.q = TensorView::contiguous(data, dtype, {batch, heads_q, seqlen_q, head_dim});
-  w.k = TensorView::contiguous(data, dtype, {batch, heads_kv, seqlen_k, head_dim});
-  w.v = TensorView::contiguous(data, dtype, {batch, heads_kv, seqlen_k, head_dim_v});
-  w.out = TensorView::contiguous(data, dtype, {batch, heads_q, seqlen_q, head_dim_v});
-  w.lse = TensorView::contiguous(data, DType::f32, {batch, heads_q, seqlen_q});
+  if (is_varlen()) {
+    w.q = TensorView::contiguous(data, dtype, {total_q(), heads_q, head_dim});
+    w.k = TensorView::contiguous(data, dtype, {total_k(), heads_kv, head_dim});
+    w.v = TensorView::contiguous(data, dtype, {total_k(), heads_kv, head_dim_v});
+    w.out = TensorView::contiguous(data, dtype, {total_q(), heads_q, head_dim_v});
+    w.lse = TensorView::contiguous(data, DType::f32, {heads_q, total_q()});
+  } else {
+    w.q = TensorView::contiguous(data, dtype, {batch, heads_q, seqlen_q, head_dim});
+    w.k = TensorView::contiguous(data, dtype, {batch, heads_kv, seqlen_k, head_dim});
+    w.v = TensorView::contiguous(data, dtype, {batch, heads_kv, seqlen_k, head_dim_v});
+    w.out = TensorView::contiguous(data, dtype, {batch, heads_q, seqlen_q, head_dim_v});
+    w.lse = TensorView::contiguous(data, DType::f32, {batch, heads_q, seqlen_q});
+  }
   if (alibi) w.alibi = TensorView::contiguous(data, DType::f32, {heads_q});
   if (mask != MaskKind::none) {
     w.mask = TensorView::contiguous(data, mask == MaskKind::boolean ? DType::b8 : DType::f32,
@@ -64,8 +111,14 @@ CallViews RunConfig::views(void* data) const {
 
 std::string RunConfig::shape_text() const {
   std::ostringstream s;
-  s << "B=" << batch << " Hq=" << heads_q << " Hkv=" << heads_kv << " Lq=" << seqlen_q
-    << " Lk=" << seqlen_k << " D=" << head_dim << " Dv=" << head_dim_v;
+  s << "B=" << batch << " Hq=" << heads_q << " Hkv=" << heads_kv;
+  if (is_varlen()) {
+    s << " Lq=" << join(varlen) << " Lk=" << join(varlen_k);
+    if (!seqused_k.empty()) s << " seqused_k=" << join(seqused_k);
+  } else {
+    s << " Lq=" << seqlen_q << " Lk=" << seqlen_k;
+  }
+  s << " D=" << head_dim << " Dv=" << head_dim_v;
   return s.str();
 }
 
@@ -74,8 +127,23 @@ void RunConfig::add_shape(JsonObject& j) const {
   j.add("batch", batch);
   j.add("heads_q", heads_q);
   j.add("heads_kv", heads_kv);
-  j.add("seqlen_q", seqlen_q);
-  j.add("seqlen_k", seqlen_k);
+  j.add("varlen", is_varlen());
+  if (is_varlen()) {
+    j.add_json("seqlens_q", json_list(varlen));
+    j.add_json("seqlens_k", json_list(varlen_k));
+    if (seqused_k.empty()) {
+      j.add_null("seqused_k");
+    } else {
+      j.add_json("seqused_k", json_list(seqused_k));
+    }
+    j.add("total_q", total_q());
+    j.add("total_k", total_k());
+    j.add("max_seqlen_q", seqlen_q);
+    j.add("max_seqlen_k", seqlen_k);
+  } else {
+    j.add("seqlen_q", seqlen_q);
+    j.add("seqlen_k", seqlen_k);
+  }
   j.add("head_dim", head_dim);
   j.add("head_dim_v", head_dim_v);
   j.add("causal", name_of(causal));

@@ -1,6 +1,8 @@
 // The configuration of one attention call (RunConfig), filled in by the flag table (flags.cpp)
 // or by the sweeps of `attncore` and `attncore bench`, and what it produces: the library's
-// Options and the tensor views of the call. BenchConfig adds bench's sweep to a RunConfig.
+// Options and the tensor views of the call. A call is dense ([B, H, L, D] tensors) or, with
+// --varlen, a packed variable-length batch (attncore/varlen.h). BenchConfig adds bench's sweep
+// to a RunConfig.
 #pragma once
 
 #include <cstdint>
@@ -26,7 +28,8 @@ struct Window {
 };
 
 // The views of a configured call's inputs and outputs over one `data` pointer; the ALiBi slopes
-// and the mask have rank 0 when the call has none.
+// and the mask have rank 0 when the call has none. A packed batch's q, k, v, out are
+// [total, H, D] and its lse [Hq, total_q].
 struct CallViews {
   attncore::TensorView q, k, v, out, lse, alibi, mask;
 };
@@ -54,9 +57,25 @@ struct RunConfig {
   int repeat = 3;    // best of 3: enough to skip the first call's page faults
   bool check = false;
   bool json = false;
+  // A packed variable-length batch: the query lengths of its sequences (B = their count), the
+  // key lengths (empty: the query lengths) and the keys each sequence uses (empty: all).
+  // Empty `varlen`: a dense call.
+  std::vector<std::int64_t> varlen;
+  std::vector<std::int64_t> varlen_k;
+  std::vector<std::int64_t> seqused_k;
 
-  // Resolves the "same as" defaults (heads_kv, seqlen_k, head_dim_v).
+  bool is_varlen() const { return !varlen.empty(); }
+  // Resolves the "same as" defaults (heads_kv, seqlen_k, head_dim_v); for a packed batch also
+  // varlen_k, batch (the number of sequences) and seqlen_q / seqlen_k (the longest of varlen and
+  // varlen_k: the call's max_seqlen_q / max_seqlen_k, which also address its dropout).
   void finish();
+  // Key lengths a packed batch's sequences attend to: seqused_k, else varlen_k.
+  const std::vector<std::int64_t>& used_k() const {
+    return seqused_k.empty() ? varlen_k : seqused_k;
+  }
+  // Rows of a packed batch's query and key tensors (the sums of varlen and varlen_k).
+  std::int64_t total_q() const;
+  std::int64_t total_k() const;
   int resolved_threads() const;
 
   // The call's options; `alibi` and `mask` are the views of its slopes and mask (used when the
@@ -67,9 +86,10 @@ struct RunConfig {
   // (it validates shapes and reads no data), prepare_call takes the shapes of its tensors.
   CallViews views(void* data) const;
 
-  // "B=1 Hq=8 Hkv=8 Lq=1024 Lk=1024 D=64 Dv=64"
+  // "B=1 Hq=8 Hkv=8 Lq=1024 Lk=1024 D=64 Dv=64"; packed: "B=2 Hq=8 Hkv=8 Lq=300,2 Lk=1,2 ..."
   std::string shape_text() const;
-  // The call's dtype, shape and causal kind, as `run --json` and `explain --json` report them.
+  // The call's dtype, shape and causal kind, as `run --json` and `explain --json` report them;
+  // a packed batch reports its lengths, totals and longest sequences instead of seqlen_q/k.
   void add_shape(JsonObject& j) const;
 };
 
@@ -80,7 +100,8 @@ struct BenchSweep {
   std::vector<attncore::Causal> causals = {attncore::Causal::none, attncore::Causal::lower_right};
   int passes = 3;  // bench --select: interleaved passes per shape
   bool select = false;
-  std::string csv, json, png;  // "": not written
+  bool varlen = false;         // bench --varlen: packed against dense and padded (cmd_bench.cpp)
+  std::string csv, json, png;  // "": not written; json "-": standard output
 };
 
 // bench's defaults for the flags it shares with run: larger heads than run's, so that the
