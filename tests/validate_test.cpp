@@ -226,6 +226,8 @@ std::vector<BadInput> bad_inputs() {
   add("mask_rank3", Op::forward, {"mask", "rank=3"}, [](Call& c) {
     c.options.mask = c.view(DType::b8, {kHq, kLq, kLk});
   });
+  add("mask_int32", Op::forward, {"mask has the wrong dtype (dtype=i32"},
+      [](Call& c) { c.options.mask = c.view(DType::i32, {kLq, kLk}); });
   add("mask_rank1", Op::forward, {"mask", "rank=1"},
       [](Call& c) { c.options.mask = c.view(DType::f32, {kLk}); });
   add("mask_len_k", Op::forward, {"mask", "broadcast", "[2, 4, 8, 7]"}, [](Call& c) {

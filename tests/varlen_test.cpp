@@ -474,6 +474,9 @@ TEST(Varlen, BadInputsAreRefusedWithClearErrors) {
   s = good.seqs;
   s.max_seqlen_k = -1;
   expect(s, "max_seqlen_k is smaller than a sequence");
+  s = good.seqs;
+  s.max_seqlen_k = std::int64_t{1} << 40;
+  expect(s, "max_seqlen_k is too large (max_seqlen_k=1099511627776, expected <= 2147483647)");
   Tensor long_used = int_tensor({5, 7});
   s = good.seqs;
   s.seqused_k = long_used.view();

@@ -126,6 +126,10 @@ void resolve_variant(const Checker& check, const Options& o, Params& p) {
   if (o.mask.has_value()) {
     const TensorView& m = *o.mask;
     check.structure(m, "mask");
+    if (m.dtype != DType::b8 && !is_floating(m.dtype)) {
+      check.fail("mask has the wrong dtype (dtype=" + std::string(name_of(m.dtype)) +
+                 ", expected bool or a floating type: f32, f64, bf16 or f16)");
+    }
     if (m.rank != 2 && m.rank != 4) {
       check.fail("mask has the wrong rank (rank=" + std::to_string(m.rank) +
                  ", expected 2: [Lq|1, Lk|1] or 4: [B|1, Hq|1, Lq|1, Lk|1])");

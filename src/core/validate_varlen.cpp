@@ -1,6 +1,8 @@
 // Input validation of variable-length calls (attncore/varlen.h): the packed views, the int32
 // sequence arrays and their values, then the options as for dense calls. Messages follow
 // DESIGN.md section 4.
+#include <climits>
+#include <cstdint>
 #include <string>
 
 #include "attncore/error.h"
@@ -77,6 +79,10 @@ std::int64_t check_offsets(const Checker& check, const std::int32_t* cu, std::in
 }
 
 void check_max(const Checker& check, std::int64_t max, std::int64_t longest, const char* name) {
+  if (max > INT32_MAX) {  // lengths are int32 offsets
+    check.fail(std::string(name) + " is too large (" + name + "=" + std::to_string(max) +
+               ", expected <= 2147483647)");
+  }
   if (max < longest) {
     check.fail(std::string(name) + " is smaller than a sequence (" + name + "=" +
                std::to_string(max) + ", expected >= the longest sequence's " +
@@ -146,6 +152,13 @@ Params resolve_varlen(const Checker& check, TensorView& q, TensorView& k, Tensor
   seq.lk = s.max_seqlen_k;
   p.dropout.rows = seq.lq;
   p.dropout.cols = seq.lk;
+  // Dropout addresses B * Hq * max_seqlen_q * max_seqlen_k elements: they must fit in 2^63.
+  const double elements = static_cast<double>(p.batch) * static_cast<double>(p.heads_q) *
+                          static_cast<double>(seq.lq) * static_cast<double>(seq.lk);
+  if (o.dropout_p > 0.0 && elements >= 0x1p63) {
+    check.fail("dropout addresses too many elements (B * Hq * max_seqlen_q * max_seqlen_k=" +
+               fmt_double(elements) + ", expected < 2^63)");
+  }
 
   q = as_rank4(q);
   k = as_rank4(k);
