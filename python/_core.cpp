@@ -367,6 +367,8 @@ PYBIND11_MODULE(_core, m) {
       PyErr_SetString(PyExc_ValueError, e.what());
     } catch (const attncore::Unsupported& e) {
       PyErr_SetString(PyExc_NotImplementedError, e.what());
+    } catch (const attncore::OutOfMemory& e) {
+      PyErr_SetString(PyExc_MemoryError, e.what());
     } catch (const attncore::Error& e) {
       PyErr_SetString(PyExc_RuntimeError, e.what());
     }

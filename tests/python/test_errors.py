@@ -141,3 +141,12 @@ def test_outputs_must_be_writable_through_the_module():
             dropout_p=0.0, seed=0, offset=0, enable_gqa=True, num_threads=0, backend="auto"))
     with pytest.raises(ValueError, match="too many dimensions"):
         _core.forward(bhld(1, 1, 1, 1, 1), k, v, out, None, None, None, options)
+
+
+def test_workspace_past_the_machine_is_memory_error():
+    # Stride-0 keys make an absurd Lk cheap to build; the workspace check refuses it up front.
+    q = np.ones((1, 1, 64, 64), np.float32)
+    k = np.broadcast_to(np.full((1, 1, 1, 64), 0.5, np.float32), (1, 1, 2**36, 64))
+    for backend in ("flash", "reference"):
+        with pytest.raises(MemoryError, match=r"^forward: the \w+ backend's workspace exceeds"):
+            attncore.attention(q, k, k, backend=backend)

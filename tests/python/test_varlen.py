@@ -684,8 +684,6 @@ def test_unsupported_raise_not_implemented_error():
         attncore.attention_varlen(q, q, q, cu, cu, 4, 4, attn_mask=np.ones((4, 4), bool))
 
 
-@pytest.mark.xfail(reason="the library takes an int32 (i32) mask as an additive float mask; "
-                          "resolve_variant does not check the mask's dtype", strict=False)
 def test_index_array_as_mask():
     q = np.ones((1, 2, 5, 8), np.float32)
     with pytest.raises(ValueError, match=r"^forward: mask has the wrong dtype \(dtype=i32"):
