@@ -1,6 +1,6 @@
 // Attention forward and backward on shapes taken from real models, per backend and dtype.
 //
-// Counters: GFLOP/s (DESIGN.md section 5: forward 4*B*Hq*D per visible (query, key) pair with
+// Counters: GFLOP/s (docs/design.md section 5: forward 4*B*Hq*D per visible (query, key) pair with
 // Dv = D, backward 2.5x forward) and %peak, against the f32 FMA peak of all default threads,
 // measured once when the program starts. Times are wall-clock (the library runs threads).
 //

@@ -1,4 +1,4 @@
-// Dropout (DESIGN.md section 1.5): the library's keep mask is read back exactly from its output
+// Dropout (docs/design.md section 1.5): the library's keep mask is read back exactly from its output
 // and compared with the oracle's element-addressed Philox stream; the kept fraction over more
 // than 10^6 elements lies within 4 sigma of 1 - p; the same (seed, offset) replays the same mask
 // in forward and backward; a different offset or seed gives a different mask.
@@ -138,7 +138,7 @@ TEST(Dropout, KeptFractionWithinFourSigma) {
 // batches and heads, and a counter that crosses 2^32 blocks (the second counter word).
 TEST(Dropout, MaskMatchesOracleAcrossDtypesAndOffsets) {
   for (Backend backend : {Backend::reference, Backend::math, Backend::automatic, Backend::flash}) {
-    // The last offset makes positions pass 2^64: the counter is 128-bit (DESIGN.md 1.5).
+    // The last offset makes positions pass 2^64: the counter is 128-bit (docs/design.md 1.5).
     for (std::uint64_t offset : {0ull, 7ull, (1ull << 34) - 1000, (1ull << 40) + 3, ~0ull - 999}) {
       MaskRun r;
       r.backend = backend;

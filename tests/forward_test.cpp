@@ -1,5 +1,5 @@
 // Forward of the reference and math backends against the fp64 oracle: a seeded grid over the
-// sizes of DESIGN.md section 6 (tile edges, Lq above / equal / below Lk, empty sizes, odd head
+// sizes of docs/design.md section 6 (tile edges, Lq above / equal / below Lk, empty sizes, odd head
 // dims, Dv != D, GQA / MQA), every variant, dtypes f32 / bf16 / f16 / f64, layouts BHSD, BSHD
 // and padded rows, new outputs and caller-provided ones; then NaN propagation, GQA == repeated
 // heads, thread-count invariance and strided / broadcast mask views.

@@ -1,5 +1,5 @@
 // The causal / window mask policy (src/policy/mask.h): its per-element, per-row and per-tile
-// forms against an independent element predicate written from DESIGN.md section 1.3, for
+// forms against an independent element predicate written from docs/design.md section 1.3, for
 // every causal alignment and every window (-1 .. 64 on each side) at lengths up to 64.
 #include <gtest/gtest.h>
 
@@ -12,7 +12,7 @@
 namespace attncore::detail {
 namespace {
 
-// DESIGN.md section 1.3, literally.
+// docs/design.md section 1.3, literally.
 bool visible(Causal causal, std::int64_t wl, std::int64_t wr, std::int64_t lq, std::int64_t lk,
              std::int64_t i, std::int64_t j) {
   if (causal == Causal::upper_left && j > i) return false;

@@ -1,6 +1,6 @@
 // The online softmax state (policy/softmax_state.h): tile-by-tile updates give the dense
 // softmax's LSE and weights, states of disjoint key sets merge to the state of all keys, and
-// finished (out, LSE) pairs merge as DESIGN.md section 1.12 says.
+// finished (out, LSE) pairs merge as docs/design.md section 1.12 says.
 #include "policy/softmax_state.h"
 
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-// Input validation (DESIGN.md section 4): every bad input is rejected before any kernel runs,
+// Input validation (docs/design.md section 4): every bad input is rejected before any kernel runs,
 // with the right exception type and a message of the form
 // `<op>: <what> <problem> (<name>=<value>, expected <constraint>)`, through forward,
 // forward_into, backward and backward_into and every backend. Nothing is written on failure.

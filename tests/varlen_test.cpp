@@ -357,7 +357,7 @@ TEST(Varlen, BackwardMatchesTheOracle) {
 
 TEST(Varlen, DropoutDrawsTheMaskOfThePaddedDenseBatch) {
   // Non-causal: the packed batch and the same batch right-padded to (max_q, max_k) with a
-  // key-padding mask draw the same mask (DESIGN.md section 1.5); max_seqlen may exceed the
+  // key-padding mask draw the same mask (docs/design.md section 1.5); max_seqlen may exceed the
   // real maxima and the addresses follow the values passed.
   Batch batch{{5, 12, 0, 9}, {20, 3, 6, 14}, {}, 0, 0, 2, 2, 16, 16};
   for (Backend backend : {Backend::flash, Backend::math, Backend::reference}) {

@@ -1,5 +1,5 @@
 // `--check`: a call's results against the reference backend in f64, judged by the rule of
-// DESIGN.md section 6.
+// docs/design.md section 6.
 //
 // Scope. The reference runs plain fp64 loops, slow on big problems. Above kFullCheckMaxFlops a
 // dense call is checked on batch 0 and the first query heads only: whole GQA groups (so dk/dv of
@@ -156,7 +156,7 @@ double max_abs(const Tensor& t) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dropout's keep decisions (DESIGN.md section 1.5): word `pos` of the Philox4x32-10 stream keyed
+// Dropout's keep decisions (docs/design.md section 1.5): word `pos` of the Philox4x32-10 stream keyed
 // by the seed, u = x * 2^-32 + 2^-33 in fp32, keep iff u > p.
 
 std::uint32_t philox_word(std::uint64_t seed, std::uint64_t pos) {

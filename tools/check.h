@@ -1,5 +1,5 @@
 // `--check`: a call's results against the reference backend in f64, judged by the rule of
-// DESIGN.md section 6.
+// docs/design.md section 6.
 #pragma once
 
 #include <optional>

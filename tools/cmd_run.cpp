@@ -1,7 +1,7 @@
 // attncore run: one configured call on random data, dense or a packed variable-length batch
 // (--varlen), timed (best of --repeat), in GFLOP/s and percent of the measured FMA peak,
 // optionally checked against the reference backend (exit code 1 when an error is over the
-// tolerance of DESIGN.md section 6); as text or as one JSON object (--json), also when the call
+// tolerance of docs/design.md section 6); as text or as one JSON object (--json), also when the call
 // fails.
 #include <cstdio>
 #include <exception>

@@ -9,7 +9,7 @@
 
 namespace attncore_tools {
 
-// Exit codes (DESIGN.md section 7).
+// Exit codes (docs/design.md section 7).
 constexpr int kExitOk = 0;
 constexpr int kExitLibraryError = 1;
 constexpr int kExitUsage = 2;

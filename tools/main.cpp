@@ -10,7 +10,7 @@
 //   attncore bench [flags]  flash against math over sequence lengths; --select: auto's choice
 //                         against every backend over a sweep of shapes
 //
-// Exit codes (DESIGN.md section 7): 0 success, 1 library error (its message on stderr),
+// Exit codes (docs/design.md section 7): 0 success, 1 library error (its message on stderr),
 // 2 bad usage. With --json, stdout holds exactly one JSON object; diagnostics go to stderr.
 #include <cstdio>
 #include <exception>

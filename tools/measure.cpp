@@ -1,4 +1,4 @@
-// One timed (and optionally checked) call, and the FLOP counts of DESIGN.md section 5.
+// One timed (and optionally checked) call, and the FLOP counts of docs/design.md section 5.
 #include "measure.h"
 
 #include <algorithm>

@@ -1,6 +1,6 @@
 // One timed (and optionally checked) call, and the FLOP counts its rates are based on.
 //
-// FLOPs (DESIGN.md section 5): forward 2*(D + Dv) per visible (query, key) pair and head, that
+// FLOPs (docs/design.md section 5): forward 2*(D + Dv) per visible (query, key) pair and head, that
 // is 4*B*Hq*Lq*Lk*D with no mask and Dv = D; backward 2.5x forward. "Visible" counts the pairs
 // that causal and window masks leave; a boolean mask is data, not structure, and is not
 // discounted (its pairs are counted as visible). A packed batch counts each sequence's own pairs
@@ -19,7 +19,7 @@ double forward_flops(const RunConfig& c);
 // (query, key) pairs of one head that causal and window masks leave visible, over the whole
 // batch (B times one sequence's for a dense call; the sum over the sequences of a packed one).
 double visible_pairs(const RunConfig& c);
-constexpr double kBackwardFlopFactor = 2.5;  // DESIGN.md section 5
+constexpr double kBackwardFlopFactor = 2.5;  // docs/design.md section 5
 
 // FLOPs over seconds in GFLOP/s; 0 when either is 0.
 double gflops(double flops, double seconds);

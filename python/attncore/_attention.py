@@ -184,7 +184,7 @@ def attention(query, key, value, *, layout="bhld", scale=None, causal=None, wind
               softcap=0.0, alibi_slopes=None, attn_mask=None, dropout_p=0.0, seed=None,
               offset=None, enable_gqa=True, backend=None, num_threads=0, return_lse=False,
               _op="attention"):
-    """Exact attention with every attncore option (DESIGN.md section 1).
+    """Exact attention with every attncore option (docs/design.md section 1).
 
     query [..., Hq, Lq, D], key [..., Hkv, Lk, D], value [..., Hkv, Lk, Dv] in layout "bhld"
     (torch's; (L, D) is one head), or [..., L, H, D] in layout "blhd" (flash-attn's). Returns
@@ -315,7 +315,7 @@ def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
                      softcap=0.0, alibi_slopes=None, attn_mask=None, dropout_p=0.0, seed=None,
                      offset=None, enable_gqa=True, backend=None, num_threads=0,
                      return_lse=False, _op="attention_varlen"):
-    """Exact attention over a variable-length batch packed along the rows (DESIGN.md section 1,
+    """Exact attention over a variable-length batch packed along the rows (docs/design.md section 1,
     "Variable-length batches"), with attention()'s options.
 
     query [total_q, Hq, D], key [total_k, Hkv, D], value [total_k, Hkv, Dv]: sequence b owns

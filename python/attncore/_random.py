@@ -1,4 +1,4 @@
-"""The dropout random stream: attncore's own generator, not torch's (DESIGN.md section 1.5).
+"""The dropout random stream: attncore's own generator, not torch's (docs/design.md section 1.5).
 
 Dropout keeps element (b, h, i, j) iff the Philox4x32-10 uniform at stream position
 ``offset + ((b*Hq + h)*Lq + i)*Lk + j`` under key ``seed`` is above p. The generator holds

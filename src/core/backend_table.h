@@ -1,4 +1,4 @@
-// The backends as selection and the entry points reach them (DESIGN.md section 2): one table
+// The backends as selection and the entry points reach them (docs/design.md section 2): one table
 // of {name, can_use, cost estimate, forward, backward, workspace}. src/core knows only this
 // interface; src/backends.cpp lists the concrete backends, and each owns its cost term.
 #pragma once
@@ -32,7 +32,7 @@ struct CostModel {
 
 struct BackendEntry {
   Backend id;
-  // Appends why the backend cannot run pass `pass` of `p`: DESIGN.md section 4 sentences with
+  // Appends why the backend cannot run pass `pass` of `p`: docs/design.md section 4 sentences with
   // the backend's name as their subject ("flash: dtype f64 is not supported (...)").
   void (*can_use)(Pass pass, const Params& p, std::vector<std::string>& reasons);
   // Estimated seconds of the call, a pure function of its arguments; null: not modelled.

@@ -17,7 +17,7 @@
 
 namespace attncore::detail {
 
-// The backward's FLOPs over the forward's (DESIGN.md section 5).
+// The backward's FLOPs over the forward's (docs/design.md section 5).
 constexpr double kBackwardFlops = 2.5;
 
 inline double round_up_to(double x, double m) { return std::ceil(x / m) * m; }

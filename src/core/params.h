@@ -50,7 +50,7 @@ struct SeqInfo {
   }
 };
 
-// Dropout (DESIGN.md section 1.5): element (b, h, i, j) is addressed as if the batch were
+// Dropout (docs/design.md section 1.5): element (b, h, i, j) is addressed as if the batch were
 // [B, Hq, rows, cols]: rows = Lq, cols = Lk dense; max_seqlen_q, max_seqlen_k varlen.
 struct Dropout {
   double p = 0.0;  // 0 = off
@@ -73,7 +73,7 @@ struct Params {
   // Sequence info: a resolved (per-sequence) Params is always dense.
   SeqInfo seq;
 
-  // Variant: score modifiers and masks (DESIGN.md section 1.2-1.3).
+  // Variant: score modifiers and masks (docs/design.md section 1.2-1.3).
   double scale = 1.0;
   Causal causal = Causal::none;
   std::int64_t window_left = -1;  // -1 = unbounded; windows wider than Lq + Lk become -1

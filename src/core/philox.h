@@ -1,5 +1,5 @@
 // Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11) and the
-// element-addressed dropout stream of DESIGN.md section 1.5 (curand's layout, subsequence 0).
+// element-addressed dropout stream of docs/design.md section 1.5 (curand's layout, subsequence 0).
 #pragma once
 
 #include <array>
@@ -27,7 +27,7 @@ inline PhiloxCounter philox4x32_10(PhiloxCounter ctr, PhiloxKey key) {
 
 // The 32-bit word at position `pos` = pos_high * 2^64 + pos of the stream keyed by `seed`:
 // word pos % 4 of Philox4x32-10(counter = pos / 4 as a 128-bit integer, key = (seed low,
-// seed high)). Positions pass 2^64 when offset + element index does (DESIGN.md section 1.5).
+// seed high)). Positions pass 2^64 when offset + element index does (docs/design.md section 1.5).
 inline std::uint32_t philox_word(std::uint64_t seed, std::uint64_t pos,
                                  std::uint64_t pos_high = 0) {
   const std::uint64_t block_low = (pos >> 2) | (pos_high << 62), block_high = pos_high >> 2;

@@ -1,6 +1,6 @@
 // Backend selection: the thread-local enabled list, the machine constants the cost model
 // reads, and the choice over the backend table (each backend's limits and cost term are its
-// own: src/cpu/*_cost.cpp). Messages follow DESIGN.md section 4.
+// own: src/cpu/*_cost.cpp). Messages follow docs/design.md section 4.
 #include "core/select.h"
 
 #include <algorithm>
@@ -225,7 +225,7 @@ Explanation select(Pass pass, const Params& p, const Launch& launch, Backend req
   // The fastest estimate among the enabled backends that can run, reference aside; backends
   // without an estimate rank after those with one, in priority order. The estimates compared
   // are those at the model's choice_threads, so that the choice, and with it every bit of the
-  // result, does not depend on the call's thread count (DESIGN.md section 6); the verdicts
+  // result, does not depend on the call's thread count (docs/design.md section 6); the verdicts
   // show the call's own.
   const Launch reference_call{std::max(1, model.choice_threads)};
   const BackendVerdict* best = nullptr;

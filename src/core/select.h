@@ -1,4 +1,4 @@
-// Backend selection (DESIGN.md section 2: validate -> select -> plan -> kernel) over the
+// Backend selection (docs/design.md section 2: validate -> select -> plan -> kernel) over the
 // backend table (core/backend_table.h): api.cpp asks select_backend() and the explain functions
 // of attncore/backend.h read the same verdicts.
 #pragma once
@@ -11,7 +11,7 @@
 
 namespace attncore::detail {
 
-// Why `backend` cannot run pass `pass` of `p`, one DESIGN.md section 4 sentence each with the
+// Why `backend` cannot run pass `pass` of `p`, one docs/design.md section 4 sentence each with the
 // backend's name as its subject ("flash: dtype f64 is not supported (...)"); empty: it can.
 // This thread's enabled list is not consulted (see select()).
 std::vector<std::string> can_use(Backend backend, Pass pass, const Params& p);

@@ -1,4 +1,4 @@
-// The sequence-info policy resolved for one sequence (DESIGN.md section 1, variable-length
+// The sequence-info policy resolved for one sequence (docs/design.md section 1, variable-length
 // batches): sequence b of a call as a dense call of its own lengths, with its views rebased to
 // the sequence's first rows. The batch index keeps its meaning (ALiBi slopes, dropout
 // addresses); varlen views have a batch stride of 0, so b addresses no memory.
@@ -77,7 +77,7 @@ inline Params dense_equivalent(const Params& p) {
 }
 
 // Varlen calls: rows of the buffers that belong to no sequence (past cu_seqlens_q[-1]; keys
-// past cu_seqlens_k[-1] or between seqused_k[b] and the next sequence) get what DESIGN.md
+// past cu_seqlens_k[-1] or between seqused_k[b] and the next sequence) get what docs/design.md
 // section 1 says: output 0 and LSE -inf; zero dq, dk, dv. Dense calls: nothing to do.
 void fill_unused_rows(const Params& p, const ForwardArgs& a);
 void fill_unused_rows(const Params& p, const BackwardArgs& a);

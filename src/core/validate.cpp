@@ -1,4 +1,4 @@
-// Input validation for forward and backward. Messages follow DESIGN.md section 4:
+// Input validation for forward and backward. Messages follow docs/design.md section 4:
 //   <op>: <what> <problem> (<name>=<value>, expected <constraint>)[; <remedy>]
 #include "core/validate.h"
 

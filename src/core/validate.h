@@ -1,4 +1,4 @@
-// Every check of every public entry point, in one place (DESIGN.md section 4).
+// Every check of every public entry point, in one place (docs/design.md section 4).
 #pragma once
 
 #include "attncore/varlen.h"
@@ -6,7 +6,7 @@
 
 namespace attncore::detail {
 
-// Throws InvalidArgument (or Unsupported) with a DESIGN.md section 4 message; else returns the
+// Throws InvalidArgument (or Unsupported) with a docs/design.md section 4 message; else returns the
 // resolved problem. With `check_outputs` false the output views are ignored (the library
 // allocates them from the problem's sizes); else they are checked too, and `args.lse` may be
 // an empty view (rank 0, null data) when the caller does not want the LSE.

@@ -1,4 +1,4 @@
-// The checks validate.cpp and validate_varlen.cpp share: one Checker with DESIGN.md section 4's
+// The checks validate.cpp and validate_varlen.cpp share: one Checker with docs/design.md section 4's
 // message form, `<op>: <what> <problem> (<name>=<value>, expected <constraint>)[; <remedy>]`.
 #pragma once
 

@@ -1,6 +1,6 @@
 // Input validation of variable-length calls (attncore/varlen.h): the packed views, the int32
 // sequence arrays and their values, then the options as for dense calls. Messages follow
-// DESIGN.md section 4.
+// docs/design.md section 4.
 #include <climits>
 #include <cstdint>
 #include <string>

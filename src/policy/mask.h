@@ -1,4 +1,4 @@
-// What the causal and window masks mean (DESIGN.md section 1.3), in three forms that agree
+// What the causal and window masks mean (docs/design.md section 1.3), in three forms that agree
 // (tests/mask_policy_test.cpp): per element (allowed), per query row (the visible key
 // interval), per tile of rows x keys (empty, partial or full). Tensor masks (bool / additive)
 // are read element by element by each backend.

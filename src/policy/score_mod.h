@@ -1,4 +1,4 @@
-// The score modifiers of DESIGN.md section 1.2, applied in this order after s = scale * q.k:
+// The score modifiers of docs/design.md section 1.2, applied in this order after s = scale * q.k:
 // softcap, ALiBi, additive bias. Each has its value here; backward multiplies dS by the
 // softcap derivative (ALiBi and the bias pass dS through unchanged).
 #pragma once

@@ -17,7 +17,7 @@
 
 namespace attncore::detail {
 
-// s[j], j in [0, Lk): on entry <q_i, k_j>; on return the score of DESIGN.md section 1
+// s[j], j in [0, Lk): on entry <q_i, k_j>; on return the score of docs/design.md section 1
 // (scale, softcap, ALiBi, additive mask) or -inf where a mask hides key j. When `dcap` is not
 // null it receives d(score)/d(scale * q.k), the softcap derivative (0 where masked).
 template <class T>
@@ -85,7 +85,7 @@ T softmax_row(T* s, std::int64_t n) {
 }
 
 // The dropout factor of element (b, h, i, j): 1/(1-p) if kept, else 0 (1 without dropout).
-// Addressed as in a [B, Hq, dropout.rows, dropout.cols] batch (DESIGN.md section 1.5).
+// Addressed as in a [B, Hq, dropout.rows, dropout.cols] batch (docs/design.md section 1.5).
 class DropoutRow {
  public:
   DropoutRow(const Params& p, std::int64_t b, std::int64_t h, std::int64_t i)

@@ -1,5 +1,5 @@
 // The online softmax of one query row, the one place its running max and sum are kept and
-// combined (DESIGN.md section 1.4, 1.6 and 1.12): the flash tile loop updates it tile by tile,
+// combined (docs/design.md section 1.4, 1.6 and 1.12): the flash tile loop updates it tile by tile,
 // split-KV merges partial states, and the public merge combines finished (out, LSE) pairs.
 //
 // Scores enter in log2 units (score * log2 e, rounded once by the caller), so that the
@@ -61,7 +61,7 @@ struct SoftmaxState {
   }
 };
 
-// Merges two finished results over disjoint key sets (DESIGN.md section 1.12):
+// Merges two finished results over disjoint key sets (docs/design.md section 1.12):
 // LSE = log(exp(lse_a) + exp(lse_b)) computed stably, out = exp(lse_a - LSE) out_a +
 // exp(lse_b - LSE) out_b; a side with LSE -inf contributes nothing, both -inf give 0 and -inf.
 // Writes out[0, n) and returns the merged LSE. T: float or double.

@@ -1,8 +1,8 @@
 // Reference forward and backward: for every (b, h, i), the scores of all keys in fp64, the
-// dense softmax, dropout, then the output or the gradients. See DESIGN.md section 1.
+// dense softmax, dropout, then the output or the gradients. See docs/design.md section 1.
 //
 // An oracle for users shares no code with what it checks: the masks, score modifiers and
-// softmax here are plain loops of their own, written from DESIGN.md section 1, not the
+// softmax here are plain loops of their own, written from docs/design.md section 1, not the
 // policies the math and flash backends use. What it shares is the definition of the dropout
 // stream (core/philox.h, checked against Philox's published known answers) and dtype
 // conversion.
@@ -24,7 +24,7 @@ namespace {
 
 constexpr double kNegInf = -INFINITY;
 
-// Whether query row i sees key j under the causal and window masks (DESIGN.md section 1.3).
+// Whether query row i sees key j under the causal and window masks (docs/design.md section 1.3).
 bool visible(const Params& p, std::int64_t i, std::int64_t j) {
   const std::int64_t diag = i + p.seq.lk - p.seq.lq;  // the lower-right diagonal of row i
   if (p.causal == Causal::upper_left && j > i) return false;
@@ -34,7 +34,7 @@ bool visible(const Params& p, std::int64_t i, std::int64_t j) {
   return true;
 }
 
-// s[j]: on entry <q_i, k_j>; on return the final score of DESIGN.md section 1.2-1.3 (scale,
+// s[j]: on entry <q_i, k_j>; on return the final score of docs/design.md section 1.2-1.3 (scale,
 // softcap, ALiBi, additive mask) or -inf where a mask hides key j. dcap[j] (when not null):
 // d(score)/d(scale q.k), 1 - tanh^2 under softcap, 0 where hidden.
 void final_scores(const Params& p, std::int64_t b, std::int64_t h, std::int64_t i, double* s,
@@ -90,7 +90,7 @@ double softmax(double* s, std::int64_t n) {
 }
 
 // The dropout factor of element (b, h, i, j): 1/(1-p) if kept, else 0 (1 without dropout);
-// addressed as in a [B, Hq, dropout.rows, dropout.cols] batch (DESIGN.md section 1.5).
+// addressed as in a [B, Hq, dropout.rows, dropout.cols] batch (docs/design.md section 1.5).
 double dropout_factor(const Params& p, std::int64_t b, std::int64_t h, std::int64_t i,
                       std::int64_t j) {
   if (!p.dropout.active()) return 1.0;

@@ -1,5 +1,5 @@
 """The tests' oracle: attention written with torch's own operations in float64, from the
-definitions of DESIGN.md section 1 (nothing from attncore), differentiable by torch autograd."""
+definitions of docs/design.md section 1 (nothing from attncore), differentiable by torch autograd."""
 
 import torch
 

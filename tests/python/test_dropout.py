@@ -1,4 +1,4 @@
-"""Dropout (DESIGN.md section 1.5): attncore's generator, replay from (seed, offset), the kept
+"""Dropout (docs/design.md section 1.5): attncore's generator, replay from (seed, offset), the kept
 fraction, the same mask on every backend, and the backward replaying the forward's mask."""
 
 import numpy as np

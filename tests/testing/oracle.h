@@ -1,9 +1,9 @@
-// The independent fp64 attention oracle of the test suite (DESIGN.md section 6).
+// The independent fp64 attention oracle of the test suite (docs/design.md section 6).
 //
 // Plain loops over dense, contiguous std::vector<double> tensors. It shares no code with src/:
 // its own Philox4x32-10, its own dense masks, its own softmax. Every masking rule and score
 // modifier is first turned into one dense bias [B, Hq, Lq, Lk] (0, -inf or the additive value),
-// then forward and backward follow the plain formulas of DESIGN.md section 1.
+// then forward and backward follow the plain formulas of docs/design.md section 1.
 #pragma once
 
 #include <array>

@@ -1,6 +1,6 @@
 // Attention problems shared by the forward, backward and dropout tests: one variant described
 // twice, as an oracle Spec and as attncore::Options (with the mask / ALiBi tensors it points
-// to), plus the comparisons and tolerances of DESIGN.md section 6.
+// to), plus the comparisons and tolerances of docs/design.md section 6.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -89,7 +89,7 @@ Operands make_operands(const Dims& dims, DType dtype, std::uint64_t seed);
 // max |a - b| over elements where both are finite.
 double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b);
 
-// The forward tolerance on `out` for inputs of `dtype` (DESIGN.md section 6): f64 and f32 are
+// The forward tolerance on `out` for inputs of `dtype` (docs/design.md section 6): f64 and f32 are
 // tight and absolute, relative to max |v|; bf16 and f16 follow the FlashAttention rule
 // 2 * max|naive_same_dtype - oracle| + tiny with `naive_out` the oracle's rounded run.
 double out_tolerance(DType dtype, const std::vector<double>& v, const std::vector<double>& exact,
