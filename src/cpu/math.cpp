@@ -233,8 +233,8 @@ void backward_impl(const Params& p, int threads, const BackwardArgs& a, std::int
         // Pass 2, blocks of key columns: dbias += dS (columns are owned by one task unless the
         // mask broadcasts over keys).
         if (dbias.active()) {
-          const int threads = dbias.column_stride() == 0 ? 1 : threads;
-          parallel_for(lk, threads, [&](std::int64_t j_begin, std::int64_t j_end) {
+          const int column_threads = dbias.column_stride() == 0 ? 1 : threads;
+          parallel_for(lk, column_threads, [&](std::int64_t j_begin, std::int64_t j_end) {
             for (std::int64_t i = 0; i < lq; ++i) {
               double* row = dbias.row(b, h, i);
               for (std::int64_t j = j_begin; j < j_end; ++j) {
