@@ -20,7 +20,7 @@ namespace attncore::detail::ATTNCORE_TARGET_NS {
 struct Bf16Dot {
   static constexpr bool kScaledQueries = false;
   // Packed tiles on native bf16 dots stay faster than DirectKv's f32 (4.8 against 5.6-7.5 ms on
-  // the decode shape of F32Dot's note).
+  // the decode shape of F32Dot's note, flash_dot_f32-inl.h).
   static constexpr bool kDirectDecode = false;
   using Operand = std::uint32_t;  // a bf16 pair: the element at the lower index in the low half
   static_assert(kLanes == 16, "one zmm of f32 lanes per vector");
