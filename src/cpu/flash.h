@@ -66,8 +66,8 @@ struct FlashBackwardScratch {
   void* put_context;
   float* dq;     // [heads][lq_pad][d_pad]: the heads' dQ, fp32
   float* delta;  // [heads][Lq]: <dO_i, O_i>
-  // Tiles in the forward's layouts (F32Dot or Bf16Dot, flash_kernel-inl.h), K packed as both
-  // keys and values:
+  // Tiles in the forward's layouts (F32Dot, flash_dot_f32-inl.h; Bf16Dot, flash_dot_bf16-inl.h),
+  // K packed as both keys and values:
   float* k_t;     // K's k-layout: for S
   float* k_rows;  // K's v-layout (bf16: pairs along keys): for dQ
   float* v_t;     // V's k-layout: for dP
