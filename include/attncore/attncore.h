@@ -54,3 +54,4 @@ void backward_into(const TensorView& dout, const TensorView& q, const TensorView
 }  // namespace attncore
 
 #include "attncore/varlen.h"
+#include "attncore/merge.h"

@@ -1,0 +1,140 @@
+// merge_attention_states (attncore/merge.h): validation, then every row of the outputs merged
+// by policy/softmax_state.h's merge_outputs.
+#include "attncore/merge.h"
+
+#include <string>
+#include <vector>
+
+#include "attncore/error.h"
+#include "core/convert.h"
+#include "core/threadpool.h"
+#include "core/validate_checks.h"
+#include "policy/softmax_state.h"
+
+namespace attncore {
+
+namespace {
+
+using detail::Checker;
+using detail::load_element;
+using detail::load_row;
+using detail::parallel_for;
+using detail::store_element;
+using detail::store_row;
+
+// The offset of row `row` (row-major over the first `rank` dims of `shape`) in a view.
+std::int64_t row_offset(const TensorView& t, const std::array<std::int64_t, kMaxRank>& shape,
+                        int rank, std::int64_t row) {
+  std::int64_t offset = 0;
+  for (int d = rank - 1; d >= 0; --d) {
+    const std::int64_t n = shape[static_cast<std::size_t>(d)];
+    offset += (row % n) * t.stride_of(d);
+    row /= n;
+  }
+  return offset;
+}
+
+// Checks the six views; returns the number of rows (the LSE's elements).
+std::int64_t validate(const Checker& check, const TensorView& out_a, const TensorView& lse_a,
+                      const TensorView& out_b, const TensorView& lse_b, const TensorView* out,
+                      const TensorView* lse, int num_threads) {
+  check.structure(out_a, "out_a");
+  if (out_a.rank < 1) {
+    check.fail("out_a has the wrong rank (rank=0, expected >= 1: [..., Dv])");
+  }
+  if (!is_floating(out_a.dtype)) {
+    check.fail("out_a has an unsupported dtype (dtype=" + std::string(name_of(out_a.dtype)) +
+               ", expected f32, f64, bf16 or f16)");
+  }
+  const DType lse_dtype = out_a.dtype == DType::f64 ? DType::f64 : DType::f32;
+  const int rank = out_a.rank;
+  auto like_out = [&](const TensorView& t, const char* name) {
+    check.view(t, name, rank, "like out_a");
+    check.dtype(t, name, out_a.dtype, " like out_a");
+    check.shape(t, name, out_a.shape.data(), "like out_a");
+    check.unit_last_stride(t, name);
+  };
+  auto like_lse = [&](const TensorView& t, const char* name) {
+    check.view(t, name, rank - 1, "out_a's shape without its last dim");
+    check.dtype(t, name, lse_dtype, " (f64 only for f64 outputs)");
+    check.shape(t, name, out_a.shape.data(), "out_a's shape without its last dim");
+  };
+  check.unit_last_stride(out_a, "out_a");
+  like_lse(lse_a, "lse_a");
+  like_out(out_b, "out_b");
+  like_lse(lse_b, "lse_b");
+  if (out != nullptr) {
+    like_out(*out, "out");
+    check.writable(*out, "out");
+    like_lse(*lse, "lse");
+    check.writable(*lse, "lse");
+  }
+  if (num_threads < 0) {
+    check.fail("num_threads is negative (num_threads=" + std::to_string(num_threads) +
+               ", expected >= 0; 0 = default)");
+  }
+  std::int64_t rows = 1;
+  for (int d = 0; d + 1 < rank; ++d) rows *= out_a.size(d);
+  return rows;
+}
+
+template <class T>
+void merge_rows(const TensorView& out_a, const TensorView& lse_a, const TensorView& out_b,
+                const TensorView& lse_b, const TensorView& out, const TensorView& lse,
+                std::int64_t rows, int threads) {
+  const int rank = out_a.rank;
+  const std::int64_t dv = out_a.size(rank - 1);
+  parallel_for(rows, threads, [&](std::int64_t begin, std::int64_t end) {
+    std::vector<T> a(static_cast<std::size_t>(dv)), b(a), merged(a);  // [Dv] each
+    for (std::int64_t row = begin; row < end; ++row) {
+      load_row(out_a.data, out_a.dtype, row_offset(out_a, out_a.shape, rank - 1, row), dv,
+               a.data());
+      load_row(out_b.data, out_b.dtype, row_offset(out_b, out_a.shape, rank - 1, row), dv,
+               b.data());
+      const T la = load_element<T>(lse_a.data, lse_a.dtype,
+                                   row_offset(lse_a, out_a.shape, rank - 1, row));
+      const T lb = load_element<T>(lse_b.data, lse_b.dtype,
+                                   row_offset(lse_b, out_a.shape, rank - 1, row));
+      const T l = detail::merge_outputs(a.data(), la, b.data(), lb, dv, merged.data());
+      store_row(merged.data(), dv, out.data, out.dtype, row_offset(out, out_a.shape, rank - 1, row));
+      store_element(lse.data, lse.dtype, row_offset(lse, out_a.shape, rank - 1, row), l);
+    }
+  });
+}
+
+void run(const TensorView& out_a, const TensorView& lse_a, const TensorView& out_b,
+         const TensorView& lse_b, const TensorView& out, const TensorView& lse,
+         std::int64_t rows, int num_threads) {
+  const int threads = detail::resolve_threads(num_threads);
+  if (out_a.dtype == DType::f64) {
+    merge_rows<double>(out_a, lse_a, out_b, lse_b, out, lse, rows, threads);
+  } else {
+    merge_rows<float>(out_a, lse_a, out_b, lse_b, out, lse, rows, threads);
+  }
+}
+
+}  // namespace
+
+void merge_attention_states_into(const TensorView& out_a, const TensorView& lse_a,
+                                 const TensorView& out_b, const TensorView& lse_b,
+                                 const TensorView& out, const TensorView& lse, int num_threads) {
+  const Checker check("merge_attention_states");
+  const std::int64_t rows = validate(check, out_a, lse_a, out_b, lse_b, &out, &lse, num_threads);
+  run(out_a, lse_a, out_b, lse_b, out, lse, rows, num_threads);
+}
+
+MergeResult merge_attention_states(const TensorView& out_a, const TensorView& lse_a,
+                                   const TensorView& out_b, const TensorView& lse_b,
+                                   int num_threads) {
+  const Checker check("merge_attention_states");
+  const std::int64_t rows =
+      validate(check, out_a, lse_a, out_b, lse_b, nullptr, nullptr, num_threads);
+  MergeResult r;
+  r.out = Tensor(out_a.dtype, out_a.shape.data(), out_a.rank);
+  r.lse = Tensor(out_a.dtype == DType::f64 ? DType::f64 : DType::f32, out_a.shape.data(),
+                 out_a.rank - 1);
+  run(out_a, lse_a, out_b, lse_b, r.out, r.lse, rows, num_threads);
+  return r;
+}
+
+}  // namespace attncore

@@ -1,0 +1,121 @@
+// merge_attention_states (attncore/merge.h): attention over two disjoint key sets, merged,
+// equals attention over their union; -inf sides contribute nothing; dense, flash and varlen
+// layouts; in place; bad inputs.
+#include "attncore/merge.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "attncore/attncore.h"
+#include "testing/problem.h"
+#include "testing/random.h"
+#include "testing/tensors.h"
+
+namespace attncore::test {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Keys [begin, end) of a [B, H, L, D] view (dim 2).
+TensorView keys(const Tensor& t, std::int64_t begin, std::int64_t end) {
+  TensorView v = t.view();
+  v.data = static_cast<char*>(v.data) +
+           begin * v.stride_of(2) * static_cast<std::int64_t>(size_of(v.dtype));
+  v.shape[2] = end - begin;
+  return v;
+}
+
+TEST(Merge, TwoKeySetsGiveTheirUnion) {
+  for (DType dtype : {DType::f64, DType::f32}) {
+    const Backend backend = dtype == DType::f64 ? Backend::reference : Backend::flash;
+    const Tensor q = make_tensor(dtype, {2, 3, 5, 16}, random_vector(2 * 3 * 5 * 16, 1));
+    const Tensor k = make_tensor(dtype, {2, 3, 40, 16}, random_vector(2 * 3 * 40 * 16, 2, -2, 2));
+    const Tensor v = make_tensor(dtype, {2, 3, 40, 16}, random_vector(2 * 3 * 40 * 16, 3));
+    const ForwardResult whole = forward(q, k, v, {}, backend);
+    for (std::int64_t cut : {0, 1, 17, 40}) {
+      const ForwardResult a = forward(q, keys(k, 0, cut), keys(v, 0, cut), {}, backend);
+      const ForwardResult b = forward(q, keys(k, cut, 40), keys(v, cut, 40), {}, backend);
+      const MergeResult m = merge_attention_states(a.out, a.lse, b.out, b.lse);
+      const double tol = dtype == DType::f64 ? 1e-12 : 2e-6;
+      EXPECT_TRUE(all_close(read_view(m.out.view()), read_view(whole.out.view()), tol,
+                            "out, cut " + std::to_string(cut)));
+      EXPECT_TRUE(all_close(read_view(m.lse.view()), read_view(whole.lse.view()), tol,
+                            "lse, cut " + std::to_string(cut)));
+    }
+  }
+}
+
+TEST(Merge, InfiniteSidesContributeNothing) {
+  // Row 0: side b is -inf (its output NaN); row 1: side a; row 2: both.
+  const double nan = std::nan("");
+  const Tensor out_a = make_tensor(DType::f32, {3, 2}, {1, 2, nan, nan, nan, 5});
+  const Tensor out_b = make_tensor(DType::f32, {3, 2}, {nan, nan, 3, 4, 6, nan});
+  const Tensor lse_a = make_tensor(DType::f32, {3}, {0.5, -kInf, -kInf});
+  const Tensor lse_b = make_tensor(DType::f32, {3}, {-kInf, 0.25, -kInf});
+  const MergeResult m = merge_attention_states(out_a, lse_a, out_b, lse_b);
+  EXPECT_EQ(read_view(m.out.view()), (std::vector<double>{1, 2, 3, 4, 0, 0}));
+  EXPECT_EQ(read_view(m.lse.view()), (std::vector<double>{0.5, 0.25, -kInf}));
+}
+
+TEST(Merge, FlashAndVarlenLayoutsAndInPlace) {
+  // flash layout: out [B, L, H, Dv] as [B, H, L, Dv] views, LSE [B, H, L]: the merge of the
+  // transposed views equals the merge of contiguous copies.
+  const std::int64_t b = 2, l = 3, h = 4, dv = 8;
+  const Tensor oa = make_tensor(DType::f32, {b, l, h, dv}, random_vector(b * l * h * dv, 4));
+  const Tensor ob = make_tensor(DType::f32, {b, l, h, dv}, random_vector(b * l * h * dv, 5));
+  const Tensor la = make_tensor(DType::f32, {b, h, l}, random_vector(b * h * l, 6, -3, 3));
+  const Tensor lb = make_tensor(DType::f32, {b, h, l}, random_vector(b * h * l, 7, -3, 3));
+  const MergeResult flash = merge_attention_states(oa.view().transposed(1, 2), la,
+                                                   ob.view().transposed(1, 2), lb);
+  const Tensor ca = make_tensor(DType::f32, {b, h, l, dv}, read_view(oa.view().transposed(1, 2)));
+  const Tensor cb = make_tensor(DType::f32, {b, h, l, dv}, read_view(ob.view().transposed(1, 2)));
+  const MergeResult dense = merge_attention_states(ca, la, cb, lb);
+  EXPECT_EQ(read_view(flash.out.view()), read_view(dense.out.view()));
+  EXPECT_EQ(read_view(flash.lse.view()), read_view(dense.lse.view()));
+  // varlen: out [total, H, Dv], LSE [H, total] seen as [total, H]; merged in place into side a.
+  const std::int64_t total = 5;
+  const Tensor va = make_tensor(DType::f32, {total, h, dv}, random_vector(total * h * dv, 8));
+  const Tensor vb = make_tensor(DType::f32, {total, h, dv}, random_vector(total * h * dv, 9));
+  const Tensor wa = make_tensor(DType::f32, {h, total}, random_vector(h * total, 10, -3, 3));
+  const Tensor wb = make_tensor(DType::f32, {h, total}, random_vector(h * total, 11, -3, 3));
+  const MergeResult copy = merge_attention_states(va, wa.view().transposed(0, 1), vb,
+                                                  wb.view().transposed(0, 1));
+  merge_attention_states_into(va, wa.view().transposed(0, 1), vb, wb.view().transposed(0, 1), va,
+                              wa.view().transposed(0, 1));
+  EXPECT_EQ(read_view(va.view()), read_view(copy.out.view()));
+  EXPECT_EQ(read_view(wa.view().transposed(0, 1)), read_view(copy.lse.view()));
+}
+
+TEST(Merge, BadInputs) {
+  const Tensor o = make_tensor(DType::f32, {2, 3, 4}, std::vector<double>(24, 0.0));
+  const Tensor l = make_tensor(DType::f32, {2, 3}, std::vector<double>(6, 0.0));
+  const Tensor o_short = make_tensor(DType::f32, {2, 2, 4}, std::vector<double>(16, 0.0));
+  const Tensor l_f64 = make_tensor(DType::f64, {2, 3}, std::vector<double>(6, 0.0));
+  const Tensor l_wrong = make_tensor(DType::f32, {3, 2}, std::vector<double>(6, 0.0));
+  auto message = [](auto&& call) -> std::string {
+    try {
+      call();
+    } catch (const InvalidArgument& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_EQ(message([&] { merge_attention_states(o, l, o_short, l); }),
+            "merge_attention_states: out_b has shape [2, 2, 4], expected [2, 3, 4] (like out_a)");
+  EXPECT_EQ(message([&] { merge_attention_states(o, l_f64, o, l); }),
+            "merge_attention_states: lse_a has the wrong dtype (dtype=f64, expected f32 (f64 only "
+            "for f64 outputs))");
+  EXPECT_EQ(message([&] { merge_attention_states(o, l, o, l_wrong); }),
+            "merge_attention_states: lse_b has shape [3, 2], expected [2, 3] (out_a's shape "
+            "without its last dim)");
+  EXPECT_NE(message([&] { merge_attention_states(o, o, o, l); }).find("lse_a has the wrong rank"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace attncore::test
