@@ -5,6 +5,7 @@
 #include "attncore/dtype.h"
 #include "attncore/error.h"
 #include "attncore/info.h"
+#include "attncore/kvcache.h"
 #include "attncore/merge.h"
 #include "attncore/options.h"
 #include "attncore/tensor.h"

@@ -55,3 +55,4 @@ void backward_into(const TensorView& dout, const TensorView& q, const TensorView
 
 #include "attncore/varlen.h"
 #include "attncore/merge.h"
+#include "attncore/kvcache.h"

@@ -176,4 +176,27 @@ BackwardResult backward_varlen(const TensorView& dout, const TensorView& q, cons
   return r;
 }
 
+void forward_kvcache_into(const TensorView& q, const TensorView& k_cache,
+                          const TensorView& v_cache, const KvCacheSeqs& seqs,
+                          const TensorView& out, const std::optional<TensorView>& lse,
+                          const Options& options, Backend backend) {
+  const ForwardArgs args{q, k_cache, v_cache, out, lse.value_or(TensorView{})};
+  const Params p = detail::validate_kvcache_forward(args, seqs, options, backend, true);
+  run_forward(p, launch_of(options), args, backend);
+}
+
+ForwardResult forward_kvcache(const TensorView& q, const TensorView& k_cache,
+                              const TensorView& v_cache, const KvCacheSeqs& seqs,
+                              const Options& options, Backend backend) {
+  const ForwardArgs args{q, k_cache, v_cache, {}, {}};
+  const Params p = detail::validate_kvcache_forward(args, seqs, options, backend, false);
+  ForwardResult r;
+  guarded("forward", "allocating out and lse", [&] {
+    r.out = Tensor(p.dtype, {p.batch, p.heads_q, p.seq.lq, p.head_dim_v});
+    r.lse = Tensor(lse_dtype(p), {p.batch, p.heads_q, p.seq.lq});
+  });
+  forward_kvcache_into(q, k_cache, v_cache, seqs, r.out, r.lse.view(), options, backend);
+  return r;
+}
+
 }  // namespace attncore

@@ -18,31 +18,48 @@ namespace attncore::detail {
 enum class MaskKind : std::uint8_t { none, boolean, additive };
 
 // Where sequence b's rows are: query rows [q0, q0 + lq) and key rows [k0, k0 + lk) of the
-// packed buffers (dense: q0 = k0 = 0, the batch dim addresses the sequence).
+// packed buffers (dense: q0 = k0 = 0, the batch dim addresses the sequence). kv_batch >= 0:
+// the keys are in batch row kv_batch of the K/V views (a KV cache's row), not in row b.
 struct SeqSpan {
   std::int64_t q0, lq, k0, lk;
+  std::int64_t kv_batch = -1;
 };
 
-// The sequence-info policy: dense (every sequence has lq queries and lk keys) or varlen
+// The sequence-info policy: dense (every sequence has lq queries and lk keys), varlen
 // (flash-attn's cu_seqlens: sequence b has queries [cu_q[b], cu_q[b+1]) and keys
-// [cu_k[b], cu_k[b] + (used_k ? used_k[b] : cu_k[b+1] - cu_k[b]))).
+// [cu_k[b], cu_k[b] + (used_k ? used_k[b] : cu_k[b+1] - cu_k[b]))), or a KV cache (lq queries
+// per sequence; sequence b's keys are slots [leftpad[b], cache_seqlens[b]) of cache row
+// cache_batch[b], or of row b).
 struct SeqInfo {
   // Dense: the lengths of every sequence. Varlen: max_seqlen_q / max_seqlen_k as passed (they
-  // may exceed the real maxima; dropout addresses elements with them).
+  // may exceed the real maxima; dropout addresses elements with them). Cache: Lq and the
+  // cache's capacity.
   std::int64_t lq = 0, lk = 0;
-  // Varlen only (null for dense), validated: int32 [B + 1], [B + 1], [B] or null.
+  // Varlen only (null otherwise), validated: int32 [B + 1], [B + 1], [B] or null.
   const std::int32_t* cu_q = nullptr;
   const std::int32_t* cu_k = nullptr;
   const std::int32_t* used_k = nullptr;
-  // Varlen only: the longest real sequence (sizes workspaces), and the rows of the buffers.
+  // Cache only (null otherwise), validated: int32 [B]; the other two may be null.
+  const std::int32_t* cache_seqlens = nullptr;
+  const std::int32_t* cache_batch = nullptr;
+  const std::int32_t* cache_leftpad = nullptr;
+  // Varlen and cache: the longest real sequence (sizes workspaces). Varlen: the rows of the
+  // buffers.
   std::int64_t longest_q = 0, longest_k = 0;
   std::int64_t rows_q = 0, rows_k = 0;
 
   bool varlen() const { return cu_q != nullptr; }
+  bool cache() const { return cache_seqlens != nullptr; }
+  // Whether sequences differ (varlen, cache): backends resolve each one (core/sequence.h).
+  bool per_sequence() const { return varlen() || cache(); }
   // The longest query / key sequence any work item sees.
   std::int64_t max_q() const { return varlen() ? longest_q : lq; }
-  std::int64_t max_k() const { return varlen() ? longest_k : lk; }
+  std::int64_t max_k() const { return per_sequence() ? longest_k : lk; }
   SeqSpan at(std::int64_t b) const {
+    if (cache()) {
+      const std::int64_t k0 = cache_leftpad != nullptr ? cache_leftpad[b] : 0;
+      return {0, lq, k0, cache_seqlens[b] - k0, cache_batch != nullptr ? cache_batch[b] : b};
+    }
     if (!varlen()) return {0, lq, 0, lk};
     const std::int64_t k0 = cu_k[b];
     return {cu_q[b], cu_q[b + 1] - cu_q[b], k0,

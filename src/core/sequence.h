@@ -33,15 +33,27 @@ inline Params sequence_params(const Params& p, const SeqSpan& s) {
   return r;
 }
 
+// Key rows [first, first + count) of K or V; with kv_batch >= 0, of batch row kv_batch (the
+// view's batch stride becomes 0: the sequence's own index b then addresses no memory).
+inline TensorView kv_rows_of(const TensorView& t, const SeqSpan& s) {
+  TensorView r = rows_of(t, s.k0, s.lk);
+  if (s.kv_batch >= 0 && r.data != nullptr) {
+    r.data = static_cast<char*>(r.data) +
+             s.kv_batch * r.stride[0] * static_cast<std::int64_t>(size_of(r.dtype));
+    r.stride[0] = 0;
+  }
+  return r;
+}
+
 inline ForwardArgs sequence_args(const ForwardArgs& a, const SeqSpan& s) {
-  return {rows_of(a.q, s.q0, s.lq), rows_of(a.k, s.k0, s.lk), rows_of(a.v, s.k0, s.lk),
+  return {rows_of(a.q, s.q0, s.lq), kv_rows_of(a.k, s), kv_rows_of(a.v, s),
           rows_of(a.out, s.q0, s.lq), rows_of(a.lse, s.q0, s.lq)};
 }
 
 inline BackwardArgs sequence_args(const BackwardArgs& a, const SeqSpan& s) {
-  return {rows_of(a.dout, s.q0, s.lq), rows_of(a.q, s.q0, s.lq),   rows_of(a.k, s.k0, s.lk),
-          rows_of(a.v, s.k0, s.lk),    rows_of(a.out, s.q0, s.lq),  rows_of(a.lse, s.q0, s.lq),
-          rows_of(a.dq, s.q0, s.lq),   rows_of(a.dk, s.k0, s.lk),   rows_of(a.dv, s.k0, s.lk),
+  return {rows_of(a.dout, s.q0, s.lq), rows_of(a.q, s.q0, s.lq),   kv_rows_of(a.k, s),
+          kv_rows_of(a.v, s),          rows_of(a.out, s.q0, s.lq),  rows_of(a.lse, s.q0, s.lq),
+          rows_of(a.dq, s.q0, s.lq),   kv_rows_of(a.dk, s),         kv_rows_of(a.dv, s),
           a.dbias};
 }
 
@@ -54,16 +66,16 @@ struct Sequence {
 
 template <class Args>
 Sequence<Args> resolve_sequence(const Params& p, const Args& a, std::int64_t b) {
-  if (!p.seq.varlen()) return {p, a};
+  if (!p.seq.per_sequence()) return {p, a};
   const SeqSpan s = p.seq.at(b);
   return {sequence_params(p, s), sequence_args(a, s)};
 }
 
-// A varlen call seen as a dense batch of the same number of sequences, query rows and
+// A varlen or cache call seen as a dense batch of the same number of sequences, query rows and
 // (query, key) pairs: Lq = the mean query length, Lk = pairs / query rows (rounded). What the
 // cost model prices; a dense call is itself.
 inline Params dense_equivalent(const Params& p) {
-  if (!p.seq.varlen()) return p;
+  if (!p.seq.per_sequence()) return p;
   double rows = 0, pairs = 0;
   for (std::int64_t b = 0; b < p.batch; ++b) {
     const SeqSpan s = p.seq.at(b);
@@ -87,10 +99,11 @@ void fill_unused_rows(const Params& p, const BackwardArgs& a);
 namespace attncore::detail {
 
 // Runs f(params, args, b_begin, b_end) over the call: once over the whole batch for a dense
-// call; once per sequence for a varlen call, each resolved (f then sees b_end = b_begin + 1).
+// call; once per sequence for a varlen or cache call, each resolved (f then sees
+// b_end = b_begin + 1).
 template <class Args, class F>
 void for_each_sequence(const Params& p, const Args& a, F&& f) {
-  if (!p.seq.varlen()) {
+  if (!p.seq.per_sequence()) {
     f(p, a, std::int64_t{0}, p.batch);
     return;
   }

@@ -1,6 +1,7 @@
 // Every check of every public entry point, in one place (docs/design.md section 4).
 #pragma once
 
+#include "attncore/kvcache.h"
 #include "attncore/varlen.h"
 #include "core/params.h"
 
@@ -23,6 +24,11 @@ Params validate_varlen_forward(ForwardArgs& args, const VarlenSeqs& seqs, const 
                                Backend backend, bool check_outputs);
 
 Params validate_varlen_backward(BackwardArgs& args, const VarlenSeqs& seqs,
+                                const Options& options, Backend backend, bool check_outputs);
+
+// Attention over a KV cache (attncore/kvcache.h): q [B, Hq, Lq, D], k [B_cache, Hkv, capacity,
+// D], v likewise, out, lse as for dense calls.
+Params validate_kvcache_forward(const ForwardArgs& args, const KvCacheSeqs& seqs,
                                 const Options& options, Backend backend, bool check_outputs);
 
 }  // namespace attncore::detail

@@ -147,7 +147,7 @@ FlashForwardPlan plan_flash_forward(const Params& call, int threads, const Flash
   // problem.
   plan.order.resize(static_cast<std::size_t>(groups));
   for (std::size_t g = 0; g < plan.order.size(); ++g) plan.order[g] = static_cast<std::int64_t>(g);
-  if (call.seq.varlen()) {
+  if (call.seq.per_sequence()) {
     std::stable_sort(plan.order.begin(), plan.order.end(), [&](std::int64_t x, std::int64_t y) {
       return work[static_cast<std::size_t>(x / call.heads_kv)] >
              work[static_cast<std::size_t>(y / call.heads_kv)];
@@ -164,19 +164,19 @@ FlashForwardPlan plan_flash_forward(const Params& call, int threads, const Flash
   const std::int64_t tiles = (call.seq.max_k() + layout.key_tile - 1) / layout.key_tile;
   const std::int64_t dv_pad = round_up(call.head_dim_v, layout.dv_align);
   plan.panel_floats = round_up(tiles * layout.key_tile * (call.head_dim + dv_pad), 16);
-  plan.on_the_fly = !call.seq.varlen() && plan_items(call, layout.block_rows).count == 1 &&
+  plan.on_the_fly = !call.seq.per_sequence() && plan_items(call, layout.block_rows).count == 1 &&
                     (groups >= threads ||
                      flash_reads_kv_in_place(call, layout.tile_rows, layout.bf16_dot));
   const double dims = static_cast<double>(call.head_dim + call.head_dim_v);
   const double q_rows = call.seq.varlen() ? static_cast<double>(call.seq.cu_q[call.batch])
                                           : static_cast<double>(call.batch * call.seq.lq);
   const double k_rows = call.seq.varlen() ? static_cast<double>(call.seq.cu_k[call.batch])
-                                          : static_cast<double>(call.batch * call.seq.lk);
+                                          : static_cast<double>(call.batch * call.seq.max_k());
   const double operand_floats = dims * (static_cast<double>(call.heads_q) * q_rows +
                                         static_cast<double>(call.heads_kv) * k_rows);
   const bool enough_groups = groups >= 2 * threads || groups % threads == 0;
   bool even = true;
-  if (call.seq.varlen()) {
+  if (call.seq.per_sequence()) {
     std::vector<double> load(static_cast<std::size_t>(threads), 0.0);
     for (std::int64_t g : plan.order) {
       *std::min_element(load.begin(), load.end()) +=

@@ -1,0 +1,124 @@
+// Input validation of attention over a KV cache (attncore/kvcache.h): q and the cache, the
+// int32 arrays and their values, then the options as for dense calls (no mask, no dropout).
+// Messages follow docs/design.md section 4.
+#include <algorithm>
+#include <string>
+
+#include "attncore/error.h"
+#include "core/validate.h"
+#include "core/validate_checks.h"
+
+namespace attncore::detail {
+
+namespace {
+
+// An int32 [n] array, contiguous; returns its data.
+const std::int32_t* index_array(const Checker& check, const TensorView& t, const char* name,
+                                std::int64_t n) {
+  check.structure(t, name);
+  if (t.dtype != DType::i32) {
+    check.fail(std::string(name) + " has the wrong dtype (dtype=" + std::string(name_of(t.dtype)) +
+               ", expected i32)");
+  }
+  if (t.rank != 1 || t.size(0) != n) {
+    check.fail(std::string(name) + " has shape " + t.shape_string() + ", expected [" +
+               std::to_string(n) + "] ([B])");
+  }
+  if (n > 1 && t.stride_of(0) != 1) {
+    check.fail(std::string(name) + " is not contiguous (stride[0]=" +
+               std::to_string(t.stride_of(0)) + ", expected 1)");
+  }
+  return static_cast<const std::int32_t*>(t.data);
+}
+
+}  // namespace
+
+Params validate_kvcache_forward(const ForwardArgs& a, const KvCacheSeqs& s, const Options& o,
+                                Backend backend, bool check_outputs) {
+  const Checker check("forward");
+  check.backend(backend);
+  check.view(a.q, "query", 4, "[B, Hq, Lq, D]");
+  check.view(a.k, "k_cache", 4, "[B_cache, Hkv, capacity, D]");
+  check.view(a.v, "v_cache", 4, "[B_cache, Hkv, capacity, Dv]");
+  check.inputs(a.q, a.k, a.v);
+  Params p;
+  p.dtype = a.q.dtype;
+  p.batch = a.q.size(0);
+  p.heads_q = a.q.size(1);
+  p.head_dim = a.q.size(3);
+  p.heads_kv = a.k.size(1);
+  p.head_dim_v = a.v.size(3);
+  check.dims(p);
+  const std::int64_t cache_batch = a.k.size(0), capacity = a.k.size(2);
+  if (p.heads_kv < 1 || p.heads_q % p.heads_kv != 0 || a.k.size(3) != p.head_dim) {
+    check.fail("k_cache has shape " + a.k.shape_string() + ", expected [B_cache, Hkv, capacity, " +
+               std::to_string(p.head_dim) + "] with Hq % Hkv == 0 (Hq=" +
+               std::to_string(p.heads_q) + ", Hkv=" + std::to_string(p.heads_kv) + ")");
+  }
+  check.group(p, o);
+  const std::int64_t v_expected[4] = {cache_batch, p.heads_kv, capacity, p.head_dim_v};
+  check.shape(a.v, "v_cache", v_expected, "[B_cache, Hkv, capacity, Dv] like k_cache");
+
+  SeqInfo& seq = p.seq;
+  seq.lq = a.q.size(2);
+  seq.lk = capacity;
+  seq.cache_seqlens = index_array(check, s.cache_seqlens, "cache_seqlens", p.batch);
+  if (s.cache_batch_idx.has_value()) {
+    seq.cache_batch = index_array(check, *s.cache_batch_idx, "cache_batch_idx", p.batch);
+  } else if (cache_batch != p.batch) {
+    check.fail("k_cache has shape " + a.k.shape_string() + ", expected a batch of " +
+               std::to_string(p.batch) + " like query (B_cache=" + std::to_string(cache_batch) +
+               ", expected B_cache == B without cache_batch_idx)");
+  }
+  if (s.cache_leftpad.has_value()) {
+    seq.cache_leftpad = index_array(check, *s.cache_leftpad, "cache_leftpad", p.batch);
+  }
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    const std::int64_t end = seq.cache_seqlens[b];
+    if (end < 0 || end > capacity) {
+      check.fail("cache_seqlens is out of range (cache_seqlens[" + std::to_string(b) +
+                 "]=" + std::to_string(end) + ", expected 0 <= cache_seqlens[b] <= capacity=" +
+                 std::to_string(capacity) + ")");
+    }
+    if (seq.cache_batch != nullptr &&
+        (seq.cache_batch[b] < 0 || seq.cache_batch[b] >= cache_batch)) {
+      check.fail("cache_batch_idx is out of range (cache_batch_idx[" + std::to_string(b) +
+                 "]=" + std::to_string(seq.cache_batch[b]) + ", expected 0 <= idx < B_cache=" +
+                 std::to_string(cache_batch) + ")");
+    }
+    const std::int64_t start = seq.cache_leftpad != nullptr ? seq.cache_leftpad[b] : 0;
+    if (start < 0 || start > end) {
+      check.fail("cache_leftpad is out of range (cache_leftpad[" + std::to_string(b) +
+                 "]=" + std::to_string(start) + ", expected 0 <= cache_leftpad[b] <= "
+                 "cache_seqlens[b]=" + std::to_string(end) + ")");
+    }
+    seq.longest_k = std::max(seq.longest_k, end - start);
+  }
+  seq.longest_q = seq.lq;
+  if (o.mask.has_value()) {
+    check.unsupported("mask is not supported with a KV cache (mask=given, expected none); use "
+                      "causal, window_left/window_right or cache_seqlens");
+  }
+  if (o.dropout_p != 0.0) {
+    check.unsupported("dropout is not supported with a KV cache (dropout_p=" +
+                      fmt_double(o.dropout_p) + ", expected 0)");
+  }
+  resolve_variant(check, o, p);
+  if (!check_outputs) return p;
+  const std::int64_t out_shape[4] = {p.batch, p.heads_q, seq.lq, p.head_dim_v};
+  check.view(a.out, "out", 4, "[B, Hq, Lq, Dv]");
+  check.dtype(a.out, "out", p.dtype, "");
+  check.shape(a.out, "out", out_shape, "[B, Hq, Lq, Dv]");
+  check.unit_last_stride(a.out, "out");
+  check.writable(a.out, "out");
+  if (a.lse.data != nullptr || a.lse.rank != 0) {
+    check.view(a.lse, "lse", 3, "[B, Hq, Lq]");
+    check.dtype(a.lse, "lse", p.dtype == DType::f64 ? DType::f64 : DType::f32,
+                " (f64 only for f64 inputs)");
+    check.shape(a.lse, "lse", out_shape, "[B, Hq, Lq]");
+    check.writable(a.lse, "lse");
+  }
+  return p;
+}
+
+}  // namespace attncore::detail

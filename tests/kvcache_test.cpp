@@ -1,0 +1,204 @@
+// Attention over a KV cache (attncore/kvcache.h): each sequence equals the dense call on its
+// cache slots [leftpad, cache_seqlens) of its cache row, bitwise, on every backend and SIMD
+// target, in both cache layouts; slots outside the range (NaN here) are never read; bad inputs.
+#include "attncore/kvcache.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "attncore/attncore.h"
+#include "testing/problem.h"
+#include "testing/random.h"
+#include "testing/tensors.h"
+
+namespace attncore::test {
+namespace {
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+Tensor int_tensor(const std::vector<int>& values) {
+  Tensor t(DType::i32, {static_cast<std::int64_t>(values.size())});
+  std::memcpy(t.data(), values.data(), values.size() * sizeof(int));
+  return t;
+}
+
+// A cache [B_cache, capacity, Hkv, D] (flash layout) whose slots outside each used range hold
+// NaN; `ranges[r]` = {start, end} of cache row r ({0, 0}: unused row).
+Tensor make_cache(DType dtype, std::int64_t rows, std::int64_t capacity, std::int64_t heads,
+                  std::int64_t dim, const std::vector<std::pair<int, int>>& ranges,
+                  std::uint64_t seed) {
+  Random rng(seed);
+  std::vector<double> x(static_cast<std::size_t>(rows * capacity * heads * dim));
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t s = 0; s < capacity; ++s)
+      for (std::int64_t e = 0; e < heads * dim; ++e) {
+        const bool used = s >= ranges[static_cast<std::size_t>(r)].first &&
+                          s < ranges[static_cast<std::size_t>(r)].second;
+        x[static_cast<std::size_t>((r * capacity + s) * heads * dim + e)] =
+            used ? round_to(rng.uniform(-1, 1), dtype) : kNaN;
+      }
+  return make_tensor(dtype, {rows, capacity, heads, dim}, x);
+}
+
+// Slots [start, end) of cache row r as a dense [1, H, end - start, D] view.
+TensorView slots(const Tensor& cache, std::int64_t r, std::int64_t start, std::int64_t end) {
+  const TensorView v = cache.view().transposed(1, 2);  // [B_cache, H, capacity, D]
+  TensorView s = v;
+  s.data = static_cast<char*>(v.data) +
+           (r * v.stride_of(0) + start * v.stride_of(2)) * static_cast<std::int64_t>(size_of(v.dtype));
+  s.shape[0] = 1;
+  s.shape[2] = end - start;
+  return s;
+}
+
+// Batch row b of a [B, H, L, D] tensor as [1, H, L, D].
+TensorView batch_row(const TensorView& t, std::int64_t b) {
+  TensorView s = t;
+  s.data = static_cast<char*>(t.data) + b * t.stride_of(0) * static_cast<std::int64_t>(size_of(t.dtype));
+  s.shape[0] = 1;
+  return s;
+}
+
+::testing::AssertionResult same_bits(const std::vector<double>& got,
+                                     const std::vector<double>& want, const std::string& what) {
+  if (got.size() != want.size()) return ::testing::AssertionFailure() << what << ": sizes differ";
+  for (std::size_t e = 0; e < got.size(); ++e) {
+    if (!(std::isnan(got[e]) && std::isnan(want[e])) &&
+        std::memcmp(&got[e], &want[e], sizeof(double)) != 0) {
+      return ::testing::AssertionFailure() << what << ": element " << e << " is " << got[e]
+                                           << ", expected " << want[e];
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+TEST(KvCache, EachSequenceEqualsItsDenseCallBitwise) {
+  const std::int64_t heads_q = 4, heads_kv = 2, dim = 40, capacity = 150;
+  // Cache rows: 0 holds slots [3, 140), 1 nothing, 2 slots [0, 9); sequences use rows 2, 0, 0.
+  const std::vector<std::pair<int, int>> ranges = {{3, 140}, {0, 0}, {0, 9}};
+  const std::vector<int> seqlens = {9, 140, 140}, leftpad = {0, 3, 3}, batch_idx = {2, 0, 0};
+  const Tensor seqlens_t = int_tensor(seqlens), leftpad_t = int_tensor(leftpad);
+  const Tensor batch_t = int_tensor(batch_idx);
+  KvCacheSeqs seqs;
+  seqs.cache_seqlens = seqlens_t.view();
+  seqs.cache_leftpad = leftpad_t.view();
+  seqs.cache_batch_idx = batch_t.view();
+  struct Variant {
+    const char* name;
+    Causal causal;
+    std::int64_t window_left;
+    double softcap;
+    bool alibi;
+  };
+  const Variant variants[] = {{"plain", Causal::none, -1, 0.0, false},
+                              {"causal", Causal::lower_right, -1, 0.0, false},
+                              {"window", Causal::lower_right, 20, 0.0, false},
+                              {"softcap_alibi", Causal::none, -1, 5.0, true}};
+  const std::vector<std::string> targets = simd_targets_supported();
+  for (const std::string& target : targets) {
+    const ScopedTarget scope(target);
+    for (Backend backend : {Backend::flash, Backend::math, Backend::reference}) {
+      for (DType dtype : {DType::f32, DType::bf16}) {
+        if (backend != Backend::flash && target != targets.front()) continue;
+        for (std::int64_t lq : {1, 3, 70}) {
+          const Tensor k = make_cache(dtype, 3, capacity, heads_kv, dim, ranges, 1);
+          const Tensor v = make_cache(dtype, 3, capacity, heads_kv, dim, ranges, 2);
+          const Tensor q = make_tensor(dtype, {3, heads_q, lq, dim},
+                                       rounded(random_vector(3 * heads_q * lq * dim, 3), dtype));
+          const Tensor slopes = make_tensor(DType::f32, {3, heads_q},
+                                            random_vector(3 * heads_q, 4, 0.01, 0.2));
+          for (const Variant& variant : variants) {
+            SCOPED_TRACE(target + " " + std::string(name_of(backend)) + " " +
+                         std::string(name_of(dtype)) + " Lq=" + std::to_string(lq) + " " +
+                         variant.name);
+            Options o;
+            o.causal = variant.causal;
+            o.window_left = variant.window_left;
+            o.softcap = variant.softcap;
+            if (variant.alibi) o.alibi_slopes = slopes.view();
+            const ForwardResult r = forward_kvcache(q, k.view().transposed(1, 2),
+                                                    v.view().transposed(1, 2), seqs, o, backend);
+            for (std::int64_t b = 0; b < 3; ++b) {
+              Options ob = o;
+              if (variant.alibi) {
+                TensorView row = slopes.view();
+                row.data = static_cast<float*>(row.data) + b * heads_q;
+                row.rank = 1;
+                row.shape[0] = heads_q;
+                row.stride[0] = 1;
+                ob.alibi_slopes = row;
+              }
+              const std::int64_t start = leftpad[static_cast<std::size_t>(b)];
+              const std::int64_t end = seqlens[static_cast<std::size_t>(b)];
+              const std::int64_t row = batch_idx[static_cast<std::size_t>(b)];
+              const ForwardResult one =
+                  forward(batch_row(q.view(), b), slots(k, row, start, end),
+                          slots(v, row, start, end), ob, backend);
+              ASSERT_TRUE(same_bits(read_view(batch_row(r.out.view(), b)),
+                                    read_view(one.out.view()), "out " + std::to_string(b)));
+              ASSERT_TRUE(same_bits(read_view(batch_row(r.lse.view(), b)),
+                                    read_view(one.lse.view()), "lse " + std::to_string(b)));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(KvCache, BadInputs) {
+  const Tensor q(DType::f32, {2, 2, 1, 8});
+  const Tensor cache(DType::f32, {3, 2, 10, 8});
+  auto message = [&](const KvCacheSeqs& s, Options o = {}) -> std::string {
+    try {
+      forward_kvcache(q, cache, cache, s, o);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  const Tensor seqlens = int_tensor({4, 5}), idx = int_tensor({2, 0});
+  KvCacheSeqs s;
+  s.cache_seqlens = seqlens.view();
+  EXPECT_NE(message(s).find("forward: k_cache has shape [3, 2, 10, 8], expected a batch of 2"),
+            std::string::npos);
+  s.cache_batch_idx = idx.view();
+  EXPECT_EQ(message(s), "");
+  const Tensor past = int_tensor({4, 11});
+  s.cache_seqlens = past.view();
+  EXPECT_EQ(message(s), "forward: cache_seqlens is out of range (cache_seqlens[1]=11, expected "
+                        "0 <= cache_seqlens[b] <= capacity=10)");
+  s.cache_seqlens = seqlens.view();
+  const Tensor bad_idx = int_tensor({3, 0});
+  s.cache_batch_idx = bad_idx.view();
+  EXPECT_EQ(message(s), "forward: cache_batch_idx is out of range (cache_batch_idx[0]=3, "
+                        "expected 0 <= idx < B_cache=3)");
+  s.cache_batch_idx = idx.view();
+  const Tensor pad = int_tensor({0, 6});
+  s.cache_leftpad = pad.view();
+  EXPECT_EQ(message(s), "forward: cache_leftpad is out of range (cache_leftpad[1]=6, expected "
+                        "0 <= cache_leftpad[b] <= cache_seqlens[b]=5)");
+  s.cache_leftpad.reset();
+  const Tensor f32_lens = make_tensor(DType::f32, {2}, {4, 5});
+  s.cache_seqlens = f32_lens.view();
+  EXPECT_EQ(message(s), "forward: cache_seqlens has the wrong dtype (dtype=f32, expected i32)");
+  s.cache_seqlens = seqlens.view();
+  Options dropout;
+  dropout.dropout_p = 0.1;
+  EXPECT_NE(message(s, dropout).find("forward: dropout is not supported with a KV cache"),
+            std::string::npos);
+  Tensor mask(DType::b8, {1, 10});
+  Options masked;
+  masked.mask = mask.view();
+  EXPECT_NE(message(s, masked).find("forward: mask is not supported with a KV cache"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace attncore::test
