@@ -10,6 +10,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <unistd.h>
+
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -34,6 +36,44 @@ constexpr std::uint8_t kDLBoolCode = 6;
 // The data addresses of the arrays of this thread's last call, by argument name: lets the
 // tests prove that a strided view reached the kernels without a copy.
 thread_local std::map<std::string, std::uintptr_t> last_call_addresses;
+
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+// Never returns: the interpreter is shutting down and this thread may not run Python again.
+// The process ends when the thread finalizing the interpreter exits it.
+[[noreturn]] void park_thread() {
+  for (;;) pause();
+}
+
+// Releases the GIL for the duration of a call into the library and takes it back after.
+// When the interpreter has begun to finalize (a daemon thread still inside a call at exit),
+// taking the GIL back ends the thread through pthread_exit, a forced unwind; unwinding this
+// frame's callers would run destructors that need the GIL, and unwinding a noexcept
+// destructor terminates the process. The thread is parked instead, as CPython 3.14 parks
+// daemon threads: it holds no lock and the process exits normally.
+class GilReleased {
+ public:
+  GilReleased() : state_(PyEval_SaveThread()) {}
+  GilReleased(const GilReleased&) = delete;
+  GilReleased& operator=(const GilReleased&) = delete;
+  ~GilReleased() {
+    if (interpreter_finalizing()) park_thread();
+    try {
+      PyEval_RestoreThread(state_);
+    } catch (...) {  // abi::__forced_unwind from PyThread_exit_thread: finalization began
+      park_thread();
+    }
+  }
+
+ private:
+  PyThreadState* state_;
+};
 
 DType dtype_from_format(std::string format, py::ssize_t itemsize, const char* name) {
   // Native or explicitly little-endian byte order only (this library runs on little-endian CPUs).
@@ -224,7 +264,7 @@ void forward(py::handle q, py::handle k, py::handle v, py::handle out, py::handl
   const auto balibi = borrow_optional(alibi_slopes, "alibi_slopes", false);
   const attncore::Options options = call.options(bmask, balibi, false);
   const attncore::Backend backend = backend_from_name(call.backend);
-  py::gil_scoped_release release;
+  const GilReleased released;
   attncore::forward_into(bq.view(), bk.view(), bv.view(), bout.view(), view_of(blse), options,
                          backend);
 }
@@ -243,7 +283,7 @@ void backward(py::handle dout, py::handle q, py::handle k, py::handle v, py::han
   const auto balibi = borrow_optional(alibi_slopes, "alibi_slopes", false);
   const attncore::Options options = call.options(bmask, balibi, bdbias.has_value());
   const attncore::Backend backend = backend_from_name(call.backend);
-  py::gil_scoped_release release;
+  const GilReleased released;
   attncore::backward_into(bdout.view(), bq.view(), bk.view(), bv.view(), bout.view(), blse.view(),
                           bdq.view(), bdk.view(), bdv.view(), view_of(bdbias), options, backend);
 }
@@ -284,7 +324,7 @@ void forward_varlen(py::handle q, py::handle k, py::handle v, py::handle cu_seql
   const auto balibi = borrow_optional(alibi_slopes, "alibi_slopes", false);
   const attncore::Options options = call.options(bmask, balibi, false);
   const attncore::Backend backend = backend_from_name(call.backend);
-  py::gil_scoped_release release;
+  const GilReleased released;
   attncore::forward_varlen_into(bq.view(), bk.view(), bv.view(), seqs.seqs(), bout.view(),
                                 view_of(blse), options, backend);
 }
@@ -305,7 +345,7 @@ void backward_varlen(py::handle dout, py::handle q, py::handle k, py::handle v, 
   const auto balibi = borrow_optional(alibi_slopes, "alibi_slopes", false);
   const attncore::Options options = call.options(bmask, balibi, false);
   const attncore::Backend backend = backend_from_name(call.backend);
-  py::gil_scoped_release release;
+  const GilReleased released;
   attncore::backward_varlen_into(bdout.view(), bq.view(), bk.view(), bv.view(), bout.view(),
                                  blse.view(), seqs.seqs(), bdq.view(), bdk.view(), bdv.view(),
                                  options, backend);
