@@ -209,6 +209,8 @@ std::vector<BadInput> bad_inputs() {
   add("softcap_nan", Op::forward, {"softcap=nan"}, [](Call& c) { c.options.softcap = kNaN; });
   add("softcap_inf", Op::forward, {"softcap=inf"}, [](Call& c) { c.options.softcap = kInf; });
   add("num_threads", Op::forward, {"num_threads=-1"}, [](Call& c) { c.options.num_threads = -1; });
+  add("num_threads_too_large", Op::forward, {"num_threads=1025", "<= 1024"},
+      [](Call& c) { c.options.num_threads = kMaxThreads + 1; });
   add("causal_value", Op::forward, {"causal"},
       [](Call& c) { c.options.causal = static_cast<Causal>(9); });
   // ALiBi slopes.
@@ -309,6 +311,8 @@ std::vector<BadInput> bad_inputs() {
       [](Call& c) { c.options.compute_dbias = true; });
   add("backward_num_threads", Op::backward, {"num_threads=-3"},
       [](Call& c) { c.options.num_threads = -3; });
+  add("backward_num_threads_too_large", Op::backward, {"num_threads=100000"},
+      [](Call& c) { c.options.num_threads = 100000; });
   add("backward_into_dq_shape", Op::backward_into, {"dq", "[2, 4, 8, 17]"}, [](Call& c) {
     c.dq = c.view(DType::f32, {kB, kHq, kLq, kD + 1});
   });

@@ -35,7 +35,10 @@ int cmd_info(const std::vector<std::string>& args) {
   std::printf("simd:      compiled: %s; this cpu: %s; chosen: %s\n", compiled.c_str(),
               supported.c_str(), attncore::simd_target().c_str());
   std::printf("blas:      %s (math backend GEMMs)\n", attncore::blas_info().c_str());
-  std::printf("threads:   %d (ATTNCORE_NUM_THREADS, else all cores)\n", threads);
+  std::printf(
+      "threads:   %d (ATTNCORE_NUM_THREADS, else the CPUs this process may run on; at most "
+      "%d)\n",
+      threads, attncore::kMaxThreads);
   std::fflush(stdout);
   const double peak1 = attncore::measure_fma_peak_gflops(1);
   const double peak_all = threads > 1 ? attncore::measure_fma_peak_gflops(threads) : peak1;

@@ -190,7 +190,7 @@ constexpr Flag kFlags[] = {
     {"--backend", "B", kRun, &RunConfig::backend, "auto, reference, math or flash"},
     {"--backward", "", kBoth, &RunConfig::backward, "also time the backward (with a random dout)"},
     {"--threads", "N", kBoth, &RunConfig::threads,
-     "threads, 0 = ATTNCORE_NUM_THREADS or all cores"},
+     "threads (at most 1024), 0 = ATTNCORE_NUM_THREADS or the CPUs this\nprocess may run on"},
     {"--simd", "T", kBoth, &RunConfig::simd,
      "the flash kernels' SIMD target: avx512bf16, avx512, avx2 or generic\n(`attncore info` "
      "lists this CPU's)",

@@ -52,7 +52,7 @@ struct RunConfig {
   std::uint64_t seed = 0;
   attncore::Backend backend = attncore::Backend::automatic;
   bool backward = false;
-  int threads = 0;   // 0: the library's default (ATTNCORE_NUM_THREADS or all cores)
+  int threads = 0;   // 0: the library's default (ATTNCORE_NUM_THREADS, else the allowed CPUs)
   std::string simd;  // the flash SIMD target; "": the automatic choice
   int repeat = 3;    // best of 3: enough to skip the first call's page faults
   bool check = false;

@@ -4,10 +4,10 @@
 // Rules (README: Backend selection):
 // - A call with `Backend::automatic` considers the enabled backends of the calling thread, in
 //   their priority order, drops those that cannot run the call, and among the rest takes the
-//   one the cost model estimates fastest at the default thread count (ties: the earlier one),
-//   so that the choice, and every bit of the result, is the same for any thread count of the
-//   call (the verdicts show the estimates for the call's own threads). `reference` is taken only
-//   when nothing else can run. When nothing can, the call throws one Unsupported that lists
+//   one the cost model estimates fastest at the machine's logical core count (ties: the earlier
+//   one), so that the choice, and every bit of the result, is the same for any thread count of
+//   the call (the verdicts show the estimates for the call's own threads). `reference` is taken
+//   only when nothing else can run. When nothing can, the call throws one Unsupported that lists
 //   every backend with its reasons.
 // - A call that names a backend runs that backend or throws Unsupported with its reasons; the
 //   enabled list does not restrict it (like calling a kernel directly).

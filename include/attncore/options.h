@@ -9,6 +9,12 @@
 
 namespace attncore {
 
+// The most threads one call may use: Options::num_threads, ATTNCORE_NUM_THREADS and the
+// program's --threads above it are InvalidArgument errors. Above the logical core count of any
+// machine attncore targets (the largest two-socket servers have 768), so that only a mistake
+// reaches it, and fixed, so that a value valid on one machine is valid on every one.
+inline constexpr int kMaxThreads = 1024;
+
 // Which diagonal a causal mask keeps (query row i, key column j, lengths Lq and Lk).
 enum class Causal : std::uint8_t {
   none,
@@ -58,7 +64,9 @@ struct Options {
   std::uint64_t offset = 0;
   // Allow Hkv < Hq (GQA/MQA): query head h uses key/value head h / (Hq / Hkv).
   bool enable_gqa = true;
-  // Threads for this call; 0 = ATTNCORE_NUM_THREADS if set, else every core.
+  // Threads for this call, 0 to kMaxThreads; 0 = ATTNCORE_NUM_THREADS if set (an integer from 1
+  // to kMaxThreads, else the call throws InvalidArgument), else the CPUs the calling thread may
+  // run on (its affinity mask: `taskset -c 0` gives 1).
   int num_threads = 0;
 };
 

@@ -46,7 +46,9 @@ void check_workspace(const char* op, const detail::BackendEntry& backend, Pass p
   }
 }
 
-Launch launch_of(const Options& options) { return {detail::resolve_threads(options.num_threads)}; }
+Launch launch_of(const Options& options, const char* op) {
+  return {detail::resolve_threads(options.num_threads, op)};
+}
 
 void run_forward(const Params& p, const Launch& launch, const ForwardArgs& args, Backend backend) {
   const detail::BackendEntry& entry =
@@ -78,14 +80,14 @@ void forward_into(const TensorView& q, const TensorView& k, const TensorView& v,
                   const Options& options, Backend backend) {
   const ForwardArgs args{q, k, v, out, lse.value_or(TensorView{})};
   const Params p = detail::validate_forward(args, options, backend, /*check_outputs=*/true);
-  run_forward(p, launch_of(options), args, backend);
+  run_forward(p, launch_of(options, "forward"), args, backend);
 }
 
 ForwardResult forward(const TensorView& q, const TensorView& k, const TensorView& v,
                       const Options& options, Backend backend) {
   ForwardArgs args{q, k, v, {}, {}};
   const Params p = detail::validate_forward(args, options, backend, /*check_outputs=*/false);
-  const Launch launch = launch_of(options);
+  const Launch launch = launch_of(options, "forward");
   ForwardResult r;
   guarded("forward", "allocating out and lse", [&] {
     r.out = Tensor(p.dtype, {p.batch, p.heads_q, p.seq.lq, p.head_dim_v});
@@ -104,7 +106,7 @@ void backward_into(const TensorView& dout, const TensorView& q, const TensorView
                    Backend backend) {
   const BackwardArgs args{dout, q, k, v, out, lse, dq, dk, dv, dbias.value_or(TensorView{})};
   const Params p = detail::validate_backward(args, options, backend, /*check_outputs=*/true);
-  run_backward(p, launch_of(options), args, backend);
+  run_backward(p, launch_of(options, "backward"), args, backend);
 }
 
 BackwardResult backward(const TensorView& dout, const TensorView& q, const TensorView& k,
@@ -112,7 +114,7 @@ BackwardResult backward(const TensorView& dout, const TensorView& q, const Tenso
                         const Options& options, Backend backend) {
   BackwardArgs args{dout, q, k, v, out, lse, {}, {}, {}, {}};
   const Params p = detail::validate_backward(args, options, backend, /*check_outputs=*/false);
-  const Launch launch = launch_of(options);
+  const Launch launch = launch_of(options, "backward");
   BackwardResult r;
   guarded("backward", "allocating the gradients", [&] {
     r.dq = Tensor(p.dtype, {p.batch, p.heads_q, p.seq.lq, p.head_dim});
@@ -135,7 +137,7 @@ void forward_varlen_into(const TensorView& q, const TensorView& k, const TensorV
                          Backend backend) {
   ForwardArgs args{q, k, v, out, lse.value_or(TensorView{})};
   const Params p = detail::validate_varlen_forward(args, seqs, options, backend, true);
-  run_forward(p, launch_of(options), args, backend);
+  run_forward(p, launch_of(options, "forward"), args, backend);
 }
 
 ForwardResult forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -158,7 +160,7 @@ void backward_varlen_into(const TensorView& dout, const TensorView& q, const Ten
                           const TensorView& dv, const Options& options, Backend backend) {
   BackwardArgs args{dout, q, k, v, out, lse, dq, dk, dv, {}};
   const Params p = detail::validate_varlen_backward(args, seqs, options, backend, true);
-  run_backward(p, launch_of(options), args, backend);
+  run_backward(p, launch_of(options, "backward"), args, backend);
 }
 
 BackwardResult backward_varlen(const TensorView& dout, const TensorView& q, const TensorView& k,
@@ -182,7 +184,7 @@ void forward_kvcache_into(const TensorView& q, const TensorView& k_cache,
                           const Options& options, Backend backend) {
   const ForwardArgs args{q, k_cache, v_cache, out, lse.value_or(TensorView{})};
   const Params p = detail::validate_kvcache_forward(args, seqs, options, backend, true);
-  run_forward(p, launch_of(options), args, backend);
+  run_forward(p, launch_of(options, "forward"), args, backend);
 }
 
 ForwardResult forward_kvcache(const TensorView& q, const TensorView& k_cache,

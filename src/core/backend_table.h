@@ -25,8 +25,8 @@ struct CostModel {
   int flash_block_rows = 64;    // query rows per work item
   bool flash_bf16_dot = false;  // bf16 products on native dot instructions (forward)
   // The thread count automatic selection compares estimates at, whatever a call's own: the
-  // library's default (every core), so that the choice suits the usual call and does not
-  // depend on the call's thread count.
+  // machine's logical cores (not the affinity mask or ATTNCORE_NUM_THREADS), so that the choice
+  // suits the usual call and depends on no setting of the process or the call.
   int choice_threads = 1;
 };
 

@@ -20,9 +20,13 @@
 #if defined(__unix__)
 #include <unistd.h>
 #endif
+#if defined(__linux__)
+#include <sched.h>
+#endif
 
 #include "attncore/error.h"
 #include "attncore/info.h"
+#include "attncore/options.h"
 
 #if defined(__x86_64__)
 #include <cpuid.h>
@@ -283,19 +287,7 @@ CpuInfo cpu_info() {
 
 const char* version() { return ATTNCORE_VERSION; }
 
-int default_num_threads() {
-  if (const char* env = std::getenv("ATTNCORE_NUM_THREADS"); env != nullptr && *env != '\0') {
-    char* end = nullptr;
-    errno = 0;
-    const long n = std::strtol(env, &end, 10);
-    constexpr long kMaxThreads = 1 << 16;  // far above any machine's core count: a typo
-    if (errno == 0 && *end == '\0' && n > 0 && n <= kMaxThreads) return static_cast<int>(n);
-    // Not a positive integer (or absurdly large): ignored, as an unset variable.
-  }
-  // Read once: glibc reads /sys for it (several microseconds, and every call asks).
-  static const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  return cores;
-}
+int default_num_threads() { return detail::default_threads("default_num_threads"); }
 
 // threads <= 0 means default_num_threads(). Each run lasts about kRunSeconds; the best of
 // kRuns is reported (the host is shared: the best run is the least disturbed one).
@@ -307,9 +299,56 @@ double measure_fma_peak_gflops(int threads) {
 
 namespace detail {
 
+int default_threads(const char* op) {
+  if (const char* env = std::getenv("ATTNCORE_NUM_THREADS"); env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    errno = 0;
+    const long n = std::strtol(env, &end, 10);
+    if (errno == 0 && *end == '\0' && n >= 1 && n <= kMaxThreads) return static_cast<int>(n);
+    std::string value(env);
+    if (value.size() > 40) value = value.substr(0, 40) + "...";
+    throw InvalidArgument(std::string(op) +
+                          ": ATTNCORE_NUM_THREADS is invalid (ATTNCORE_NUM_THREADS=" + value +
+                          ", expected an integer from 1 to " + std::to_string(kMaxThreads) +
+                          "); set it to a thread count or unset it");
+  }
+  return affinity_threads();
+}
+
+int affinity_threads() {
+#if defined(__linux__)
+  // The calling thread's mask, read at each call (a syscall of well under a microsecond): it
+  // may change while the process runs. Masks of more than 1024 CPUs need a larger set.
+  for (int cpus = CPU_SETSIZE; cpus <= (1 << 16); cpus *= 2) {
+    cpu_set_t* set = CPU_ALLOC(cpus);
+    if (set == nullptr) break;
+    const std::size_t bytes = CPU_ALLOC_SIZE(cpus);
+    CPU_ZERO_S(bytes, set);
+    const int rc = sched_getaffinity(0, bytes, set);
+    const int count = rc == 0 ? CPU_COUNT_S(bytes, set) : 0;
+    CPU_FREE(set);
+    if (rc == 0 && count > 0) return std::min(count, kMaxThreads);
+    if (rc != 0 && errno != EINVAL) break;  // EINVAL: the kernel's mask is larger
+  }
+#endif
+  return machine_threads();
+}
+
+int machine_threads() {
+  // Read once: glibc reads /sys for it (several microseconds).
+  static const int cores =
+      std::min(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())), kMaxThreads);
+  return cores;
+}
+
 double measure_fma_peak_gflops(int threads, double run_seconds, int runs) {
   constexpr std::int64_t kCalibrationIters = 1 << 16;  // ~0.3 ms with zmm at 3.5 GHz
   if (threads <= 0) threads = default_num_threads();
+  if (threads > kMaxThreads) {
+    throw InvalidArgument(
+        "measure_fma_peak_gflops: threads is too large (threads=" + std::to_string(threads) +
+        ", expected <= " + std::to_string(kMaxThreads) + ")");
+  }
   try {
     const FmaProbe probe = pick_fma_probe();
     // Calibrate on one thread, doubling until a run is long enough to time reliably (1 ms).

@@ -7,6 +7,18 @@ namespace attncore::detail {
 // `run_seconds` each (measure_fma_peak_gflops of attncore/info.h is this with 0.06 s x 3).
 double measure_fma_peak_gflops(int threads, double run_seconds, int runs);
 
+// Threads a call with num_threads = 0 uses (default_num_threads of attncore/info.h): a bad
+// ATTNCORE_NUM_THREADS throws InvalidArgument with `op` as the message's operation.
+int default_threads(const char* op);
+
+// The CPUs the calling thread may run on (sched_getaffinity), at most kMaxThreads; where the OS
+// does not say, machine_threads().
+int affinity_threads();
+
+// The machine's logical cores (std::thread::hardware_concurrency, which ignores affinity), at
+// least 1 and at most kMaxThreads: a fixed property of the machine.
+int machine_threads();
+
 // This machine's physical memory in bytes (sysconf); 2^62 where the OS does not say.
 double physical_memory_bytes();
 

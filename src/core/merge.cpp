@@ -69,10 +69,7 @@ std::int64_t validate(const Checker& check, const TensorView& out_a, const Tenso
     like_lse(*lse, "lse");
     check.writable(*lse, "lse");
   }
-  if (num_threads < 0) {
-    check.fail("num_threads is negative (num_threads=" + std::to_string(num_threads) +
-               ", expected >= 0; 0 = default)");
-  }
+  check.threads(num_threads);
   std::int64_t rows = 1;
   for (int d = 0; d + 1 < rank; ++d) rows *= out_a.size(d);
   return rows;
@@ -105,7 +102,7 @@ void merge_rows(const TensorView& out_a, const TensorView& lse_a, const TensorVi
 void run(const TensorView& out_a, const TensorView& lse_a, const TensorView& out_b,
          const TensorView& lse_b, const TensorView& out, const TensorView& lse,
          std::int64_t rows, int num_threads) {
-  const int threads = detail::resolve_threads(num_threads);
+  const int threads = detail::resolve_threads(num_threads, "merge_attention_states");
   if (out_a.dtype == DType::f64) {
     merge_rows<double>(out_a, lse_a, out_b, lse_b, out, lse, rows, threads);
   } else {

@@ -127,7 +127,7 @@ double measure_softmax_per_s() {
 // after 4 that start the worker and let it settle (the fastest: the least disturbed on a
 // shared host, where the median swung from 5 to 45 us between processes). 0 with one core.
 double measure_dispatch_seconds() {
-  if (default_num_threads() < 2) return 0;
+  if (affinity_threads() < 2) return 0;
   double best = HUGE_VAL;
   for (int run = 0; run < 20; ++run) {
     std::atomic<bool> started{false};
@@ -187,7 +187,7 @@ CostModel current_cost_model() {
   for (const BackendEntry& e : backend_table()) {
     if (e.describe != nullptr) e.describe(m);
   }
-  m.choice_threads = default_num_threads();
+  m.choice_threads = machine_threads();
   return m;
 }
 
@@ -324,7 +324,7 @@ Explanation explain_forward(const TensorView& q, const TensorView& k, const Tens
   const detail::ForwardArgs args{q, k, v, {}, {}};
   const detail::Params p =
       detail::validate_forward(args, options, Backend::automatic, /*check_outputs=*/false);
-  const detail::Launch launch{detail::resolve_threads(options.num_threads)};
+  const detail::Launch launch{detail::resolve_threads(options.num_threads, "forward")};
   return detail::select(detail::Pass::forward, p, launch, Backend::automatic, detail::t_enabled,
                         detail::current_cost_model());
 }
@@ -335,7 +335,7 @@ Explanation explain_backward(const TensorView& dout, const TensorView& q, const 
   const detail::BackwardArgs args{dout, q, k, v, out, lse, {}, {}, {}, {}};
   const detail::Params p =
       detail::validate_backward(args, options, Backend::automatic, /*check_outputs=*/false);
-  const detail::Launch launch{detail::resolve_threads(options.num_threads)};
+  const detail::Launch launch{detail::resolve_threads(options.num_threads, "backward")};
   return detail::select(detail::Pass::backward, p, launch, Backend::automatic, detail::t_enabled,
                         detail::current_cost_model());
 }

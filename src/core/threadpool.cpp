@@ -9,7 +9,7 @@
 #include <thread>
 #include <vector>
 
-#include "attncore/info.h"
+#include "core/cpu_info.h"
 
 namespace attncore::detail {
 
@@ -150,6 +150,8 @@ void parallel_for(std::int64_t n, int threads,
   });
 }
 
-int resolve_threads(int requested) { return requested > 0 ? requested : default_num_threads(); }
+int resolve_threads(int requested, const char* op) {
+  return requested > 0 ? requested : default_threads(op);
+}
 
 }  // namespace attncore::detail

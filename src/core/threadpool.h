@@ -16,7 +16,8 @@ void run_tasks(int num_tasks, int threads, const std::function<void(int)>& task)
 void parallel_for(std::int64_t n, int threads,
                   const std::function<void(std::int64_t, std::int64_t)>& body);
 
-// The thread count a call uses: `requested` if > 0, else default_num_threads().
-int resolve_threads(int requested);
+// The thread count a call uses: `requested` if > 0 (validated: at most kMaxThreads), else
+// default_num_threads(), whose InvalidArgument for a bad ATTNCORE_NUM_THREADS names `op`.
+int resolve_threads(int requested, const char* op);
 
 }  // namespace attncore::detail

@@ -93,10 +93,7 @@ void resolve_variant(const Checker& check, const Options& o, Params& p) {
   p.dropout.p = o.dropout_p;
   p.dropout.seed = o.seed;
   p.dropout.offset = o.offset;
-  if (o.num_threads < 0) {
-    check.fail("num_threads is negative (num_threads=" + std::to_string(o.num_threads) +
-               ", expected >= 0; 0 = default)");
-  }
+  check.threads(o.num_threads);
 
   // ALiBi slopes: f32 [Hq] or [B, Hq].
   if (o.alibi_slopes.has_value()) {

@@ -129,6 +129,18 @@ class Checker {
     }
   }
 
+  // A thread count: 0 (the default) to kMaxThreads.
+  void threads(int num_threads) const {
+    if (num_threads < 0) {
+      fail("num_threads is negative (num_threads=" + std::to_string(num_threads) +
+           ", expected >= 0; 0 = default)");
+    }
+    if (num_threads > kMaxThreads) {
+      fail("num_threads is too large (num_threads=" + std::to_string(num_threads) +
+           ", expected <= " + std::to_string(kMaxThreads) + ", attncore::kMaxThreads)");
+    }
+  }
+
   void backend(Backend b) const {
     if (static_cast<unsigned>(b) > static_cast<unsigned>(Backend::flash)) {
       unsupported("backend is not available in this build (backend=" +
