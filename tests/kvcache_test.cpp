@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -198,6 +199,135 @@ TEST(KvCache, BadInputs) {
   masked.mask = mask.view();
   EXPECT_NE(message(s, masked).find("forward: mask is not supported with a KV cache"),
             std::string::npos);
+}
+
+// Rotary by the plain formula: dims (a, b) of x rotated by angle pos * freq[i] (the tables hold
+// cos and sin of it).
+std::vector<double> rotate_plain(std::vector<double> x, std::int64_t pos, std::int64_t half,
+                                 bool interleaved, const std::vector<double>& freq) {
+  for (std::int64_t i = 0; i < half; ++i) {
+    const double angle = static_cast<double>(static_cast<float>(pos * freq[static_cast<std::size_t>(i)]));
+    const double c = static_cast<float>(std::cos(angle)), s = static_cast<float>(std::sin(angle));
+    const std::size_t a = static_cast<std::size_t>(interleaved ? 2 * i : i);
+    const std::size_t b = static_cast<std::size_t>(interleaved ? 2 * i + 1 : i + half);
+    const double x1 = x[a], x2 = x[b];
+    x[a] = x1 * c - x2 * s;
+    x[b] = x2 * c + x1 * s;
+  }
+  return x;
+}
+
+TEST(KvCache, AppendWritesRotatedKeysThenAttends) {
+  const std::int64_t hq = 4, hkv = 2, d = 16, cap = 24, lq = 2, l_new = 3, half = 5;
+  const std::vector<int> seqlens = {5, 9}, leftpad = {0, 2};
+  const Tensor lens_t = int_tensor(seqlens), pad_t = int_tensor(leftpad);
+  KvCacheSeqs seqs;
+  seqs.cache_seqlens = lens_t.view();
+  seqs.cache_leftpad = pad_t.view();
+  std::vector<double> freq(half), cos_t(static_cast<std::size_t>(cap * half)), sin_t(cos_t);
+  for (std::int64_t i = 0; i < half; ++i) freq[i] = std::pow(100.0, -static_cast<double>(i) / half);
+  for (std::int64_t p = 0; p < cap; ++p)
+    for (std::int64_t i = 0; i < half; ++i) {
+      const double angle = static_cast<float>(p * freq[i]);
+      cos_t[p * half + i] = std::cos(angle);
+      sin_t[p * half + i] = std::sin(angle);
+    }
+  const Tensor cos = make_tensor(DType::f32, {cap, half}, cos_t);
+  const Tensor sin = make_tensor(DType::f32, {cap, half}, sin_t);
+  for (bool interleaved : {false, true}) {
+    SCOPED_TRACE(interleaved ? "interleaved" : "half-split");
+    const Tensor k = make_cache(DType::f32, 2, cap, hkv, d, {{0, 5}, {2, 9}}, 11);
+    const Tensor v = make_cache(DType::f32, 2, cap, hkv, d, {{0, 5}, {2, 9}}, 12);
+    const std::vector<double> q_values = random_vector(2 * hq * lq * d, 13);
+    const Tensor q = make_tensor(DType::f32, {2, hq, lq, d}, q_values);
+    const std::vector<double> kn = random_vector(2 * hkv * l_new * d, 14);
+    const std::vector<double> vn = random_vector(2 * hkv * l_new * d, 15);
+    const Tensor k_new = make_tensor(DType::f32, {2, hkv, l_new, d}, kn);
+    const Tensor v_new = make_tensor(DType::f32, {2, hkv, l_new, d}, vn);
+    KvAppend append{k_new, v_new, cos.view(), sin.view(), interleaved};
+    Options o;
+    o.causal = Causal::lower_right;
+    const ForwardResult r = forward_kvcache(q, k.view().transposed(1, 2), v.view().transposed(1, 2),
+                                            seqs, append, o, Backend::flash);
+    // The cache holds the rotated keys and the values at slots [seqlens, seqlens + 3).
+    for (std::int64_t b = 0; b < 2; ++b) {
+      const std::int64_t base = seqlens[b] - leftpad[b];
+      for (std::int64_t h = 0; h < hkv; ++h)
+        for (std::int64_t j = 0; j < l_new; ++j) {
+          const std::size_t at = static_cast<std::size_t>(((b * hkv + h) * l_new + j) * d);
+          const std::vector<double> want = rotate_plain(
+              std::vector<double>(kn.begin() + at, kn.begin() + at + d), base + j, half,
+              interleaved, freq);
+          const std::vector<double> got = read_view(slots(k, b, seqlens[b] + j, seqlens[b] + j + 1)
+                                                        .transposed(0, 1));  // [H, 1, D] -> rows
+          for (std::int64_t e = 0; e < d; ++e)
+            EXPECT_NEAR(got[static_cast<std::size_t>(h * d + e)], want[static_cast<std::size_t>(e)], 1e-6);
+          const std::vector<double> got_v = read_view(slots(v, b, seqlens[b] + j, seqlens[b] + j + 1));
+          for (std::int64_t e = 0; e < d; ++e)
+            EXPECT_EQ(got_v[static_cast<std::size_t>(h * d + e)],
+                      static_cast<float>(vn[at + static_cast<std::size_t>(e)]));
+        }
+    }
+    // The attention: the rotated query (row i at base + i: causal) over the lengths after the
+    // append, with the cache as the append left it.
+    std::vector<double> q_rot(q_values.size());
+    for (std::int64_t b = 0; b < 2; ++b)
+      for (std::int64_t h = 0; h < hq; ++h)
+        for (std::int64_t i = 0; i < lq; ++i) {
+          const std::size_t at = static_cast<std::size_t>(((b * hq + h) * lq + i) * d);
+          const std::vector<double> x = rotate_plain(
+              std::vector<double>(q_values.begin() + at, q_values.begin() + at + d),
+              seqlens[b] - leftpad[b] + i, half, interleaved, freq);
+          std::copy(x.begin(), x.end(), q_rot.begin() + at);
+        }
+    const Tensor q2 = make_tensor(DType::f32, {2, hq, lq, d}, q_rot);
+    const Tensor after = int_tensor({8, 12});
+    KvCacheSeqs seqs_after = seqs;
+    seqs_after.cache_seqlens = after.view();
+    const ForwardResult want = forward_kvcache(q2, k.view().transposed(1, 2),
+                                               v.view().transposed(1, 2), seqs_after, o,
+                                               Backend::reference);
+    EXPECT_TRUE(all_close(read_view(r.out.view()), read_view(want.out.view()), 1e-5, "out"));
+  }
+}
+
+TEST(KvCache, AppendBadInputs) {
+  const Tensor q(DType::f32, {2, 2, 1, 8});
+  const Tensor cache(DType::f32, {2, 2, 10, 8});
+  const Tensor k_new(DType::f32, {2, 2, 3, 8});
+  const Tensor lens = int_tensor({4, 8});
+  KvCacheSeqs s;
+  s.cache_seqlens = lens.view();
+  auto message = [&](const KvCacheSeqs& seqs, const KvAppend& a) -> std::string {
+    try {
+      forward_kvcache(q, cache, cache, seqs, a);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  KvAppend a{k_new, k_new, std::nullopt, std::nullopt, false};
+  EXPECT_EQ(message(s, a), "forward: k_new does not fit in the cache (cache_seqlens[1]=8 + "
+                           "L_new=3, expected <= capacity=10)");
+  const Tensor short_lens = int_tensor({4, 5}), idx = int_tensor({1, 1});
+  s.cache_seqlens = short_lens.view();
+  s.cache_batch_idx = idx.view();
+  EXPECT_EQ(message(s, a), "forward: cache_batch_idx repeats a row when appending "
+                           "(cache_batch_idx[0]=cache_batch_idx[1]=1, expected distinct rows)");
+  s.cache_batch_idx.reset();
+  const Tensor cos(DType::f32, {10, 5});
+  a.rotary_cos = cos.view();
+  EXPECT_NE(message(s, a).find("rotary_cos and rotary_sin go together"), std::string::npos);
+  a.rotary_sin = cos.view();
+  EXPECT_NE(message(s, a).find("rotary_cos has shape [10, 5], expected [positions, rotary_dim / 2] "
+                               "with 2 <= rotary_dim <= D=8)"),
+            std::string::npos);
+  const Tensor few(DType::f32, {6, 4});
+  a.rotary_cos = a.rotary_sin = few.view();
+  EXPECT_EQ(message(s, a), "forward: rotary_cos has too few positions (positions=6, expected > 7, "
+                           "the largest position rotated)");
+  // Nothing was written: the cache is still zero.
+  for (double x : read_view(cache.view())) ASSERT_EQ(x, 0.0);
 }
 
 }  // namespace

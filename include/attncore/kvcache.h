@@ -12,6 +12,15 @@
 // (lower-right, against the sequence's length), windows and ALiBi. Slots outside the range are
 // never read. Decode is Lq = 1; chunked prefill Lq > 1. Tensor masks and dropout are not
 // supported with a cache (Unsupported); q and the cache share one dtype.
+//
+// With a KvAppend, new keys and values are first written into the cache in place at slots
+// [cache_seqlens[b], cache_seqlens[b] + L_new) (rotated first when rotary tables are given, and
+// rounded to the cache's dtype), then q attends to the cache as if cache_seqlens[b] were
+// cache_seqlens[b] + L_new (the caller's array is not changed). Rotary rotates the first
+// rotary_dim dims of each new key at its logical position cache_seqlens[b] - leftpad[b] + j, and
+// of query row i at that position plus i when causal or windowed, else at
+// cache_seqlens[b] - leftpad[b] (flash-attn's convention); interleaved pairs dims (2i, 2i + 1),
+// else dim i with dim i + rotary_dim / 2.
 #pragma once
 
 #include <optional>
@@ -26,6 +35,15 @@ struct KvCacheSeqs {
   std::optional<TensorView> cache_leftpad;    // i32 [B]: 0 <= leftpad[b] <= cache_seqlens[b]
 };
 
+struct KvAppend {
+  TensorView k_new;  // [B, Hkv, L_new, D] like the cache (flash layout: transposed(1, 2))
+  TensorView v_new;  // [B, Hkv, L_new, Dv]
+  // Rotary tables, f32 [positions, rotary_dim / 2] both, or neither: rotary_dim = 2 x their
+  // width, even and <= D; positions must cover every rotated position.
+  std::optional<TensorView> rotary_cos, rotary_sin;
+  bool rotary_interleaved = false;
+};
+
 ForwardResult forward_kvcache(const TensorView& q, const TensorView& k_cache,
                               const TensorView& v_cache, const KvCacheSeqs& seqs,
                               const Options& options = {}, Backend backend = Backend::automatic);
@@ -35,5 +53,12 @@ void forward_kvcache_into(const TensorView& q, const TensorView& k_cache,
                           const TensorView& v_cache, const KvCacheSeqs& seqs,
                           const TensorView& out, const std::optional<TensorView>& lse,
                           const Options& options = {}, Backend backend = Backend::automatic);
+
+// Appends k_new / v_new into the cache (in place), then attends (see above). Appending with
+// cache_batch_idx needs distinct rows (two sequences cannot write one cache row).
+ForwardResult forward_kvcache(const TensorView& q, const TensorView& k_cache,
+                              const TensorView& v_cache, const KvCacheSeqs& seqs,
+                              const KvAppend& append, const Options& options = {},
+                              Backend backend = Backend::automatic);
 
 }  // namespace attncore

@@ -1,0 +1,175 @@
+// forward_kvcache with new keys and values (attncore/kvcache.h): everything is validated first,
+// then the new rows are rotated (when rotary tables are given) and written into the cache, the
+// query is rotated into a copy, and the call attends with the lengths after the append.
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "attncore/kvcache.h"
+#include "core/convert.h"
+#include "core/validate.h"
+#include "core/validate_checks.h"
+
+namespace attncore {
+
+namespace {
+
+using detail::Checker;
+using detail::Params;
+
+// Rotary tables: cos/sin [positions, half] f32, read as table[pos * stride0 + i * stride1].
+struct Rotary {
+  const TensorView* cos = nullptr;
+  const TensorView* sin = nullptr;
+  std::int64_t half = 0;  // rotary_dim / 2
+  bool interleaved = false;
+};
+
+// Rotates the first 2 * half values of row x [D] to position `pos` in place (f32).
+void rotate(const Rotary& r, std::int64_t pos, float* x) {
+  for (std::int64_t i = 0; i < r.half; ++i) {
+    const float c = detail::load_element<float>(
+        r.cos->data, r.cos->dtype, pos * r.cos->stride_of(0) + i * r.cos->stride_of(1));
+    const float s = detail::load_element<float>(
+        r.sin->data, r.sin->dtype, pos * r.sin->stride_of(0) + i * r.sin->stride_of(1));
+    const std::int64_t a = r.interleaved ? 2 * i : i, b = r.interleaved ? 2 * i + 1 : i + r.half;
+    const float x1 = x[a], x2 = x[b];
+    x[a] = x1 * c - x2 * s;
+    x[b] = x2 * c + x1 * s;
+  }
+}
+
+// Checks k_new, v_new and the rotary tables against the validated cache call; returns the
+// lengths after the append.
+std::vector<std::int32_t> validate_append(const Checker& check, const Params& p,
+                                          const TensorView& q, const TensorView& k_cache,
+                                          const TensorView& v_cache, const KvAppend& a,
+                                          const Options& o, Rotary* rotary) {
+  check.view(a.k_new, "k_new", 4, "[B, Hkv, L_new, D]");
+  check.view(a.v_new, "v_new", 4, "[B, Hkv, L_new, Dv]");
+  const std::int64_t l_new = a.k_new.size(2);
+  const std::int64_t k_shape[4] = {p.batch, p.heads_kv, l_new, p.head_dim};
+  const std::int64_t v_shape[4] = {p.batch, p.heads_kv, l_new, p.head_dim_v};
+  check.dtype(a.k_new, "k_new", k_cache.dtype, " like k_cache");
+  check.dtype(a.v_new, "v_new", v_cache.dtype, " like v_cache");
+  check.shape(a.k_new, "k_new", k_shape, "[B, Hkv, L_new, D]");
+  check.shape(a.v_new, "v_new", v_shape, "[B, Hkv, L_new, Dv] like k_new");
+  check.unit_last_stride(a.k_new, "k_new");
+  check.unit_last_stride(a.v_new, "v_new");
+  check.writable(k_cache, "k_cache");
+  check.writable(v_cache, "v_cache");
+  const detail::SeqInfo& seq = p.seq;
+  const std::int64_t capacity = k_cache.size(2);
+  std::vector<std::int32_t> lengths(static_cast<std::size_t>(p.batch));
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    const std::int64_t end = seq.cache_seqlens[b] + l_new;
+    if (end > capacity) {
+      check.fail("k_new does not fit in the cache (cache_seqlens[" + std::to_string(b) + "]=" +
+                 std::to_string(seq.cache_seqlens[b]) + " + L_new=" + std::to_string(l_new) +
+                 ", expected <= capacity=" + std::to_string(capacity) + ")");
+    }
+    lengths[static_cast<std::size_t>(b)] = static_cast<std::int32_t>(end);
+    if (seq.cache_batch == nullptr) continue;
+    for (std::int64_t c = 0; c < b; ++c) {
+      if (seq.cache_batch[c] == seq.cache_batch[b]) {
+        check.fail("cache_batch_idx repeats a row when appending (cache_batch_idx[" +
+                   std::to_string(c) + "]=cache_batch_idx[" + std::to_string(b) +
+                   "]=" + std::to_string(seq.cache_batch[b]) + ", expected distinct rows)");
+      }
+    }
+  }
+  if (a.rotary_cos.has_value() != a.rotary_sin.has_value()) {
+    check.fail("rotary_cos and rotary_sin go together (rotary_cos=" +
+               std::string(a.rotary_cos ? "given" : "none") +
+               ", rotary_sin=" + std::string(a.rotary_sin ? "given" : "none") +
+               ", expected both or neither)");
+  }
+  if (!a.rotary_cos.has_value()) return lengths;
+  const TensorView& cos = *a.rotary_cos;
+  const TensorView& sin = *a.rotary_sin;
+  check.view(cos, "rotary_cos", 2, "[positions, rotary_dim / 2]");
+  check.view(sin, "rotary_sin", 2, "[positions, rotary_dim / 2]");
+  check.dtype(cos, "rotary_cos", DType::f32, "");
+  check.dtype(sin, "rotary_sin", DType::f32, "");
+  check.shape(sin, "rotary_sin", cos.shape.data(), "like rotary_cos");
+  const std::int64_t half = cos.size(1);
+  if (half < 1 || 2 * half > p.head_dim) {
+    check.fail("rotary_cos has shape " + cos.shape_string() + ", expected [positions, " +
+               "rotary_dim / 2] with 2 <= rotary_dim <= D=" + std::to_string(p.head_dim) + ")");
+  }
+  // The largest position rotated: a new key's, or a query row's.
+  const bool aligned = o.causal != Causal::none || o.window_left >= 0 || o.window_right >= 0;
+  std::int64_t last = -1;
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    const std::int64_t start = seq.cache_leftpad != nullptr ? seq.cache_leftpad[b] : 0;
+    const std::int64_t base = seq.cache_seqlens[b] - start;
+    last = std::max({last, base + l_new - 1, aligned ? base + q.size(2) - 1 : base});
+  }
+  if (last >= cos.size(0)) {
+    check.fail("rotary_cos has too few positions (positions=" + std::to_string(cos.size(0)) +
+               ", expected > " + std::to_string(last) + ", the largest position rotated)");
+  }
+  *rotary = Rotary{&cos, &sin, half, a.rotary_interleaved};
+  return lengths;
+}
+
+}  // namespace
+
+ForwardResult forward_kvcache(const TensorView& q, const TensorView& k_cache,
+                              const TensorView& v_cache, const KvCacheSeqs& seqs,
+                              const KvAppend& append, const Options& options, Backend backend) {
+  const Checker check("forward");
+  const detail::ForwardArgs args{q, k_cache, v_cache, {}, {}};
+  const Params p = detail::validate_kvcache_forward(args, seqs, options, backend, false);
+  Rotary rotary;
+  std::vector<std::int32_t> lengths =
+      validate_append(check, p, q, k_cache, v_cache, append, options, &rotary);
+  const detail::SeqInfo& seq = p.seq;
+  const std::int64_t l_new = append.k_new.size(2), d = p.head_dim, dv = p.head_dim_v;
+  const bool aligned =
+      options.causal != Causal::none || options.window_left >= 0 || options.window_right >= 0;
+  std::vector<float> row(static_cast<std::size_t>(std::max(d, dv)));  // [max(D, Dv)]
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    const std::int64_t slot0 = seq.cache_seqlens[b];
+    const std::int64_t base = slot0 - (seq.cache_leftpad != nullptr ? seq.cache_leftpad[b] : 0);
+    const std::int64_t r = seq.cache_batch != nullptr ? seq.cache_batch[b] : b;
+    for (std::int64_t h = 0; h < p.heads_kv; ++h) {
+      for (std::int64_t j = 0; j < l_new; ++j) {
+        detail::load_row(append.k_new.data, append.k_new.dtype,
+                         detail::offset4(append.k_new, b, h, j, 0), d, row.data());
+        if (rotary.cos != nullptr) rotate(rotary, base + j, row.data());
+        detail::store_row(row.data(), d, k_cache.data, k_cache.dtype,
+                          detail::offset4(k_cache, r, h, slot0 + j, 0));
+        detail::load_row(append.v_new.data, append.v_new.dtype,
+                         detail::offset4(append.v_new, b, h, j, 0), dv, row.data());
+        detail::store_row(row.data(), dv, v_cache.data, v_cache.dtype,
+                          detail::offset4(v_cache, r, h, slot0 + j, 0));
+      }
+    }
+  }
+  // The query, rotated into a copy [B, Hq, Lq, D].
+  Tensor rotated;
+  if (rotary.cos != nullptr) {
+    rotated = Tensor(q.dtype, {p.batch, p.heads_q, seq.lq, d});
+    for (std::int64_t b = 0; b < p.batch; ++b) {
+      const std::int64_t base =
+          seq.cache_seqlens[b] - (seq.cache_leftpad != nullptr ? seq.cache_leftpad[b] : 0);
+      for (std::int64_t h = 0; h < p.heads_q; ++h) {
+        for (std::int64_t i = 0; i < seq.lq; ++i) {
+          detail::load_row(q.data, q.dtype, detail::offset4(q, b, h, i, 0), d, row.data());
+          rotate(rotary, aligned ? base + i : base, row.data());
+          detail::store_row(row.data(), d, rotated.data(), q.dtype,
+                            detail::offset4(rotated.view(), b, h, i, 0));
+        }
+      }
+    }
+  }
+  const Tensor lengths_t(DType::i32, {p.batch});
+  std::copy(lengths.begin(), lengths.end(), static_cast<std::int32_t*>(lengths_t.data()));
+  KvCacheSeqs after = seqs;
+  after.cache_seqlens = lengths_t.view();
+  return forward_kvcache(rotary.cos != nullptr ? rotated.view() : q, k_cache, v_cache, after,
+                         options, backend);
+}
+
+}  // namespace attncore
