@@ -496,15 +496,43 @@ TEST(SelectCostModel, TiesGoToTheEarlierBackend) {
             Backend::math);
 }
 
-TEST(SelectCostModel, MeasuredConstantsArePositive) {
+// The model reads constants fixed for the best SIMD target this CPU supports, whatever target
+// the calls use, so that the choice depends on no measurement.
+TEST(SelectCostModel, ConstantsAreFixedPerSimdTarget) {
   const CostConstants c = cost_constants();
+  EXPECT_EQ(c.basis, simd_targets_supported().front());
+  EXPECT_GT(c.fma_gflops, 0);
+  EXPECT_GT(c.memory_gbps, 0);
+  EXPECT_GT(c.softmax_per_s, 0);
+  EXPECT_GT(c.dispatch_seconds, 0);
+  EXPECT_EQ(c.measure_seconds, 0);
+  const CostConstants model = detail::current_cost_model().machine;
+  EXPECT_EQ(model.fma_gflops, c.fma_gflops);
+  EXPECT_EQ(model.memory_gbps, c.memory_gbps);
+  EXPECT_EQ(model.softmax_per_s, c.softmax_per_s);
+  EXPECT_EQ(model.dispatch_seconds, c.dispatch_seconds);
+  const std::string previous = set_simd_target("generic");
+  EXPECT_EQ(cost_constants().fma_gflops, c.fma_gflops);
+  EXPECT_EQ(cost_constants().basis, c.basis);
+  set_simd_target(previous);
+  // The development machine's row.
+  if (c.basis == "avx512bf16") {
+    EXPECT_EQ(c.fma_gflops, 233);
+    EXPECT_EQ(c.memory_gbps, 31);
+    EXPECT_EQ(c.softmax_per_s, 238e6);
+  }
+}
+
+TEST(SelectCostModel, MeasuredConstantsArePositive) {
+  const CostConstants c = measured_cost_constants();
+  EXPECT_EQ(c.basis, "measured");
   EXPECT_GT(c.fma_gflops, 0);
   EXPECT_GT(c.memory_gbps, 0);
   EXPECT_GT(c.softmax_per_s, 0);
   EXPECT_GE(c.dispatch_seconds, 0);
   EXPECT_GT(c.measure_seconds, 0);
   // Measured once: the same values on every later call.
-  EXPECT_EQ(cost_constants().fma_gflops, c.fma_gflops);
+  EXPECT_EQ(measured_cost_constants().fma_gflops, c.fma_gflops);
 }
 
 TEST(SelectNames, BackendFromName) {

@@ -1,6 +1,7 @@
 // attncore explain: the backend `auto` picks for the call the run flags describe, with every
-// backend's verdict, the cost model's estimates and its measured constants. Runs nothing: the
-// library's public explain_forward / explain_backward and cost_constants answer.
+// backend's verdict, the cost model's estimates and its constants (the fixed ones it uses, and
+// the same measured in this process). Runs nothing: the library's public explain_forward /
+// explain_backward, cost_constants and measured_cost_constants answer.
 #include <cstdio>
 #include <optional>
 #include <string>
@@ -8,6 +9,7 @@
 
 #include "attncore/attncore.h"
 #include "commands.h"
+#include "constants.h"
 #include "flags.h"
 #include "json.h"
 #include "run_config.h"
@@ -36,6 +38,7 @@ int cmd_explain(const std::vector<std::string>& args) {
       c.backward ? attncore::explain_backward(w.out, w.q, w.k, w.v, w.out, w.lse, options)
                  : attncore::explain_forward(w.q, w.k, w.v, options);
   const attncore::CostConstants k = attncore::cost_constants();
+  const attncore::CostConstants measured = attncore::measured_cost_constants();
   const int threads = c.resolved_threads();
   const char* pass = c.backward ? "backward" : "forward";
 
@@ -70,13 +73,8 @@ int cmd_explain(const std::vector<std::string>& args) {
       verdicts.push_back(o.str());
     }
     j.add_json("verdicts", json_array(verdicts));
-    JsonObject constants;
-    constants.add("fma_gflops", k.fma_gflops);
-    constants.add("memory_gbps", k.memory_gbps);
-    constants.add("softmax_per_s", k.softmax_per_s);
-    constants.add("dispatch_seconds", k.dispatch_seconds);
-    constants.add("measure_seconds", k.measure_seconds);
-    j.add_json("constants", constants.str());
+    j.add_json("constants", constants_json(k));
+    j.add_json("measured_constants", constants_json(measured));
     std::printf("%s\n", j.str().c_str());
     return kExitOk;
   }
@@ -85,12 +83,7 @@ int cmd_explain(const std::vector<std::string>& args) {
               std::string(name_of(c.dtype)).c_str(), c.shape_text().c_str(),
               std::string(name_of(c.causal)).c_str(), threads);
   std::printf("%s", e.summary().c_str());
-  std::printf(
-      "cost model: f32 FMA %.0f GFLOP/s per thread, memory %.1f GB/s per thread, softmax "
-      "%.0f M elements/s per thread, thread pool wake-up %.1f us (measured in %.0f ms at first "
-      "use)\n",
-      k.fma_gflops, k.memory_gbps, k.softmax_per_s * 1e-6, k.dispatch_seconds * 1e6,
-      k.measure_seconds * 1e3);
+  print_constants(k, measured);
   return kExitOk;
 }
 

@@ -5,6 +5,7 @@
 
 #include "attncore/attncore.h"
 #include "commands.h"
+#include "constants.h"
 
 namespace attncore_tools {
 namespace {
@@ -45,6 +46,7 @@ int cmd_info(const std::vector<std::string>& args) {
   std::printf(
       "fma peak:  %.1f GFLOP/s f32 with 1 thread, %.1f GFLOP/s with %d threads (measured now)\n",
       peak1, peak_all, threads);
+  print_constants(attncore::cost_constants(), attncore::measured_cost_constants());
   return kExitOk;
 }
 

@@ -65,15 +65,24 @@ Explanation explain_backward(const TensorView& dout, const TensorView& q, const 
                              const TensorView& v, const TensorView& out, const TensorView& lse,
                              const Options& options);
 
-// The measured constants of this CPU behind `estimated_seconds`: measured once per process,
-// the first time a call needs them (about 20-30 ms), then reused.
+// The constants of this CPU behind `estimated_seconds`.
 struct CostConstants {
   double fma_gflops;        // f32 FMA peak of one thread, GFLOP/s
   double memory_gbps;       // one thread streaming a buffer larger than the last-level cache
   double softmax_per_s;     // one thread: elements/s of the unfused softmax row (std::exp)
   double dispatch_seconds;  // waking the library's thread pool for one parallel region
-  double measure_seconds;   // how long measuring these took
+  double measure_seconds;   // how long measuring these took; 0 for the fixed ones
+  std::string basis;        // the SIMD target of the fixed values ("avx512bf16"), or "measured"
 };
+
+// The constants the cost model uses: fixed per SIMD target (the best one this CPU supports,
+// whatever set_simd_target chose), so that the automatic choice, and with it every bit of a
+// result, depends only on the call and fixed properties of the machine, never on a timing.
 CostConstants cost_constants();
+
+// The same quantities measured on this machine, for comparison with the fixed ones (`attncore
+// explain` and `attncore info` show both): measured once per process, at the first call (about
+// 20-30 ms), then reused. The cost model does not read them.
+CostConstants measured_cost_constants();
 
 }  // namespace attncore

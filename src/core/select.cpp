@@ -1,5 +1,6 @@
 // Backend selection: the thread-local enabled list, the machine constants the cost model
-// reads, and the choice over the backend table (each backend's limits and cost term are its
+// reads (fixed per SIMD target; measured only for comparison), and the choice over the backend
+// table (each backend's limits and cost term are its
 // own: src/cpu/*_cost.cpp). Messages follow docs/design.md section 4.
 #include "core/select.h"
 
@@ -60,7 +61,45 @@ std::string join(const std::vector<std::string>& parts, const char* separator) {
 thread_local std::vector<Backend> t_enabled = all_backends();
 
 // ---------------------------------------------------------------------------------------------
-// Measuring the constants (about 20-30 ms once per process).
+// The constants the cost model reads, fixed per SIMD target: the best target the CPU supports,
+// a fixed property of the machine. Measured constants moved between processes on a shared host
+// (FMA 220-266 GFLOP/s, memory 21-42 GB/s, softmax 180-294 M/s, the pool's wake-up 0.6 us to
+// 1 ms), which flipped near-ties: `attncore explain --heads-q 2 --seqlen-q 14 --head-dim 64`
+// chose math in 15 and flash in 5 of 20 fresh processes.
+struct TargetConstants {
+  const char* target;
+  double fma_gflops, memory_gbps, softmax_per_s, dispatch_seconds;
+};
+
+// avx512bf16: the development machine (2 vCPUs of a shared AMD EPYC, Zen 5) as it measured
+// itself when the cost terms were last checked against `attncore bench --select` (README:
+// FMA 233 GFLOP/s, memory 31 GB/s, softmax 238 M elements/s per thread; the first fits, in
+// core/cost.h, ran at 224, 23 and 183 M), and the middle of the pool wake-ups it measured
+// (0.6-4 us). With them the model makes the choices of the README's select table (tiny f32:
+// math, bf16: flash; from Hq = 8, L = 32 on: flash). The other rows were not measured on
+// machines of their own: the FMA rate scales with the vector width (avx512: the same two
+// 16-lane FMA pipes; avx2: two 8-lane ones, half; generic: 4-lane SSE without FMA, an eighth),
+// and the rest, which no vector width changes, is the development machine's.
+constexpr TargetConstants kTargetConstants[] = {
+    {"avx512bf16", 233, 31, 238e6, 2e-6},
+    {"avx512", 233, 31, 238e6, 2e-6},
+    {"avx2", 116, 31, 238e6, 2e-6},
+    {"generic", 29, 31, 238e6, 2e-6},
+};
+
+CostConstants fixed_cost_constants() {
+  const std::vector<std::string> supported = simd_targets_supported();
+  const std::string best = supported.empty() ? "generic" : supported.front();
+  const TargetConstants* row = &kTargetConstants[std::size(kTargetConstants) - 1];
+  for (const TargetConstants& t : kTargetConstants) {
+    if (best == t.target) row = &t;
+  }
+  return {row->fma_gflops, row->memory_gbps, row->softmax_per_s, row->dispatch_seconds, 0.0,
+          row->target};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Measuring the constants for comparison (about 20-30 ms once per process).
 
 // Keeps the measured loops' results alive: a store the compiler must perform.
 std::atomic<float> g_measure_sink{0.0f};
@@ -160,6 +199,7 @@ CostConstants measure_cost_constants() {
   c.softmax_per_s = measure_softmax_per_s();
   c.dispatch_seconds = measure_dispatch_seconds();
   c.measure_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  c.basis = "measured";
   return c;
 }
 
@@ -181,9 +221,9 @@ std::vector<std::string> can_use(Backend backend, Pass pass, const Params& p) {
 }
 
 CostModel current_cost_model() {
-  static const CostConstants measured = measure_cost_constants();
+  static const CostConstants fixed = fixed_cost_constants();
   CostModel m;
-  m.machine = measured;
+  m.machine = fixed;
   for (const BackendEntry& e : backend_table()) {
     if (e.describe != nullptr) e.describe(m);
   }
@@ -341,5 +381,10 @@ Explanation explain_backward(const TensorView& dout, const TensorView& q, const 
 }
 
 CostConstants cost_constants() { return detail::current_cost_model().machine; }
+
+CostConstants measured_cost_constants() {
+  static const CostConstants measured = detail::measure_cost_constants();
+  return measured;
+}
 
 }  // namespace attncore
