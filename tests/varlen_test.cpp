@@ -626,6 +626,29 @@ TEST(Varlen, FlashPlanBalancesThreads) {
       const double most = *std::max_element(load.begin(), load.end());
       EXPECT_LE(most, 1.05 * total / threads)
           << "Hq=" << heads_q << " Hkv=" << heads_kv << " threads=" << threads << " spread=" << plan.spread;
+      // The backward: items (runs of heads, key-tile parts) in flash_backward_order, each to
+      // the least loaded thread. Its grain is a run of one head for long sequences, so when the
+      // long sequence's items do not divide among the threads (Hq = 1 on 2 threads, 16 heads on
+      // 3) threads idle: checked where they divide.
+      const detail::FlashBackwardPlan bplan =
+          detail::plan_flash_backward(params, layout.key_tile, false);
+      if (heads_kv * bplan.runs * bplan.parts % threads != 0) continue;
+      const std::vector<std::int64_t> border =
+          detail::flash_backward_order(params, bplan.runs, bplan.parts);
+      std::vector<double> bload(static_cast<std::size_t>(threads), 0.0);
+      double btotal = 0;
+      for (std::int64_t n : border) {
+        const std::int64_t kv_run = n / bplan.parts, b = kv_run / (bplan.runs * heads_kv);
+        const std::int64_t run = kv_run % bplan.runs;
+        const std::int64_t heads =
+            std::min(bplan.run_heads, heads_q / heads_kv - run * bplan.run_heads);
+        const double w = static_cast<double>(heads) * batch.lens_q[static_cast<std::size_t>(b)] *
+                         batch.lens_k[static_cast<std::size_t>(b)] / static_cast<double>(bplan.parts);
+        btotal += w;
+        *std::min_element(bload.begin(), bload.end()) += w;
+      }
+      EXPECT_LE(*std::max_element(bload.begin(), bload.end()), 1.05 * btotal / threads)
+          << "backward Hq=" << heads_q << " Hkv=" << heads_kv << " threads=" << threads;
     }
   }
 }

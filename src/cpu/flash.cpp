@@ -516,6 +516,27 @@ double flash_workspace_bytes(Pass pass, const Params& p, const Launch& launch) {
   return 4.0 * (threads * static_cast<double>(z.per_thread) + dq_parts + sums);
 }
 
+std::vector<std::int64_t> flash_backward_order(const Params& p, std::int64_t runs,
+                                               std::int64_t parts) {
+  // Items n = kv_run * parts + part, kv_run = (b * Hkv + kv_head) * runs + run.
+  std::vector<std::int64_t> order(static_cast<std::size_t>(p.batch * p.heads_kv * runs * parts));
+  for (std::size_t n = 0; n < order.size(); ++n) order[n] = static_cast<std::int64_t>(n);
+  if (!p.seq.per_sequence()) return order;
+  // Varlen: the longest sequences first (lq * lk; ties keep their order, so the runs of one kv
+  // head stay in run order and a run waits only on runs taken before it: no deadlock).
+  std::vector<double> work(static_cast<std::size_t>(p.batch));
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    const SeqSpan s = p.seq.at(b);
+    work[static_cast<std::size_t>(b)] = static_cast<double>(s.lq) * static_cast<double>(s.lk);
+  }
+  const std::int64_t per_batch = p.heads_kv * runs * parts;
+  std::stable_sort(order.begin(), order.end(), [&](std::int64_t x, std::int64_t y) {
+    return work[static_cast<std::size_t>(x / per_batch)] >
+           work[static_cast<std::size_t>(y / per_batch)];
+  });
+  return order;
+}
+
 void flash_backward(const Params& p, const Launch& launch, const BackwardArgs& a) {
   DbiasAccumulator dbias(p);
   if (p.batch == 0) return;
@@ -551,6 +572,7 @@ void flash_backward(const Params& p, const Launch& launch, const BackwardArgs& a
     *first = kv_head * p.group + r * run_heads;
     *last = std::min(*first + run_heads, (kv_head + 1) * p.group);
   };
+  const std::vector<std::int64_t> order = flash_backward_order(p, runs, parts);
   std::atomic<std::int64_t> next{0};
   run_tasks(static_cast<int>(std::min<std::int64_t>(threads, items)), threads, [&](int slot) {
     FlashBackwardScratch w = shape;
@@ -567,7 +589,8 @@ void flash_backward(const Params& p, const Launch& launch, const BackwardArgs& a
     std::fill_n(w.s, block * tile + tile_rows, 0.0f);
     std::fill_n(w.ds, block * tile + tile_rows, 0.0f);
     for (std::int64_t n = next.fetch_add(1); n < items; n = next.fetch_add(1)) {
-      const std::int64_t kv_run = n / parts, part = n % parts;
+      const std::int64_t taken = order[static_cast<std::size_t>(n)];
+      const std::int64_t kv_run = taken / parts, part = taken % parts;
       const std::int64_t b = kv_run / (runs * p.heads_kv);
       std::int64_t first = 0, last = 0;
       run_heads_of(kv_run, &first, &last);
@@ -590,7 +613,7 @@ void flash_backward(const Params& p, const Launch& launch, const BackwardArgs& a
       item.store_dq = parts == 1;
       item.put_kv_tile = &KvTileReducer::put;
       item.put_context = &context;
-      if (parts > 1) item.dq = dq_parts.get() + n * item_dq;
+      if (parts > 1) item.dq = dq_parts.get() + (kv_run * parts + part) * item_dq;
       target.run_backward_heads(s.p, s.a, b, first, last, item, dbias.active() ? &dbias : nullptr);
     }
   });

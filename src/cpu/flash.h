@@ -141,6 +141,10 @@ struct FlashBackwardPlan {
   std::int64_t run_heads, runs, parts;
 };
 FlashBackwardPlan plan_flash_backward(const Params& p, std::int64_t key_tile, bool dbias);
+// The order flash_backward's threads take its items (kv_run * parts + part): in order for dense
+// calls, the longest sequences first for varlen ones.
+std::vector<std::int64_t> flash_backward_order(const Params& p, std::int64_t runs,
+                                               std::int64_t parts);
 
 // Its entry in the backend table (flash_cost.cpp).
 void flash_can_use(Pass pass, const Params& p, std::vector<std::string>& reasons);
