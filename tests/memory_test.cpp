@@ -1,15 +1,22 @@
 // The flash backend's memory: no Lq x Lk buffer. The forward's workspace is O(threads x tile)
 // plus one packed kv head: peak resident memory during a call stays within 1.25x the bytes of
 // q, k, v and out. The backward's workspace stays within 1.25x one f32 copy of dQ (2 threads).
-// A call whose workspace the machine cannot hold is refused before any work.
+// A call whose workspace, plus the outputs it allocates, exceeds the memory the process may use
+// (the smallest of physical memory, the cgroup limit and RLIMIT_AS) is refused before anything
+// is allocated or written, naming the bytes.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <string>
 
 #include "attncore/attncore.h"
+#include "core/cpu_info.h"
 
 namespace attncore {
 namespace {
@@ -106,7 +113,8 @@ TEST(Memory, WorkspacesPastTheMachineAreRefusedUpFront) {
     } catch (const OutOfMemory& e) {
       const std::string message = e.what();
       EXPECT_EQ(message.rfind("forward: the " + std::string(name_of(backend)) +
-                                  " backend's workspace exceeds this machine's memory (workspace=",
+                                  " backend's workspace exceeds the memory this process may use "
+                                  "(workspace=",
                               0),
                 0u)
           << message;
@@ -115,6 +123,133 @@ TEST(Memory, WorkspacesPastTheMachineAreRefusedUpFront) {
       EXPECT_EQ(backend, Backend::math) << e.what();
     }
   }
+}
+
+// The allocating forms add the outputs they allocate to the workspace and refuse the call before
+// allocating anything when the sum exceeds the memory: stride-0 queries of 2^36 rows give an
+// out of 16 TiB (backward: dq), a packed batch of 2^30 query rows one of 256 GiB.
+TEST(Memory, AllocatedOutputsPastTheMachineAreRefusedUpFront) {
+  float one = 0.5f;
+  const std::int64_t lq = std::int64_t{1} << 36;
+  const TensorView q = TensorView::strided(&one, DType::f32, {1, 1, lq, 64}, {0, 0, 0, 1});
+  const TensorView lse = TensorView::strided(&one, DType::f32, {1, 1, lq}, {0, 0, 0});
+  const Tensor kv(DType::f32, {1, 1, 4, 64});
+  const std::string forward_prefix = "forward: the outputs and the ";
+  const std::string exceed =
+      " backend's workspace exceed the memory this process may use (outputs=";
+  for (Backend backend : {Backend::automatic, Backend::reference, Backend::flash}) {
+    SCOPED_TRACE(std::string(name_of(backend)));
+    try {
+      (void)forward(q, kv, kv, {}, backend);
+      ADD_FAILURE() << "no error";
+    } catch (const OutOfMemory& e) {
+      const std::string message = e.what();
+      EXPECT_EQ(message.rfind(forward_prefix, 0), 0u) << message;
+      EXPECT_NE(message.find(exceed + "1.787e+13 bytes"), std::string::npos) << message;
+    }
+    try {
+      (void)backward(q, q, kv, kv, q, lse, {}, backend);
+      ADD_FAILURE() << "no error";
+    } catch (const OutOfMemory& e) {
+      const std::string message = e.what();
+      EXPECT_EQ(message.rfind("backward: the outputs and the ", 0), 0u) << message;
+      EXPECT_NE(message.find(exceed + "1.759e+13 bytes"), std::string::npos) << message;
+    }
+  }
+  // Packed: q [2^30, 1, 64] against one key.
+  const std::int64_t rows = std::int64_t{1} << 30;
+  const TensorView packed_q = TensorView::strided(&one, DType::f32, {rows, 1, 64}, {0, 0, 1});
+  const Tensor packed_kv(DType::f32, {1, 1, 64});
+  const std::int32_t cu_q[] = {0, static_cast<std::int32_t>(rows)}, cu_k[] = {0, 1};
+  VarlenSeqs seqs;
+  seqs.cu_seqlens_q = TensorView::contiguous(const_cast<std::int32_t*>(cu_q), DType::i32, {2});
+  seqs.cu_seqlens_k = TensorView::contiguous(const_cast<std::int32_t*>(cu_k), DType::i32, {2});
+  seqs.max_seqlen_q = rows;
+  seqs.max_seqlen_k = 1;
+  for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
+    SCOPED_TRACE(std::string(name_of(backend)));
+    try {
+      (void)forward_varlen(packed_q, packed_kv, packed_kv, seqs, {}, backend);
+      ADD_FAILURE() << "no error";
+    } catch (const OutOfMemory& e) {
+      const std::string message = e.what();
+      EXPECT_EQ(message.rfind(forward_prefix + std::string(name_of(backend)) + exceed, 0), 0u)
+          << message;
+    }
+  }
+}
+
+#if !defined(__SANITIZE_ADDRESS__)
+// A field of /proc/self/status in KiB.
+std::int64_t vm_size_bytes() { return status_kib("VmSize") * 1024; }
+
+// RLIMIT_AS below the machine's memory is the limit a call is held to: a reference workspace
+// 1 GiB past it is refused, naming it.
+TEST(Memory, AddressSpaceLimitIsTheLimit) {
+  if (status_kib("VmSize") < 0) GTEST_SKIP() << "no /proc/self/status here";
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_AS, &saved), 0);
+  const std::int64_t limit = vm_size_bytes() + (std::int64_t{512} << 20);
+  if (saved.rlim_cur != RLIM_INFINITY && static_cast<std::int64_t>(saved.rlim_cur) < limit) {
+    GTEST_SKIP() << "RLIMIT_AS is already lower";
+  }
+  float one = 0.5f;
+  // The reference backend's forward workspace on one thread: 8 * (Lk + Dv) bytes.
+  const std::int64_t lk = (limit + (std::int64_t{1} << 30)) / 8;
+  const TensorView kv = TensorView::strided(&one, DType::f32, {1, 1, lk, 64}, {0, 0, 0, 1});
+  const Tensor q(DType::f32, {1, 1, 1, 64});
+  Tensor out(DType::f32, {1, 1, 1, 64});
+  Options options;
+  options.num_threads = 1;
+  std::string message;
+  rlimit lowered = saved;
+  lowered.rlim_cur = static_cast<rlim_t>(limit);
+  ASSERT_EQ(setrlimit(RLIMIT_AS, &lowered), 0);
+  try {
+    forward_into(q, kv, kv, out, std::nullopt, options, Backend::reference);
+  } catch (const OutOfMemory& e) {
+    message = e.what();
+  }
+  ASSERT_EQ(setrlimit(RLIMIT_AS, &saved), 0);
+  EXPECT_EQ(message.rfind("forward: the reference backend's workspace exceeds the memory this "
+                          "process may use (workspace=",
+                          0),
+            0u)
+      << message;
+  EXPECT_NE(message.find(" bytes, RLIMIT_AS); reduce the sizes or the thread count"),
+            std::string::npos)
+      << message;
+}
+#endif
+
+// The cgroup limit: v2's memory.max and v1's memory.limit_in_bytes over the process's cgroup and
+// its ancestors, the smallest one; "max", v1's "unlimited" and missing files are no limit.
+TEST(Memory, CgroupLimitOverTheTree) {
+  const std::filesystem::path root =
+      std::filesystem::temp_directory_path() / ("attncore_cgroup_" + std::to_string(getpid()));
+  std::filesystem::remove_all(root);
+  auto write = [&](const std::filesystem::path& file, const std::string& text) {
+    std::filesystem::create_directories(file.parent_path());
+    std::ofstream(file) << text << "\n";
+  };
+  write(root / "a/b/memory.max", "max");
+  write(root / "a/memory.max", "1073741824");
+  write(root / "unified/c/memory.max", "2147483648");
+  write(root / "memory/x/y/memory.limit_in_bytes", "9223372036854771712");  // v1: unlimited
+  write(root / "memory/x/memory.limit_in_bytes", "4294967296");
+  const std::string r = root.string();
+  EXPECT_EQ(detail::cgroup_memory_limit_bytes("0::/a/b\n", r), 1073741824.0);
+  EXPECT_EQ(detail::cgroup_memory_limit_bytes("0::/c\n", r), 2147483648.0);  // hybrid mount
+  EXPECT_EQ(detail::cgroup_memory_limit_bytes("5:cpu,memory:/x/y\n0::/\n", r), 4294967296.0);
+  EXPECT_EQ(detail::cgroup_memory_limit_bytes("4:memory:/x/y\n0::/a/b\n", r), 1073741824.0);
+  EXPECT_TRUE(std::isinf(detail::cgroup_memory_limit_bytes("0::/\n", r)));
+  EXPECT_TRUE(std::isinf(detail::cgroup_memory_limit_bytes("3:cpu:/a\n", r)));
+  EXPECT_TRUE(std::isinf(detail::cgroup_memory_limit_bytes("", r)));
+  std::filesystem::remove_all(root);
+  // This process's limit is at most its physical memory, and positive.
+  const detail::MemoryLimit limit = detail::memory_limit();
+  EXPECT_GT(limit.bytes, 0);
+  EXPECT_LE(limit.bytes, detail::physical_memory_bytes());
 }
 
 }  // namespace

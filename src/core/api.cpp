@@ -31,47 +31,99 @@ void guarded(const char* op, const char* stage, Fn&& fn) {
   }
 }
 
-// Refuses, before any work, a call whose workspace this machine cannot hold.
-void check_workspace(const char* op, const detail::BackendEntry& backend, Pass pass,
-                     const Params& p, const Launch& launch) {
-  const double bytes = backend.workspace_bytes(pass, p, launch);
-  const double memory = detail::physical_memory_bytes();
-  if (!(bytes <= memory)) {
-    char text[160];
-    std::snprintf(text, sizeof text, "(workspace=%.4g bytes, expected <= %.4g bytes", bytes,
-                  memory);
-    throw OutOfMemory(std::string(op) + ": the " + std::string(name_of(backend.id)) +
-                      " backend's workspace exceeds this machine's memory " + text +
-                      "); reduce the sizes or the thread count");
+// Refuses, before anything is allocated or written, a call whose workspace plus the outputs
+// the library allocates for it (`output_bytes`; 0 when the caller provides them) exceed the
+// memory this process may use (detail::memory_limit: physical memory, cgroup, RLIMIT_AS).
+void check_memory(const char* op, const detail::BackendEntry& backend, Pass pass, const Params& p,
+                  const Launch& launch, double output_bytes) {
+  const double workspace = backend.workspace_bytes(pass, p, launch);
+  const detail::MemoryLimit limit = detail::memory_limit();
+  if (workspace + output_bytes <= limit.bytes) return;
+  const std::string name(name_of(backend.id));
+  char text[200];
+  if (output_bytes == 0) {
+    std::snprintf(text, sizeof text, "(workspace=%.4g bytes, expected <= %.4g bytes, %s)",
+                  workspace, limit.bytes, limit.name);
+    throw OutOfMemory(std::string(op) + ": the " + name +
+                      " backend's workspace exceeds the memory this process may use " + text +
+                      "; reduce the sizes or the thread count");
   }
+  std::snprintf(text, sizeof text,
+                "(outputs=%.4g bytes, workspace=%.4g bytes, expected a total <= %.4g bytes, %s)",
+                output_bytes, workspace, limit.bytes, limit.name);
+  throw OutOfMemory(std::string(op) + ": the outputs and the " + name +
+                    " backend's workspace exceed the memory this process may use " + text +
+                    "; reduce the sizes or the thread count");
 }
 
 Launch launch_of(const Options& options, const char* op) {
   return {detail::resolve_threads(options.num_threads, op)};
 }
 
-void run_forward(const Params& p, const Launch& launch, const ForwardArgs& args, Backend backend) {
+// The backend a call runs (core/select.h), its memory checked (check_memory).
+const detail::BackendEntry& prepare(Pass pass, const Params& p, const Launch& launch,
+                                    Backend backend, double output_bytes) {
   const detail::BackendEntry& entry =
-      *detail::find_backend(detail::select_backend(Pass::forward, p, launch, backend));
-  check_workspace("forward", entry, Pass::forward, p, launch);
+      *detail::find_backend(detail::select_backend(pass, p, launch, backend));
+  check_memory(detail::name_of(pass), entry, pass, p, launch, output_bytes);
+  return entry;
+}
+
+void run_forward(const detail::BackendEntry& entry, const Params& p, const Launch& launch,
+                 const ForwardArgs& args) {
   guarded("forward", "running the backend (outputs are incomplete)", [&] {
     entry.forward(p, launch, args);
     detail::fill_unused_rows(p, args);
   });
 }
 
-void run_backward(const Params& p, const Launch& launch, const BackwardArgs& args,
-                  Backend backend) {
-  const detail::BackendEntry& entry =
-      *detail::find_backend(detail::select_backend(Pass::backward, p, launch, backend));
-  check_workspace("backward", entry, Pass::backward, p, launch);
+void run_forward(const Params& p, const Launch& launch, const ForwardArgs& args, Backend backend) {
+  run_forward(prepare(Pass::forward, p, launch, backend, 0), p, launch, args);
+}
+
+void run_backward(const detail::BackendEntry& entry, const Params& p, const Launch& launch,
+                  const BackwardArgs& args) {
   guarded("backward", "running the backend (outputs are incomplete)", [&] {
     entry.backward(p, launch, args);
     detail::fill_unused_rows(p, args);
   });
 }
 
+void run_backward(const Params& p, const Launch& launch, const BackwardArgs& args,
+                  Backend backend) {
+  run_backward(prepare(Pass::backward, p, launch, backend, 0), p, launch, args);
+}
+
 DType lse_dtype(const Params& p) { return p.dtype == DType::f64 ? DType::f64 : DType::f32; }
+
+// Bytes of the outputs the allocating forms create: out [rows, Hq, Dv] and lse [Hq, rows] of
+// the forward; dq, dk, dv like q, k, v (and dbias like the mask) of the backward. `rows_q`,
+// `rows_k`: B * Lq and B * Lk (dense), total_q and total_k (varlen). Doubles: validation
+// bounds every count below 2^63, and the memory check compares the bytes before any int64
+// product of them is formed.
+double forward_output_bytes(const Params& p, double rows_q) {
+  return rows_q * static_cast<double>(p.heads_q) *
+         (static_cast<double>(p.head_dim_v) * static_cast<double>(size_of(p.dtype)) +
+          static_cast<double>(size_of(lse_dtype(p))));
+}
+
+double backward_output_bytes(const Params& p, double rows_q, double rows_k) {
+  const double dims_q = static_cast<double>(p.heads_q) * static_cast<double>(p.head_dim);
+  const double dims_k =
+      static_cast<double>(p.heads_kv) * static_cast<double>(p.head_dim + p.head_dim_v);
+  double bytes = (rows_q * dims_q + rows_k * dims_k) * static_cast<double>(size_of(p.dtype));
+  if (p.compute_dbias) {
+    double mask = static_cast<double>(size_of(p.mask_original.dtype));
+    for (int d = 0; d < p.mask_original.rank; ++d)
+      mask *= static_cast<double>(p.mask_original.size(d));
+    bytes += mask;
+  }
+  return bytes;
+}
+
+double dense_rows(const Params& p, std::int64_t length) {
+  return static_cast<double>(p.batch) * static_cast<double>(length);
+}
 
 }  // namespace
 
@@ -88,6 +140,8 @@ ForwardResult forward(const TensorView& q, const TensorView& k, const TensorView
   ForwardArgs args{q, k, v, {}, {}};
   const Params p = detail::validate_forward(args, options, backend, /*check_outputs=*/false);
   const Launch launch = launch_of(options, "forward");
+  const detail::BackendEntry& entry =
+      prepare(Pass::forward, p, launch, backend, forward_output_bytes(p, dense_rows(p, p.seq.lq)));
   ForwardResult r;
   guarded("forward", "allocating out and lse", [&] {
     r.out = Tensor(p.dtype, {p.batch, p.heads_q, p.seq.lq, p.head_dim_v});
@@ -95,7 +149,7 @@ ForwardResult forward(const TensorView& q, const TensorView& k, const TensorView
   });
   args.out = r.out;
   args.lse = r.lse;
-  run_forward(p, launch, args, backend);
+  run_forward(entry, p, launch, args);
   return r;
 }
 
@@ -115,6 +169,9 @@ BackwardResult backward(const TensorView& dout, const TensorView& q, const Tenso
   BackwardArgs args{dout, q, k, v, out, lse, {}, {}, {}, {}};
   const Params p = detail::validate_backward(args, options, backend, /*check_outputs=*/false);
   const Launch launch = launch_of(options, "backward");
+  const detail::BackendEntry& entry =
+      prepare(Pass::backward, p, launch, backend,
+              backward_output_bytes(p, dense_rows(p, p.seq.lq), dense_rows(p, p.seq.lk)));
   BackwardResult r;
   guarded("backward", "allocating the gradients", [&] {
     r.dq = Tensor(p.dtype, {p.batch, p.heads_q, p.seq.lq, p.head_dim});
@@ -127,7 +184,7 @@ BackwardResult backward(const TensorView& dout, const TensorView& q, const Tenso
   args.dk = r.dk;
   args.dv = r.dv;
   args.dbias = r.dbias.view();
-  run_backward(p, launch, args, backend);
+  run_backward(entry, p, launch, args);
   return r;
 }
 
@@ -144,6 +201,8 @@ ForwardResult forward_varlen(const TensorView& q, const TensorView& k, const Ten
                              const VarlenSeqs& seqs, const Options& options, Backend backend) {
   ForwardArgs args{q, k, v, {}, {}};
   const Params p = detail::validate_varlen_forward(args, seqs, options, backend, false);
+  (void)prepare(Pass::forward, p, launch_of(options, "forward"), backend,
+                forward_output_bytes(p, static_cast<double>(p.seq.rows_q)));
   ForwardResult r;
   guarded("forward", "allocating out and lse", [&] {
     r.out = Tensor(p.dtype, {p.seq.rows_q, p.heads_q, p.head_dim_v});
@@ -168,6 +227,9 @@ BackwardResult backward_varlen(const TensorView& dout, const TensorView& q, cons
                                const VarlenSeqs& seqs, const Options& options, Backend backend) {
   BackwardArgs args{dout, q, k, v, out, lse, {}, {}, {}, {}};
   const Params p = detail::validate_varlen_backward(args, seqs, options, backend, false);
+  (void)prepare(Pass::backward, p, launch_of(options, "backward"), backend,
+                backward_output_bytes(p, static_cast<double>(p.seq.rows_q),
+                                      static_cast<double>(p.seq.rows_k)));
   BackwardResult r;
   guarded("backward", "allocating the gradients", [&] {
     r.dq = Tensor(p.dtype, {p.seq.rows_q, p.heads_q, p.head_dim});
@@ -192,6 +254,8 @@ ForwardResult forward_kvcache(const TensorView& q, const TensorView& k_cache,
                               const Options& options, Backend backend) {
   const ForwardArgs args{q, k_cache, v_cache, {}, {}};
   const Params p = detail::validate_kvcache_forward(args, seqs, options, backend, false);
+  (void)prepare(Pass::forward, p, launch_of(options, "forward"), backend,
+                forward_output_bytes(p, dense_rows(p, p.seq.lq)));
   ForwardResult r;
   guarded("forward", "allocating out and lse", [&] {
     r.out = Tensor(p.dtype, {p.batch, p.heads_q, p.seq.lq, p.head_dim_v});

@@ -8,16 +8,20 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <latch>
+#include <sstream>
 #include <string>
 #include <system_error>
 #include <thread>
 #include <vector>
 
 #if defined(__unix__)
+#include <sys/resource.h>
 #include <unistd.h>
 #endif
 #if defined(__linux__)
@@ -378,6 +382,85 @@ double physical_memory_bytes() {
   if (pages > 0 && page > 0) return static_cast<double>(pages) * static_cast<double>(page);
 #endif
   return 0x1p62;
+}
+
+namespace {
+
+// The first line of a file, or "" when it cannot be read.
+std::string first_line(const std::string& path) {
+  std::ifstream file(path);
+  std::string line;
+  std::getline(file, line);
+  return line;
+}
+
+// A limit file's value in bytes; infinity for "max", for no file, and for cgroup v1's
+// "unlimited" (the largest page multiple below 2^63).
+double limit_value(const std::string& text) {
+  if (text.empty() || text == "max") return HUGE_VAL;
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long v = std::strtoull(text.c_str(), &end, 10);
+  if (errno != 0 || end == text.c_str() || v >= (1ull << 62)) return HUGE_VAL;
+  return static_cast<double>(v);
+}
+
+// The smallest limit in `file` of directory `dir` and of its ancestors up to `root`.
+double smallest_up_the_tree(const std::string& root, std::string path, const char* file) {
+  double smallest = HUGE_VAL;
+  for (;;) {
+    smallest = std::min(smallest, limit_value(first_line(root + path + "/" + file)));
+    if (path.empty() || path == "/") return smallest;
+    const std::size_t slash = path.find_last_of('/');
+    path = slash == std::string::npos ? "" : path.substr(0, slash);
+  }
+}
+
+}  // namespace
+
+double cgroup_memory_limit_bytes(const std::string& proc_self_cgroup, const std::string& root) {
+  double smallest = HUGE_VAL;
+  std::istringstream lines(proc_self_cgroup);
+  std::string line;
+  // Lines "hierarchy:controllers:path": v2 is "0::path"; v1's memory controller names "memory"
+  // among its comma-separated controllers.
+  while (std::getline(lines, line)) {
+    const std::size_t first = line.find(':');
+    const std::size_t second = first == std::string::npos ? first : line.find(':', first + 1);
+    if (second == std::string::npos) continue;
+    const std::string controllers = line.substr(first + 1, second - first - 1);
+    std::string path = line.substr(second + 1);
+    if (!path.empty() && path.back() == '/') path.pop_back();
+    if (controllers.empty()) {
+      for (const char* mount : {"", "/unified"}) {
+        smallest = std::min(smallest, smallest_up_the_tree(root + mount, path, "memory.max"));
+      }
+    } else if (("," + controllers + ",").find(",memory,") != std::string::npos) {
+      smallest =
+          std::min(smallest, smallest_up_the_tree(root + "/memory", path, "memory.limit_in_bytes"));
+    }
+  }
+  return smallest;
+}
+
+MemoryLimit memory_limit() {
+  static const double physical = physical_memory_bytes();
+  static const double cgroup = [] {
+    std::ifstream file("/proc/self/cgroup");
+    std::stringstream text;
+    text << file.rdbuf();
+    return cgroup_memory_limit_bytes(text.str(), "/sys/fs/cgroup");
+  }();
+  MemoryLimit limit{physical, "physical memory"};
+  if (cgroup < limit.bytes) limit = {cgroup, "the cgroup limit"};
+#if defined(__unix__)
+  rlimit as{};
+  if (getrlimit(RLIMIT_AS, &as) == 0 && as.rlim_cur != RLIM_INFINITY &&
+      static_cast<double>(as.rlim_cur) < limit.bytes) {
+    limit = {static_cast<double>(as.rlim_cur), "RLIMIT_AS"};
+  }
+#endif
+  return limit;
 }
 
 }  // namespace detail

@@ -1,6 +1,8 @@
 // Measurements of the machine shared inside the library (the public ones are in attncore/info.h).
 #pragma once
 
+#include <string>
+
 namespace attncore::detail {
 
 // Peak f32 FMA throughput of `threads` threads in GFLOP/s: the best of `runs` runs of about
@@ -21,5 +23,20 @@ int machine_threads();
 
 // This machine's physical memory in bytes (sysconf); 2^62 where the OS does not say.
 double physical_memory_bytes();
+
+// The memory this process may use: the smallest of the physical memory, the memory limit of
+// its cgroup (v2 memory.max, v1 memory.limit_in_bytes, over the cgroup and its ancestors) and
+// RLIMIT_AS, with the name of the one that is smallest ("physical memory", "the cgroup limit",
+// "RLIMIT_AS"). The first two are read once per process; RLIMIT_AS at every call.
+struct MemoryLimit {
+  double bytes;
+  const char* name;
+};
+MemoryLimit memory_limit();
+
+// The smallest cgroup memory limit that applies to a process whose /proc/self/cgroup reads
+// `proc_self_cgroup`, with the cgroup file systems mounted under `root` (/sys/fs/cgroup: v2 at
+// root or root/unified, v1's memory controller at root/memory); infinity when none is set.
+double cgroup_memory_limit_bytes(const std::string& proc_self_cgroup, const std::string& root);
 
 }  // namespace attncore::detail

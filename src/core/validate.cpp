@@ -45,6 +45,10 @@ Params resolve(const Checker& check, const TensorView& q, const TensorView& k, c
   check.group(p, o);
   const std::int64_t v_expected[4] = {p.batch, p.heads_kv, p.seq.lk, p.head_dim_v};
   check.shape(v, "value", v_expected, "[B, Hkv, Lk, Dv] like key");
+  // Every (b, h, i, j) has an int64 index: the score loops' and dropout's, whose stream
+  // positions offset + index then stay below 2^64 + 2^63 (philox.h's counter holds them).
+  check.count("query and key make too many (query, key) pairs", "B * Hq * Lq * Lk",
+              {p.batch, p.heads_q, p.seq.lq, p.seq.lk});
   p.dropout.rows = p.seq.lq;
   p.dropout.cols = p.seq.lk;
   resolve_variant(check, o, p);
@@ -185,7 +189,11 @@ Params validate_forward(const ForwardArgs& a, const Options& options, Backend ba
   Params p = resolve(check, a.q, a.k, a.v, options, backend);
   // compute_dbias only matters to backward; forward accepts the same options and ignores it.
   p.compute_dbias = false;
-  if (!check_outputs) return p;
+  if (!check_outputs) {
+    check.count("out would have too many elements", "B * Hq * Lq * Dv",
+                {p.batch, p.heads_q, p.seq.lq, p.head_dim_v});
+    return p;
+  }
   const std::int64_t out_shape[4] = {p.batch, p.heads_q, p.seq.lq, p.head_dim_v};
   check_like(check, a.out, "out", p.dtype, out_shape, "[B, Hq, Lq, Dv]");
   check.writable(a.out, "out");

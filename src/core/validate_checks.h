@@ -2,6 +2,8 @@
 // message form, `<op>: <what> <problem> (<name>=<value>, expected <constraint>)[; <remedy>]`.
 #pragma once
 
+#include <cstdint>
+#include <initializer_list>
 #include <sstream>
 #include <string>
 
@@ -14,6 +16,25 @@ inline std::string fmt_double(double x) {
   std::ostringstream os;
   os << x;
   return os.str();
+}
+
+// The product of non-negative counts, or -1 when it does not fit in int64.
+inline std::int64_t product_or_negative(std::initializer_list<std::int64_t> counts) {
+  std::int64_t product = 1;
+  bool zero = false;
+  bool overflow = false;
+  for (const std::int64_t c : counts) {
+    zero |= c == 0;
+    overflow |= __builtin_mul_overflow(product, c, &product);
+  }
+  return zero ? 0 : overflow ? -1 : product;
+}
+
+// The same product in floating point, for messages.
+inline double product_of(std::initializer_list<std::int64_t> counts) {
+  double product = 1;
+  for (const std::int64_t c : counts) product *= static_cast<double>(c);
+  return product;
 }
 
 inline std::string dims_string(const std::int64_t* dims, int n) {
@@ -88,6 +109,14 @@ class Checker {
       fail(std::string(name) + " has null data with non-zero size (shape=" + t.shape_string() +
            ", expected a valid pointer)");
     }
+    // Its last byte's address must not wrap around the address space.
+    const auto first = reinterpret_cast<std::uintptr_t>(t.data);
+    const auto bytes =
+        static_cast<std::uintptr_t>((extent + 1) * static_cast<std::int64_t>(size_of(t.dtype)));
+    if (first + bytes < first) {
+      fail(std::string(name) + " spans past the end of the address space (shape=" +
+           t.shape_string() + ", expected memory the process can address)");
+    }
   }
 
   // Strides of an empty view address nothing (numpy gives them all 0), so neither check below
@@ -126,6 +155,15 @@ class Checker {
         fail(std::string(name) + " has shape " + t.shape_string() + ", expected " +
              dims_string(expected, t.rank) + " (" + layout + ")" + detail);
       }
+    }
+  }
+
+  // A count the call forms from its sizes (`formula` = the product of `factors`) must fit in
+  // int64: the element count of an output it allocates, or the (query, key) pairs it computes.
+  void count(const std::string& what, const char* formula,
+             std::initializer_list<std::int64_t> factors) const {
+    if (product_or_negative(factors) < 0) {
+      fail(what + " (" + formula + "=" + fmt_double(product_of(factors)) + ", expected < 2^63)");
     }
   }
 

@@ -95,6 +95,9 @@ Params validate_kvcache_forward(const ForwardArgs& a, const KvCacheSeqs& s, cons
     seq.longest_k = std::max(seq.longest_k, end - start);
   }
   seq.longest_q = seq.lq;
+  check.count("query and the cache make too many (query, key) pairs",
+              "B * Hq * Lq * the longest cache_seqlens[b] - cache_leftpad[b]",
+              {p.batch, p.heads_q, seq.lq, seq.longest_k});
   if (o.mask.has_value()) {
     check.unsupported("mask is not supported with a KV cache (mask=given, expected none); use "
                       "causal, window_left/window_right or cache_seqlens");
@@ -104,7 +107,11 @@ Params validate_kvcache_forward(const ForwardArgs& a, const KvCacheSeqs& s, cons
                       fmt_double(o.dropout_p) + ", expected 0)");
   }
   resolve_variant(check, o, p);
-  if (!check_outputs) return p;
+  if (!check_outputs) {
+    check.count("out would have too many elements", "B * Hq * Lq * Dv",
+                {p.batch, p.heads_q, seq.lq, p.head_dim_v});
+    return p;
+  }
   const std::int64_t out_shape[4] = {p.batch, p.heads_q, seq.lq, p.head_dim_v};
   check.view(a.out, "out", 4, "[B, Hq, Lq, Dv]");
   check.dtype(a.out, "out", p.dtype, "");

@@ -193,7 +193,11 @@ Params validate_varlen_forward(ForwardArgs& a, const VarlenSeqs& seqs, const Opt
   const Checker check("forward");
   Params p = resolve_varlen(check, a.q, a.k, a.v, seqs, options, backend);
   p.compute_dbias = false;
-  if (!check_outputs) return p;
+  if (!check_outputs) {
+    check.count("out would have too many elements", "total_q * Hq * Dv",
+                {p.seq.rows_q, p.heads_q, p.head_dim_v});
+    return p;
+  }
   check_packed(check, a.out, "out", p.dtype, p.seq.rows_q, p.heads_q, p.head_dim_v,
                "[total_q, Hq, Dv]");
   check.writable(a.out, "out");
