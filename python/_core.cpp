@@ -75,7 +75,7 @@ class GilReleased {
   PyThreadState* state_;
 };
 
-DType dtype_from_format(std::string format, py::ssize_t itemsize, const char* name) {
+DType dtype_from_format(std::string format, py::ssize_t itemsize, const std::string& name) {
   // Native or explicitly little-endian byte order only (this library runs on little-endian CPUs).
   if (!format.empty() && (format[0] == '@' || format[0] == '=' || format[0] == '<'))
     format.erase(0, 1);
@@ -85,12 +85,12 @@ DType dtype_from_format(std::string format, py::ssize_t itemsize, const char* na
   if (format == "?" && itemsize == 1) return DType::b8;
   // numpy's int32 is 'i' ('l' where a C long has 4 bytes).
   if ((format == "i" || format == "l") && itemsize == 4) return DType::i32;
-  throw InvalidArgument(std::string(name) + " has an unsupported element type (format='" + format +
+  throw InvalidArgument(name + " has an unsupported element type (format='" + format +
                         "', itemsize=" + std::to_string(itemsize) +
                         ", expected float32, float64, float16, bool or int32)");
 }
 
-DType dtype_from_dlpack(const DLDataType& t, bool is_mask, const char* name) {
+DType dtype_from_dlpack(const DLDataType& t, bool is_mask, const std::string& name) {
   if (t.lanes == 1) {
     if (t.code == kDLFloat && t.bits == 32) return DType::f32;
     if (t.code == kDLFloat && t.bits == 64) return DType::f64;
@@ -101,24 +101,29 @@ DType dtype_from_dlpack(const DLDataType& t, bool is_mask, const char* name) {
     // Producers that cannot export bool (torch 1.13) pass a bool mask's bytes as uint8.
     if (is_mask && t.code == kDLUInt && t.bits == 8) return DType::b8;
   }
-  throw InvalidArgument(std::string(name) +
-                        " has an unsupported element type (dlpack code=" + std::to_string(t.code) +
+  throw InvalidArgument(name + " has an unsupported element type (dlpack code=" +
+                        std::to_string(t.code) +
                         ", bits=" + std::to_string(t.bits) + ", lanes=" + std::to_string(t.lanes) +
                         ", expected float32, float64, float16, bfloat16, bool or int32)");
 }
 
+std::string type_name(py::handle obj) {
+  return std::string(py::str(py::type::of(obj).attr("__name__")));
+}
+
 // One Python array seen as a TensorView onto its own memory, valid while this object lives.
+// Errors name the array as "<op>: <name>", the library's message form.
 class Borrowed {
  public:
-  Borrowed(py::handle obj, const char* name, bool writable, bool is_mask = false) {
+  Borrowed(py::handle obj, const char* op, const char* name, bool writable, bool is_mask = false) {
+    const std::string what = std::string(op) + ": " + name;
     if (PyObject_CheckBuffer(obj.ptr())) {
-      from_buffer(obj, name, writable);
+      from_buffer(obj, what, writable);
     } else if (py::hasattr(obj, "__dlpack__")) {
-      from_dlpack(obj, name, is_mask);
+      from_dlpack(obj, what, is_mask);
     } else {
-      throw InvalidArgument(std::string(name) + " is not an array (type=" +
-                            std::string(py::str(py::type::of(obj).attr("__name__"))) +
-                            ", expected a numpy array or an object with __dlpack__)");
+      throw py::type_error(what + " is not an array (type=" + type_name(obj) +
+                           ", expected a numpy array or an object with __dlpack__)");
     }
     last_call_addresses[name] = reinterpret_cast<std::uintptr_t>(view_.data);
   }
@@ -128,26 +133,26 @@ class Borrowed {
   const TensorView& view() const { return view_; }
 
  private:
-  void check_rank(std::int64_t rank, const char* name) {
+  void check_rank(std::int64_t rank, const std::string& what) {
     if (rank > attncore::kMaxRank) {
-      throw InvalidArgument(std::string(name) + " has too many dimensions (rank=" +
-                            std::to_string(rank) + ", expected <= 4)");
+      throw InvalidArgument(what + " has too many dimensions (rank=" + std::to_string(rank) +
+                            ", expected <= 4)");
     }
     view_.rank = static_cast<int>(rank);
   }
 
-  void from_buffer(py::handle obj, const char* name, bool writable) {
+  void from_buffer(py::handle obj, const std::string& what, bool writable) {
     buffer_ = py::reinterpret_borrow<py::buffer>(obj).request(writable);
     const py::buffer_info& b = *buffer_;
-    check_rank(b.ndim, name);
-    view_.dtype = dtype_from_format(b.format, b.itemsize, name);
+    check_rank(b.ndim, what);
+    view_.dtype = dtype_from_format(b.format, b.itemsize, what);
     view_.data = b.ptr;
     for (int d = 0; d < view_.rank; ++d) {
       const auto stride = b.strides[static_cast<std::size_t>(d)];
       if (stride < 0 || stride % b.itemsize != 0) {
-        throw InvalidArgument(std::string(name) + " has a stride that is not a non-negative " +
-                              "multiple of its item size (stride[" + std::to_string(d) +
-                              "]=" + std::to_string(stride) + " bytes, itemsize=" +
+        throw InvalidArgument(what + " has a stride that is not a non-negative multiple of its " +
+                              "item size (stride[" + std::to_string(d) + "]=" +
+                              std::to_string(stride) + " bytes, itemsize=" +
                               std::to_string(b.itemsize) + "); pass a contiguous copy");
       }
       view_.shape[static_cast<std::size_t>(d)] = b.shape[static_cast<std::size_t>(d)];
@@ -155,21 +160,47 @@ class Borrowed {
     }
   }
 
-  void from_dlpack(py::handle obj, const char* name, bool is_mask) {
-    py::capsule capsule = obj.attr("__dlpack__")();
-    auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
-    if (managed == nullptr) throw py::error_already_set();
+  void from_dlpack(py::handle obj, const std::string& what, bool is_mask) {
+    // A producer that names its device is asked first, so that memory of another device is
+    // refused before an export (which some producers refuse with errors of their own).
+    if (py::hasattr(obj, "__dlpack_device__")) {
+      int device_type = -1;
+      try {
+        device_type = obj.attr("__dlpack_device__")()[py::int_(0)].cast<int>();
+      } catch (const std::exception& e) {  // the producer's error, or no int where expected
+        throw InvalidArgument(what + " cannot be read through DLPack (type=" + type_name(obj) +
+                              ", error='" + e.what() + "', expected an array in CPU memory)");
+      }
+      if (device_type != kDLCPU && device_type != kDLCUDAHost) {
+        throw Unsupported(what + " is not in CPU memory (dlpack device_type=" +
+                          std::to_string(device_type) +
+                          ", expected CPU); attncore has CPU backends only");
+      }
+    }
+    py::object exported;
+    try {
+      exported = obj.attr("__dlpack__")();
+    } catch (const py::error_already_set& e) {
+      throw InvalidArgument(what + " cannot be read through DLPack (type=" + type_name(obj) +
+                            ", error='" + e.what() + "', expected a strided CPU array)");
+    }
+    auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(exported.ptr(), "dltensor"));
+    if (managed == nullptr) {
+      PyErr_Clear();
+      throw InvalidArgument(what + " gave no DLPack capsule (type=" + type_name(obj) +
+                            ", expected __dlpack__() to return an unused 'dltensor' capsule)");
+    }
     // The capsule is consumed: from here on, this object calls the deleter.
-    PyCapsule_SetName(capsule.ptr(), "used_dltensor");
+    PyCapsule_SetName(exported.ptr(), "used_dltensor");
     managed_.reset(managed);
     const DLTensor& t = managed->dl_tensor;
     if (t.device.device_type != kDLCPU && t.device.device_type != kDLCUDAHost) {
-      throw Unsupported(std::string(name) + " is not in CPU memory (dlpack device_type=" +
+      throw Unsupported(what + " is not in CPU memory (dlpack device_type=" +
                         std::to_string(static_cast<int>(t.device.device_type)) +
                         ", expected CPU); attncore has CPU backends only");
     }
-    check_rank(t.ndim, name);
-    view_.dtype = dtype_from_dlpack(t.dtype, is_mask, name);
+    check_rank(t.ndim, what);
+    view_.dtype = dtype_from_dlpack(t.dtype, is_mask, what);
     view_.data = static_cast<char*>(t.data) + t.byte_offset;
     std::int64_t running = 1;
     for (int d = view_.rank; d-- > 0;) {
@@ -190,10 +221,10 @@ class Borrowed {
   std::unique_ptr<DLManagedTensor, CallDeleter> managed_;  // DLPack: deleter runs on destruction
 };
 
-std::optional<Borrowed> borrow_optional(py::handle obj, const char* name, bool writable,
-                                        bool is_mask = false) {
+std::optional<Borrowed> borrow_optional(py::handle obj, const char* op, const char* name,
+                                        bool writable, bool is_mask = false) {
   std::optional<Borrowed> b;
-  if (!obj.is_none()) b.emplace(obj, name, writable, is_mask);
+  if (!obj.is_none()) b.emplace(obj, op, name, writable, is_mask);
   return b;
 }
 
@@ -202,21 +233,21 @@ std::optional<TensorView> view_of(const std::optional<Borrowed>& b) {
   return b->view();
 }
 
-attncore::Causal causal_from_name(const std::string& name) {
+attncore::Causal causal_from_name(const char* op, const std::string& name) {
   for (auto c :
        {attncore::Causal::none, attncore::Causal::upper_left, attncore::Causal::lower_right}) {
     if (attncore::name_of(c) == name) return c;
   }
-  throw InvalidArgument("causal is invalid (causal='" + name +
+  throw InvalidArgument(std::string(op) + ": causal is invalid (causal='" + name +
                         "', expected 'none', 'upper-left' or 'lower-right')");
 }
 
 // The library's backend_from_name, with the package's message.
-attncore::Backend backend_from_name(const std::string& name) {
+attncore::Backend backend_from_name(const char* op, const std::string& name) {
   try {
     return attncore::backend_from_name(name);
   } catch (const InvalidArgument&) {
-    throw InvalidArgument("backend is invalid (backend='" + name +
+    throw InvalidArgument(std::string(op) + ": backend is invalid (backend='" + name +
                           "', expected 'auto', 'reference', 'math' or 'flash')");
   }
 }
@@ -232,11 +263,11 @@ struct CallOptions {
   int num_threads;
   std::string backend;
 
-  attncore::Options options(const std::optional<Borrowed>& mask,
+  attncore::Options options(const char* op, const std::optional<Borrowed>& mask,
                             const std::optional<Borrowed>& alibi, bool compute_dbias) const {
     attncore::Options o;
     o.scale = scale;
-    o.causal = causal_from_name(causal);
+    o.causal = causal_from_name(op, causal);
     o.window_left = window_left;
     o.window_right = window_right;
     o.softcap = softcap;
@@ -256,14 +287,15 @@ struct CallOptions {
 // given, lse [B, Hq, Lq]. mask: rank 2 or 4; alibi_slopes: [Hq] or [B, Hq].
 void forward(py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
              py::handle mask, py::handle alibi_slopes, const CallOptions& call) {
+  constexpr const char* op = "forward";  // the library's name of the call, in messages
   last_call_addresses.clear();
-  const Borrowed bq(q, "query", false), bk(k, "key", false), bv(v, "value", false);
-  const Borrowed bout(out, "out", true);
-  const auto blse = borrow_optional(lse, "lse", true);
-  const auto bmask = borrow_optional(mask, "mask", false, /*is_mask=*/true);
-  const auto balibi = borrow_optional(alibi_slopes, "alibi_slopes", false);
-  const attncore::Options options = call.options(bmask, balibi, false);
-  const attncore::Backend backend = backend_from_name(call.backend);
+  const Borrowed bq(q, op, "query", false), bk(k, op, "key", false), bv(v, op, "value", false);
+  const Borrowed bout(out, op, "out", true);
+  const auto blse = borrow_optional(lse, op, "lse", true);
+  const auto bmask = borrow_optional(mask, op, "mask", false, /*is_mask=*/true);
+  const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
+  const attncore::Options options = call.options(op, bmask, balibi, false);
+  const attncore::Backend backend = backend_from_name(op, call.backend);
   const GilReleased released;
   attncore::forward_into(bq.view(), bk.view(), bv.view(), bout.view(), view_of(blse), options,
                          backend);
@@ -274,15 +306,16 @@ void forward(py::handle q, py::handle k, py::handle v, py::handle out, py::handl
 void backward(py::handle dout, py::handle q, py::handle k, py::handle v, py::handle out,
               py::handle lse, py::handle dq, py::handle dk, py::handle dv, py::handle dbias,
               py::handle mask, py::handle alibi_slopes, const CallOptions& call) {
+  constexpr const char* op = "backward";  // the library's name of the call, in messages
   last_call_addresses.clear();
-  const Borrowed bdout(dout, "dout", false), bq(q, "query", false), bk(k, "key", false),
-      bv(v, "value", false), bout(out, "out", false), blse(lse, "lse", false);
-  const Borrowed bdq(dq, "dq", true), bdk(dk, "dk", true), bdv(dv, "dv", true);
-  const auto bdbias = borrow_optional(dbias, "dbias", true);
-  const auto bmask = borrow_optional(mask, "mask", false, /*is_mask=*/true);
-  const auto balibi = borrow_optional(alibi_slopes, "alibi_slopes", false);
-  const attncore::Options options = call.options(bmask, balibi, bdbias.has_value());
-  const attncore::Backend backend = backend_from_name(call.backend);
+  const Borrowed bdout(dout, op, "dout", false), bq(q, op, "query", false), bk(k, op, "key", false),
+      bv(v, op, "value", false), bout(out, op, "out", false), blse(lse, op, "lse", false);
+  const Borrowed bdq(dq, op, "dq", true), bdk(dk, op, "dk", true), bdv(dv, op, "dv", true);
+  const auto bdbias = borrow_optional(dbias, op, "dbias", true);
+  const auto bmask = borrow_optional(mask, op, "mask", false, /*is_mask=*/true);
+  const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
+  const attncore::Options options = call.options(op, bmask, balibi, bdbias.has_value());
+  const attncore::Backend backend = backend_from_name(op, call.backend);
   const GilReleased released;
   attncore::backward_into(bdout.view(), bq.view(), bk.view(), bv.view(), bout.view(), blse.view(),
                           bdq.view(), bdk.view(), bdv.view(), view_of(bdbias), options, backend);
@@ -294,11 +327,11 @@ struct BorrowedSeqs {
   std::optional<Borrowed> seqused_k;
   std::int64_t max_seqlen_q, max_seqlen_k;
 
-  BorrowedSeqs(py::handle cu_q, py::handle cu_k, py::handle used, std::int64_t max_q,
-               std::int64_t max_k)
-      : cu_seqlens_q(cu_q, "cu_seqlens_q", false),
-        cu_seqlens_k(cu_k, "cu_seqlens_k", false),
-        seqused_k(borrow_optional(used, "seqused_k", false)),
+  BorrowedSeqs(const char* op, py::handle cu_q, py::handle cu_k, py::handle used,
+               std::int64_t max_q, std::int64_t max_k)
+      : cu_seqlens_q(cu_q, op, "cu_seqlens_q", false),
+        cu_seqlens_k(cu_k, op, "cu_seqlens_k", false),
+        seqused_k(borrow_optional(used, op, "seqused_k", false)),
         max_seqlen_q(max_q),
         max_seqlen_k(max_k) {}
 
@@ -315,15 +348,16 @@ void forward_varlen(py::handle q, py::handle k, py::handle v, py::handle cu_seql
                     py::handle cu_seqlens_k, py::handle seqused_k, std::int64_t max_seqlen_q,
                     std::int64_t max_seqlen_k, py::handle out, py::handle lse, py::handle mask,
                     py::handle alibi_slopes, const CallOptions& call) {
+  constexpr const char* op = "forward";  // the library's name of the call, in messages
   last_call_addresses.clear();
-  const Borrowed bq(q, "query", false), bk(k, "key", false), bv(v, "value", false);
-  const BorrowedSeqs seqs(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k);
-  const Borrowed bout(out, "out", true);
-  const auto blse = borrow_optional(lse, "lse", true);
-  const auto bmask = borrow_optional(mask, "mask", false, /*is_mask=*/true);
-  const auto balibi = borrow_optional(alibi_slopes, "alibi_slopes", false);
-  const attncore::Options options = call.options(bmask, balibi, false);
-  const attncore::Backend backend = backend_from_name(call.backend);
+  const Borrowed bq(q, op, "query", false), bk(k, op, "key", false), bv(v, op, "value", false);
+  const BorrowedSeqs seqs(op, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k);
+  const Borrowed bout(out, op, "out", true);
+  const auto blse = borrow_optional(lse, op, "lse", true);
+  const auto bmask = borrow_optional(mask, op, "mask", false, /*is_mask=*/true);
+  const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
+  const attncore::Options options = call.options(op, bmask, balibi, false);
+  const attncore::Backend backend = backend_from_name(op, call.backend);
   const GilReleased released;
   attncore::forward_varlen_into(bq.view(), bk.view(), bv.view(), seqs.seqs(), bout.view(),
                                 view_of(blse), options, backend);
@@ -336,15 +370,16 @@ void backward_varlen(py::handle dout, py::handle q, py::handle k, py::handle v, 
                      py::handle seqused_k, std::int64_t max_seqlen_q, std::int64_t max_seqlen_k,
                      py::handle dq, py::handle dk, py::handle dv, py::handle mask,
                      py::handle alibi_slopes, const CallOptions& call) {
+  constexpr const char* op = "backward";  // the library's name of the call, in messages
   last_call_addresses.clear();
-  const Borrowed bdout(dout, "dout", false), bq(q, "query", false), bk(k, "key", false),
-      bv(v, "value", false), bout(out, "out", false), blse(lse, "lse", false);
-  const BorrowedSeqs seqs(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k);
-  const Borrowed bdq(dq, "dq", true), bdk(dk, "dk", true), bdv(dv, "dv", true);
-  const auto bmask = borrow_optional(mask, "mask", false, /*is_mask=*/true);
-  const auto balibi = borrow_optional(alibi_slopes, "alibi_slopes", false);
-  const attncore::Options options = call.options(bmask, balibi, false);
-  const attncore::Backend backend = backend_from_name(call.backend);
+  const Borrowed bdout(dout, op, "dout", false), bq(q, op, "query", false), bk(k, op, "key", false),
+      bv(v, op, "value", false), bout(out, op, "out", false), blse(lse, op, "lse", false);
+  const BorrowedSeqs seqs(op, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k);
+  const Borrowed bdq(dq, op, "dq", true), bdk(dk, op, "dk", true), bdv(dv, op, "dv", true);
+  const auto bmask = borrow_optional(mask, op, "mask", false, /*is_mask=*/true);
+  const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
+  const attncore::Options options = call.options(op, bmask, balibi, false);
+  const attncore::Backend backend = backend_from_name(op, call.backend);
   const GilReleased released;
   attncore::backward_varlen_into(bdout.view(), bq.view(), bk.view(), bv.view(), bout.view(),
                                  blse.view(), seqs.seqs(), bdq.view(), bdk.view(), bdv.view(),
@@ -375,24 +410,26 @@ py::tuple explanation_tuple(const attncore::Explanation& e) {
 // What automatic selection does with forward's call (the same arguments, nothing written).
 py::tuple explain_forward(py::handle q, py::handle k, py::handle v, py::handle mask,
                           py::handle alibi_slopes, const CallOptions& call) {
-  const Borrowed bq(q, "query", false), bk(k, "key", false), bv(v, "value", false);
-  const auto bmask = borrow_optional(mask, "mask", false, /*is_mask=*/true);
-  const auto balibi = borrow_optional(alibi_slopes, "alibi_slopes", false);
+  constexpr const char* op = "forward";  // the library's name of the call, in messages
+  const Borrowed bq(q, op, "query", false), bk(k, op, "key", false), bv(v, op, "value", false);
+  const auto bmask = borrow_optional(mask, op, "mask", false, /*is_mask=*/true);
+  const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
   return explanation_tuple(attncore::explain_forward(bq.view(), bk.view(), bv.view(),
-                                                     call.options(bmask, balibi, false)));
+                                                     call.options(op, bmask, balibi, false)));
 }
 
 // The same for backward's call; dbias is asked for when `want_dbias` (an additive mask).
 py::tuple explain_backward(py::handle dout, py::handle q, py::handle k, py::handle v,
                            py::handle out, py::handle lse, py::handle mask, py::handle alibi_slopes,
                            bool want_dbias, const CallOptions& call) {
-  const Borrowed bdout(dout, "dout", false), bq(q, "query", false), bk(k, "key", false),
-      bv(v, "value", false), bout(out, "out", false), blse(lse, "lse", false);
-  const auto bmask = borrow_optional(mask, "mask", false, /*is_mask=*/true);
-  const auto balibi = borrow_optional(alibi_slopes, "alibi_slopes", false);
+  constexpr const char* op = "backward";  // the library's name of the call, in messages
+  const Borrowed bdout(dout, op, "dout", false), bq(q, op, "query", false), bk(k, op, "key", false),
+      bv(v, op, "value", false), bout(out, op, "out", false), blse(lse, op, "lse", false);
+  const auto bmask = borrow_optional(mask, op, "mask", false, /*is_mask=*/true);
+  const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
   return explanation_tuple(attncore::explain_backward(bdout.view(), bq.view(), bk.view(), bv.view(),
                                                       bout.view(), blse.view(),
-                                                      call.options(bmask, balibi, want_dbias)));
+                                                      call.options(op, bmask, balibi, want_dbias)));
 }
 
 }  // namespace
@@ -457,7 +494,8 @@ PYBIND11_MODULE(_core, m) {
       "set_enabled_backends",
       [](const std::vector<std::string>& names) {
         std::vector<attncore::Backend> backends;
-        for (const std::string& name : names) backends.push_back(backend_from_name(name));
+        for (const std::string& name : names)
+          backends.push_back(backend_from_name("set_enabled_backends", name));
         return names_of(attncore::set_enabled_backends(backends));
       },
       py::arg("backends"), "Replaces this thread's enabled backends; returns the previous list");

@@ -13,8 +13,9 @@
     sdpa_kernel, enabled_backends the backends automatic selection may choose, per thread
     explain                       each backend's verdict on a call, and the choice
 
-Invalid arguments raise ValueError and unsupported combinations NotImplementedError, with the
-C++ library's message.
+Invalid arguments raise ValueError, arguments of the wrong Python type TypeError, and
+unsupported combinations and devices NotImplementedError, all in the C++ library's message form
+(`<op>: <what> <problem> (<name>=<value>, expected <constraint>)`).
 """
 
 import importlib as _importlib

@@ -3,7 +3,11 @@
 numpy arrays and torch tensors are used as they are. Any other object with ``__dlpack__`` is
 wrapped without a copy as a numpy array (or, for dtypes numpy lacks such as bfloat16, as a torch
 tensor) and the results go back through its own library's ``from_dlpack`` where it has one.
-Sequences and buffer-protocol objects become numpy arrays.
+Sequences and buffer-protocol objects become numpy arrays; numpy subclasses (np.matrix) are
+read as plain arrays, and numpy arrays with negative strides are copied.
+
+Every conversion names the call and the argument in its errors: tensors outside CPU memory, not
+strided or nested raise NotImplementedError; objects that are no arrays of numbers TypeError.
 
 torch is never imported here: a tensor can only exist once its caller imported torch.
 """
@@ -18,19 +22,122 @@ def _torch():
     return sys.modules.get("torch")
 
 
+_NUMBER_KINDS = "biufc"  # numpy dtype kinds of numbers (b: bool)
+_ARRAY_TYPES = "a numpy array, a torch tensor, an object with __dlpack__ or a sequence of numbers"
+
+
+def _type_name(x):
+    return type(x).__name__
+
+
+def _checked_tensor(x, op, name):
+    """A torch tensor attncore can read, else NotImplementedError: in CPU memory, strided, not
+    nested. A lazily negated or conjugated view is resolved (a copy)."""
+    torch = _torch()
+    if x.device.type != "cpu":
+        raise NotImplementedError(f"{op}: {name} is not in CPU memory (device={x.device.type}, "
+                                  "expected cpu); attncore has CPU backends only")
+    if getattr(x, "is_nested", False):
+        raise NotImplementedError(f"{op}: {name} is a nested tensor (is_nested=True, expected a "
+                                  "dense tensor); scaled_dot_product_attention takes nested "
+                                  "query, key and value")
+    if x.layout != torch.strided:
+        raise NotImplementedError(f"{op}: {name} has an unsupported layout (layout={x.layout}, "
+                                  f"expected torch.strided); pass {name}.to_dense()")
+    if x.is_neg():
+        x = x.resolve_neg()
+    if x.is_conj():
+        x = x.resolve_conj()
+    return x
+
+
+def _checked_ndarray(x, op, name):
+    """A numpy array as a plain ndarray (np.matrix and other subclasses viewed as ndarray;
+    masked arrays refused), copied where its strides are negative or not whole elements."""
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(f"{op}: {name} is a masked array (type={_type_name(x)}, expected a plain "
+                        f"array); pass {name}.filled() or {name}.data")
+    if type(x) is not np.ndarray:
+        x = x.view(np.ndarray)
+    if any(s < 0 or s % x.itemsize for s in x.strides):
+        x = np.ascontiguousarray(x)
+    return x
+
+
+def _from_sequence(x, op, name):
+    """A numpy array of numbers made from a non-array object (a sequence, a scalar, a buffer),
+    else TypeError (not numbers) or ValueError (ragged)."""
+    try:
+        array = np.asarray(x)
+    except ValueError:
+        raise ValueError(f"{op}: {name} is a ragged sequence (type={_type_name(x)}, expected "
+                         "nested sequences of equal lengths)") from None
+    except Exception:
+        array = None
+    if array is None or array.dtype.kind not in _NUMBER_KINDS:
+        raise TypeError(f"{op}: {name} is not an array (type={_type_name(x)}, expected "
+                        f"{_ARRAY_TYPES})")
+    return array
+
+
+def _dlpack_on_cpu(x, op, name):
+    """NotImplementedError unless a DLPack producer says its memory is the CPU's."""
+    device = getattr(x, "__dlpack_device__", None)
+    if device is None:
+        return
+    try:
+        device_type = int(device()[0])
+    except Exception as e:
+        raise ValueError(f"{op}: {name} cannot be read through DLPack "
+                         f"(type={_type_name(x)}, error={str(e)!r}, expected an array in CPU "
+                         "memory)") from None
+    if device_type not in (1, 3):  # kDLCPU, kDLCUDAHost
+        raise NotImplementedError(f"{op}: {name} is not in CPU memory (dlpack device_type="
+                                  f"{device_type}, expected 1 (CPU)); attncore has CPU backends "
+                                  "only")
+
+
+def refuse_lost_gradients(lib, op, named):
+    """TypeError where a torch tensor that requires grad would be read as a numpy array (the
+    call's library is the query's), which would drop its gradient without a word.
+    named: (name, array or None) pairs as the caller passed them."""
+    torch = _torch()
+    if lib.is_torch or torch is None or not torch.is_grad_enabled():
+        return
+    for name, x in named:
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            raise TypeError(f"{op}: {name} requires grad but the query is no torch tensor "
+                            f"({name}.requires_grad=True, expected a torch query for gradients "
+                            f"to flow); pass the query as a torch tensor, or {name}.detach()")
+
+
 class _Numpy:
     """numpy arrays: read by attncore._core through the buffer protocol."""
 
     is_torch = False
 
     @staticmethod
-    def asarray(x):
+    def asarray(x, op, name):
+        """x as a numpy array (no copy where it is one, or a CPU tensor numpy can view)."""
         torch = _torch()
         if torch is not None and isinstance(x, torch.Tensor):
-            return x.detach().numpy()
-        if hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray):
-            return np.from_dlpack(x)
-        return np.asarray(x)
+            x = _checked_tensor(x, op, name)
+            if x.dtype == torch.bfloat16:
+                raise ValueError(f"{op}: {name} has a dtype numpy lacks (dtype=bfloat16, "
+                                 "expected a numpy dtype, as the query is no torch tensor); "
+                                 "pass the query as a torch tensor")
+            return _checked_ndarray(x.detach().numpy(), op, name)
+        if isinstance(x, np.ndarray):
+            return _checked_ndarray(x, op, name)
+        if hasattr(x, "__dlpack__"):
+            _dlpack_on_cpu(x, op, name)
+            try:
+                return _checked_ndarray(np.from_dlpack(x), op, name)
+            except (BufferError, TypeError, RuntimeError, ValueError) as e:
+                raise ValueError(f"{op}: {name} cannot be read as a numpy array through DLPack "
+                                 f"(type={_type_name(x)}, error={str(e)!r}, expected a "
+                                 "dtype numpy has); pass the query as a torch tensor") from None
+        return _from_sequence(x, op, name)
 
     @staticmethod
     def dtype_name(x):
@@ -90,15 +197,25 @@ class _Torch:
     is_torch = True
 
     @staticmethod
-    def asarray(x):
+    def asarray(x, op, name):
+        """x as a torch tensor (no copy where it is one, or an array torch can view)."""
         torch = _torch()
         if isinstance(x, torch.Tensor):
-            return x
+            return _checked_tensor(x, op, name)
         if isinstance(x, np.ndarray):
-            return torch.from_numpy(x)
+            return _torch_from_numpy(_checked_ndarray(x, op, name), op, name)
         if hasattr(x, "__dlpack__"):
-            return torch.utils.dlpack.from_dlpack(x)
-        return torch.as_tensor(x)
+            _dlpack_on_cpu(x, op, name)
+            try:
+                return torch.utils.dlpack.from_dlpack(x)
+            except (BufferError, TypeError, RuntimeError, ValueError) as e:
+                raise ValueError(f"{op}: {name} cannot be read through DLPack "
+                                 f"(type={_type_name(x)}, error={str(e)!r}, expected a "
+                                 "strided CPU array)") from None
+        try:
+            return torch.as_tensor(x)
+        except (TypeError, ValueError, RuntimeError):
+            return _torch_from_numpy(_from_sequence(x, op, name), op, name)
 
     @staticmethod
     def dtype_name(x):
@@ -152,32 +269,43 @@ class _Torch:
         return x.view(_torch().uint8) if x.dtype == _torch().bool else x
 
 
+def _torch_from_numpy(x, op, name):
+    try:
+        return _torch().from_numpy(x)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{op}: {name} has an unsupported element type (dtype={x.dtype.str}, "
+                         "expected float32, float64, float16, bool or int32 in native byte "
+                         "order)") from None
+
+
 NUMPY = _Numpy()
 TORCH = _Torch()
 
 
-def adopt(x):
+def adopt(x, op, name):
     """(library, array, give_back) for a caller's array: the library that holds it, the array
-    in that library (no copy) and the function that turns results into the caller's type."""
+    in that library (no copy where attncore can read it in place) and the function that turns
+    results into the caller's type. Errors name `name` and the call `op`."""
     torch = _torch()
     if isinstance(x, np.ndarray):
-        return NUMPY, x, _same
+        return NUMPY, NUMPY.asarray(x, op, name), _same
     if torch is not None and isinstance(x, torch.Tensor):
-        return TORCH, x, _same
+        return TORCH, TORCH.asarray(x, op, name), _same
     if hasattr(x, "__dlpack__"):
+        _dlpack_on_cpu(x, op, name)
         back = _back_through_dlpack(type(x))
         try:
-            return NUMPY, np.from_dlpack(x), back
+            return NUMPY, _checked_ndarray(np.from_dlpack(x), op, name), back
         except (BufferError, TypeError, RuntimeError, ValueError):
             if torch is None:
-                raise
-            return TORCH, torch.utils.dlpack.from_dlpack(x), back
-    return NUMPY, np.asarray(x), _same
+                return NUMPY, NUMPY.asarray(x, op, name), back  # raises attncore's error
+            return TORCH, TORCH.asarray(x, op, name), back
+    return NUMPY, _from_sequence(x, op, name), _same
 
 
-def shape_of(x):
+def shape_of(x, op, name):
     """The shape of any array adopt() takes."""
-    return tuple(adopt(x)[1].shape)
+    return tuple(adopt(x, op, name)[1].shape)
 
 
 def _same(result):

@@ -15,7 +15,8 @@ import math
 import typing
 
 from . import _arrays, _core, _random
-from ._rank4 import Call, DenseKernel, backward4, core_or_none, forward4, lse_dtype, times
+from ._rank4 import (INT32_MAX, Call, DenseKernel, backward4, bool_option,
+                     core_or_none, forward4, int_option, lse_dtype, real_option, times)
 from ._varlen import Seqs, VarlenKernel
 from .backends import backend_name, explanation_from_core
 
@@ -23,18 +24,37 @@ LAYOUTS = ("bhld", "blhd")
 CAUSAL = ("none", "upper-left", "lower-right")
 
 
+def _window(op, window_size):
+    """(left, right) of window_size: TypeError unless a pair of ints, ValueError outside what
+    the library takes (-1 = unbounded)."""
+    try:
+        pair = tuple(window_size)
+    except TypeError:
+        raise TypeError(f"{op}: window_size is not a pair (type={type(window_size).__name__}, "
+                        "expected (left, right); -1 = unbounded)") from None
+    if len(pair) != 2:
+        raise ValueError(f"{op}: window_size is invalid (window_size={window_size!r}, "
+                         "expected (left, right); -1 = unbounded)")
+    return tuple(int_option(op, name, w, meaning="; -1 = unbounded")
+                 for name, w in zip(("window_left", "window_right"), pair))
+
+
 def _resolve_call(op, positions, *, scale, causal, window_size, softcap, dropout_p, seed, offset,
                   enable_gqa, backend, num_threads, draw_seed):
+    """The Call of one call's options, each checked for its Python type and for what the
+    library's options can hold (the library checks the rest)."""
     causal = "none" if causal is None or causal is False else causal
-    if causal not in CAUSAL:
+    if not isinstance(causal, str) or causal not in CAUSAL:
         raise ValueError(f"{op}: causal is invalid (causal={causal!r}, expected None, "
                          "'upper-left' or 'lower-right')")
-    try:
-        window_left, window_right = (int(w) for w in window_size)
-    except (TypeError, ValueError):
-        raise ValueError(f"{op}: window_size is invalid (window_size={window_size!r}, "
-                         "expected (left, right); -1 = unbounded)") from None
-    dropout_p = float(dropout_p)
+    window = _window(op, window_size)
+    scale = None if scale is None else real_option(op, "scale", scale)
+    softcap = real_option(op, "softcap", softcap)
+    dropout_p = real_option(op, "dropout_p", dropout_p)
+    enable_gqa = bool_option(op, "enable_gqa", enable_gqa)
+    backend = backend_name(op, backend)
+    num_threads = int_option(op, "num_threads", num_threads, -INT32_MAX - 1, INT32_MAX,
+                             "; 0 = default")
     if dropout_p == 0.0:
         seed, offset = 0, 0
     elif seed is None:
@@ -43,12 +63,11 @@ def _resolve_call(op, positions, *, scale, causal, window_size, softcap, dropout
                              "the (seed, offset) attncore.get_rng_state() gave before it)")
         seed, offset = _random.default_generator.take(positions)
     else:
-        seed, offset = _random.check_u64("seed", seed), _random.check_u64("offset", offset or 0)
-    return Call(scale=None if scale is None else float(scale), causal=causal,
-                window_size=(window_left, window_right), softcap=float(softcap),
-                dropout_p=dropout_p, seed=seed, offset=offset,
-                enable_gqa=bool(enable_gqa), backend=backend_name(backend),
-                num_threads=int(num_threads))
+        seed = _random.check_u64(op, "seed", seed)
+        offset = _random.check_u64(op, "offset", 0 if offset is None else offset)
+    return Call(scale=scale, causal=causal, window_size=window, softcap=softcap,
+                dropout_p=dropout_p, seed=seed, offset=offset, enable_gqa=enable_gqa,
+                backend=backend, num_threads=num_threads)
 
 
 class _Form:
@@ -92,7 +111,7 @@ class _Form:
 
     def from_caller(self, x, name):
         """An array shaped like the output (dout, out) -> [B, Hq, Lq, Dv]."""
-        x = self._bhld(self.lib.asarray(x), name)
+        x = self._bhld(self.lib.asarray(x, self.op, name), name)
         if tuple(x.shape[:-3]) != self.batch:
             raise ValueError(f"{self.op}: {name} has leading dims {list(x.shape[:-3])}, expected "
                              f"query's {list(self.batch)} (the same batch dims)")
@@ -112,7 +131,7 @@ class _Form:
 
     def lse_from_caller(self, lse):
         """softmax_lse [..., Hq, Lq] ([Lq] for an unbatched call) -> [B, Hq, Lq]."""
-        lse = self.lib.asarray(lse)
+        lse = self.lib.asarray(lse, self.op, "softmax_lse")
         expected = (self.seqlen_q,) if self.unbatched else self.batch + (self.heads_q,
                                                                          self.seqlen_q)
         if tuple(lse.shape) != expected:
@@ -170,13 +189,20 @@ class _Prepared(typing.NamedTuple):
 
 
 def _prepare(op, query, key, value, *, layout, attn_mask, alibi_slopes, draw_seed, **options):
-    lib, query, give_back = _arrays.adopt(query)
-    form = _Form(lib, op, layout, query, lib.asarray(key), lib.asarray(value))
+    """The call's arrays in the query's library and its options. A forward (draw_seed) refuses
+    torch inputs whose gradients a non-torch query would drop."""
+    lib, query, give_back = _arrays.adopt(query, op, "query")
+    if draw_seed:
+        _arrays.refuse_lost_gradients(lib, op, (("key", key), ("value", value),
+                                                ("attn_mask", attn_mask)))
+    form = _Form(lib, op, layout, query, lib.asarray(key, op, "key"),
+                 lib.asarray(value, op, "value"))
     positions = form.batch_size * form.heads_q * form.seqlen_q * form.seqlen_k
     call = _resolve_call(op, positions, draw_seed=draw_seed, **options)
-    mask = None if attn_mask is None else lib.asarray(attn_mask)
+    mask = None if attn_mask is None else lib.asarray(attn_mask, op, "attn_mask")
     mask4 = None if mask is None else form.mask4(mask)
-    alibi = None if alibi_slopes is None else form.alibi(lib.asarray(alibi_slopes))
+    alibi = (None if alibi_slopes is None
+             else form.alibi(lib.asarray(alibi_slopes, op, "alibi_slopes")))
     return _Prepared(lib, give_back, form, call, mask, mask4, alibi)
 
 
@@ -260,12 +286,16 @@ def separate(query, key, value):
     return query, key, value
 
 
-def _adopt_sources(sources):
-    """(lib, give_back, sources) with every source in the first one's library, each with a
-    unit last stride (a copy only where it has none)."""
-    lib, first, give_back = _arrays.adopt(sources[0])
-    sources = (first,) + tuple(lib.asarray(s) for s in sources[1:])
-    return lib, give_back, tuple(lib.unit_last_stride(s) for s in sources)
+def _adopt_sources(op, sources, forward=True):
+    """(lib, give_back, sources) with every source ({name: array}, the first the query's) in
+    the first one's library, each with a unit last stride (a copy only where it has none). A
+    forward refuses torch sources whose gradients a non-torch first source would drop."""
+    (first_name, first), *rest = sources.items()
+    lib, first, give_back = _arrays.adopt(first, op, first_name)
+    if forward:
+        _arrays.refuse_lost_gradients(lib, op, rest)
+    arrays = (first,) + tuple(lib.asarray(s, op, name) for name, s in rest)
+    return lib, give_back, tuple(lib.unit_last_stride(s) for s in arrays)
 
 
 def _run(lib, kernel, split, sources):
@@ -280,13 +310,14 @@ def _run(lib, kernel, split, sources):
 
 def dense_packed(op, sources, split, *, alibi_slopes, **options):
     """A dense call on rank-4 views split(*sources) = (q4 [B, Hq, Lq, D], k4 [B, Hkv, Lk, D],
-    v4 [B, Hkv, Lk, Dv]) with attention()'s options (no mask): a Packed with out4 and lse3."""
-    lib, give_back, sources = _adopt_sources(sources)
+    v4 [B, Hkv, Lk, Dv]) with attention()'s options (no mask): a Packed with out4 and lse3.
+    sources: {name: array} in split's argument order, named as in error messages."""
+    lib, give_back, sources = _adopt_sources(op, sources)
     q4, k4, _ = views = split(*sources)
     batch, heads_q, seqlen_q, _ = q4.shape
     call = _resolve_call(op, batch * heads_q * seqlen_q * k4.shape[2], draw_seed=True,
                          **options)
-    alibi = None if alibi_slopes is None else lib.asarray(alibi_slopes)
+    alibi = None if alibi_slopes is None else lib.asarray(alibi_slopes, op, "alibi_slopes")
     kernel = DenseKernel(alibi, call)
     out, lse = _run(lib, kernel, split, sources)
     return Packed(out, lse, lib, give_back, kernel, views)
@@ -295,16 +326,17 @@ def dense_packed(op, sources, split, *, alibi_slopes, **options):
 def varlen_packed(op, sources, split, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                   seqused_k, attn_mask, alibi_slopes, **options):
     """A variable-length call on views split(*sources) = (q [total_q, Hq, D],
-    k [total_k, Hkv, D], v [total_k, Hkv, Dv]) with attention_varlen()'s options: a Packed."""
-    lib, give_back, sources = _adopt_sources(sources)
+    k [total_k, Hkv, D], v [total_k, Hkv, Dv]) with attention_varlen()'s options: a Packed.
+    sources: {name: array}, as for dense_packed."""
+    lib, give_back, sources = _adopt_sources(op, sources)
     q, _, _ = views = split(*sources)
-    seqs = Seqs.of(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
+    seqs = Seqs.of(op, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
     heads_q = q.shape[1] if q.ndim == 3 else 0
     positions = (seqs.batch_size * heads_q * max(seqs.max_seqlen_q, 0) *
                  max(seqs.max_seqlen_k, 0))
     call = _resolve_call(op, positions, draw_seed=True, **options)
-    mask = None if attn_mask is None else lib.asarray(attn_mask)
-    alibi = None if alibi_slopes is None else lib.asarray(alibi_slopes)
+    mask = None if attn_mask is None else lib.asarray(attn_mask, op, "attn_mask")
+    alibi = None if alibi_slopes is None else lib.asarray(alibi_slopes, op, "alibi_slopes")
     kernel = VarlenKernel(seqs, alibi, call, mask)
     out, lse = _run(lib, kernel, split, sources)
     return Packed(out, lse, lib, give_back, kernel, views)
@@ -332,8 +364,9 @@ def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     B * Hq * max_seqlen_q * max_seqlen_k positions of attncore's generator unless seed and
     offset are given. torch tensors are differentiable (query, key, value).
     """
-    r = varlen_packed(_op, (query, key, value), separate, cu_seqlens_q, cu_seqlens_k,
-                      max_seqlen_q, max_seqlen_k, seqused_k=seqused_k, attn_mask=attn_mask,
+    r = varlen_packed(_op, {"query": query, "key": key, "value": value}, separate,
+                      cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      seqused_k=seqused_k, attn_mask=attn_mask,
                       alibi_slopes=alibi_slopes, scale=scale, causal=causal,
                       window_size=window_size, softcap=softcap, dropout_p=dropout_p, seed=seed,
                       offset=offset, enable_gqa=enable_gqa, backend=backend,
@@ -356,17 +389,19 @@ def attention_varlen_backward(dout, query, key, value, out, softmax_lse, cu_seql
     (seed, offset) that attncore.get_rng_state() returned just before the forward call.
     """
     op = "attention_varlen_backward"
-    lib, give_back, (query, key, value) = _adopt_sources((query, key, value))
-    seqs = Seqs.of(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
+    lib, give_back, (query, key, value) = _adopt_sources(
+        op, {"query": query, "key": key, "value": value}, forward=False)
+    seqs = Seqs.of(op, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
     call = _resolve_call(op, 0, draw_seed=False, scale=scale, causal=causal,
                          window_size=window_size, softcap=softcap, dropout_p=dropout_p,
                          seed=seed, offset=offset, enable_gqa=enable_gqa, backend=backend,
                          num_threads=num_threads)
-    mask = None if attn_mask is None else lib.asarray(attn_mask)
-    alibi = None if alibi_slopes is None else lib.asarray(alibi_slopes)
+    mask = None if attn_mask is None else lib.asarray(attn_mask, op, "attn_mask")
+    alibi = None if alibi_slopes is None else lib.asarray(alibi_slopes, op, "alibi_slopes")
     kernel = VarlenKernel(seqs, alibi, call, mask)
-    grads = kernel.backward(lib, lib.unit_last_stride(lib.asarray(dout)), query, key, value,
-                            lib.asarray(out), lib.asarray(softmax_lse))
+    grads = kernel.backward(lib, lib.unit_last_stride(lib.asarray(dout, op, "dout")), query, key,
+                            value, lib.asarray(out, op, "out"),
+                            lib.asarray(softmax_lse, op, "softmax_lse"))
     return tuple(give_back(g) for g in grads)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from . import _arrays, _nested
 from ._attention import attention, dense_packed, separate, varlen_packed
-from ._rank4 import Call, DenseKernel, forward4
+from ._rank4 import Call, DenseKernel, forward4, real_option
 from ._varlen import VarlenKernel
 
 
@@ -38,14 +38,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         if is_causal:
             raise ValueError(f"{op}: attn_mask is set with is_causal=True (expected at most one "
                              "of them)")
-        mask_lib, mask, _ = _arrays.adopt(attn_mask)
-        query_lib, query, _ = _arrays.adopt(query)
+        mask_lib, mask, _ = _arrays.adopt(attn_mask, op, "attn_mask")
+        query_lib, query, _ = _arrays.adopt(query, op, "query")
         mask_dtype, query_dtype = mask_lib.dtype_name(mask), query_lib.dtype_name(query)
         if mask_dtype not in ("bool", "float32", query_dtype):
             raise ValueError(f"{op}: attn_mask has the wrong dtype (dtype={mask_dtype}, "
                              f"expected bool, float32 or query's {query_dtype})")
-    heads_kv = {s[-3] if len(s) >= 3 else 1 for s in (_arrays.shape_of(key),
-                                                        _arrays.shape_of(value))}
+    heads_kv = {s[-3] if len(s) >= 3 else 1 for s in (_arrays.shape_of(key, op, "key"),
+                                                        _arrays.shape_of(value, op, "value"))}
     return attention(query, key, value, layout="bhld", scale=scale,
                      causal="upper-left" if is_causal else None, attn_mask=attn_mask,
                      dropout_p=dropout_p, enable_gqa=enable_gqa or heads_kv == {1},
@@ -56,11 +56,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 def _flash_options(op, softmax_scale, causal, window_size, softcap, dropout_p, backend):
     """attncore's options of a flash-attn call: causal is lower-right; softcap <= 0 is off."""
-    try:
-        softcap = float(softcap)
-    except (TypeError, ValueError):
-        raise ValueError(f"{op}: softcap is invalid (softcap={softcap!r}, expected a number; "
-                         "<= 0 = off)") from None
+    softcap = real_option(op, "softcap", softcap)
     return dict(scale=softmax_scale, causal="lower-right" if causal else None,
                 window_size=window_size, softcap=0.0 if softcap <= 0 else softcap,
                 dropout_p=dropout_p, seed=None, offset=None, enable_gqa=True, backend=backend,
@@ -69,7 +65,7 @@ def _flash_options(op, softmax_scale, causal, window_size, softcap, dropout_p, b
 
 def _check_shape(op, name, x, layout, rank, packed_dim=None, packed=None):
     """ValueError unless x has this rank (and, for a packed tensor, `packed` at packed_dim)."""
-    shape = _arrays.shape_of(x)
+    shape = _arrays.shape_of(x, op, name)
     if len(shape) != rank:
         raise ValueError(f"{op}: {name} has the wrong rank (rank={len(shape)}, expected {rank}: "
                          f"{layout})")
@@ -219,7 +215,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     op = "flash_attn_func"
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         _check_shape(op, name, x, "[B, L, H, D]", 4)
-    r = dense_packed(op, (q, k, v), _dense_separate, alibi_slopes=alibi_slopes,
+    r = dense_packed(op, {"q": q, "k": k, "v": v}, _dense_separate, alibi_slopes=alibi_slopes,
                      **_flash_options(op, softmax_scale, causal, window_size, softcap, dropout_p,
                                       backend))
     return _dense_result(r, return_attn_probs)
@@ -236,7 +232,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     """
     op = "flash_attn_qkvpacked_func"
     _check_shape(op, "qkv", qkv, "[B, L, 3, H, D]", 5, 2, 3)
-    r = dense_packed(op, (qkv,), _dense_qkv, alibi_slopes=alibi_slopes,
+    r = dense_packed(op, {"qkv": qkv}, _dense_qkv, alibi_slopes=alibi_slopes,
                      **_flash_options(op, softmax_scale, causal, window_size, softcap, dropout_p,
                                       backend))
     return _dense_result(r, return_attn_probs)
@@ -254,7 +250,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     op = "flash_attn_kvpacked_func"
     _check_shape(op, "q", q, "[B, L, H, D]", 4)
     _check_shape(op, "kv", kv, "[B, L, 2, H, D]", 5, 2, 2)
-    r = dense_packed(op, (q, kv), _dense_q_kv, alibi_slopes=alibi_slopes,
+    r = dense_packed(op, {"q": q, "kv": kv}, _dense_q_kv, alibi_slopes=alibi_slopes,
                      **_flash_options(op, softmax_scale, causal, window_size, softcap, dropout_p,
                                       backend))
     return _dense_result(r, return_attn_probs)
@@ -284,8 +280,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                   "expected None); attncore has no paged variable-length call")
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         _check_shape(op, name, x, "[total, H, D]", 3)
-    r = varlen_packed(op, (q, k, v), separate, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                      max_seqlen_k, seqused_k=seqused_k, attn_mask=None,
+    r = varlen_packed(op, {"q": q, "k": k, "v": v}, separate, cu_seqlens_q, cu_seqlens_k,
+                      max_seqlen_q, max_seqlen_k, seqused_k=seqused_k, attn_mask=None,
                       alibi_slopes=alibi_slopes,
                       **_flash_options(op, softmax_scale, causal, window_size, softcap,
                                        dropout_p, backend))
@@ -305,7 +301,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     """
     op = "flash_attn_varlen_qkvpacked_func"
     _check_shape(op, "qkv", qkv, "[total, 3, H, D]", 4, 1, 3)
-    r = varlen_packed(op, (qkv,), _varlen_qkv, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+    r = varlen_packed(op, {"qkv": qkv}, _varlen_qkv, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                       seqused_k=seqused_k, attn_mask=None, alibi_slopes=alibi_slopes,
                       **_flash_options(op, softmax_scale, causal, window_size, softcap,
                                        dropout_p, backend))
@@ -326,8 +322,8 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     op = "flash_attn_varlen_kvpacked_func"
     _check_shape(op, "q", q, "[total, H, D]", 3)
     _check_shape(op, "kv", kv, "[total, 2, H, D]", 4, 1, 2)
-    r = varlen_packed(op, (q, kv), _varlen_q_kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                      max_seqlen_k, seqused_k=seqused_k, attn_mask=None,
+    r = varlen_packed(op, {"q": q, "kv": kv}, _varlen_q_kv, cu_seqlens_q, cu_seqlens_k,
+                      max_seqlen_q, max_seqlen_k, seqused_k=seqused_k, attn_mask=None,
                       alibi_slopes=alibi_slopes,
                       **_flash_options(op, softmax_scale, causal, window_size, softcap,
                                        dropout_p, backend))

@@ -20,8 +20,9 @@ def _components(op, name, x):
     """The [H, L_b, D] components of a nested tensor of rank 4."""
     if not getattr(x, "is_nested", False):
         raise NotImplementedError(
-            f"{op}: {name} is not a nested tensor (expected query, key and value all nested "
-            "or none); pass them all as nested tensors, or all as dense tensors")
+            f"{op}: {name} is not a nested tensor (is_nested=False, expected query, key and "
+            "value all nested or none); pass them all as nested tensors, or all as dense "
+            "tensors")
     if x.dim() != 4:
         raise ValueError(f"{op}: {name} has the wrong rank (rank={x.dim()}, expected 4: "
                          "[B, H, *, D] nested)")

@@ -14,14 +14,18 @@ DEFAULT_SEED = 67280421310721
 _U64 = 1 << 64
 
 
-def check_u64(name, value):
-    """value as an int in [0, 2^64), else ValueError."""
+def check_u64(op, name, value):
+    """value as an int in [0, 2^64): TypeError for anything but an integer, else ValueError."""
     try:
-        number = operator.index(value)
+        number = None if isinstance(value, bool) else operator.index(value)
     except TypeError:
         number = None
-    if number is None or isinstance(value, bool) or not 0 <= number < _U64:
-        raise ValueError(f"{name} is invalid ({name}={value!r}, expected an int in [0, 2^64))")
+    if number is None:
+        raise TypeError(f"{op}: {name} is not an integer (type={type(value).__name__}, expected "
+                        "an int in [0, 2^64))")
+    if not 0 <= number < _U64:
+        raise ValueError(f"{op}: {name} is invalid ({name}={number}, expected an int in "
+                         "[0, 2^64))")
     return number
 
 
@@ -30,12 +34,12 @@ class Generator:
 
     def __init__(self, seed=DEFAULT_SEED):
         self._lock = threading.Lock()
-        self._seed = check_u64("seed", seed)
+        self._seed = check_u64("Generator", "seed", seed)
         self._offset = 0
 
     def manual_seed(self, seed):
         """Restarts the stream: this seed, offset 0."""
-        check_u64("seed", seed)
+        seed = check_u64("manual_seed", "seed", seed)
         with self._lock:
             self._seed, self._offset = seed, 0
         return self
@@ -46,9 +50,13 @@ class Generator:
             return self._seed, self._offset
 
     def set_state(self, state):
-        seed, offset = state
-        check_u64("seed", seed)
-        check_u64("offset", offset)
+        op = "set_rng_state"
+        try:
+            seed, offset = state
+        except (TypeError, ValueError):
+            raise TypeError(f"{op}: state is not a pair (type={type(state).__name__}, expected "
+                            "(seed, offset) as get_rng_state() returns it)") from None
+        seed, offset = check_u64(op, "seed", seed), check_u64(op, "offset", offset)
         with self._lock:
             self._seed, self._offset = seed, offset
 

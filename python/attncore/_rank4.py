@@ -8,9 +8,63 @@ AttentionFunction runs them for torch tensors).
 
 import dataclasses
 import math
+import numbers
+import operator
 from typing import Optional
 
+import numpy as np
+
 from . import _arrays, _core
+
+INT32_MAX = 2 ** 31 - 1
+INT64_MAX = 2 ** 63 - 1
+
+
+def real_option(op, name, value):
+    """A float option (scale, softcap, dropout_p) as a float: TypeError for anything but a real
+    number, ValueError past the float range. Its range is the library's to check."""
+    real = (hasattr(type(value), "__float__") and not isinstance(value, str)
+            and (isinstance(value, numbers.Real) or not isinstance(value, numbers.Complex)))
+    if real:
+        try:
+            return float(value)
+        except OverflowError:
+            raise ValueError(f"{op}: {name} is out of range ({name}={value!r}, expected a "
+                             "finite float)") from None
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    raise TypeError(f"{op}: {name} is not a real number (type={type(value).__name__}, "
+                    "expected a float)")
+
+
+def int_option(op, name, value, low=-INT64_MAX - 1, high=INT64_MAX, meaning=""):
+    """An integer option as an int in [low, high]: TypeError for anything but an integer (bool
+    and float included), ValueError outside the range. The default range is what the library's
+    int64 options hold; the library checks their values (`meaning` ends the message)."""
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None:
+        raise TypeError(f"{op}: {name} is not an integer (type={type(value).__name__}, "
+                        "expected int)")
+    if number > high:
+        bound = {INT32_MAX: "2^31", INT64_MAX: "2^63"}.get(high, str(high + 1))
+        raise ValueError(f"{op}: {name} is out of range ({name}={number}, expected "
+                         f"{name} < {bound}{meaning})")
+    if number < low:
+        bound = {-INT32_MAX - 1: "-2^31", -INT64_MAX - 1: "-2^63"}.get(low, str(low))
+        raise ValueError(f"{op}: {name} is out of range ({name}={number}, expected "
+                         f"{name} >= {bound}{meaning})")
+    return number
+
+
+def bool_option(op, name, value):
+    """A flag as a bool: TypeError for anything but a bool (Python's or numpy's)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{op}: {name} is not a bool (type={type(value).__name__}, expected True "
+                    "or False)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,42 +7,37 @@ library the package takes, read in place; a list or tuple of ints becomes an int
 Their dtype, shape and values are checked by the library.
 """
 
-import operator
 import sys
 import typing
 
 import numpy as np
 
 from . import _arrays, _core
-from ._rank4 import core_or_none, lse_dtype, times
+from ._rank4 import core_or_none, int_option, lse_dtype, times
 
 
-def index_array(x):
-    """An index array as _core reads it: numpy arrays and torch tensors as they are, other
-    DLPack producers through numpy (else torch), lists and tuples of ints as int32 numpy."""
+def index_array(op, name, x):
+    """An index array as _core reads it: numpy arrays and torch tensors as they are (numpy
+    arrays with negative strides copied), other DLPack producers through numpy (else torch),
+    lists and tuples of ints as int32 numpy."""
     if x is None:
         return None
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
-        return x.detach()
-    if isinstance(x, np.ndarray):
-        return x
+        return _arrays.TORCH.asarray(x, op, name).detach()
     if isinstance(x, (list, tuple)):
-        array = np.asarray(x)
+        array = _arrays.NUMPY.asarray(x, op, name)
         if array.dtype.kind in "iu" and (array.size == 0 or (array.min() >= -2 ** 31 and
                                                               array.max() < 2 ** 31)):
             return array.astype(np.int32)
         return array  # floats, or ints past int32: refused by _core or the library
-    return _arrays.adopt(x)[1]
+    return _arrays.adopt(x, op, name)[1]
 
 
-def max_seqlen(name, value):
-    """A maximum length as an int (TypeError for anything but an integer)."""
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} is not an integer (type={type(value).__name__}, expected "
-                        "int)") from None
+def max_seqlen(op, name, value):
+    """A maximum length as an int: TypeError for anything but an integer, ValueError past what
+    the library's int64 holds."""
+    return int_option(op, name, value)
 
 
 class Seqs(typing.NamedTuple):
@@ -56,10 +51,13 @@ class Seqs(typing.NamedTuple):
     max_seqlen_k: int
 
     @classmethod
-    def of(cls, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None):
-        return cls(index_array(cu_seqlens_q), index_array(cu_seqlens_k), index_array(seqused_k),
-                   max_seqlen("max_seqlen_q", max_seqlen_q),
-                   max_seqlen("max_seqlen_k", max_seqlen_k))
+    def of(cls, op, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None):
+        """The sequences of call `op` (named in errors)."""
+        return cls(index_array(op, "cu_seqlens_q", cu_seqlens_q),
+                   index_array(op, "cu_seqlens_k", cu_seqlens_k),
+                   index_array(op, "seqused_k", seqused_k),
+                   max_seqlen(op, "max_seqlen_q", max_seqlen_q),
+                   max_seqlen(op, "max_seqlen_k", max_seqlen_k))
 
     @property
     def batch_size(self):

@@ -21,17 +21,21 @@ class SDPBackend(enum.Enum):
     FLASH_ATTENTION = "flash"  # torch's name for the fused kernel: the same member as FLASH
 
 
-def backend_name(backend):
+def backend_name(op, backend):
     """The library's name of a backend: "auto" for None or "auto", else "reference", "math" or
-    "flash" for such a name or an SDPBackend."""
+    "flash" for such a name or an SDPBackend. TypeError for other types, ValueError for other
+    names; `op` names the call in the message."""
     if backend is None:
         return "auto"
     if isinstance(backend, SDPBackend):
         return backend.value
-    if isinstance(backend, str) and (backend == "auto" or backend in SDPBackend._value2member_map_):
+    expected = "None, 'auto', 'reference', 'math', 'flash' or an attncore.SDPBackend"
+    if not isinstance(backend, str):
+        raise TypeError(f"{op}: backend is not a backend name (type={type(backend).__name__}, "
+                        f"expected {expected})")
+    if backend == "auto" or backend in SDPBackend._value2member_map_:
         return backend
-    raise ValueError(f"backend is invalid (backend={backend!r}, expected None, 'auto', "
-                     "'reference', 'math', 'flash' or an attncore.SDPBackend)")
+    raise ValueError(f"{op}: backend is invalid (backend={backend!r}, expected {expected})")
 
 
 def enabled_backends():
@@ -48,7 +52,13 @@ def sdpa_kernel(backends, set_priority=False):
     regardless."""
     if isinstance(backends, (SDPBackend, str)):
         backends = [backends]
-    names = [backend_name(b) for b in backends]
+    try:
+        backends = list(backends)
+    except TypeError:
+        raise TypeError(f"sdpa_kernel: backends is not a backend or a list of them "
+                        f"(type={type(backends).__name__}, expected an SDPBackend, a name or a "
+                        "list of them)") from None
+    names = [backend_name("sdpa_kernel", b) for b in backends]
     if not set_priority:
         order = [b.value for b in SDPBackend]
         names = sorted(names, key=lambda n: order.index(n) if n in order else -1)
@@ -86,8 +96,12 @@ class Explanation:
 
     def __getitem__(self, backend):
         """The verdict of one backend (an SDPBackend or name)."""
-        name = backend_name(backend)
-        return next(v for v in self.verdicts if v.backend.value == name)
+        name = backend_name("Explanation", backend)
+        for verdict in self.verdicts:
+            if verdict.backend.value == name:
+                return verdict
+        raise KeyError(f"Explanation: backend has no verdict (backend={backend!r}, expected "
+                       "'reference', 'math', 'flash' or an attncore.SDPBackend)")
 
 
 def explanation_from_core(raw):

@@ -114,6 +114,76 @@ def test_broadcast_inputs_give_outputs_with_unit_last_stride():
     assert base.grad.shape == base.shape
 
 
+# Expansions of a [2, 4, 9, 16] input: which dims of the base have size 1.
+EXPANDED = {"batch": (1, 4, 9, 16), "heads": (2, 1, 9, 16), "rows": (2, 4, 1, 16),
+            "batch-and-heads": (1, 1, 9, 16), "head-dim": (2, 4, 9, 1), "all": (1, 1, 1, 1)}
+
+
+@pytest.mark.parametrize("which", ["query", "key", "value", "all three"])
+@pytest.mark.parametrize("expansion", EXPANDED)
+def test_gradients_of_expanded_inputs(which, expansion):
+    """torch inputs expanded with stride-0 dims (and a broadcast dout): the backward writes
+    gradients into buffers of its own, and they reach the bases summed over the expanded dims,
+    as torch autograd's are."""
+    shape = (2, 4, 9, 16)
+    names = ("query", "key", "value") if which == "all three" else (which,)
+    bases = [randn(*(EXPANDED[expansion] if name in names else shape), seed=s,
+                   requires_grad=True) for s, name in enumerate(("query", "key", "value"))]
+    out = attncore.torch.scaled_dot_product_attention(*(b.expand(shape) for b in bases),
+                                                      is_causal=True)
+    out.backward(randn(1, 1, 1, 16, seed=7).expand(shape))  # dout: stride 0 but the head dim
+    ref = [b.detach().clone().requires_grad_() for b in bases]
+    expected, _ = reference.attention(*(r.expand(shape) for r in ref), causal="upper-left")
+    expected.backward(randn(1, 1, 1, 16, seed=7).expand(shape))
+    assert_close(out.detach(), expected, torch.float64, "out")
+    for got, want, name in zip(bases, ref, ("query", "key", "value")):
+        assert got.grad.shape == got.shape
+        assert_close(got.grad, want.grad, torch.float64, name)
+
+
+def test_numpy_broadcast_inputs_through_the_backward():
+    """np.broadcast_to queries, keys and dout in attention_backward: the gradients, laid out
+    with the head dim innermost, are the full-shape gradients of the broadcast views."""
+    shape = (2, 4, 9, 16)
+    q = np.broadcast_to(randn(2, 1, 9, 16, seed=1).numpy(), shape)
+    k = np.broadcast_to(randn(1, 4, 9, 16, seed=2).numpy(), shape)
+    v = randn(*shape, seed=3).numpy()
+    dout = np.broadcast_to(randn(1, 1, 9, 16, seed=4).numpy(), shape)
+    out, lse = attncore.attention(q, k, v, return_lse=True)
+    grads = attncore.attention_backward(dout, q, k, v, out, lse)
+    ref = [torch.from_numpy(np.ascontiguousarray(x)).requires_grad_() for x in (q, k, v)]
+    expected, _ = reference.attention(*ref)
+    expected.backward(torch.from_numpy(np.ascontiguousarray(dout)))
+    for got, want in zip(grads, ref):
+        assert got.shape == shape and got.strides[-1] == got.itemsize
+        assert_close(got, want.grad, torch.float64)
+    # The same through flash-attn's layout and the packed drop-ins.
+    flash = [x.swapaxes(1, 2) for x in (q, k, v)]
+    out = attncore.flash_attn_func(*flash)
+    assert_close(out.swapaxes(1, 2), expected.detach(), torch.float64)
+
+
+def test_expanded_packed_inputs_through_autograd():
+    """A qkv packed tensor expanded along the batch, and a kv expanded along the heads: each
+    packed gradient is the sum over the expanded dims."""
+    qkv = randn(1, 9, 3, 4, 16, seed=1, requires_grad=True)
+    out = attncore.torch.flash_attn_qkvpacked_func(qkv.expand(2, 9, 3, 4, 16), causal=True)
+    out.sum().backward()
+    ref = qkv.detach().clone().requires_grad_()
+    q, k, v = (ref.expand(2, 9, 3, 4, 16)[:, :, i].transpose(1, 2) for i in range(3))
+    expected, _ = reference.attention(q, k, v, causal="lower-right")
+    expected.sum().backward()
+    assert_close(qkv.grad, ref.grad, torch.float64, "qkv")
+    q = randn(2, 9, 4, 16, seed=2, requires_grad=True)
+    kv = randn(2, 9, 2, 1, 16, seed=3, requires_grad=True)
+    attncore.torch.flash_attn_kvpacked_func(q, kv.expand(2, 9, 2, 4, 16)).sum().backward()
+    ref = kv.detach().clone().requires_grad_()
+    k, v = (ref.expand(2, 9, 2, 4, 16)[:, :, i].transpose(1, 2) for i in range(2))
+    expected, _ = reference.attention(q.detach().transpose(1, 2), k, v)
+    expected.sum().backward()
+    assert_close(kv.grad, ref.grad, torch.float64, "kv")
+
+
 def test_copies_only_what_the_strides_forbid():
     """A last stride other than 1 (numpy: also negative strides) is copied; results stay right."""
     base = randn(2, 3, 9, 32, seed=1).numpy()
@@ -126,6 +196,43 @@ def test_copies_only_what_the_strides_forbid():
     expected, _ = reference.attention(*(torch.from_numpy(np.ascontiguousarray(x))
                                         for x in (q, k, v)))
     assert_close(out, expected, torch.float64)
+
+
+def test_negative_strides_are_copied_for_every_array():
+    """Masks, ALiBi slopes, softmax_lse, dout and index arrays with negative strides are copied
+    like query, key and value: the results equal those of contiguous copies."""
+    q, k, v = (randn(2, 4, 9, 16, seed=s).numpy() for s in (1, 2, 3))
+    mask = randn(9, 9, seed=4).numpy()[::-1]
+    slopes = np.linspace(0.1, 0.8, 4, dtype=np.float32)[::-1]
+    for kwargs in ({"attn_mask": mask}, {"alibi_slopes": slopes}):
+        reversed_out, lse = attncore.attention(q, k, v, return_lse=True, **kwargs)
+        copied = {name: np.ascontiguousarray(x) for name, x in kwargs.items()}
+        assert (reversed_out == attncore.attention(q, k, v, **copied)).all()
+        dout = randn(2, 4, 9, 16, seed=5).numpy()
+        grads = attncore.attention_backward(dout[:, ::-1][:, ::-1], q, k, v, reversed_out,
+                                            lse[..., ::-1][..., ::-1], **kwargs)
+        lse_reversed = np.ascontiguousarray(lse[..., ::-1])[..., ::-1]
+        assert lse_reversed.strides[-1] < 0
+        again = attncore.attention_backward(dout, q, k, v, reversed_out, lse_reversed, **copied)
+        for a, b in zip(grads, again):
+            assert (a == b).all()
+    packed = randn(12, 4, 16, seed=6).numpy()
+    cu_seqlens = np.array([12, 5, 0], np.int32)[::-1]
+    out = attncore.attention_varlen(packed, packed, packed, cu_seqlens, cu_seqlens, 7, 7)
+    expected = attncore.attention_varlen(packed, packed, packed, cu_seqlens.copy(),
+                                         cu_seqlens.copy(), 7, 7)
+    assert (out == expected).all()
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # numpy's about np.matrix
+def test_numpy_subclasses_are_read_as_plain_arrays():
+    """np.matrix (2-D whatever it is reshaped to) is read as the plain array it views."""
+    base = randn(9, 16, seed=1).numpy()
+    matrix = np.matrix(base)
+    out = attncore.scaled_dot_product_attention(matrix, matrix, matrix,
+                                                attn_mask=np.matrix(np.zeros((9, 9))))
+    assert type(out) is np.ndarray and out.shape == (9, 16)
+    assert (out == attncore.scaled_dot_product_attention(base, base, base)).all()
 
 
 def test_read_only_numpy_arrays():

@@ -52,8 +52,12 @@ def test_thread_local():
 
 
 def test_invalid_backends_raise_value_error():
-    for bad in ([], "cuda", ["flash", "bogus"], [3]):
-        with pytest.raises(ValueError):
+    for bad in ([], "cuda", ["flash", "bogus"]):
+        with pytest.raises(ValueError, match="^(sdpa_kernel|set_enabled_backends): "):
+            with sdpa_kernel(bad):
+                pass
+    for bad in ([3], 3, None):
+        with pytest.raises(TypeError, match=r"^sdpa_kernel: backends? is not a backend"):
             with sdpa_kernel(bad):
                 pass
     with pytest.raises(ValueError, match=r"backends has an invalid entry \(backend=auto"):

@@ -1,5 +1,9 @@
-"""Every error: invalid arguments raise ValueError and unsupported combinations
-NotImplementedError, with the library's message; none of them harms the interpreter."""
+"""Every error: invalid arguments raise ValueError, arguments of the wrong Python type TypeError
+and unsupported combinations NotImplementedError, all in the library's message form
+(`<op>: <what> <problem> (<name>=<value>, expected <constraint>)`); none of them harms the
+interpreter."""
+
+import re
 
 import numpy as np
 import pytest
@@ -63,7 +67,32 @@ INVALID = {
     "flash-rank": (lambda: FLASH(bhld(5, 4, 8), fk, fk), r"q has the wrong rank \(rank=3"),
     "window-negative": (lambda: FLASH(fq, fk, fk, window_size=(-2, 0)),
                         r"window_left is invalid \(window_left=-2"),
-    "window-shape": (lambda: FLASH(fq, fk, fk, window_size=3), r"window_size is invalid"),
+    "window-length": (lambda: FLASH(fq, fk, fk, window_size=(1, 2, 3)),
+                      r"^flash_attn_func: window_size is invalid \(window_size=\(1, 2, 3\)"),
+    "window-past-int64": (lambda: FLASH(fq, fk, fk, window_size=(2 ** 63, 0)),
+                          r"^flash_attn_func: window_left is out of range "
+                          r"\(window_left=9223372036854775808, expected window_left < 2\^63"),
+    "window-below-int64": (lambda: attncore.attention(q, k, v, window_size=(0, -2 ** 63 - 1)),
+                           r"^attention: window_right is out of range"),
+    "threads-past-int": (lambda: attncore.attention(q, k, v, num_threads=2 ** 40),
+                         r"^attention: num_threads is out of range "
+                         r"\(num_threads=1099511627776, expected num_threads < 2\^31"),
+    "threads-negative": (lambda: attncore.attention(q, k, v, num_threads=-1),
+                         r"^forward: num_threads is negative \(num_threads=-1"),
+    "scale-past-float": (lambda: SDPA(q, k, v, scale=10 ** 400),
+                         r"^scaled_dot_product_attention: scale is out of range"),
+    "max-seqlen-past-int64": (lambda: attncore.flash_attn_varlen_func(
+        np.ones((5, 4, 8), np.float32), np.ones((5, 4, 8), np.float32),
+        np.ones((5, 4, 8), np.float32), [0, 5], [0, 5], 2 ** 64, 5),
+        r"^flash_attn_varlen_func: max_seqlen_q is out of range"),
+    "ragged-query": (lambda: attncore.attention([[1.0, 2.0], [3.0]], k, v),
+                     r"^attention: query is a ragged sequence \(type=list"),
+    "bf16-key-for-numpy-query": (lambda: SDPA(q, torch.ones(2, 4, 6, 8, dtype=torch.bfloat16), v),
+                                 r"^scaled_dot_product_attention: key has a dtype numpy lacks "
+                                 r"\(dtype=bfloat16"),
+    "uint16-key-for-torch-query": (lambda: SDPA(torch.ones(2, 4, 5, 8), k.astype(np.uint16), v),
+                                   r"^scaled_dot_product_attention: key has an unsupported "
+                                   r"element type \(dtype=<u2"),
     "softcap": (lambda: attncore.attention(q, k, v, softcap=-1.0), r"softcap is invalid"),
     "softcap-nan": (lambda: FLASH(fq, fk, fk, softcap=float("nan")), r"softcap is invalid"),
     "alibi-shape": (lambda: FLASH(fq, fk, fk, alibi_slopes=bhld(3)),
@@ -86,15 +115,102 @@ INVALID = {
     "call-seed": (lambda: attncore.attention(q, k, v, dropout_p=0.1, seed=2 ** 64),
                   r"seed is invalid"),
     "rng-state": (lambda: attncore.set_rng_state((1, 2 ** 64)), r"offset is invalid"),
-    "not-an-array": (lambda: SDPA(object(), k, v), r"rank=0"),
 }
+
+# `<op>: <what> ...`: every message names the call first.
+FORM = re.compile(r"^[a-z_]+: [a-zA-Z_]+ .*\(")
 
 
 @pytest.mark.parametrize("case", INVALID)
 def test_invalid_arguments_raise_value_error(case):
     call, message = INVALID[case]
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as error:
         call()
+    assert type(error.value) is ValueError and FORM.match(str(error.value)), str(error.value)
+
+
+WRONG_TYPE = {
+    "window-scalar": (lambda: FLASH(fq, fk, fk, window_size=3),
+                      r"^flash_attn_func: window_size is not a pair \(type=int"),
+    "window-floats": (lambda: FLASH(fq, fk, fk, window_size=(1.5, 2.7)),
+                      r"^flash_attn_func: window_left is not an integer \(type=float"),
+    "window-float-right": (lambda: attncore.attention(q, k, v, window_size=(1, 2.0)),
+                           r"^attention: window_right is not an integer \(type=float"),
+    "window-strings": (lambda: attncore.attention(q, k, v, window_size=("1", "2")),
+                       r"^attention: window_left is not an integer \(type=str"),
+    "threads-float": (lambda: attncore.attention(q, k, v, num_threads=1.5),
+                      r"^attention: num_threads is not an integer \(type=float"),
+    "threads-string": (lambda: attncore.attention(q, k, v, num_threads="2"),
+                       r"^attention: num_threads is not an integer \(type=str"),
+    "scale-string": (lambda: SDPA(q, k, v, scale="0.5"),
+                     r"^scaled_dot_product_attention: scale is not a real number \(type=str"),
+    "scale-complex": (lambda: SDPA(q, k, v, scale=1j), r"scale is not a real number"),
+    "dropout-string": (lambda: SDPA(q, k, v, dropout_p="0.1"),
+                       r"^scaled_dot_product_attention: dropout_p is not a real number"),
+    "dropout-list": (lambda: SDPA(q, k, v, dropout_p=[0.1]), r"dropout_p is not a real number"),
+    "softcap-string": (lambda: FLASH(fq, fk, fk, softcap="1"),
+                       r"^flash_attn_func: softcap is not a real number \(type=str"),
+    "enable-gqa-string": (lambda: SDPA(q, k, v, enable_gqa="no"),
+                          r"^scaled_dot_product_attention: enable_gqa is not a bool"),
+    "seed-string": (lambda: attncore.attention(q, k, v, dropout_p=0.1, seed="1"),
+                    r"^attention: seed is not an integer \(type=str"),
+    "backend-int": (lambda: SDPA(q, k, v, backend=3),
+                    r"^scaled_dot_product_attention: backend is not a backend name \(type=int"),
+    "query-object": (lambda: SDPA(object(), k, v),
+                     r"^scaled_dot_product_attention: query is not an array \(type=object"),
+    "query-none": (lambda: FLASH(None, fk, fk), r"^flash_attn_func: q is not an array"),
+    "key-string": (lambda: attncore.attention(q, "abc", v),
+                   r"^attention: key is not an array \(type=str"),
+    "mask-string": (lambda: SDPA(q, k, v, attn_mask="abc"),
+                    r"^scaled_dot_product_attention: attn_mask is not an array"),
+    "alibi-string": (lambda: FLASH(fq, fk, fk, alibi_slopes="abc"),
+                     r"^flash_attn_func: alibi_slopes is not an array"),
+    "lse-object": (lambda: attncore.attention_backward(q, q, k, v, q, object()),
+                   r"^attention_backward: softmax_lse is not an array"),
+    "masked-array": (lambda: SDPA(np.ma.masked_array(q), k, v),
+                     r"^scaled_dot_product_attention: query is a masked array"),
+    "cu-seqlens-object": (lambda: attncore.flash_attn_varlen_func(
+        np.ones((5, 4, 8), np.float32), np.ones((5, 4, 8), np.float32),
+        np.ones((5, 4, 8), np.float32), object(), [0, 5], 5, 5),
+        r"^flash_attn_varlen_func: cu_seqlens_q is not an array \(type=object"),
+    "max-seqlen-float": (lambda: attncore.flash_attn_varlen_func(
+        np.ones((5, 4, 8), np.float32), np.ones((5, 4, 8), np.float32),
+        np.ones((5, 4, 8), np.float32), [0, 5], [0, 5], 5.0, 5),
+        r"^flash_attn_varlen_func: max_seqlen_q is not an integer \(type=float"),
+    "manual-seed-string": (lambda: attncore.manual_seed("1"),
+                           r"^manual_seed: seed is not an integer \(type=str"),
+    "rng-state-int": (lambda: attncore.set_rng_state(5),
+                      r"^set_rng_state: state is not a pair \(type=int"),
+}
+
+
+@pytest.mark.parametrize("case", WRONG_TYPE)
+def test_arguments_of_the_wrong_type_raise_type_error(case):
+    call, message = WRONG_TYPE[case]
+    with pytest.raises(TypeError, match=message) as error:
+        call()
+    assert type(error.value) is TypeError and FORM.match(str(error.value)), str(error.value)
+
+
+def test_gradients_a_numpy_query_would_drop_are_refused():
+    """A torch key, value or mask that requires grad, with a query that is no torch tensor: the
+    call would return a numpy array and drop their gradients, so it is refused."""
+    grad = torch.ones(2, 4, 6, 8, requires_grad=True)
+    with pytest.raises(TypeError, match=r"^attention: key requires grad but the query is no "
+                                        r"torch tensor \(key.requires_grad=True"):
+        attncore.attention(q, grad, v)
+    with pytest.raises(TypeError, match=r"^scaled_dot_product_attention: value requires grad"):
+        SDPA(q, k, grad)
+    with pytest.raises(TypeError, match=r"attn_mask requires grad"):
+        SDPA(q, k, v, attn_mask=torch.zeros(5, 6, requires_grad=True))
+    with pytest.raises(TypeError, match=r"^flash_attn_kvpacked_func: kv requires grad"):
+        attncore.flash_attn_kvpacked_func(fq, torch.ones(2, 6, 2, 4, 8, requires_grad=True))
+    # Without grad mode, or with a torch query, nothing is lost.
+    with torch.no_grad():
+        assert isinstance(attncore.attention(q, grad, v), np.ndarray)
+    out = attncore.attention(torch.from_numpy(q), grad, v)
+    out.sum().backward()
+    assert grad.grad is not None and out.dtype == torch.float32
 
 
 UNSUPPORTED = {
@@ -113,11 +229,88 @@ UNSUPPORTED = {
 }
 
 
+class OtherDevice:
+    """A DLPack producer whose memory is on a CUDA device."""
+
+    def __dlpack__(self, stream=None):
+        raise AssertionError("a device array is never exported")
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+
+META = torch.empty(2, 4, 5, 8, device="meta")
+UNSUPPORTED.update({
+    "meta-query": (lambda: attncore.attention(META, META, META),
+                   r"^attention: query is not in CPU memory \(device=meta, expected cpu\)"),
+    "meta-key-numpy-query": (lambda: attncore.attention(q, META, META),
+                             r"^attention: key is not in CPU memory \(device=meta"),
+    "meta-sdpa-autograd": (lambda: attncore.torch.scaled_dot_product_attention(
+        torch.ones(2, 4, 5, 8, requires_grad=True), META, META),
+        r"^scaled_dot_product_attention: key is not in CPU memory"),
+    "meta-mask": (lambda: SDPA(torch.ones(2, 4, 5, 8), torch.ones(2, 4, 6, 8),
+                               torch.ones(2, 4, 6, 8), attn_mask=torch.zeros(5, 6, device="meta")),
+                  r"^scaled_dot_product_attention: attn_mask is not in CPU memory"),
+    "meta-flash": (lambda: FLASH(META, META, META), r"^flash_attn_func: q is not in CPU memory"),
+    "meta-qkvpacked": (lambda: attncore.flash_attn_qkvpacked_func(
+        torch.empty(2, 5, 3, 4, 8, device="meta")),
+        r"^flash_attn_qkvpacked_func: qkv is not in CPU memory"),
+    "meta-varlen": (lambda: attncore.flash_attn_varlen_func(
+        META[0], META[0], META[0], [0, 5], [0, 5], 5, 5),
+        r"^flash_attn_varlen_func: q is not in CPU memory"),
+    "meta-cu-seqlens": (lambda: attncore.flash_attn_varlen_func(
+        torch.ones(5, 4, 8), torch.ones(5, 4, 8), torch.ones(5, 4, 8),
+        torch.tensor([0, 5], dtype=torch.int32, device="meta"), [0, 5], 5, 5),
+        r"^flash_attn_varlen_func: cu_seqlens_q is not in CPU memory"),
+    "meta-backward": (lambda: attncore.attention_backward(META, META, META, META, META,
+                                                          torch.empty(2, 4, 5, device="meta")),
+                      r"^attention_backward: query is not in CPU memory"),
+    "meta-explain": (lambda: attncore.explain(META, META, META),
+                     r"^explain: query is not in CPU memory"),
+    "sparse": (lambda: SDPA(torch.ones(2, 4, 5, 8).to_sparse(), torch.ones(2, 4, 6, 8),
+                            torch.ones(2, 4, 6, 8)),
+               r"^scaled_dot_product_attention: query has an unsupported layout "
+               r"\(layout=torch.sparse_coo, expected torch.strided\)"),
+    "other-device": (lambda: SDPA(OtherDevice(), k, v),
+                     r"^scaled_dot_product_attention: query is not in CPU memory "
+                     r"\(dlpack device_type=2"),
+    "other-device-key": (lambda: SDPA(q, OtherDevice(), v),
+                         r"^scaled_dot_product_attention: key is not in CPU memory"),
+})
+
+
 @pytest.mark.parametrize("case", UNSUPPORTED)
 def test_unsupported_combinations_raise_not_implemented_error(case):
     call, message = UNSUPPORTED[case]
-    with pytest.raises(NotImplementedError, match=message):
+    with pytest.raises(NotImplementedError, match=message) as error:
         call()
+    assert FORM.match(str(error.value)), str(error.value)
+
+
+def test_extension_module_errors_name_the_call():
+    """Arrays the extension module itself refuses: the message starts with the library's name
+    of the call, like the library's own."""
+    with pytest.raises(ValueError, match=r"^forward: query has an unsupported element type "
+                                         r"\(format='l'"):
+        SDPA(q.astype(np.int64), k, v)
+    with pytest.raises(ValueError, match=r"^forward: query has an unsupported element type "
+                                         r"\(format='>f'"):
+        SDPA(q.astype(">f4"), k, v)
+    with pytest.raises(ValueError, match=r"^forward: query has an unsupported element type "
+                                         r"\(dlpack code=5"):
+        SDPA(torch.ones(2, 4, 5, 8, dtype=torch.complex64), k, v)
+    options = _core.CallOptions(scale=None, causal="none", window_left=-1, window_right=-1,
+                                softcap=0.0, dropout_p=0.0, seed=0, offset=0, enable_gqa=True,
+                                num_threads=0, backend="auto")
+    out = np.zeros((2, 4, 5, 8), np.float32)
+    with pytest.raises(NotImplementedError, match=r"^forward: query is not in CPU memory "
+                                                  r"\(dlpack device_type=2"):
+        _core.forward(OtherDevice(), k, v, out, None, None, None, options)
+    with pytest.raises(ValueError, match=r"^forward: key cannot be read through DLPack "
+                                         r"\(type=Tensor, error='.*meta"):
+        _core.forward(q, META, v, out, None, None, None, options)
+    with pytest.raises(TypeError, match=r"^backward: dout is not an array \(type=object"):
+        _core.backward(object(), q, k, v, out, lse, q, k, v, None, None, None, options)
 
 
 def test_errors_through_autograd_and_torch_tensors():
