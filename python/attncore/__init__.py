@@ -8,7 +8,8 @@
     attention_varlen, attention_varlen_backward
                                   the same for variable-length batches packed along the rows
     attncore.torch                the same functions with torch autograd (AttentionFunction)
-    manual_seed, get_rng_state, set_rng_state   attncore's dropout generator
+    manual_seed, get_rng_state, set_rng_state   attncore's dropout generator (numpy calls;
+                                  calls on torch tensors draw from torch's)
     SDPBackend                    backend names for the backend= keyword
     sdpa_kernel, enabled_backends the backends automatic selection may choose, per thread
     explain                       each backend's verdict on a call, and the choice

@@ -39,10 +39,11 @@ def _window(op, window_size):
                  for name, w in zip(("window_left", "window_right"), pair))
 
 
-def _resolve_call(op, positions, *, scale, causal, window_size, softcap, dropout_p, seed, offset,
+def _resolve_call(op, *, scale, causal, window_size, softcap, dropout_p, seed, offset,
                   enable_gqa, backend, num_threads, draw_seed):
     """The Call of one call's options, each checked for its Python type and for what the
-    library's options can hold (the library checks the rest)."""
+    library's options can hold (the library checks the rest). A call with dropout and no seed
+    gets seed None when it may draw one (draw_seed; _random.seeded draws it)."""
     causal = "none" if causal is None or causal is False else causal
     if not isinstance(causal, str) or causal not in CAUSAL:
         raise ValueError(f"{op}: causal is invalid (causal={causal!r}, expected None, "
@@ -61,7 +62,7 @@ def _resolve_call(op, positions, *, scale, causal, window_size, softcap, dropout
         if not draw_seed:
             raise ValueError(f"{op}: dropout needs the forward call's seed (seed=None, expected "
                              "the (seed, offset) attncore.get_rng_state() gave before it)")
-        seed, offset = _random.default_generator.take(positions)
+        offset = None
     else:
         seed = _random.check_u64(op, "seed", seed)
         offset = _random.check_u64(op, "offset", 0 if offset is None else offset)
@@ -197,8 +198,7 @@ def _prepare(op, query, key, value, *, layout, attn_mask, alibi_slopes, draw_see
                                                 ("attn_mask", attn_mask)))
     form = _Form(lib, op, layout, query, lib.asarray(key, op, "key"),
                  lib.asarray(value, op, "value"))
-    positions = form.batch_size * form.heads_q * form.seqlen_q * form.seqlen_k
-    call = _resolve_call(op, positions, draw_seed=draw_seed, **options)
+    call = _resolve_call(op, draw_seed=draw_seed, **options)
     mask = None if attn_mask is None else lib.asarray(attn_mask, op, "attn_mask")
     mask4 = None if mask is None else form.mask4(mask)
     alibi = (None if alibi_slopes is None
@@ -221,7 +221,9 @@ def attention(query, key, value, *, layout="bhld", scale=None, causal=None, wind
     (j <= i + Lk - Lq). window_size: (left, right) around the lower-right diagonal, -1 =
     unbounded. softcap: s = softcap * tanh(s / softcap), 0 = off. alibi_slopes: float32 [Hq] or
     [..., Hq]. attn_mask: broadcastable to [..., Hq, Lq, Lk]; bool (True takes part) or float
-    (added to the scores). dropout_p: with (seed, offset) of attncore's generator unless given.
+    (added to the scores). dropout_p: with the given (seed, offset), else torch tensors draw one
+    seed from torch's default generator (offset 0) and other arrays take (seed, offset) from
+    attncore's generator.
     enable_gqa: allow Hkv dividing Hq. backend: None/"auto", "reference", "math", "flash" or an
     SDPBackend. num_threads: 0 = the library's default.
 
@@ -233,12 +235,14 @@ def attention(query, key, value, *, layout="bhld", scale=None, causal=None, wind
                  window_size=window_size, softcap=softcap, dropout_p=dropout_p, seed=seed,
                  offset=offset, enable_gqa=enable_gqa, backend=backend, num_threads=num_threads)
     q4 = times(p.form.q4, p.call.q_factor)
-    if p.lib.is_torch:
-        # Imported here: _autograd imports torch, which numpy callers need not have.
-        from ._autograd import AttentionFunction
-        out4, lse3 = AttentionFunction.apply(q4, p.form.k4, p.form.v4, p.mask4, p.alibi, p.call)
-    else:
-        out4, lse3 = forward4(p.lib, q4, p.form.k4, p.form.v4, p.mask4, p.alibi, p.call)
+    positions = p.form.batch_size * p.form.heads_q * p.form.seqlen_q * p.form.seqlen_k
+    with _random.seeded(p.call, positions, p.lib.is_torch) as call:
+        if p.lib.is_torch:
+            # Imported here: _autograd imports torch, which numpy callers need not have.
+            from ._autograd import AttentionFunction
+            out4, lse3 = AttentionFunction.apply(q4, p.form.k4, p.form.v4, p.mask4, p.alibi, call)
+        else:
+            out4, lse3 = forward4(p.lib, q4, p.form.k4, p.form.v4, p.mask4, p.alibi, call)
     out = p.give_back(p.form.to_caller(out4))
     return (out, p.give_back(p.form.lse_to_caller(lse3))) if return_lse else out
 
@@ -252,7 +256,8 @@ def attention_backward(dout, query, key, value, out, softmax_lse, *, layout="bhl
     and (dq, dk, dv, dbias) when attn_mask is a float mask (dbias has the mask's shape).
 
     Every option must be the forward call's; with dropout, seed and offset are required: the
-    (seed, offset) that attncore.get_rng_state() returned just before the forward call.
+    (seed, offset) that attncore.get_rng_state() returned just before a forward call on numpy
+    arrays. (A forward on torch tensors replays its own seed through autograd.)
     """
     p = _prepare("attention_backward", query, key, value, layout=layout, attn_mask=attn_mask,
                  alibi_slopes=alibi_slopes, draw_seed=False, scale=scale, causal=causal,
@@ -315,11 +320,11 @@ def dense_packed(op, sources, split, *, alibi_slopes, **options):
     lib, give_back, sources = _adopt_sources(op, sources)
     q4, k4, _ = views = split(*sources)
     batch, heads_q, seqlen_q, _ = q4.shape
-    call = _resolve_call(op, batch * heads_q * seqlen_q * k4.shape[2], draw_seed=True,
-                         **options)
+    call = _resolve_call(op, draw_seed=True, **options)
     alibi = None if alibi_slopes is None else lib.asarray(alibi_slopes, op, "alibi_slopes")
-    kernel = DenseKernel(alibi, call)
-    out, lse = _run(lib, kernel, split, sources)
+    with _random.seeded(call, batch * heads_q * seqlen_q * k4.shape[2], lib.is_torch) as call:
+        kernel = DenseKernel(alibi, call)
+        out, lse = _run(lib, kernel, split, sources)
     return Packed(out, lse, lib, give_back, kernel, views)
 
 
@@ -334,11 +339,12 @@ def varlen_packed(op, sources, split, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     heads_q = q.shape[1] if q.ndim == 3 else 0
     positions = (seqs.batch_size * heads_q * max(seqs.max_seqlen_q, 0) *
                  max(seqs.max_seqlen_k, 0))
-    call = _resolve_call(op, positions, draw_seed=True, **options)
+    call = _resolve_call(op, draw_seed=True, **options)
     mask = None if attn_mask is None else lib.asarray(attn_mask, op, "attn_mask")
     alibi = None if alibi_slopes is None else lib.asarray(alibi_slopes, op, "alibi_slopes")
-    kernel = VarlenKernel(seqs, alibi, call, mask)
-    out, lse = _run(lib, kernel, split, sources)
+    with _random.seeded(call, positions, lib.is_torch) as call:
+        kernel = VarlenKernel(seqs, alibi, call, mask)
+        out, lse = _run(lib, kernel, split, sources)
     return Packed(out, lse, lib, give_back, kernel, views)
 
 
@@ -360,9 +366,10 @@ def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
 
     causal, window_size, softcap and alibi_slopes ([Hq] or [B, Hq]) apply within each sequence
     on its own lengths (the lower-right diagonal is i + Lk_b - Lq_b). attn_mask is not
-    supported with variable-length batches (NotImplementedError). Dropout takes
-    B * Hq * max_seqlen_q * max_seqlen_k positions of attncore's generator unless seed and
-    offset are given. torch tensors are differentiable (query, key, value).
+    supported with variable-length batches (NotImplementedError). Without seed and offset,
+    dropout on torch tensors draws one seed from torch's default generator (offset 0), and on
+    other arrays takes B * Hq * max_seqlen_q * max_seqlen_k positions of attncore's generator.
+    torch tensors are differentiable (query, key, value).
     """
     r = varlen_packed(_op, {"query": query, "key": key, "value": value}, separate,
                       cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -386,13 +393,14 @@ def attention_varlen_backward(dout, query, key, value, out, softmax_lse, cu_seql
     key, and rows of dq past cu_seqlens_q[-1], are 0.
 
     Every option must be the forward call's; with dropout, seed and offset are required: the
-    (seed, offset) that attncore.get_rng_state() returned just before the forward call.
+    (seed, offset) that attncore.get_rng_state() returned just before a forward call on numpy
+    arrays. (A forward on torch tensors replays its own seed through autograd.)
     """
     op = "attention_varlen_backward"
     lib, give_back, (query, key, value) = _adopt_sources(
         op, {"query": query, "key": key, "value": value}, forward=False)
     seqs = Seqs.of(op, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
-    call = _resolve_call(op, 0, draw_seed=False, scale=scale, causal=causal,
+    call = _resolve_call(op, draw_seed=False, scale=scale, causal=causal,
                          window_size=window_size, softcap=softcap, dropout_p=dropout_p,
                          seed=seed, offset=offset, enable_gqa=enable_gqa, backend=backend,
                          num_threads=num_threads)

@@ -23,7 +23,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     is_causal keeps j <= i (upper-left). attn_mask broadcasts to [..., Hq, L, S]: bool (True
     takes part), float32 or query's dtype (added). scale defaults to 1/sqrt(E). Without
     enable_gqa, key/value with one head serve every query head (as torch's broadcasting does).
-    Dropout draws from attncore's generator (attncore.manual_seed), not torch's.
+    Dropout on torch tensors draws one seed per call from torch's default generator
+    (torch.manual_seed reproduces it); on other arrays from attncore's (attncore.manual_seed).
     Nested tensors (torch.nested, [B, H, *, D] with query, key and value all nested) run as one
     variable-length batch, without padding, and the result is nested [B, Hq, *, Ev]; they take
     no attn_mask and no autograd.
@@ -209,8 +210,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     return_attn_probs returns (out, softmax_lse [B, Hq, Lq] float32, S_dmask): S_dmask is
     empty without dropout, and with dropout the probabilities [B, Hq, Lq, Lk] with the dropped
     ones negated (computed by extra calls, for tests). deterministic is accepted and has no
-    effect: attncore's backward is deterministic. Dropout draws from attncore's generator
-    (attncore.manual_seed). backend (not in flash-attn): as for attention().
+    effect: attncore's backward is deterministic. Dropout draws from torch's default generator
+    for torch tensors, else from attncore's (attncore.manual_seed). backend (not in
+    flash-attn): as for attention().
     """
     op = "flash_attn_func"
     for x, name in ((q, "q"), (k, "k"), (v, "v")):

@@ -5,8 +5,9 @@ variable-length forms), attention and attention_varlen here are the package's ow
 (they send torch tensors through autograd Functions); importing them from attncore.torch
 documents that the caller wants torch semantics and autograd. Gradients reach query, key, value
 (a packed qkv or kv as one packed gradient) and a float attn_mask that requires grad (its
-gradient is dBias); ALiBi slopes get none. A backward with dropout replays the forward's
-(seed, offset). Nested tensors passed to scaled_dot_product_attention take no autograd.
+gradient is dBias); ALiBi slopes get none. Dropout draws one seed per call from torch's default
+CPU generator (so torch.manual_seed reproduces a run), and the backward replays the forward's
+seed. Nested tensors passed to scaled_dot_product_attention take no autograd.
 
 AttentionFunction is defined in _autograd, below _attention, which uses it; this module only
 gathers the names.

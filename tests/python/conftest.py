@@ -30,8 +30,18 @@ def assert_close(actual, expected, dtype, what=""):
     assert worst <= TOLERANCE[dtype] * scale, f"{what}: max error {worst:.3g} (scale {scale:.3g})"
 
 
+def next_torch_seed():
+    """The dropout seed the next call on torch tensors draws (offset 0): one 64-bit value of
+    torch's default CPU generator, read here without consuming it."""
+    state = torch.get_rng_state()
+    seed = torch.empty((), dtype=torch.int64).random_(-2 ** 63, None).item() % 2 ** 64
+    torch.set_rng_state(state)
+    return seed
+
+
 @pytest.fixture(autouse=True)
 def _seeded():
-    """Every test starts from the same dropout stream."""
+    """Every test starts from the same dropout streams (attncore's and torch's)."""
     import attncore
     attncore.manual_seed(0)
+    torch.manual_seed(0)
