@@ -30,6 +30,14 @@ char g_no_data;
 TensorView fake(DType dtype, std::initializer_list<std::int64_t> shape) {
   return TensorView::contiguous(&g_no_data, dtype, shape);
 }
+// Outputs of calls refused before anything is written: output `n` at (n + 1) * 2^40 bytes
+// past the inputs, so that it shares no byte with them or with another output (an output may
+// not).
+TensorView fake_out(DType dtype, std::initializer_list<std::int64_t> shape, int n = 0) {
+  void* far = reinterpret_cast<void*>(reinterpret_cast<std::uintptr_t>(&g_no_data) +
+                                      (static_cast<std::uintptr_t>(n + 1) << 40));
+  return TensorView::contiguous(far, dtype, shape);
+}
 
 const BackendVerdict& verdict_of(const Explanation& e, Backend b) {
   for (const BackendVerdict& v : e.verdicts) {
@@ -83,13 +91,16 @@ TEST(SelectReasons, FlashRejectsF64) {
   const Explanation b = explain_backward(q, q, q, q, q, lse, {});
   EXPECT_EQ(verdict_of(b, Backend::flash).reasons, std::vector<std::string>{reason});
   // An explicit request throws before anything is written.
-  const TensorView out = fake(DType::f64, {1, 2, 8, 16});
-  EXPECT_EQ(unsupported_message([&] { forward_into(q, q, q, out, lse, {}, Backend::flash); }),
-            "forward: backend flash cannot run this call (backend=flash, expected a backend "
-            "that supports it); " +
-                reason);
+  const TensorView out = fake_out(DType::f64, {1, 2, 8, 16});
+  EXPECT_EQ(
+      unsupported_message([&] { forward_into(q, q, q, out, std::nullopt, {}, Backend::flash); }),
+      "forward: backend flash cannot run this call (backend=flash, expected a backend "
+      "that supports it); " +
+          reason);
   EXPECT_EQ(unsupported_message([&] {
-              backward_into(q, q, q, q, q, lse, q, q, q, std::nullopt, {}, Backend::flash);
+              backward_into(q, q, q, q, q, lse, out, fake_out(DType::f64, {1, 2, 8, 16}, 1),
+                            fake_out(DType::f64, {1, 2, 8, 16}, 2), std::nullopt, {},
+                            Backend::flash);
             }),
             "backward: backend flash cannot run this call (backend=flash, expected a backend "
             "that supports it); " +
@@ -124,7 +135,7 @@ TEST(SelectReasons, MathRejectsSizesBeyondInt32) {
     EXPECT_TRUE(verdict_of(e, Backend::flash).reasons.empty());
     EXPECT_TRUE(verdict_of(e, Backend::reference).reasons.empty());
     EXPECT_EQ(e.chosen, Backend::flash);
-    const TensorView out = fake(DType::f32, {1, 1, c.lq, c.dv});
+    const TensorView out = fake_out(DType::f32, {1, 1, c.lq, c.dv});
     EXPECT_EQ(
         unsupported_message([&] { forward_into(q, k, v, out, std::nullopt, {}, Backend::math); }),
         "forward: backend math cannot run this call (backend=math, expected a backend that "
@@ -173,7 +184,7 @@ TEST(SelectReasons, ReferenceRunsEverything) {
 TEST(SelectReasons, NothingCanRunListsEveryBackend) {
   const TensorView q = fake(DType::f32, {1, 1, 65536, 4});
   const TensorView k = fake(DType::f32, {1, 1, 65536, 4});
-  const TensorView out = fake(DType::f32, {1, 1, 65536, 4});
+  const TensorView out = fake_out(DType::f32, {1, 1, 65536, 4});
   const BackendScope scope({Backend::math});
   const Explanation e = explain_forward(q, k, k, {});
   EXPECT_EQ(e.chosen, Backend::automatic);
@@ -191,8 +202,9 @@ TEST(SelectReasons, NothingCanRunListsEveryBackend) {
   // f64 with only flash enabled: flash's own reason and the other two.
   const TensorView q64 = fake(DType::f64, {1, 1, 4, 4});
   const BackendScope flash_only({Backend::flash});
-  const std::string m64 =
-      unsupported_message([&] { forward_into(q64, q64, q64, q64, std::nullopt, {}); });
+  const std::string m64 = unsupported_message([&] {
+    forward_into(q64, q64, q64, fake_out(DType::f64, {1, 1, 4, 4}), std::nullopt, {});
+  });
   EXPECT_NE(m64.find("flash: dtype f64 is not supported"), std::string::npos) << m64;
   EXPECT_NE(m64.find("math: backend is not enabled"), std::string::npos) << m64;
   EXPECT_NE(m64.find("reference: backend is not enabled"), std::string::npos) << m64;
@@ -260,7 +272,7 @@ TEST(SelectScope, RestoresOnException) {
   EXPECT_THROW(
       {
         const BackendScope scope({Backend::flash});
-        forward_into(q, q, q, q, std::nullopt, {});
+        forward_into(q, q, q, fake_out(DType::f64, {1, 1, 4, 4}), std::nullopt, {});
       },
       Unsupported);
   EXPECT_EQ(enabled_backends(), kDefault);

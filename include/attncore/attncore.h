@@ -33,7 +33,9 @@ ForwardResult forward(const TensorView& q, const TensorView& k, const TensorView
                       const Options& options = {}, Backend backend = Backend::automatic);
 
 // Attention forward into caller-provided views: `out` [B, Hq, Lq, Dv] of q's dtype and, when
-// given, `lse` [B, Hq, Lq] (f32, or f64 for f64 inputs). Both are fully written.
+// given, `lse` [B, Hq, Lq] (f32, or f64 for f64 inputs). Both are fully written. An output may
+// share no byte with another output or with an input (InvalidArgument naming both); outputs
+// interleaved in one buffer without touching are fine (the test is exact on element bytes).
 void forward_into(const TensorView& q, const TensorView& k, const TensorView& v,
                   const TensorView& out, const std::optional<TensorView>& lse,
                   const Options& options = {}, Backend backend = Backend::automatic);
@@ -44,7 +46,8 @@ BackwardResult backward(const TensorView& dout, const TensorView& q, const Tenso
                         const Options& options = {}, Backend backend = Backend::automatic);
 
 // The same into caller-provided views (dq/dk/dv shaped like q/k/v and of their dtype; dbias
-// shaped like options.mask, required iff options.compute_dbias).
+// shaped like options.mask, required iff options.compute_dbias), none sharing a byte with
+// another or with an input: dq, dk, dv may be slices of one packed [B, L, 3, H, D] buffer.
 void backward_into(const TensorView& dout, const TensorView& q, const TensorView& k,
                    const TensorView& v, const TensorView& out, const TensorView& lse,
                    const TensorView& dq, const TensorView& dk, const TensorView& dv,

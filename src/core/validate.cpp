@@ -201,6 +201,9 @@ Params validate_forward(const ForwardArgs& a, const Options& options, Backend ba
     check_lse(check, a.lse, p, "lse");
     check.writable(a.lse, "lse");
   }
+  check.separate(
+      {{&a.out, "out"}, {&a.lse, "lse"}},
+      {{&a.q, "query"}, {&a.k, "key"}, {&a.v, "value"}, alibi_view(options), mask_view(options)});
   return p;
 }
 
@@ -228,6 +231,15 @@ Params validate_backward(const BackwardArgs& a, const Options& options, Backend 
   } else if (a.dbias.data != nullptr) {
     check.fail("dbias is given but not asked for (compute_dbias=false, expected no dbias view)");
   }
+  check.separate({{&a.dq, "dq"}, {&a.dk, "dk"}, {&a.dv, "dv"}, {&a.dbias, "dbias"}},
+                 {{&a.dout, "dout"},
+                  {&a.q, "query"},
+                  {&a.k, "key"},
+                  {&a.v, "value"},
+                  {&a.out, "out"},
+                  {&a.lse, "lse"},
+                  alibi_view(options),
+                  mask_view(options)});
   return p;
 }
 

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "attncore/error.h"
+#include "core/overlap.h"
 #include "core/params.h"
 
 namespace attncore::detail {
@@ -42,6 +43,19 @@ inline std::string dims_string(const std::int64_t* dims, int n) {
   os << '[';
   for (int d = 0; d < n; ++d) os << (d ? ", " : "") << dims[d];
   os << ']';
+  return os.str();
+}
+
+// A view and the name messages give it.
+struct NamedView {
+  const TensorView* view;
+  const char* name;
+};
+
+inline std::string range_string(const TensorView& t) {
+  const ByteRange r = byte_range(t);
+  std::ostringstream os;
+  os << "bytes [0x" << std::hex << r.begin << ", 0x" << r.end << ')';
   return os.str();
 }
 
@@ -167,6 +181,18 @@ class Checker {
     }
   }
 
+  // No output may share a byte with another output or with an input (views_overlap: exact, so
+  // that outputs interleaved in one buffer, as dq, dk, dv in a packed [total, 3, H, D] buffer,
+  // are accepted; conservative only where strides interleave with no common structure). Views
+  // with null data (an LSE not asked for) take no part.
+  void separate(std::initializer_list<NamedView> outputs,
+                std::initializer_list<NamedView> inputs) const {
+    for (auto out = outputs.begin(); out != outputs.end(); ++out) {
+      for (auto other = outputs.begin(); other != out; ++other) disjoint(*out, *other);
+      for (const NamedView& in : inputs) disjoint(*out, in);
+    }
+  }
+
   // A thread count: 0 (the default) to kMaxThreads.
   void threads(int num_threads) const {
     if (num_threads < 0) {
@@ -217,8 +243,24 @@ class Checker {
   }
 
  private:
+  void disjoint(const NamedView& out, const NamedView& other) const {
+    if (out.view == nullptr || other.view == nullptr || !views_overlap(*out.view, *other.view)) {
+      return;
+    }
+    fail(std::string(out.name) + " overlaps " + other.name + " (" + out.name + "=" +
+         range_string(*out.view) + ", " + other.name + "=" + range_string(*other.view) +
+         ", expected no byte in common); an output may share memory with no other output and "
+         "no input");
+  }
+
   const char* op_;
 };
+
+// The views of the options, as inputs for Checker::separate (null when not given).
+inline NamedView alibi_view(const Options& o) {
+  return {o.alibi_slopes ? &*o.alibi_slopes : nullptr, "alibi_slopes"};
+}
+inline NamedView mask_view(const Options& o) { return {o.mask ? &*o.mask : nullptr, "mask"}; }
 
 // Checks of the options, the same for dense and varlen calls; fills p's variant and dropout
 // (p's geometry and sequence info are set). validate.cpp.

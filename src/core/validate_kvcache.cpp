@@ -125,6 +125,14 @@ Params validate_kvcache_forward(const ForwardArgs& a, const KvCacheSeqs& s, cons
     check.shape(a.lse, "lse", out_shape, "[B, Hq, Lq]");
     check.writable(a.lse, "lse");
   }
+  check.separate({{&a.out, "out"}, {&a.lse, "lse"}},
+                 {{&a.q, "query"},
+                  {&a.k, "k_cache"},
+                  {&a.v, "v_cache"},
+                  alibi_view(o),
+                  {&s.cache_seqlens, "cache_seqlens"},
+                  {s.cache_batch_idx ? &*s.cache_batch_idx : nullptr, "cache_batch_idx"},
+                  {s.cache_leftpad ? &*s.cache_leftpad : nullptr, "cache_leftpad"}});
   return p;
 }
 

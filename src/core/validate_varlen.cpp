@@ -205,6 +205,14 @@ Params validate_varlen_forward(ForwardArgs& a, const VarlenSeqs& seqs, const Opt
     check_packed_lse(check, a.lse, p, "lse");
     check.writable(a.lse, "lse");
   }
+  check.separate({{&a.out, "out"}, {&a.lse, "lse"}},
+                 {{&a.q, "query"},
+                  {&a.k, "key"},
+                  {&a.v, "value"},
+                  alibi_view(options),
+                  {&seqs.cu_seqlens_q, "cu_seqlens_q"},
+                  {&seqs.cu_seqlens_k, "cu_seqlens_k"},
+                  {seqs.seqused_k ? &*seqs.seqused_k : nullptr, "seqused_k"}});
   return p;
 }
 
@@ -227,6 +235,17 @@ Params validate_varlen_backward(BackwardArgs& a, const VarlenSeqs& seqs, const O
   check.writable(a.dq, "dq");
   check.writable(a.dk, "dk");
   check.writable(a.dv, "dv");
+  check.separate({{&a.dq, "dq"}, {&a.dk, "dk"}, {&a.dv, "dv"}},
+                 {{&a.dout, "dout"},
+                  {&a.q, "query"},
+                  {&a.k, "key"},
+                  {&a.v, "value"},
+                  {&a.out, "out"},
+                  {&a.lse, "lse"},
+                  alibi_view(options),
+                  {&seqs.cu_seqlens_q, "cu_seqlens_q"},
+                  {&seqs.cu_seqlens_k, "cu_seqlens_k"},
+                  {seqs.seqused_k ? &*seqs.seqused_k : nullptr, "seqused_k"}});
   return p;
 }
 
