@@ -12,13 +12,17 @@
 
 #include <unistd.h>
 
+#include <array>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
 
 #include "attncore/attncore.h"
+#include "attncore/kvcache.h"
+#include "attncore/merge.h"
 #include "attncore/varlen.h"
 
 namespace py = pybind11;
@@ -432,6 +436,93 @@ py::tuple explain_backward(py::handle dout, py::handle q, py::handle k, py::hand
                                                       call.options(op, bmask, balibi, want_dbias)));
 }
 
+// Copies src into dst element by element (same shape and dtype, any strides; rank <= 4).
+void copy_view(const TensorView& src, const TensorView& dst) {
+  const std::size_t item = attncore::size_of(src.dtype);
+  std::array<std::int64_t, attncore::kMaxRank> n{1, 1, 1, 1}, ss{}, ds{};
+  const int shift = attncore::kMaxRank - src.rank;
+  for (int d = 0; d < src.rank; ++d) {
+    n[static_cast<std::size_t>(d + shift)] = src.size(d);
+    ss[static_cast<std::size_t>(d + shift)] = src.stride_of(d);
+    ds[static_cast<std::size_t>(d + shift)] = dst.stride_of(d);
+  }
+  const auto* s = static_cast<const char*>(src.data);
+  auto* t = static_cast<char*>(dst.data);
+  for (std::int64_t a = 0; a < n[0]; ++a)
+    for (std::int64_t b = 0; b < n[1]; ++b)
+      for (std::int64_t c = 0; c < n[2]; ++c)
+        for (std::int64_t e = 0; e < n[3]; ++e) {
+          const std::int64_t so = a * ss[0] + b * ss[1] + c * ss[2] + e * ss[3];
+          const std::int64_t to = a * ds[0] + b * ds[1] + c * ds[2] + e * ds[3];
+          std::memcpy(t + to * static_cast<std::int64_t>(item),
+                      s + so * static_cast<std::int64_t>(item), item);
+        }
+}
+
+// Attention over a KV cache: q [B, Hq, Lq, D], k_cache [B_cache, Hkv, capacity, D], v_cache
+// [B_cache, Hkv, capacity, Dv] (the flash layout's transposed(1, 2) views), int32 cache_seqlens
+// [B] and optional cache_batch_idx, cache_leftpad [B]. With k_new / v_new [B, Hkv, L_new, D]
+// the new rows are written into the caches in place first (rotated with f32 rotary_cos,
+// rotary_sin [positions, rotary_dim / 2] when given). Writes out [B, Hq, Lq, Dv] and, when
+// given, lse [B, Hq, Lq].
+void forward_kvcache(py::handle q, py::handle k_cache, py::handle v_cache,
+                     py::handle cache_seqlens, py::handle cache_batch_idx,
+                     py::handle cache_leftpad, py::handle k_new, py::handle v_new,
+                     py::handle rotary_cos, py::handle rotary_sin, bool rotary_interleaved,
+                     py::handle out, py::handle lse, py::handle alibi_slopes,
+                     const CallOptions& call) {
+  constexpr const char* op = "forward_kvcache";  // the library's name of the call, in messages
+  last_call_addresses.clear();
+  const Borrowed bq(q, op, "query", false);
+  const Borrowed bk(k_cache, op, "k_cache", true), bv(v_cache, op, "v_cache", true);
+  const Borrowed blens(cache_seqlens, op, "cache_seqlens", false);
+  const auto bidx = borrow_optional(cache_batch_idx, op, "cache_batch_idx", false);
+  const auto bpad = borrow_optional(cache_leftpad, op, "cache_leftpad", false);
+  const auto bknew = borrow_optional(k_new, op, "k", false);
+  const auto bvnew = borrow_optional(v_new, op, "v", false);
+  const auto bcos = borrow_optional(rotary_cos, op, "rotary_cos", false);
+  const auto bsin = borrow_optional(rotary_sin, op, "rotary_sin", false);
+  const Borrowed bout(out, op, "out", true);
+  const auto blse = borrow_optional(lse, op, "lse", true);
+  const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
+  const attncore::Options options = call.options(op, std::nullopt, balibi, false);
+  const attncore::Backend backend = backend_from_name(op, call.backend);
+  const attncore::KvCacheSeqs seqs{blens.view(), view_of(bidx), view_of(bpad)};
+  if (bknew.has_value() != bvnew.has_value())
+    throw InvalidArgument(std::string(op) + ": k and v must be given together (k is " +
+                          (bknew ? "set" : "None") + ", v is " + (bvnew ? "set" : "None") + ")");
+  const GilReleased released;
+  if (!bknew) {
+    attncore::forward_kvcache_into(bq.view(), bk.view(), bv.view(), seqs, bout.view(),
+                                   view_of(blse), options, backend);
+    return;
+  }
+  attncore::KvAppend append;
+  append.k_new = bknew->view();
+  append.v_new = bvnew->view();
+  append.rotary_cos = view_of(bcos);
+  append.rotary_sin = view_of(bsin);
+  append.rotary_interleaved = rotary_interleaved;
+  const attncore::ForwardResult r =
+      attncore::forward_kvcache(bq.view(), bk.view(), bv.view(), seqs, append, options, backend);
+  copy_view(r.out.view(), bout.view());
+  if (blse) copy_view(r.lse.view(), blse->view());
+}
+
+// Merges two attention results over disjoint key sets into out and lse (which may be the very
+// arrays out_a / lse_a or out_b / lse_b).
+void merge_states(py::handle out_a, py::handle lse_a, py::handle out_b, py::handle lse_b,
+                  py::handle out, py::handle lse, int num_threads) {
+  constexpr const char* op = "merge_attention_states";
+  last_call_addresses.clear();
+  const Borrowed boa(out_a, op, "out_a", false), bla(lse_a, op, "lse_a", false);
+  const Borrowed bob(out_b, op, "out_b", false), blb(lse_b, op, "lse_b", false);
+  const Borrowed bout(out, op, "out", true), blse(lse, op, "lse", true);
+  const GilReleased released;
+  attncore::merge_attention_states_into(boa.view(), bla.view(), bob.view(), blb.view(),
+                                        bout.view(), blse.view(), num_threads);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -504,4 +595,13 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "_last_call_addresses", [] { return last_call_addresses; },
       "The data address of each array of this thread's last call, by name");
+  m.def("forward_kvcache", &forward_kvcache, py::arg("query"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("cache_seqlens"), py::arg("cache_batch_idx").none(true),
+        py::arg("cache_leftpad").none(true), py::arg("k").none(true), py::arg("v").none(true),
+        py::arg("rotary_cos").none(true), py::arg("rotary_sin").none(true),
+        py::arg("rotary_interleaved"), py::arg("out"), py::arg("lse").none(true),
+        py::arg("alibi_slopes").none(true), py::arg("options"));
+  m.def("merge_attention_states", &merge_states, py::arg("out_a"), py::arg("lse_a"),
+        py::arg("out_b"), py::arg("lse_b"), py::arg("out"), py::arg("lse"),
+        py::arg("num_threads") = 0);
 }
