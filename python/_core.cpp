@@ -474,7 +474,8 @@ void forward_kvcache(py::handle q, py::handle k_cache, py::handle v_cache,
   constexpr const char* op = "forward_kvcache";  // the library's name of the call, in messages
   last_call_addresses.clear();
   const Borrowed bq(q, op, "query", false);
-  const Borrowed bk(k_cache, op, "k_cache", true), bv(v_cache, op, "v_cache", true);
+  const bool appending = !k_new.is_none();  // the caches are written only by an append
+  const Borrowed bk(k_cache, op, "k_cache", appending), bv(v_cache, op, "v_cache", appending);
   const Borrowed blens(cache_seqlens, op, "cache_seqlens", false);
   const auto bidx = borrow_optional(cache_batch_idx, op, "cache_batch_idx", false);
   const auto bpad = borrow_optional(cache_leftpad, op, "cache_leftpad", false);

@@ -13,6 +13,7 @@
     SDPBackend                    backend names for the backend= keyword
     sdpa_kernel, enabled_backends the backends automatic selection may choose, per thread
     explain                       each backend's verdict on a call, and the choice
+    flash_attn_with_kvcache       flash_attn's attention over a KV cache (appends in place)
     merge_attention_states        two results over disjoint key sets merged into one
 
 Invalid arguments raise ValueError, arguments of the wrong Python type TypeError, and
@@ -28,6 +29,7 @@ from ._attention import (attention, attention_backward, attention_varlen,
 from ._dropins import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                        flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
                        flash_attn_varlen_qkvpacked_func, scaled_dot_product_attention)
+from ._kvcache import flash_attn_with_kvcache
 from ._merge import merge_attention_states
 from ._random import get_rng_state, manual_seed, set_rng_state
 from .backends import BackendVerdict, Explanation, SDPBackend, enabled_backends, sdpa_kernel
@@ -39,7 +41,7 @@ __all__ = [
     "attention_varlen", "attention_varlen_backward", "enabled_backends", "explain",
     "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
-    "flash_attn_varlen_qkvpacked_func", "get_rng_state", "manual_seed", "merge_attention_states",
+    "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache", "get_rng_state", "manual_seed", "merge_attention_states",
     "scaled_dot_product_attention", "sdpa_kernel", "set_rng_state",
 ]
 

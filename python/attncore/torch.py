@@ -18,11 +18,12 @@ from ._autograd import AttentionFunction
 from ._dropins import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                        flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
                        flash_attn_varlen_qkvpacked_func, scaled_dot_product_attention)
+from ._kvcache import flash_attn_with_kvcache
 from ._merge import merge_attention_states
 
 __all__ = [
     "AttentionFunction", "attention", "attention_varlen", "flash_attn_func",
     "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
-    "merge_attention_states", "scaled_dot_product_attention",
+    "flash_attn_with_kvcache", "merge_attention_states", "scaled_dot_product_attention",
 ]

@@ -1,0 +1,163 @@
+"""flash_attn_with_kvcache: flash-attn 2.8.3's attention over a KV cache (decode and chunked
+prefill, with new keys and values appended to the cache in place), over the C++
+forward_kvcache. Forward only.
+
+Arrays are in flash-attn's layout and reach the library as transposed(1, 2) views, without a
+copy: q [B, Lq, Hq, D], caches [B_cache, capacity, Hkv, D], new k / v [B, L_new, Hkv, D].
+"""
+
+import sys
+
+import numpy as np
+
+from . import _arrays, _core
+from ._attention import _resolve_call
+from ._merge import refuse_grad
+from ._rank4 import INT32_MAX, int_option, lse_dtype, real_option, times
+from ._varlen import index_array
+
+
+def _rank4(op, name, x, layout):
+    shape = _arrays.shape_of(x, op, name)
+    if len(shape) != 4:
+        raise ValueError(f"{op}: {name} has the wrong rank (rank={len(shape)}, expected 4: "
+                         f"{layout})")
+
+
+def _writable_cache(op, name, x):
+    """(library, x) for a cache the library can write in place: a numpy array or torch tensor
+    in CPU memory whose own memory attncore reaches without a copy. Anything else raises, as an
+    append into a copy would be lost."""
+    torch = sys.modules.get("torch")
+    remedy = (f"; pass {name} as a writable numpy array or CPU torch tensor with unit last "
+              "stride (an append into a copy would be lost)")
+    if isinstance(x, np.ndarray) and not isinstance(x, np.ma.MaskedArray):
+        x = x.view(np.ndarray) if type(x) is not np.ndarray else x
+        if not x.flags.writeable:
+            raise ValueError(f"{op}: {name} is read-only (writeable=False, expected a writable "
+                             f"array){remedy}")
+        strides_ok = all(s >= 0 and s % x.itemsize == 0 for s in x.strides)
+        if not strides_ok or (x.ndim and x.shape[-1] > 1 and x.strides[-1] != x.itemsize):
+            raise ValueError(f"{op}: {name} would need a copy (strides={list(x.strides)} bytes, "
+                             f"expected non-negative multiples of itemsize={x.itemsize} and a "
+                             f"unit last stride){remedy}")
+        return _arrays.NUMPY, x
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise NotImplementedError(f"{op}: {name} is not in CPU memory (device="
+                                      f"{x.device.type}, expected cpu); attncore has CPU "
+                                      "backends only")
+        if getattr(x, "is_nested", False) or x.layout != torch.strided:
+            raise ValueError(f"{op}: {name} is not a strided tensor (layout={x.layout}, "
+                             f"expected torch.strided){remedy}")
+        if x.is_neg() or x.is_conj():
+            raise ValueError(f"{op}: {name} is a lazily negated or conjugated view (expected "
+                             f"a plain tensor){remedy}")
+        if x.dim() and x.shape[-1] > 1 and x.stride(-1) != 1:
+            raise ValueError(f"{op}: {name} would need a copy (stride={list(x.stride())}, "
+                             f"expected a unit last stride){remedy}")
+        return _arrays.TORCH, x
+    raise TypeError(f"{op}: {name} cannot be written in place (type={type(x).__name__}, "
+                    f"expected a numpy array or a torch tensor){remedy}")
+
+
+def _float32(lib, x):
+    """Rotary tables as float32 (the library's dtype for them): a copy only where needed."""
+    if lib.is_torch:
+        return x.detach().float()
+    return x.astype(np.float32, copy=False)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False):
+    """flash_attn.flash_attn_with_kvcache (2.8.3) on numpy arrays or CPU torch tensors.
+
+    q [B, Lq, Hq, D] attends to slots [cache_leftpad[b], cache_seqlens[b]) of cache row
+    cache_batch_idx[b] (or b) of k_cache, v_cache [B_cache, capacity, Hkv, D]. cache_seqlens:
+    an int (the same for every sequence), an int32 array [B], or None (the whole capacity).
+    With k, v [B, L_new, Hkv, D], the new rows are first written into the caches in place at
+    slots cache_seqlens[b] + j (so the caches must be arrays attncore can write without a
+    copy; others raise), then attended as if cache_seqlens had grown by L_new (the caller's
+    cache_seqlens is not changed). rotary_cos, rotary_sin [positions, rotary_dim / 2] (taken as
+    float32) rotate the first rotary_dim dims of the new keys and of q at their positions:
+    pairs (2i, 2i + 1) when rotary_interleaved, else (i, i + rotary_dim / 2); they need k, v.
+    causal is lower-right (against each sequence's length); softcap <= 0 is off; window_size
+    and alibi_slopes ([Hq] or [B, Hq], float32) as in flash_attn_func.
+
+    Not supported: block_table (paged caches: NotImplementedError). num_splits is accepted
+    and ignored (there is no split-KV decode yet). Forward only: a torch input that requires
+    grad under grad mode raises NotImplementedError.
+
+    Returns out [B, Lq, Hq, D] in q's library, and with return_softmax_lse (out, lse
+    [B, Hq, Lq] float32).
+    """
+    op = "flash_attn_with_kvcache"
+    if block_table is not None:
+        raise NotImplementedError(f"{op}: block_table is set (expected None); paged KV caches "
+                                  "are not supported yet")
+    refuse_grad(op, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+                     ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+                     ("alibi_slopes", alibi_slopes)))
+    if (k is None) != (v is None):
+        raise ValueError(f"{op}: k and v must be given together (k is "
+                         f"{'None' if k is None else 'set'}, v is "
+                         f"{'None' if v is None else 'set'})")
+    if (rotary_cos is not None or rotary_sin is not None) and k is None:
+        raise ValueError(f"{op}: rotary_cos / rotary_sin are set without k and v (expected the "
+                         "new keys and values the rotary embedding applies to)")
+    appending = k is not None
+    _rank4(op, "q", q, "[B, Lq, Hq, D]")
+    _rank4(op, "k_cache", k_cache, "[B_cache, capacity, Hkv, D]")
+    _rank4(op, "v_cache", v_cache, "[B_cache, capacity, Hkv, Dv]")
+    lib, q_arr, give_back = _arrays.adopt(q, op, "q")
+    if appending:
+        k_lib, kc = _writable_cache(op, "k_cache", k_cache)
+        v_lib, vc = _writable_cache(op, "v_cache", v_cache)
+    else:
+        k_lib, kc, _ = _arrays.adopt(k_cache, op, "k_cache")
+        v_lib, vc, _ = _arrays.adopt(v_cache, op, "v_cache")
+        kc, vc = k_lib.unit_last_stride(kc), v_lib.unit_last_stride(vc)
+    call = _resolve_call(op, scale=softmax_scale,
+                         causal="lower-right" if causal else None, window_size=window_size,
+                         softcap=max(real_option(op, "softcap", softcap), 0.0), dropout_p=0.0,
+                         seed=None, offset=None, enable_gqa=True, backend=None, num_threads=0,
+                         draw_seed=False)
+    batch, seqlen_q, heads_q, _ = q_arr.shape
+    capacity, dim_v = kc.shape[1], vc.shape[3]
+    if cache_seqlens is None:
+        cache_seqlens = capacity
+    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
+        length = int_option(op, "cache_seqlens", cache_seqlens, -INT32_MAX - 1, INT32_MAX)
+        seqlens = np.full((batch,), length, np.int32)
+    else:
+        seqlens = index_array(op, "cache_seqlens", cache_seqlens)
+    batch_idx = index_array(op, "cache_batch_idx", cache_batch_idx)
+    leftpad = index_array(op, "cache_leftpad", cache_leftpad)
+    new = [None, None]
+    if appending:
+        for i, (name, x) in enumerate((("k", k), ("v", v))):
+            _rank4(op, name, x, "[B, L_new, Hkv, D]")
+            x_lib, arr, _ = _arrays.adopt(x, op, name)
+            new[i] = x_lib.to_core(x_lib.unit_last_stride(arr).swapaxes(1, 2))
+    tables = [None, None]
+    for i, (name, x) in enumerate((("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin))):
+        if x is not None:
+            t_lib, arr, _ = _arrays.adopt(x, op, name)
+            tables[i] = t_lib.to_core(t_lib.unit_last_stride(_float32(t_lib, arr)))
+    alibi = None
+    if alibi_slopes is not None:
+        a_lib, alibi, _ = _arrays.adopt(alibi_slopes, op, "alibi_slopes")
+        alibi = a_lib.to_core(alibi)
+    dtype = lib.dtype_name(q_arr)
+    out = lib.empty((batch, seqlen_q, heads_q, dim_v), dtype)
+    lse = lib.empty((batch, heads_q, seqlen_q), lse_dtype(dtype))
+    q4 = times(lib.unit_last_stride(q_arr), call.q_factor).swapaxes(1, 2)
+    _core.forward_kvcache(lib.to_core(q4), k_lib.to_core(kc.swapaxes(1, 2)),
+                          v_lib.to_core(vc.swapaxes(1, 2)), seqlens, batch_idx, leftpad, new[0], new[1], tables[0], tables[1],
+                          bool(rotary_interleaved), lib.to_core(out.swapaxes(1, 2)),
+                          lib.to_core(lse), alibi, call.core_options())
+    return (give_back(out), give_back(lse)) if return_softmax_lse else give_back(out)
