@@ -15,7 +15,7 @@
 //       dV += (P M)^T dO,  dK += dS^T q,  dQ += dS K            (register-blocked products)
 //     put_kv_tile(dK, dV)
 //   store dQ
-// Matches DESIGN.md section 1.9 and src/reference/reference.cpp.
+// Matches docs/design.md section 1.9 and src/reference/reference.cpp.
 #pragma once
 
 #include <algorithm>
@@ -299,14 +299,7 @@ ATTNCORE_TARGET void run_backward_heads_with(const Params& p, const BackwardArgs
           for (std::int64_t c = 0; c < cols; c += kLanes) store(s + c, load(s + c) * scale);
           float* dcap = w.dcap;  // [kKeyTile] the softcap derivative of this row
           for (std::int64_t c = 0; c < cols; ++c) dcap[c] = 1.0f;
-          if (cap != 0.0f) {
-            for (std::int64_t c = 0; c < cols; c += kLanes) {
-              const Vec capped = cap * tanhv(load(s + c) * (1.0f / cap));
-              const Vec ratio = capped * (1.0f / cap);
-              store(s + c, capped);
-              store(dcap + c, 1.0f - ratio * ratio);
-            }
-          }
+          if (cap != 0.0f) apply_softcap(cap, cols, s, dcap);
           if (has_mods) apply_score_mods(mods, b, h, i, j0, keys, s);
           // P = exp(S - LSE) on the row's visible keys, 0 elsewhere.
           const KeyRange visible = band.row(i);

@@ -1,4 +1,4 @@
-// The score modifiers of DESIGN.md section 1.2 (softcap, ALiBi, additive and boolean masks) on
+// The score modifiers of docs/design.md section 1.2 (softcap, ALiBi, additive and boolean masks) on
 // one row of a score tile, for one SIMD target: used by the forward tile loop and the backward.
 #pragma once
 
@@ -8,6 +8,7 @@
 #include "core/convert.h"
 #include "core/params.h"
 #include "cpu/flash_simd-inl.h"
+#include "policy/score_mod.h"
 
 namespace attncore::detail::ATTNCORE_TARGET_NS {
 
@@ -16,22 +17,32 @@ ATTNCORE_TARGET inline Vec tanhv(Vec y) {
   return 1.0f - 2.0f / (exp2v(y * (2.0f * kLog2e)) + 1.0f);
 }
 
-// The score modifiers of DESIGN.md section 1.2 on one row of a tile (keys j0 .. j0 + keys).
+// Softcap (policy/score_mod.h) on columns [0, cols) of one row of a tile: s becomes the capped
+// score; dcap, unless null, receives its derivative.
+ATTNCORE_TARGET inline void apply_softcap(float cap, std::int64_t cols, float* s, float* dcap) {
+  const float inv_cap = 1.0f / cap;
+  const auto tanh = [](Vec& y) ATTNCORE_TARGET { y = tanhv(y); };
+  for (std::int64_t c = 0; c < cols; c += kLanes) {
+    Vec x = load(s + c);
+    softcap(x, cap, inv_cap, tanh);
+    store(s + c, x);
+    if (dcap != nullptr) {
+      Vec derivative;
+      softcap_derivative(x, inv_cap, derivative);
+      store(dcap + c, derivative);
+    }
+  }
+}
+
+// The score modifiers of docs/design.md section 1.2 on one row of a tile (keys j0 .. j0 + keys).
 ATTNCORE_TARGET inline void apply_score_mods(const Params& p, std::int64_t b, std::int64_t h,
                                              std::int64_t i, std::int64_t j0, std::int64_t keys,
                                              float* s) {
-  if (p.softcap != 0.0) {
-    const float cap = static_cast<float>(p.softcap), inv_cap = 1.0f / cap;
-    for (std::int64_t c = 0; c < keys; c += kLanes) {
-      store(s + c, cap * tanhv(load(s + c) * inv_cap));
-    }
-  }
+  if (p.softcap != 0.0) apply_softcap(static_cast<float>(p.softcap), keys, s, nullptr);
   if (p.alibi != nullptr) {
     const float slope = p.alibi[b * p.alibi_stride_b + h * p.alibi_stride_h];
-    const std::int64_t diag = i + p.seq.lk - p.seq.lq;  // |diag - j| is the distance
     for (std::int64_t c = 0; c < keys; ++c) {
-      const std::int64_t distance = diag - (j0 + c);
-      s[c] -= slope * static_cast<float>(distance < 0 ? -distance : distance);
+      alibi(s[c], slope, static_cast<float>(alibi_distance(i, j0 + c, p.seq.lq, p.seq.lk)));
     }
   }
   if (p.mask_kind != MaskKind::none) {

@@ -1,33 +1,53 @@
 // The score modifiers of docs/design.md section 1.2, applied in this order after s = scale * q.k:
-// softcap, ALiBi, additive bias. Each has its value here; backward multiplies dS by the
-// softcap derivative (ALiBi and the bias pass dS through unchanged).
+// softcap, ALiBi, additive bias. Each is defined here once, for any arithmetic type T with the
+// usual operators: double or float scalars (the math backend, policy/score_row.h) and the flash
+// kernels' vectors (src/cpu/flash_*-inl.h), which pass their own tanh. Backward multiplies dS by
+// the softcap derivative (ALiBi and the bias pass dS through unchanged).
+//
+// They work in place on references: the flash kernels call them from functions compiled for
+// their SIMD target, and a vector passed or returned by value between such a function and one
+// without the target's ISA (as these are) changes the call ABI, which clang refuses. Always
+// inlined, they take the caller's ISA and leave no baseline copy.
 #pragma once
 
-#include <cmath>
 #include <cstdint>
+
+#define ATTNCORE_POLICY_INLINE inline __attribute__((always_inline))
 
 namespace attncore::detail {
 
-// s -> cap * tanh(s / cap); cap == 0 means off.
-template <class T>
-inline T softcap_apply(T s, T cap) {
-  return cap == T(0) ? s : cap * std::tanh(s / cap);
+// Softcap: s -> cap * tanh(s / cap), with s / cap computed as s * inv_cap (inv_cap = 1 / cap,
+// rounded once by the caller); tanh(y) replaces y by its tanh. cap == 0 means off: callers test
+// it once per call. C is the scalar type of T (float for float and vectors, double for double).
+template <class T, class C, class Tanh>
+ATTNCORE_POLICY_INLINE void softcap(T& s, C cap, C inv_cap, Tanh&& tanh) {
+  T y = s * inv_cap;
+  tanh(y);
+  s = cap * y;
 }
 
-// d(softcap(s))/ds written in terms of the capped value c = cap * tanh(s / cap).
-template <class T>
-inline T softcap_grad_from_capped(T capped, T cap) {
-  if (cap == T(0)) return T(1);
-  const T t = capped / cap;
-  return T(1) - t * t;
+// The softcap derivative d(softcap(s))/ds = 1 - tanh(s / cap)^2, from the capped value
+// c = softcap(s) (so that backward keeps only c), into `derivative`.
+template <class T, class C>
+ATTNCORE_POLICY_INLINE void softcap_derivative(const T& capped, C inv_cap, T& derivative) {
+  const T t = capped * inv_cap;
+  derivative = C(1) - t * t;
 }
 
-// ALiBi's term for query row i and key column j: -slope * |i + Lk - Lq - j|.
-template <class T>
-inline T alibi_bias(T slope, std::int64_t i, std::int64_t j, std::int64_t seqlen_q,
-                    std::int64_t seqlen_k) {
+// ALiBi: the key's distance from query row i's diagonal, |i + Lk - Lq - j|, as an integer
+// (callers convert it to their type once).
+inline std::int64_t alibi_distance(std::int64_t i, std::int64_t j, std::int64_t seqlen_q,
+                                   std::int64_t seqlen_k) {
   const std::int64_t distance = i + seqlen_k - seqlen_q - j;
-  return -slope * static_cast<T>(distance < 0 ? -distance : distance);
+  return distance < 0 ? -distance : distance;
+}
+
+// ALiBi's term: s += -slope * distance (distance from alibi_distance, converted to T).
+template <class T, class C>
+ATTNCORE_POLICY_INLINE void alibi(T& s, C slope, const T& distance) {
+  s += -slope * distance;
 }
 
 }  // namespace attncore::detail
+
+#undef ATTNCORE_POLICY_INLINE

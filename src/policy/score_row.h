@@ -39,13 +39,19 @@ void finish_scores(const Params& p, const CausalWindowMask& causal_window, std::
     return;
   }
   const T cap = static_cast<T>(p.softcap);
+  const T inv_cap = cap == T(0) ? T(0) : T(1) / cap;
   const T slope =
       p.alibi ? static_cast<T>(p.alibi[b * p.alibi_stride_b + h * p.alibi_stride_h]) : T(0);
   const std::int64_t mask_row = p.mask_kind == MaskKind::none ? 0 : offset4(p.mask, b, h, i, 0);
   for (std::int64_t j = visible.begin; j < visible.end; ++j) {
-    T x = softcap_apply(scale * s[j], cap);
-    if (dcap) dcap[j] = softcap_grad_from_capped(x, cap);
-    if (p.alibi) x += alibi_bias(slope, i, j, p.seq.lq, p.seq.lk);
+    T x = scale * s[j];
+    if (cap != T(0)) {
+      softcap(x, cap, inv_cap, [](T& y) { y = std::tanh(y); });
+      if (dcap) softcap_derivative(x, inv_cap, dcap[j]);
+    } else if (dcap) {
+      dcap[j] = T(1);
+    }
+    if (p.alibi) alibi(x, slope, static_cast<T>(alibi_distance(i, j, p.seq.lq, p.seq.lk)));
     if (p.mask_kind != MaskKind::none) {
       const T m = load_element<T>(p.mask.data, p.mask.dtype, mask_row + j * p.mask.stride[3]);
       if (p.mask_kind == MaskKind::additive) {
