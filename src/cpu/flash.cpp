@@ -208,11 +208,11 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
   auto scratch_of = [&](float* base) {
     const std::int64_t r = layout.block_rows;
     float* tiles_base = base + r * (d + layout.key_tile + dv_pad + 3);
+    static_assert(sizeof(SoftmaxState) == 2 * sizeof(float), "a row's state takes two floats");
     return FlashScratch{base,
                         base + r * d,
                         base + r * (d + layout.key_tile),
-                        base + r * (d + layout.key_tile + dv_pad),
-                        base + r * (d + layout.key_tile + dv_pad + 1),
+                        reinterpret_cast<SoftmaxState*>(base + r * (d + layout.key_tile + dv_pad)),
                         base + r * (d + layout.key_tile + dv_pad + 2),
                         tiles_base,
                         tiles_base + layout.key_tile * d,

@@ -12,6 +12,7 @@
 
 #include "core/dbias.h"
 #include "core/backend_table.h"
+#include "policy/softmax_state.h"
 
 namespace attncore::detail {
 
@@ -38,9 +39,8 @@ struct FlashScratch {
   float* q;        // [block_rows / tile rows][D][tile rows]: the block's queries times `scale`
   float* scores;   // [block_rows][key_tile]: S, then P
   float* out;      // [block_rows][dv_pad]: the unnormalised output accumulator
-  float* row_max;  // [block_rows]
-  float* row_sum;  // [block_rows]
-  float* alpha;    // [block_rows]: the rescale of the accumulator for the current tile
+  SoftmaxState* softmax;  // [block_rows]: each row's online softmax (two floats' worth each)
+  float* alpha;           // [block_rows]: the rescale of the accumulator for the current tile
   float* k_tile;   // [D][key_tile]: a tile packed on the fly (panel without tiles)
   float* v_tile;   // [key_tile][dv_pad]
   float* probs16;  // [block_rows][key_tile / 2]: P rounded to bf16 pairs (bf16 dot kernels)

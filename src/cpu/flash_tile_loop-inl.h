@@ -8,8 +8,8 @@
 //     S = q . K_tile^T                       (micro-kernel 1; keys in vector lanes)
 //     S = score mods (softcap, ALiBi, mask)   (only when the call has them)
 //     S = -inf outside each row's band        (only on tiles the band cuts: "partial" tiles)
-//     online softmax: m' = max(m, rowmax S); alpha = exp(m - m'); P = exp(S - m')
-//                     l = alpha l + rowsum P;  P *= dropout factor
+//     online softmax (policy/softmax_state.h): m' = max(m, rowmax S); P = exp(S - m');
+//                     alpha = exp(m - m'); l = alpha l + rowsum P;  P *= dropout factor
 //     O = alpha O + P . V_tile                (micro-kernel 2; Dv in vector lanes)
 //   out = O / l (0 where l = 0);  lse = m + log l (-inf where l = 0)
 #pragma once
@@ -29,6 +29,7 @@
 #include "cpu/flash_simd-inl.h"
 #include "policy/mask.h"
 #include "policy/score_row.h"
+#include "policy/softmax_state.h"
 
 namespace attncore::detail::ATTNCORE_TARGET_NS {
 
@@ -66,10 +67,10 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   const float score_scale = Dot::kScaledQueries && !direct ? 1.0f : static_cast<float>(p.scale);
   for (std::int64_t e = 0; e < padded_rows * dv_pad; ++e) w.out[e] = 0.0f;
   for (std::int64_t r = 0; r < padded_rows; ++r) {
-    w.row_max[r] = -INFINITY;
-    w.row_sum[r] = 0.0f;
+    w.softmax[r] = SoftmaxState{};
     w.alpha[r] = 1.0f;
   }
+  const auto exp2 = [](auto x) ATTNCORE_TARGET { return exp2v(splat(x))[0]; };
 
   const KeyRange span = seen.span();
   const std::int64_t tile_begin = span.begin / kKeyTile;
@@ -100,7 +101,7 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
         continue;
       }
       const std::int64_t h = head_of[r], i = index_of[r];
-      float row_scale = score_scale;  // S * row_scale is the score of DESIGN.md section 1.1
+      float row_scale = score_scale;  // S * row_scale is the score of docs/design.md section 1.2
       if (has_mods) {
         if (row_scale != 1.0f) {
           for (std::int64_t c = 0; c < cols; c += kLanes) store(s + c, load(s + c) * row_scale);
@@ -116,33 +117,27 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
           if (c < lo || c >= hi) s[c] = -INFINITY;
         }
       }
-      // Online softmax: the one place the running max and sum are updated. The max is kept in
-      // log2 units (score * log2 e, rounded once): P = 2^(S * factor - max) and the rescale
-      // alpha = 2^(old max - new max) use the same rounded values, and alpha is exactly 1
-      // while the max stays.
+      // Online softmax (policy/softmax_state.h). Scores enter in log2 units (score * log2 e,
+      // rounded once): P = 2^(S * factor - max) and the rescale alpha = 2^(old max - new max)
+      // use the same rounded values, and alpha is exactly 1 while the max stays.
       const float factor = row_scale * kLog2e;
       Vec vmx = load(s);
       for (std::int64_t c = kLanes; c < cols; c += kLanes) vmx = vmax(load(s + c), vmx);
-      const float tile_max = reduce_max(vmx) * factor;
-      const float old_max = w.row_max[r];
-      // NaN scores make the row NaN (never "nothing visible").
-      const float new_max = tile_max > old_max || std::isnan(tile_max) ? tile_max : old_max;
+      SoftmaxState& state = w.softmax[r];
+      const float new_max = state.next_max(reduce_max(vmx) * factor);
       if (new_max == -INFINITY) {  // nothing visible yet: P = 0, nothing to rescale
         for (std::int64_t c = 0; c < cols; ++c) s[c] = 0.0f;
         w.alpha[r] = 1.0f;
         continue;
       }
-      const float alpha = old_max == -INFINITY ? 0.0f
-                          : old_max == new_max ? 1.0f
-                                               : exp2v(splat(old_max - new_max))[0];
+      const float alpha = state.alpha(new_max, exp2);
       Vec vsum = splat(0.0f);
       for (std::int64_t c = 0; c < cols; c += kLanes) {
         const Vec prob = exp2v(load(s + c) * factor - new_max);
         vsum += prob;
         store(s + c, prob);
       }
-      w.row_sum[r] = w.row_sum[r] * alpha + reduce_sum(vsum);
-      w.row_max[r] = new_max;
+      state.update(new_max, alpha, reduce_sum(vsum));
       w.alpha[r] = alpha;
       if (p.dropout.p > 0.0) {  // after the sum: the normaliser is the pre-dropout sum
         const DropoutRow dropout(p, b, h, i);
@@ -159,21 +154,19 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   // out = O / l, lse = m ln 2 + log l; rows with no visible key: exactly 0 (even where V holds
   // inf or NaN, which 0-weighted keys still bring into O) and -inf.
   for (std::int64_t r = 0; r < rows; ++r) {
-    const float sum = w.row_sum[r];
+    const SoftmaxState& state = w.softmax[r];
+    const float out_factor = state.out_factor();
     float* o = w.out + r * dv_pad;
-    if (sum == 0.0f) {
+    if (out_factor == 0.0f) {
       for (std::int64_t e = 0; e < p.head_dim_v; ++e) o[e] = 0.0f;
     } else {
-      const float inv = 1.0f / sum;
-      for (std::int64_t e = 0; e < p.head_dim_v; ++e) o[e] *= inv;
+      for (std::int64_t e = 0; e < p.head_dim_v; ++e) o[e] *= out_factor;
     }
     const std::int64_t h = head_of[r], i = index_of[r];
     store_row(o, p.head_dim_v, a.out.data, a.out.dtype, offset4(a.out, b, h, i, 0));
     if (a.lse.data != nullptr) {
-      constexpr float kLn2 = 0.6931471805599453f;
-      const float lse = sum == 0.0f ? -INFINITY : w.row_max[r] * kLn2 + std::log(sum);
       store_element(a.lse.data, a.lse.dtype,
-                    b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2], lse);
+                    b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2], state.lse());
     }
   }
 }

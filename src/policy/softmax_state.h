@@ -23,18 +23,31 @@ struct SoftmaxState {
     return tile_max > max || std::isnan(tile_max) ? tile_max : max;
   }
 
-  // Moves the state to `new_max` (from next_max, not -inf); returns alpha, the factor the sum
-  // and the accumulator are rescaled by: 0 when nothing was visible before, exactly 1 while the
+  // alpha, the factor the sum and the accumulator are rescaled by when the max moves to
+  // `new_max` (from next_max, not -inf): 0 when nothing was visible before, exactly 1 while the
   // max stays, else 2^(old max - new max) by `exp2` (the caller's vector exp2 on one lane).
   template <class Exp2>
-  float rescale(float new_max, Exp2&& exp2) {
-    const float alpha = max == -INFINITY ? 0.0f : max == new_max ? 1.0f : exp2(max - new_max);
-    sum *= alpha;
-    max = new_max;
-    return alpha;
+  float alpha(float new_max, Exp2&& exp2) const {
+    return max == -INFINITY ? 0.0f : max == new_max ? 1.0f : exp2(max - new_max);
   }
 
-  // Adds a tile's probabilities (computed against the current max).
+  // Moves the state to `new_max` and adds a tile's probabilities (computed against new_max) in
+  // one step: sum = sum * alpha + tile_sum, alpha from alpha(new_max).
+  void update(float new_max, float alpha, float tile_sum) {
+    sum = sum * alpha + tile_sum;
+    max = new_max;
+  }
+
+  // The same in two steps: moves the state to `new_max` and returns alpha ...
+  template <class Exp2>
+  float rescale(float new_max, Exp2&& exp2) {
+    const float factor = alpha(new_max, exp2);
+    sum *= factor;
+    max = new_max;
+    return factor;
+  }
+
+  // ... then adds a tile's probabilities.
   void add(float tile_sum) { sum += tile_sum; }
 
   // Merges the state of a disjoint set of keys (split-KV): returns the factors (for this
@@ -51,7 +64,8 @@ struct SoftmaxState {
   }
 
   // The factor the accumulator is multiplied by to give the output: 1 / sum, or 0 for a row
-  // with no visible key (its output is exactly 0, even where V holds inf or NaN).
+  // with no visible key, whose output the caller writes as exactly 0 rather than multiplying
+  // (0-weighted keys may have brought inf or NaN from V into the accumulator).
   float out_factor() const { return sum == 0.0f ? 0.0f : 1.0f / sum; }
 
   // The row's LSE in natural log: max ln 2 + ln sum, -inf for a row with no visible key.
