@@ -25,10 +25,19 @@ class Unsupported : public Error {
   using Error::Error;
 };
 
-// The call needs more memory than this machine can give: refused before any work when its
-// workspace exceeds the machine's memory, or an allocation failed (the message says whether
+// The call needs more memory than this process may use: refused before anything is allocated
+// or written when its workspace plus the outputs it allocates exceed the smallest of physical
+// memory, the cgroup limit and RLIMIT_AS, or an allocation failed (the message says whether
 // outputs are incomplete).
 class OutOfMemory : public Error {
+ public:
+  using Error::Error;
+};
+
+// The call saw its Options::cancel flag set and stopped: before any work (the outputs are not
+// written) or between two work items (the outputs are incomplete: some rows written, others
+// not).
+class Cancelled : public Error {
  public:
   using Error::Error;
 };

@@ -1,6 +1,7 @@
 // What a call computes beyond plain softmax(scale * q k^T) v: masks, score modifiers, dropout.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <string_view>
@@ -68,6 +69,11 @@ struct Options {
   // to kMaxThreads, else the call throws InvalidArgument), else the CPUs the calling thread may
   // run on (its affinity mask: `taskset -c 0` gives 1).
   int num_threads = 0;
+  // Cancellation: when not null, the call reads *cancel before it starts and between its work
+  // items (every backend: reference rows or tasks, math blocks, flash work items and kv
+  // groups), and once it reads true, stops and throws attncore::Cancelled; outputs are then
+  // incomplete. Set it from any thread; the caller keeps the flag alive during the call.
+  const std::atomic<bool>* cancel = nullptr;
 };
 
 }  // namespace attncore

@@ -21,13 +21,18 @@ using detail::Launch;
 using detail::Params;
 using detail::Pass;
 
-// Allocation failures surface as attncore::OutOfMemory with the op's name.
+// Allocation failures surface as attncore::OutOfMemory with the op's name, a backend's
+// cancellation as attncore::Cancelled.
 template <class Fn>
 void guarded(const char* op, const char* stage, Fn&& fn) {
   try {
     fn();
   } catch (const std::bad_alloc&) {
     throw OutOfMemory(std::string(op) + ": out of memory while " + stage);
+  } catch (const detail::CancelledWork&) {
+    throw Cancelled(std::string(op) +
+                    ": call is cancelled (cancel=true, expected false); the outputs are "
+                    "incomplete");
   }
 }
 
@@ -57,15 +62,21 @@ void check_memory(const char* op, const detail::BackendEntry& backend, Pass pass
 }
 
 Launch launch_of(const Options& options, const char* op) {
-  return {detail::resolve_threads(options.num_threads, op)};
+  return {detail::resolve_threads(options.num_threads, op), options.cancel};
 }
 
-// The backend a call runs (core/select.h), its memory checked (check_memory).
+// The backend a call runs (core/select.h), its memory checked (check_memory), and the call's
+// cancel flag read once before anything is allocated or written.
 const detail::BackendEntry& prepare(Pass pass, const Params& p, const Launch& launch,
                                     Backend backend, double output_bytes) {
   const detail::BackendEntry& entry =
       *detail::find_backend(detail::select_backend(pass, p, launch, backend));
   check_memory(detail::name_of(pass), entry, pass, p, launch, output_bytes);
+  if (launch.cancelled()) {
+    throw Cancelled(std::string(detail::name_of(pass)) +
+                    ": call is cancelled (cancel=true, expected false); the outputs are not "
+                    "written");
+  }
   return entry;
 }
 

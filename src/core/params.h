@@ -8,6 +8,7 @@
 // lengths with views rebased to its first rows: kernels only ever see dense sequences.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 
 #include "attncore/options.h"
@@ -112,9 +113,20 @@ struct Params {
   bool empty_output() const { return batch == 0 || heads_q == 0 || seq.max_q() == 0; }
 };
 
+// Thrown by a backend that finds the call cancelled between two work items (never inside
+// one); the entry points turn it into attncore::Cancelled with the op's name.
+struct CancelledWork {};
+
 // How a call runs, apart from what it computes.
 struct Launch {
-  int threads = 1;  // resolved: >= 1
+  int threads = 1;                            // resolved: >= 1
+  const std::atomic<bool>* cancel = nullptr;  // Options::cancel
+
+  bool cancelled() const { return cancel != nullptr && cancel->load(std::memory_order_relaxed); }
+  // Backends call this between work items: throws CancelledWork once the flag is set.
+  void check_cancel() const {
+    if (cancelled()) throw CancelledWork{};
+  }
 };
 
 // The views of a forward call: q [B, Hq, Lq, D], the KV source k [B, Hkv, Lk, D] and

@@ -1,5 +1,5 @@
 // The flash backend's driver: SIMD target choice, K/V packing, work items and threads of the
-// fused forward and backward.
+// fused forward and backward, and the call's cancel flag, read between work items.
 #include "cpu/flash.h"
 
 #include <algorithm>
@@ -47,6 +47,15 @@ struct AlignedFloats {
 };
 
 std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
+
+// The next of `count` work items handed out by `next`, or -1 when none is left. The call's
+// cancel flag is read before an item is taken, never after: every item taken runs to its end
+// (a backward run waits on the runs of its kv head taken before it).
+std::int64_t take(std::atomic<std::int64_t>& next, std::int64_t count, const Launch& launch) {
+  launch.check_cancel();
+  const std::int64_t n = next.fetch_add(1);
+  return n < count ? n : -1;
+}
 
 // The target chosen by set_simd_target ("" = the best supported one).
 std::mutex g_choice_mutex;
@@ -231,7 +240,7 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
       float* k_tiles = on_the_fly ? nullptr : panels.get() + slot * panel_floats;
       float* v_rows = on_the_fly ? nullptr : k_tiles + tiles * layout.key_tile * d;
       const FlashScratch w = scratch_of(scratch.get() + slot * scratch_floats);
-      for (std::int64_t n = next.fetch_add(1); n < groups; n = next.fetch_add(1)) {
+      for (std::int64_t n = take(next, groups, launch); n >= 0; n = take(next, groups, launch)) {
         const std::int64_t g = plan.order[static_cast<std::size_t>(n)];
         const std::int64_t b = g / call.heads_kv, kv_head = g % call.heads_kv;
         const Sequence<ForwardArgs> s = resolve_sequence(call, call_args, b);
@@ -241,8 +250,10 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
         const FlashPanel panel{packed ? k_tiles : nullptr, packed ? v_rows : nullptr, dv_pad};
         const std::int64_t seq_tiles = (s.p.seq.lk + layout.key_tile - 1) / layout.key_tile;
         if (packed) target.pack_tiles(s.p, s.a, b, kv_head, 0, seq_tiles, k_tiles, v_rows, dv_pad);
-        for (std::int64_t i = 0; i < items.count; ++i)
+        for (std::int64_t i = 0; i < items.count; ++i) {
+          if (i > 0) launch.check_cancel();  // (before the group's first: take)
           target.run_block(s.p, s.a, panel, items.item(b, kv_head, i, s.p), w);
+        }
       }
     });
     return;
@@ -251,6 +262,7 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
   float* k_tiles = shared.get();
   float* v_rows = k_tiles + tiles * layout.key_tile * d;
   for (std::int64_t g : plan.order) {
+    launch.check_cancel();
     const std::int64_t b = g / call.heads_kv, kv_head = g % call.heads_kv;
     const Sequence<ForwardArgs> s = resolve_sequence(call, call_args, b);
     const ItemPlan items = plan_items(s.p, layout.block_rows);
@@ -269,7 +281,8 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
     run_tasks(static_cast<int>(std::min<std::int64_t>(threads, items.count)), threads,
               [&](int slot) {
                 const FlashScratch w = scratch_of(scratch.get() + slot * scratch_floats);
-                for (std::int64_t n = next.fetch_add(1); n < items.count; n = next.fetch_add(1)) {
+                for (std::int64_t n = take(next, items.count, launch); n >= 0;
+                     n = take(next, items.count, launch)) {
                   target.run_block(s.p, s.a, panel, items.item(b, kv_head, n, s.p), w);
                 }
               });
@@ -588,7 +601,7 @@ void flash_backward(const Params& p, const Launch& launch, const BackwardArgs& a
     // last row this slack, zeroed here (those dK, dV rows are scratch, never stored).
     std::fill_n(w.s, block * tile + tile_rows, 0.0f);
     std::fill_n(w.ds, block * tile + tile_rows, 0.0f);
-    for (std::int64_t n = next.fetch_add(1); n < items; n = next.fetch_add(1)) {
+    for (std::int64_t n = take(next, items, launch); n >= 0; n = take(next, items, launch)) {
       const std::int64_t taken = order[static_cast<std::size_t>(n)];
       const std::int64_t kv_run = taken / parts, part = taken % parts;
       const std::int64_t b = kv_run / (runs * p.heads_kv);

@@ -3,7 +3,8 @@
 // Threads: work is cut into fixed blocks of kBlockRows query rows (or key rows in the
 // backward's dK/dV pass) and every block makes the same single-threaded BLAS calls whatever the
 // thread count, so results are bitwise identical for any number of threads (OpenBLAS's own
-// threading changes the bits: measured, 1 vs 2 threads differ by 1e-7 in out and LSE).
+// threading changes the bits: measured, 1 vs 2 threads differ by 1e-7 in out and LSE). The
+// call's cancel flag is read before each block.
 #include "cpu/math.h"
 
 #include <cblas.h>
@@ -93,19 +94,25 @@ std::int64_t lse_offset(const TensorView& lse, std::int64_t b, std::int64_t h, s
 
 std::int64_t num_blocks(std::int64_t rows) { return (rows + kBlockRows - 1) / kBlockRows; }
 
-// Runs body(task) for tasks [0, n) on `threads` threads; each thread first makes its own
-// workspace with make_workspace() and passes it to every task it runs.
+// Runs body(task) for tasks [0, n) on the call's threads; each thread first makes its own
+// workspace with make_workspace() and passes it to every task it runs. The cancel flag is read
+// before each task.
 template <class MakeWorkspace, class Body>
-void for_each_task(std::int64_t n, int threads, MakeWorkspace&& make_workspace, Body&& body) {
-  parallel_for(n, threads, [&](std::int64_t begin, std::int64_t end) {
+void for_each_task(std::int64_t n, const Launch& launch, MakeWorkspace&& make_workspace,
+                   Body&& body) {
+  parallel_for(n, launch.threads, [&](std::int64_t begin, std::int64_t end) {
     auto workspace = make_workspace();
-    for (std::int64_t task = begin; task < end; ++task) body(task, workspace);
+    for (std::int64_t task = begin; task < end; ++task) {
+      launch.check_cancel();
+      body(task, workspace);
+    }
   });
 }
 
 template <class T>
-void forward_impl(const Params& p, int threads, const ForwardArgs& a, std::int64_t b_begin,
+void forward_impl(const Params& p, const Launch& launch, const ForwardArgs& a, std::int64_t b_begin,
                   std::int64_t b_end) {
+  const int threads = launch.threads;
   const CausalWindowMask causal_window(p);
   const std::int64_t lq = p.seq.lq, lk = p.seq.lk, d = p.head_dim, dv = p.head_dim_v;
   const std::int64_t blocks = num_blocks(lq);
@@ -120,7 +127,7 @@ void forward_impl(const Params& p, int threads, const ForwardArgs& a, std::int64
       const Matrix<T> v = head_rows<T>(a.v, b, kv_head, 0, lk, dv, v_buf, threads);  // [Lk, Dv]
       // Tasks: (query head of the group, block of query rows).
       for_each_task(
-          p.group * blocks, threads,
+          p.group * blocks, launch,
           [&] {
             Workspace w;
             w.scores.resize(static_cast<std::size_t>(std::min(lq, kBlockRows) * lk));
@@ -167,8 +174,9 @@ void forward_impl(const Params& p, int threads, const ForwardArgs& a, std::int64
 }
 
 template <class T>
-void backward_impl(const Params& p, int threads, const BackwardArgs& a, std::int64_t b_begin,
-                   std::int64_t b_end) {
+void backward_impl(const Params& p, const Launch& launch, const BackwardArgs& a,
+                   std::int64_t b_begin, std::int64_t b_end) {
+  const int threads = launch.threads;
   const CausalWindowMask causal_window(p);
   DbiasAccumulator dbias(p);
   const std::int64_t lq = p.seq.lq, lk = p.seq.lk, d = p.head_dim, dv = p.head_dim_v;
@@ -199,7 +207,7 @@ void backward_impl(const Params& p, int threads, const BackwardArgs& a, std::int
           continue;
         }
         // Pass 1, blocks of query rows: S = Q K^T and dP = dO V^T, then P * M and dS per row.
-        for_each_task(q_blocks, threads, make_workspace, [&](std::int64_t blk, Workspace& w) {
+        for_each_task(q_blocks, launch, make_workspace, [&](std::int64_t blk, Workspace& w) {
           const std::int64_t row0 = blk * kBlockRows, rows = std::min(kBlockRows, lq - row0);
           const Matrix<T> q = head_rows<T>(a.q, b, h, row0, rows, d, w.q);            // [rows, D]
           const Matrix<T> dout = head_rows<T>(a.dout, b, h, row0, rows, dv, w.dout);  // [rows, Dv]
@@ -246,7 +254,7 @@ void backward_impl(const Params& p, int threads, const BackwardArgs& a, std::int
         }
         // Pass 3, blocks of query rows: dS times the softcap derivative is d/d(scale q.k);
         // dQ = scale * dS K.
-        for_each_task(q_blocks, threads, make_workspace, [&](std::int64_t blk, Workspace& w) {
+        for_each_task(q_blocks, launch, make_workspace, [&](std::int64_t blk, Workspace& w) {
           const std::int64_t row0 = blk * kBlockRows, rows = std::min(kBlockRows, lq - row0);
           T* ds_rows = dscores.data() + row0 * lk;
           if (softcap_on) {
@@ -263,6 +271,7 @@ void backward_impl(const Params& p, int threads, const BackwardArgs& a, std::int
             head_rows<T>(a.dout, b, h, 0, lq, dv, do_buf, threads);  // [Lq, Dv]
         parallel_for(k_blocks, threads, [&](std::int64_t blk_begin, std::int64_t blk_end) {
           for (std::int64_t blk = blk_begin; blk < blk_end; ++blk) {
+            launch.check_cancel();
             const std::int64_t col0 = blk * kBlockRows, cols = std::min(kBlockRows, lk - col0);
             gemm(true, false, cols, dv, lq, T(1), weights.data() + col0, lk, dout.data, dout.ld,
                  T(1), dvv.data() + col0 * dv, dv);
@@ -285,9 +294,9 @@ void math_forward(const Params& p, const Launch& launch, const ForwardArgs& a) {
   for_each_sequence(p, a, [&](const Params& sp, const ForwardArgs& sa, std::int64_t b0,
                               std::int64_t b1) {
     if (p.dtype == DType::f64) {
-      forward_impl<double>(sp, launch.threads, sa, b0, b1);
+      forward_impl<double>(sp, launch, sa, b0, b1);
     } else {
-      forward_impl<float>(sp, launch.threads, sa, b0, b1);
+      forward_impl<float>(sp, launch, sa, b0, b1);
     }
   });
 }
@@ -297,9 +306,9 @@ void math_backward(const Params& p, const Launch& launch, const BackwardArgs& a)
   for_each_sequence(p, a, [&](const Params& sp, const BackwardArgs& sa, std::int64_t b0,
                               std::int64_t b1) {
     if (p.dtype == DType::f64) {
-      backward_impl<double>(sp, launch.threads, sa, b0, b1);
+      backward_impl<double>(sp, launch, sa, b0, b1);
     } else {
-      backward_impl<float>(sp, launch.threads, sa, b0, b1);
+      backward_impl<float>(sp, launch, sa, b0, b1);
     }
   });
 }

@@ -123,14 +123,16 @@ void dot_row(const Params& p, const TensorView& q, const TensorView& k, std::int
   }
 }
 
-// Sequences [b_begin, b_end) of a dense call (or one resolved sequence of a varlen call).
-void forward_rows(const Params& p, int threads, const ForwardArgs& a, std::int64_t b_begin,
+// Sequences [b_begin, b_end) of a dense call (or one resolved sequence of a varlen call). The
+// cancel flag is read before each row.
+void forward_rows(const Params& p, const Launch& launch, const ForwardArgs& a, std::int64_t b_begin,
                   std::int64_t b_end) {
   const std::int64_t rows = (b_end - b_begin) * p.heads_q * p.seq.lq;
-  parallel_for(rows, threads, [&](std::int64_t row_begin, std::int64_t row_end) {
+  parallel_for(rows, launch.threads, [&](std::int64_t row_begin, std::int64_t row_end) {
     std::vector<double> probs(static_cast<std::size_t>(p.seq.lk));  // [Lk]
     std::vector<double> out(static_cast<std::size_t>(p.head_dim_v));  // [Dv]
     for (std::int64_t row = row_begin; row < row_end; ++row) {
+      launch.check_cancel();
       const std::int64_t i = row % p.seq.lq;
       const std::int64_t h = (row / p.seq.lq) % p.heads_q;
       const std::int64_t b = b_begin + row / (p.seq.lq * p.heads_q);
@@ -157,12 +159,13 @@ void forward_rows(const Params& p, int threads, const ForwardArgs& a, std::int64
   });
 }
 
-void backward_rows(const Params& p, int call_threads, const BackwardArgs& a, std::int64_t b_begin,
-                   std::int64_t b_end) {
+// The cancel flag is read before each query row.
+void backward_rows(const Params& p, const Launch& launch, const BackwardArgs& a,
+                   std::int64_t b_begin, std::int64_t b_end) {
   DbiasAccumulator dbias(p);
   // Tasks own (b, kv head): its dk/dv rows and the dq rows of its query heads. They share
   // dbias only when the mask broadcasts across them; then one task runs at a time.
-  const int threads = dbias.shared_across(p) ? 1 : call_threads;
+  const int threads = dbias.shared_across(p) ? 1 : launch.threads;
   const std::int64_t tasks = (b_end - b_begin) * p.heads_kv;
   parallel_for(tasks, threads, [&](std::int64_t task_begin, std::int64_t task_end) {
     const auto lk = static_cast<std::size_t>(p.seq.lk);
@@ -178,6 +181,7 @@ void backward_rows(const Params& p, int call_threads, const BackwardArgs& a, std
       std::fill(dv.begin(), dv.end(), 0.0);
       for (std::int64_t h = kv_head * p.group; h < (kv_head + 1) * p.group; ++h) {
         for (std::int64_t i = 0; i < p.seq.lq; ++i) {
+          launch.check_cancel();
           std::fill(dq.begin(), dq.end(), 0.0);
           const double lse =
               load_element<double>(a.lse.data, a.lse.dtype,
@@ -237,13 +241,17 @@ void backward_rows(const Params& p, int call_threads, const BackwardArgs& a, std
 }  // namespace
 
 void reference_forward(const Params& p, const Launch& launch, const ForwardArgs& a) {
-  for_each_sequence(p, a, [&](const Params& sp, const ForwardArgs& sa, std::int64_t b0,
-                              std::int64_t b1) { forward_rows(sp, launch.threads, sa, b0, b1); });
+  for_each_sequence(p, a,
+                    [&](const Params& sp, const ForwardArgs& sa, std::int64_t b0, std::int64_t b1) {
+                      forward_rows(sp, launch, sa, b0, b1);
+                    });
 }
 
 void reference_backward(const Params& p, const Launch& launch, const BackwardArgs& a) {
-  for_each_sequence(p, a, [&](const Params& sp, const BackwardArgs& sa, std::int64_t b0,
-                              std::int64_t b1) { backward_rows(sp, launch.threads, sa, b0, b1); });
+  for_each_sequence(
+      p, a, [&](const Params& sp, const BackwardArgs& sa, std::int64_t b0, std::int64_t b1) {
+        backward_rows(sp, launch, sa, b0, b1);
+      });
 }
 
 double reference_workspace_bytes(Pass pass, const Params& p, const Launch& launch) {

@@ -1,0 +1,187 @@
+// Cancellation (Options::cancel): a flag set before the call makes it throw attncore::Cancelled
+// before anything is allocated or written; a flag set from another thread during a long call
+// makes every backend stop between work items and throw Cancelled, much sooner than the call
+// would have ended (a ratio of times measured in the same test, never an absolute time).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <thread>
+
+#include "attncore/attncore.h"
+
+namespace attncore {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+void fill(const Tensor& t, int seed) {
+  auto* x = t.data_as<float>();
+  for (std::int64_t i = 0; i < t.numel(); ++i) {
+    x[i] = static_cast<float>((i * 29 + seed * 7) % 19) * 0.05f - 0.45f;
+  }
+}
+
+// The message of the Cancelled `call` throws ("" if it throws nothing or something else).
+std::string cancelled_message(const std::function<void()>& call) {
+  try {
+    call();
+  } catch (const Cancelled& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("other error: ") + e.what();
+  }
+  return "";
+}
+
+struct Problem {
+  Tensor q, k, v, out, lse, dq, dk, dv;
+  Problem(std::int64_t h, std::int64_t l, std::int64_t d)
+      : q(DType::f32, {1, h, l, d}),
+        k(DType::f32, {1, h, l, d}),
+        v(DType::f32, {1, h, l, d}),
+        out(DType::f32, {1, h, l, d}),
+        lse(DType::f32, {1, h, l}),
+        dq(DType::f32, {1, h, l, d}),
+        dk(DType::f32, {1, h, l, d}),
+        dv(DType::f32, {1, h, l, d}) {
+    fill(q, 1);
+    fill(k, 2);
+    fill(v, 3);
+  }
+};
+
+TEST(Cancel, FlagSetBeforeTheCall) {
+  Problem c(2, 64, 32);
+  std::atomic<bool> cancel{true};
+  Options o;
+  o.cancel = &cancel;
+  const std::string not_written =
+      "call is cancelled (cancel=true, expected false); the outputs are not written";
+  for (Backend b : {Backend::automatic, Backend::reference, Backend::math, Backend::flash}) {
+    SCOPED_TRACE(std::string(name_of(b)));
+    fill(c.out, 9);
+    const float first = c.out.data_as<float>()[0];
+    EXPECT_EQ(cancelled_message([&] { forward_into(c.q, c.k, c.v, c.out, c.lse.view(), o, b); }),
+              "forward: " + not_written);
+    EXPECT_EQ(c.out.data_as<float>()[0], first);  // not written
+    EXPECT_EQ(cancelled_message([&] { (void)forward(c.q, c.k, c.v, o, b); }),
+              "forward: " + not_written);
+    EXPECT_EQ(cancelled_message([&] {
+                backward_into(c.out, c.q, c.k, c.v, c.out, c.lse, c.dq, c.dk, c.dv, std::nullopt, o,
+                              b);
+              }),
+              "backward: " + not_written);
+    EXPECT_EQ(cancelled_message([&] { (void)backward(c.out, c.q, c.k, c.v, c.out, c.lse, o, b); }),
+              "backward: " + not_written);
+  }
+  // Packed batches too.
+  const std::int32_t cu[] = {0, 30, 64};
+  VarlenSeqs seqs;
+  seqs.cu_seqlens_q = TensorView::contiguous(const_cast<std::int32_t*>(cu), DType::i32, {3});
+  seqs.cu_seqlens_k = seqs.cu_seqlens_q;
+  seqs.max_seqlen_q = seqs.max_seqlen_k = 34;
+  Tensor packed(DType::f32, {64, 2, 32});
+  fill(packed, 4);
+  EXPECT_EQ(cancelled_message([&] { (void)forward_varlen(packed, packed, packed, seqs, o); }),
+            "forward: " + not_written);
+  // A flag that stays false changes nothing.
+  std::atomic<bool> never{false};
+  Options quiet;
+  quiet.cancel = &never;
+  const ForwardResult a = forward(c.q, c.k, c.v, quiet, Backend::flash);
+  const ForwardResult b = forward(c.q, c.k, c.v, {}, Backend::flash);
+  for (std::int64_t i = 0; i < a.out.numel(); ++i) {
+    ASSERT_EQ(a.out.data_as<float>()[i], b.out.data_as<float>()[i]);
+  }
+}
+
+// Times `call` with no flag set; then, up to three times, runs it with a flag another thread
+// sets a tenth of that time after the start, and expects Cancelled each time and at least one
+// run to end in less than half the full time (the host is shared: one run may be slowed).
+void expect_cancels_early(const char* op, const std::function<void(const Options&)>& call) {
+  Options full;
+  const auto t0 = Clock::now();
+  call(full);
+  const double full_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  double best_ratio = HUGE_VAL;
+  for (int attempt = 0; attempt < 3 && best_ratio >= 0.5; ++attempt) {
+    std::atomic<bool> cancel{false};
+    Options o;
+    o.cancel = &cancel;
+    std::thread setter([&] {
+      std::this_thread::sleep_for(std::chrono::duration<double>(full_seconds / 10));
+      cancel.store(true);
+    });
+    const auto t1 = Clock::now();
+    const std::string message = cancelled_message([&] { call(o); });
+    const double seconds = std::chrono::duration<double>(Clock::now() - t1).count();
+    setter.join();
+    EXPECT_EQ(message, std::string(op) +
+                           ": call is cancelled (cancel=true, expected false); the outputs are "
+                           "incomplete");
+    best_ratio = std::min(best_ratio, seconds / full_seconds);
+  }
+  EXPECT_LT(best_ratio, 0.5) << "uncancelled call " << full_seconds << " s";
+}
+
+// Problems of about 0.1-0.5 s on two cores for each backend.
+TEST(Cancel, EveryBackendStopsBetweenWorkItems) {
+  struct Case {
+    Backend backend;
+    std::int64_t heads, len;
+  };
+  for (const Case& k : {Case{Backend::reference, 4, 384}, Case{Backend::math, 8, 1536},
+                        Case{Backend::flash, 8, 3072}}) {
+    SCOPED_TRACE(std::string(name_of(k.backend)));
+    Problem c(k.heads, k.len, 64);
+    expect_cancels_early("forward", [&](const Options& o) {
+      forward_into(c.q, c.k, c.v, c.out, c.lse.view(), o, k.backend);
+    });
+    expect_cancels_early("backward", [&](const Options& o) {
+      backward_into(c.out, c.q, c.k, c.v, c.out, c.lse, c.dq, c.dk, c.dv, std::nullopt, o,
+                    k.backend);
+    });
+  }
+}
+
+// One thread (the caller alone), and the flash forward's two modes: kv groups spread over the
+// threads (many heads) and one group's items shared (one head).
+TEST(Cancel, FlashModesAndOneThread) {
+  Problem many(16, 1536, 64), one(1, 8192, 64);
+  for (int threads : {1, 0}) {
+    SCOPED_TRACE("threads " + std::to_string(threads));
+    for (Problem* c : {&many, &one}) {
+      expect_cancels_early("forward", [&](const Options& base) {
+        Options o = base;
+        o.num_threads = threads;
+        forward_into(c->q, c->k, c->v, c->out, c->lse.view(), o, Backend::flash);
+      });
+    }
+  }
+}
+
+// A packed batch's backward (items taken longest sequence first).
+TEST(Cancel, VarlenBackward) {
+  const std::int32_t cu[] = {0, 1500, 1800, 4000};
+  VarlenSeqs seqs;
+  seqs.cu_seqlens_q = TensorView::contiguous(const_cast<std::int32_t*>(cu), DType::i32, {4});
+  seqs.cu_seqlens_k = seqs.cu_seqlens_q;
+  seqs.max_seqlen_q = seqs.max_seqlen_k = 2200;
+  Tensor q(DType::f32, {4000, 8, 64}), out(DType::f32, {4000, 8, 64}), lse(DType::f32, {8, 4000});
+  Tensor dq(DType::f32, {4000, 8, 64}), dk(DType::f32, {4000, 8, 64}),
+      dv(DType::f32, {4000, 8, 64});
+  fill(q, 5);
+  forward_varlen_into(q, q, q, seqs, out, lse.view(), {}, Backend::flash);
+  expect_cancels_early("backward", [&](const Options& o) {
+    backward_varlen_into(out, q, q, q, out, lse, seqs, dq, dk, dv, o, Backend::flash);
+  });
+}
+
+}  // namespace
+}  // namespace attncore
