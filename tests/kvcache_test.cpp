@@ -330,5 +330,20 @@ TEST(KvCache, AppendBadInputs) {
   for (double x : read_view(cache.view())) ASSERT_EQ(x, 0.0);
 }
 
+TEST(KvCache, AppendKeepsF64Exact) {
+  // An f64 cache takes the new rows without rounding through f32.
+  const Tensor q(DType::f64, {1, 1, 1, 4});
+  const Tensor k(DType::f64, {1, 1, 6, 4}), v(DType::f64, {1, 1, 6, 4});
+  const std::vector<double> values = {0.1, 1.0 / 3, 2.0 / 7, 1e-300, 5.0 / 9, 0.7, 0.9, 1.1};
+  const Tensor k_new = make_tensor(DType::f64, {1, 1, 2, 4}, values);
+  const Tensor lens = int_tensor({3});
+  KvCacheSeqs seqs;
+  seqs.cache_seqlens = lens.view();
+  forward_kvcache(q, k, v, seqs, KvAppend{k_new, k_new, std::nullopt, std::nullopt, false}, {},
+                  Backend::reference);
+  const std::vector<double> cache = read_view(k.view());
+  for (std::size_t e = 0; e < values.size(); ++e) EXPECT_EQ(cache[3 * 4 + e], values[e]);
+}
+
 }  // namespace
 }  // namespace attncore::test

@@ -25,15 +25,17 @@ struct Rotary {
   bool interleaved = false;
 };
 
-// Rotates the first 2 * half values of row x [D] to position `pos` in place (f32).
-void rotate(const Rotary& r, std::int64_t pos, float* x) {
+// Rotates the first 2 * half values of row x [D] to position `pos` in place (T: f32, or f64
+// for f64 caches).
+template <class T>
+void rotate(const Rotary& r, std::int64_t pos, T* x) {
   for (std::int64_t i = 0; i < r.half; ++i) {
-    const float c = detail::load_element<float>(
-        r.cos->data, r.cos->dtype, pos * r.cos->stride_of(0) + i * r.cos->stride_of(1));
-    const float s = detail::load_element<float>(
-        r.sin->data, r.sin->dtype, pos * r.sin->stride_of(0) + i * r.sin->stride_of(1));
+    const T c = detail::load_element<T>(r.cos->data, r.cos->dtype,
+                                        pos * r.cos->stride_of(0) + i * r.cos->stride_of(1));
+    const T s = detail::load_element<T>(r.sin->data, r.sin->dtype,
+                                        pos * r.sin->stride_of(0) + i * r.sin->stride_of(1));
     const std::int64_t a = r.interleaved ? 2 * i : i, b = r.interleaved ? 2 * i + 1 : i + r.half;
-    const float x1 = x[a], x2 = x[b];
+    const T x1 = x[a], x2 = x[b];
     x[a] = x1 * c - x2 * s;
     x[b] = x2 * c + x1 * s;
   }
@@ -113,22 +115,15 @@ std::vector<std::int32_t> validate_append(const Checker& check, const Params& p,
   return lengths;
 }
 
-}  // namespace
-
-ForwardResult forward_kvcache(const TensorView& q, const TensorView& k_cache,
-                              const TensorView& v_cache, const KvCacheSeqs& seqs,
-                              const KvAppend& append, const Options& options, Backend backend) {
-  const Checker check("forward");
-  const detail::ForwardArgs args{q, k_cache, v_cache, {}, {}};
-  const Params p = detail::validate_kvcache_forward(args, seqs, options, backend, false);
-  Rotary rotary;
-  std::vector<std::int32_t> lengths =
-      validate_append(check, p, q, k_cache, v_cache, append, options, &rotary);
+// Writes the new rows into the cache and, with rotary, the rotated query into `rotated`;
+// T: f32, or f64 for f64 inputs (no rounding beyond the cache's own dtype).
+template <class T>
+void append_rows(const Params& p, const TensorView& q, const TensorView& k_cache,
+                 const TensorView& v_cache, const KvAppend& append, const Rotary& rotary,
+                 bool aligned, Tensor* rotated) {
   const detail::SeqInfo& seq = p.seq;
   const std::int64_t l_new = append.k_new.size(2), d = p.head_dim, dv = p.head_dim_v;
-  const bool aligned =
-      options.causal != Causal::none || options.window_left >= 0 || options.window_right >= 0;
-  std::vector<float> row(static_cast<std::size_t>(std::max(d, dv)));  // [max(D, Dv)]
+  std::vector<T> row(static_cast<std::size_t>(std::max(d, dv)));  // [max(D, Dv)]
   for (std::int64_t b = 0; b < p.batch; ++b) {
     const std::int64_t slot0 = seq.cache_seqlens[b];
     const std::int64_t base = slot0 - (seq.cache_leftpad != nullptr ? seq.cache_leftpad[b] : 0);
@@ -146,23 +141,37 @@ ForwardResult forward_kvcache(const TensorView& q, const TensorView& k_cache,
                           detail::offset4(v_cache, r, h, slot0 + j, 0));
       }
     }
-  }
-  // The query, rotated into a copy [B, Hq, Lq, D].
-  Tensor rotated;
-  if (rotary.cos != nullptr) {
-    rotated = Tensor(q.dtype, {p.batch, p.heads_q, seq.lq, d});
-    for (std::int64_t b = 0; b < p.batch; ++b) {
-      const std::int64_t base =
-          seq.cache_seqlens[b] - (seq.cache_leftpad != nullptr ? seq.cache_leftpad[b] : 0);
-      for (std::int64_t h = 0; h < p.heads_q; ++h) {
-        for (std::int64_t i = 0; i < seq.lq; ++i) {
-          detail::load_row(q.data, q.dtype, detail::offset4(q, b, h, i, 0), d, row.data());
-          rotate(rotary, aligned ? base + i : base, row.data());
-          detail::store_row(row.data(), d, rotated.data(), q.dtype,
-                            detail::offset4(rotated.view(), b, h, i, 0));
-        }
+    if (rotary.cos == nullptr) continue;
+    for (std::int64_t h = 0; h < p.heads_q; ++h) {  // the query, rotated into [B, Hq, Lq, D]
+      for (std::int64_t i = 0; i < seq.lq; ++i) {
+        detail::load_row(q.data, q.dtype, detail::offset4(q, b, h, i, 0), d, row.data());
+        rotate(rotary, aligned ? base + i : base, row.data());
+        detail::store_row(row.data(), d, rotated->data(), q.dtype,
+                          detail::offset4(rotated->view(), b, h, i, 0));
       }
     }
+  }
+}
+
+}  // namespace
+
+ForwardResult forward_kvcache(const TensorView& q, const TensorView& k_cache,
+                              const TensorView& v_cache, const KvCacheSeqs& seqs,
+                              const KvAppend& append, const Options& options, Backend backend) {
+  const Checker check("forward");
+  const detail::ForwardArgs args{q, k_cache, v_cache, {}, {}};
+  const Params p = detail::validate_kvcache_forward(args, seqs, options, backend, false);
+  Rotary rotary;
+  std::vector<std::int32_t> lengths =
+      validate_append(check, p, q, k_cache, v_cache, append, options, &rotary);
+  const bool aligned =
+      options.causal != Causal::none || options.window_left >= 0 || options.window_right >= 0;
+  Tensor rotated;
+  if (rotary.cos != nullptr) rotated = Tensor(q.dtype, {p.batch, p.heads_q, p.seq.lq, p.head_dim});
+  if (p.dtype == DType::f64) {
+    append_rows<double>(p, q, k_cache, v_cache, append, rotary, aligned, &rotated);
+  } else {
+    append_rows<float>(p, q, k_cache, v_cache, append, rotary, aligned, &rotated);
   }
   const Tensor lengths_t(DType::i32, {p.batch});
   std::copy(lengths.begin(), lengths.end(), static_cast<std::int32_t*>(lengths_t.data()));
