@@ -342,6 +342,25 @@ TEST(SelectChoice, ExplainValidates) {
   EXPECT_THROW(explain_backward(q, q, k, k, q, lse, {}), InvalidArgument);
 }
 
+// Packed batches: explained like the dense call of the same sequences (the sequence arrays are
+// read and validated), f64 going to math, and bad offsets refused.
+TEST(SelectChoice, ExplainVarlen) {
+  const std::int32_t cu[] = {0, 700, 2000}, bad[] = {0, 900, 800};
+  VarlenSeqs seqs;
+  seqs.cu_seqlens_q = TensorView::contiguous(const_cast<std::int32_t*>(cu), DType::i32, {3});
+  seqs.cu_seqlens_k = seqs.cu_seqlens_q;
+  seqs.max_seqlen_q = seqs.max_seqlen_k = 1300;
+  const TensorView q = fake(DType::f32, {2000, 8, 64});
+  const TensorView lse = fake(DType::f32, {8, 2000});
+  EXPECT_EQ(explain_forward_varlen(q, q, q, seqs).chosen, Backend::flash);
+  EXPECT_EQ(explain_backward_varlen(q, q, q, q, q, lse, seqs).chosen, Backend::flash);
+  const TensorView q64 = fake(DType::f64, {2000, 8, 64});
+  EXPECT_EQ(explain_forward_varlen(q64, q64, q64, seqs).chosen, Backend::math);
+  VarlenSeqs decreasing = seqs;
+  decreasing.cu_seqlens_k = TensorView::contiguous(const_cast<std::int32_t*>(bad), DType::i32, {3});
+  EXPECT_THROW(explain_forward_varlen(q, q, q, decreasing), InvalidArgument);
+}
+
 // The cost model with constants fed in: a machine like the development one, and variations.
 CostModel test_model() {
   CostModel m;

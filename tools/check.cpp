@@ -10,7 +10,7 @@
 // part keeps the call's Lq, Lk (max_seqlen_q, max_seqlen_k for a packed batch), so the part sees
 // the same dropout mask as the whole call.
 //
-// Tolerances, as in the library's tests: f32 results within 1e-5 * max|v| / (1 - p) of the
+// Tolerances, as in the library's tests: f32 and f64 results within 1e-5 * max|v| / (1 - p) of the
 // reference (gradients: 3e-5 of the gradient's largest magnitude plus 3e-6 of the largest over
 // dq, dk and dv); bf16 and f16 results within twice the error of a naive run in the same dtype
 // plus 2^-20 of the magnitudes (the FlashAttention test rule). The naive run is the plain
@@ -35,7 +35,7 @@ using attncore::Tensor;
 using attncore::TensorView;
 
 const char* const kCheckRule =
-    "f32 1e-5 of max|v|, gradients alike; bf16, f16 2x a naive same-dtype run's error";
+    "f32, f64 1e-5 of max|v|, gradients alike; bf16, f16 2x a naive same-dtype run's error";
 
 namespace {
 
@@ -447,7 +447,8 @@ CheckResult check_against_reference(const PreparedCall& p, const TensorView& out
   r.out_tolerance = rounder == nullptr
                         ? 1e-5 * vmax + kTiny
                         : 2 * max_abs_diff(naive.out, ref.out) + 0x1.0p-20 * vmax + kTiny;
-  r.worst_ratio = r.out_err / r.out_tolerance;
+  r.out_ratio = r.out_err / r.out_tolerance;
+  r.worst_ratio = r.out_ratio;
   if (dq != nullptr) {
     const double scale = std::max({max_abs(g.dq), max_abs(g.dk), max_abs(g.dv)});
     const struct {
@@ -458,7 +459,7 @@ CheckResult check_against_reference(const PreparedCall& p, const TensorView& out
     } grads[] = {{*dq, g.dq, naive.dq, lead_q, s.heads_q},
                  {*dk, g.dk, naive.dk, lead_k, s.heads_kv},
                  {*dv, g.dv, naive.dv, lead_k, s.heads_kv}};
-    double grad_err = 0;
+    double grad_err = 0, grad_ratio = 0;
     for (const auto& t : grads) {
       const double err = max_abs_diff(part_of(t.got, t.lead, t.heads), t.exact);
       const double gmax = max_abs(t.exact);
@@ -466,9 +467,11 @@ CheckResult check_against_reference(const PreparedCall& p, const TensorView& out
                                             : 2 * max_abs_diff(t.naive, t.exact) +
                                                   0x1.0p-20 * (gmax + scale) + kTiny;
       grad_err = max_err(grad_err, err);
-      r.worst_ratio = max_err(r.worst_ratio, err / tol);
+      grad_ratio = max_err(grad_ratio, err / tol);
     }
     r.grad_err = grad_err;
+    r.grad_ratio = grad_ratio;
+    r.worst_ratio = max_err(r.worst_ratio, grad_ratio);
   }
   return r;
 }

@@ -16,6 +16,9 @@ struct CheckResult {
   double out_err = 0;
   double out_tolerance = 0;
   std::optional<double> grad_err;  // max over dq, dk, dv
+  // Error over tolerance of out, and the largest over dq, dk and dv (when checked).
+  double out_ratio = 0;
+  std::optional<double> grad_ratio;
   // The largest error / tolerance over out, dq, dk and dv: at most 1 passes (NaN fails).
   double worst_ratio = 0;
   bool passed() const { return worst_ratio <= 1.0; }

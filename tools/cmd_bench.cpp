@@ -15,6 +15,7 @@
 #include "json.h"
 #include "measure.h"
 #include "plot.h"
+#include "progress.h"
 #include "run_config.h"
 
 namespace attncore_tools {
@@ -264,9 +265,10 @@ int bench_varlen(const BenchConfig& bc) {
   const bool json_to_stdout = bc.sweep.json == "-";
   std::FILE* const table = json_to_stdout ? stderr : stdout;
   const int threads = bc.run.resolved_threads();
-  std::fprintf(stderr, "measuring the FMA peak ...");
+  Progress progress;
+  progress.show("measuring the FMA peak ...");
   const double peak = attncore::measure_fma_peak_gflops(threads);
-  std::fprintf(stderr, "\r%*s\r", 28, "");
+  progress.clear();
   std::string list;
   for (const std::int64_t l : lengths) list += (list.empty() ? "" : ",") + std::to_string(l);
   std::fprintf(table,
@@ -304,12 +306,11 @@ int bench_varlen(const BenchConfig& bc) {
       base.threads = threads;
       base.backward = true;
       base.check = false;
-      auto progress = [&](const char* what) {
-        std::fprintf(stderr, "\r%s %s %s ...%10s", std::string(name_of(dtype)).c_str(),
-                     std::string(name_of(causal)).c_str(), what, "");
-        std::fflush(stderr);
+      auto show = [&](const char* what) {
+        progress.showf("%s %s %s ...", std::string(name_of(dtype)).c_str(),
+                       std::string(name_of(causal)).c_str(), what);
       };
-      progress("varlen");
+      show("varlen");
       RunConfig packed = base;
       packed.varlen = lengths;
       packed.varlen_k.clear();
@@ -317,13 +318,13 @@ int bench_varlen(const BenchConfig& bc) {
       packed.finish();
       const RunResult a = run_once(prepare_call(packed));
 
-      progress("dense");
+      show("dense");
       RunConfig dense = base;
       dense.batch = batch;
       dense.seqlen_q = dense.seqlen_k = dense_len;
       const RunResult b = run_once(prepare_call(dense));
 
-      progress("padded");
+      show("padded");
       RunConfig padded = base;
       padded.batch = batch;
       padded.seqlen_q = padded.seqlen_k = longest;
@@ -339,7 +340,7 @@ int bench_varlen(const BenchConfig& bc) {
         p.options.mask = p.mask.view();
         c = run_once(p);
       }
-      std::fprintf(stderr, "\r%*s\r", 40, "");
+      progress.clear();
 
       // (a) and (c) do the same useful work: the real sequences' visible pairs, a.flops.
       rows.push_back({dtype, causal, "fwd", a.seconds, b.seconds, c.seconds,
@@ -437,9 +438,10 @@ int cmd_bench(const std::vector<std::string>& args) {
   // --json -: the JSON object alone on stdout, the table on stderr.
   std::FILE* const table = bc.sweep.json == "-" ? stderr : stdout;
   const int threads = bc.run.resolved_threads();
-  std::fprintf(stderr, "measuring the FMA peak ...");
+  Progress progress;
+  progress.show("measuring the FMA peak ...");
   const double peak = attncore::measure_fma_peak_gflops(threads);
-  std::fprintf(stderr, "\r%*s\r", 28, "");
+  progress.clear();
   const std::vector<Backend> backends = {Backend::math, Backend::flash};
   const std::size_t total =
       bc.sweep.seqlens.size() * bc.sweep.dtypes.size() * bc.sweep.causals.size() * backends.size();
@@ -461,12 +463,11 @@ int cmd_bench(const std::vector<std::string>& args) {
         for (Backend backend : backends) {
           constexpr int kBarWidth = 30;
           const int filled = static_cast<int>(kBarWidth * done / total);
-          std::fprintf(stderr, "\r[%s%s] %zu/%zu L=%lld %s %s %s   ",
-                       std::string(filled, '#').c_str(),
-                       std::string(kBarWidth - filled, '.').c_str(), done, total,
-                       static_cast<long long>(seqlen), std::string(name_of(dtype)).c_str(),
-                       std::string(name_of(causal)).c_str(), std::string(name_of(backend)).c_str());
-          std::fflush(stderr);
+          progress.showf("[%s%s] %zu/%zu L=%lld %s %s %s", std::string(filled, '#').c_str(),
+                         std::string(kBarWidth - filled, '.').c_str(), done, total,
+                         static_cast<long long>(seqlen), std::string(name_of(dtype)).c_str(),
+                         std::string(name_of(causal)).c_str(),
+                         std::string(name_of(backend)).c_str());
           // The shared flags (B, Hq, Hkv, D, repeat, backward) come with bc.run.
           RunConfig c = bc.run;
           c.seqlen_q = seqlen;
@@ -481,7 +482,7 @@ int cmd_bench(const std::vector<std::string>& args) {
             math_bwd_seconds = r.bwd_seconds;
           }
           ++done;
-          std::fprintf(stderr, "\r%*s\r", kBarWidth + 60, "");
+          progress.clear();
           auto add_row = [&](const char* pass, double seconds, double flops, double math) {
             const BenchRow row{seqlen,
                                dtype,

@@ -1,4 +1,5 @@
-// attncore info: version, CPU, features, SIMD targets, BLAS, threads, measured FMA peak.
+// attncore info: version, CPU, features, SIMD targets, BLAS, threads, measured FMA peak, and the
+// cost model's constants (fixed and measured); --json: the same as one JSON object.
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -6,6 +7,7 @@
 #include "attncore/attncore.h"
 #include "commands.h"
 #include "constants.h"
+#include "json.h"
 
 namespace attncore_tools {
 namespace {
@@ -19,22 +21,54 @@ std::string join(const std::vector<std::string>& words) {
   return s;
 }
 
+std::string json_strings(const std::vector<std::string>& words) {
+  std::vector<std::string> quoted;
+  for (const std::string& w : words) quoted.push_back(JsonObject::quoted(w));
+  return json_array(quoted);
+}
+
 }  // namespace
 
 int cmd_info(const std::vector<std::string>& args) {
-  if (!args.empty()) throw UsageError{"info takes no arguments (got '" + args[0] + "')"};
+  bool json = false;
+  for (const std::string& a : args) {
+    if (a != "--json") throw UsageError{"info takes only --json (got '" + a + "')"};
+    json = true;
+  }
   const attncore::CpuInfo cpu = attncore::cpu_info();
-  const std::string features = join(cpu.features);
-  const std::string compiled = join(attncore::simd_targets_compiled());
-  const std::string supported = join(attncore::simd_targets_supported());
+  const std::vector<std::string> compiled = attncore::simd_targets_compiled();
+  const std::vector<std::string> supported = attncore::simd_targets_supported();
   const int threads = attncore::default_num_threads();
+  if (json) {
+    const double peak1 = attncore::measure_fma_peak_gflops(1);
+    const double peak_all = threads > 1 ? attncore::measure_fma_peak_gflops(threads) : peak1;
+    JsonObject j;
+    j.add("version", attncore::version());
+    j.add("cpu_vendor", cpu.vendor);
+    j.add("cpu_brand", cpu.brand);
+    j.add("logical_cores", cpu.logical_cores);
+    j.add_json("features", json_strings(cpu.features));
+    j.add_json("simd_compiled", json_strings(compiled));
+    j.add_json("simd_supported", json_strings(supported));
+    j.add("simd", attncore::simd_target());
+    j.add("blas", attncore::blas_info());
+    j.add("threads", threads);
+    j.add("max_threads", attncore::kMaxThreads);
+    j.add("fma_peak_gflops_1_thread", peak1);
+    j.add("fma_peak_gflops", peak_all);
+    j.add_json("cost_constants", constants_json(attncore::cost_constants()));
+    j.add_json("measured_constants", constants_json(attncore::measured_cost_constants()));
+    std::printf("%s\n", j.str().c_str());
+    return kExitOk;
+  }
+  const std::string features = join(cpu.features);
   std::printf("attncore %s\n", attncore::version());
   std::printf("cpu:       %s, %s, %d logical cores\n",
               cpu.vendor.empty() ? "unknown vendor" : cpu.vendor.c_str(),
               cpu.brand.empty() ? "unknown model" : cpu.brand.c_str(), cpu.logical_cores);
   std::printf("features:  %s\n", features.empty() ? "(none detected)" : features.c_str());
-  std::printf("simd:      compiled: %s; this cpu: %s; chosen: %s\n", compiled.c_str(),
-              supported.c_str(), attncore::simd_target().c_str());
+  std::printf("simd:      compiled: %s; this cpu: %s; chosen: %s\n", join(compiled).c_str(),
+              join(supported).c_str(), attncore::simd_target().c_str());
   std::printf("blas:      %s (math backend GEMMs)\n", attncore::blas_info().c_str());
   std::printf(
       "threads:   %d (ATTNCORE_NUM_THREADS, else the CPUs this process may run on; at most "

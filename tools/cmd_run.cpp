@@ -43,7 +43,9 @@ int run(const RunConfig& c) {
   if (c.json) {
     JsonObject j;
     j.add("version", attncore::version());
-    j.add("backend", name_of(c.backend));
+    j.add("backend", name_of(r.backend));  // the one that ran: `auto`'s choice
+    if (c.backward) j.add("bwd_backend", name_of(r.bwd_backend));
+    j.add("requested_backend", name_of(c.backend));
     c.add_shape(j);
     j.add("window_left", c.window.left);
     j.add("window_right", c.window.right);
@@ -85,9 +87,13 @@ int run(const RunConfig& c) {
     return kExitOk;
   }
 
-  std::printf("attncore run: backend=%s dtype=%s %s causal=%s threads=%d\n",
-              std::string(name_of(c.backend)).c_str(), std::string(name_of(c.dtype)).c_str(),
-              c.shape_text().c_str(), std::string(name_of(c.causal)).c_str(), threads);
+  std::string ran(name_of(r.backend));
+  if (c.backward && r.bwd_backend != r.backend)
+    ran += ", backward " + std::string(name_of(r.bwd_backend));
+  if (c.backend == attncore::Backend::automatic) ran += " (auto)";
+  std::printf("attncore run: backend=%s dtype=%s %s causal=%s threads=%d\n", ran.c_str(),
+              std::string(name_of(c.dtype)).c_str(), c.shape_text().c_str(),
+              std::string(name_of(c.causal)).c_str(), threads);
   std::printf(
       "forward:   best of %d: %.3f ms, %.1f GFLOP/s (%.1f%% of the measured %.0f GFLOP/s FMA "
       "peak)\n",

@@ -40,7 +40,7 @@ struct Accepted<Causal> {
 };
 template <>
 struct Accepted<DType> {
-  static constexpr DType values[] = {DType::f32, DType::bf16, DType::f16};
+  static constexpr DType values[] = {DType::f32, DType::f64, DType::bf16, DType::f16};
 };
 template <>
 struct Accepted<MaskKind> {
@@ -176,8 +176,9 @@ constexpr Flag kFlags[] = {
     {"--seqlens", "L,L,...", kBench, &BenchSweep::seqlens, "sequence lengths, Lq = Lk"},
     {"--head-dim", "N", kBoth, &RunConfig::head_dim, "query/key head dim D"},
     {"--head-dim-v", "N", kRun, &RunConfig::head_dim_v, "value head dim Dv", "= head-dim"},
-    {"--dtype", "T", kRun, &RunConfig::dtype, "f32, bf16 or f16"},
-    {"--dtypes", "T,T", kBench, &BenchSweep::dtypes, "f32, bf16, f16"},
+    {"--dtype", "T", kRun, &RunConfig::dtype,
+     "f32, f64, bf16 or f16 (f64: math and reference; auto takes math)"},
+    {"--dtypes", "T,T", kBench, &BenchSweep::dtypes, "f32, bf16, f16 (flash has no f64)"},
     {"--causal", "C", kRun, &RunConfig::causal, "none, upper-left or lower-right"},
     {"--causal", "C,C", kBench, &BenchSweep::causals, "none, upper-left, lower-right"},
     {"--window", "L,R", kRun, &RunConfig::window, "sliding window, -1 = unbounded on that side"},
@@ -465,7 +466,9 @@ std::string flag_lines(FlagSet command, const Target& defaults) {
 
 constexpr const char* kCommands = R"(usage:
   attncore                 check and time every backend on a few shapes (the default)
-  attncore info            version, CPU, SIMD targets, threads, measured FMA peak
+  attncore --version       the version
+  attncore info [--json]   version, CPU, SIMD targets, threads, measured FMA peak, the cost
+                           model's constants
   attncore run [flags]     time (and check) one attention call on random data
   attncore explain [flags] which backend `auto` picks for the call the run flags describe, and
                            why: every backend's verdict, the cost model's estimates and constants
@@ -497,6 +500,13 @@ RunConfig parse_run_flags(const std::vector<std::string>& args) {
 BenchConfig parse_bench_flags(const std::vector<std::string>& args) {
   BenchConfig c;
   const GivenFlags flags = parse_flags(args, kBench, {c.run, c.sweep});
+  for (const DType dtype : c.sweep.dtypes) {
+    if (dtype == DType::f64) {
+      throw UsageError{
+          "--dtypes: f64 does not go with bench (it times the flash backend, which "
+          "has no f64)"};
+    }
+  }
   if (c.sweep.varlen) {
     check_bench_varlen_flags(flags);
     // One thread unless asked: the comparison is of kernels, not of thread scheduling.

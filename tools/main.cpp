@@ -2,7 +2,9 @@
 //
 //   attncore              a short sweep that checks every backend against the reference and
 //                         times it (the default: "does this build work here, and how fast")
-//   attncore info         version, CPU, features, SIMD targets, threads, measured FMA peak
+//   attncore --version    the version
+//   attncore info         version, CPU, features, SIMD targets, threads, measured FMA peak, the
+//                         cost model's constants (--json: one JSON object)
 //   attncore run [flags]  one configured call: random inputs, best-of-N timing, GFLOP/s,
 //                         optional check against the reference backend (--help lists flags)
 //   attncore explain [flags]  the backend `auto` picks for the call the run flags describe,
@@ -10,8 +12,9 @@
 //   attncore bench [flags]  flash against math over sequence lengths; --select: auto's choice
 //                         against every backend over a sweep of shapes
 //
-// Exit codes (docs/design.md section 7): 0 success, 1 library error (its message on stderr),
-// 2 bad usage. With --json, stdout holds exactly one JSON object; diagnostics go to stderr.
+// Exit codes (docs/design.md section 7): 0 success, 1 library error (its message on stderr,
+// after "attncore: "), 2 bad usage. With --json, stdout holds exactly one JSON object; diagnostics
+// go to stderr.
 #include <cstdio>
 #include <exception>
 #include <new>
@@ -28,6 +31,11 @@ namespace {
 int dispatch(const std::vector<std::string>& args) {
   if (args.empty()) return cmd_default();
   const std::string& cmd = args[0];
+  if (cmd == "--version" || cmd == "version") {
+    if (args.size() > 1) throw UsageError{cmd + " takes no arguments (got '" + args[1] + "')"};
+    std::printf("attncore %s\n", attncore::version());
+    return kExitOk;
+  }
   const std::vector<std::string> rest(args.begin() + 1, args.end());
   if (cmd == "info") return cmd_info(rest);
   if (cmd == "run") return cmd_run(rest);
@@ -52,7 +60,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "attncore: %s\n\n%s", e.message.c_str(), usage_text().c_str());
     return kExitUsage;
   } catch (const attncore::Error& e) {
-    std::fprintf(stderr, "%s\n", e.what());
+    std::fprintf(stderr, "attncore: %s\n", e.what());
     return kExitLibraryError;
   } catch (const CheckFailed& e) {
     std::fprintf(stderr, "attncore: %s\n", e.message.c_str());

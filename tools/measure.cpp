@@ -7,6 +7,7 @@
 
 namespace attncore_tools {
 
+using attncore::Backend;
 using attncore::Causal;
 using attncore::Tensor;
 
@@ -66,6 +67,14 @@ RunResult run_once(const PreparedCall& p) {
   const Tensor out = allocate_like(shapes.out);
   const Tensor lse = allocate_like(shapes.lse);
   RunResult r;
+  // What `auto` runs: the library's choice depends only on the call and the machine, so
+  // explaining the same call names the backend the timed calls run.
+  r.backend = r.bwd_backend = c.backend;
+  if (c.backend == Backend::automatic) {
+    r.backend = c.is_varlen()
+                    ? attncore::explain_forward_varlen(p.q, p.k, p.v, p.seqs, p.options).chosen
+                    : attncore::explain_forward(p.q, p.k, p.v, p.options).chosen;
+  }
   r.flops = forward_flops(c);
   r.seconds = best_seconds(c.repeat, [&] {
     if (c.is_varlen()) {
@@ -79,6 +88,14 @@ RunResult run_once(const PreparedCall& p) {
     dq = allocate_like(shapes.q);
     dk = allocate_like(shapes.k);
     dv = allocate_like(shapes.v);
+    if (c.backend == Backend::automatic) {
+      r.bwd_backend =
+          c.is_varlen()
+              ? attncore::explain_backward_varlen(p.dout, p.q, p.k, p.v, out, lse, p.seqs,
+                                                  p.options)
+                    .chosen
+              : attncore::explain_backward(p.dout, p.q, p.k, p.v, out, lse, p.options).chosen;
+    }
     r.bwd_flops = kBackwardFlopFactor * r.flops;
     r.bwd_seconds = best_seconds(c.repeat, [&] {
       if (c.is_varlen()) {

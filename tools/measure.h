@@ -25,6 +25,9 @@ constexpr double kBackwardFlopFactor = 2.5;  // docs/design.md section 5
 double gflops(double flops, double seconds);
 
 struct RunResult {
+  // The backends that ran the forward and the backward: cfg.backend, or the one `auto` chose.
+  attncore::Backend backend = attncore::Backend::automatic;
+  attncore::Backend bwd_backend = attncore::Backend::automatic;
   double flops = 0, seconds = 0;
   double bwd_flops = 0, bwd_seconds = 0;
   std::optional<CheckResult> check;

@@ -88,18 +88,19 @@ attncore::Options RunConfig::options(const TensorView& alibi_slopes,
 
 CallViews RunConfig::views(void* data) const {
   CallViews w;
+  const DType lse_dtype = dtype == DType::f64 ? DType::f64 : DType::f32;
   if (is_varlen()) {
     w.q = TensorView::contiguous(data, dtype, {total_q(), heads_q, head_dim});
     w.k = TensorView::contiguous(data, dtype, {total_k(), heads_kv, head_dim});
     w.v = TensorView::contiguous(data, dtype, {total_k(), heads_kv, head_dim_v});
     w.out = TensorView::contiguous(data, dtype, {total_q(), heads_q, head_dim_v});
-    w.lse = TensorView::contiguous(data, DType::f32, {heads_q, total_q()});
+    w.lse = TensorView::contiguous(data, lse_dtype, {heads_q, total_q()});
   } else {
     w.q = TensorView::contiguous(data, dtype, {batch, heads_q, seqlen_q, head_dim});
     w.k = TensorView::contiguous(data, dtype, {batch, heads_kv, seqlen_k, head_dim});
     w.v = TensorView::contiguous(data, dtype, {batch, heads_kv, seqlen_k, head_dim_v});
     w.out = TensorView::contiguous(data, dtype, {batch, heads_q, seqlen_q, head_dim_v});
-    w.lse = TensorView::contiguous(data, DType::f32, {batch, heads_q, seqlen_q});
+    w.lse = TensorView::contiguous(data, lse_dtype, {batch, heads_q, seqlen_q});
   }
   if (alibi) w.alibi = TensorView::contiguous(data, DType::f32, {heads_q});
   if (mask != MaskKind::none) {

@@ -52,4 +52,13 @@ void backward_varlen_into(const TensorView& dout, const TensorView& q, const Ten
                           const TensorView& dv, const Options& options = {},
                           Backend backend = Backend::automatic);
 
+// Validate like forward_varlen / backward_varlen (reading the sequence arrays) and explain the
+// automatic choice on this thread (attncore/backend.h); run nothing.
+Explanation explain_forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
+                                   const VarlenSeqs& seqs, const Options& options = {});
+Explanation explain_backward_varlen(const TensorView& dout, const TensorView& q,
+                                    const TensorView& k, const TensorView& v, const TensorView& out,
+                                    const TensorView& lse, const VarlenSeqs& seqs,
+                                    const Options& options = {});
+
 }  // namespace attncore

@@ -380,6 +380,28 @@ Explanation explain_backward(const TensorView& dout, const TensorView& q, const 
                         detail::current_cost_model());
 }
 
+Explanation explain_forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
+                                   const VarlenSeqs& seqs, const Options& options) {
+  detail::ForwardArgs args{q, k, v, {}, {}};
+  const detail::Params p =
+      detail::validate_varlen_forward(args, seqs, options, Backend::automatic, false);
+  const detail::Launch launch{detail::resolve_threads(options.num_threads, "forward")};
+  return detail::select(detail::Pass::forward, p, launch, Backend::automatic, detail::t_enabled,
+                        detail::current_cost_model());
+}
+
+Explanation explain_backward_varlen(const TensorView& dout, const TensorView& q,
+                                    const TensorView& k, const TensorView& v, const TensorView& out,
+                                    const TensorView& lse, const VarlenSeqs& seqs,
+                                    const Options& options) {
+  detail::BackwardArgs args{dout, q, k, v, out, lse, {}, {}, {}, {}};
+  const detail::Params p =
+      detail::validate_varlen_backward(args, seqs, options, Backend::automatic, false);
+  const detail::Launch launch{detail::resolve_threads(options.num_threads, "backward")};
+  return detail::select(detail::Pass::backward, p, launch, Backend::automatic, detail::t_enabled,
+                        detail::current_cost_model());
+}
+
 CostConstants cost_constants() { return detail::current_cost_model().machine; }
 
 CostConstants measured_cost_constants() {

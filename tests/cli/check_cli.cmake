@@ -6,7 +6,10 @@
 #   -DSTDOUT_REGEX=<re>        optional: stdout must match
 #   -DSTDERR_REGEX=<re>        optional: stderr must match
 #   -DJSON_CHECKS="<c> ..."    optional: stdout must be exactly one JSON object (on one line) and
-#                              satisfy each check: key<number, key=value, key=null, key! (not null)
+#                              satisfy each check: key<number, key=value, key=null, key! (not
+#                              null), key~regex (the value matches)
+#   -DNO_CR=ON                 optional: neither stdout nor stderr holds a carriage return (no
+#                              progress line when they are not a terminal)
 cmake_minimum_required(VERSION 3.25)
 
 # Sets `out_var` to the length of the JSON value that opens `text` with '{' (0 if it never
@@ -58,6 +61,12 @@ endif()
 if(DEFINED STDERR_REGEX AND NOT STDERR_REGEX STREQUAL "" AND NOT err MATCHES "${STDERR_REGEX}")
   message(FATAL_ERROR "${what}: stderr does not match '${STDERR_REGEX}'${report}")
 endif()
+if(NO_CR)
+  string(FIND "${out}${err}" "\r" cr)
+  if(NOT cr EQUAL -1)
+    message(FATAL_ERROR "${what}: a carriage return in redirected output${report}")
+  endif()
+endif()
 
 if(DEFINED JSON_CHECKS AND NOT JSON_CHECKS STREQUAL "")
   # Exactly one object: stdout is "{...}" (plus a newline), and the object ends at its end.
@@ -73,7 +82,7 @@ if(DEFINED JSON_CHECKS AND NOT JSON_CHECKS STREQUAL "")
   endif()
   separate_arguments(checks UNIX_COMMAND "${JSON_CHECKS}")
   foreach(check IN LISTS checks)
-    if(check MATCHES "^([a-z_]+)(<|=|!)(.*)$")
+    if(check MATCHES "^([a-z_0-9]+)(<|=|!|~)(.*)$")
       set(key "${CMAKE_MATCH_1}")
       set(op "${CMAKE_MATCH_2}")
       set(expected "${CMAKE_MATCH_3}")
@@ -88,6 +97,10 @@ if(DEFINED JSON_CHECKS AND NOT JSON_CHECKS STREQUAL "")
     if(op STREQUAL "<")
       if(NOT value_type STREQUAL "NUMBER" OR NOT value LESS expected)
         message(FATAL_ERROR "${what}: ${key} = ${value} (${value_type}), expected a number < ${expected}${report}")
+      endif()
+    elseif(op STREQUAL "~")
+      if(NOT value MATCHES "${expected}")
+        message(FATAL_ERROR "${what}: ${key} = ${value}, expected a match of '${expected}'${report}")
       endif()
     elseif(op STREQUAL "=" AND expected STREQUAL "null")
       if(NOT value_type STREQUAL "NULL")
