@@ -36,14 +36,14 @@ struct FlashPanel {
 
 // One thread's scratch for one work item, 64-byte aligned, sized by the dispatcher.
 struct FlashScratch {
-  float* q;        // [block_rows / tile rows][D][tile rows]: the block's queries times `scale`
-  float* scores;   // [block_rows][key_tile]: S, then P
-  float* out;      // [block_rows][dv_pad]: the unnormalised output accumulator
+  float* q;               // [block_rows / tile rows][D][tile rows]: the queries times `scale`
+  float* scores;          // [block_rows][key_tile]: S, then P
+  float* out;             // [block_rows][dv_pad]: the unnormalised output accumulator
   SoftmaxState* softmax;  // [block_rows]: each row's online softmax (two floats' worth each)
   float* alpha;           // [block_rows]: the rescale of the accumulator for the current tile
-  float* k_tile;   // [D][key_tile]: a tile packed on the fly (panel without tiles)
-  float* v_tile;   // [key_tile][dv_pad]
-  float* probs16;  // [block_rows][key_tile / 2]: P rounded to bf16 pairs (bf16 dot kernels)
+  float* k_tile;          // [D][key_tile]: a tile packed on the fly (panel without tiles)
+  float* v_tile;          // [key_tile][dv_pad]; also a V tile with keys left out (careful path)
+  float* probs16;         // [block_rows][key_tile / 2]: P rounded to bf16 pairs (bf16 dots)
 };
 
 // One work item: `rows` (<= block_rows) consecutive query rows of the heads of one kv group.

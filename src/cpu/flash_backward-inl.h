@@ -28,6 +28,7 @@
 #include "cpu/flash.h"
 #include "cpu/flash_dot_bf16-inl.h"
 #include "cpu/flash_dot_f32-inl.h"
+#include "cpu/flash_hidden_keys-inl.h"
 #include "cpu/flash_layout-inl.h"
 #include "cpu/flash_score_mods-inl.h"
 #include "cpu/flash_simd-inl.h"
@@ -204,6 +205,7 @@ ATTNCORE_TARGET void run_backward_heads_with(const Params& p, const BackwardArgs
   Params mods = p;  // ALiBi and the mask; softcap is applied here to keep its derivative
   mods.softcap = 0.0;
   const bool has_mods = p.alibi != nullptr || p.mask_kind != MaskKind::none;
+  const bool may_hide = keys_may_be_hidden(p);
   const ForwardArgs k_as_kv{a.q, a.k, a.k, {}, {}}, v_as_kv{a.dout, a.v, a.v, {}, {}};
   const ForwardArgs q_args{a.q, a.k, a.v, {}, {}}, do_args{a.dout, a.v, a.v, {}, {}};
   // Where the block starting at row `at` of the item's padded rows (head h's rows start at
@@ -266,6 +268,14 @@ ATTNCORE_TARGET void run_backward_heads_with(const Params& p, const BackwardArgs
     const std::int64_t tail_end = std::min<std::int64_t>(keys_pad, kKeyTile);
     Dot::pack_tile(pk, k_as_kv, b, kv_head, t, w.k_t, w.k_rows, d_pad);
     Dot::pack_tile(pv, v_as_kv, b, kv_head, t, w.v_t, nullptr, dv_pad);  // V's k-layout only
+    // Keys whose K holds inf or NaN, where some row may not see them: left out of the dQ
+    // product (zeroed in k_rows) and added to the rows that see them (flash_hidden_keys-inl.h).
+    // dS is exactly 0 wherever P is, whatever K and V hold.
+    std::int64_t bad[kKeyTile], bad_count = 0;
+    if (may_hide) {
+      bad_count = nonfinite_keys(a.k, b, kv_head, j0, keys, d, bad);
+      for (std::int64_t n = 0; n < bad_count; ++n) Dot::zero_key(w.k_rows, bad[n], d_pad);
+    }
     for (std::int64_t e = 0; e < keys_pad * d_pad; ++e) w.dk[e] = 0.0f;
     for (std::int64_t e = 0; e < keys_pad * dv_pad; ++e) w.dv[e] = 0.0f;
     for (std::int64_t h = h_begin; h < h_end; ++h) {
@@ -305,17 +315,20 @@ ATTNCORE_TARGET void run_backward_heads_with(const Params& p, const BackwardArgs
           const KeyRange visible = band.row(i);
           const std::int64_t lo = std::clamp<std::int64_t>(visible.begin - j0, 0, kKeyTile);
           const std::int64_t hi = std::clamp<std::int64_t>(visible.end - j0, lo, keys);
-          for (std::int64_t c = 0; c < cols; c += kLanes)
-            store(s + c, exp2v((load(s + c) - lse) * kLog2e));
+          for (std::int64_t c = 0; c < cols; c += kLanes) {  // (0 where masked, even for LSE NaN)
+            const Vec x = load(s + c);
+            store(s + c, x == -INFINITY ? Vec{} : exp2v((x - lse) * kLog2e));
+          }
           for (std::int64_t c = 0; c < lo; ++c) s[c] = 0.0f;
           for (std::int64_t c = hi; c < cols; ++c) s[c] = 0.0f;
           const float delta = w.delta[(h - h_begin) * lq + i];
           const DropoutRow dropout(p, b, h, i);
           if (!dropout.active() && dbias == nullptr) {
             for (std::int64_t c = 0; c < cols;
-                 c += kLanes) {  // dS = P (dP - Delta) * softcap' * scale
+                 c += kLanes) {  // dS = P (dP - Delta) * softcap' * scale, 0 where P is
               const Vec prob = load(s + c);
-              store(ds + c, prob * (load(ds + c) - delta) * load(dcap + c) * scale);
+              const Vec dscore = prob * (load(ds + c) - delta) * load(dcap + c) * scale;
+              store(ds + c, prob != 0.0f ? dscore : Vec{});
             }
             continue;
           }
@@ -323,15 +336,25 @@ ATTNCORE_TARGET void run_backward_heads_with(const Params& p, const BackwardArgs
           for (std::int64_t c = 0; c < cols; ++c) {
             const float prob = s[c];
             const float keep = prob != 0.0f ? dropout.factor<float>(j0 + c) : 0.0f;
-            const float dscore = prob * (keep * ds[c] - delta);  // dS = P (dP - Delta)
+            // dS = P (dP - Delta), 0 where P is
+            const float dscore = prob != 0.0f ? prob * (keep * ds[c] - delta) : 0.0f;
             if (dbias_row != nullptr && c < keys) {
               dbias_row[(j0 + c) * dbias->column_stride()] += dscore;
             }
-            ds[c] = dscore * dcap[c] * scale;  // the gradient of <q_i, k_j>
-            s[c] = prob * keep;                // dV's weights
+            ds[c] = prob != 0.0f ? dscore * dcap[c] * scale : 0.0f;  // the gradient of <q_i, k_j>
+            s[c] = prob * keep;                                      // dV's weights
           }
         }
         tile_products(Dot{}, w, q_rows, do_rows, padded_rows, keys_pad, cols, w.dq + at * d_pad);
+        if (bad_count > 0) {
+          std::int64_t head_of[kBlockRows], index_of[kBlockRows];
+          for (std::int64_t r = 0; r < rows; ++r) {
+            head_of[r] = h;
+            index_of[r] = row0 + r;
+          }
+          add_bad_keys(p, band, a.k, b, kv_head, j0, bad, bad_count, head_of, index_of, rows, w.ds,
+                       d, w.dq + at * d_pad, d_pad);
+        }
       }
     }
     w.put_kv_tile(w.put_context, t, w.dk, w.dv);

@@ -37,6 +37,28 @@ struct Bf16Dot {
   ATTNCORE_TARGET static std::int64_t v_index(std::int64_t c2, std::int64_t e) {
     return (e / kTileCols) * (kKeyTile / 2) * kTileCols + c2 * kTileCols + e % kTileCols;
   }
+  // The floats' worth of a V tile, and key c's half of its pairs set to 0 (dv_pad columns).
+  ATTNCORE_TARGET static std::int64_t v_tile_floats(std::int64_t dv_pad) {
+    return kKeyTile / 2 * dv_pad;
+  }
+  // Whether key c's half of its pairs in a V tile is finite (exponent bits not all ones).
+  ATTNCORE_TARGET static bool key_finite(const float* vt_floats, std::int64_t c,
+                                         std::int64_t dv_pad) {
+    const auto* vt = reinterpret_cast<const std::uint32_t*>(vt_floats);
+    const int shift = c % 2 == 0 ? 0 : 16;
+    IVec nonfinite = IVec{};
+    for (std::int64_t e0 = 0; e0 < dv_pad; e0 += kLanes) {
+      IVec x;
+      std::memcpy(&x, vt + v_index(c / 2, e0), sizeof x);
+      nonfinite |= ((x >> shift) & 0x7f80) == 0x7f80;
+    }
+    return reduce_sum(__builtin_convertvector(nonfinite, Vec)) == 0.0f;
+  }
+  ATTNCORE_TARGET static void zero_key(float* vt_floats, std::int64_t c, std::int64_t dv_pad) {
+    auto* vt = reinterpret_cast<std::uint32_t*>(vt_floats);
+    const std::uint32_t keep = c % 2 == 0 ? 0xFFFF0000u : 0x0000FFFFu;  // the other key's half
+    for (std::int64_t e = 0; e < dv_pad; ++e) vt[v_index(c / 2, e)] &= keep;
+  }
   ATTNCORE_TARGET static __m512bh splat_pair(std::uint32_t pair) {
     return (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
   }

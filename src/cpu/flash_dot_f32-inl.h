@@ -28,6 +28,21 @@ struct F32Dot {
   ATTNCORE_TARGET static std::int64_t v_index(std::int64_t c, std::int64_t e) {
     return (e / kTileCols) * kKeyTile * kTileCols + c * kTileCols + e % kTileCols;
   }
+  // The floats of a V tile, and key c's row of one set to 0 (dv_pad columns).
+  ATTNCORE_TARGET static std::int64_t v_tile_floats(std::int64_t dv_pad) {
+    return kKeyTile * dv_pad;
+  }
+  // Whether key c's row of a V tile is finite (x * 0 is 0 for finite x, NaN for inf and NaN).
+  ATTNCORE_TARGET static bool key_finite(const float* vt, std::int64_t c, std::int64_t dv_pad) {
+    Vec acc = Vec{};
+    for (std::int64_t e0 = 0; e0 < dv_pad; e0 += kLanes) acc += load(vt + v_index(c, e0)) * 0.0f;
+    return reduce_sum(acc) == 0.0f;
+  }
+  ATTNCORE_TARGET static void zero_key(float* vt, std::int64_t c, std::int64_t dv_pad) {
+    for (std::int64_t e0 = 0; e0 < dv_pad; e0 += kTileCols) {
+      std::fill_n(vt + v_index(c, e0), kTileCols, 0.0f);
+    }
+  }
 
   // The register-blocked core of both products: acc[r][c] += sum_n a(r, n) * b[n][c] for
   // r < kTileRows, c < kTileCols, n < steps, with a(r, n) = a[r * kRowStride + n * kStepStride]

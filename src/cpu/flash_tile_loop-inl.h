@@ -24,6 +24,7 @@
 #include "cpu/flash_direct_kv-inl.h"
 #include "cpu/flash_dot_bf16-inl.h"
 #include "cpu/flash_dot_f32-inl.h"
+#include "cpu/flash_hidden_keys-inl.h"
 #include "cpu/flash_layout-inl.h"
 #include "cpu/flash_score_mods-inl.h"
 #include "cpu/flash_simd-inl.h"
@@ -32,6 +33,31 @@
 #include "policy/softmax_state.h"
 
 namespace attncore::detail::ATTNCORE_TARGET_NS {
+
+// The keys c < keys flagged in `hidden` whose V row holds inf or NaN, into bad[] (returns
+// their count), looked for in the tile the product reads (in cache), or in place (direct). For
+// a packed tile, their rows are zeroed in w.v_tile (the panel's tile copied there, or the tile
+// packed there) and *v_tile set to it. Out of line: kept apart from the tile loop's hot code.
+template <class Dot>
+ATTNCORE_TARGET __attribute__((noinline)) std::int64_t leave_out_hidden_keys(
+    const Params& p, const ForwardArgs& a, std::int64_t b, std::int64_t kv_head, std::int64_t j0,
+    std::int64_t keys, const IVec* hidden, bool direct, std::int64_t dv_pad, const FlashScratch& w,
+    const float** v_tile, std::int64_t* bad) {
+  std::int64_t count = 0;
+  for (std::int64_t c = 0; c < keys; ++c) {
+    if (hidden[c / kLanes][c % kLanes] == 0) continue;
+    const bool finite = direct
+                            ? row_is_finite(a.v, offset4(a.v, b, kv_head, j0 + c, 0), p.head_dim_v)
+                            : Dot::key_finite(*v_tile, c, dv_pad);
+    if (!finite) bad[count++] = c;
+  }
+  if (count > 0 && !direct) {
+    if (*v_tile != w.v_tile) std::copy_n(*v_tile, Dot::v_tile_floats(dv_pad), w.v_tile);
+    *v_tile = w.v_tile;
+    for (std::int64_t n = 0; n < count; ++n) Dot::zero_key(w.v_tile, bad[n], dv_pad);
+  }
+  return count;
+}
 
 // One work item: see the top of this file.
 template <class Dot>
@@ -42,6 +68,7 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   const std::int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
   const CausalWindowMask band(p);
   const bool has_mods = p.softcap != 0.0 || p.alibi != nullptr || p.mask_kind != MaskKind::none;
+  const bool bool_mask = p.mask_kind == MaskKind::boolean;
 
   // Each row's head and query index, and the keys the rows see (which tiles to visit, and
   // which of them are full: seen entirely by every row, so that no mask code runs).
@@ -94,6 +121,11 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
       Dot::pack_tile(p, a, b, item.kv_head, t, w.k_tile, w.v_tile, dv_pad);
     }
     if (!direct) Dot::scores(p, w.q, k_tile, padded_rows, cols, w.scores);
+    // Tiles some row does not see entirely: lanes of `hidden` set for keys hidden from a row
+    // (score -inf after the masks: outside its band, false in a bool mask, or -inf otherwise).
+    const bool cut = !full || bool_mask;
+    IVec hidden[kKeyTile / kLanes];
+    if (cut) std::fill_n(hidden, cols / kLanes, IVec{});
     for (std::int64_t r = 0; r < padded_rows; ++r) {
       float* s = w.scores + r * kKeyTile;
       if (r >= rows) {  // padding rows take no part
@@ -115,6 +147,11 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
         const std::int64_t hi = std::min<std::int64_t>(visible.end - j0, keys);
         for (std::int64_t c = 0; c < cols; ++c) {
           if (c < lo || c >= hi) s[c] = -INFINITY;
+        }
+      }
+      if (cut) {
+        for (std::int64_t c = 0; c < cols; c += kLanes) {
+          hidden[c / kLanes] |= load(s + c) == -INFINITY;
         }
       }
       // Online softmax (policy/softmax_state.h). Scores enter in log2 units (score * log2 e,
@@ -144,10 +181,40 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
         for (std::int64_t c = 0; c < keys; ++c) s[c] *= dropout.factor<float>(j0 + c);
       }
     }
+    // P . V runs over the tile's keys up to the last one some row sees, in whole micro-tiles
+    // (the keys after it, past every row's band on a causal diagonal, have P = 0 everywhere).
+    const std::int64_t pv_cols = std::min(cols, tile_cols(span.end - j0));
+    const std::int64_t pv_keys = std::min(keys, pv_cols);
+    // Keys among them hidden from some row whose V holds inf or NaN (flash_hidden_keys-inl.h):
+    // left out of the product (zeroed in a copy of the tile, or skipped in place) and added to
+    // the rows that see them.
+    std::int64_t bad[kKeyTile], bad_count = 0;
+    if (cut) {
+      bad_count = leave_out_hidden_keys<Dot>(p, a, b, item.kv_head, j0, pv_keys, hidden, direct,
+                                             dv_pad, w, &v_tile, bad);
+    }
     if (direct) {
-      DirectKv::tile_accumulate(p, a, b, item.kv_head, j0, keys, w.scores, dv_pad, w.alpha, w.out);
+      // In place: the runs of keys between the ones left out, one after the other (the same
+      // sums in the same order as one pass), the accumulator rescaled by the first call only.
+      float ones[kTileRows];
+      if (bad_count > 0) std::fill_n(ones, kTileRows, 1.0f);
+      std::int64_t begin = 0;
+      bool rescaled = false;
+      for (std::int64_t n = 0; n <= bad_count; ++n) {
+        const std::int64_t end = n < bad_count ? bad[n] : pv_keys;
+        if (end > begin || (n == bad_count && !rescaled)) {
+          DirectKv::tile_accumulate(p, a, b, item.kv_head, j0 + begin, end - begin,
+                                    w.scores + begin, dv_pad, rescaled ? ones : w.alpha, w.out);
+          rescaled = true;
+        }
+        begin = end + 1;
+      }
     } else {
-      Dot::accumulate(w.scores, v_tile, dv_pad, padded_rows, cols, w.alpha, w.probs16, w.out);
+      Dot::accumulate(w.scores, v_tile, dv_pad, padded_rows, pv_cols, w.alpha, w.probs16, w.out);
+    }
+    if (bad_count > 0) {
+      add_bad_keys(p, band, a.v, b, item.kv_head, j0, bad, bad_count, head_of, index_of, rows,
+                   w.scores, p.head_dim_v, w.out, dv_pad);
     }
   }
 

@@ -109,6 +109,48 @@ void for_each_task(std::int64_t n, const Launch& launch, MakeWorkspace&& make_wo
   });
 }
 
+// Keys a row's band hides (docs/design.md section 1.11) whose row of m ([Lk, width]) holds inf
+// or NaN: the GEMMs multiply whole blocks, so they take m with these rows zeroed (`clean`, a
+// copy in `buffer`) and add the rows back to the queries whose band holds them. Empty when the
+// call has no band or every row is finite (then `clean` is m).
+template <class T>
+std::vector<std::int64_t> hidden_nonfinite_rows(const Params& p, const Matrix<T>& m,
+                                                std::int64_t lk, std::int64_t width,
+                                                std::vector<T>& buffer, Matrix<T>& clean) {
+  std::vector<std::int64_t> bad;
+  clean = m;
+  if (p.causal == Causal::none && p.window_left < 0 && p.window_right < 0) return bad;
+  for (std::int64_t j = 0; j < lk; ++j) {
+    T zero = T(0);  // x * 0 is 0 for finite x, NaN for inf and NaN
+    for (std::int64_t e = 0; e < width; ++e) zero += m.data[j * m.ld + e] * T(0);
+    if (zero != T(0)) bad.push_back(j);
+  }
+  if (bad.empty()) return bad;
+  buffer.resize(static_cast<std::size_t>(lk * width));
+  for (std::int64_t j = 0; j < lk; ++j) {
+    std::copy_n(m.data + j * m.ld, width, buffer.begin() + j * width);
+  }
+  for (std::int64_t j : bad) std::fill_n(buffer.begin() + j * width, width, T(0));
+  clean = {buffer.data(), width};
+  return bad;
+}
+
+// out[r][e] += factor * weight[r][j] * m[j][e] for the rows r of [row0, row0 + rows) whose band
+// holds key j, for each j in `bad`: the share of the rows hidden_nonfinite_rows left out.
+template <class T>
+void add_hidden_rows(const CausalWindowMask& band, const std::vector<std::int64_t>& bad,
+                     const Matrix<T>& m, std::int64_t width, std::int64_t row0, std::int64_t rows,
+                     const T* weight, std::int64_t ld_weight, T factor, T* out) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const KeyRange visible = band.row(row0 + r);
+    for (std::int64_t j : bad) {
+      if (!visible.contains(j)) continue;
+      const T w = factor * weight[r * ld_weight + j];
+      for (std::int64_t e = 0; e < width; ++e) out[r * width + e] += w * m.data[j * m.ld + e];
+    }
+  }
+}
+
 template <class T>
 void forward_impl(const Params& p, const Launch& launch, const ForwardArgs& a, std::int64_t b_begin,
                   std::int64_t b_end) {
@@ -120,11 +162,14 @@ void forward_impl(const Params& p, const Launch& launch, const ForwardArgs& a, s
     std::vector<T> q, scores, out;  // [rows, D], [rows, Lk] (S, then P), [rows, Dv]
     std::vector<bool> unseen;       // [rows]: the row sees no key
   };
-  std::vector<T> k_buf, v_buf;
+  std::vector<T> k_buf, v_buf, v_clean_buf;
   for (std::int64_t b = b_begin; b < b_end; ++b) {
     for (std::int64_t kv_head = 0; kv_head < p.heads_kv; ++kv_head) {
       const Matrix<T> k = head_rows<T>(a.k, b, kv_head, 0, lk, d, k_buf, threads);   // [Lk, D]
       const Matrix<T> v = head_rows<T>(a.v, b, kv_head, 0, lk, dv, v_buf, threads);  // [Lk, Dv]
+      Matrix<T> v_clean = v;  // [Lk, Dv]: v without the rows in bad_v
+      const std::vector<std::int64_t> bad_v =
+          hidden_nonfinite_rows(p, v, lk, dv, v_clean_buf, v_clean);
       // Tasks: (query head of the group, block of query rows).
       for_each_task(
           p.group * blocks, launch,
@@ -158,8 +203,10 @@ void forward_impl(const Params& p, const Launch& launch, const ForwardArgs& a, s
                 store_element(a.lse.data, a.lse.dtype, lse_offset(a.lse, b, h, i), lse);
             }
             if (lk > 0) {
-              gemm(false, false, rows, dv, lk, T(1), w.scores.data(), lk, v.data, v.ld, T(0),
-                   w.out.data(), dv);
+              gemm(false, false, rows, dv, lk, T(1), w.scores.data(), lk, v_clean.data, v_clean.ld,
+                   T(0), w.out.data(), dv);
+              add_hidden_rows(causal_window, bad_v, v, dv, row0, rows, w.scores.data(), lk, T(1),
+                              w.out.data());
             }
             // Rows that see no key are exactly 0 (0 weights times inf or NaN in V are not).
             for (std::int64_t r = 0; r < rows; ++r) {
@@ -187,7 +234,7 @@ void backward_impl(const Params& p, const Launch& launch, const BackwardArgs& a,
   std::vector<T> weights(area);                // [Lq, Lk] P * M (M: dropout factor): dV's weights
   std::vector<T> dscores(area);                // [Lq, Lk] dS = P (M dP - Delta)
   std::vector<T> dcap(softcap_on ? area : 0);  // [Lq, Lk] softcap derivative
-  std::vector<T> k_buf, v_buf, q_buf, do_buf;
+  std::vector<T> k_buf, v_buf, q_buf, do_buf, k_clean_buf;
   std::vector<T> dk(static_cast<std::size_t>(lk * d)),
       dvv(static_cast<std::size_t>(lk * dv));  // [Lk, D], [Lk, Dv]
   struct Workspace {
@@ -200,6 +247,9 @@ void backward_impl(const Params& p, const Launch& launch, const BackwardArgs& a,
       std::fill(dvv.begin(), dvv.end(), T(0));
       const Matrix<T> k = head_rows<T>(a.k, b, kv_head, 0, lk, d, k_buf, threads);   // [Lk, D]
       const Matrix<T> v = head_rows<T>(a.v, b, kv_head, 0, lk, dv, v_buf, threads);  // [Lk, Dv]
+      Matrix<T> k_clean = k;  // [Lk, D]: k without the rows in bad_k (for dQ)
+      const std::vector<std::int64_t> bad_k =
+          hidden_nonfinite_rows(p, k, lk, d, k_clean_buf, k_clean);
       for (std::int64_t h = kv_head * p.group; h < (kv_head + 1) * p.group && lq > 0; ++h) {
         if (lk == 0) {
           std::vector<T> zeros(static_cast<std::size_t>(lq * d), T(0));
@@ -230,8 +280,8 @@ void backward_impl(const Params& p, const Launch& launch, const BackwardArgs& a,
             const DropoutRow dropout(p, b, h, i);
             for (std::int64_t j = 0; j < lk; ++j) {
               // P = exp(s - LSE); a row with LSE = -inf has no visible key and P = 0.
-              const T prob =
-                  lse == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(s[j] - lse);
+              constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+              const T prob = lse == kNegInf || s[j] == kNegInf ? T(0) : std::exp(s[j] - lse);
               const T keep = dropout.factor<T>(j);
               s[j] = prob * keep;
               ds[j] = prob == T(0) ? T(0) : prob * (keep * ds[j] - delta);
@@ -262,7 +312,9 @@ void backward_impl(const Params& p, const Launch& launch, const BackwardArgs& a,
             for (std::int64_t e = 0; e < rows * lk; ++e) ds_rows[e] *= cap[e];
           }
           w.dq.resize(static_cast<std::size_t>(rows * d));
-          gemm(false, false, rows, d, lk, scale, ds_rows, lk, k.data, k.ld, T(0), w.dq.data(), d);
+          gemm(false, false, rows, d, lk, scale, ds_rows, lk, k_clean.data, k_clean.ld, T(0),
+               w.dq.data(), d);
+          add_hidden_rows(causal_window, bad_k, k, d, row0, rows, ds_rows, lk, scale, w.dq.data());
           store_rows(w.dq.data(), a.dq, b, h, row0, rows, d);
         });
         // Pass 4, blocks of key rows: dV += (P M)^T dO and dK += scale * dS^T Q over all rows.

@@ -90,7 +90,8 @@ T merge_outputs(const T* out_a, T lse_a, const T* out_b, T lse_b, std::int64_t n
   const T wa = lse_a == -INFINITY ? T(0) : std::exp(lse_a - lse);
   const T wb = lse_b == -INFINITY ? T(0) : std::exp(lse_b - lse);
   for (std::int64_t e = 0; e < n; ++e) {
-    out[e] = (lse_a == -INFINITY ? T(0) : wa * out_a[e]) + (lse_b == -INFINITY ? T(0) : wb * out_b[e]);
+    out[e] =
+        (lse_a == -INFINITY ? T(0) : wa * out_a[e]) + (lse_b == -INFINITY ? T(0) : wb * out_b[e]);
   }
   return lse;
 }

@@ -202,7 +202,8 @@ void backward_rows(const Params& p, const Launch& launch, const BackwardArgs& a,
             double* dbias_row = dbias.active() ? dbias.row(b, h, i) : nullptr;
             for (std::int64_t j = 0; j < p.seq.lk; ++j) {
               const auto ju = static_cast<std::size_t>(j);
-              const double prob = std::exp(probs[ju] - lse);  // P[i, j], 0 where masked
+              // P[i, j], 0 where masked (even where the row's LSE is NaN)
+              const double prob = probs[ju] == -INFINITY ? 0.0 : std::exp(probs[ju] - lse);
               if (prob == 0.0) continue;
               const double keep = dropout_factor(p, b, h, i, j);
               const std::int64_t v_row = offset4(a.v, b, kv_head, j, 0);
