@@ -12,14 +12,28 @@
 
 namespace attncore::detail::ATTNCORE_TARGET_NS {
 
-// tanh(y) = 1 - 2 / (e^(2y) + 1): saturates to +-1, NaN stays NaN.
+// tanh(y): for |y| < 0.625 the odd polynomial y + y^3 P(y^2) (Cephes' tanhf coefficients,
+// relative error 1.3e-7 there), elsewhere 1 - 2 / (e^(2y) + 1), which saturates to +-1 and keeps
+// NaN. That formula alone loses tanh's digits to cancellation as y -> 0, where the softcap of
+// large caps works (s / cap = 1e-8 for s = 1 at cap 1e8 gave tanh 0, an error of 1 in the score).
 ATTNCORE_TARGET inline Vec tanhv(Vec y) {
-  return 1.0f - 2.0f / (exp2v(y * (2.0f * kLog2e)) + 1.0f);
+  const Vec z = y * y;
+  Vec poly = splat(-5.70498872745e-3f);
+  poly = poly * z + 2.06390887954e-2f;
+  poly = poly * z - 5.37397155531e-2f;
+  poly = poly * z + 1.33314422036e-1f;
+  poly = poly * z - 3.33332819422e-1f;
+  const Vec small = poly * z * y + y;
+  const Vec large = 1.0f - 2.0f / (exp2v(y * (2.0f * kLog2e)) + 1.0f);
+  return z < 0.390625f ? small : large;  // 0.390625 = 0.625^2; NaN and inf take `large`
 }
 
 // Softcap (policy/score_mod.h) on columns [0, cols) of one row of a tile: s becomes the capped
 // score; dcap, unless null, receives its derivative.
+// A cap past f32's range (the call's cap is a double) leaves them unchanged: tanh(s / cap) cap
+// rounds to s for every f32 score that is not itself near f32's limit.
 ATTNCORE_TARGET inline void apply_softcap(float cap, std::int64_t cols, float* s, float* dcap) {
+  if (cap == INFINITY) return;
   const float inv_cap = 1.0f / cap;
   const auto tanh = [](Vec& y) ATTNCORE_TARGET { y = tanhv(y); };
   for (std::int64_t c = 0; c < cols; c += kLanes) {

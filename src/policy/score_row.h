@@ -45,7 +45,7 @@ void finish_scores(const Params& p, const CausalWindowMask& causal_window, std::
   const std::int64_t mask_row = p.mask_kind == MaskKind::none ? 0 : offset4(p.mask, b, h, i, 0);
   for (std::int64_t j = visible.begin; j < visible.end; ++j) {
     T x = scale * s[j];
-    if (cap != T(0)) {
+    if (cap != T(0) && cap != std::numeric_limits<T>::infinity()) {  // see flash's apply_softcap
       softcap(x, cap, inv_cap, [](T& y) { y = std::tanh(y); });
       if (dcap) softcap_derivative(x, inv_cap, dcap[j]);
     } else if (dcap) {

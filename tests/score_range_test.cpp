@@ -1,0 +1,117 @@
+// Flash across the range of softcaps, on every SIMD target, against the fp64 oracle by the rule
+// of docs/design.md section 6: large caps put s / cap where 1 - 2 / (e^(2y) + 1) has no digits
+// left (tanh near 0).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "attncore/attncore.h"
+#include "testing/oracle.h"
+#include "testing/problem.h"
+#include "testing/tensors.h"
+
+namespace attncore::test {
+namespace {
+
+struct Outputs {
+  std::vector<double> out, lse, dq, dk, dv;
+};
+
+// Runs a backend's forward (and backward when asked) on a problem's operands in `dtype`.
+Outputs run(Backend backend, const Problem& p, const Operands& x, DType dtype, bool backward_too) {
+  const Dims& d = p.dims;
+  const Buffer q = make_buffer(dtype, to_shape(d.q_shape()), Layout::bhsd, x.q);  // [B, Hq, Lq, D]
+  const Buffer k = make_buffer(dtype, to_shape(d.k_shape()), Layout::bhsd, x.k);  // [B, Hkv, Lk, D]
+  const Buffer v =
+      make_buffer(dtype, to_shape(d.v_shape()), Layout::bhsd, x.v);  // [B, Hkv, Lk, Dv]
+  const Buffer dout =
+      make_buffer(dtype, to_shape(d.out_shape()), Layout::bhsd, x.dout);  // [B, Hq, Lq, Dv]
+  Outputs r;
+  const ForwardResult f = forward(q.view, k.view, v.view, p.options, backend);
+  r.out = read_view(f.out);
+  r.lse = read_view(f.lse);
+  if (backward_too) {
+    const BackwardResult g =
+        backward(dout.view, q.view, k.view, v.view, f.out, f.lse, p.options, backend);
+    r.dq = read_view(g.dq);
+    r.dk = read_view(g.dk);
+    r.dv = read_view(g.dv);
+  }
+  return r;
+}
+
+// Checks flash against the oracle on `p` (forward, and backward when asked) on every target:
+// within the rule of docs/design.md section 6, or at most twice as far from the oracle as math
+// (the unfused computation in the same dtype) where the rule's f32 bound is below what f32
+// scores allow (scores of tens and more: their own rounding).
+void check_against_oracle(const Problem& p, bool backward_too, const std::string& what) {
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    const Operands x = make_operands(p.dims, dtype, 5);
+    const OracleForward exact = oracle_forward(p.dims, p.spec, x.q, x.k, x.v);
+    OracleForward naive;
+    OracleBackward exact_grad, naive_grad;
+    if (dtype == DType::bf16) {
+      naive = oracle_forward(p.dims, p.spec, x.q, x.k, x.v, rounder_for(dtype));
+    }
+    if (backward_too) {
+      exact_grad = oracle_backward(p.dims, p.spec, x.q, x.k, x.v, x.dout);
+      if (dtype == DType::bf16) {
+        naive_grad = oracle_backward(p.dims, p.spec, x.q, x.k, x.v, x.dout, rounder_for(dtype));
+      }
+    }
+    const Outputs math = run(Backend::math, p, x, dtype, backward_too);
+    auto tolerance = [](double rule, const std::vector<double>& math_got,
+                        const std::vector<double>& want) {
+      return std::max(rule, 2.0 * max_abs_diff(math_got, want));
+    };
+    const double out_tol =
+        tolerance(out_tolerance(dtype, x.v, exact.out, naive.out, 0.0), math.out, exact.out);
+    const double lse_tol = tolerance(lse_tolerance(dtype, max_abs(exact.lse)), math.lse, exact.lse);
+    const double scale =
+        std::max({max_abs(exact_grad.dq), max_abs(exact_grad.dk), max_abs(exact_grad.dv)});
+    for (const std::string& target : simd_targets_supported()) {
+      const ScopedTarget scoped(target);
+      const std::string label =
+          what + " " + target + (dtype == DType::f32 ? " f32" : " bf16") + " ";
+      const Outputs got = run(Backend::flash, p, x, dtype, backward_too);
+      EXPECT_TRUE(all_close(got.out, exact.out, out_tol, label + "out"));
+      EXPECT_TRUE(all_close(got.lse, exact.lse, lse_tol, label + "lse"));
+      if (!backward_too) continue;
+      const auto grad_tol = [&](const std::vector<double>& want, const std::vector<double>& naive,
+                                const std::vector<double>& math_got) {
+        return tolerance(grad_tolerance(dtype, want, naive, scale), math_got, want);
+      };
+      EXPECT_TRUE(all_close(got.dq, exact_grad.dq, grad_tol(exact_grad.dq, naive_grad.dq, math.dq),
+                            label + "dq"));
+      EXPECT_TRUE(all_close(got.dk, exact_grad.dk, grad_tol(exact_grad.dk, naive_grad.dk, math.dk),
+                            label + "dk"));
+      EXPECT_TRUE(all_close(got.dv, exact_grad.dv, grad_tol(exact_grad.dv, naive_grad.dv, math.dv),
+                            label + "dv"));
+    }
+  }
+}
+
+// Lk 300: full key tiles and a short last one; causal lower-right cuts some.
+const Dims kDims = {1, 2, 1, 150, 300, 64, 64};
+
+// Softcap from caps that bend every score (1) to caps far above them (1e30), forward and
+// backward (the derivative 1 - tanh^2).
+TEST(ScoreRange, SoftcapAtEveryCap) {
+  for (double cap : {1.0, 30.0, 1e3, 1e5, 1e8, 1e30}) {
+    for (Variant variant : {Variant::plain, Variant::causal_lower_right}) {
+      Problem p = make_problem(kDims, {variant, DType::f32, false, 3});
+      p.spec.scale = 2.0;  // scores of a few units, so that softcap 1 and 30 matter
+      p.options.scale = 2.0;
+      p.spec.softcap = p.options.softcap = cap;
+      check_against_oracle(p, true,
+                           "softcap " + std::to_string(cap) + " " + name_of_variant(variant));
+      if (::testing::Test::HasFailure()) return;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace attncore::test
