@@ -92,6 +92,10 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   }
   // S is in units of q.k times score_scale: scale is in the queries already, or applied here.
   const float score_scale = Dot::kScaledQueries && !direct ? 1.0f : static_cast<float>(p.scale);
+  // S is scaled before the masks when score mods need the score, or when the scale rounds to 0 in
+  // f32 (scale < 2^-150): the masks' -inf times 0 would be NaN (every score is then 0 and the
+  // row's weights uniform, as they are to f32 precision).
+  const bool scale_first = has_mods || score_scale == 0.0f;
   for (std::int64_t e = 0; e < padded_rows * dv_pad; ++e) w.out[e] = 0.0f;
   for (std::int64_t r = 0; r < padded_rows; ++r) {
     w.softmax[r] = SoftmaxState{};
@@ -134,12 +138,12 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
       }
       const std::int64_t h = head_of[r], i = index_of[r];
       float row_scale = score_scale;  // S * row_scale is the score of docs/design.md section 1.2
-      if (has_mods) {
+      if (scale_first) {
         if (row_scale != 1.0f) {
           for (std::int64_t c = 0; c < cols; c += kLanes) store(s + c, load(s + c) * row_scale);
           row_scale = 1.0f;
         }
-        apply_score_mods(p, b, h, i, j0, keys, s);
+        if (has_mods) apply_score_mods(p, b, h, i, j0, keys, s);
       }
       if (!full) {
         const KeyRange visible = band.row(i);
@@ -157,7 +161,7 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
       // Online softmax (policy/softmax_state.h). Scores enter in log2 units (score * log2 e,
       // rounded once): P = 2^(S * factor - max) and the rescale alpha = 2^(old max - new max)
       // use the same rounded values, and alpha is exactly 1 while the max stays.
-      const float factor = row_scale * kLog2e;
+      float factor = row_scale * kLog2e;
       Vec vmx = load(s);
       for (std::int64_t c = kLanes; c < cols; c += kLanes) vmx = vmax(load(s + c), vmx);
       SoftmaxState& state = w.softmax[r];
@@ -166,6 +170,15 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
         for (std::int64_t c = 0; c < cols; ++c) s[c] = 0.0f;
         w.alpha[r] = 1.0f;
         continue;
+      }
+      // P's argument S * factor - max is one fused operation: it keeps the rounding residual of
+      // the max's own product, below ulp(max) / 2. From |max| = 2^22 on (scales near f32's
+      // limit) that residual reaches 1/4 and more, and 2^residual of the row's largest score
+      // was 0 or 2^127 at scale 1e30: such rows are rounded to log2 units first, so that the
+      // largest score gives exactly 2^0.
+      if (!(std::fabs(new_max) < 0x1p22f)) {
+        for (std::int64_t c = 0; c < cols; c += kLanes) store(s + c, load(s + c) * factor);
+        factor = 1.0f;
       }
       const float alpha = state.alpha(new_max, exp2);
       Vec vsum = splat(0.0f);
