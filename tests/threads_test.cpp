@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <optional>
 #include <string>
@@ -18,6 +19,7 @@
 
 #include "attncore/attncore.h"
 #include "attncore/merge.h"
+#include "core/threadpool.h"
 
 namespace attncore {
 namespace {
@@ -120,6 +122,81 @@ TEST(Threads, EnvironmentVariable) {
                 (void)backward(f.out, s.q, s.k, s.v, f.out, f.lse);
               }).find("backward: ATTNCORE_NUM_THREADS is invalid"),
               std::string::npos);
+  }
+}
+
+// Sets the process-wide thread count for the scope, then restores the previous setting.
+class ProcessThreads {
+ public:
+  explicit ProcessThreads(int n) : previous_(set_num_threads(n)) {}
+  ~ProcessThreads() { set_num_threads(previous_); }
+  ProcessThreads(const ProcessThreads&) = delete;
+  ProcessThreads& operator=(const ProcessThreads&) = delete;
+
+ private:
+  int previous_;
+};
+
+// docs/design.md section 8's order: Options::num_threads, else set_num_threads, else
+// ATTNCORE_NUM_THREADS, else the affinity mask; 0 resets the process-wide setting.
+TEST(Threads, ProcessWideSettingTakesItsPlaceInTheOrder) {
+  const EnvThreads env("5");
+  ASSERT_EQ(set_num_threads(0), 0);  // no setting at the start
+  EXPECT_EQ(get_num_threads(), 5);
+  {
+    const ProcessThreads setting(3);
+    EXPECT_EQ(get_num_threads(), 3);
+    EXPECT_EQ(detail::resolve_threads(0, "forward"), 3);
+    EXPECT_EQ(detail::resolve_threads(2, "forward"), 2);  // the call's own count wins
+    EXPECT_EQ(default_num_threads(), 5);                  // the default ignores the setting
+    EXPECT_EQ(set_num_threads(kMaxThreads), 3);           // returns the previous setting
+    EXPECT_EQ(get_num_threads(), kMaxThreads);
+  }
+  EXPECT_EQ(get_num_threads(), 5);
+  {
+    // A set count means ATTNCORE_NUM_THREADS is not read: a bad one no longer fails calls.
+    const EnvThreads bad("lots");
+    const ProcessThreads setting(2);
+    EXPECT_EQ(get_num_threads(), 2);
+    const Small s;
+    EXPECT_NO_THROW((void)forward(s.q, s.k, s.v));
+    set_num_threads(0);
+    EXPECT_THROW((void)get_num_threads(), InvalidArgument);
+  }
+}
+
+TEST(Threads, ProcessWideSettingRefusesCountsOutsideItsRange) {
+  const ProcessThreads setting(4);
+  for (int bad : {-1, kMaxThreads + 1}) {
+    try {
+      set_num_threads(bad);
+      ADD_FAILURE() << "set_num_threads(" << bad << ") did not throw";
+    } catch (const InvalidArgument& e) {
+      EXPECT_EQ(std::string(e.what()),
+                "set_num_threads: num_threads is out of range (num_threads=" +
+                    std::to_string(bad) +
+                    ", expected 0 to 1024, attncore::kMaxThreads; 0 = default)");
+    }
+    EXPECT_EQ(get_num_threads(), 4);  // unchanged
+  }
+}
+
+// Calls on the process-wide count give the same bits as on one thread (every backend).
+TEST(Threads, ProcessWideSettingKeepsResults) {
+  Tensor q(DType::f32, {1, 2, 300, 32}), k(DType::f32, {1, 2, 300, 32}),
+      v(DType::f32, {1, 2, 300, 32});
+  for (Tensor* t : {&q, &k, &v}) {
+    float* x = t->data_as<float>();
+    for (std::int64_t i = 0; i < t->numel(); ++i) x[i] = static_cast<float>(i * 37 % 101 - 50) / 50;
+  }
+  for (Backend b : {Backend::reference, Backend::math, Backend::flash}) {
+    Options one;
+    one.num_threads = 1;
+    const ForwardResult expected = forward(q, k, v, one, b);
+    const ProcessThreads setting(2);
+    const ForwardResult got = forward(q, k, v, {}, b);
+    EXPECT_EQ(std::memcmp(expected.out.data(), got.out.data(), expected.out.numel() * 4), 0)
+        << name_of(b);
   }
 }
 

@@ -19,9 +19,10 @@ CpuInfo cpu_info();
 // The library version, "MAJOR.MINOR.PATCH".
 const char* version();
 
-// Threads a call with num_threads = 0 uses: ATTNCORE_NUM_THREADS if set, else the CPUs the
-// calling thread may run on (sched_getaffinity; at most kMaxThreads). Throws InvalidArgument
-// when ATTNCORE_NUM_THREADS is set to anything but an integer from 1 to kMaxThreads.
+// Threads a call with num_threads = 0 uses when set_num_threads (attncore/options.h) has set
+// none: ATTNCORE_NUM_THREADS if set, else the CPUs the calling thread may run on
+// (sched_getaffinity; at most kMaxThreads). Throws InvalidArgument when ATTNCORE_NUM_THREADS
+// is set to anything but an integer from 1 to kMaxThreads.
 int default_num_threads();
 
 // Measured peak f32 FMA throughput of `threads` threads in GFLOP/s: independent FMA chains in

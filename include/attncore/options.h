@@ -16,6 +16,19 @@ namespace attncore {
 // reaches it, and fixed, so that a value valid on one machine is valid on every one.
 inline constexpr int kMaxThreads = 1024;
 
+// The process-wide thread count of calls whose Options::num_threads is 0 (docs/design.md
+// section 8's order: Options::num_threads, else this setting, else ATTNCORE_NUM_THREADS, else
+// the CPUs the calling thread may run on). 1 to kMaxThreads sets it; 0 resets it (calls follow
+// ATTNCORE_NUM_THREADS and the affinity mask again); a negative count or one past kMaxThreads
+// throws InvalidArgument and leaves the setting as it was. Returns the previous setting (0 when
+// none). Safe to call from any thread; calls already running keep their count.
+int set_num_threads(int num_threads);
+
+// The thread count a call with Options::num_threads = 0 made now from this thread would use:
+// set_num_threads's setting, else default_num_threads() (attncore/info.h), whose
+// InvalidArgument for a bad ATTNCORE_NUM_THREADS it passes on.
+int get_num_threads();
+
 // Which diagonal a causal mask keeps (query row i, key column j, lengths Lq and Lk).
 enum class Causal : std::uint8_t {
   none,
@@ -65,9 +78,10 @@ struct Options {
   std::uint64_t offset = 0;
   // Allow Hkv < Hq (GQA/MQA): query head h uses key/value head h / (Hq / Hkv).
   bool enable_gqa = true;
-  // Threads for this call, 0 to kMaxThreads; 0 = ATTNCORE_NUM_THREADS if set (an integer from 1
-  // to kMaxThreads, else the call throws InvalidArgument), else the CPUs the calling thread may
-  // run on (its affinity mask: `taskset -c 0` gives 1).
+  // Threads for this call, 0 to kMaxThreads; 0 = get_num_threads(): set_num_threads's setting,
+  // else ATTNCORE_NUM_THREADS if set (an integer from 1 to kMaxThreads, else the call throws
+  // InvalidArgument), else the CPUs the calling thread may run on (its affinity mask:
+  // `taskset -c 0` gives 1).
   int num_threads = 0;
   // Cancellation: when not null, the call reads *cancel before it starts and between its work
   // items (every backend: reference rows or tasks, math blocks, flash work items and kv

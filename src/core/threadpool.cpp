@@ -6,9 +6,12 @@
 #include <condition_variable>
 #include <exception>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include "attncore/error.h"
+#include "attncore/options.h"
 #include "core/cpu_info.h"
 
 namespace attncore::detail {
@@ -150,8 +153,30 @@ void parallel_for(std::int64_t n, int threads,
   });
 }
 
+namespace {
+// set_num_threads's setting: 0 = none.
+std::atomic<int> g_num_threads{0};
+}  // namespace
+
 int resolve_threads(int requested, const char* op) {
-  return requested > 0 ? requested : default_threads(op);
+  if (requested > 0) return requested;
+  const int process_wide = g_num_threads.load(std::memory_order_relaxed);
+  return process_wide > 0 ? process_wide : default_threads(op);
 }
 
 }  // namespace attncore::detail
+
+namespace attncore {
+
+int set_num_threads(int num_threads) {
+  if (num_threads < 0 || num_threads > kMaxThreads) {
+    throw InvalidArgument("set_num_threads: num_threads is out of range (num_threads=" +
+                          std::to_string(num_threads) + ", expected 0 to " +
+                          std::to_string(kMaxThreads) + ", attncore::kMaxThreads; 0 = default)");
+  }
+  return detail::g_num_threads.exchange(num_threads);
+}
+
+int get_num_threads() { return detail::resolve_threads(0, "get_num_threads"); }
+
+}  // namespace attncore

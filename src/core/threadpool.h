@@ -17,7 +17,8 @@ void parallel_for(std::int64_t n, int threads,
                   const std::function<void(std::int64_t, std::int64_t)>& body);
 
 // The thread count a call uses: `requested` if > 0 (validated: at most kMaxThreads), else
-// default_num_threads(), whose InvalidArgument for a bad ATTNCORE_NUM_THREADS names `op`.
+// set_num_threads's setting (attncore/options.h), else default_num_threads(), whose
+// InvalidArgument for a bad ATTNCORE_NUM_THREADS names `op`.
 int resolve_threads(int requested, const char* op);
 
 }  // namespace attncore::detail
