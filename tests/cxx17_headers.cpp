@@ -4,11 +4,13 @@
 #include "attncore/backend.h"
 #include "attncore/dtype.h"
 #include "attncore/error.h"
+#include "attncore/export.h"
 #include "attncore/info.h"
 #include "attncore/kvcache.h"
 #include "attncore/merge.h"
 #include "attncore/options.h"
 #include "attncore/tensor.h"
 #include "attncore/varlen.h"
+#include "attncore/version.h"
 
 int main() { return 0; }

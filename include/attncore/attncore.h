@@ -10,6 +10,7 @@
 #include "attncore/backend.h"
 #include "attncore/dtype.h"
 #include "attncore/error.h"
+#include "attncore/export.h"
 #include "attncore/info.h"
 #include "attncore/options.h"
 #include "attncore/tensor.h"
@@ -29,30 +30,33 @@ struct BackwardResult {
 };
 
 // Attention forward into new tensors.
-ForwardResult forward(const TensorView& q, const TensorView& k, const TensorView& v,
-                      const Options& options = {}, Backend backend = Backend::automatic);
+ATTNCORE_API ForwardResult forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                   const Options& options = {},
+                                   Backend backend = Backend::automatic);
 
 // Attention forward into caller-provided views: `out` [B, Hq, Lq, Dv] of q's dtype and, when
 // given, `lse` [B, Hq, Lq] (f32, or f64 for f64 inputs). Both are fully written. An output may
 // share no byte with another output or with an input (InvalidArgument naming both); outputs
 // interleaved in one buffer without touching are fine (the test is exact on element bytes).
-void forward_into(const TensorView& q, const TensorView& k, const TensorView& v,
-                  const TensorView& out, const std::optional<TensorView>& lse,
-                  const Options& options = {}, Backend backend = Backend::automatic);
+ATTNCORE_API void forward_into(const TensorView& q, const TensorView& k, const TensorView& v,
+                               const TensorView& out, const std::optional<TensorView>& lse,
+                               const Options& options = {}, Backend backend = Backend::automatic);
 
 // Gradients of the forward call with the same q, k, v and options, given its out and lse.
-BackwardResult backward(const TensorView& dout, const TensorView& q, const TensorView& k,
-                        const TensorView& v, const TensorView& out, const TensorView& lse,
-                        const Options& options = {}, Backend backend = Backend::automatic);
+ATTNCORE_API BackwardResult backward(const TensorView& dout, const TensorView& q,
+                                     const TensorView& k, const TensorView& v,
+                                     const TensorView& out, const TensorView& lse,
+                                     const Options& options = {},
+                                     Backend backend = Backend::automatic);
 
 // The same into caller-provided views (dq/dk/dv shaped like q/k/v and of their dtype; dbias
 // shaped like options.mask, required iff options.compute_dbias), none sharing a byte with
 // another or with an input: dq, dk, dv may be slices of one packed [B, L, 3, H, D] buffer.
-void backward_into(const TensorView& dout, const TensorView& q, const TensorView& k,
-                   const TensorView& v, const TensorView& out, const TensorView& lse,
-                   const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                   const std::optional<TensorView>& dbias, const Options& options = {},
-                   Backend backend = Backend::automatic);
+ATTNCORE_API void backward_into(const TensorView& dout, const TensorView& q, const TensorView& k,
+                                const TensorView& v, const TensorView& out, const TensorView& lse,
+                                const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                                const std::optional<TensorView>& dbias, const Options& options = {},
+                                Backend backend = Backend::automatic);
 
 }  // namespace attncore
 

@@ -17,6 +17,7 @@
 #include <string_view>
 #include <vector>
 
+#include "attncore/export.h"
 #include "attncore/options.h"
 #include "attncore/tensor.h"
 
@@ -24,14 +25,14 @@ namespace attncore {
 
 // Backends `automatic` may choose from on this thread, in priority order (default
 // {flash, math, reference}).
-std::vector<Backend> enabled_backends();
+ATTNCORE_API std::vector<Backend> enabled_backends();
 
 // Replaces this thread's list; returns the previous one. Empty list or `automatic` in it ->
 // InvalidArgument. Repeated backends count once, at their first position.
-std::vector<Backend> set_enabled_backends(std::vector<Backend> backends);
+ATTNCORE_API std::vector<Backend> set_enabled_backends(std::vector<Backend> backends);
 
 // RAII: set_enabled_backends in the constructor, restore in the destructor.
-class BackendScope {
+class ATTNCORE_API BackendScope {
  public:
   explicit BackendScope(std::vector<Backend> backends);
   ~BackendScope();
@@ -51,7 +52,7 @@ struct BackendVerdict {
 };
 
 // What `Backend::automatic` would do with a call.
-struct Explanation {
+struct ATTNCORE_API Explanation {
   std::vector<BackendVerdict> verdicts;  // the enabled backends in priority order, then the rest
   Backend chosen;                        // `automatic` if no backend can run the call
   std::string summary() const;           // multi-line human text
@@ -59,11 +60,12 @@ struct Explanation {
 
 // Validate the arguments like forward/backward (bad input throws InvalidArgument) and explain
 // the automatic choice on this thread; run nothing.
-Explanation explain_forward(const TensorView& q, const TensorView& k, const TensorView& v,
-                            const Options& options);
-Explanation explain_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
-                             const TensorView& v, const TensorView& out, const TensorView& lse,
-                             const Options& options);
+ATTNCORE_API Explanation explain_forward(const TensorView& q, const TensorView& k,
+                                         const TensorView& v, const Options& options);
+ATTNCORE_API Explanation explain_backward(const TensorView& dout, const TensorView& q,
+                                          const TensorView& k, const TensorView& v,
+                                          const TensorView& out, const TensorView& lse,
+                                          const Options& options);
 
 // The constants of this CPU behind `estimated_seconds`.
 struct CostConstants {
@@ -78,11 +80,11 @@ struct CostConstants {
 // The constants the cost model uses: fixed per SIMD target (the best one this CPU supports,
 // whatever set_simd_target chose), so that the automatic choice, and with it every bit of a
 // result, depends only on the call and fixed properties of the machine, never on a timing.
-CostConstants cost_constants();
+ATTNCORE_API CostConstants cost_constants();
 
 // The same quantities measured on this machine, for comparison with the fixed ones (`attncore
 // explain` and `attncore info` show both): measured once per process, at the first call (about
 // 20-30 ms), then reused. The cost model does not read them.
-CostConstants measured_cost_constants();
+ATTNCORE_API CostConstants measured_cost_constants();
 
 }  // namespace attncore

@@ -5,22 +5,24 @@
 #include <stdexcept>
 #include <string>
 
+#include "attncore/export.h"
+
 namespace attncore {
 
 // Base of everything the library throws.
-class Error : public std::runtime_error {
+class ATTNCORE_API Error : public std::runtime_error {
  public:
   explicit Error(const std::string& message) : std::runtime_error(message) {}
 };
 
 // The arguments are wrong: shapes, dtypes, strides, values out of range.
-class InvalidArgument : public Error {
+class ATTNCORE_API InvalidArgument : public Error {
  public:
   using Error::Error;
 };
 
 // The arguments are valid but this backend or build cannot run them.
-class Unsupported : public Error {
+class ATTNCORE_API Unsupported : public Error {
  public:
   using Error::Error;
 };
@@ -29,7 +31,7 @@ class Unsupported : public Error {
 // or written when its workspace plus the outputs it allocates exceed the smallest of physical
 // memory, the cgroup limit and RLIMIT_AS, or an allocation failed (the message says whether
 // outputs are incomplete).
-class OutOfMemory : public Error {
+class ATTNCORE_API OutOfMemory : public Error {
  public:
   using Error::Error;
 };
@@ -37,7 +39,7 @@ class OutOfMemory : public Error {
 // The call saw its Options::cancel flag set and stopped: before any work (the outputs are not
 // written) or between two work items (the outputs are incomplete: some rows written, others
 // not).
-class Cancelled : public Error {
+class ATTNCORE_API Cancelled : public Error {
  public:
   using Error::Error;
 };

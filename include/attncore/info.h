@@ -4,9 +4,12 @@
 #include <string>
 #include <vector>
 
+#include "attncore/export.h"
+#include "attncore/version.h"
+
 namespace attncore {
 
-struct CpuInfo {
+struct ATTNCORE_API CpuInfo {
   std::string vendor;                 // "AuthenticAMD", ...
   std::string brand;                  // "AMD EPYC ..."
   int logical_cores = 1;              // std::thread::hardware_concurrency()
@@ -14,34 +17,35 @@ struct CpuInfo {
   bool has(const std::string& feature) const;
 };
 
-CpuInfo cpu_info();
+ATTNCORE_API CpuInfo cpu_info();
 
-// The library version, "MAJOR.MINOR.PATCH".
-const char* version();
+// The version of the library loaded, "MAJOR.MINOR.PATCH" (ATTNCORE_VERSION of
+// attncore/version.h is the version of the headers compiled against).
+ATTNCORE_API const char* version();
 
 // Threads a call with num_threads = 0 uses when set_num_threads (attncore/options.h) has set
 // none: ATTNCORE_NUM_THREADS if set, else the CPUs the calling thread may run on
 // (sched_getaffinity; at most kMaxThreads). Throws InvalidArgument when ATTNCORE_NUM_THREADS
 // is set to anything but an integer from 1 to kMaxThreads.
-int default_num_threads();
+ATTNCORE_API int default_num_threads();
 
 // Measured peak f32 FMA throughput of `threads` threads in GFLOP/s: independent FMA chains in
 // registers on the widest vector unit the CPU has, best of a few short runs (~0.1 s each).
-double measure_fma_peak_gflops(int threads);
+ATTNCORE_API double measure_fma_peak_gflops(int threads);
 
 // SIMD targets of the fused kernels compiled into this build, best first ("avx512", "avx2",
 // "generic"), and those this CPU can run.
-std::vector<std::string> simd_targets_compiled();
-std::vector<std::string> simd_targets_supported();
+ATTNCORE_API std::vector<std::string> simd_targets_compiled();
+ATTNCORE_API std::vector<std::string> simd_targets_supported();
 
 // The target the fused kernels use now: the best supported one unless set_simd_target chose.
-std::string simd_target();
+ATTNCORE_API std::string simd_target();
 
 // Makes every later call use `name` ("" = automatic); returns the previous setting. Throws
 // InvalidArgument when `name` is not compiled in or this CPU cannot run it. Process-wide.
-std::string set_simd_target(const std::string& name);
+ATTNCORE_API std::string set_simd_target(const std::string& name);
 
 // The BLAS library the math backend calls, as it reports itself.
-std::string blas_info();
+ATTNCORE_API std::string blas_info();
 
 }  // namespace attncore

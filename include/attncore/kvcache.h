@@ -26,6 +26,7 @@
 #include <optional>
 
 #include "attncore/attncore.h"
+#include "attncore/export.h"
 
 namespace attncore {
 
@@ -44,21 +45,23 @@ struct KvAppend {
   bool rotary_interleaved = false;
 };
 
-ForwardResult forward_kvcache(const TensorView& q, const TensorView& k_cache,
-                              const TensorView& v_cache, const KvCacheSeqs& seqs,
-                              const Options& options = {}, Backend backend = Backend::automatic);
+ATTNCORE_API ForwardResult forward_kvcache(const TensorView& q, const TensorView& k_cache,
+                                           const TensorView& v_cache, const KvCacheSeqs& seqs,
+                                           const Options& options = {},
+                                           Backend backend = Backend::automatic);
 
 // Into caller-provided views: out [B, Hq, Lq, Dv] and, when given, lse [B, Hq, Lq].
-void forward_kvcache_into(const TensorView& q, const TensorView& k_cache,
-                          const TensorView& v_cache, const KvCacheSeqs& seqs,
-                          const TensorView& out, const std::optional<TensorView>& lse,
-                          const Options& options = {}, Backend backend = Backend::automatic);
+ATTNCORE_API void forward_kvcache_into(const TensorView& q, const TensorView& k_cache,
+                                       const TensorView& v_cache, const KvCacheSeqs& seqs,
+                                       const TensorView& out, const std::optional<TensorView>& lse,
+                                       const Options& options = {},
+                                       Backend backend = Backend::automatic);
 
 // Appends k_new / v_new into the cache (in place), then attends (see above). Appending with
 // cache_batch_idx needs distinct rows (two sequences cannot write one cache row).
-ForwardResult forward_kvcache(const TensorView& q, const TensorView& k_cache,
-                              const TensorView& v_cache, const KvCacheSeqs& seqs,
-                              const KvAppend& append, const Options& options = {},
-                              Backend backend = Backend::automatic);
+ATTNCORE_API ForwardResult forward_kvcache(const TensorView& q, const TensorView& k_cache,
+                                           const TensorView& v_cache, const KvCacheSeqs& seqs,
+                                           const KvAppend& append, const Options& options = {},
+                                           Backend backend = Backend::automatic);
 
 }  // namespace attncore

@@ -14,6 +14,7 @@
 // lse.transposed(0, 1) all work.
 #pragma once
 
+#include "attncore/export.h"
 #include "attncore/tensor.h"
 
 namespace attncore {
@@ -23,15 +24,15 @@ struct MergeResult {
   Tensor lse;  // out's shape without its last dim
 };
 
-MergeResult merge_attention_states(const TensorView& out_a, const TensorView& lse_a,
-                                   const TensorView& out_b, const TensorView& lse_b,
-                                   int num_threads = 0);
+ATTNCORE_API MergeResult merge_attention_states(const TensorView& out_a, const TensorView& lse_a,
+                                                const TensorView& out_b, const TensorView& lse_b,
+                                                int num_threads = 0);
 
 // Into caller-provided views. `out` may be the very view out_a or out_b (and `lse` lse_a or
 // lse_b): each row is read before it is written, so a running merge needs no copy.
-void merge_attention_states_into(const TensorView& out_a, const TensorView& lse_a,
-                                 const TensorView& out_b, const TensorView& lse_b,
-                                 const TensorView& out, const TensorView& lse,
-                                 int num_threads = 0);
+ATTNCORE_API void merge_attention_states_into(const TensorView& out_a, const TensorView& lse_a,
+                                              const TensorView& out_b, const TensorView& lse_b,
+                                              const TensorView& out, const TensorView& lse,
+                                              int num_threads = 0);
 
 }  // namespace attncore

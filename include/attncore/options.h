@@ -6,6 +6,7 @@
 #include <optional>
 #include <string_view>
 
+#include "attncore/export.h"
 #include "attncore/tensor.h"
 
 namespace attncore {
@@ -22,12 +23,12 @@ inline constexpr int kMaxThreads = 1024;
 // ATTNCORE_NUM_THREADS and the affinity mask again); a negative count or one past kMaxThreads
 // throws InvalidArgument and leaves the setting as it was. Returns the previous setting (0 when
 // none). Safe to call from any thread; calls already running keep their count.
-int set_num_threads(int num_threads);
+ATTNCORE_API int set_num_threads(int num_threads);
 
 // The thread count a call with Options::num_threads = 0 made now from this thread would use:
 // set_num_threads's setting, else default_num_threads() (attncore/info.h), whose
 // InvalidArgument for a bad ATTNCORE_NUM_THREADS it passes on.
-int get_num_threads();
+ATTNCORE_API int get_num_threads();
 
 // Which diagonal a causal mask keeps (query row i, key column j, lengths Lq and Lk).
 enum class Causal : std::uint8_t {
@@ -46,11 +47,11 @@ enum class Backend : std::uint8_t {
   flash,      // fused: tiled online softmax, SIMD, never materialises Lq x Lk (f32/bf16/f16)
 };
 
-std::string_view name_of(Causal c);
+ATTNCORE_API std::string_view name_of(Causal c);
 // "auto", "reference", "math", "flash".
-std::string_view name_of(Backend b);
+ATTNCORE_API std::string_view name_of(Backend b);
 // The backend name_of(b) names; InvalidArgument on any other name.
-Backend backend_from_name(std::string_view name);
+ATTNCORE_API Backend backend_from_name(std::string_view name);
 
 struct Options {
   // Multiplies q.k; default 1/sqrt(D). Must be finite and > 0.

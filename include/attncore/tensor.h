@@ -9,6 +9,7 @@
 #include <string>
 
 #include "attncore/dtype.h"
+#include "attncore/export.h"
 
 namespace attncore {
 
@@ -17,7 +18,7 @@ inline constexpr int kMaxRank = 4;
 // A strided window onto memory the caller owns. Shape and strides count elements, never bytes,
 // so a [B, L, H, D] (flash) buffer is passed as a [B, H, L, D] view with permuted strides and
 // no copy. Strides may be 0 (broadcast) but never negative.
-struct TensorView {
+struct ATTNCORE_API TensorView {
   void* data = nullptr;
   DType dtype = DType::f32;
   int rank = 0;
@@ -41,7 +42,7 @@ struct TensorView {
 };
 
 // Owning, zero-initialised, 64-byte aligned, row-major contiguous storage.
-class Tensor {
+class ATTNCORE_API Tensor {
  public:
   Tensor() = default;
   Tensor(DType dtype, std::initializer_list<std::int64_t> shape);

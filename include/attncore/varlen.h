@@ -16,6 +16,7 @@
 #include <optional>
 
 #include "attncore/attncore.h"
+#include "attncore/export.h"
 
 namespace attncore {
 
@@ -28,37 +29,44 @@ struct VarlenSeqs {
 };
 
 // Forward into new tensors: out [total_q, Hq, Dv], lse [Hq, total_q].
-ForwardResult forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
-                             const VarlenSeqs& seqs, const Options& options = {},
-                             Backend backend = Backend::automatic);
+ATTNCORE_API ForwardResult forward_varlen(const TensorView& q, const TensorView& k,
+                                          const TensorView& v, const VarlenSeqs& seqs,
+                                          const Options& options = {},
+                                          Backend backend = Backend::automatic);
 
 // Forward into caller-provided views: out [total_q, Hq, Dv] of q's dtype and, when given,
 // lse [Hq, total_q]. Both are fully written.
-void forward_varlen_into(const TensorView& q, const TensorView& k, const TensorView& v,
-                         const VarlenSeqs& seqs, const TensorView& out,
-                         const std::optional<TensorView>& lse, const Options& options = {},
-                         Backend backend = Backend::automatic);
+ATTNCORE_API void forward_varlen_into(const TensorView& q, const TensorView& k, const TensorView& v,
+                                      const VarlenSeqs& seqs, const TensorView& out,
+                                      const std::optional<TensorView>& lse,
+                                      const Options& options = {},
+                                      Backend backend = Backend::automatic);
 
 // Gradients of the forward call with the same inputs, given its out and lse. dbias is never
 // returned (no tensor masks).
-BackwardResult backward_varlen(const TensorView& dout, const TensorView& q, const TensorView& k,
-                               const TensorView& v, const TensorView& out, const TensorView& lse,
-                               const VarlenSeqs& seqs, const Options& options = {},
-                               Backend backend = Backend::automatic);
+ATTNCORE_API BackwardResult backward_varlen(const TensorView& dout, const TensorView& q,
+                                            const TensorView& k, const TensorView& v,
+                                            const TensorView& out, const TensorView& lse,
+                                            const VarlenSeqs& seqs, const Options& options = {},
+                                            Backend backend = Backend::automatic);
 
-void backward_varlen_into(const TensorView& dout, const TensorView& q, const TensorView& k,
-                          const TensorView& v, const TensorView& out, const TensorView& lse,
-                          const VarlenSeqs& seqs, const TensorView& dq, const TensorView& dk,
-                          const TensorView& dv, const Options& options = {},
-                          Backend backend = Backend::automatic);
+ATTNCORE_API void backward_varlen_into(const TensorView& dout, const TensorView& q,
+                                       const TensorView& k, const TensorView& v,
+                                       const TensorView& out, const TensorView& lse,
+                                       const VarlenSeqs& seqs, const TensorView& dq,
+                                       const TensorView& dk, const TensorView& dv,
+                                       const Options& options = {},
+                                       Backend backend = Backend::automatic);
 
 // Validate like forward_varlen / backward_varlen (reading the sequence arrays) and explain the
 // automatic choice on this thread (attncore/backend.h); run nothing.
-Explanation explain_forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
-                                   const VarlenSeqs& seqs, const Options& options = {});
-Explanation explain_backward_varlen(const TensorView& dout, const TensorView& q,
-                                    const TensorView& k, const TensorView& v, const TensorView& out,
-                                    const TensorView& lse, const VarlenSeqs& seqs,
-                                    const Options& options = {});
+ATTNCORE_API Explanation explain_forward_varlen(const TensorView& q, const TensorView& k,
+                                                const TensorView& v, const VarlenSeqs& seqs,
+                                                const Options& options = {});
+ATTNCORE_API Explanation explain_backward_varlen(const TensorView& dout, const TensorView& q,
+                                                 const TensorView& k, const TensorView& v,
+                                                 const TensorView& out, const TensorView& lse,
+                                                 const VarlenSeqs& seqs,
+                                                 const Options& options = {});
 
 }  // namespace attncore

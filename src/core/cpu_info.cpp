@@ -31,14 +31,11 @@
 #include "attncore/error.h"
 #include "attncore/info.h"
 #include "attncore/options.h"
+#include "attncore/version.h"
 
 #if defined(__x86_64__)
 #include <cpuid.h>
 #include <immintrin.h>
-#endif
-
-#ifndef ATTNCORE_VERSION
-#error "ATTNCORE_VERSION must be defined by the build (CMake passes the project version)"
 #endif
 
 namespace attncore {

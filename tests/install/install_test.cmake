@@ -1,7 +1,8 @@
 # Install tests (cmake -P script):
 #   -DMODE=install     cmake --install BUILD_DIR into PREFIX (a fresh directory)
-#   -DMODE=cmake       configure, build and run consumer/ with find_package(attncore)
-#   -DMODE=pkg-config  compile consumer/main.cpp with `pkg-config --cflags --libs attncore`, run it
+#   -DMODE=cmake       configure, build and run consumer/ (C++17) with find_package(attncore)
+#   -DMODE=pkg-config  compile consumer/main.cpp as C++17 with `pkg-config --cflags --libs
+#                      attncore`, run it
 # Other variables: BUILD_DIR, CONFIG, PREFIX, LIBDIR, WORK (scratch directory), GENERATOR,
 # CXX (compiler), BUILD_TYPE, FLAGS (compile and link flags: the sanitizers of the main build),
 # OPT_FLAGS (the main build's optimisation flags), PKG_CONFIG.
@@ -30,7 +31,7 @@ if(MODE STREQUAL "install")
   endif()
   run_step("cmake --install" "${CMAKE_COMMAND}" --install "${BUILD_DIR}" --prefix "${PREFIX}" ${config_args})
   foreach(f "${libdir}/cmake/attncore/attncoreConfig.cmake" "${libdir}/pkgconfig/attncore.pc"
-            "${PREFIX}/include/attncore/attncore.h")
+            "${PREFIX}/include/attncore/attncore.h" "${PREFIX}/include/attncore/version.h")
     if(NOT EXISTS "${f}")
       message(FATAL_ERROR "not installed: ${f}")
     endif()
@@ -57,7 +58,8 @@ elseif(MODE STREQUAL "pkg-config")
   message(STATUS "pkg-config --cflags --libs attncore: ${pc_flags}")
   separate_arguments(pc_flags UNIX_COMMAND "${pc_flags}")
   separate_arguments(build_flags UNIX_COMMAND "${OPT_FLAGS} ${FLAGS}")
-  run_step("compile consumer" "${CXX}" ${build_flags} "${source_dir}/main.cpp" ${pc_flags}
+  # -std=c++17 first: flags from pkg-config come after it and would win.
+  run_step("compile consumer" "${CXX}" -std=c++17 ${build_flags} "${source_dir}/main.cpp" ${pc_flags}
     "-Wl,-rpath,${libdir}" -o "${WORK}/app")
   run_step("run consumer" "${WORK}/app")
 

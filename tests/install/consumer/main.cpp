@@ -1,5 +1,6 @@
-// Uses the installed attncore: one forward call checked against its closed form, and one call
-// with bad shapes that must throw attncore::InvalidArgument.
+// Uses the installed attncore from C++17: one forward call checked against its closed form, one
+// call with bad shapes that must throw attncore::InvalidArgument, and the version macros of the
+// headers against the version of the library loaded.
 //
 // With q = 0 every score is 0, so the softmax is uniform over the keys:
 // out[b, h, i, :] = mean_j v[b, h / (Hq / Hkv), j, :] and lse[b, h, i] = log(Lk).
@@ -8,6 +9,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <string>
+
+// Built as C++17 by both install tests: a package that forced a newer standard fails here.
+static_assert(__cplusplus == 201703L, "the consumer must compile as C++17");
 
 int main() {
   constexpr std::int64_t kB = 2, kHq = 4, kHkv = 2, kLq = 5, kLk = 7, kD = 8;
@@ -51,6 +57,14 @@ int main() {
     return 1;
   } catch (const attncore::InvalidArgument& e) {
     std::printf("expected error: %s\n", e.what());
+  }
+  const std::string from_macros = std::to_string(ATTNCORE_VERSION_MAJOR) + "." +
+                                  std::to_string(ATTNCORE_VERSION_MINOR) + "." +
+                                  std::to_string(ATTNCORE_VERSION_PATCH);
+  if (from_macros != ATTNCORE_VERSION || std::strcmp(ATTNCORE_VERSION, attncore::version()) != 0) {
+    std::fprintf(stderr, "versions differ: macros %s, ATTNCORE_VERSION %s, library %s\n",
+                 from_macros.c_str(), ATTNCORE_VERSION, attncore::version());
+    return 1;
   }
   std::printf("attncore %s: ok (max error %g)\n", attncore::version(), err);
   return 0;
