@@ -461,13 +461,15 @@ void copy_view(const TensorView& src, const TensorView& dst) {
 
 // Attention over a KV cache: q [B, Hq, Lq, D], k_cache [B_cache, Hkv, capacity, D], v_cache
 // [B_cache, Hkv, capacity, Dv] (the flash layout's transposed(1, 2) views), int32 cache_seqlens
-// [B] and optional cache_batch_idx, cache_leftpad [B]. With k_new / v_new [B, Hkv, L_new, D]
+// [B] and optional cache_batch_idx, cache_leftpad [B]; with an int32 block_table
+// [B, max_pages_per_seq] the caches are page pools [num_pages, Hkv, page_size, D]. With k_new / v_new [B, Hkv, L_new, D]
 // the new rows are written into the caches in place first (rotated with f32 rotary_cos,
 // rotary_sin [positions, rotary_dim / 2] when given). Writes out [B, Hq, Lq, Dv] and, when
 // given, lse [B, Hq, Lq].
 void forward_kvcache(py::handle q, py::handle k_cache, py::handle v_cache,
                      py::handle cache_seqlens, py::handle cache_batch_idx,
-                     py::handle cache_leftpad, py::handle k_new, py::handle v_new,
+                     py::handle cache_leftpad, py::handle block_table, py::handle k_new,
+                     py::handle v_new,
                      py::handle rotary_cos, py::handle rotary_sin, bool rotary_interleaved,
                      py::handle out, py::handle lse, py::handle alibi_slopes,
                      const CallOptions& call) {
@@ -479,6 +481,7 @@ void forward_kvcache(py::handle q, py::handle k_cache, py::handle v_cache,
   const Borrowed blens(cache_seqlens, op, "cache_seqlens", false);
   const auto bidx = borrow_optional(cache_batch_idx, op, "cache_batch_idx", false);
   const auto bpad = borrow_optional(cache_leftpad, op, "cache_leftpad", false);
+  const auto btable = borrow_optional(block_table, op, "block_table", false);
   const auto bknew = borrow_optional(k_new, op, "k", false);
   const auto bvnew = borrow_optional(v_new, op, "v", false);
   const auto bcos = borrow_optional(rotary_cos, op, "rotary_cos", false);
@@ -488,7 +491,7 @@ void forward_kvcache(py::handle q, py::handle k_cache, py::handle v_cache,
   const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
   const attncore::Options options = call.options(op, std::nullopt, balibi, false);
   const attncore::Backend backend = backend_from_name(op, call.backend);
-  const attncore::KvCacheSeqs seqs{blens.view(), view_of(bidx), view_of(bpad)};
+  const attncore::KvCacheSeqs seqs{blens.view(), view_of(bidx), view_of(bpad), view_of(btable)};
   if (bknew.has_value() != bvnew.has_value())
     throw InvalidArgument(std::string(op) + ": k and v must be given together (k is " +
                           (bknew ? "set" : "None") + ", v is " + (bvnew ? "set" : "None") + ")");
@@ -598,7 +601,8 @@ PYBIND11_MODULE(_core, m) {
       "The data address of each array of this thread's last call, by name");
   m.def("forward_kvcache", &forward_kvcache, py::arg("query"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("cache_seqlens"), py::arg("cache_batch_idx").none(true),
-        py::arg("cache_leftpad").none(true), py::arg("k").none(true), py::arg("v").none(true),
+        py::arg("cache_leftpad").none(true), py::arg("block_table").none(true),
+        py::arg("k").none(true), py::arg("v").none(true),
         py::arg("rotary_cos").none(true), py::arg("rotary_sin").none(true),
         py::arg("rotary_interleaved"), py::arg("out"), py::arg("lse").none(true),
         py::arg("alibi_slopes").none(true), py::arg("options"));

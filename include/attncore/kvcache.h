@@ -21,6 +21,16 @@
 // of query row i at that position plus i when causal or windowed, else at
 // cache_seqlens[b] - leftpad[b] (flash-attn's convention); interleaved pairs dims (2i, 2i + 1),
 // else dim i with dim i + rotary_dim / 2.
+//
+// Paged cache (KvCacheSeqs::block_table given): k_cache is a pool of pages
+// [num_pages, Hkv, page_size, D] (flash layout [num_pages, page_size, Hkv, D] transposed(1, 2),
+// as for the dense cache), v_cache [num_pages, Hkv, page_size, Dv], any page_size >= 1. Each
+// sequence has capacity max_pages_per_seq * page_size; its slot s is row s % page_size of page
+// block_table[b][s / page_size]. Every page a sequence uses (slots [leftpad, cache_seqlens),
+// after the append) must be in [0, num_pages); other entries (-1 for unmapped) are not read.
+// cache_batch_idx is refused with a block table (flash-attn refuses it too); cache_leftpad
+// works. Appends write through the block table as given: a page two sequences share is written
+// for both (attncore/paged.h's PagedKvCache copies shared pages before writing; this does not).
 #pragma once
 
 #include <optional>
@@ -34,6 +44,7 @@ struct KvCacheSeqs {
   TensorView cache_seqlens;                   // i32 [B]: 0 <= cache_seqlens[b] <= capacity
   std::optional<TensorView> cache_batch_idx;  // i32 [B]: rows of the cache, 0 <= idx < B_cache
   std::optional<TensorView> cache_leftpad;    // i32 [B]: 0 <= leftpad[b] <= cache_seqlens[b]
+  std::optional<TensorView> block_table;      // i32 [B, max_pages_per_seq]; -1 = unmapped
 };
 
 struct KvAppend {

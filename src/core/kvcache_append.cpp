@@ -7,6 +7,8 @@
 
 #include "attncore/kvcache.h"
 #include "core/convert.h"
+#include "core/select.h"
+#include "core/sequence.h"
 #include "core/validate.h"
 #include "core/validate_checks.h"
 
@@ -61,7 +63,7 @@ std::vector<std::int32_t> validate_append(const Checker& check, const Params& p,
   check.writable(k_cache, "k_cache");
   check.writable(v_cache, "v_cache");
   const detail::SeqInfo& seq = p.seq;
-  const std::int64_t capacity = k_cache.size(2);
+  const std::int64_t capacity = seq.lk;  // dense: slots per row; paged: pages per seq * page_size
   std::vector<std::int32_t> lengths(static_cast<std::size_t>(p.batch));
   for (std::int64_t b = 0; b < p.batch; ++b) {
     const std::int64_t end = seq.cache_seqlens[b] + l_new;
@@ -127,18 +129,19 @@ void append_rows(const Params& p, const TensorView& q, const TensorView& k_cache
   for (std::int64_t b = 0; b < p.batch; ++b) {
     const std::int64_t slot0 = seq.cache_seqlens[b];
     const std::int64_t base = slot0 - (seq.cache_leftpad != nullptr ? seq.cache_leftpad[b] : 0);
-    const std::int64_t r = seq.cache_batch != nullptr ? seq.cache_batch[b] : b;
+    // Sequence b's keys (its cache row, or its pages): new key j is its key base + j.
+    const auto s = detail::resolve_sequence(p, detail::ForwardArgs{q, k_cache, v_cache, {}, {}}, b);
     for (std::int64_t h = 0; h < p.heads_kv; ++h) {
       for (std::int64_t j = 0; j < l_new; ++j) {
         detail::load_row(append.k_new.data, append.k_new.dtype,
                          detail::offset4(append.k_new, b, h, j, 0), d, row.data());
         if (rotary.cos != nullptr) rotate(rotary, base + j, row.data());
-        detail::store_row(row.data(), d, k_cache.data, k_cache.dtype,
-                          detail::offset4(k_cache, r, h, slot0 + j, 0));
+        detail::store_row(row.data(), d, s.a.k.data, k_cache.dtype,
+                          detail::kv_offset(s.p, s.a.k, 0, h, base + j));
         detail::load_row(append.v_new.data, append.v_new.dtype,
                          detail::offset4(append.v_new, b, h, j, 0), dv, row.data());
-        detail::store_row(row.data(), dv, v_cache.data, v_cache.dtype,
-                          detail::offset4(v_cache, r, h, slot0 + j, 0));
+        detail::store_row(row.data(), dv, s.a.v.data, v_cache.dtype,
+                          detail::kv_offset(s.p, s.a.v, 0, h, base + j));
       }
     }
     if (rotary.cos == nullptr) continue;
@@ -166,6 +169,16 @@ ForwardResult forward_kvcache(const TensorView& q, const TensorView& k_cache,
       validate_append(check, p, q, k_cache, v_cache, append, options, &rotary);
   const bool aligned =
       options.causal != Causal::none || options.window_left >= 0 || options.window_right >= 0;
+  const Tensor lengths_t(DType::i32, {p.batch});
+  std::copy(lengths.begin(), lengths.end(), static_cast<std::int32_t*>(lengths_t.data()));
+  KvCacheSeqs after = seqs;
+  after.cache_seqlens = lengths_t.view();
+  // What the attending call checks, checked before anything is written: the lengths after the
+  // append (a paged cache: the pages of the appended slots) and that the backend asked for runs.
+  const Params p_after = detail::validate_kvcache_forward(args, after, options, backend, false);
+  if (backend != Backend::automatic) {
+    (void)detail::select_backend(detail::Pass::forward, p_after, detail::Launch{}, backend);
+  }
   Tensor rotated;
   if (rotary.cos != nullptr) rotated = Tensor(q.dtype, {p.batch, p.heads_q, p.seq.lq, p.head_dim});
   if (p.dtype == DType::f64) {
@@ -173,10 +186,6 @@ ForwardResult forward_kvcache(const TensorView& q, const TensorView& k_cache,
   } else {
     append_rows<float>(p, q, k_cache, v_cache, append, rotary, aligned, &rotated);
   }
-  const Tensor lengths_t(DType::i32, {p.batch});
-  std::copy(lengths.begin(), lengths.end(), static_cast<std::int32_t*>(lengths_t.data()));
-  KvCacheSeqs after = seqs;
-  after.cache_seqlens = lengths_t.view();
   return forward_kvcache(rotary.cos != nullptr ? rotated.view() : q, k_cache, v_cache, after,
                          options, backend);
 }

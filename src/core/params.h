@@ -21,16 +21,19 @@ enum class MaskKind : std::uint8_t { none, boolean, additive };
 // Where sequence b's rows are: query rows [q0, q0 + lq) and key rows [k0, k0 + lk) of the
 // packed buffers (dense: q0 = k0 = 0, the batch dim addresses the sequence). kv_batch >= 0:
 // the keys are in batch row kv_batch of the K/V views (a KV cache's row), not in row b.
+// pages (paged cache): sequence b's row of the block table; its keys are the cache's slots
+// [k0, k0 + lk), slot s being row s % page_size of page pages[s / page_size].
 struct SeqSpan {
   std::int64_t q0, lq, k0, lk;
   std::int64_t kv_batch = -1;
+  const std::int32_t* pages = nullptr;
 };
 
 // The sequence-info policy: dense (every sequence has lq queries and lk keys), varlen
 // (flash-attn's cu_seqlens: sequence b has queries [cu_q[b], cu_q[b+1]) and keys
 // [cu_k[b], cu_k[b] + (used_k ? used_k[b] : cu_k[b+1] - cu_k[b]))), or a KV cache (lq queries
 // per sequence; sequence b's keys are slots [leftpad[b], cache_seqlens[b]) of cache row
-// cache_batch[b], or of row b).
+// cache_batch[b], or of row b; paged: of the pages its row of block_table names).
 struct SeqInfo {
   // Dense: the lengths of every sequence. Varlen: max_seqlen_q / max_seqlen_k as passed (they
   // may exceed the real maxima; dropout addresses elements with them). Cache: Lq and the
@@ -44,6 +47,12 @@ struct SeqInfo {
   const std::int32_t* cache_seqlens = nullptr;
   const std::int32_t* cache_batch = nullptr;
   const std::int32_t* cache_leftpad = nullptr;
+  // Paged cache only (null otherwise), validated: int32 [B, pages per sequence], row b at
+  // block_table + b * block_table_stride (elements); every page a sequence uses is a valid page
+  // of the pool. lk is then the capacity pages per sequence * page_size.
+  const std::int32_t* block_table = nullptr;
+  std::int64_t block_table_stride = 0;
+  std::int64_t page_size = 0;
   // Varlen and cache: the longest real sequence (sizes workspaces). Varlen: the rows of the
   // buffers.
   std::int64_t longest_q = 0, longest_k = 0;
@@ -51,6 +60,7 @@ struct SeqInfo {
 
   bool varlen() const { return cu_q != nullptr; }
   bool cache() const { return cache_seqlens != nullptr; }
+  bool paged() const { return block_table != nullptr; }
   // Whether sequences differ (varlen, cache): backends resolve each one (core/sequence.h).
   bool per_sequence() const { return varlen() || cache(); }
   // The longest query / key sequence any work item sees.
@@ -59,6 +69,9 @@ struct SeqInfo {
   SeqSpan at(std::int64_t b) const {
     if (cache()) {
       const std::int64_t k0 = cache_leftpad != nullptr ? cache_leftpad[b] : 0;
+      if (block_table != nullptr) {
+        return {0, lq, k0, cache_seqlens[b] - k0, -1, block_table + b * block_table_stride};
+      }
       return {0, lq, k0, cache_seqlens[b] - k0, cache_batch != nullptr ? cache_batch[b] : b};
     }
     if (!varlen()) return {0, lq, 0, lk};
@@ -78,6 +91,16 @@ struct Dropout {
   bool active() const { return p > 0.0; }
 };
 
+// A paged KV source (docs/design.md section 1, KV cache): key j of this sequence is row
+// (first + j) % page_size of page pages[(first + j) / page_size] of the K/V views, whose dim 0
+// is the page and dim 2 the row within the page. pages == nullptr: K/V are plain views.
+struct KvPages {
+  const std::int32_t* pages = nullptr;
+  std::int64_t page_size = 0;
+  std::int64_t first = 0;
+  bool paged() const { return pages != nullptr; }
+};
+
 struct Params {
   // Geometry.
   std::int64_t batch = 0;       // B
@@ -88,8 +111,9 @@ struct Params {
   std::int64_t group = 1;       // Hq / Hkv: query heads per key/value head
   DType dtype = DType::f32;     // of q, k, v, out (and dout, dq, dk, dv)
 
-  // Sequence info: a resolved (per-sequence) Params is always dense.
+  // Sequence info: a resolved (per-sequence) Params is always dense; its keys may be paged.
   SeqInfo seq;
+  KvPages kv_pages;  // set only by resolve_sequence, for a sequence of a paged cache
 
   // Variant: score modifiers and masks (docs/design.md section 1.2-1.3).
   double scale = 1.0;

@@ -1,7 +1,9 @@
-// Rows of a varlen call's buffers that belong to no sequence (core/sequence.h).
+// Rows of a varlen call's buffers that belong to no sequence, and a paged sequence gathered
+// into plain K/V rows (core/sequence.h).
 #include "core/sequence.h"
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "core/convert.h"
@@ -31,6 +33,22 @@ void fill_lse(const TensorView& t, std::int64_t begin, std::int64_t end) {
   }
 }
 
+// Rows of a paged K or V view ([num_pages, H, page_size, width]) of sequence p into dst
+// [1, H, Lk, width], contiguous.
+void gather_rows(const Params& p, const TensorView& pool, std::int64_t width, Tensor* dst) {
+  const std::int64_t heads = pool.shape[1], lk = p.seq.lk;
+  *dst = Tensor(pool.dtype, {1, heads, lk, width});
+  const auto row_bytes = static_cast<std::size_t>(width) * size_of(pool.dtype);
+  for (std::int64_t h = 0; h < heads; ++h) {
+    for (std::int64_t j = 0; j < lk; ++j) {
+      std::memcpy(static_cast<char*>(dst->data()) + (h * lk + j) * static_cast<std::int64_t>(row_bytes),
+                  static_cast<const char*>(pool.data) +
+                      kv_offset(p, pool, 0, h, j) * static_cast<std::int64_t>(size_of(pool.dtype)),
+                  row_bytes);
+    }
+  }
+}
+
 // Calls f(begin, end) for each run of key rows no sequence uses.
 template <class F>
 void for_each_unused_key_run(const Params& p, F&& f) {
@@ -42,6 +60,19 @@ void for_each_unused_key_run(const Params& p, F&& f) {
 }
 
 }  // namespace
+
+Sequence<ForwardArgs> gather_kv_pages(const Params& p, const ForwardArgs& a, Tensor* k_rows,
+                                      Tensor* v_rows) {
+  if (!p.kv_pages.paged()) return {p, a};
+  gather_rows(p, a.k, p.head_dim, k_rows);
+  gather_rows(p, a.v, p.head_dim_v, v_rows);
+  Sequence<ForwardArgs> r{p, a};
+  r.p.kv_pages = KvPages{};
+  r.a.k = k_rows->view();
+  r.a.v = v_rows->view();
+  r.a.k.stride[0] = r.a.v.stride[0] = 0;
+  return r;
+}
 
 void fill_unused_rows(const Params& p, const ForwardArgs& a) {
   if (!p.seq.varlen()) return;

@@ -24,18 +24,23 @@ inline TensorView rows_of(const TensorView& t, std::int64_t first, std::int64_t 
   return r;
 }
 
-// Params of sequence b: dense, its own lengths. Dropout keeps the call's addressing.
+// Params of sequence b: dense, its own lengths; a paged sequence keeps where its keys are in
+// kv_pages. Dropout keeps the call's addressing.
 inline Params sequence_params(const Params& p, const SeqSpan& s) {
   Params r = p;
+  const std::int64_t page_size = p.seq.page_size;
   r.seq = SeqInfo{};
   r.seq.lq = s.lq;
   r.seq.lk = s.lk;
+  if (s.pages != nullptr) r.kv_pages = KvPages{s.pages, page_size, s.k0};
   return r;
 }
 
 // Key rows [first, first + count) of K or V; with kv_batch >= 0, of batch row kv_batch (the
-// view's batch stride becomes 0: the sequence's own index b then addresses no memory).
+// view's batch stride becomes 0: the sequence's own index b then addresses no memory). A
+// paged sequence's K/V stay the page pools (its keys are found through Params::kv_pages).
 inline TensorView kv_rows_of(const TensorView& t, const SeqSpan& s) {
+  if (s.pages != nullptr) return t;
   TensorView r = rows_of(t, s.k0, s.lk);
   if (s.kv_batch >= 0 && r.data != nullptr) {
     r.data = static_cast<char*>(r.data) +
@@ -57,6 +62,17 @@ inline BackwardArgs sequence_args(const BackwardArgs& a, const SeqSpan& s) {
           a.dbias};
 }
 
+// The element offset of (batch b, kv head h, key j, dim 0) in K or V of a resolved sequence,
+// paged or not: for a paged one, row (first + j) % page_size of page
+// pages[(first + j) / page_size] (b addresses nothing).
+inline std::int64_t kv_offset(const Params& p, const TensorView& t, std::int64_t b,
+                              std::int64_t h, std::int64_t j) {
+  if (!p.kv_pages.paged()) return b * t.stride[0] + h * t.stride[1] + j * t.stride[2];
+  const std::int64_t slot = p.kv_pages.first + j;
+  return p.kv_pages.pages[slot / p.kv_pages.page_size] * t.stride[0] + h * t.stride[1] +
+         (slot % p.kv_pages.page_size) * t.stride[2];
+}
+
 // A call's sequence b, resolved: what a backend's work item runs on.
 template <class Args>
 struct Sequence {
@@ -70,6 +86,12 @@ Sequence<Args> resolve_sequence(const Params& p, const Args& a, std::int64_t b) 
   const SeqSpan s = p.seq.at(b);
   return {sequence_params(p, s), sequence_args(a, s)};
 }
+
+// For backends that want plain K/V views: a paged sequence's K and V copied row by row (same
+// dtype, so the same bits) into k_rows [1, Hkv, Lk, D] and v_rows [1, Hkv, Lk, Dv] (batch
+// stride 0), its Params made unpaged. Anything else is returned as it is.
+Sequence<ForwardArgs> gather_kv_pages(const Params& p, const ForwardArgs& a, Tensor* k_rows,
+                                      Tensor* v_rows);
 
 // A varlen or cache call seen as a dense batch of the same number of sequences, query rows and
 // (query, key) pairs: Lq = the mean query length, Lk = pairs / query rows (rounded). What the

@@ -31,6 +31,46 @@ const std::int32_t* index_array(const Checker& check, const TensorView& t, const
   return static_cast<const std::int32_t*>(t.data);
 }
 
+// The block table of a paged cache: int32 [B, pages per sequence], unit inner stride; sets
+// seq's block table fields. Its values are checked per sequence (check_pages).
+void block_table_of(const Checker& check, const TensorView& t, std::int64_t batch,
+                    std::int64_t page_size, SeqInfo& seq) {
+  check.structure(t, "block_table");
+  if (t.dtype != DType::i32) {
+    check.fail("block_table has the wrong dtype (dtype=" + std::string(name_of(t.dtype)) +
+               ", expected i32)");
+  }
+  if (t.rank != 2 || t.size(0) != batch) {
+    check.fail("block_table has shape " + t.shape_string() + ", expected [" +
+               std::to_string(batch) + ", max_pages_per_seq] ([B, max_pages_per_seq])");
+  }
+  if (t.size(1) > 1 && t.stride_of(1) != 1) {
+    check.fail("block_table has a non-unit last stride (stride[1]=" +
+               std::to_string(t.stride_of(1)) + ", expected 1)");
+  }
+  check.count("block_table makes too large a capacity", "max_pages_per_seq * page_size",
+              {t.size(1), page_size});
+  seq.block_table = static_cast<const std::int32_t*>(t.data);
+  seq.block_table_stride = t.stride_of(0);
+  seq.page_size = page_size;
+}
+
+// Every page sequence b uses (slots [start, end)) is a page of the pool.
+void check_pages(const Checker& check, const SeqInfo& seq, std::int64_t b, std::int64_t start,
+                 std::int64_t end, std::int64_t num_pages) {
+  if (start >= end) return;
+  const std::int32_t* row = seq.block_table + b * seq.block_table_stride;
+  for (std::int64_t i = start / seq.page_size; i <= (end - 1) / seq.page_size; ++i) {
+    if (row[i] < 0 || row[i] >= num_pages) {
+      check.fail("block_table names no page of the cache for slots in use (block_table[" +
+                 std::to_string(b) + "][" + std::to_string(i) + "]=" + std::to_string(row[i]) +
+                 ", expected 0 <= page < num_pages=" + std::to_string(num_pages) +
+                 " for sequence " + std::to_string(b) + "'s slots [" + std::to_string(start) +
+                 ", " + std::to_string(end) + "))");
+    }
+  }
+}
+
 }  // namespace
 
 Params validate_kvcache_forward(const ForwardArgs& a, const KvCacheSeqs& s, const Options& o,
@@ -38,8 +78,11 @@ Params validate_kvcache_forward(const ForwardArgs& a, const KvCacheSeqs& s, cons
   const Checker check("forward");
   check.backend(backend);
   check.view(a.q, "query", 4, "[B, Hq, Lq, D]");
-  check.view(a.k, "k_cache", 4, "[B_cache, Hkv, capacity, D]");
-  check.view(a.v, "v_cache", 4, "[B_cache, Hkv, capacity, Dv]");
+  const bool paged = s.block_table.has_value();
+  check.view(a.k, "k_cache", 4,
+             paged ? "[num_pages, Hkv, page_size, D]" : "[B_cache, Hkv, capacity, D]");
+  check.view(a.v, "v_cache", 4,
+             paged ? "[num_pages, Hkv, page_size, Dv]" : "[B_cache, Hkv, capacity, Dv]");
   check.inputs(a.q, a.k, a.v);
   Params p;
   p.dtype = a.q.dtype;
@@ -49,27 +92,43 @@ Params validate_kvcache_forward(const ForwardArgs& a, const KvCacheSeqs& s, cons
   p.heads_kv = a.k.size(1);
   p.head_dim_v = a.v.size(3);
   check.dims(p);
-  const std::int64_t cache_batch = a.k.size(0), capacity = a.k.size(2);
+  // Dense: cache rows and slots per row; paged: pages and rows per page.
+  const std::int64_t cache_batch = a.k.size(0), rows = a.k.size(2);
   if (p.heads_kv < 1 || p.heads_q % p.heads_kv != 0 || a.k.size(3) != p.head_dim) {
-    check.fail("k_cache has shape " + a.k.shape_string() + ", expected [B_cache, Hkv, capacity, " +
+    check.fail("k_cache has shape " + a.k.shape_string() + ", expected " +
+               (paged ? "[num_pages, Hkv, page_size, " : "[B_cache, Hkv, capacity, ") +
                std::to_string(p.head_dim) + "] with Hq % Hkv == 0 (Hq=" +
                std::to_string(p.heads_q) + ", Hkv=" + std::to_string(p.heads_kv) + ")");
   }
   check.group(p, o);
-  const std::int64_t v_expected[4] = {cache_batch, p.heads_kv, capacity, p.head_dim_v};
-  check.shape(a.v, "v_cache", v_expected, "[B_cache, Hkv, capacity, Dv] like k_cache");
+  const std::int64_t v_expected[4] = {cache_batch, p.heads_kv, rows, p.head_dim_v};
+  check.shape(a.v, "v_cache", v_expected,
+              paged ? "[num_pages, Hkv, page_size, Dv] like k_cache"
+                    : "[B_cache, Hkv, capacity, Dv] like k_cache");
 
   SeqInfo& seq = p.seq;
   seq.lq = a.q.size(2);
-  seq.lk = capacity;
   seq.cache_seqlens = index_array(check, s.cache_seqlens, "cache_seqlens", p.batch);
-  if (s.cache_batch_idx.has_value()) {
+  if (paged) {
+    if (rows < 1) {
+      check.fail("k_cache has shape " + a.k.shape_string() +
+                 ", expected [num_pages, Hkv, page_size, D] with page_size >= 1 (page_size=" +
+                 std::to_string(rows) + ")");
+    }
+    block_table_of(check, *s.block_table, p.batch, rows, seq);
+    if (s.cache_batch_idx.has_value()) {
+      check.unsupported("cache_batch_idx is not supported with a paged cache (cache_batch_idx="
+                        "given, expected none with block_table); flash-attn refuses it too");
+    }
+  } else if (s.cache_batch_idx.has_value()) {
     seq.cache_batch = index_array(check, *s.cache_batch_idx, "cache_batch_idx", p.batch);
   } else if (cache_batch != p.batch) {
     check.fail("k_cache has shape " + a.k.shape_string() + ", expected a batch of " +
                std::to_string(p.batch) + " like query (B_cache=" + std::to_string(cache_batch) +
                ", expected B_cache == B without cache_batch_idx)");
   }
+  const std::int64_t capacity = paged ? s.block_table->size(1) * rows : rows;
+  seq.lk = capacity;
   if (s.cache_leftpad.has_value()) {
     seq.cache_leftpad = index_array(check, *s.cache_leftpad, "cache_leftpad", p.batch);
   }
@@ -78,7 +137,8 @@ Params validate_kvcache_forward(const ForwardArgs& a, const KvCacheSeqs& s, cons
     if (end < 0 || end > capacity) {
       check.fail("cache_seqlens is out of range (cache_seqlens[" + std::to_string(b) +
                  "]=" + std::to_string(end) + ", expected 0 <= cache_seqlens[b] <= capacity=" +
-                 std::to_string(capacity) + ")");
+                 (paged ? "max_pages_per_seq * page_size=" : "") + std::to_string(capacity) +
+                 ")");
     }
     if (seq.cache_batch != nullptr &&
         (seq.cache_batch[b] < 0 || seq.cache_batch[b] >= cache_batch)) {
@@ -92,6 +152,7 @@ Params validate_kvcache_forward(const ForwardArgs& a, const KvCacheSeqs& s, cons
                  "]=" + std::to_string(start) + ", expected 0 <= cache_leftpad[b] <= "
                  "cache_seqlens[b]=" + std::to_string(end) + ")");
     }
+    if (paged) check_pages(check, seq, b, start, end, cache_batch);
     seq.longest_k = std::max(seq.longest_k, end - start);
   }
   seq.longest_q = seq.lq;
@@ -132,7 +193,8 @@ Params validate_kvcache_forward(const ForwardArgs& a, const KvCacheSeqs& s, cons
                   alibi_view(o),
                   {&s.cache_seqlens, "cache_seqlens"},
                   {s.cache_batch_idx ? &*s.cache_batch_idx : nullptr, "cache_batch_idx"},
-                  {s.cache_leftpad ? &*s.cache_leftpad : nullptr, "cache_leftpad"}});
+                  {s.cache_leftpad ? &*s.cache_leftpad : nullptr, "cache_leftpad"},
+                  {s.block_table ? &*s.block_table : nullptr, "block_table"}});
   return p;
 }
 

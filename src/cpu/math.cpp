@@ -343,8 +343,10 @@ void backward_impl(const Params& p, const Launch& launch, const BackwardArgs& a,
 
 void math_forward(const Params& p, const Launch& launch, const ForwardArgs& a) {
   openblas_set_num_threads(1);  // see the threading note at the top
-  for_each_sequence(p, a, [&](const Params& sp, const ForwardArgs& sa, std::int64_t b0,
+  Tensor k_rows, v_rows;  // a paged sequence's K/V, gathered: [1, Hkv, Lk, D], [1, Hkv, Lk, Dv]
+  for_each_sequence(p, a, [&](const Params& paged_p, const ForwardArgs& paged_a, std::int64_t b0,
                               std::int64_t b1) {
+    const auto [sp, sa] = gather_kv_pages(paged_p, paged_a, &k_rows, &v_rows);
     if (p.dtype == DType::f64) {
       forward_impl<double>(sp, launch, sa, b0, b1);
     } else {

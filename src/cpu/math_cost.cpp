@@ -136,7 +136,9 @@ double math_workspace_bytes(Pass pass, const Params& p, const Launch& launch) {
   const double threads = std::max(1, launch.threads), block = std::min(lq, kMathBlockRows);
   // K and V of one kv head in the compute type; per thread a block's q, scores and output.
   const double kv = lk * (d + dv);
-  if (pass == Pass::forward) return element * (kv + threads * block * (d + lk + dv + 1));
+  // A paged cache: a sequence's K and V gathered out of the pages in their dtype (every head).
+  const double gathered = p.seq.paged() ? static_cast<double>(p.heads_kv * size_of(p.dtype)) * kv : 0;
+  if (pass == Pass::forward) return gathered + element * (kv + threads * block * (d + lk + dv + 1));
   // The backward's P * M, dS and softcap derivative [Lq, Lk], dK and dV sums, q and dO of a
   // head, and per thread a block's q, dO, out and dQ.
   return element * (3 * lq * lk + 2 * kv + lq * (d + dv) + threads * block * 2 * (d + dv));

@@ -107,13 +107,14 @@ double dropout_factor(const Params& p, std::int64_t b, std::int64_t h, std::int6
   return keep ? 1.0 / (1.0 - p.dropout.p) : 0.0;
 }
 
-// scores[j] = <q[b, h, i, :], k[b, h / group, j, :]> in fp64, j in [0, Lk).
+// scores[j] = <q[b, h, i, :], k[b, h / group, j, :]> in fp64, j in [0, Lk) (key j of a paged
+// sequence through its pages: kv_offset).
 void dot_row(const Params& p, const TensorView& q, const TensorView& k, std::int64_t b,
              std::int64_t h, std::int64_t i, double* scores) {
   const std::int64_t kv_head = h / p.group;
   const std::int64_t q_row = offset4(q, b, h, i, 0);
   for (std::int64_t j = 0; j < p.seq.lk; ++j) {
-    const std::int64_t k_row = offset4(k, b, kv_head, j, 0);
+    const std::int64_t k_row = kv_offset(p, k, b, kv_head, j);
     double dot = 0.0;
     for (std::int64_t d = 0; d < p.head_dim; ++d) {
       dot += load_element<double>(q.data, q.dtype, q_row + d) *
@@ -144,7 +145,7 @@ void forward_rows(const Params& p, const Launch& launch, const ForwardArgs& a, s
       for (std::int64_t j = 0; j < p.seq.lk; ++j) {
         const double weight = probs[static_cast<std::size_t>(j)] * dropout_factor(p, b, h, i, j);
         if (weight == 0.0) continue;
-        const std::int64_t v_row = offset4(a.v, b, kv_head, j, 0);
+        const std::int64_t v_row = kv_offset(p, a.v, b, kv_head, j);
         for (std::int64_t d = 0; d < p.head_dim_v; ++d) {
           out[static_cast<std::size_t>(d)] +=
               weight * load_element<double>(a.v.data, a.v.dtype, v_row + d);
