@@ -6,6 +6,7 @@
 
 #include "attncore/attncore.h"
 #include "core/cpu_info.h"
+#include "core/exit_guard.h"
 #include "core/select.h"
 #include "core/sequence.h"
 #include "core/threadpool.h"
@@ -82,9 +83,11 @@ const detail::BackendEntry& prepare(Pass pass, const Params& p, const Launch& la
 
 void run_forward(const detail::BackendEntry& entry, const Params& p, const Launch& launch,
                  const ForwardArgs& args) {
-  guarded("forward", "running the backend (outputs are incomplete)", [&] {
-    entry.forward(p, launch, args);
-    detail::fill_unused_rows(p, args);
+  detail::run_in_flight([&] {
+    guarded("forward", "running the backend (outputs are incomplete)", [&] {
+      entry.forward(p, launch, args);
+      detail::fill_unused_rows(p, args);
+    });
   });
 }
 
@@ -94,9 +97,11 @@ void run_forward(const Params& p, const Launch& launch, const ForwardArgs& args,
 
 void run_backward(const detail::BackendEntry& entry, const Params& p, const Launch& launch,
                   const BackwardArgs& args) {
-  guarded("backward", "running the backend (outputs are incomplete)", [&] {
-    entry.backward(p, launch, args);
-    detail::fill_unused_rows(p, args);
+  detail::run_in_flight([&] {
+    guarded("backward", "running the backend (outputs are incomplete)", [&] {
+      entry.backward(p, launch, args);
+      detail::fill_unused_rows(p, args);
+    });
   });
 }
 

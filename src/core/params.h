@@ -13,6 +13,7 @@
 
 #include "attncore/options.h"
 #include "attncore/tensor.h"
+#include "core/exit_guard.h"
 
 namespace attncore::detail {
 
@@ -147,9 +148,10 @@ struct Launch {
   const std::atomic<bool>* cancel = nullptr;  // Options::cancel
 
   bool cancelled() const { return cancel != nullptr && cancel->load(std::memory_order_relaxed); }
-  // Backends call this between work items: throws CancelledWork once the flag is set.
+  // Backends call this between work items: throws CancelledWork once the flag is set or the
+  // process began to exit (core/exit_guard.h).
   void check_cancel() const {
-    if (cancelled()) throw CancelledWork{};
+    if (cancelled() || g_process_exiting.load(std::memory_order_relaxed)) throw CancelledWork{};
   }
 };
 

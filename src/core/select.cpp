@@ -221,9 +221,10 @@ std::vector<std::string> can_use(Backend backend, Pass pass, const Params& p) {
 }
 
 CostModel current_cost_model() {
-  static const CostConstants fixed = fixed_cost_constants();
+  // Never destroyed: a call may be in flight at exit (tests/exit_test.cpp).
+  static const CostConstants* const fixed = new CostConstants(fixed_cost_constants());
   CostModel m;
-  m.machine = fixed;
+  m.machine = *fixed;
   for (const BackendEntry& e : backend_table()) {
     if (e.describe != nullptr) e.describe(m);
   }
@@ -405,8 +406,9 @@ Explanation explain_backward_varlen(const TensorView& dout, const TensorView& q,
 CostConstants cost_constants() { return detail::current_cost_model().machine; }
 
 CostConstants measured_cost_constants() {
-  static const CostConstants measured = detail::measure_cost_constants();
-  return measured;
+  static const CostConstants* const measured =  // never destroyed (tests/exit_test.cpp)
+      new CostConstants(detail::measure_cost_constants());
+  return *measured;
 }
 
 }  // namespace attncore

@@ -20,15 +20,6 @@ namespace {
 
 class Pool {
  public:
-  ~Pool() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    wake_.notify_all();
-    for (std::thread& w : workers_) w.join();
-  }
-
   // Returns false (and does nothing) when the pool is busy.
   bool try_run(int num_tasks, int threads, const std::function<void(int)>& task) {
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
@@ -67,8 +58,7 @@ class Pool {
     std::uint64_t seen = 0;
     std::unique_lock<std::mutex> lock(mutex_);
     for (;;) {
-      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
-      if (stop_) return;
+      wake_.wait(lock, [&] { return generation_ != seen; });
       seen = generation_;
       if (id >= active_helpers_ || !open_) continue;
       ++helpers_joined_;
@@ -107,12 +97,15 @@ class Pool {
   std::atomic<int> next_{0};
   std::uint64_t generation_ = 0;
   std::exception_ptr error_;
-  bool stop_ = false;
 };
 
+// Never destroyed: a thread the program did not join (a detached std::thread, a Python daemon
+// thread) may be inside a call when the process exits, and a pool destroyed by the static
+// destructors would then be used after its end (tests/exit_test.cpp). Left alive, its workers
+// sleep on their condition variable, or finish the job in flight, until the process ends.
 Pool& pool() {
-  static Pool p;
-  return p;
+  static Pool* const p = new Pool;
+  return *p;
 }
 
 // Set while this thread runs tasks of a pool job: a call from inside a task runs inline

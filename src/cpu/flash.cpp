@@ -57,9 +57,10 @@ std::int64_t take(std::atomic<std::int64_t>& next, std::int64_t count, const Lau
   return n < count ? n : -1;
 }
 
-// The target chosen by set_simd_target ("" = the best supported one).
+// The target chosen by set_simd_target ("" = the best supported one). Never destroyed, like
+// every static a call reads: a call may be in flight at exit (tests/exit_test.cpp).
 std::mutex g_choice_mutex;
-std::string g_choice;
+std::string& g_choice = *new std::string;
 
 }  // namespace
 
@@ -73,7 +74,7 @@ std::vector<FlashTarget> flash_targets_compiled() {
 }
 
 bool flash_target_supported(const FlashTarget& t) {
-  static const CpuInfo cpu = cpu_info();
+  static const CpuInfo& cpu = *new CpuInfo(cpu_info());  // never destroyed: see g_choice
   const std::string features = t.features;
   for (std::size_t at = 0; at < features.size();) {
     std::size_t end = features.find(' ', at);
@@ -85,7 +86,8 @@ bool flash_target_supported(const FlashTarget& t) {
 }
 
 const FlashTarget& flash_target_chosen() {
-  static const std::vector<FlashTarget> targets = flash_targets_compiled();
+  static const std::vector<FlashTarget>& targets =  // never destroyed: see g_choice
+      *new std::vector<FlashTarget>(flash_targets_compiled());
   std::lock_guard<std::mutex> lock(g_choice_mutex);
   for (const FlashTarget& t : targets) {
     if ((g_choice.empty() || g_choice == t.name) && flash_target_supported(t)) return t;
