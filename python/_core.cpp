@@ -13,12 +13,20 @@
 #include <unistd.h>
 
 #include <array>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <exception>
+#include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "attncore/attncore.h"
 #include "attncore/kvcache.h"
@@ -78,6 +86,105 @@ class GilReleased {
  private:
   PyThreadState* state_;
 };
+
+// Ctrl-C during a long call made on the main thread (Python runs signal handlers there only):
+// the call runs on the runner thread while the main thread, GIL released, wakes every
+// kSignalPoll to take the GIL and run PyErr_CheckSignals (Python's own handlers: none is
+// installed here). When a handler raises (KeyboardInterrupt), the call's Options::cancel is set,
+// the main thread waits for the call to stop (the backends check the flag between work items)
+// and raises that exception. Calls on other threads run in place, GIL released.
+constexpr std::chrono::milliseconds kSignalPoll{20};  // the reaction time to Ctrl-C, at most
+
+// The thread main-thread calls run on: made at the first one, never destroyed (like the
+// library's pool, it may be idle at exit; nothing waits for it).
+class Runner {
+ public:
+  // Runs job() there; poll() on this thread every kSignalPoll until it is done. Rethrows job's
+  // exception.
+  void run(const std::function<void()>& job, const std::function<void()>& poll) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    job_ = &job;
+    done_ = false;
+    error_ = nullptr;
+    wake_.notify_one();
+    while (!finished_.wait_for(lock, kSignalPoll, [this] { return done_; })) {
+      lock.unlock();
+      poll();
+      lock.lock();
+    }
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      wake_.wait(lock, [this] { return job_ != nullptr; });
+      const std::function<void()>* job = job_;
+      lock.unlock();
+      std::exception_ptr error;
+      try {
+        (*job)();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      lock.lock();
+      job_ = nullptr;
+      error_ = error;
+      done_ = true;
+      finished_.notify_one();
+    }
+  }
+
+  std::mutex mutex_;  // guards everything below
+  std::condition_variable wake_, finished_;
+  const std::function<void()>* job_ = nullptr;
+  bool done_ = false;
+  std::exception_ptr error_;
+  std::thread thread_{[this] { loop(); }};  // last: starts once the members above exist
+};
+
+unsigned long main_thread_id = 0;  // Python's ident of the main thread, set at import
+bool runner_busy = false;          // main thread only: a signal handler's own call runs in place
+
+// Runs call(options) with the GIL released: interruptible by Ctrl-C on the main thread (above).
+template <class Call>
+void run_call(attncore::Options options, const Call& call) {
+  if (PyThread_get_thread_ident() != main_thread_id || runner_busy) {
+    const GilReleased released;
+    call(options);
+    return;
+  }
+  static Runner* const runner = new Runner;
+  std::atomic<bool> cancel{false};
+  options.cancel = &cancel;
+  const std::vector<attncore::Backend> enabled = attncore::enabled_backends();  // per thread
+  bool interrupted = false;
+  runner_busy = true;
+  PyThreadState* state = PyEval_SaveThread();
+  try {
+    runner->run(
+        [&] {
+          const attncore::BackendScope scope(enabled);
+          call(options);
+        },
+        [&] {
+          if (interrupted) return;
+          PyEval_RestoreThread(state);
+          interrupted = PyErr_CheckSignals() != 0;  // the handler's exception stays pending
+          state = PyEval_SaveThread();
+          if (interrupted) cancel.store(true);
+        });
+  } catch (...) {
+    PyEval_RestoreThread(state);
+    runner_busy = false;
+    if (interrupted) throw py::error_already_set();  // KeyboardInterrupt, not Cancelled
+    throw;
+  }
+  PyEval_RestoreThread(state);
+  runner_busy = false;
+  if (interrupted) throw py::error_already_set();  // it ended before seeing the flag
+}
 
 DType dtype_from_format(std::string format, py::ssize_t itemsize, const std::string& name) {
   // Native or explicitly little-endian byte order only (this library runs on little-endian CPUs).
@@ -300,9 +407,10 @@ void forward(py::handle q, py::handle k, py::handle v, py::handle out, py::handl
   const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
   const attncore::Options options = call.options(op, bmask, balibi, false);
   const attncore::Backend backend = backend_from_name(op, call.backend);
-  const GilReleased released;
-  attncore::forward_into(bq.view(), bk.view(), bv.view(), bout.view(), view_of(blse), options,
-                         backend);
+  run_call(options, [&](const attncore::Options& o) {
+    attncore::forward_into(bq.view(), bk.view(), bv.view(), bout.view(), view_of(blse), o,
+                           backend);
+  });
 }
 
 // The gradients of forward's call with the same q, k, v and options: writes dq, dk, dv (shaped
@@ -320,9 +428,11 @@ void backward(py::handle dout, py::handle q, py::handle k, py::handle v, py::han
   const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
   const attncore::Options options = call.options(op, bmask, balibi, bdbias.has_value());
   const attncore::Backend backend = backend_from_name(op, call.backend);
-  const GilReleased released;
-  attncore::backward_into(bdout.view(), bq.view(), bk.view(), bv.view(), bout.view(), blse.view(),
-                          bdq.view(), bdk.view(), bdv.view(), view_of(bdbias), options, backend);
+  run_call(options, [&](const attncore::Options& o) {
+    attncore::backward_into(bdout.view(), bq.view(), bk.view(), bv.view(), bout.view(),
+                            blse.view(), bdq.view(), bdk.view(), bdv.view(), view_of(bdbias), o,
+                            backend);
+  });
 }
 
 // The index arrays of a variable-length call, borrowed for the duration of the call.
@@ -362,9 +472,10 @@ void forward_varlen(py::handle q, py::handle k, py::handle v, py::handle cu_seql
   const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
   const attncore::Options options = call.options(op, bmask, balibi, false);
   const attncore::Backend backend = backend_from_name(op, call.backend);
-  const GilReleased released;
-  attncore::forward_varlen_into(bq.view(), bk.view(), bv.view(), seqs.seqs(), bout.view(),
-                                view_of(blse), options, backend);
+  run_call(options, [&](const attncore::Options& o) {
+    attncore::forward_varlen_into(bq.view(), bk.view(), bv.view(), seqs.seqs(), bout.view(),
+                                  view_of(blse), o, backend);
+  });
 }
 
 // The gradients of forward_varlen's call with the same inputs: writes dq, dk, dv (shaped like
@@ -384,10 +495,11 @@ void backward_varlen(py::handle dout, py::handle q, py::handle k, py::handle v, 
   const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
   const attncore::Options options = call.options(op, bmask, balibi, false);
   const attncore::Backend backend = backend_from_name(op, call.backend);
-  const GilReleased released;
-  attncore::backward_varlen_into(bdout.view(), bq.view(), bk.view(), bv.view(), bout.view(),
-                                 blse.view(), seqs.seqs(), bdq.view(), bdk.view(), bdv.view(),
-                                 options, backend);
+  run_call(options, [&](const attncore::Options& o) {
+    attncore::backward_varlen_into(bdout.view(), bq.view(), bk.view(), bv.view(), bout.view(),
+                                   blse.view(), seqs.seqs(), bdq.view(), bdk.view(), bdv.view(),
+                                   o, backend);
+  });
 }
 
 // Names of backends, in order.
@@ -495,10 +607,11 @@ void forward_kvcache(py::handle q, py::handle k_cache, py::handle v_cache,
   if (bknew.has_value() != bvnew.has_value())
     throw InvalidArgument(std::string(op) + ": k and v must be given together (k is " +
                           (bknew ? "set" : "None") + ", v is " + (bvnew ? "set" : "None") + ")");
-  const GilReleased released;
   if (!bknew) {
-    attncore::forward_kvcache_into(bq.view(), bk.view(), bv.view(), seqs, bout.view(),
-                                   view_of(blse), options, backend);
+    run_call(options, [&](const attncore::Options& o) {
+      attncore::forward_kvcache_into(bq.view(), bk.view(), bv.view(), seqs, bout.view(),
+                                     view_of(blse), o, backend);
+    });
     return;
   }
   attncore::KvAppend append;
@@ -507,10 +620,12 @@ void forward_kvcache(py::handle q, py::handle k_cache, py::handle v_cache,
   append.rotary_cos = view_of(bcos);
   append.rotary_sin = view_of(bsin);
   append.rotary_interleaved = rotary_interleaved;
-  const attncore::ForwardResult r =
-      attncore::forward_kvcache(bq.view(), bk.view(), bv.view(), seqs, append, options, backend);
-  copy_view(r.out.view(), bout.view());
-  if (blse) copy_view(r.lse.view(), blse->view());
+  run_call(options, [&](const attncore::Options& o) {
+    const attncore::ForwardResult r =
+        attncore::forward_kvcache(bq.view(), bk.view(), bv.view(), seqs, append, o, backend);
+    copy_view(r.out.view(), bout.view());
+    if (blse) copy_view(r.lse.view(), blse->view());
+  });
 }
 
 // Merges two attention results over disjoint key sets into out and lse (which may be the very
@@ -532,6 +647,12 @@ void merge_states(py::handle out_a, py::handle lse_a, py::handle out_b, py::hand
 PYBIND11_MODULE(_core, m) {
   m.doc() = "attncore's C++ library on Python arrays (used by the attncore package)";
 
+  main_thread_id = py::module_::import("threading")
+                       .attr("main_thread")()
+                       .attr("ident")
+                       .cast<unsigned long>();
+  // attncore::Cancelled: a call whose Options::cancel was set stopped (outputs incomplete).
+  static py::exception<attncore::Cancelled> cancelled(m, "Cancelled", PyExc_RuntimeError);
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -541,6 +662,8 @@ PYBIND11_MODULE(_core, m) {
       PyErr_SetString(PyExc_NotImplementedError, e.what());
     } catch (const attncore::OutOfMemory& e) {
       PyErr_SetString(PyExc_MemoryError, e.what());
+    } catch (const attncore::Cancelled& e) {
+      PyErr_SetString(cancelled.ptr(), e.what());
     } catch (const attncore::Error& e) {
       PyErr_SetString(PyExc_RuntimeError, e.what());
     }

@@ -18,12 +18,15 @@
 
 Invalid arguments raise ValueError, arguments of the wrong Python type TypeError, and
 unsupported combinations and devices NotImplementedError, all in the C++ library's message form
-(`<op>: <what> <problem> (<name>=<value>, expected <constraint>)`).
+(`<op>: <what> <problem> (<name>=<value>, expected <constraint>)`). Ctrl-C during a call made
+on the main thread stops it within about 20 ms and raises KeyboardInterrupt; `Cancelled` (a
+RuntimeError) is the error of a call stopped through the C++ library's cancel flag.
 """
 
 import importlib as _importlib
 
 from . import _core
+from ._core import Cancelled
 from ._attention import (attention, attention_backward, attention_varlen,
                          attention_varlen_backward, explain)
 from ._dropins import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
@@ -37,7 +40,7 @@ from .backends import BackendVerdict, Explanation, SDPBackend, enabled_backends,
 __version__ = _core.version()
 
 __all__ = [
-    "BackendVerdict", "Explanation", "SDPBackend", "attention", "attention_backward",
+    "BackendVerdict", "Cancelled", "Explanation", "SDPBackend", "attention", "attention_backward",
     "attention_varlen", "attention_varlen_backward", "enabled_backends", "explain",
     "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",

@@ -1,0 +1,92 @@
+"""Ctrl-C stops a long call made on the main thread: the call runs on a helper thread while the
+main thread checks for signals every 20 ms, sets the call's cancel flag and raises
+KeyboardInterrupt. The test interrupts a call sized for minutes (its duration predicted from a
+call 8192 times smaller, timed in the same process) and compares the time the interrupted call
+took with that prediction: a ratio, not a fixed timing."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import attncore
+
+PROGRAM = """
+import sys, time
+import numpy as np
+import attncore
+rng = np.random.default_rng(0)
+def operands(batch, len_q, len_k):
+    # q, k [B, 1, L, 64], v [B, 1, Lk, 8] (a small output): one batch entry broadcast
+    # (stride 0) over B.
+    q = rng.standard_normal((1, 1, len_q, 64), dtype=np.float32)
+    k = rng.standard_normal((1, 1, len_k, 64), dtype=np.float32)
+    v = rng.standard_normal((1, 1, len_k, 8), dtype=np.float32)
+    return (np.broadcast_to(q, (batch, 1, len_q, 64)), np.broadcast_to(k, (batch, 1, len_k, 64)),
+            np.broadcast_to(v, (batch, 1, len_k, 8)))
+small = operands(1, 1024, 8192)
+times = []
+for _ in range(3):
+    start = time.perf_counter()
+    attncore.attention(*small, backend="flash", num_threads=1)
+    times.append(time.perf_counter() - start)
+predicted = sorted(times)[1] * 128 * 8 * 8  # the call below does 8192x the work
+big = operands(128, 8192, 65536)
+print(f"ready {predicted:.3f}", flush=True)
+start = time.perf_counter()
+try:
+    attncore.attention(*big, backend="flash", num_threads=1)
+    print("finished", flush=True)
+except KeyboardInterrupt:
+    print(f"interrupted {time.perf_counter() - start:.3f}", flush=True)
+"""
+
+
+def test_ctrl_c_stops_a_long_call():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    child = subprocess.Popen([sys.executable, "-c", PROGRAM], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        ready = child.stdout.readline().split()
+        assert ready[0] == "ready", child.stderr.read()
+        predicted = float(ready[1])
+        time.sleep(1.0)
+        child.send_signal(signal.SIGINT)
+        result = child.stdout.readline().split()
+        child.wait(timeout=60)
+    finally:
+        child.kill()
+    assert result and result[0] == "interrupted", (result, child.stderr.read())
+    elapsed = float(result[1])  # from the call's start: ~1 s of waiting plus the reaction
+    print(f"interrupted after {elapsed:.3f} s of a call predicted at {predicted:.1f} s "
+          f"(ratio {elapsed / predicted:.4f})")
+    assert predicted > 20 * elapsed
+    assert child.returncode == 0
+
+
+def test_calls_on_the_main_thread_and_others_agree():
+    q = np.random.default_rng(1).standard_normal((2, 3, 40, 16), dtype=np.float32)
+    out_main = attncore.attention(q, q, q)
+    results = []
+    import threading
+    thread = threading.Thread(target=lambda: results.append(attncore.attention(q, q, q)))
+    thread.start()
+    thread.join()
+    np.testing.assert_array_equal(out_main, results[0])
+    # The main thread's enabled backends reach the thread that runs its calls (flash's bits,
+    # which differ from the reference's in the last place, would show if they did not).
+    with attncore.sdpa_kernel(attncore.SDPBackend.REFERENCE):
+        np.testing.assert_array_equal(attncore.attention(q, q, q),
+                                      attncore.attention(q, q, q, backend="reference"))
+    assert not np.array_equal(attncore.attention(q, q, q, backend="flash"),
+                              attncore.attention(q, q, q, backend="reference"))
+
+def test_errors_still_raise_through_the_runner():
+    q = np.zeros((1, 1, 4, 8), np.float32)
+    with pytest.raises(ValueError, match="key has shape"):
+        attncore.attention(q, q[..., :7], q)
+    assert issubclass(attncore.Cancelled, RuntimeError)
