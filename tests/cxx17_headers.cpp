@@ -9,6 +9,7 @@
 #include "attncore/kvcache.h"
 #include "attncore/merge.h"
 #include "attncore/options.h"
+#include "attncore/paged.h"
 #include "attncore/tensor.h"
 #include "attncore/varlen.h"
 #include "attncore/version.h"

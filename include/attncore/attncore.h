@@ -63,3 +63,4 @@ ATTNCORE_API void backward_into(const TensorView& dout, const TensorView& q, con
 #include "attncore/varlen.h"
 #include "attncore/merge.h"
 #include "attncore/kvcache.h"
+#include "attncore/paged.h"

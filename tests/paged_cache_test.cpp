@@ -1,0 +1,316 @@
+// PagedKvCache (attncore/paged.h): reserve / erase in torch PagedAttention's page order, assign
+// writing rows where attention reads them (checked against the reference on dense K/V), fork
+// sharing pages and copy-on-write leaving the source's bits unchanged, running out of pages, and
+// every bad argument refused before anything changes.
+#include "attncore/paged.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "attncore/attncore.h"
+#include "testing/random.h"
+#include "testing/tensors.h"
+
+namespace attncore::test {
+namespace {
+
+Tensor positions_of(const std::vector<int>& p) {
+  Tensor t(DType::i32, {static_cast<std::int64_t>(p.size())});
+  std::memcpy(t.data(), p.data(), p.size() * sizeof(int));
+  return t;
+}
+
+std::vector<int> row_of(const PagedKvCache& c, std::int64_t b) {
+  const auto* t = static_cast<const std::int32_t*>(c.page_table().data);
+  return {t + b * c.max_pages_per_seq(), t + (b + 1) * c.max_pages_per_seq()};
+}
+
+std::int32_t length_of(const PagedKvCache& c, std::int64_t b) {
+  return static_cast<const std::int32_t*>(c.seqlens().data)[b];
+}
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(PagedCache, ReserveAndEraseTakePagesInTorchsOrder) {
+  PagedKvCache c(4, 2, 1, 8, 8, DType::f32, 3);
+  EXPECT_EQ(c.max_pages_per_seq(), 4);
+  EXPECT_EQ(row_of(c, 0), (std::vector<int>{-1, -1, -1, -1}));
+  c.reserve(0, 3);  // 2 pages: the last two of the free list [3, 2, 1, 0]
+  EXPECT_EQ(row_of(c, 0), (std::vector<int>{1, 0, -1, -1}));
+  EXPECT_EQ(c.capacity(0), 4);
+  EXPECT_EQ(c.free_pages(), 2);
+  c.reserve(0, 4);  // within the capacity: nothing changes
+  c.reserve(0, 0);
+  EXPECT_EQ(c.free_pages(), 2);
+  c.reserve(1, 1);
+  EXPECT_EQ(row_of(c, 1), (std::vector<int>{2, -1, -1, -1}));
+  c.erase(0);  // free list [3, 1, 0]
+  EXPECT_EQ(row_of(c, 0), (std::vector<int>{-1, -1, -1, -1}));
+  EXPECT_EQ(c.capacity(0), 0);
+  EXPECT_EQ(c.free_pages(), 3);
+  c.reserve(2, 5);
+  EXPECT_EQ(row_of(c, 2), (std::vector<int>{3, 1, 0, -1}));
+  EXPECT_EQ(c.free_pages(), 0);
+  EXPECT_EQ(c.references(3), 1);
+  c.erase(1);
+  c.reserve(2, 8);  // grows by one page
+  EXPECT_EQ(row_of(c, 2), (std::vector<int>{3, 1, 0, 2}));
+}
+
+// Attention over sequences of the cache equals attention over their K/V laid out densely.
+TEST(PagedCache, AssignWritesWhereAttentionReads) {
+  const std::int64_t hkv = 2, hq = 4, d = 8, dv = 6, ps = 3, batch = 2;
+  PagedKvCache c(9, ps, hkv, d, dv, DType::bf16, batch);
+  const std::vector<int> lengths = {7, 11};
+  std::vector<std::vector<double>> k_rows(2), v_rows(2);  // [L, Hkv, D], [L, Hkv, Dv]
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const int n = lengths[static_cast<std::size_t>(b)];
+    c.reserve(b, n);
+    k_rows[b] = rounded(random_vector(n * hkv * d, 10 + b), DType::bf16);
+    v_rows[b] = rounded(random_vector(n * hkv * dv, 20 + b), DType::bf16);
+    // Written in two pieces, the second one out of order.
+    std::vector<int> first, second;
+    for (int p = 0; p < n; ++p) (p < 4 ? first : second).push_back(p < 4 ? p : n + 3 - p);
+    for (const std::vector<int>* part : {&first, &second}) {
+      std::vector<double> kp, vp;
+      for (int p : *part) {
+        kp.insert(kp.end(), k_rows[b].begin() + p * hkv * d, k_rows[b].begin() + (p + 1) * hkv * d);
+        vp.insert(vp.end(), v_rows[b].begin() + p * hkv * dv,
+                  v_rows[b].begin() + (p + 1) * hkv * dv);
+      }
+      const auto s = static_cast<std::int64_t>(part->size());
+      const Tensor kt = make_tensor(DType::f32, {s, hkv, d}, kp);
+      const Tensor vt = make_tensor(DType::f32, {s, hkv, dv}, vp);
+      c.assign(b, positions_of(*part), kt, vt);
+    }
+    EXPECT_EQ(length_of(c, b), n);
+  }
+  const Tensor q = make_tensor(DType::bf16, {batch, hq, 2, d},
+                               rounded(random_vector(batch * hq * 2 * d, 5), DType::bf16));
+  KvCacheSeqs seqs;
+  seqs.cache_seqlens = c.seqlens();
+  seqs.block_table = c.page_table();
+  Options o;
+  o.causal = Causal::lower_right;
+  const ForwardResult got = forward_kvcache(q, c.k_pages().transposed(1, 2),
+                                            c.v_pages().transposed(1, 2), seqs, o,
+                                            Backend::reference);
+  const std::vector<double> out = read_view(got.out.view());
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const std::int64_t n = lengths[static_cast<std::size_t>(b)];
+    const Tensor k = make_tensor(DType::bf16, {1, n, hkv, d}, k_rows[b]);
+    const Tensor v = make_tensor(DType::bf16, {1, n, hkv, dv}, v_rows[b]);
+    TensorView qb = q.view();
+    qb.data = static_cast<char*>(qb.data) + b * qb.stride_of(0) * 2;
+    qb.shape[0] = 1;
+    const ForwardResult want =
+        forward(qb, k.view().transposed(1, 2), v.view().transposed(1, 2), o, Backend::reference);
+    const std::vector<double> w = read_view(want.out.view());
+    for (std::size_t e = 0; e < w.size(); ++e) {
+      ASSERT_EQ(out[static_cast<std::size_t>(b) * w.size() + e], w[e]) << "b=" << b << " e=" << e;
+    }
+  }
+}
+
+TEST(PagedCache, ForkSharesPagesAndCopiesOnWrite) {
+  const std::int64_t hkv = 1, d = 4, ps = 4;
+  PagedKvCache c(6, ps, hkv, d, d, DType::f32, 3);
+  c.reserve(0, 10);  // pages [2, 1, 0]... of the free list [5, 4, 3, 2, 1, 0]: [2, 1, 0]
+  std::vector<int> all(10);
+  for (int p = 0; p < 10; ++p) all[static_cast<std::size_t>(p)] = p;
+  const std::vector<double> src_k = random_vector(10 * d, 1), src_v = random_vector(10 * d, 2);
+  c.assign(0, positions_of(all), make_tensor(DType::f32, {10, hkv, d}, src_k),
+           make_tensor(DType::f32, {10, hkv, d}, src_v));
+  const std::vector<double> before_k = read_view(c.k_pages()), before_v = read_view(c.v_pages());
+  const std::vector<int> src_row = row_of(c, 0);
+  c.fork(0, 1, 6);  // logical pages 0 and 1 shared
+  EXPECT_EQ(length_of(c, 1), 6);
+  EXPECT_EQ(c.capacity(1), 8);
+  EXPECT_EQ(row_of(c, 1)[0], src_row[0]);
+  EXPECT_EQ(row_of(c, 1)[1], src_row[1]);
+  EXPECT_EQ(c.references(src_row[0]), 2);
+  EXPECT_EQ(c.free_pages(), 3);
+  // dst writes slots 6, 7 (logical page 1: shared, copied first) and 8 (a page of its own).
+  c.reserve(1, 9);
+  EXPECT_EQ(c.free_pages(), 2);
+  const std::vector<double> new_k = random_vector(3 * d, 3), new_v = random_vector(3 * d, 4);
+  c.assign(1, positions_of({6, 7, 8}), make_tensor(DType::f32, {3, hkv, d}, new_k),
+           make_tensor(DType::f32, {3, hkv, d}, new_v));
+  EXPECT_EQ(c.free_pages(), 1);
+  EXPECT_EQ(row_of(c, 0), src_row);  // src keeps its pages and bits
+  EXPECT_EQ(row_of(c, 1)[0], src_row[0]);
+  EXPECT_NE(row_of(c, 1)[1], src_row[1]);
+  EXPECT_EQ(c.references(src_row[0]), 2);
+  EXPECT_EQ(c.references(src_row[1]), 1);
+  const std::vector<double> after_k = read_view(c.k_pages()), after_v = read_view(c.v_pages());
+  for (int page : src_row) {
+    if (page < 0) continue;
+    for (std::int64_t e = page * ps * d; e < (page + 1) * ps * d; ++e) {
+      ASSERT_EQ(after_k[static_cast<std::size_t>(e)], before_k[static_cast<std::size_t>(e)]);
+      ASSERT_EQ(after_v[static_cast<std::size_t>(e)], before_v[static_cast<std::size_t>(e)]);
+    }
+  }
+  // dst reads src's first 6 rows, then its own 3.
+  const int copy = row_of(c, 1)[1], own = row_of(c, 1)[2];
+  for (std::int64_t e = 0; e < 2 * d; ++e) {  // slots 4, 5: copied
+    EXPECT_EQ(after_k[static_cast<std::size_t>(copy * ps * d + e)],
+              static_cast<float>(src_k[static_cast<std::size_t>(4 * d + e)]));
+  }
+  for (std::int64_t e = 0; e < d; ++e) {
+    EXPECT_EQ(after_k[static_cast<std::size_t>((copy * ps + 2) * d + e)],
+              static_cast<float>(new_k[static_cast<std::size_t>(e)]));
+    EXPECT_EQ(after_v[static_cast<std::size_t>((own * ps + 0) * d + e)],
+              static_cast<float>(new_v[static_cast<std::size_t>(2 * d + e)]));
+  }
+  EXPECT_EQ(length_of(c, 1), 9);
+  // Erasing src keeps the page dst still shares.
+  c.erase(0);
+  EXPECT_EQ(c.references(src_row[0]), 1);
+  EXPECT_EQ(c.free_pages(), 3);
+  c.erase(1);
+  EXPECT_EQ(c.free_pages(), 6);
+  for (std::int64_t p = 0; p < 6; ++p) EXPECT_EQ(c.references(p), 0);
+}
+
+TEST(PagedCache, OutOfPages) {
+  PagedKvCache c(3, 16, 1, 4, 4, DType::f32, 2);
+  EXPECT_EQ(message_of([&] { c.reserve(0, 5 * 16); }),
+            "PagedKvCache::reserve: seq_len is out of range (seq_len=80, expected 0 <= seq_len "
+            "<= max_pages_per_seq * page_size=48)");
+  PagedKvCache big(8, 16, 1, 4, 4, DType::f32, 2);
+  big.reserve(1, 5 * 16);
+  EXPECT_THROW(big.reserve(0, 5 * 16), OutOfMemory);
+  EXPECT_EQ(message_of([&] { big.reserve(0, 5 * 16); }),
+            "PagedKvCache::reserve: requested 5 pages but only 3 are free (batch_idx=0, "
+            "seq_len=80, capacity=0, expected at most free_pages()=3 pages); erase sequences "
+            "first");
+  EXPECT_EQ(big.capacity(0), 0);  // nothing taken
+  // Copy-on-write needs a page too.
+  const Tensor kv(DType::f32, {1, 1, 4});
+  big.assign(1, positions_of({0}), kv, kv);
+  big.reserve(0, 3 * 16);
+  EXPECT_EQ(big.free_pages(), 0);
+  EXPECT_THROW(big.reserve(0, 3 * 16 + 1), OutOfMemory);
+}
+
+TEST(PagedCache, CopyOnWriteOutOfPages) {
+  PagedKvCache c(2, 4, 1, 4, 4, DType::f32, 2);
+  const Tensor kv(DType::f32, {1, 1, 4});
+  c.reserve(0, 8);
+  c.assign(0, positions_of({5}), kv, kv);
+  c.fork(0, 1, 6);
+  EXPECT_EQ(message_of([&] { c.assign(1, positions_of({1}), kv, kv); }),
+            "PagedKvCache::assign: requested 1 pages but only 0 are free (copies of shared pages "
+            "before writing, batch_idx=1, expected at most free_pages()=0 pages); erase "
+            "sequences first");
+  EXPECT_EQ(c.references(0), 2);
+  EXPECT_EQ(length_of(c, 1), 6);
+}
+
+TEST(PagedCache, BadArguments) {
+  auto make = [](std::int64_t n, std::int64_t ps, std::int64_t h, std::int64_t d, DType t,
+                 std::int64_t b, std::int64_t per) {
+    return message_of([&] { PagedKvCache c(n, ps, h, d, d, t, b, per); });
+  };
+  EXPECT_EQ(make(0, 4, 1, 4, DType::f32, 1, 0),
+            "PagedKvCache: num_pages is out of range (num_pages=0, expected >= 1)");
+  EXPECT_EQ(make(4, 0, 1, 4, DType::f32, 1, 0),
+            "PagedKvCache: page_size is out of range (page_size=0, expected >= 1)");
+  EXPECT_NE(make(4, 4, 0, 4, DType::f32, 1, 0).find("heads_kv is out of range"),
+            std::string::npos);
+  EXPECT_NE(make(4, 4, 1, -1, DType::f32, 1, 0).find("head_dim is out of range"),
+            std::string::npos);
+  EXPECT_NE(make(4, 4, 1, 4, DType::f32, 0, 0).find("max_batch is out of range"),
+            std::string::npos);
+  EXPECT_EQ(make(4, 4, 1, 4, DType::f32, 1, 5),
+            "PagedKvCache: max_pages_per_seq is out of range (max_pages_per_seq=5, expected 1 <= "
+            "max_pages_per_seq <= num_pages=4; 0 = num_pages)");
+  EXPECT_EQ(make(4, 4, 1, 4, DType::i32, 1, 0),
+            "PagedKvCache: dtype is not a cache dtype (dtype=i32, expected f32, bf16, f16 or "
+            "f64)");
+  EXPECT_NE(make(1 << 20, 1 << 12, 1, 4, DType::f32, 1, 0).find("capacity per sequence"),
+            std::string::npos);
+  const std::string huge = make(std::int64_t{1} << 30, 1 << 10, 64, 128, DType::f32, 1, 1);
+  EXPECT_NE(huge.find("exceeds the memory this process may use"), std::string::npos) << huge;
+
+  PagedKvCache c(4, 4, 2, 4, 3, DType::f32, 2);
+  c.reserve(0, 5);
+  EXPECT_EQ(message_of([&] { c.reserve(2, 1); }),
+            "PagedKvCache::reserve: batch_idx is out of range (batch_idx=2, expected 0 <= "
+            "batch_idx < max_batch=2)");
+  EXPECT_NE(message_of([&] { c.reserve(0, -1); }).find("seq_len is out of range"),
+            std::string::npos);
+  EXPECT_NE(message_of([&] { c.erase(-1); }).find("batch_idx is out of range"), std::string::npos);
+  EXPECT_NE(message_of([&] { (void)c.capacity(5); }).find("batch_idx is out of range"),
+            std::string::npos);
+  EXPECT_NE(message_of([&] { (void)c.references(4); }).find("page is out of range"),
+            std::string::npos);
+  const Tensor k = make_tensor(DType::f32, {2, 2, 4}, random_vector(16, 1));
+  const Tensor v = make_tensor(DType::f32, {2, 2, 3}, random_vector(12, 2));
+  const Tensor pos = positions_of({0, 7});
+  EXPECT_EQ(message_of([&] { c.assign(0, positions_of({0, 8}), k, v); }),
+            "PagedKvCache::assign: positions is out of what batch_idx=0 reserved (positions[1]=8, "
+            "expected 0 <= position < capacity=8); reserve first");
+  EXPECT_NE(message_of([&] { c.assign(1, pos, k, v); }).find("capacity=0); reserve first"),
+            std::string::npos);
+  EXPECT_NE(message_of([&] { c.assign(0, positions_of({-1, 2}), k, v); })
+                .find("positions[0]=-1"),
+            std::string::npos);
+  EXPECT_EQ(message_of([&] { c.assign(0, positions_of({3, 3}), k, v); }),
+            "PagedKvCache::assign: positions repeats a position (position=3, expected distinct "
+            "positions)");
+  EXPECT_NE(message_of([&] { c.assign(0, pos, v, v); }).find("k has shape [2, 2, 3]"),
+            std::string::npos);
+  EXPECT_NE(message_of([&] { c.assign(0, pos, k, k); }).find("v has shape [2, 2, 4]"),
+            std::string::npos);
+  const Tensor k3(DType::f32, {3, 2, 4});
+  EXPECT_NE(message_of([&] { c.assign(0, pos, k3, v); }).find("with S = len(positions)"),
+            std::string::npos);
+  const Tensor k_int(DType::i32, {2, 2, 4});
+  EXPECT_NE(message_of([&] { c.assign(0, pos, k_int, v); }).find("k has the wrong dtype"),
+            std::string::npos);
+  const Tensor f32_pos(DType::f32, {2});
+  EXPECT_NE(message_of([&] { c.assign(0, f32_pos, k, v); }).find("positions has the wrong dtype"),
+            std::string::npos);
+  const Tensor k4(DType::f32, {1, 2, 2, 4});
+  EXPECT_NE(message_of([&] { c.assign(0, pos, k4, v); }).find("k has the wrong rank"),
+            std::string::npos);
+  const Tensor wide = make_tensor(DType::f32, {2, 2, 8}, random_vector(32, 3));
+  TensorView strided = wide.view();
+  strided.shape[2] = 4;
+  strided.stride[2] = 2;
+  EXPECT_NE(message_of([&] { c.assign(0, pos, strided, v); }).find("k has a non-unit last stride"),
+            std::string::npos);
+  // Nothing was written by any refused call.
+  for (double x : read_view(c.k_pages())) ASSERT_EQ(x, 0.0);
+  EXPECT_EQ(length_of(c, 0), 0);
+  c.assign(0, pos, k, v);
+  EXPECT_EQ(length_of(c, 0), 8);
+  EXPECT_EQ(message_of([&] { c.fork(0, 0, 1); }),
+            "PagedKvCache::fork: src and dst are the same sequence (src=dst=0, expected two "
+            "sequences)");
+  EXPECT_EQ(message_of([&] { c.fork(0, 1, 9); }),
+            "PagedKvCache::fork: prefix_len is out of range (prefix_len=9, expected 0 <= "
+            "prefix_len <= the length of src=8)");
+  EXPECT_NE(message_of([&] { c.fork(0, 2, 1); }).find("dst is out of range"), std::string::npos);
+  EXPECT_NE(message_of([&] { c.fork(-1, 1, 1); }).find("src is out of range"), std::string::npos);
+  c.reserve(1, 1);
+  EXPECT_EQ(message_of([&] { c.fork(0, 1, 1); }),
+            "PagedKvCache::fork: dst is not empty (capacity=4, length=0, expected 0 and 0); "
+            "erase it first");
+}
+
+}  // namespace
+}  // namespace attncore::test
