@@ -7,6 +7,7 @@
 // calls, the packed rank-3 views for variable-length ones). int32 arrays become DType::i32 views,
 // which the library takes as index arrays (cu_seqlens, seqused_k) and refuses elsewhere.
 #include <dlpack/dlpack.h>
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -31,6 +32,7 @@
 #include "attncore/attncore.h"
 #include "attncore/kvcache.h"
 #include "attncore/merge.h"
+#include "attncore/paged.h"
 #include "attncore/varlen.h"
 
 namespace py = pybind11;
@@ -642,6 +644,67 @@ void merge_states(py::handle out_a, py::handle lse_a, py::handle out_b, py::hand
                                         bout.view(), blse.view(), num_threads);
 }
 
+// A PagedKvCache's array as a numpy array over the cache's own memory, which the array keeps
+// alive (through `owner`, the Python object of the cache); bf16 as int16 (numpy has no
+// bfloat16: attncore.PagedKVCache views it as torch.bfloat16).
+py::array paged_array(py::object owner, const TensorView& t) {
+  static const std::map<DType, const char*> names = {{DType::f32, "float32"},
+                                                     {DType::f64, "float64"},
+                                                     {DType::f16, "float16"},
+                                                     {DType::bf16, "int16"},
+                                                     {DType::i32, "int32"}};
+  std::vector<py::ssize_t> shape, strides;
+  for (int d = 0; d < t.rank; ++d) {
+    shape.push_back(t.size(d));
+    strides.push_back(t.stride_of(d) * static_cast<py::ssize_t>(attncore::size_of(t.dtype)));
+  }
+  return py::array(py::dtype(names.at(t.dtype)), shape, strides, t.data, owner);
+}
+
+DType cache_dtype(const std::string& name) {
+  for (DType d : {DType::f32, DType::f64, DType::f16, DType::bf16}) {
+    if (name == attncore::name_of(d)) return d;
+  }
+  throw InvalidArgument("PagedKVCache: dtype is not a cache dtype (dtype=" + name +
+                        ", expected f32, bf16, f16 or f64)");
+}
+
+void bind_paged_cache(py::module_& m) {
+  using attncore::PagedKvCache;
+  py::class_<PagedKvCache>(m, "PagedKvCache")
+      .def(py::init([](std::int64_t num_pages, std::int64_t page_size, std::int64_t heads_kv,
+                       std::int64_t head_dim, std::int64_t head_dim_v, const std::string& dtype,
+                       std::int64_t max_batch, std::int64_t max_pages_per_seq) {
+             return PagedKvCache(num_pages, page_size, heads_kv, head_dim, head_dim_v,
+                                 cache_dtype(dtype), max_batch, max_pages_per_seq);
+           }),
+           py::arg("num_pages"), py::arg("page_size"), py::arg("heads_kv"), py::arg("head_dim"),
+           py::arg("head_dim_v"), py::arg("dtype"), py::arg("max_batch"),
+           py::arg("max_pages_per_seq"))
+      .def("reserve", &PagedKvCache::reserve, py::arg("batch_idx"), py::arg("seq_len"))
+      .def("erase", &PagedKvCache::erase, py::arg("batch_idx"))
+      .def("fork", &PagedKvCache::fork, py::arg("src"), py::arg("dst"), py::arg("prefix_len"))
+      .def("free_pages", &PagedKvCache::free_pages)
+      .def("capacity", &PagedKvCache::capacity, py::arg("batch_idx"))
+      .def("references", &PagedKvCache::references, py::arg("page"))
+      .def(
+          "assign",
+          [](PagedKvCache& c, std::int64_t b, py::handle positions, py::handle k, py::handle v) {
+            constexpr const char* op = "PagedKVCache.assign";
+            const Borrowed bp(positions, op, "input_pos", false), bk(k, op, "k_val", false),
+                bv(v, op, "v_val", false);
+            c.assign(b, bp.view(), bk.view(), bv.view());
+          },
+          py::arg("batch_idx"), py::arg("positions"), py::arg("k"), py::arg("v"))
+      .def("array", [](py::object self, const std::string& which) {
+        const PagedKvCache& c = self.cast<const PagedKvCache&>();
+        if (which == "k") return paged_array(self, c.k_pages());
+        if (which == "v") return paged_array(self, c.v_pages());
+        if (which == "page_table") return paged_array(self, c.page_table());
+        return paged_array(self, c.seqlens());
+      });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -718,6 +781,7 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("backends"), "Replaces this thread's enabled backends; returns the previous list");
   m.def("version", &attncore::version);
+  bind_paged_cache(m);
   m.def("simd_target", &attncore::simd_target);
   m.def(
       "_last_call_addresses", [] { return last_call_addresses; },

@@ -15,6 +15,7 @@
     explain                       each backend's verdict on a call, and the choice
     flash_attn_with_kvcache       flash_attn's attention over a KV cache (appends in place)
     merge_attention_states        two results over disjoint key sets merged into one
+    PagedKVCache                  a paged KV cache owning its pages (fork, copy-on-write)
 
 Invalid arguments raise ValueError, arguments of the wrong Python type TypeError, and
 unsupported combinations and devices NotImplementedError, all in the C++ library's message form
@@ -34,13 +35,14 @@ from ._dropins import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkv
                        flash_attn_varlen_qkvpacked_func, scaled_dot_product_attention)
 from ._kvcache import flash_attn_with_kvcache
 from ._merge import merge_attention_states
+from ._paged import PagedKVCache
 from ._random import get_rng_state, manual_seed, set_rng_state
 from .backends import BackendVerdict, Explanation, SDPBackend, enabled_backends, sdpa_kernel
 
 __version__ = _core.version()
 
 __all__ = [
-    "BackendVerdict", "Cancelled", "Explanation", "SDPBackend", "attention", "attention_backward",
+    "BackendVerdict", "Cancelled", "Explanation", "PagedKVCache", "SDPBackend", "attention", "attention_backward",
     "attention_varlen", "attention_varlen_backward", "enabled_backends", "explain",
     "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",

@@ -11,6 +11,8 @@ import numpy as np
 from . import _arrays, _nested
 from ._attention import attention, dense_packed, separate, varlen_packed
 from ._rank4 import Call, DenseKernel, forward4, real_option
+from ._merge import refuse_grad
+from ._paged import varlen_paged
 from ._varlen import VarlenKernel
 
 
@@ -273,13 +275,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     causal (lower-right), window_size, softcap and alibi_slopes ([Hq] or [B, Hq]) apply per
     sequence on its own lengths; query rows past cu_seqlens_q[-1] get out 0 and lse -inf.
     seqused_k (int32 [B], keyword only, not in flash-attn's function): sequence b uses only its
-    first seqused_k[b] keys. block_table (paged KV) is not supported: NotImplementedError.
-    Other options as flash_attn_func's.
+    first seqused_k[b] keys. block_table (int32 [B, max_pages_per_seq]) makes k and v page
+    pools [num_pages, page_size, Hkv, D] (flash-attn's paged varlen call, forward only):
+    sequence b's keys are its first seqused_k[b] (else cu_seqlens_k[b+1] - cu_seqlens_k[b])
+    slots of its pages; dropout is refused with it. Other options as flash_attn_func's.
     """
     op = "flash_attn_varlen_func"
     if block_table is not None:
-        raise NotImplementedError(f"{op}: block_table is not supported (block_table=given, "
-                                  "expected None); attncore has no paged variable-length call")
+        return _varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
+                             alibi_slopes, dropout_p, return_attn_probs,
+                             dict(softmax_scale=softmax_scale, causal=causal,
+                                  window_size=window_size, softcap=softcap, backend=backend))
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         _check_shape(op, name, x, "[total, H, D]", 3)
     r = varlen_packed(op, {"q": q, "k": k, "v": v}, separate, cu_seqlens_q, cu_seqlens_k,
@@ -288,6 +294,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                       **_flash_options(op, softmax_scale, causal, window_size, softcap,
                                        dropout_p, backend))
     return _varlen_result(r, return_attn_probs)
+
+
+def _varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
+                  alibi_slopes, dropout_p, return_attn_probs, options):
+    """flash_attn_varlen_func over page pools (_paged.varlen_paged), forward only."""
+    refuse_grad(op, (("q", q), ("k", k), ("v", v)))
+    if real_option(op, "dropout_p", dropout_p) != 0.0:
+        raise NotImplementedError(f"{op}: dropout is not supported with a paged KV cache "
+                                  f"(dropout_p={dropout_p}, expected 0)")
+    out, lse = varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
+                            alibi_slopes, options)
+    return (out, lse, None) if return_attn_probs else out
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,

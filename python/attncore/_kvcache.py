@@ -3,7 +3,9 @@ prefill, with new keys and values appended to the cache in place), over the C++
 forward_kvcache. Forward only.
 
 Arrays are in flash-attn's layout and reach the library as transposed(1, 2) views, without a
-copy: q [B, Lq, Hq, D], caches [B_cache, capacity, Hkv, D], new k / v [B, L_new, Hkv, D].
+copy: q [B, Lq, Hq, D], caches [B_cache, capacity, Hkv, D] (paged: page pools
+[num_pages, page_size, Hkv, D] with block_table [B, max_pages_per_seq]), new k / v
+[B, L_new, Hkv, D].
 """
 
 import sys
@@ -73,7 +75,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False):
+                            return_softmax_lse=False, *, backend=None):
     """flash_attn.flash_attn_with_kvcache (2.8.3) on numpy arrays or CPU torch tensors.
 
     q [B, Lq, Hq, D] attends to slots [cache_leftpad[b], cache_seqlens[b]) of cache row
@@ -88,17 +90,24 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     causal is lower-right (against each sequence's length); softcap <= 0 is off; window_size
     and alibi_slopes ([Hq] or [B, Hq], float32) as in flash_attn_func.
 
-    Not supported: block_table (paged caches: NotImplementedError). num_splits is accepted
-    and ignored (there is no split-KV decode yet). Forward only: a torch input that requires
-    grad under grad mode raises NotImplementedError.
+    block_table (int32 [B, max_pages_per_seq]) makes the caches page pools
+    [num_pages, page_size, Hkv, D] (any page_size >= 1): slot s of sequence b is row
+    s % page_size of page block_table[b][s // page_size]; every page a sequence's slots use must
+    be a page of the pool (-1 elsewhere is fine). cache_batch_idx is refused with it, as
+    flash-attn refuses it; cache_leftpad works. Appends write the pages as mapped (a page two
+    sequences share is written for both: PagedKVCache.assign copies shared pages first).
+
+    num_splits (0 = choose, 1 = no split, > 1 forced) is checked and accepted; this build does
+    not split the keys, so it changes nothing yet. backend (keyword only, not in flash-attn's
+    function) picks an attncore backend as in attention().
+    Forward only: a torch input that requires grad under grad mode raises
+    NotImplementedError.
 
     Returns out [B, Lq, Hq, D] in q's library, and with return_softmax_lse (out, lse
     [B, Hq, Lq] float32).
     """
     op = "flash_attn_with_kvcache"
-    if block_table is not None:
-        raise NotImplementedError(f"{op}: block_table is set (expected None); paged KV caches "
-                                  "are not supported yet")
+    int_option(op, "num_splits", num_splits, 0, INT32_MAX)
     refuse_grad(op, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
                      ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
                      ("alibi_slopes", alibi_slopes)))
@@ -111,8 +120,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                          "new keys and values the rotary embedding applies to)")
     appending = k is not None
     _rank4(op, "q", q, "[B, Lq, Hq, D]")
-    _rank4(op, "k_cache", k_cache, "[B_cache, capacity, Hkv, D]")
-    _rank4(op, "v_cache", v_cache, "[B_cache, capacity, Hkv, Dv]")
+    paged = block_table is not None
+    _rank4(op, "k_cache", k_cache, "[num_pages, page_size, Hkv, D]" if paged
+           else "[B_cache, capacity, Hkv, D]")
+    _rank4(op, "v_cache", v_cache, "[num_pages, page_size, Hkv, Dv]" if paged
+           else "[B_cache, capacity, Hkv, Dv]")
     lib, q_arr, give_back = _arrays.adopt(q, op, "q")
     if appending:
         k_lib, kc = _writable_cache(op, "k_cache", k_cache)
@@ -124,10 +136,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     call = _resolve_call(op, scale=softmax_scale,
                          causal="lower-right" if causal else None, window_size=window_size,
                          softcap=max(real_option(op, "softcap", softcap), 0.0), dropout_p=0.0,
-                         seed=None, offset=None, enable_gqa=True, backend=None, num_threads=0,
+                         seed=None, offset=None, enable_gqa=True, backend=backend, num_threads=0,
                          draw_seed=False)
     batch, seqlen_q, heads_q, _ = q_arr.shape
+    table = index_array(op, "block_table", block_table)
     capacity, dim_v = kc.shape[1], vc.shape[3]
+    if paged and len(table.shape) == 2:
+        capacity *= table.shape[1]  # pages per sequence * page_size
     if cache_seqlens is None:
         cache_seqlens = capacity
     if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
@@ -157,7 +172,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     lse = lib.empty((batch, heads_q, seqlen_q), lse_dtype(dtype))
     q4 = times(lib.unit_last_stride(q_arr), call.q_factor).swapaxes(1, 2)
     _core.forward_kvcache(lib.to_core(q4), k_lib.to_core(kc.swapaxes(1, 2)),
-                          v_lib.to_core(vc.swapaxes(1, 2)), seqlens, batch_idx, leftpad, None, new[0], new[1], tables[0], tables[1],
+                          v_lib.to_core(vc.swapaxes(1, 2)), seqlens, batch_idx, leftpad, table, new[0], new[1], tables[0], tables[1],
                           bool(rotary_interleaved), lib.to_core(out.swapaxes(1, 2)),
                           lib.to_core(lse), alibi, call.core_options())
     return (give_back(out), give_back(lse)) if return_softmax_lse else give_back(out)

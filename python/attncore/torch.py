@@ -20,9 +20,11 @@ from ._dropins import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkv
                        flash_attn_varlen_qkvpacked_func, scaled_dot_product_attention)
 from ._kvcache import flash_attn_with_kvcache
 from ._merge import merge_attention_states
+from ._paged import PagedKVCache
+from ._paged_torch import PagedAttention
 
 __all__ = [
-    "AttentionFunction", "attention", "attention_varlen", "flash_attn_func",
+    "AttentionFunction", "PagedAttention", "PagedKVCache", "attention", "attention_varlen", "flash_attn_func",
     "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache", "merge_attention_states", "scaled_dot_product_attention",

@@ -1,0 +1,214 @@
+"""Paged KV caches: attncore.PagedKVCache (the C++ PagedKvCache: pages, page table and lengths
+as numpy arrays or torch tensors over the cache's own memory) and the paged form of
+flash_attn_varlen_func. Forward only. attncore.torch.PagedAttention is in _paged_torch.
+"""
+
+import sys
+import typing
+
+import numpy as np
+
+from . import _arrays, _core
+from ._kvcache import flash_attn_with_kvcache
+from ._merge import refuse_grad
+from ._rank4 import INT32_MAX, int_option
+
+_CORE_DTYPES = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16"}
+
+
+class PagedViews(typing.NamedTuple):
+    """A PagedKVCache's arrays, all over its own memory (no copies): k_cache [num_pages,
+    page_size, Hkv, D], v_cache [num_pages, page_size, Hkv, Dv], page_table int32
+    [max_batch_size, max_pages_per_seq] (-1 unmapped), seqlens int32 [max_batch_size]."""
+
+    k_cache: object
+    v_cache: object
+    page_table: object
+    seqlens: object
+
+
+def _dtype_name(dtype):
+    """("float32" | "float64" | "float16" | "bfloat16", whether a torch dtype was given)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch."), True
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    if name not in _CORE_DTYPES:
+        raise ValueError(f"PagedKVCache: dtype is not a cache dtype (dtype={name}, expected "
+                         "float32, float64, float16 or bfloat16)")
+    return name, False
+
+
+def _index(op, name, x):
+    """An int argument that may come as a one-element tensor or array (torch's style)."""
+    if hasattr(x, "shape") and tuple(x.shape) in ((), (1,)):
+        x = x.reshape(()).item() if hasattr(x, "item") else x
+    return int_option(op, name, x)
+
+
+def _positions(op, x):
+    """input_pos as a contiguous int32 numpy array [S]."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    array = np.asarray(x)
+    if array.dtype.kind not in "iu":
+        raise TypeError(f"{op}: input_pos is not an integer array (dtype={array.dtype}, expected "
+                        "int32 or int64)")
+    if array.size and (array.min() < -INT32_MAX - 1 or array.max() > INT32_MAX):
+        raise ValueError(f"{op}: input_pos is out of range (max={array.max()}, expected int32 "
+                         "positions)")
+    return np.ascontiguousarray(array, dtype=np.int32)
+
+
+class PagedKVCache:
+    """A paged KV cache owning its pages (C++ attncore::PagedKvCache, attncore/paged.h).
+
+    num_pages pages of page_size slots (any page_size >= 1) for num_heads key/value heads of
+    head_dim (values head_dim_v, default head_dim), dtype float32, float64, float16 or bfloat16
+    (a string, numpy dtype or torch dtype), max_batch_size sequences of up to max_pages_per_seq
+    pages each (default num_pages). k_cache, v_cache, page_table and seqlens are views of the
+    cache's own memory (no copies; they stay valid while the cache lives), torch tensors when
+    dtype was a torch dtype, else numpy arrays; views(library) gives them in either library
+    (bfloat16 only as torch). Pass them straight to flash_attn_with_kvcache:
+
+        flash_attn_with_kvcache(q, cache.k_cache, cache.v_cache, k=k, v=v,
+                                cache_seqlens=cache.seqlens, block_table=cache.page_table)
+
+    reserve / erase / assign follow torch's PagedAttention with stricter checks (positions
+    must lie in what reserve gave and be distinct; out of pages raises MemoryError naming the
+    numbers; free_pages() asks first). fork(src, dst, prefix_len) shares src's first
+    prefix_len slots with the empty sequence dst without copying; assign copies a shared page
+    before writing it (copy-on-write). Appends through flash_attn_with_kvcache(k=, v=) write the
+    pages as mapped, bypassing copy-on-write, and leave seqlens to the caller (flash-attn's
+    convention). Not thread-safe: one thread at a time may change a cache.
+    """
+
+    def __init__(self, num_pages, page_size, num_heads, head_dim, max_batch_size,
+                 dtype="float32", *, head_dim_v=None, max_pages_per_seq=None):
+        op = "PagedKVCache"
+        self._dtype, torch_given = _dtype_name(dtype)
+        self._library = "torch" if torch_given else "numpy"
+        sizes = [int_option(op, name, value) for name, value in (
+            ("num_pages", num_pages), ("page_size", page_size), ("num_heads", num_heads),
+            ("head_dim", head_dim), ("head_dim_v", head_dim if head_dim_v is None else head_dim_v),
+            ("max_batch_size", max_batch_size),
+            ("max_pages_per_seq", 0 if max_pages_per_seq is None else max_pages_per_seq))]
+        self._core = _core.PagedKvCache(*sizes[:5], _CORE_DTYPES[self._dtype], *sizes[5:])
+        self._numpy = PagedViews(*(self._core.array(name)
+                                   for name in ("k", "v", "page_table", "seqlens")))
+        self._torch = None
+
+    def views(self, library):
+        """PagedViews in "numpy" or "torch", over the cache's memory."""
+        if library == "torch":
+            if self._torch is None:
+                import torch
+                k, v, table, lens = (torch.from_numpy(x) for x in self._numpy)
+                if self._dtype == "bfloat16":  # numpy holds the bits as int16
+                    k, v = k.view(torch.bfloat16), v.view(torch.bfloat16)
+                self._torch = PagedViews(k, v, table, lens)
+            return self._torch
+        if library != "numpy":
+            raise ValueError(f"PagedKVCache.views: library is unknown (library={library!r}, "
+                             "expected 'numpy' or 'torch')")
+        if self._dtype == "bfloat16":
+            raise ValueError("PagedKVCache.views: numpy has no bfloat16 (dtype=bfloat16, "
+                             "expected library='torch')")
+        return self._numpy
+
+    k_cache = property(lambda self: self.views(self._library).k_cache,
+                       doc="[num_pages, page_size, Hkv, D]")
+    v_cache = property(lambda self: self.views(self._library).v_cache,
+                      doc="[num_pages, page_size, Hkv, Dv]")
+    page_table = property(lambda self: self.views(self._library).page_table,
+                          doc="int32 [max_batch_size, max_pages_per_seq], -1 unmapped")
+    seqlens = property(lambda self: self.views(self._library).seqlens,
+                       doc="int32 [max_batch_size]: each sequence's length")
+
+    def reserve(self, batch_idx, seq_len):
+        """Maps free pages until sequence batch_idx holds at least seq_len slots."""
+        op = "PagedKVCache.reserve"
+        self._core.reserve(_index(op, "batch_idx", batch_idx), _index(op, "seq_len", seq_len))
+
+    def erase(self, batch_idx):
+        """Unmaps the sequence's pages (freeing those no other sequence shares); length 0."""
+        self._core.erase(_index("PagedKVCache.erase", "batch_idx", batch_idx))
+
+    def assign(self, batch_idx, input_pos, k_val, v_val):
+        """Writes k_val [S, Hkv, D], v_val [S, Hkv, Dv] at slots input_pos [S] of the
+        sequence (reserved, distinct), copying shared pages first; its length becomes at least
+        max(input_pos) + 1."""
+        op = "PagedKVCache.assign"
+        refuse_grad(op, (("k_val", k_val), ("v_val", v_val)))
+        b = _index(op, "batch_idx", batch_idx)
+        arrays = []
+        for name, x in (("k_val", k_val), ("v_val", v_val)):
+            lib, arr, _ = _arrays.adopt(x, op, name)
+            arrays.append(lib.to_core(lib.unit_last_stride(arr)))
+        self._core.assign(b, _positions(op, input_pos), *arrays)
+
+    def fork(self, src, dst, prefix_len):
+        """Gives the empty sequence dst the first prefix_len slots of src, sharing pages."""
+        op = "PagedKVCache.fork"
+        self._core.fork(_index(op, "src", src), _index(op, "dst", dst),
+                        _index(op, "prefix_len", prefix_len))
+
+    def free_pages(self):
+        return self._core.free_pages()
+
+    def capacity(self, batch_idx):
+        """Slots the sequence has reserved (its pages times page_size)."""
+        return self._core.capacity(_index("PagedKVCache.capacity", "batch_idx", batch_idx))
+
+    def references(self, page):
+        """How many sequences map this page (0: free)."""
+        return self._core.references(_index("PagedKVCache.references", "page", page))
+
+
+def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes,
+                 kvcache_options):
+    """flash_attn_varlen_func with block_table: packed queries q [total_q, Hq, D] over page
+    pools k [num_pages, page_size, Hkv, D], v [.., Dv]; sequence b has queries
+    cu_seqlens_q[b]:cu_seqlens_q[b+1] and keys 0:L_b of its pages block_table[b], L_b =
+    seqused_k[b] or cu_seqlens_k[b+1] - cu_seqlens_k[b]. One flash_attn_with_kvcache call per
+    sequence; rows past cu_seqlens_q[-1] get out 0 and lse -inf. Returns (out, lse [Hq,
+    total_q])."""
+    lib, q_arr, give_back = _arrays.adopt(q, op, "q")
+    host = [None if x is None else np.asarray(
+        x.detach().cpu().numpy() if hasattr(x, "detach") else x).astype(np.int64)
+        for x in (cu_seqlens_q, cu_seqlens_k, seqused_k)]
+    cu_q, cu_k, used = host
+    if cu_q.ndim != 1 or cu_k.shape != cu_q.shape or len(cu_q) < 1:
+        raise ValueError(f"{op}: cu_seqlens_q and cu_seqlens_k have shapes {list(cu_q.shape)} "
+                         f"and {list(cu_k.shape)} (expected [B + 1] both)")
+    batch = len(cu_q) - 1
+    if np.any(np.diff(cu_q) < 0) or cu_q[0] != 0 or cu_q[-1] > q_arr.shape[0]:
+        raise ValueError(f"{op}: cu_seqlens_q is not a valid offset array (cu_seqlens_q="
+                         f"{cu_q.tolist()[:8]}, expected 0 = cu[0] <= cu[1] <= ... <= "
+                         f"total_q={q_arr.shape[0]})")
+    lengths = used if used is not None else np.diff(cu_k)
+    if used is not None and used.shape != (batch,):
+        raise ValueError(f"{op}: seqused_k has shape {list(used.shape)} (expected [{batch}])")
+    table_lib, table, _ = _arrays.adopt(block_table, op, "block_table")
+    if len(table.shape) != 2 or table.shape[0] != batch:
+        raise ValueError(f"{op}: block_table has shape {list(table.shape)}, expected "
+                         f"[{batch}, max_pages_per_seq] ([B, max_pages_per_seq])")
+    total_q, heads_q = q_arr.shape[0], q_arr.shape[1]
+    dim_v = _arrays.shape_of(v, op, "v")[-1]
+    dtype = lib.dtype_name(q_arr)
+    out = lib.zeros((total_q, heads_q, dim_v), dtype)
+    lse = lib.empty((heads_q, total_q), "float64" if dtype == "float64" else "float32")
+    lse[...] = -np.inf
+    slopes = alibi_slopes
+    for b in range(batch):
+        q0, q1 = int(cu_q[b]), int(cu_q[b + 1])
+        if alibi_slopes is not None and len(_arrays.shape_of(alibi_slopes, op, "alibi_slopes")) == 2:
+            slopes = alibi_slopes[b:b + 1]
+        o_b, lse_b = flash_attn_with_kvcache(
+            q_arr[q0:q1][None], k, v, cache_seqlens=np.array([lengths[b]], np.int32),
+            block_table=table[b:b + 1], alibi_slopes=slopes, return_softmax_lse=True,
+            **kvcache_options)
+        out[q0:q1] = o_b[0]
+        lse[:, q0:q1] = lse_b[0]
+    return give_back(out), give_back(lse)

@@ -1,0 +1,165 @@
+"""attncore.torch.PagedAttention: torch's experimental PagedAttention (torch >= 2.5,
+torch.nn.attention.experimental._paged_attention) with its class and method signatures, its
+page bookkeeping and K/V layout ([1, H, n_pages * page_size, D]), attending through
+flash_attn_with_kvcache with a block table. Imported by attncore.torch only (needs torch).
+"""
+
+import torch as _torch
+
+from ._kvcache import flash_attn_with_kvcache
+from ._merge import refuse_grad
+from ._paged import _index
+from ._rank4 import int_option
+
+
+class PagedAttention:
+    """torch.nn.attention.experimental._paged_attention.PagedAttention (torch >= 2.5) on
+    attncore: the same constructor and methods over the same state (page_table int64
+    [max_batch_size, n_pages], capacity [max_batch_size], empty_pages, physical_to_logical),
+    with stricter checks (positions outside what reserve gave, out of pages: errors in
+    attncore's form), plus forward() to attend over the pages without flex_attention.
+
+    K/V live in the caller's k_cache, v_cache [1, H, n_pages * page_size, D], as in torch.
+    device must be "cpu" (attncore has CPU backends only). convert_logical_block_mask needs
+    flex_attention's BlockMask and raises NotImplementedError.
+    """
+
+    def __init__(self, n_pages, page_size, max_batch_size, device="cpu"):
+        op = "PagedAttention"
+        if _torch.device(device).type != "cpu":
+            raise NotImplementedError(f"{op}: device is not cpu (device={device}, expected cpu); "
+                                      "attncore has CPU backends only")
+        self.n_pages = int_option(op, "n_pages", n_pages)
+        self.page_size = int_option(op, "page_size", page_size)
+        max_batch_size = int_option(op, "max_batch_size", max_batch_size)
+        for name, value in (("n_pages", self.n_pages), ("page_size", self.page_size),
+                            ("max_batch_size", max_batch_size)):
+            if value < 1:
+                raise ValueError(f"{op}: {name} is out of range ({name}={value}, expected >= 1)")
+        self.page_table = -_torch.ones((max_batch_size, self.n_pages), dtype=_torch.int64)
+        self.capacity = _torch.zeros(max_batch_size, dtype=_torch.int64)
+        self.empty_pages = list(range(self.n_pages - 1, -1, -1))
+        self.physical_to_logical = -_torch.ones((max_batch_size, self.n_pages), dtype=_torch.int64)
+
+    def _batch(self, op, batch_idx):
+        b = _index(op, "batch_idx", batch_idx)
+        if not 0 <= b < self.page_table.shape[0]:
+            raise ValueError(f"{op}: batch_idx is out of range (batch_idx={b}, expected 0 <= "
+                             f"batch_idx < max_batch_size={self.page_table.shape[0]})")
+        return b
+
+    def reserve(self, batch_idx, seq_len):
+        op = "PagedAttention.reserve"
+        b, n = self._batch(op, batch_idx), _index(op, "seq_len", seq_len)
+        if n > self.n_pages * self.page_size:
+            raise ValueError(f"{op}: seq_len is out of range (seq_len={n}, expected <= "
+                             f"n_pages * page_size={self.n_pages * self.page_size})")
+        have = int(self.capacity[b])
+        if n <= have:
+            return
+        want = -(-(n - have) // self.page_size)
+        if want > len(self.empty_pages):
+            raise MemoryError(f"{op}: requested {want} pages but only {len(self.empty_pages)} "
+                              f"are free (batch_idx={b}, seq_len={n}, expected at most "
+                              f"{len(self.empty_pages)} pages); erase sequences first")
+        start = have // self.page_size
+        pages = _torch.tensor(self.empty_pages[-want:], dtype=_torch.int64)
+        self.empty_pages = self.empty_pages[:-want]
+        self.page_table[b, start:start + want] = pages
+        self.physical_to_logical[b, pages] = _torch.arange(start, start + want)
+        self.capacity[b] += want * self.page_size
+
+    def erase(self, batch_idx):
+        b = self._batch("PagedAttention.erase", batch_idx)
+        pages = self.page_table[b][self.page_table[b] != -1]
+        self.capacity[b] = 0
+        self.empty_pages += pages.tolist()
+        self.physical_to_logical[b, pages] = -1
+        self.page_table[b] = -1
+
+    def assign(self, batch_idx, input_pos, k_val, v_val, k_cache, v_cache):
+        """k_val, v_val [B, H, S, D] into k_cache, v_cache [1, H, n_pages * page_size, D] at
+        input_pos [B, S] of the sequences batch_idx [B]."""
+        op = "PagedAttention.assign"
+        refuse_grad(op, (("k_val", k_val), ("v_val", v_val)))
+        batch_idx, input_pos = _torch.as_tensor(batch_idx), _torch.as_tensor(input_pos)
+        if k_val.dim() != 4 or v_val.dim() != 4 or input_pos.dim() != 2:
+            raise ValueError(f"{op}: k_val, v_val and input_pos have ranks {k_val.dim()}, "
+                             f"{v_val.dim()}, {input_pos.dim()} (expected 4, 4, 2: [B, H, S, D], "
+                             "[B, S])")
+        B, H, S, _ = k_val.shape
+        slots = self.n_pages * self.page_size
+        expected = {"batch_idx": ((B,), tuple(batch_idx.shape)),
+                    "input_pos": ((B, S), tuple(input_pos.shape)),
+                    "v_val": ((B, H, S), tuple(v_val.shape[:3])),
+                    "k_cache": ((1, H, slots, k_val.shape[3]), tuple(k_cache.shape)),
+                    "v_cache": ((1, H, slots, v_val.shape[3]), tuple(v_cache.shape))}
+        for name, (want, got) in expected.items():
+            if want != got[:len(want)] or (name.endswith("cache") and want != got):
+                raise ValueError(f"{op}: {name} has shape {list(got)}, expected {list(want)}")
+        rows = _torch.stack([self.capacity[self._batch(op, b)] for b in batch_idx.tolist()]) \
+            if B else _torch.zeros(0, dtype=_torch.int64)
+        bad = (input_pos < 0) | (input_pos >= rows[:, None])
+        if bool(bad.any()):
+            i, j = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(f"{op}: input_pos is out of what was reserved (input_pos[{i}][{j}]="
+                             f"{int(input_pos[i, j])}, expected 0 <= position < capacity="
+                             f"{int(rows[i])}); reserve first")
+        logical = (input_pos // self.page_size).long()
+        physical = _torch.gather(self.page_table[batch_idx.long()], 1, logical)
+        addr = (physical * self.page_size + input_pos % self.page_size).reshape(-1)
+        if addr.unique().numel() != addr.numel():
+            raise ValueError(f"{op}: input_pos writes one slot twice (expected distinct slots)")
+        k_cache[0, :, addr, :] = k_val.permute(1, 0, 2, 3).reshape(H, B * S, -1).to(k_cache.dtype)
+        v_cache[0, :, addr, :] = v_val.permute(1, 0, 2, 3).reshape(H, B * S, -1).to(v_cache.dtype)
+
+    def convert_logical_block_mask(self, block_mask, batch_idx=None, kv_len=None):
+        raise NotImplementedError("PagedAttention.convert_logical_block_mask: flex_attention's "
+                                  "BlockMask is not supported (expected PagedAttention.forward "
+                                  "or flash_attn_with_kvcache with block_table)")
+
+    def get_mask_mod(self, mask_mod, kv_len=None):
+        """mask_mod over logical positions as one over physical slots, as torch's."""
+        mask_mod = mask_mod or (lambda b, h, q_idx, kv_idx: _torch.ones_like(kv_idx, dtype=_torch.bool))
+
+        def new_mask_mod(b, h, q_idx, physical_kv_idx):
+            logical = self._logical(b, physical_kv_idx, kv_len)
+            return _torch.where(logical >= 0, mask_mod(b, h, q_idx, logical.clamp(min=0)), False)
+        return new_mask_mod
+
+    def get_score_mod(self, score_mod, kv_len=None):
+        """score_mod over logical positions as one over physical slots (-inf off the pages)."""
+        score_mod = score_mod or (lambda score, b, h, q_idx, kv_idx: score)
+
+        def new_score_mod(score, b, h, q_idx, physical_kv_idx):
+            logical = self._logical(b, physical_kv_idx, kv_len)
+            return _torch.where(logical >= 0,
+                               score_mod(score, b, h, q_idx, logical.clamp(min=0)),
+                               float("-inf"))
+        return new_score_mod
+
+    def _logical(self, b, physical_kv_idx, kv_len):
+        """The logical position of a physical slot of sequence b, -1 where it has none."""
+        block = self.physical_to_logical[b, physical_kv_idx // self.page_size]
+        logical = block * self.page_size + physical_kv_idx % self.page_size
+        valid = block >= 0
+        if kv_len is not None:
+            valid = valid & (logical < kv_len[b])
+        return _torch.where(valid, logical, _torch.full_like(logical, -1))
+
+    def forward(self, query, k_cache, v_cache, kv_len, batch_idx=None, *, causal=False,
+                scale=None, **options):
+        """Attention of query [B, Hq, Lq, D] (torch's layout) over the first kv_len[b] logical
+        positions of sequences batch_idx (default 0..B-1) held in k_cache, v_cache
+        [1, H, n_pages * page_size, D]; causal is lower-right. Returns [B, Hq, Lq, Dv]. Other
+        options as flash_attn_with_kvcache's. Forward only."""
+        batch = query.shape[0]
+        batch_idx = _torch.arange(batch) if batch_idx is None else _torch.as_tensor(batch_idx)
+        table = self.page_table[batch_idx.long()].to(_torch.int32)
+        pools = [c[0].unflatten(1, (self.n_pages, self.page_size)).permute(1, 2, 0, 3)
+                 for c in (k_cache, v_cache)]  # [n_pages, page_size, H, D] views, no copy
+        out = flash_attn_with_kvcache(
+            query.transpose(1, 2), pools[0], pools[1],
+            cache_seqlens=_torch.as_tensor(kv_len).to(_torch.int32), block_table=table,
+            softmax_scale=scale, causal=causal, **options)
+        return out.transpose(1, 2)
