@@ -1,10 +1,10 @@
 // attncore._core: the extension module behind the `attncore` Python package. It runs
 // attncore::forward_into / backward_into and their variable-length forms
-// (forward_varlen_into / backward_varlen_into) on Python arrays, read and written in place: numpy
-// arrays (and any other buffer-protocol object) through the buffer protocol, everything else
-// (torch tensors, bf16 included) through `__dlpack__`. Nothing is copied; the package allocates
-// the outputs and reshapes its arguments into the views this module takes (rank 4 for dense
-// calls, the packed rank-3 views for variable-length ones). int32 arrays become DType::i32 views,
+// (forward_varlen_into / backward_varlen_into) on Python arrays, read and written in place
+// (borrowed.h: numpy arrays, torch tensors, other buffer-protocol and DLPack objects). Nothing is
+// copied; the package allocates the outputs and reshapes its arguments into the views this
+// module takes (rank 4 for dense calls, the packed rank-3 views for variable-length ones),
+// except on the fast path (attend), which takes the caller's arrays and makes the output. int32 arrays become DType::i32 views,
 // which the library takes as index arrays (cu_seqlens, seqused_k) and refuses elsewhere.
 #include <dlpack/dlpack.h>
 #include <pybind11/numpy.h>
@@ -17,6 +17,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -34,6 +35,7 @@
 #include "attncore/merge.h"
 #include "attncore/paged.h"
 #include "attncore/varlen.h"
+#include "borrowed.h"
 
 namespace py = pybind11;
 
@@ -43,13 +45,11 @@ using attncore::DType;
 using attncore::InvalidArgument;
 using attncore::TensorView;
 using attncore::Unsupported;
-
-// DLPack 0.8 added a bool type code; DLPack 0.6 (Debian 12's header) does not name it.
-constexpr std::uint8_t kDLBoolCode = 6;
-
-// The data addresses of the arrays of this thread's last call, by argument name: lets the
-// tests prove that a strided view reached the kernels without a copy.
-thread_local std::map<std::string, std::uintptr_t> last_call_addresses;
+using attncore_python::ArrayKind;
+using attncore_python::Borrowed;
+using attncore_python::borrow_optional;
+using attncore_python::last_call_addresses;
+using attncore_python::view_of;
 
 bool interpreter_finalizing() {
 #if PY_VERSION_HEX >= 0x030D0000
@@ -188,164 +188,6 @@ void run_call(attncore::Options options, const Call& call) {
   if (interrupted) throw py::error_already_set();  // it ended before seeing the flag
 }
 
-DType dtype_from_format(std::string format, py::ssize_t itemsize, const std::string& name) {
-  // Native or explicitly little-endian byte order only (this library runs on little-endian CPUs).
-  if (!format.empty() && (format[0] == '@' || format[0] == '=' || format[0] == '<'))
-    format.erase(0, 1);
-  if (format == "f" && itemsize == 4) return DType::f32;
-  if (format == "d" && itemsize == 8) return DType::f64;
-  if (format == "e" && itemsize == 2) return DType::f16;
-  if (format == "?" && itemsize == 1) return DType::b8;
-  // numpy's int32 is 'i' ('l' where a C long has 4 bytes).
-  if ((format == "i" || format == "l") && itemsize == 4) return DType::i32;
-  throw InvalidArgument(name + " has an unsupported element type (format='" + format +
-                        "', itemsize=" + std::to_string(itemsize) +
-                        ", expected float32, float64, float16, bool or int32)");
-}
-
-DType dtype_from_dlpack(const DLDataType& t, bool is_mask, const std::string& name) {
-  if (t.lanes == 1) {
-    if (t.code == kDLFloat && t.bits == 32) return DType::f32;
-    if (t.code == kDLFloat && t.bits == 64) return DType::f64;
-    if (t.code == kDLFloat && t.bits == 16) return DType::f16;
-    if (t.code == kDLBfloat && t.bits == 16) return DType::bf16;
-    if (t.code == kDLBoolCode && t.bits == 8) return DType::b8;
-    if (t.code == kDLInt && t.bits == 32) return DType::i32;
-    // Producers that cannot export bool (torch 1.13) pass a bool mask's bytes as uint8.
-    if (is_mask && t.code == kDLUInt && t.bits == 8) return DType::b8;
-  }
-  throw InvalidArgument(name + " has an unsupported element type (dlpack code=" +
-                        std::to_string(t.code) +
-                        ", bits=" + std::to_string(t.bits) + ", lanes=" + std::to_string(t.lanes) +
-                        ", expected float32, float64, float16, bfloat16, bool or int32)");
-}
-
-std::string type_name(py::handle obj) {
-  return std::string(py::str(py::type::of(obj).attr("__name__")));
-}
-
-// One Python array seen as a TensorView onto its own memory, valid while this object lives.
-// Errors name the array as "<op>: <name>", the library's message form.
-class Borrowed {
- public:
-  Borrowed(py::handle obj, const char* op, const char* name, bool writable, bool is_mask = false) {
-    const std::string what = std::string(op) + ": " + name;
-    if (PyObject_CheckBuffer(obj.ptr())) {
-      from_buffer(obj, what, writable);
-    } else if (py::hasattr(obj, "__dlpack__")) {
-      from_dlpack(obj, what, is_mask);
-    } else {
-      throw py::type_error(what + " is not an array (type=" + type_name(obj) +
-                           ", expected a numpy array or an object with __dlpack__)");
-    }
-    last_call_addresses[name] = reinterpret_cast<std::uintptr_t>(view_.data);
-  }
-  Borrowed(Borrowed&&) = default;
-  Borrowed& operator=(Borrowed&&) = delete;
-
-  const TensorView& view() const { return view_; }
-
- private:
-  void check_rank(std::int64_t rank, const std::string& what) {
-    if (rank > attncore::kMaxRank) {
-      throw InvalidArgument(what + " has too many dimensions (rank=" + std::to_string(rank) +
-                            ", expected <= 4)");
-    }
-    view_.rank = static_cast<int>(rank);
-  }
-
-  void from_buffer(py::handle obj, const std::string& what, bool writable) {
-    buffer_ = py::reinterpret_borrow<py::buffer>(obj).request(writable);
-    const py::buffer_info& b = *buffer_;
-    check_rank(b.ndim, what);
-    view_.dtype = dtype_from_format(b.format, b.itemsize, what);
-    view_.data = b.ptr;
-    for (int d = 0; d < view_.rank; ++d) {
-      const auto stride = b.strides[static_cast<std::size_t>(d)];
-      if (stride < 0 || stride % b.itemsize != 0) {
-        throw InvalidArgument(what + " has a stride that is not a non-negative multiple of its " +
-                              "item size (stride[" + std::to_string(d) + "]=" +
-                              std::to_string(stride) + " bytes, itemsize=" +
-                              std::to_string(b.itemsize) + "); pass a contiguous copy");
-      }
-      view_.shape[static_cast<std::size_t>(d)] = b.shape[static_cast<std::size_t>(d)];
-      view_.stride[static_cast<std::size_t>(d)] = stride / b.itemsize;
-    }
-  }
-
-  void from_dlpack(py::handle obj, const std::string& what, bool is_mask) {
-    // A producer that names its device is asked first, so that memory of another device is
-    // refused before an export (which some producers refuse with errors of their own).
-    if (py::hasattr(obj, "__dlpack_device__")) {
-      int device_type = -1;
-      try {
-        device_type = obj.attr("__dlpack_device__")()[py::int_(0)].cast<int>();
-      } catch (const std::exception& e) {  // the producer's error, or no int where expected
-        throw InvalidArgument(what + " cannot be read through DLPack (type=" + type_name(obj) +
-                              ", error='" + e.what() + "', expected an array in CPU memory)");
-      }
-      if (device_type != kDLCPU && device_type != kDLCUDAHost) {
-        throw Unsupported(what + " is not in CPU memory (dlpack device_type=" +
-                          std::to_string(device_type) +
-                          ", expected CPU); attncore has CPU backends only");
-      }
-    }
-    py::object exported;
-    try {
-      exported = obj.attr("__dlpack__")();
-    } catch (const py::error_already_set& e) {
-      throw InvalidArgument(what + " cannot be read through DLPack (type=" + type_name(obj) +
-                            ", error='" + e.what() + "', expected a strided CPU array)");
-    }
-    auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(exported.ptr(), "dltensor"));
-    if (managed == nullptr) {
-      PyErr_Clear();
-      throw InvalidArgument(what + " gave no DLPack capsule (type=" + type_name(obj) +
-                            ", expected __dlpack__() to return an unused 'dltensor' capsule)");
-    }
-    // The capsule is consumed: from here on, this object calls the deleter.
-    PyCapsule_SetName(exported.ptr(), "used_dltensor");
-    managed_.reset(managed);
-    const DLTensor& t = managed->dl_tensor;
-    if (t.device.device_type != kDLCPU && t.device.device_type != kDLCUDAHost) {
-      throw Unsupported(what + " is not in CPU memory (dlpack device_type=" +
-                        std::to_string(static_cast<int>(t.device.device_type)) +
-                        ", expected CPU); attncore has CPU backends only");
-    }
-    check_rank(t.ndim, what);
-    view_.dtype = dtype_from_dlpack(t.dtype, is_mask, what);
-    view_.data = static_cast<char*>(t.data) + t.byte_offset;
-    std::int64_t running = 1;
-    for (int d = view_.rank; d-- > 0;) {
-      view_.shape[static_cast<std::size_t>(d)] = t.shape[d];
-      view_.stride[static_cast<std::size_t>(d)] = t.strides != nullptr ? t.strides[d] : running;
-      running *= t.shape[d];
-    }
-  }
-
-  struct CallDeleter {
-    void operator()(DLManagedTensor* t) const {
-      if (t->deleter != nullptr) t->deleter(t);
-    }
-  };
-
-  TensorView view_;
-  std::optional<py::buffer_info> buffer_;  // released (with the GIL held) on destruction
-  std::unique_ptr<DLManagedTensor, CallDeleter> managed_;  // DLPack: deleter runs on destruction
-};
-
-std::optional<Borrowed> borrow_optional(py::handle obj, const char* op, const char* name,
-                                        bool writable, bool is_mask = false) {
-  std::optional<Borrowed> b;
-  if (!obj.is_none()) b.emplace(obj, op, name, writable, is_mask);
-  return b;
-}
-
-std::optional<TensorView> view_of(const std::optional<Borrowed>& b) {
-  if (!b) return std::nullopt;
-  return b->view();
-}
-
 attncore::Causal causal_from_name(const char* op, const std::string& name) {
   for (auto c :
        {attncore::Causal::none, attncore::Causal::upper_left, attncore::Causal::lower_right}) {
@@ -401,7 +243,7 @@ struct CallOptions {
 void forward(py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
              py::handle mask, py::handle alibi_slopes, const CallOptions& call) {
   constexpr const char* op = "forward";  // the library's name of the call, in messages
-  last_call_addresses.clear();
+  last_call_addresses().clear();
   const Borrowed bq(q, op, "query", false), bk(k, op, "key", false), bv(v, op, "value", false);
   const Borrowed bout(out, op, "out", true);
   const auto blse = borrow_optional(lse, op, "lse", true);
@@ -415,13 +257,137 @@ void forward(py::handle q, py::handle k, py::handle v, py::handle out, py::handl
   });
 }
 
+// A Python float or int (not bool) as a double, else nullopt.
+std::optional<double> plain_number(py::handle x) {
+  if (PyFloat_CheckExact(x.ptr())) return PyFloat_AS_DOUBLE(x.ptr());
+  if (PyLong_CheckExact(x.ptr())) {
+    const double value = PyLong_AsDouble(x.ptr());
+    if (value == -1.0 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return std::nullopt;
+    }
+    return value;
+  }
+  return std::nullopt;
+}
+
+// The fast path of scaled_dot_product_attention (layout bhld, q [B, Hq, Lq, D], an optional
+// mask of rank 2 or 4) and flash_attn_func (layout blhd, q [B, Lq, Hq, D], no mask): one call
+// on the caller's own rank-4 arrays, all numpy arrays or all plain CPU torch tensors (borrowed.h)
+// with one batch size, and options of plain Python types: causal "none", "upper-left" or
+// "lower-right"; scale None or a finite float > 0; window_size None or (left, right) ints;
+// softcap a float (<= 0: off, flash-attn's convention); dropout_p 0; enable_gqa a bool (key and
+// value with one head serve every query head regardless, as with torch's broadcasting); backend
+// None or a name. Makes out (laid out like q, in the caller's layout) and returns it; where a
+// torch input requires grad in grad mode, returns (out, lse [B, Hq, Lq] fp32) for the caller to
+// record the autograd node with. Returns None for any other call: the package then takes its
+// general path, which handles and checks everything.
+py::object attend(py::handle q, py::handle k, py::handle v, py::handle mask, bool blhd,
+                  const std::string& causal, py::handle scale, py::handle window_size,
+                  py::handle softcap, py::handle dropout_p, py::handle enable_gqa,
+                  py::handle backend) {
+  constexpr const char* op = "forward";  // the library's name of the call, in messages
+  const py::object general = py::none();
+  if (!mask.is_none() && blhd) return general;
+  attncore::Options options;
+  if (!scale.is_none()) {
+    const auto s = plain_number(scale);
+    if (!s || !(*s > 0) || !std::isfinite(*s)) return general;
+    options.scale = *s;
+  }
+  if (!window_size.is_none()) {
+    if (!PyTuple_CheckExact(window_size.ptr()) || PyTuple_GET_SIZE(window_size.ptr()) != 2)
+      return general;
+    PyObject* left = PyTuple_GET_ITEM(window_size.ptr(), 0);
+    PyObject* right = PyTuple_GET_ITEM(window_size.ptr(), 1);
+    if (!PyLong_CheckExact(left) || !PyLong_CheckExact(right)) return general;
+    options.window_left = PyLong_AsLongLong(left);
+    options.window_right = PyLong_AsLongLong(right);
+    if (PyErr_Occurred()) {
+      PyErr_Clear();
+      return general;
+    }
+  }
+  const auto cap = plain_number(softcap), p = plain_number(dropout_p);
+  if (!cap || std::isnan(*cap) || !p || *p != 0.0) return general;
+  options.softcap = *cap > 0 ? *cap : 0.0;
+  if (enable_gqa.ptr() != Py_True && enable_gqa.ptr() != Py_False) return general;
+  attncore::Backend chosen = attncore::Backend::automatic;
+  if (!backend.is_none()) {
+    if (!PyUnicode_CheckExact(backend.ptr())) return general;
+    try {
+      chosen = attncore::backend_from_name(backend.cast<std::string>());
+    } catch (const InvalidArgument&) {
+      return general;
+    }
+  }
+  options.causal = causal_from_name(op, causal);
+
+  last_call_addresses().clear();
+  const auto bq = Borrowed::plain(q, op, "query"), bk = Borrowed::plain(k, op, "key"),
+             bv = Borrowed::plain(v, op, "value");
+  const auto bmask = mask.is_none() ? std::nullopt : Borrowed::plain(mask, op, "mask");
+  if (!bq || !bk || !bv || (!mask.is_none() && !bmask)) return general;
+  const ArrayKind kind = bq->kind();
+  if (bk->kind() != kind || bv->kind() != kind || (bmask && bmask->kind() != kind))
+    return general;
+  // A call that autograd records: its backward needs the LSE.
+  const bool want_lse = kind == ArrayKind::torch &&
+                        (bq->requires_grad() || bk->requires_grad() || bv->requires_grad() ||
+                         (bmask && bmask->requires_grad())) &&
+                        attncore_python::grad_enabled();
+  const TensorView &cq = bq->view(), &ck = bk->view(), &cv = bv->view();
+  const DType dtype = cq.dtype;
+  const bool float_dtype = dtype == DType::f32 || dtype == DType::f64 || dtype == DType::f16 ||
+                           (dtype == DType::bf16 && kind == ArrayKind::torch);
+  auto unit_last = [](const TensorView& x) { return x.size(3) <= 1 || x.stride_of(3) == 1; };
+  if (cq.rank != 4 || ck.rank != 4 || cv.rank != 4 || !float_dtype || ck.size(0) != cq.size(0) ||
+      cv.size(0) != cq.size(0) || !unit_last(cq) || !unit_last(ck) || !unit_last(cv))
+    return general;
+  if (bmask) {  // bhld: the scores are [B, Hq, Lq, Lk]
+    const TensorView& m = bmask->view();
+    const std::int64_t scores[4] = {cq.size(0), cq.size(1), cq.size(2), ck.size(2)};
+    bool broadcasts = m.rank == 2 || m.rank == 4;
+    for (int d = 0; broadcasts && d < m.rank; ++d) {
+      const std::int64_t n = m.size(d);
+      broadcasts = n == 1 || n == scores[4 - m.rank + d];
+    }
+    if (!broadcasts || (m.dtype != DType::b8 && m.dtype != DType::f32 && m.dtype != dtype))
+      return general;
+    options.mask = m;
+  }
+  const int heads = blhd ? 2 : 1;  // the heads' dim in the caller's layout
+  options.enable_gqa = enable_gqa.ptr() == Py_True || (ck.size(heads) == 1 && cv.size(heads) == 1);
+
+  const std::int64_t batch = cq.size(0), heads_q = cq.size(heads),
+                     seqlen_q = cq.size(3 - heads), dim_v = cv.size(3);
+  std::vector<std::int64_t> out_shape{batch, heads_q, seqlen_q, dim_v};
+  if (blhd) std::swap(out_shape[1], out_shape[2]);
+  const py::object out = attncore_python::new_array(
+      kind, out_shape, dtype, {cq.stride_of(0), cq.stride_of(1), cq.stride_of(2), 1});
+  py::object lse = py::none();
+  if (want_lse) {
+    lse = attncore_python::new_array(kind, {batch, heads_q, seqlen_q},
+                                     dtype == DType::f64 ? DType::f64 : DType::f32);
+  }
+  const Borrowed bout(out, op, "out", true);
+  const auto blse = borrow_optional(lse, op, "lse", true);
+  auto bhld = [&](const TensorView& x) { return blhd ? x.transposed(1, 2) : x; };
+  run_call(options, [&](const attncore::Options& o) {
+    attncore::forward_into(bhld(cq), bhld(ck), bhld(cv), bhld(bout.view()), view_of(blse), o,
+                           chosen);
+  });
+  if (want_lse) return py::make_tuple(out, lse);
+  return out;
+}
+
 // The gradients of forward's call with the same q, k, v and options: writes dq, dk, dv (shaped
 // like q, k, v) and, when given, dbias (shaped like mask, which must then be additive).
 void backward(py::handle dout, py::handle q, py::handle k, py::handle v, py::handle out,
               py::handle lse, py::handle dq, py::handle dk, py::handle dv, py::handle dbias,
               py::handle mask, py::handle alibi_slopes, const CallOptions& call) {
   constexpr const char* op = "backward";  // the library's name of the call, in messages
-  last_call_addresses.clear();
+  last_call_addresses().clear();
   const Borrowed bdout(dout, op, "dout", false), bq(q, op, "query", false), bk(k, op, "key", false),
       bv(v, op, "value", false), bout(out, op, "out", false), blse(lse, op, "lse", false);
   const Borrowed bdq(dq, op, "dq", true), bdk(dk, op, "dk", true), bdv(dv, op, "dv", true);
@@ -465,7 +431,7 @@ void forward_varlen(py::handle q, py::handle k, py::handle v, py::handle cu_seql
                     std::int64_t max_seqlen_k, py::handle out, py::handle lse, py::handle mask,
                     py::handle alibi_slopes, const CallOptions& call) {
   constexpr const char* op = "forward";  // the library's name of the call, in messages
-  last_call_addresses.clear();
+  last_call_addresses().clear();
   const Borrowed bq(q, op, "query", false), bk(k, op, "key", false), bv(v, op, "value", false);
   const BorrowedSeqs seqs(op, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k);
   const Borrowed bout(out, op, "out", true);
@@ -488,7 +454,7 @@ void backward_varlen(py::handle dout, py::handle q, py::handle k, py::handle v, 
                      py::handle dq, py::handle dk, py::handle dv, py::handle mask,
                      py::handle alibi_slopes, const CallOptions& call) {
   constexpr const char* op = "backward";  // the library's name of the call, in messages
-  last_call_addresses.clear();
+  last_call_addresses().clear();
   const Borrowed bdout(dout, op, "dout", false), bq(q, op, "query", false), bk(k, op, "key", false),
       bv(v, op, "value", false), bout(out, op, "out", false), blse(lse, op, "lse", false);
   const BorrowedSeqs seqs(op, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k);
@@ -588,7 +554,7 @@ void forward_kvcache(py::handle q, py::handle k_cache, py::handle v_cache,
                      py::handle out, py::handle lse, py::handle alibi_slopes,
                      const CallOptions& call) {
   constexpr const char* op = "forward_kvcache";  // the library's name of the call, in messages
-  last_call_addresses.clear();
+  last_call_addresses().clear();
   const Borrowed bq(q, op, "query", false);
   const bool appending = !k_new.is_none();  // the caches are written only by an append
   const Borrowed bk(k_cache, op, "k_cache", appending), bv(v_cache, op, "v_cache", appending);
@@ -635,7 +601,7 @@ void forward_kvcache(py::handle q, py::handle k_cache, py::handle v_cache,
 void merge_states(py::handle out_a, py::handle lse_a, py::handle out_b, py::handle lse_b,
                   py::handle out, py::handle lse, int num_threads) {
   constexpr const char* op = "merge_attention_states";
-  last_call_addresses.clear();
+  last_call_addresses().clear();
   const Borrowed boa(out_a, op, "out_a", false), bla(lse_a, op, "lse_a", false);
   const Borrowed bob(out_b, op, "out_b", false), blb(lse_b, op, "lse_b", false);
   const Borrowed bout(out, op, "out", true), blse(lse, op, "lse", true);
@@ -749,6 +715,10 @@ PYBIND11_MODULE(_core, m) {
   m.def("forward", &forward, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("out"),
         py::arg("lse").none(true), py::arg("mask").none(true), py::arg("alibi_slopes").none(true),
         py::arg("options"));
+  m.def("attend", &attend, py::arg("query"), py::arg("key"), py::arg("value"),
+        py::arg("mask").none(true), py::arg("blhd"), py::arg("causal"), py::arg("scale").none(true),
+        py::arg("window_size").none(true), py::arg("softcap"), py::arg("dropout_p"),
+        py::arg("enable_gqa"), py::arg("backend").none(true));
   m.def("backward", &backward, py::arg("dout"), py::arg("query"), py::arg("key"), py::arg("value"),
         py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
         py::arg("dbias").none(true), py::arg("mask").none(true), py::arg("alibi_slopes").none(true),
@@ -780,11 +750,15 @@ PYBIND11_MODULE(_core, m) {
         return names_of(attncore::set_enabled_backends(backends));
       },
       py::arg("backends"), "Replaces this thread's enabled backends; returns the previous list");
+  m.def("set_num_threads", &attncore::set_num_threads, py::arg("num_threads"),
+        "Sets the process-wide thread count (0 resets); returns the previous setting");
+  m.def("get_num_threads", &attncore::get_num_threads,
+        "The thread count a call without num_threads would use now");
   m.def("version", &attncore::version);
   bind_paged_cache(m);
   m.def("simd_target", &attncore::simd_target);
   m.def(
-      "_last_call_addresses", [] { return last_call_addresses; },
+      "_last_call_addresses", [] { return last_call_addresses(); },
       "The data address of each array of this thread's last call, by name");
   m.def("forward_kvcache", &forward_kvcache, py::arg("query"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("cache_seqlens"), py::arg("cache_batch_idx").none(true),

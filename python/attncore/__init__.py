@@ -10,6 +10,7 @@
     attncore.torch                the same functions with torch autograd (AttentionFunction)
     manual_seed, get_rng_state, set_rng_state   attncore's dropout generator (numpy calls;
                                   calls on torch tensors draw from torch's)
+    set_num_threads, get_num_threads   the process-wide thread count of calls
     SDPBackend                    backend names for the backend= keyword
     sdpa_kernel, enabled_backends the backends automatic selection may choose, per thread
     explain                       each backend's verdict on a call, and the choice
@@ -37,6 +38,7 @@ from ._kvcache import flash_attn_with_kvcache
 from ._merge import merge_attention_states
 from ._paged import PagedKVCache
 from ._random import get_rng_state, manual_seed, set_rng_state
+from ._threads import get_num_threads, set_num_threads
 from .backends import BackendVerdict, Explanation, SDPBackend, enabled_backends, sdpa_kernel
 
 __version__ = _core.version()
@@ -46,8 +48,9 @@ __all__ = [
     "attention_varlen", "attention_varlen_backward", "enabled_backends", "explain",
     "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
-    "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache", "get_rng_state", "manual_seed", "merge_attention_states",
-    "scaled_dot_product_attention", "sdpa_kernel", "set_rng_state",
+    "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache", "get_num_threads",
+    "get_rng_state", "manual_seed", "merge_attention_states", "scaled_dot_product_attention",
+    "sdpa_kernel", "set_num_threads", "set_rng_state",
 ]
 
 

@@ -68,3 +68,27 @@ class PackedAttentionFunction(_torch.autograd.Function):
 
 # Documented, and shown in reprs, under its public module.
 AttentionFunction.__module__ = "attncore.torch"
+
+
+class FastAttentionFunction(_torch.autograd.Function):
+    """The autograd record of a call that attncore._core.attend ran (the fast path of
+    scaled_dot_product_attention and flash_attn_func): forward takes q, k, v, mask (or None)
+    and the out and lse the call made, returns out; backward runs backward4 on the rank-4
+    views (q [B, Lq, Hq, D] seen as [B, Hq, Lq, D] when blhd). lse is not returned."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, mask, out, lse, call, blhd):
+        ctx.save_for_backward(query, key, value, mask, out, lse)
+        ctx.call, ctx.blhd = call, blhd
+        return out
+
+    @staticmethod
+    @_once_differentiable
+    def backward(ctx, dout):
+        query, key, value, mask, out, lse = ctx.saved_tensors
+        lib = _arrays.TORCH
+        four = (lambda x: x.transpose(1, 2)) if ctx.blhd else (lambda x: x)
+        dq, dk, dv, dbias = backward4(lib, lib.unit_last_stride(four(dout)), four(query),
+                                      four(key), four(value), four(out), lse, mask, None,
+                                      ctx.call, ctx.needs_input_grad[3])
+        return four(dq), four(dk), four(dv), dbias, None, None, None, None

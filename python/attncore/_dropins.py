@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from . import _arrays, _nested
+from . import _arrays, _core, _nested
 from ._attention import attention, dense_packed, separate, varlen_packed
 from ._rank4 import Call, DenseKernel, forward4, real_option
 from ._merge import refuse_grad
@@ -32,6 +32,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     no attn_mask and no autograd.
     backend (not in torch): None (automatic), "reference", "math", "flash" or an SDPBackend.
     """
+    causal = "upper-left" if is_causal else "none"
+    if attn_mask is None or not is_causal:
+        out = _fast(query, key, value, attn_mask, False, causal, scale, None, 0.0, dropout_p,
+                    enable_gqa, backend)
+        if out is not None:
+            return out
     op = "scaled_dot_product_attention"
     if any(getattr(x, "is_nested", False) for x in (query, key, value)):
         return _nested.scaled_dot_product_attention(
@@ -49,12 +55,26 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                              f"expected bool, float32 or query's {query_dtype})")
     heads_kv = {s[-3] if len(s) >= 3 else 1 for s in (_arrays.shape_of(key, op, "key"),
                                                         _arrays.shape_of(value, op, "value"))}
-    return attention(query, key, value, layout="bhld", scale=scale,
-                     causal="upper-left" if is_causal else None, attn_mask=attn_mask,
+    return attention(query, key, value, layout="bhld", scale=scale, causal=causal,
+                     attn_mask=attn_mask,
                      dropout_p=dropout_p, enable_gqa=enable_gqa or heads_kv == {1},
                      backend=backend, _op=op)
 
 
+def _fast(query, key, value, mask, blhd, causal, scale, window_size, softcap, dropout_p,
+          enable_gqa, backend):
+    """The call through attncore._core.attend, the fast path for plain calls (its comment
+    says which), recorded for autograd where a torch input requires grad; None for other
+    calls, which take the general path."""
+    r = _core.attend(query, key, value, mask, blhd, causal, scale, window_size, softcap,
+                     dropout_p, enable_gqa, backend)
+    if type(r) is not tuple:
+        return r
+    from ._autograd import FastAttentionFunction  # torch inputs: torch is imported
+    call = Call(scale=scale, causal=causal, window_size=window_size or (-1, -1),
+                softcap=max(softcap, 0.0), enable_gqa=True,
+                backend="auto" if backend is None else backend)
+    return FastAttentionFunction.apply(query, key, value, mask, r[0], r[1], call, blhd)
 
 
 def _flash_options(op, softmax_scale, causal, window_size, softcap, dropout_p, backend):
@@ -216,6 +236,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     for torch tensors, else from attncore's (attncore.manual_seed). backend (not in
     flash-attn): as for attention().
     """
+    if alibi_slopes is None and not return_attn_probs:
+        out = _fast(q, k, v, None, True, "lower-right" if causal else "none", softmax_scale,
+                    window_size, softcap, dropout_p, True, backend)
+        if out is not None:
+            return out
     op = "flash_attn_func"
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         _check_shape(op, name, x, "[B, L, H, D]", 4)

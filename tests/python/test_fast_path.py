@@ -1,0 +1,174 @@
+"""The fast path (attncore._core.attend) of scaled_dot_product_attention and flash_attn_func:
+the calls it takes give the general path's bits (attncore.attention, which never takes it),
+outputs and gradients, and match the float64 oracle; the calls it declines reach the general
+path, which handles them."""
+
+import numpy as np
+import pytest
+import torch
+
+import attncore
+import attncore.torch
+import reference
+from attncore import _core
+from conftest import assert_close, randn
+
+
+def _attend(q, k, v, mask=None, *, blhd=False, causal="none", scale=None, window=None,
+            softcap=0.0, dropout_p=0.0, enable_gqa=False, backend=None):
+    return _core.attend(q, k, v, mask, blhd, causal, scale, window, softcap, dropout_p,
+                        enable_gqa, backend)
+
+
+def _inputs(lib, dtype, heads_q=4, heads_kv=2, seqlen_q=5, seqlen_k=9, dim=16, blhd=False):
+    shapes = [(2, heads_q, seqlen_q, dim), (2, heads_kv, seqlen_k, dim),
+              (2, heads_kv, seqlen_k, dim)]
+    xs = [randn(*s, dtype=dtype, seed=i) for i, s in enumerate(shapes)]
+    if blhd:
+        xs = [x.transpose(1, 2).contiguous() for x in xs]
+    return [x.numpy() for x in xs] if lib == "numpy" else xs
+
+
+SDPA_CASES = {
+    "plain": {},
+    "causal": {"is_causal": True},
+    "scale": {"scale": 0.3},
+    "gqa": {"enable_gqa": True},
+    "bool-mask-2d": {"attn_mask": "bool2"},
+    "float-mask-4d": {"attn_mask": "float4"},
+    "backend-math": {"backend": "math"},
+}
+
+
+def _mask(kind, lib, dtype):
+    if kind == "bool2":
+        m = randn(5, 9, seed=7) > -0.5
+    else:
+        m = randn(2, 1, 5, 9, seed=8, dtype=dtype)
+    return m.numpy() if lib == "numpy" else m
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", SDPA_CASES)
+def test_sdpa_fast_path_gives_the_general_paths_bits(lib, dtype, case):
+    kwargs = dict(SDPA_CASES[case])
+    q, k, v = _inputs(lib, dtype)
+    if "attn_mask" in kwargs:
+        kwargs["attn_mask"] = _mask(kwargs["attn_mask"], lib, dtype)
+    if not kwargs.get("enable_gqa"):
+        k, v = k[:, :1], v[:, :1]  # one key/value head serves every query head
+    fast = _attend(q, k, v, kwargs.get("attn_mask"),
+                   causal="upper-left" if kwargs.get("is_causal") else "none",
+                   scale=kwargs.get("scale"), enable_gqa=bool(kwargs.get("enable_gqa")),
+                   backend=kwargs.get("backend"))
+    assert fast is not None, "the fast path declined a plain call"
+    out = attncore.scaled_dot_product_attention(q, k, v, **kwargs)
+    general = attncore.attention(
+        q, k, v, causal="upper-left" if kwargs.get("is_causal") else None,
+        scale=kwargs.get("scale"), attn_mask=kwargs.get("attn_mask"),
+        backend=kwargs.get("backend"))
+    assert type(out) is type(q) and out.shape == general.shape
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(general))
+    np.testing.assert_array_equal(np.asarray(fast), np.asarray(general))
+    mask = kwargs.get("attn_mask")
+    expected, _ = reference.attention(
+        torch.as_tensor(q), torch.as_tensor(k), torch.as_tensor(v), scale=kwargs.get("scale"),
+        causal="upper-left" if kwargs.get("is_causal") else None,
+        mask=None if mask is None else torch.as_tensor(mask))
+    assert_close(torch.as_tensor(out), expected, dtype, case)
+
+
+FLASH_CASES = {
+    "plain": {},
+    "causal": {"causal": True},
+    "window-softcap": {"window_size": (3, 1), "softcap": 2.5, "softmax_scale": 0.4},
+    "softcap-off": {"softcap": -1.0},
+}
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+@pytest.mark.parametrize("case", FLASH_CASES)
+def test_flash_fast_path_gives_the_general_paths_bits(lib, case):
+    kwargs = FLASH_CASES[case]
+    q, k, v = _inputs(lib, torch.float32, blhd=True)
+    assert _attend(q, k, v, blhd=True, window=kwargs.get("window_size", (-1, -1)),
+                   softcap=kwargs.get("softcap", 0.0), scale=kwargs.get("softmax_scale"),
+                   causal="lower-right" if kwargs.get("causal") else "none",
+                   enable_gqa=True) is not None
+    out = attncore.flash_attn_func(q, k, v, **kwargs)
+    general = attncore.attention(
+        q, k, v, layout="blhd", causal="lower-right" if kwargs.get("causal") else None,
+        window_size=kwargs.get("window_size", (-1, -1)),
+        softcap=max(kwargs.get("softcap", 0.0), 0.0), scale=kwargs.get("softmax_scale"))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(general))
+    # The output is laid out like q: a contiguous [B, L, H, D].
+    assert np.asarray(out).flags.c_contiguous
+
+
+@pytest.mark.parametrize("blhd", [False, True])
+@pytest.mark.parametrize("float_mask", [False, True])
+def test_fast_path_gradients_are_the_general_paths(blhd, float_mask):
+    q, k, v = _inputs("torch", torch.float64, blhd=blhd)
+    mask = randn(2, 1, 5, 9, seed=9) if float_mask and not blhd else None
+
+    def run(function):
+        ins = [x.clone().requires_grad_() for x in (q, k, v)]
+        m = None if mask is None else mask.clone().requires_grad_()
+        out = function(*ins, m)
+        out.backward(torch.ones_like(out))
+        grads = [x.grad for x in ins] + ([m.grad] if m is not None else [])
+        return out.detach(), grads, out.grad_fn
+
+    if blhd:
+        fast = run(lambda q, k, v, m: attncore.torch.flash_attn_func(q, k, v, causal=True))
+        general = run(lambda q, k, v, m: attncore.torch.attention(
+            q, k, v, layout="blhd", causal="lower-right"))
+    else:
+        fast = run(lambda q, k, v, m: attncore.torch.scaled_dot_product_attention(
+            q, k, v, attn_mask=m, enable_gqa=True))
+        general = run(lambda q, k, v, m: attncore.torch.attention(q, k, v, attn_mask=m))
+    assert "FastAttentionFunction" in type(fast[2]).__name__
+    assert torch.equal(fast[0], general[0])
+    for a, b in zip(fast[1], general[1]):
+        assert a.shape == b.shape and torch.equal(a, b)
+
+
+def _neg_view(x):
+    return torch._neg_view(x)
+
+
+DECLINED = {
+    # (what the call gets, why the fast path must leave it to the general path)
+    "non-unit last stride": lambda q, k, v: (q[..., ::2], k[..., ::2], v[..., ::2]),
+    "mixed libraries": lambda q, k, v: (q, k.numpy(), v),
+    "rank 3": lambda q, k, v: (q[0], k[0], v[0]),
+    "lazily negated": lambda q, k, v: (_neg_view(q), k, v),
+    "batch dims differ": lambda q, k, v: (q, k[:1], v[:1]),
+}
+
+
+@pytest.mark.parametrize("case", DECLINED)
+def test_declined_calls_take_the_general_path(case):
+    q, k, v = _inputs("torch", torch.float64, heads_kv=4)
+    args = DECLINED[case](q, k, v)
+    assert _attend(*args) is None
+    if case == "batch dims differ":
+        with pytest.raises(ValueError, match="leading dims"):
+            attncore.scaled_dot_product_attention(*args)
+        return
+    out = attncore.scaled_dot_product_attention(*args)
+    plain = [torch.as_tensor(x).clone().resolve_neg() for x in args]
+    expected, _ = reference.attention(*plain)
+    assert_close(out, expected, torch.float64, case)
+
+
+@pytest.mark.parametrize("option", ["dropout", "string scale", "tuple-less window",
+                                    "enum backend", "bool causal value"])
+def test_options_of_other_types_take_the_general_path(option):
+    q, k, v = _inputs("numpy", torch.float32, heads_kv=4)
+    kwargs = {"dropout": {"dropout_p": 0.5}, "string scale": {"scale": "0.5"},
+              "tuple-less window": {"window": [1, 1]},
+              "enum backend": {"backend": attncore.SDPBackend.FLASH},
+              "bool causal value": {"softcap": True}}[option]
+    assert _attend(q, k, v, **kwargs) is None
