@@ -4,20 +4,20 @@
 // (borrowed.h: numpy arrays, torch tensors, other buffer-protocol and DLPack objects). Nothing is
 // copied; the package allocates the outputs and reshapes its arguments into the views this
 // module takes (rank 4 for dense calls, the packed rank-3 views for variable-length ones),
-// except on the fast path (attend), which takes the caller's arrays and makes the output. int32 arrays become DType::i32 views,
-// which the library takes as index arrays (cu_seqlens, seqused_k) and refuses elsewhere.
+// except on the fast path (attend), which takes the caller's arrays and makes the output. int32
+// arrays become DType::i32 views, which the library takes as index arrays (cu_seqlens, seqused_k)
+// and refuses elsewhere.
 #include <dlpack/dlpack.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
-
 #include <unistd.h>
 
 #include <array>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -46,8 +46,8 @@ using attncore::InvalidArgument;
 using attncore::TensorView;
 using attncore::Unsupported;
 using attncore_python::ArrayKind;
-using attncore_python::Borrowed;
 using attncore_python::borrow_optional;
+using attncore_python::Borrowed;
 using attncore_python::last_call_addresses;
 using attncore_python::view_of;
 
@@ -149,10 +149,29 @@ class Runner {
 unsigned long main_thread_id = 0;  // Python's ident of the main thread, set at import
 bool runner_busy = false;          // main thread only: a signal handler's own call runs in place
 
-// Runs call(options) with the GIL released: interruptible by Ctrl-C on the main thread (above).
+// A bound on a call's work, in multiply-adds: every query row (q [..., Lq, D], or packed rows
+// [total_q, Hq, D]) against every row of k [..., Lk, D] (or [total_k, Hkv, D]), times D + Dv.
+double call_work(const TensorView& q, const TensorView& k, const TensorView& v) {
+  const int key_rows = k.rank == 4 ? 2 : 0;
+  const double rows_q =
+      q.rank > 0 && q.size(q.rank - 1) > 0
+          ? static_cast<double>(q.numel()) / static_cast<double>(q.size(q.rank - 1))
+          : 0.0;
+  return rows_q * static_cast<double>(k.rank > key_rows ? k.size(key_rows) : 0) *
+         static_cast<double>((q.rank ? q.size(q.rank - 1) : 0) + (v.rank ? v.size(v.rank - 1) : 0));
+}
+
+// Calls of at most this much work (call_work) run in place on the main thread too: handing a
+// call to the runner and back costs ~50 us (measured: a q [1, 1, 1, 64], k/v [1, 1, 16, 64]
+// call took 50 us through the runner against 3.6 us in place), and at the slowest backend's
+// 1.7 GFLOP/s (reference, fp64 loops) such a call ends within ~5 ms, well under kSignalPoll.
+constexpr double kInPlaceWork = 1 << 22;
+
+// Runs call(options) with the GIL released: interruptible by Ctrl-C on the main thread (above)
+// when its work (call_work) exceeds kInPlaceWork.
 template <class Call>
-void run_call(attncore::Options options, const Call& call) {
-  if (PyThread_get_thread_ident() != main_thread_id || runner_busy) {
+void run_call(attncore::Options options, double work, const Call& call) {
+  if (PyThread_get_thread_ident() != main_thread_id || runner_busy || work <= kInPlaceWork) {
     const GilReleased released;
     call(options);
     return;
@@ -251,9 +270,8 @@ void forward(py::handle q, py::handle k, py::handle v, py::handle out, py::handl
   const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
   const attncore::Options options = call.options(op, bmask, balibi, false);
   const attncore::Backend backend = backend_from_name(op, call.backend);
-  run_call(options, [&](const attncore::Options& o) {
-    attncore::forward_into(bq.view(), bk.view(), bv.view(), bout.view(), view_of(blse), o,
-                           backend);
+  run_call(options, call_work(bq.view(), bk.view(), bv.view()), [&](const attncore::Options& o) {
+    attncore::forward_into(bq.view(), bk.view(), bv.view(), bout.view(), view_of(blse), o, backend);
   });
 }
 
@@ -329,8 +347,7 @@ py::object attend(py::handle q, py::handle k, py::handle v, py::handle mask, boo
   const auto bmask = mask.is_none() ? std::nullopt : Borrowed::plain(mask, op, "mask");
   if (!bq || !bk || !bv || (!mask.is_none() && !bmask)) return general;
   const ArrayKind kind = bq->kind();
-  if (bk->kind() != kind || bv->kind() != kind || (bmask && bmask->kind() != kind))
-    return general;
+  if (bk->kind() != kind || bv->kind() != kind || (bmask && bmask->kind() != kind)) return general;
   // A call that autograd records: its backward needs the LSE.
   const bool want_lse = kind == ArrayKind::torch &&
                         (bq->requires_grad() || bk->requires_grad() || bv->requires_grad() ||
@@ -359,8 +376,8 @@ py::object attend(py::handle q, py::handle k, py::handle v, py::handle mask, boo
   const int heads = blhd ? 2 : 1;  // the heads' dim in the caller's layout
   options.enable_gqa = enable_gqa.ptr() == Py_True || (ck.size(heads) == 1 && cv.size(heads) == 1);
 
-  const std::int64_t batch = cq.size(0), heads_q = cq.size(heads),
-                     seqlen_q = cq.size(3 - heads), dim_v = cv.size(3);
+  const std::int64_t batch = cq.size(0), heads_q = cq.size(heads), seqlen_q = cq.size(3 - heads),
+                     dim_v = cv.size(3);
   std::vector<std::int64_t> out_shape{batch, heads_q, seqlen_q, dim_v};
   if (blhd) std::swap(out_shape[1], out_shape[2]);
   const py::object out = attncore_python::new_array(
@@ -373,7 +390,7 @@ py::object attend(py::handle q, py::handle k, py::handle v, py::handle mask, boo
   const Borrowed bout(out, op, "out", true);
   const auto blse = borrow_optional(lse, op, "lse", true);
   auto bhld = [&](const TensorView& x) { return blhd ? x.transposed(1, 2) : x; };
-  run_call(options, [&](const attncore::Options& o) {
+  run_call(options, call_work(bhld(cq), bhld(ck), bhld(cv)), [&](const attncore::Options& o) {
     attncore::forward_into(bhld(cq), bhld(ck), bhld(cv), bhld(bout.view()), view_of(blse), o,
                            chosen);
   });
@@ -396,10 +413,9 @@ void backward(py::handle dout, py::handle q, py::handle k, py::handle v, py::han
   const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
   const attncore::Options options = call.options(op, bmask, balibi, bdbias.has_value());
   const attncore::Backend backend = backend_from_name(op, call.backend);
-  run_call(options, [&](const attncore::Options& o) {
-    attncore::backward_into(bdout.view(), bq.view(), bk.view(), bv.view(), bout.view(),
-                            blse.view(), bdq.view(), bdk.view(), bdv.view(), view_of(bdbias), o,
-                            backend);
+  run_call(options, call_work(bq.view(), bk.view(), bv.view()), [&](const attncore::Options& o) {
+    attncore::backward_into(bdout.view(), bq.view(), bk.view(), bv.view(), bout.view(), blse.view(),
+                            bdq.view(), bdk.view(), bdv.view(), view_of(bdbias), o, backend);
   });
 }
 
@@ -440,7 +456,7 @@ void forward_varlen(py::handle q, py::handle k, py::handle v, py::handle cu_seql
   const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
   const attncore::Options options = call.options(op, bmask, balibi, false);
   const attncore::Backend backend = backend_from_name(op, call.backend);
-  run_call(options, [&](const attncore::Options& o) {
+  run_call(options, call_work(bq.view(), bk.view(), bv.view()), [&](const attncore::Options& o) {
     attncore::forward_varlen_into(bq.view(), bk.view(), bv.view(), seqs.seqs(), bout.view(),
                                   view_of(blse), o, backend);
   });
@@ -463,10 +479,10 @@ void backward_varlen(py::handle dout, py::handle q, py::handle k, py::handle v, 
   const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
   const attncore::Options options = call.options(op, bmask, balibi, false);
   const attncore::Backend backend = backend_from_name(op, call.backend);
-  run_call(options, [&](const attncore::Options& o) {
+  run_call(options, call_work(bq.view(), bk.view(), bv.view()), [&](const attncore::Options& o) {
     attncore::backward_varlen_into(bdout.view(), bq.view(), bk.view(), bv.view(), bout.view(),
-                                   blse.view(), seqs.seqs(), bdq.view(), bdk.view(), bdv.view(),
-                                   o, backend);
+                                   blse.view(), seqs.seqs(), bdq.view(), bdk.view(), bdv.view(), o,
+                                   backend);
   });
 }
 
@@ -542,17 +558,15 @@ void copy_view(const TensorView& src, const TensorView& dst) {
 // Attention over a KV cache: q [B, Hq, Lq, D], k_cache [B_cache, Hkv, capacity, D], v_cache
 // [B_cache, Hkv, capacity, Dv] (the flash layout's transposed(1, 2) views), int32 cache_seqlens
 // [B] and optional cache_batch_idx, cache_leftpad [B]; with an int32 block_table
-// [B, max_pages_per_seq] the caches are page pools [num_pages, Hkv, page_size, D]. With k_new / v_new [B, Hkv, L_new, D]
-// the new rows are written into the caches in place first (rotated with f32 rotary_cos,
-// rotary_sin [positions, rotary_dim / 2] when given). Writes out [B, Hq, Lq, Dv] and, when
-// given, lse [B, Hq, Lq].
-void forward_kvcache(py::handle q, py::handle k_cache, py::handle v_cache,
-                     py::handle cache_seqlens, py::handle cache_batch_idx,
-                     py::handle cache_leftpad, py::handle block_table, py::handle k_new,
-                     py::handle v_new,
-                     py::handle rotary_cos, py::handle rotary_sin, bool rotary_interleaved,
-                     py::handle out, py::handle lse, py::handle alibi_slopes,
-                     const CallOptions& call) {
+// [B, max_pages_per_seq] the caches are page pools [num_pages, Hkv, page_size, D]. With k_new /
+// v_new [B, Hkv, L_new, D] the new rows are written into the caches in place first (rotated with
+// f32 rotary_cos, rotary_sin [positions, rotary_dim / 2] when given). Writes out [B, Hq, Lq, Dv]
+// and, when given, lse [B, Hq, Lq].
+void forward_kvcache(py::handle q, py::handle k_cache, py::handle v_cache, py::handle cache_seqlens,
+                     py::handle cache_batch_idx, py::handle cache_leftpad, py::handle block_table,
+                     py::handle k_new, py::handle v_new, py::handle rotary_cos,
+                     py::handle rotary_sin, bool rotary_interleaved, py::handle out, py::handle lse,
+                     py::handle alibi_slopes, const CallOptions& call) {
   constexpr const char* op = "forward_kvcache";  // the library's name of the call, in messages
   last_call_addresses().clear();
   const Borrowed bq(q, op, "query", false);
@@ -576,7 +590,7 @@ void forward_kvcache(py::handle q, py::handle k_cache, py::handle v_cache,
     throw InvalidArgument(std::string(op) + ": k and v must be given together (k is " +
                           (bknew ? "set" : "None") + ", v is " + (bvnew ? "set" : "None") + ")");
   if (!bknew) {
-    run_call(options, [&](const attncore::Options& o) {
+    run_call(options, call_work(bq.view(), bk.view(), bv.view()), [&](const attncore::Options& o) {
       attncore::forward_kvcache_into(bq.view(), bk.view(), bv.view(), seqs, bout.view(),
                                      view_of(blse), o, backend);
     });
@@ -588,7 +602,7 @@ void forward_kvcache(py::handle q, py::handle k_cache, py::handle v_cache,
   append.rotary_cos = view_of(bcos);
   append.rotary_sin = view_of(bsin);
   append.rotary_interleaved = rotary_interleaved;
-  run_call(options, [&](const attncore::Options& o) {
+  run_call(options, call_work(bq.view(), bk.view(), bv.view()), [&](const attncore::Options& o) {
     const attncore::ForwardResult r =
         attncore::forward_kvcache(bq.view(), bk.view(), bv.view(), seqs, append, o, backend);
     copy_view(r.out.view(), bout.view());
@@ -606,8 +620,8 @@ void merge_states(py::handle out_a, py::handle lse_a, py::handle out_b, py::hand
   const Borrowed bob(out_b, op, "out_b", false), blb(lse_b, op, "lse_b", false);
   const Borrowed bout(out, op, "out", true), blse(lse, op, "lse", true);
   const GilReleased released;
-  attncore::merge_attention_states_into(boa.view(), bla.view(), bob.view(), blb.view(),
-                                        bout.view(), blse.view(), num_threads);
+  attncore::merge_attention_states_into(boa.view(), bla.view(), bob.view(), blb.view(), bout.view(),
+                                        blse.view(), num_threads);
 }
 
 // A PagedKvCache's array as a numpy array over the cache's own memory, which the array keeps
@@ -676,10 +690,8 @@ void bind_paged_cache(py::module_& m) {
 PYBIND11_MODULE(_core, m) {
   m.doc() = "attncore's C++ library on Python arrays (used by the attncore package)";
 
-  main_thread_id = py::module_::import("threading")
-                       .attr("main_thread")()
-                       .attr("ident")
-                       .cast<unsigned long>();
+  main_thread_id =
+      py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
   // attncore::Cancelled: a call whose Options::cancel was set stopped (outputs incomplete).
   static py::exception<attncore::Cancelled> cancelled(m, "Cancelled", PyExc_RuntimeError);
   py::register_exception_translator([](std::exception_ptr p) {
@@ -725,9 +737,8 @@ PYBIND11_MODULE(_core, m) {
         py::arg("options"));
   m.def("forward_varlen", &forward_varlen, py::arg("query"), py::arg("key"), py::arg("value"),
         py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("seqused_k").none(true),
-        py::arg("max_seqlen_q"), py::arg("max_seqlen_k"), py::arg("out"),
-        py::arg("lse").none(true), py::arg("mask").none(true), py::arg("alibi_slopes").none(true),
-        py::arg("options"));
+        py::arg("max_seqlen_q"), py::arg("max_seqlen_k"), py::arg("out"), py::arg("lse").none(true),
+        py::arg("mask").none(true), py::arg("alibi_slopes").none(true), py::arg("options"));
   m.def("backward_varlen", &backward_varlen, py::arg("dout"), py::arg("query"), py::arg("key"),
         py::arg("value"), py::arg("out"), py::arg("lse"), py::arg("cu_seqlens_q"),
         py::arg("cu_seqlens_k"), py::arg("seqused_k").none(true), py::arg("max_seqlen_q"),
@@ -763,10 +774,9 @@ PYBIND11_MODULE(_core, m) {
   m.def("forward_kvcache", &forward_kvcache, py::arg("query"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("cache_seqlens"), py::arg("cache_batch_idx").none(true),
         py::arg("cache_leftpad").none(true), py::arg("block_table").none(true),
-        py::arg("k").none(true), py::arg("v").none(true),
-        py::arg("rotary_cos").none(true), py::arg("rotary_sin").none(true),
-        py::arg("rotary_interleaved"), py::arg("out"), py::arg("lse").none(true),
-        py::arg("alibi_slopes").none(true), py::arg("options"));
+        py::arg("k").none(true), py::arg("v").none(true), py::arg("rotary_cos").none(true),
+        py::arg("rotary_sin").none(true), py::arg("rotary_interleaved"), py::arg("out"),
+        py::arg("lse").none(true), py::arg("alibi_slopes").none(true), py::arg("options"));
   m.def("merge_attention_states", &merge_states, py::arg("out_a"), py::arg("lse_a"),
         py::arg("out_b"), py::arg("lse_b"), py::arg("out"), py::arg("lse"),
         py::arg("num_threads") = 0);

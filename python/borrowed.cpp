@@ -53,9 +53,12 @@ struct Torch {
     strided = get(torch, "strided");
     empty = get(torch, "empty");
     is_grad_enabled = get(torch, "is_grad_enabled");
-    for (auto [name, dtype] : {std::pair{"float32", DType::f32}, {"float64", DType::f64},
-                               {"float16", DType::f16}, {"bfloat16", DType::bf16},
-                               {"bool", DType::b8}, {"int32", DType::i32}})
+    for (auto [name, dtype] : {std::pair{"float32", DType::f32},
+                               {"float64", DType::f64},
+                               {"float16", DType::f16},
+                               {"bfloat16", DType::bf16},
+                               {"bool", DType::b8},
+                               {"int32", DType::i32}})
       dtypes.emplace_back(get(torch, name), dtype);
   }
 
@@ -132,8 +135,8 @@ DType dtype_from_dlpack(const DLDataType& t, bool is_mask, const std::string& na
     // Producers that cannot export bool (torch 1.13) pass a bool mask's bytes as uint8.
     if (is_mask && t.code == kDLUInt && t.bits == 8) return DType::b8;
   }
-  throw InvalidArgument(name + " has an unsupported element type (dlpack code=" +
-                        std::to_string(t.code) +
+  throw InvalidArgument(name +
+                        " has an unsupported element type (dlpack code=" + std::to_string(t.code) +
                         ", bits=" + std::to_string(t.bits) + ", lanes=" + std::to_string(t.lanes) +
                         ", expected float32, float64, float16, bfloat16, bool or int32)");
 }
@@ -174,8 +177,7 @@ std::optional<Borrowed> Borrowed::plain(py::handle obj, const char* op, const ch
   return b;
 }
 
-Borrowed::Borrowed(py::handle obj, const char* op, const char* name, bool writable,
-                   bool is_mask) {
+Borrowed::Borrowed(py::handle obj, const char* op, const char* name, bool writable, bool is_mask) {
   const std::string what = std::string(op) + ": " + name;
   const Torch* torch = torch_api();
   PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr()));
@@ -220,10 +222,10 @@ bool Borrowed::from_buffer(py::handle obj, const std::string& what, bool writabl
     const auto stride = b.strides[static_cast<std::size_t>(d)];
     if (stride < 0 || stride % b.itemsize != 0) {
       if (!refuse) return false;
-      throw InvalidArgument(what + " has a stride that is not a non-negative multiple of its " +
-                            "item size (stride[" + std::to_string(d) + "]=" +
-                            std::to_string(stride) + " bytes, itemsize=" +
-                            std::to_string(b.itemsize) + "); pass a contiguous copy");
+      throw InvalidArgument(
+          what + " has a stride that is not a non-negative multiple of its " +
+          "item size (stride[" + std::to_string(d) + "]=" + std::to_string(stride) +
+          " bytes, itemsize=" + std::to_string(b.itemsize) + "); pass a contiguous copy");
     }
     view_.shape[static_cast<std::size_t>(d)] = b.shape[static_cast<std::size_t>(d)];
     view_.stride[static_cast<std::size_t>(d)] = stride / b.itemsize;
@@ -258,7 +260,6 @@ bool Borrowed::from_torch(py::handle obj) {
   return true;
 }
 
-
 void Borrowed::from_dlpack(py::handle obj, const std::string& what, bool is_mask) {
   // A producer that names its device is asked first, so that memory of another device is
   // refused before an export (which some producers refuse with errors of their own).
@@ -271,8 +272,8 @@ void Borrowed::from_dlpack(py::handle obj, const std::string& what, bool is_mask
                             ", error='" + e.what() + "', expected an array in CPU memory)");
     }
     if (device_type != kDLCPU && device_type != kDLCUDAHost) {
-      throw Unsupported(what + " is not in CPU memory (dlpack device_type=" +
-                        std::to_string(device_type) +
+      throw Unsupported(what +
+                        " is not in CPU memory (dlpack device_type=" + std::to_string(device_type) +
                         ", expected CPU); attncore has CPU backends only");
     }
   }
@@ -332,9 +333,8 @@ py::object new_array(ArrayKind kind, const std::vector<std::int64_t>& shape, DTy
   std::vector<std::size_t> order(rank);
   std::iota(order.begin(), order.end(), 0);
   if (!like_stride.empty() && rank > 1) {
-    std::stable_sort(order.begin(), order.end() - 1, [&](std::size_t a, std::size_t b) {
-      return like_stride[a] > like_stride[b];
-    });
+    std::stable_sort(order.begin(), order.end() - 1,
+                     [&](std::size_t a, std::size_t b) { return like_stride[a] > like_stride[b]; });
   }
   std::vector<std::int64_t> stride(rank);
   std::int64_t running = 1;
