@@ -33,6 +33,13 @@ ATTNCORE_API int default_num_threads();
 // registers on the widest vector unit the CPU has, best of a few short runs (~0.1 s each).
 ATTNCORE_API double measure_fma_peak_gflops(int threads);
 
+// Measured read bandwidth of `threads` threads (<= 0: default_num_threads()) in GB/s (10^9
+// bytes/s): each thread sums its own part of a 512 MiB buffer (far beyond the caches; less
+// where the process may use under 4 GiB) with 8 vector accumulators, the median of 5 runs of 2
+// passes (~0.3 s with the buffer's first touch). What a memory-bound call (decode over a long
+// KV cache) can at best stream; `attncore info` and `attncore bench --decode` report it.
+double measure_read_bandwidth_gbs(int threads);
+
 // SIMD targets of the fused kernels compiled into this build, best first ("avx512", "avx2",
 // "generic"), and those this CPU can run.
 ATTNCORE_API std::vector<std::string> simd_targets_compiled();

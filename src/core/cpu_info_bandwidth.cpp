@@ -1,0 +1,188 @@
+// The machine's read bandwidth, measured: what a memory-bound kernel (decode over a long KV
+// cache) can at best stream from memory, and the baseline `attncore bench --decode` reports
+// its K/V rates against.
+//
+// Each thread sums its own contiguous part of one buffer far larger than the caches, with 8
+// independent vector accumulators. One accumulator would measure the latency of the add chain
+// (a probe summing into one double measured 7 GB/s on a machine that streams 25-40), not the
+// memory. Each thread writes its part first (first touch: the pages are its own, resident, and
+// not the shared zero page), then every run is timed from the first thread's start to the last
+// one's end; the result is the median of the runs.
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <latch>
+#include <memory>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "attncore/error.h"
+#include "attncore/info.h"
+#include "attncore/options.h"
+#include "core/cpu_info.h"
+
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12 warns, wrongly, that its own _mm512_undefined_* placeholders may be read
+// uninitialised where _mm512_reduce_add_ps is inlined.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+
+namespace attncore {
+namespace {
+
+// 512 MiB: 16x a 32 MiB L3 (the development machines' last level), so that less than 1/16 of a
+// pass can come from any cache; a pass takes ~13 ms at 40 GB/s. Smaller when the process may
+// use less than 8x that.
+constexpr double kProbeBytes = 512.0 * 1024 * 1024;
+constexpr int kRuns = 5;    // the median of 5 runs
+constexpr int kPasses = 2;  // passes over the buffer per run
+
+#if defined(__x86_64__)
+// Sums n floats (n a multiple of 128) with 8 zmm accumulators: 512 bytes per iteration.
+__attribute__((target("avx512f"))) float sum_zmm(const float* p, std::size_t n) {
+  __m512 acc[8];
+  for (__m512& a : acc) a = _mm512_setzero_ps();
+  for (std::size_t i = 0; i < n; i += 128) {
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) acc[k] = _mm512_add_ps(acc[k], _mm512_load_ps(p + i + 16 * k));
+  }
+  for (int k = 1; k < 8; ++k) acc[0] = _mm512_add_ps(acc[0], acc[k]);
+  return _mm512_reduce_add_ps(acc[0]);
+}
+
+// The same with 8 ymm accumulators: 256 bytes per iteration.
+__attribute__((target("avx2"))) float sum_ymm(const float* p, std::size_t n) {
+  __m256 acc[8];
+  for (__m256& a : acc) a = _mm256_setzero_ps();
+  for (std::size_t i = 0; i < n; i += 64) {
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) acc[k] = _mm256_add_ps(acc[k], _mm256_load_ps(p + i + 8 * k));
+  }
+  for (int k = 1; k < 8; ++k) acc[0] = _mm256_add_ps(acc[0], acc[k]);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc[0]);
+  float s = 0;
+  for (float x : lanes) s += x;
+  return s;
+}
+#endif
+
+// Portable: 32 scalar accumulators (vectorised by the compiler where it can).
+float sum_scalar(const float* p, std::size_t n) {
+  float acc[32] = {};
+  for (std::size_t i = 0; i < n; i += 32) {
+    for (int k = 0; k < 32; ++k) acc[k] += p[i + static_cast<std::size_t>(k)];
+  }
+  float s = 0;
+  for (float x : acc) s += x;
+  return s;
+}
+
+using SumFn = float (*)(const float*, std::size_t);
+
+SumFn pick_sum() {
+#if defined(__x86_64__)
+  const CpuInfo info = cpu_info();
+  if (info.has("avx512f")) return sum_zmm;
+  if (info.has("avx2")) return sum_ymm;
+#endif
+  return sum_scalar;
+}
+
+std::atomic<float> g_bandwidth_sink{0.0f};
+
+struct FreeFloats {
+  void operator()(float* p) const { std::free(p); }
+};
+
+}  // namespace
+
+double measure_read_bandwidth_gbs(int threads) {
+  if (threads <= 0) threads = default_num_threads();
+  if (threads > kMaxThreads) {
+    throw InvalidArgument(
+        "measure_read_bandwidth_gbs: threads is too large (threads=" + std::to_string(threads) +
+        ", expected <= " + std::to_string(kMaxThreads) + ")");
+  }
+  const double bytes = std::min(kProbeBytes, detail::memory_limit().bytes / 8);
+  // Each thread's part: whole 512-byte blocks, 2 MiB aligned (huge pages where the OS gives them).
+  constexpr std::size_t kAlign = 2u << 20, kBlockFloats = 128;
+  const auto per_thread = static_cast<std::size_t>(bytes / 4 / threads) / kBlockFloats * kBlockFloats;
+  if (per_thread == 0) {
+    throw Error("measure_read_bandwidth_gbs: too little memory for the probe (threads=" +
+                std::to_string(threads) + ", expected at least " + std::to_string(threads * 512) +
+                " bytes to be available)");
+  }
+  const std::size_t total = per_thread * static_cast<std::size_t>(threads);
+  const std::size_t alloc_bytes = (total * sizeof(float) + kAlign - 1) / kAlign * kAlign;
+  std::unique_ptr<float, FreeFloats> buffer(static_cast<float*>(std::aligned_alloc(kAlign, alloc_bytes)));
+  if (!buffer) {
+    throw OutOfMemory("measure_read_bandwidth_gbs: cannot allocate the probe's buffer (bytes=" +
+                      std::to_string(alloc_bytes) + ", expected that much free memory)");
+  }
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  madvise(buffer.get(), alloc_bytes, MADV_HUGEPAGE);  // a hint; fewer TLB misses where granted
+#endif
+  const SumFn sum = pick_sum();
+  using Clock = std::chrono::steady_clock;
+  std::vector<Clock::time_point> start(static_cast<std::size_t>(threads));
+  std::vector<Clock::time_point> stop(static_cast<std::size_t>(threads));
+  std::vector<double> seconds;
+  std::barrier sync(threads, [&]() noexcept {
+    // Between runs (the last thread to arrive runs this): record the run just timed.
+    const auto first = *std::min_element(start.begin(), start.end());
+    const auto last = *std::max_element(stop.begin(), stop.end());
+    if (last > first) seconds.push_back(std::chrono::duration<double>(last - first).count());
+  });
+  std::latch go(1);
+  std::atomic<bool> abort{false};
+  auto body = [&](int t) {
+    go.wait();
+    if (abort.load()) return;
+    float* part = buffer.get() + static_cast<std::size_t>(t) * per_thread;
+    std::fill_n(part, per_thread, 1.0f);  // first touch by the thread that reads it
+    const auto slot = static_cast<std::size_t>(t);
+    start[slot] = stop[slot] = Clock::now();
+    sync.arrive_and_wait();  // records nothing: start == stop
+    for (int run = 0; run < kRuns; ++run) {
+      start[slot] = Clock::now();
+      float s = 0;
+      for (int pass = 0; pass < kPasses; ++pass) s += sum(part, per_thread);
+      stop[slot] = Clock::now();
+      g_bandwidth_sink.store(s, std::memory_order_relaxed);
+      sync.arrive_and_wait();
+    }
+  };
+  std::vector<std::thread> pool;
+  try {
+    pool.reserve(static_cast<std::size_t>(threads - 1));
+    for (int t = 1; t < threads; ++t) pool.emplace_back(body, t);
+  } catch (const std::system_error& e) {
+    abort.store(true);  // the threads started return before the barrier
+    go.count_down();
+    for (std::thread& th : pool) th.join();
+    throw Error("measure_read_bandwidth_gbs: threads cannot be started (threads=" +
+                std::to_string(threads) + ", expected what the system allows; " + e.what() + ")");
+  }
+  go.count_down();
+  body(0);  // the calling thread is thread 0
+  for (std::thread& th : pool) th.join();
+  std::sort(seconds.begin(), seconds.end());
+  const double median = seconds[seconds.size() / 2];
+  return static_cast<double>(total) * sizeof(float) * kPasses / median * 1e-9;
+}
+
+}  // namespace attncore
