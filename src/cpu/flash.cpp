@@ -124,8 +124,8 @@ ItemPlan plan_items(const Params& p, std::int64_t block_rows) {
 
 }  // namespace
 
-bool flash_reads_kv_in_place(const Params& p, int tile_rows, bool bf16_dot) {
-  return p.group * p.seq.lq <= tile_rows && !(bf16_dot && p.dtype == DType::bf16);
+bool flash_reads_kv_in_place(const Params& p, int tile_rows) {
+  return p.group * p.seq.lq <= tile_rows;
 }
 
 namespace {
@@ -175,9 +175,11 @@ FlashForwardPlan plan_flash_forward(const Params& call, int threads, const Flash
   const std::int64_t tiles = (call.seq.max_k() + layout.key_tile - 1) / layout.key_tile;
   const std::int64_t dv_pad = round_up(call.head_dim_v, layout.dv_align);
   plan.panel_floats = round_up(tiles * layout.key_tile * (call.head_dim + dv_pad), 16);
-  plan.on_the_fly = !call.seq.per_sequence() && plan_items(call, layout.block_rows).count == 1 &&
-                    (groups >= threads ||
-                     flash_reads_kv_in_place(call, layout.tile_rows, layout.bf16_dot));
+  // A KV cache's sequences all have Lq rows: decode over a cache reads in place like dense
+  // decode (each group one item, no panel), spread over the threads.
+  plan.on_the_fly = (!call.seq.per_sequence() && plan_items(call, layout.block_rows).count == 1 &&
+                     (groups >= threads || flash_reads_kv_in_place(call, layout.tile_rows))) ||
+                    (call.seq.cache() && flash_reads_kv_in_place(call, layout.tile_rows));
   const double dims = static_cast<double>(call.head_dim + call.head_dim_v);
   const double q_rows = call.seq.varlen() ? static_cast<double>(call.seq.cu_q[call.batch])
                                           : static_cast<double>(call.batch * call.seq.lq);
@@ -270,7 +272,7 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
     const ItemPlan items = plan_items(s.p, layout.block_rows);
     if (items.count == 0) continue;
     // An item that reads K and V in place never gets a panel (see above).
-    const bool packed = !flash_reads_kv_in_place(s.p, layout.tile_rows, layout.bf16_dot);
+    const bool packed = !flash_reads_kv_in_place(s.p, layout.tile_rows);
     const FlashPanel panel{packed ? k_tiles : nullptr, packed ? v_rows : nullptr, dv_pad};
     const std::int64_t seq_tiles = (s.p.seq.lk + layout.key_tile - 1) / layout.key_tile;
     if (packed) {

@@ -130,9 +130,10 @@ struct FlashForwardPlan {
 FlashForwardPlan plan_flash_forward(const Params& p, int threads, const FlashLayout& layout);
 
 // Whether the forward reads K and V in place instead of packing tiles: decode, each kv group's
-// rows (group * Lq) within one micro-tile of `tile_rows`, on f32 products (not native bf16
-// dots). flash_forward gives such a problem no panel whatever the thread count.
-bool flash_reads_kv_in_place(const Params& p, int tile_rows, bool bf16_dot);
+// rows (group * Lq) within one micro-tile of `tile_rows`, on f32 products for every dtype
+// (DirectKv, flash_direct_kv-inl.h). flash_forward gives such a problem no panel whatever the
+// thread count.
+bool flash_reads_kv_in_place(const Params& p, int tile_rows);
 void flash_backward(const Params& p, const Launch& launch, const BackwardArgs& args);
 
 // How flash_backward cuts a problem into work items: runs of `run_heads` query heads of one kv

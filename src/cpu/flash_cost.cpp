@@ -82,7 +82,7 @@ double estimate_flash(Pass pass, const Params& p, const Launch& launch, const Co
   // Decode items of at most one micro-tile of rows read K and V in place (f32 tiles): their
   // rows are not padded, and no tile is packed.
   const bool direct =
-      pass == Pass::forward && flash_reads_kv_in_place(p, m.flash_tile_rows, m.flash_bf16_dot);
+      pass == Pass::forward && flash_reads_kv_in_place(p, m.flash_tile_rows);
   const double rows_pad = groups * (direct ? group_rows : round_up_to(group_rows, m.flash_tile_rows));
   const double pairs = rows_pad * keys;
   // Rows of tiles the mask code cuts: one tile per row along a band's edge, and the last tile

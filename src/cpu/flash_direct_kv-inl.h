@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <type_traits>
 #include <cstdint>
 
 #include "core/convert.h"
@@ -29,81 +30,186 @@ struct DirectKv {
     }
   }
 
-  // S [rows][kKeyTile] = q . K[j0 + c]^T for c < keys, 0 for keys <= c < cols: kLanes keys at a
-  // time, one accumulator per key (in registers: the key loop is unrolled) summed across lanes
-  // by a register transpose. Rows 32 keys on (the next tile's too) are prefetched.
+  // The rows the in-place products compute for an item of `rows` rows: 1, 2, 4 or kTileRows
+  // (the rows past `rows` have P = 0 and alpha = 1). Decode items have one row per query head
+  // of the group: computing kTileRows rows for MHA's one row made P . V 8x the work it is.
+  ATTNCORE_TARGET static int rows_computed(std::int64_t rows) {
+    return rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 && kTileRows > 4 ? 4 : kTileRows;
+  }
+
+  // The scores of one row against keys c0 .. c0 + block - 1 (block <= kLanes) of `k` (rows ldk
+  // apart) into s[0 .. kLanes): one accumulator per key (in registers: the key loop is
+  // unrolled), summed across lanes by a register transpose (0 for keys past block). Out of line:
+  // inlined into the tile loop, GCC 12 kept the accumulators on the stack (GQA decode, bf16,
+  // 1 thread: 10.4 GB/s inlined).
+  template <class T>
+  ATTNCORE_TARGET __attribute__((noinline)) static void score_block(const T* k, std::int64_t ldk, DType dtype, std::int64_t d,
+                                          std::int64_t block, const float* q, float* s) {
+    Vec acc[kLanes] = {};
+    for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
+      const int n = static_cast<int>(std::min<std::int64_t>(kLanes, d - e0));
+      const Vec qv = load_part(q + e0, n);
+      const T* at = k + e0;
+#pragma GCC unroll 16
+      for (int j = 0; j < kLanes; ++j) {
+        if (j < block) acc[j] += qv * load_part(at + j * ldk, n, dtype);
+      }
+    }
+    transpose_lanes(acc);
+    Vec sum = acc[0];
+#pragma GCC unroll 16
+    for (int j = 1; j < kLanes; ++j) sum += acc[j];
+    store(s, sum);
+  }
+
+  // S [rows][kKeyTile] = q . K[j0 + c]^T for c < keys, 0 for keys <= c < cols, kLanes keys at
+  // a time (score_block). Streams from memory, so that neither product waits on it: K rows
+  // `lead` keys on (the next tile's too, never past `ahead`: the sequence's last key), and this
+  // tile's V rows (v, ldv, dv elements each) as their K rows are read, for P . V after the
+  // tile's scores. 16-bit K with several rows: each block of keys is widened once into
+  // `widened` ([kLanes][d rounded up to kLanes] floats) and read from there by every row (the
+  // same values, so the same scores).
   template <class T>
   ATTNCORE_TARGET static void scores(const Params& p, const T* k, std::int64_t ldk, DType dtype,
                                      std::int64_t keys, std::int64_t cols, std::int64_t ahead,
-                                     const float* q, std::int64_t rows, float* s) {
-    const std::int64_t d = p.head_dim;
+                                     const T* v, std::int64_t ldv, const float* q,
+                                     std::int64_t rows, float* s, float* widened) {
+    const std::int64_t d = p.head_dim, dv = p.head_dim_v;
     constexpr std::int64_t kLine = 64 / sizeof(T);  // elements per cache line
+    // K rows prefetched this far ahead: at least 16 KiB, at least 32 keys (a block's 16 rows
+    // are in flight while the next block computes).
+    const std::int64_t lead =
+        std::max<std::int64_t>(32, (16384 / static_cast<std::int64_t>(sizeof(T)) + d - 1) / d);
+    // Contiguous rows ([B, Hkv, L, D]) into L1. Rows far apart ([B, L, Hkv, D]: 16 KiB at 32
+    // f32 heads) share L1 sets, where the rows a block reads evict the ones prefetched: into L2
+    // (bench --decode, 1 thread: f32 [B, L, Hkv, D] 12.5 GB/s either way, bf16 8.3-10.7 into L2
+    // against 6.2-6.7 into L1). V is read a whole tile after its prefetch: into L2.
+    const bool near = ldk == d;
+    const std::int64_t d_pad = (d + kLanes - 1) / kLanes * kLanes;
+    const bool widen = sizeof(T) == 2 && rows > 1;
     for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
       for (int j = 0; j < kLanes; ++j) {
-        if (c0 + 32 + j >= ahead) break;
-        for (std::int64_t e = 0; e < d; e += kLine) __builtin_prefetch(k + (c0 + 32 + j) * ldk + e);
-      }
-      const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
-      for (std::int64_t r = 0; r < rows; ++r) {
-        Vec acc[kLanes] = {};
-        for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
-          const int n = static_cast<int>(std::min<std::int64_t>(kLanes, d - e0));
-          const Vec qv = load_part(q + r * d + e0, n);
-          const T* at = k + c0 * ldk + e0;
-#pragma GCC unroll 16
-          for (int j = 0; j < kLanes; ++j) {
-            if (j < block) acc[j] += qv * load_part(at + j * ldk, n, dtype);
+        if (c0 + lead + j < ahead) {
+          const T* row = k + (c0 + lead + j) * ldk;
+          if (near) {
+            for (std::int64_t e = 0; e < d; e += kLine) __builtin_prefetch(row + e, 0, 3);
+            __builtin_prefetch(row + d - 1, 0, 3);
+          } else {
+            for (std::int64_t e = 0; e < d; e += kLine) __builtin_prefetch(row + e, 0, 2);
+            __builtin_prefetch(row + d - 1, 0, 2);
           }
         }
-        transpose_lanes(acc);
-        Vec sum = acc[0];
-#pragma GCC unroll 16
-        for (int j = 1; j < kLanes; ++j) sum += acc[j];
-        store(s + r * kKeyTile + c0, sum);
+        if (c0 + j < keys) {
+          const T* row = v + (c0 + j) * ldv;
+          for (std::int64_t e = 0; e < dv; e += kLine) __builtin_prefetch(row + e, 0, 2);
+          __builtin_prefetch(row + dv - 1, 0, 2);
+        }
+      }
+      const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
+      if (widen) {
+        for (std::int64_t j = 0; j < block; ++j) {
+          for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
+            const int n = static_cast<int>(std::min<std::int64_t>(kLanes, d - e0));
+            store(widened + j * d_pad + e0, load_part(k + (c0 + j) * ldk + e0, n, dtype));
+          }
+        }
+        for (std::int64_t r = 0; r < rows; ++r) {
+          score_block(widened, d_pad, DType::f32, d, block, q + r * d, s + r * kKeyTile + c0);
+        }
+      } else {
+        for (std::int64_t r = 0; r < rows; ++r) {
+          score_block(k + c0 * ldk, ldk, dtype, d, block, q + r * d, s + r * kKeyTile + c0);
+        }
       }
     }
   }
 
-  // O [kTileRows][dv_pad] = alpha O + P . V[j0 .. j0 + keys): V rows read once, kTileCols
-  // columns at a time for every row.
-  template <class T>
+  // O [R][dv_pad] = alpha O + P . V[j0 .. j0 + keys) for the first R rows: V rows read once per
+  // kVectors-vector slice of the columns, which fills the registers with R rows' accumulators
+  // and the slice of a V row (the whole row for R <= 2 and Dv <= 128 on AVX-512). Each output
+  // element is out * alpha plus its keys' products in key order, whatever the slice: the same
+  // bits for any R.
+  template <class T, int R>
   ATTNCORE_TARGET static void accumulate(const Params& p, const T* v, std::int64_t ldv, DType dtype,
-                                         std::int64_t keys, std::int64_t ahead, const float* probs,
+                                         std::int64_t keys, const float* probs,
                                          std::int64_t dv_pad, const float* alpha, float* out) {
+    constexpr int kRegisters = kLanes == 16 ? 32 : 16;
+    constexpr int kFit = (kRegisters - 1) / (R + 1);  // R accumulators + the V slice per vector
+    constexpr int kVectors =
+        R == kTileRows ? kTileVectors
+                       : std::max(kTileVectors, kFit >= 8 ? 8 : kFit >= 4 ? 4 : 2);
+    constexpr std::int64_t kCols = kVectors * kLanes;
     const std::int64_t dv = p.head_dim_v;
-    for (std::int64_t e0 = 0; e0 < dv_pad; e0 += kTileCols) {
-      Vec acc[kTileRows][kTileVectors];
+    for (std::int64_t e0 = 0; e0 < dv_pad; e0 += kCols) {
+      const std::int64_t vectors = std::min<std::int64_t>(kVectors, (dv_pad - e0) / kLanes);
+      Vec acc[R][kVectors];
 #pragma GCC unroll 16
-      for (int r = 0; r < kTileRows; ++r) {
+      for (int r = 0; r < R; ++r) {
         const Vec scale = splat(alpha[r]);
-#pragma GCC unroll 4
-        for (int x = 0; x < kTileVectors; ++x)
-          acc[r][x] = load(out + r * dv_pad + e0 + x * kLanes) * scale;
+#pragma GCC unroll 8
+        for (int x = 0; x < kVectors; ++x) {
+          acc[r][x] = x < vectors ? load(out + r * dv_pad + e0 + x * kLanes) * scale : Vec{};
+        }
       }
-      for (std::int64_t c = 0; c < keys; ++c) {
-        const T* row = v + c * ldv + e0;
-        if (c + 16 < ahead) {  // this chunk of the row 16 keys on
-          __builtin_prefetch(row + 16 * ldv);
-          __builtin_prefetch(row + 16 * ldv + kTileCols - 1);
-        }
-        Vec vrow[kTileVectors];
-#pragma GCC unroll 4
-        for (int x = 0; x < kTileVectors; ++x) {
-          const std::int64_t n = std::clamp<std::int64_t>(dv - e0 - x * kLanes, 0, kLanes);
-          vrow[x] = n > 0 ? load_part(row + x * kLanes, static_cast<int>(n), dtype) : Vec{};
-        }
+      // The key loop, with whole vectors (the common case: no tail, no test per load) or not.
+      int width[kVectors];  // elements of each vector of the slice within Dv
+      for (int x = 0; x < kVectors; ++x) {
+        width[x] = x < vectors ? static_cast<int>(std::clamp<std::int64_t>(
+                                     dv - e0 - x * kLanes, 0, kLanes))
+                               : 0;
+      }
+      auto keys_loop = [&](auto whole) ATTNCORE_TARGET {
+        for (std::int64_t c = 0; c < keys; ++c) {
+          const T* row = v + c * ldv + e0;
+          Vec vrow[kVectors];
+#pragma GCC unroll 8
+          for (int x = 0; x < kVectors; ++x) {
+            if constexpr (decltype(whole)::value) {
+              vrow[x] = load_part(row + x * kLanes, kLanes, dtype);
+            } else {
+              vrow[x] = width[x] > 0 ? load_part(row + x * kLanes, width[x], dtype) : Vec{};
+            }
+          }
 #pragma GCC unroll 16
-        for (int r = 0; r < kTileRows; ++r) {
-          const Vec weight = splat(probs[r * kKeyTile + c]);
-#pragma GCC unroll 4
-          for (int x = 0; x < kTileVectors; ++x) acc[r][x] += weight * vrow[x];
+          for (int r = 0; r < R; ++r) {
+            const Vec weight = splat(probs[r * kKeyTile + c]);
+#pragma GCC unroll 8
+            for (int x = 0; x < kVectors; ++x) acc[r][x] += weight * vrow[x];
+          }
         }
+      };
+      if (vectors == kVectors && e0 + kCols <= dv) {
+        keys_loop(std::true_type{});
+      } else {
+        keys_loop(std::false_type{});
       }
 #pragma GCC unroll 16
-      for (int r = 0; r < kTileRows; ++r) {
-#pragma GCC unroll 4
-        for (int x = 0; x < kTileVectors; ++x) store(out + r * dv_pad + e0 + x * kLanes, acc[r][x]);
+      for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+        for (int x = 0; x < kVectors; ++x) {
+          if (x < vectors) store(out + r * dv_pad + e0 + x * kLanes, acc[r][x]);
+        }
       }
+    }
+  }
+
+  template <class T>
+  ATTNCORE_TARGET static void accumulate_rows(const Params& p, const T* v, std::int64_t ldv,
+                                              DType dtype, std::int64_t keys, std::int64_t rows,
+                                              const float* probs, std::int64_t dv_pad,
+                                              const float* alpha, float* out) {
+    switch (rows_computed(rows)) {
+      case 1:
+        return accumulate<T, 1>(p, v, ldv, dtype, keys, probs, dv_pad, alpha, out);
+      case 2:
+        return accumulate<T, 2>(p, v, ldv, dtype, keys, probs, dv_pad, alpha, out);
+      case 4:
+        if constexpr (kTileRows > 4) {
+          return accumulate<T, 4>(p, v, ldv, dtype, keys, probs, dv_pad, alpha, out);
+        }
+        [[fallthrough]];
+      default:
+        return accumulate<T, kTileRows>(p, v, ldv, dtype, keys, probs, dv_pad, alpha, out);
     }
   }
 
@@ -111,27 +217,31 @@ struct DirectKv {
   ATTNCORE_TARGET static void tile_scores(const Params& p, const ForwardArgs& a, std::int64_t b,
                                           std::int64_t kv_head, std::int64_t j0, std::int64_t keys,
                                           std::int64_t cols, const float* q, std::int64_t rows,
-                                          float* s) {
+                                          float* s, float* widened) {
     const std::int64_t at = offset4(a.k, b, kv_head, j0, 0), ahead = p.seq.lk - j0;
+    const std::int64_t v_at = offset4(a.v, b, kv_head, j0, 0);
     if (a.k.dtype == DType::f32) {
       scores(p, static_cast<const float*>(a.k.data) + at, a.k.stride[2], a.k.dtype, keys, cols,
-             ahead, q, rows, s);
+             ahead, static_cast<const float*>(a.v.data) + v_at, a.v.stride[2], q, rows, s,
+             widened);
     } else {
       scores(p, static_cast<const std::uint16_t*>(a.k.data) + at, a.k.stride[2], a.k.dtype, keys,
-             cols, ahead, q, rows, s);
+             cols, ahead, static_cast<const std::uint16_t*>(a.v.data) + v_at, a.v.stride[2], q,
+             rows, s, widened);
     }
   }
   ATTNCORE_TARGET static void tile_accumulate(const Params& p, const ForwardArgs& a, std::int64_t b,
                                               std::int64_t kv_head, std::int64_t j0,
-                                              std::int64_t keys, const float* probs,
-                                              std::int64_t dv_pad, const float* alpha, float* out) {
-    const std::int64_t at = offset4(a.v, b, kv_head, j0, 0), ahead = p.seq.lk - j0;
+                                              std::int64_t keys, std::int64_t rows,
+                                              const float* probs, std::int64_t dv_pad,
+                                              const float* alpha, float* out) {
+    const std::int64_t at = offset4(a.v, b, kv_head, j0, 0);
     if (a.v.dtype == DType::f32) {
-      accumulate(p, static_cast<const float*>(a.v.data) + at, a.v.stride[2], a.v.dtype, keys, ahead,
-                 probs, dv_pad, alpha, out);
+      accumulate_rows(p, static_cast<const float*>(a.v.data) + at, a.v.stride[2], a.v.dtype, keys,
+                      rows, probs, dv_pad, alpha, out);
     } else {
-      accumulate(p, static_cast<const std::uint16_t*>(a.v.data) + at, a.v.stride[2], a.v.dtype,
-                 keys, ahead, probs, dv_pad, alpha, out);
+      accumulate_rows(p, static_cast<const std::uint16_t*>(a.v.data) + at, a.v.stride[2],
+                      a.v.dtype, keys, rows, probs, dv_pad, alpha, out);
     }
   }
 };

@@ -85,6 +85,8 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   // flash.cpp gives every such problem no panel, whatever the thread count
   // (flash_reads_kv_in_place: the same rule).
   const bool direct = Dot::kDirectDecode && panel.k_tiles == nullptr && rows <= kTileRows;
+  // The rows the products compute: whole micro-tiles, or in place the few DirectKv computes.
+  const std::int64_t live_rows = direct ? DirectKv::rows_computed(rows) : padded_rows;
   if (direct) {
     DirectKv::load_queries(p, a, b, head_of, index_of, rows, w.q);
   } else {
@@ -117,7 +119,8 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
     const float* k_tile = w.k_tile;
     const float* v_tile = w.v_tile;
     if (direct) {
-      DirectKv::tile_scores(p, a, b, item.kv_head, j0, keys, cols, w.q, rows, w.scores);
+      DirectKv::tile_scores(p, a, b, item.kv_head, j0, keys, cols, w.q, rows, w.scores,
+                            w.k_tile);
     } else if (panel.k_tiles != nullptr) {
       k_tile = panel.k_tiles + t * d * kKeyTile;
       v_tile = panel.v_rows + j0 * dv_pad;
@@ -130,7 +133,7 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
     const bool cut = !full || bool_mask;
     IVec hidden[kKeyTile / kLanes];
     if (cut) std::fill_n(hidden, cols / kLanes, IVec{});
-    for (std::int64_t r = 0; r < padded_rows; ++r) {
+    for (std::int64_t r = 0; r < live_rows; ++r) {
       float* s = w.scores + r * kKeyTile;
       if (r >= rows) {  // padding rows take no part
         for (std::int64_t c = 0; c < cols; ++c) s[c] = 0.0f;
@@ -216,7 +219,7 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
       for (std::int64_t n = 0; n <= bad_count; ++n) {
         const std::int64_t end = n < bad_count ? bad[n] : pv_keys;
         if (end > begin || (n == bad_count && !rescaled)) {
-          DirectKv::tile_accumulate(p, a, b, item.kv_head, j0 + begin, end - begin,
+          DirectKv::tile_accumulate(p, a, b, item.kv_head, j0 + begin, end - begin, rows,
                                     w.scores + begin, dv_pad, rescaled ? ones : w.alpha, w.out);
           rescaled = true;
         }
@@ -256,7 +259,10 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
 ATTNCORE_TARGET void run_block(const Params& p, const ForwardArgs& a, const FlashPanel& panel,
                                const FlashItem& item, const FlashScratch& w) {
 #if ATTNCORE_BF16_DOT
-  if (p.dtype == DType::bf16) return run_block_with<Bf16Dot>(p, a, panel, item, w);
+  // Decode items read bf16 K/V in place in f32 like every dtype (flash_reads_kv_in_place): each
+  // K/V element is used once per row, too few times to pay for packing it into bf16 pairs.
+  const bool direct = panel.k_tiles == nullptr && item.rows <= kTileRows;
+  if (p.dtype == DType::bf16 && !direct) return run_block_with<Bf16Dot>(p, a, panel, item, w);
 #endif
   run_block_with<F32Dot>(p, a, panel, item, w);
 }
