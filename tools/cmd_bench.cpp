@@ -435,6 +435,7 @@ int cmd_bench(const std::vector<std::string>& args) {
   attncore::set_simd_target(bc.run.simd);
   if (bc.sweep.select) return bench_select(bc);
   if (bc.sweep.varlen) return bench_varlen(bc);
+  if (bc.sweep.decode) return bench_decode(bc);
   // --json -: the JSON object alone on stdout, the table on stderr.
   std::FILE* const table = bc.sweep.json == "-" ? stderr : stdout;
   const int threads = bc.run.resolved_threads();

@@ -30,6 +30,9 @@ int cmd_info(const std::vector<std::string>& args);
 int cmd_run(const std::vector<std::string>& args);
 int cmd_explain(const std::vector<std::string>& args);
 int cmd_bench(const std::vector<std::string>& args);
+// bench --decode (cmd_bench_decode.cpp).
+struct BenchConfig;
+int bench_decode(const BenchConfig& bc);
 
 // One number through a printf format ("%.0e").
 inline std::string format(const char* fmt, double x) {

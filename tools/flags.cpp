@@ -203,12 +203,20 @@ constexpr Flag kFlags[] = {
      "instead: a fixed sweep of shapes (tiny to long, decode, causal;\nf32 and bf16), each "
      "backend and auto's choice timed in --passes\ninterleaved passes (median), and auto's time "
      "over the best one's;\nwith --backward: the backward instead of the forward"},
-    {"--passes", "N", kBench, &BenchSweep::passes, "with --select: interleaved passes per shape",
+    {"--passes", "N", kBench, &BenchSweep::passes,
+     "with --select, --decode: interleaved passes per shape",
      "", 1},
     {"--varlen", "", kBench, &BenchSweep::varlen,
      "instead: a fixed ragged batch of 32 sequences (64 to 2048) run\npacked (varlen), as a dense "
      "batch of equal work and padded to\nthe longest with a key-padding mask; forward and "
      "backward, flash,\n1 thread unless --threads"},
+    {"--decode", "", kBench, &BenchSweep::decode,
+     "instead: decode over a KV cache (Hq 32, Hkv 32 and 8, D 128, B 1..64,\nLk 1k..32k, f32/bf16/"
+     "f16, [B, Hkv, L, D] and [B, L, Hkv, D]) as K/V GB/s\nagainst the read bandwidth probe, "
+     "flash on 1 and 2 threads and math\non 1, medians of --passes interleaved passes"},
+    {"--quick", "", kBench, &BenchSweep::quick, "with --decode: B = 1 and Lk 4096, 16384 only"},
+    {"--max-kv-gib", "N", kBench, &BenchSweep::max_kv_gib,
+     "with --decode: points with more K/V are skipped (listed)", "", 1},
     {"--csv", "FILE", kBench, &BenchSweep::csv, "also write the table as CSV"},
     {"--json", "FILE", kBench, &BenchSweep::json,
      "also write it as one JSON object (- = standard output, the table\nthen goes to standard "

@@ -101,6 +101,9 @@ struct BenchSweep {
   int passes = 3;  // bench --select: interleaved passes per shape
   bool select = false;
   bool varlen = false;         // bench --varlen: packed against dense and padded (cmd_bench.cpp)
+  bool decode = false;  // bench --decode: K/V GB/s against the read probe (cmd_bench_decode.cpp)
+  bool quick = false;   // bench --decode: B = 1, Lk 4096 and 16384 only
+  int max_kv_gib = 8;   // bench --decode: points with more K/V bytes are skipped and listed
   std::string csv, json, png;  // "": not written; json "-": standard output
 };
 

@@ -1,0 +1,238 @@
+// attncore bench --decode: decode (one query row per sequence) over a KV cache, as K/V bytes
+// read per second against the read bandwidth probe (attncore::measure_read_bandwidth_gbs)
+// measured in the same run. Each pass measures the probe (1 and 2 threads) and then every point
+// once (flash on 1 and 2 threads, math on 1), best of --repeat calls each; a point's figures
+// are the medians over the passes, so that the machine's drift (a shared host) hits the probe
+// and the kernels alike.
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "attncore/attncore.h"
+#include "attncore/kvcache.h"
+#include "commands.h"
+#include "json.h"
+#include "progress.h"
+#include "run_config.h"
+
+namespace attncore_tools {
+
+using attncore::Backend;
+using attncore::DType;
+using attncore::TensorView;
+
+namespace {
+
+// Where a cache's rows lie: [B, Hkv, L, D] (one head's keys contiguous) or the engines' and
+// flash-attn's [B, L, Hkv, D] (one position's heads contiguous; a key row every Hkv * D).
+enum class Layout { bhld, blhd };
+const char* name_of(Layout l) { return l == Layout::bhld ? "BHLD" : "BLHD"; }
+
+struct DecodePoint {
+  std::int64_t batch, heads_kv, seqlen_k;
+  DType dtype;
+  Layout layout;
+  double kv_bytes() const {
+    return 2.0 * static_cast<double>(batch * heads_kv * seqlen_k) * kHeadDim *
+           static_cast<double>(attncore::size_of(dtype));
+  }
+  static constexpr std::int64_t kHeadsQ = 32, kHeadDim = 128;
+};
+
+// What each pass times of a point: flash on 1 and 2 threads, math on 1.
+struct Timed {
+  Backend backend;
+  int threads;
+};
+constexpr Timed kTimed[] = {{Backend::flash, 1}, {Backend::flash, 2}, {Backend::math, 1}};
+
+// Memory for the largest point's K and V, 2 MiB aligned with the huge-page hint the probe's
+// buffer gets too (the kernels and the probe see the same kind of pages), filled once with
+// 16-bit halves that are moderate normal numbers read as f16 (1 to 2), as bf16 (2^-7 to 1) and,
+// in pairs, as f32 (2^-7 to 1): every dtype's view of the bytes is finite.
+struct CacheMemory {
+  struct Free {
+    void operator()(void* p) const { std::free(p); }
+  };
+  std::unique_ptr<void, Free> data;
+  explicit CacheMemory(double bytes) {
+    constexpr std::size_t kAlign = 2u << 20;
+    const std::size_t size = (static_cast<std::size_t>(bytes) + kAlign - 1) / kAlign * kAlign;
+    data.reset(std::aligned_alloc(kAlign, std::max(size, kAlign)));
+    if (!data) throw attncore::OutOfMemory("bench --decode: cannot allocate the caches");
+    madvise(data.get(), size, MADV_HUGEPAGE);
+    auto* halves = static_cast<std::uint16_t*>(data.get());
+    std::uint32_t state = 12345;
+    for (std::size_t i = 0; i < size / 2; ++i) {
+      state = state * 1664525u + 1013904223u;
+      halves[i] = static_cast<std::uint16_t>(0x3C00u | ((state >> 8) & 0x83FFu));
+    }
+  }
+};
+
+// The point's views over the memory and the call, timed: best of `repeat` calls, in seconds.
+double time_point(const DecodePoint& pt, void* kv, const Timed& how, int repeat) {
+  const std::int64_t b = pt.batch, hkv = pt.heads_kv, l = pt.seqlen_k;
+  const std::int64_t hq = DecodePoint::kHeadsQ, d = DecodePoint::kHeadDim;
+  const std::int64_t elements = b * hkv * l * d;
+  char* k_data = static_cast<char*>(kv);
+  char* v_data = k_data + elements * static_cast<std::int64_t>(attncore::size_of(pt.dtype));
+  auto cache = [&](char* data) {
+    return pt.layout == Layout::bhld
+               ? TensorView::contiguous(data, pt.dtype, {b, hkv, l, d})
+               : TensorView::contiguous(data, pt.dtype, {b, l, hkv, d}).transposed(1, 2);
+  };
+  attncore::Tensor q(pt.dtype, {b, hq, 1, d});
+  attncore::Tensor out(pt.dtype, {b, hq, 1, d});
+  attncore::Tensor seqlens(DType::i32, {b});
+  auto* lens = static_cast<std::int32_t*>(seqlens.view().data);
+  std::fill_n(lens, b, static_cast<std::int32_t>(l));
+  std::memcpy(q.view().data, k_data,
+              static_cast<std::size_t>(b * hq * d) * attncore::size_of(pt.dtype));
+  attncore::KvCacheSeqs seqs;
+  seqs.cache_seqlens = seqlens.view();
+  attncore::Options options;
+  options.num_threads = how.threads;
+  double best = 1e30;
+  for (int n = 0; n < repeat; ++n) {
+    const auto t0 = std::chrono::steady_clock::now();
+    attncore::forward_kvcache_into(q.view(), cache(k_data), cache(v_data), seqs, out.view(),
+                                   std::nullopt, options, how.backend);
+    const auto t1 = std::chrono::steady_clock::now();
+    best = std::min(best, std::chrono::duration<double>(t1 - t0).count());
+  }
+  return best;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+}  // namespace
+
+int bench_decode(const BenchConfig& bc) {
+  const bool quick = bc.sweep.quick;
+  const std::vector<std::int64_t> batches =
+      quick ? std::vector<std::int64_t>{1} : std::vector<std::int64_t>{1, 4, 16, 64};
+  const std::vector<std::int64_t> lengths = quick ? std::vector<std::int64_t>{4096, 16384}
+                                                  : std::vector<std::int64_t>{1024, 4096, 16384, 32768};
+  const double max_bytes = bc.sweep.max_kv_gib * 1024.0 * 1024.0 * 1024.0;
+  std::vector<DecodePoint> points, skipped;
+  for (std::int64_t hkv : {std::int64_t{32}, std::int64_t{8}}) {
+    for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+      for (Layout layout : {Layout::bhld, Layout::blhd}) {
+        for (std::int64_t b : batches) {
+          for (std::int64_t l : lengths) {
+            const DecodePoint pt{b, hkv, l, dtype, layout};
+            (pt.kv_bytes() > max_bytes ? skipped : points).push_back(pt);
+          }
+        }
+      }
+    }
+  }
+  double largest = 0;
+  for (const DecodePoint& pt : points) largest = std::max(largest, pt.kv_bytes());
+  const bool json_to_stdout = bc.sweep.json == "-";
+  std::FILE* const table = json_to_stdout ? stderr : stdout;
+  Progress progress;
+  progress.show("filling the caches ...");
+  const CacheMemory memory(largest);
+  const int passes = std::max(1, bc.sweep.passes);
+  std::vector<double> probe1, probe2;
+  std::vector<std::vector<double>> seconds(points.size() * std::size(kTimed));
+  for (int pass = 0; pass < passes; ++pass) {
+    progress.showf("pass %d/%d: read bandwidth probe ...", pass + 1, passes);
+    probe1.push_back(attncore::measure_read_bandwidth_gbs(1));
+    probe2.push_back(attncore::measure_read_bandwidth_gbs(2));
+    for (std::size_t n = 0; n < points.size(); ++n) {
+      progress.showf("pass %d/%d: point %zu/%zu ...", pass + 1, passes, n + 1, points.size());
+      for (std::size_t t = 0; t < std::size(kTimed); ++t) {
+        seconds[n * std::size(kTimed) + t].push_back(
+            time_point(points[n], memory.data.get(), kTimed[t], bc.run.repeat));
+      }
+    }
+  }
+  progress.clear();
+  const double bw1 = median(probe1), bw2 = median(probe2);
+  std::fprintf(table,
+               "attncore %s bench --decode: Hq=%lld, D=Dv=%lld, Lq=1, no mask, simd %s; median of "
+               "%d interleaved passes, best of %d calls each\n"
+               "read bandwidth probe (same passes): %.1f GB/s on 1 thread, %.1f on 2\n"
+               "K/V GB/s = bytes of K and V read once / time; %%probe: of the probe on the same "
+               "thread count\n\n",
+               attncore::version(), static_cast<long long>(DecodePoint::kHeadsQ),
+               static_cast<long long>(DecodePoint::kHeadDim), attncore::simd_target().c_str(),
+               passes, bc.run.repeat, bw1, bw2);
+  std::fprintf(table, "%-5s %-4s %3s %3s %6s %9s | %8s %6s | %8s %6s | %8s %6s\n", "dtype", "lay",
+               "Hkv", "B", "Lk", "K/V MB", "flash 1T", "%probe", "flash 2T", "%probe", "math 1T",
+               "%probe");
+  std::vector<std::string> items;
+  for (std::size_t n = 0; n < points.size(); ++n) {
+    const DecodePoint& pt = points[n];
+    double gbs[std::size(kTimed)];
+    for (std::size_t t = 0; t < std::size(kTimed); ++t) {
+      gbs[t] = pt.kv_bytes() / median(seconds[n * std::size(kTimed) + t]) * 1e-9;
+    }
+    const double of[] = {gbs[0] / bw1, gbs[1] / bw2, gbs[2] / bw1};
+    std::fprintf(table, "%-5s %-4s %3lld %3lld %6lld %9.1f | %8.1f %5.0f%% | %8.1f %5.0f%% | %8.1f %5.0f%%\n",
+                 std::string(attncore::name_of(pt.dtype)).c_str(), name_of(pt.layout),
+                 static_cast<long long>(pt.heads_kv), static_cast<long long>(pt.batch),
+                 static_cast<long long>(pt.seqlen_k), pt.kv_bytes() / 1e6, gbs[0], 100 * of[0],
+                 gbs[1], 100 * of[1], gbs[2], 100 * of[2]);
+    JsonObject j;
+    j.add("dtype", attncore::name_of(pt.dtype));
+    j.add("layout", name_of(pt.layout));
+    j.add("heads_kv", pt.heads_kv);
+    j.add("batch", pt.batch);
+    j.add("seqlen_k", pt.seqlen_k);
+    j.add("kv_bytes", pt.kv_bytes());
+    j.add("flash_1t_gbs", gbs[0]);
+    j.add("flash_1t_of_probe", of[0]);
+    j.add("flash_2t_gbs", gbs[1]);
+    j.add("flash_2t_of_probe", of[1]);
+    j.add("math_1t_gbs", gbs[2]);
+    j.add("math_1t_of_probe", of[2]);
+    items.push_back(j.str());
+  }
+  std::string list;
+  for (const DecodePoint& pt : skipped) {
+    list += "\n  " + std::string(attncore::name_of(pt.dtype)) + " " +
+            name_of(pt.layout) + " Hkv=" + std::to_string(pt.heads_kv) +
+            " B=" + std::to_string(pt.batch) + " Lk=" + std::to_string(pt.seqlen_k) +
+            format(" (%.1f GiB)", pt.kv_bytes() / (1024.0 * 1024.0 * 1024.0));
+  }
+  if (!skipped.empty()) {
+    std::fprintf(table, "\nskipped (K/V over %.3g GiB, --max-kv-gib):%s\n", bc.sweep.max_kv_gib,
+                 list.c_str());
+  }
+  if (!bc.sweep.json.empty()) {
+    JsonObject top;
+    top.add("version", attncore::version());
+    top.add("bench", "decode");
+    top.add("heads_q", DecodePoint::kHeadsQ);
+    top.add("head_dim", DecodePoint::kHeadDim);
+    top.add("simd", attncore::simd_target());
+    top.add("passes", passes);
+    top.add("repeat", bc.run.repeat);
+    top.add("probe_1t_gbs", bw1);
+    top.add("probe_2t_gbs", bw2);
+    top.add("skipped", static_cast<std::int64_t>(skipped.size()));
+    top.add_json("rows", json_array(items));
+    std::FILE* f = json_to_stdout ? stdout : std::fopen(bc.sweep.json.c_str(), "w");
+    if (f == nullptr) throw UsageError{"--json: cannot write '" + bc.sweep.json + "'"};
+    std::fprintf(f, "%s\n", top.str().c_str());
+    if (f != stdout) std::fclose(f);
+  }
+  return kExitOk;
+}
+
+}  // namespace attncore_tools
