@@ -390,6 +390,30 @@ TEST(Paged, BadBlockTables) {
             std::string::npos);
 }
 
+TEST(Paged, ExplainShowsWhoRunsPagedCalls) {
+  const Tensor q(DType::f32, {2, 2, 1, 8});
+  const Tensor pool(DType::f32, {5, 2, 4, 8});
+  const Tensor lens = i32({2}, {6, 3});
+  const Tensor table = i32({2, 3}, {4, 0, -1, 2, -1, -1});
+  KvCacheSeqs s;
+  s.cache_seqlens = lens.view();
+  s.block_table = table.view();
+  const Explanation e = explain_forward_kvcache(q, pool, pool, s);
+  EXPECT_NE(e.chosen, Backend::automatic);
+  for (const BackendVerdict& v : e.verdicts) {
+    if (v.backend == Backend::reference || v.backend == Backend::math) {
+      EXPECT_TRUE(v.reasons.empty()) << name_of(v.backend);
+    }
+    if (v.backend == Backend::flash && !v.reasons.empty()) {
+      EXPECT_NE(v.reasons.front().find("paged KV cache"), std::string::npos);
+      EXPECT_NE(e.chosen, Backend::flash);
+    }
+  }
+  const Tensor bad = i32({2, 3}, {4, -1, -1, 2, -1, -1});
+  s.block_table = bad.view();
+  EXPECT_THROW(explain_forward_kvcache(q, pool, pool, s), InvalidArgument);
+}
+
 TEST(Paged, AppendsCheckTheirPagesBeforeWriting) {
   const Tensor q(DType::f32, {2, 2, 1, 8});
   const Tensor pool(DType::f32, {5, 2, 4, 8});

@@ -27,6 +27,10 @@ int cmd_explain(const std::vector<std::string>& args) {
   if (c.is_varlen()) {
     throw UsageError{"explain does not take --varlen (the library explains dense calls)"};
   }
+  if (c.is_cache()) {
+    throw UsageError{"explain does not take --cache-len (it explains dense calls; `run "
+                     "--cache-len` reports the backend that ran)"};
+  }
   attncore::set_simd_target(c.simd);
   // The views point at one byte: explain validates shapes and strides and reads no data.
   static char no_data;

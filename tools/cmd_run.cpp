@@ -1,5 +1,5 @@
-// attncore run: one configured call on random data, dense or a packed variable-length batch
-// (--varlen), timed (best of --repeat), in GFLOP/s and percent of the measured FMA peak,
+// attncore run: one configured call on random data, dense, a packed variable-length batch
+// (--varlen) or new tokens over a dense or paged KV cache (--cache-len), timed (best of --repeat), in GFLOP/s and percent of the measured FMA peak,
 // optionally checked against the reference backend (exit code 1 when an error is over the
 // tolerance of docs/design.md section 6); as text or as one JSON object (--json), also when the call
 // fails.
@@ -65,6 +65,10 @@ int run(const RunConfig& c) {
     j.add("gflops", fwd_gflops);
     j.add("peak_gflops", peak);
     j.add("percent_of_peak", peak > 0 ? 100 * fwd_gflops / peak : 0.0);
+    if (c.is_cache()) {
+      j.add("kv_bytes", r.kv_bytes);
+      j.add("kv_gbps", r.seconds > 0 ? r.kv_bytes / r.seconds * 1e-9 : 0.0);
+    }
     if (c.backward) {
       j.add("bwd_flops", r.bwd_flops);
       j.add("bwd_seconds", r.bwd_seconds);
@@ -98,6 +102,10 @@ int run(const RunConfig& c) {
       "forward:   best of %d: %.3f ms, %.1f GFLOP/s (%.1f%% of the measured %.0f GFLOP/s FMA "
       "peak)\n",
       c.repeat, r.seconds * 1e3, fwd_gflops, peak > 0 ? 100 * fwd_gflops / peak : 0.0, peak);
+  if (c.is_cache()) {
+    std::printf("K/V read:  %.4g bytes, %.2f GB/s\n", r.kv_bytes,
+                r.seconds > 0 ? r.kv_bytes / r.seconds * 1e-9 : 0.0);
+  }
   if (c.backward) {
     std::printf("backward:  best of %d: %.3f ms, %.1f GFLOP/s (%.1f%% of peak)\n", c.repeat,
                 r.bwd_seconds * 1e3, bwd_gflops, peak > 0 ? 100 * bwd_gflops / peak : 0.0);

@@ -173,6 +173,16 @@ constexpr Flag kFlags[] = {
      "= varlen"},
     {"--seqused-k", "L,L,...", kRun, &RunConfig::seqused_k,
      "with --varlen: the keys each sequence uses (<= its key length)", "all"},
+    {"--cache-len", "N", kRun, &RunConfig::cache_len,
+     "instead of --seqlen-q/k: N keys already in a KV cache (attncore/\nkvcache.h), "
+     "--new-tokens rows appended, then attended",
+     "no cache"},
+    {"--new-tokens", "T", kRun, &RunConfig::new_tokens,
+     "with --cache-len: new tokens per sequence (queries and appended\nkeys): 1 = decode, "
+     "more = chunked prefill"},
+    {"--page-size", "P", kRun, &RunConfig::page_size,
+     "with --cache-len: a paged cache of pages of P slots in shuffled\norder; 0 = a dense "
+     "cache"},
     {"--seqlens", "L,L,...", kBench, &BenchSweep::seqlens, "sequence lengths, Lq = Lk"},
     {"--head-dim", "N", kBoth, &RunConfig::head_dim, "query/key head dim D"},
     {"--head-dim-v", "N", kRun, &RunConfig::head_dim_v, "value head dim Dv", "= head-dim"},
@@ -435,6 +445,29 @@ void check_varlen_flags(const RunConfig& c, const GivenFlags& flags) {
   fits("--seqused-k", c.seqused_k);
 }
 
+// The KV-cache flags of run: --new-tokens and --page-size need --cache-len, which takes the
+// place of the dense lengths and of the packed batch; the cache is forward only.
+void check_cache_flags(const RunConfig& c, const GivenFlags& flags) {
+  for (const char* name : {"--new-tokens", "--page-size"}) {
+    if (!c.is_cache() && given(flags, name)) {
+      throw UsageError{std::string(name) + " needs --cache-len"};
+    }
+  }
+  if (!c.is_cache()) return;
+  for (const char* name : {"--seqlen-q", "--seqlen-k", "--varlen", "--backward"}) {
+    if (given(flags, name)) {
+      throw UsageError{std::string(name) + " does not go with --cache-len (" +
+                       (std::string(name) == "--backward"
+                            ? "attention over a KV cache is forward only)"
+                            : "the lengths come from --cache-len and --new-tokens)")};
+    }
+  }
+  if (c.cache_len + c.new_tokens > std::numeric_limits<std::int32_t>::max()) {
+    throw UsageError{"--cache-len: cache_len + new_tokens passes 2^31 - 1 (cache_seqlens are "
+                     "int32)"};
+  }
+}
+
 // bench --varlen runs a fixed batch: the sweep's own flags have nothing to act on.
 void check_bench_varlen_flags(const GivenFlags& flags) {
   for (const char* name : {"--batch", "--seqlens", "--select", "--passes", "--csv", "--png"}) {
@@ -501,6 +534,7 @@ RunConfig parse_run_flags(const std::vector<std::string>& args) {
   BenchSweep unused;
   const GivenFlags flags = parse_flags(args, kRun, {c, unused});
   check_varlen_flags(c, flags);
+  check_cache_flags(c, flags);
   c.finish();
   return c;
 }

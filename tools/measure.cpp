@@ -28,18 +28,6 @@ double sequence_pairs(const RunConfig& c, std::int64_t lq, std::int64_t lk) {
   return pairs;
 }
 
-template <class F>
-double best_seconds(int repeat, F&& f) {
-  double best = std::numeric_limits<double>::infinity();
-  for (int r = 0; r < repeat; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
-    f();
-    const auto t1 = std::chrono::steady_clock::now();
-    best = std::min(best, std::chrono::duration<double>(t1 - t0).count());
-  }
-  return best;
-}
-
 }  // namespace
 
 double visible_pairs(const RunConfig& c) {
@@ -63,6 +51,7 @@ double gflops(double flops, double seconds) {
 
 RunResult run_once(const PreparedCall& p) {
   const RunConfig& c = p.cfg;
+  if (c.is_cache()) return run_cache(p);
   const CallViews shapes = c.views(nullptr);
   const Tensor out = allocate_like(shapes.out);
   const Tensor lse = allocate_like(shapes.lse);

@@ -7,6 +7,9 @@
 // (its Lq_b queries against its used keys, causal and window aligned per sequence).
 #pragma once
 
+#include <algorithm>
+#include <chrono>
+#include <limits>
 #include <optional>
 
 #include "check.h"
@@ -24,6 +27,19 @@ constexpr double kBackwardFlopFactor = 2.5;  // docs/design.md section 5
 // FLOPs over seconds in GFLOP/s; 0 when either is 0.
 double gflops(double flops, double seconds);
 
+// The shortest of `repeat` timed calls of f, in seconds.
+template <class F>
+double best_seconds(int repeat, F&& f) {
+  double best = std::numeric_limits<double>::infinity();
+  for (int r = 0; r < repeat; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    const auto t1 = std::chrono::steady_clock::now();
+    best = std::min(best, std::chrono::duration<double>(t1 - t0).count());
+  }
+  return best;
+}
+
 struct RunResult {
   // The backends that ran the forward and the backward: cfg.backend, or the one `auto` chose.
   attncore::Backend backend = attncore::Backend::automatic;
@@ -31,11 +47,18 @@ struct RunResult {
   double flops = 0, seconds = 0;
   double bwd_flops = 0, bwd_seconds = 0;
   std::optional<CheckResult> check;
+  double kv_bytes = 0;  // a cache call: the K/V bytes one call reads (each slot once)
 };
 
 // Times the forward (and with cfg.backward the backward) on cfg.backend, best of cfg.repeat
 // calls each, then checks the results when cfg.check asks for it. Dense calls go through
 // forward_into / backward_into, packed ones through forward_varlen_into / backward_varlen_into.
 RunResult run_once(const PreparedCall& p);
+
+// A KV-cache call (cfg.is_cache(), cache_call.cpp): the first cache_len rows of each
+// sequence's p.k / p.v go into a dense or paged cache, the last new_tokens rows are appended by
+// each timed call (at the same slots every time), and the result is checked against p as the
+// dense call it equals.
+RunResult run_cache(const PreparedCall& p);
 
 }  // namespace attncore_tools

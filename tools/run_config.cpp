@@ -56,6 +56,10 @@ void RunConfig::finish() {
     seqlen_q = longest(varlen);
     seqlen_k = longest(varlen_k);
   }
+  if (is_cache()) {
+    seqlen_q = new_tokens;
+    seqlen_k = cache_len + new_tokens;
+  }
   if (seqlen_k < 0) seqlen_k = seqlen_q;
 }
 
@@ -120,6 +124,10 @@ std::string RunConfig::shape_text() const {
     s << " Lq=" << seqlen_q << " Lk=" << seqlen_k;
   }
   s << " D=" << head_dim << " Dv=" << head_dim_v;
+  if (is_cache()) {
+    s << " cache_len=" << cache_len << " new_tokens=" << new_tokens;
+    s << (page_size > 0 ? " page_size=" + std::to_string(page_size) : std::string(" dense cache"));
+  }
   return s.str();
 }
 
@@ -148,6 +156,13 @@ void RunConfig::add_shape(JsonObject& j) const {
   j.add("head_dim", head_dim);
   j.add("head_dim_v", head_dim_v);
   j.add("causal", name_of(causal));
+  if (is_cache()) {
+    j.add("cache_len", cache_len);
+    j.add("new_tokens", new_tokens);
+    j.add("page_size", page_size);  // 0: a dense cache
+  } else {
+    j.add_null("cache_len");
+  }
 }
 
 }  // namespace attncore_tools

@@ -1,7 +1,8 @@
 // The configuration of one attention call (RunConfig), filled in by the flag table (flags.cpp)
 // or by the sweeps of `attncore` and `attncore bench`, and what it produces: the library's
 // Options and the tensor views of the call. A call is dense ([B, H, L, D] tensors) or, with
-// --varlen, a packed variable-length batch (attncore/varlen.h). BenchConfig adds bench's sweep
+// --varlen, a packed variable-length batch (attncore/varlen.h), or, with --cache-len, new tokens
+// attending to a dense or paged KV cache (attncore/kvcache.h). BenchConfig adds bench's sweep
 // to a RunConfig.
 #pragma once
 
@@ -64,7 +65,17 @@ struct RunConfig {
   std::vector<std::int64_t> varlen_k;
   std::vector<std::int64_t> seqused_k;
 
+  // A KV-cache call: each sequence has cache_len keys in the cache and new_tokens new rows
+  // (queries, and keys and values appended before attending: decode at 1, chunked prefill
+  // above); page_size 0: a dense cache [B, capacity, Hkv, D], else pages of page_size in a
+  // shuffled pool. finish() sets seqlen_q = new_tokens, seqlen_k = cache_len + new_tokens:
+  // the dense call the cache call equals (what --check compares and the FLOPs count).
+  std::int64_t cache_len = -1;  // -1: not a cache call
+  std::int64_t page_size = 0;
+  std::int64_t new_tokens = 1;
+
   bool is_varlen() const { return !varlen.empty(); }
+  bool is_cache() const { return cache_len >= 0; }
   // Resolves the "same as" defaults (heads_kv, seqlen_k, head_dim_v); for a packed batch also
   // varlen_k, batch (the number of sequences) and seqlen_q / seqlen_k (the longest of varlen and
   // varlen_k: the call's max_seqlen_q / max_seqlen_k, which also address its dropout).

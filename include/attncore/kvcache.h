@@ -75,4 +75,11 @@ ATTNCORE_API ForwardResult forward_kvcache(const TensorView& q, const TensorView
                                            const KvAppend& append, const Options& options = {},
                                            Backend backend = Backend::automatic);
 
+// Validate like forward_kvcache (reading the index arrays) and explain the backend choice
+// (attncore/backend.h), without running anything.
+ATTNCORE_API Explanation explain_forward_kvcache(const TensorView& q, const TensorView& k_cache,
+                                                 const TensorView& v_cache,
+                                                 const KvCacheSeqs& seqs,
+                                                 const Options& options = {});
+
 }  // namespace attncore

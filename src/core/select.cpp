@@ -391,6 +391,17 @@ Explanation explain_forward_varlen(const TensorView& q, const TensorView& k, con
                         detail::current_cost_model());
 }
 
+Explanation explain_forward_kvcache(const TensorView& q, const TensorView& k_cache,
+                                    const TensorView& v_cache, const KvCacheSeqs& seqs,
+                                    const Options& options) {
+  const detail::ForwardArgs args{q, k_cache, v_cache, {}, {}};
+  const detail::Params p =
+      detail::validate_kvcache_forward(args, seqs, options, Backend::automatic, false);
+  const detail::Launch launch{detail::resolve_threads(options.num_threads, "forward")};
+  return detail::select(detail::Pass::forward, p, launch, Backend::automatic, detail::t_enabled,
+                        detail::current_cost_model());
+}
+
 Explanation explain_backward_varlen(const TensorView& dout, const TensorView& q,
                                     const TensorView& k, const TensorView& v, const TensorView& out,
                                     const TensorView& lse, const VarlenSeqs& seqs,

@@ -1,0 +1,104 @@
+// `attncore run --cache-len N [--page-size P] [--new-tokens T]`: new tokens attending to a dense
+// or paged KV cache (attncore/kvcache.h), timed and checked (measure.h, run_cache).
+#include <cstring>
+#include <numeric>
+#include <utility>
+#include <vector>
+
+#include "attncore/kvcache.h"
+#include "measure.h"
+
+namespace attncore_tools {
+
+using attncore::DType;
+using attncore::Tensor;
+using attncore::TensorView;
+
+namespace {
+
+// Rows [first, first + count) of dim 2 of a [B, H, L, D] view.
+TensorView rows(const TensorView& t, std::int64_t first, std::int64_t count) {
+  TensorView r = t;
+  r.data = static_cast<char*>(t.data) +
+           first * t.stride_of(2) * static_cast<std::int64_t>(attncore::size_of(t.dtype));
+  r.shape[2] = count;
+  return r;
+}
+
+// The cache of one of K or V: rows [0, cache_len) of each sequence of `src`
+// ([B, H, cache_len + T, width], contiguous) at slot s of sequence b, which is row s of cache row
+// b (dense: [B, capacity, H, width]) or row s % P of page table[b][s / P] (paged:
+// [pages, P, H, width]). Returns the cache in the library's [.., H, .., width] order.
+struct Cache {
+  Tensor storage;
+  TensorView view;  // transposed(1, 2): [B or pages, H, capacity or P, width]
+};
+
+Cache make_cache(const RunConfig& c, const Tensor& src, const std::vector<std::int32_t>& table,
+                 std::int64_t per_seq) {
+  const std::int64_t heads = src.size(1), width = src.size(3), capacity = c.seqlen_k;
+  const bool paged = c.page_size > 0;
+  const std::int64_t slots = paged ? c.page_size : capacity;
+  Cache cache;
+  cache.storage = Tensor(src.dtype(), {paged ? c.batch * per_seq : c.batch, slots, heads, width});
+  const auto item = static_cast<std::int64_t>(attncore::size_of(src.dtype()));
+  for (std::int64_t b = 0; b < c.batch; ++b)
+    for (std::int64_t h = 0; h < heads; ++h)
+      for (std::int64_t s = 0; s < c.cache_len; ++s) {
+        const std::int64_t row =
+            paged ? table[static_cast<std::size_t>(b * per_seq + s / c.page_size)] * slots +
+                        s % c.page_size
+                  : b * slots + s;
+        std::memcpy(static_cast<char*>(cache.storage.data()) + ((row * heads + h) * width) * item,
+                    static_cast<const char*>(src.data()) +
+                        (((b * heads + h) * capacity + s) * width) * item,
+                    static_cast<std::size_t>(width * item));
+      }
+  cache.view = cache.storage.view().transposed(1, 2);
+  return cache;
+}
+
+}  // namespace
+
+RunResult run_cache(const PreparedCall& p) {
+  const RunConfig& c = p.cfg;
+  // Pages in a shuffled order (Fisher-Yates on the run's seed), as an engine's pool ends up.
+  const std::int64_t per_seq =
+      c.page_size > 0 ? (c.seqlen_k + c.page_size - 1) / c.page_size : 0;
+  std::vector<std::int32_t> table(static_cast<std::size_t>(c.batch * per_seq));
+  std::iota(table.begin(), table.end(), 0);
+  Random rng(c.seed ^ 7);
+  for (std::size_t i = table.size(); i > 1; --i) {
+    std::swap(table[i - 1], table[static_cast<std::size_t>(rng.next() % i)]);
+  }
+  const Cache k = make_cache(c, p.k, table, per_seq);
+  const Cache v = make_cache(c, p.v, table, per_seq);
+  Tensor seqlens(DType::i32, {c.batch}), block_table;
+  std::fill_n(seqlens.data_as<std::int32_t>(), c.batch, static_cast<std::int32_t>(c.cache_len));
+  attncore::KvCacheSeqs seqs;
+  seqs.cache_seqlens = seqlens;
+  if (c.page_size > 0) {
+    block_table = Tensor(DType::i32, {c.batch, per_seq});
+    std::copy(table.begin(), table.end(), block_table.data_as<std::int32_t>());
+    seqs.block_table = block_table.view();
+  }
+  // The new tokens: the last new_tokens rows of p.k / p.v, appended in place by every call.
+  const attncore::KvAppend append{rows(p.k, c.cache_len, c.new_tokens),
+                                  rows(p.v, c.cache_len, c.new_tokens), std::nullopt,
+                                  std::nullopt, false};
+  RunResult r;
+  r.backend = c.backend == attncore::Backend::automatic
+                  ? attncore::explain_forward_kvcache(p.q, k.view, v.view, seqs, p.options).chosen
+                  : c.backend;
+  r.flops = forward_flops(c);
+  r.kv_bytes = static_cast<double>(c.batch * c.heads_kv * c.seqlen_k * (c.head_dim + c.head_dim_v)) *
+               static_cast<double>(attncore::size_of(c.dtype));
+  attncore::ForwardResult result;
+  r.seconds = best_seconds(c.repeat, [&] {
+    result = attncore::forward_kvcache(p.q, k.view, v.view, seqs, append, p.options, c.backend);
+  });
+  if (c.check) r.check = check_against_reference(p, result.out, nullptr, nullptr, nullptr);
+  return r;
+}
+
+}  // namespace attncore_tools
