@@ -15,6 +15,9 @@
     sdpa_kernel, enabled_backends the backends automatic selection may choose, per thread
     explain                       each backend's verdict on a call, and the choice
     flash_attn_with_kvcache       flash_attn's attention over a KV cache (appends in place)
+    attncore.flash_attn_interface flash-attn 2.8.3's seven functions as one module;
+    install_flash_attn_alias      `import flash_attn` (and .flash_attn_interface, .bert_padding)
+                                  served by attncore in this process
     merge_attention_states        two results over disjoint key sets merged into one
     PagedKVCache                  a paged KV cache owning its pages (fork, copy-on-write)
 
@@ -27,8 +30,9 @@ RuntimeError) is the error of a call stopped through the C++ library's cancel fl
 
 import importlib as _importlib
 
-from . import _core
+from . import _core, flash_attn_interface
 from ._core import Cancelled
+from ._alias import install_flash_attn_alias
 from ._attention import (attention, attention_backward, attention_varlen,
                          attention_varlen_backward, explain)
 from ._dropins import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
@@ -49,7 +53,7 @@ __all__ = [
     "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache", "get_num_threads",
-    "get_rng_state", "manual_seed", "merge_attention_states", "scaled_dot_product_attention",
+    "get_rng_state", "install_flash_attn_alias", "manual_seed", "merge_attention_states", "scaled_dot_product_attention",
     "sdpa_kernel", "set_num_threads", "set_rng_state",
 ]
 
