@@ -136,11 +136,6 @@ void flash_can_use(Pass, const Params& p, std::vector<std::string>& reasons) {
         "flash: dtype f64 is not supported (dtype=f64, expected f32, bf16 or f16); math and "
         "reference run f64");
   }
-  if (p.seq.paged()) {
-    reasons.push_back(
-        "flash: a paged KV cache is not supported yet (block_table=given, expected none); math "
-        "and reference run it");
-  }
 }
 
 double flash_estimate(Pass pass, const Params& p, const Launch& launch, const CostModel& m) {

@@ -9,6 +9,7 @@
 #include "core/convert.h"
 #include "core/params.h"
 #include "cpu/flash_simd-inl.h"
+#include "cpu/flash_tile_rows-inl.h"
 
 namespace attncore::detail::ATTNCORE_TARGET_NS {
 
@@ -63,34 +64,34 @@ struct DirectKv {
   }
 
   // S [rows][kKeyTile] = q . K[j0 + c]^T for c < keys, 0 for keys <= c < cols, kLanes keys at
-  // a time (score_block). Streams from memory, so that neither product waits on it: K rows
-  // `lead` keys on (the next tile's too, never past `ahead`: the sequence's last key), and this
-  // tile's V rows (v, ldv, dv elements each) as their K rows are read, for P . V after the
-  // tile's scores. 16-bit K with several rows: each block of keys is widened once into
-  // `widened` ([kLanes][d rounded up to kLanes] floats) and read from there by every row (the
-  // same values, so the same scores).
+  // a time (score_block). Key j0 + c is at k + k_at[c] for c < ahead (TileRows: the tile's keys
+  // and up to kRowLead after it, never past the sequence), V's at v + v_at[c]. Streams from
+  // memory, so that neither product waits on it: K rows `lead` keys on (the next tile's too),
+  // and this tile's V rows as their K rows are read, for P . V after the tile's scores. A block
+  // of keys not evenly spaced (a page boundary inside it), or 16-bit with several rows, is
+  // first copied (widened) into `widened` ([kLanes][d rounded up to kLanes] floats) and read
+  // from there by every row (the same values, so the same scores).
   template <class T>
-  ATTNCORE_TARGET static void scores(const Params& p, const T* k, std::int64_t ldk, DType dtype,
-                                     std::int64_t keys, std::int64_t cols, std::int64_t ahead,
-                                     const T* v, std::int64_t ldv, const float* q,
-                                     std::int64_t rows, float* s, float* widened) {
+  ATTNCORE_TARGET static void scores(const Params& p, const T* k, const std::int64_t* k_at,
+                                     std::int64_t ahead, DType dtype, std::int64_t keys,
+                                     std::int64_t cols, const T* v, const std::int64_t* v_at,
+                                     const float* q, std::int64_t rows, float* s, float* widened) {
     const std::int64_t d = p.head_dim, dv = p.head_dim_v;
     constexpr std::int64_t kLine = 64 / sizeof(T);  // elements per cache line
     // K rows prefetched this far ahead: at least 16 KiB, at least 32 keys (a block's 16 rows
-    // are in flight while the next block computes).
-    const std::int64_t lead =
-        std::max<std::int64_t>(32, (16384 / static_cast<std::int64_t>(sizeof(T)) + d - 1) / d);
+    // are in flight while the next block computes), at most kRowLead.
+    const std::int64_t lead = std::clamp<std::int64_t>(
+        (16384 / static_cast<std::int64_t>(sizeof(T)) + d - 1) / d, 32, kRowLead);
     // Contiguous rows ([B, Hkv, L, D]) into L1. Rows far apart ([B, L, Hkv, D]: 16 KiB at 32
     // f32 heads) share L1 sets, where the rows a block reads evict the ones prefetched: into L2
     // (bench --decode, 1 thread: f32 [B, L, Hkv, D] 12.5 GB/s either way, bf16 8.3-10.7 into L2
     // against 6.2-6.7 into L1). V is read a whole tile after its prefetch: into L2.
-    const bool near = ldk == d;
+    const bool near = ahead < 2 || k_at[1] - k_at[0] == d;
     const std::int64_t d_pad = (d + kLanes - 1) / kLanes * kLanes;
-    const bool widen = sizeof(T) == 2 && rows > 1;
     for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
       for (int j = 0; j < kLanes; ++j) {
         if (c0 + lead + j < ahead) {
-          const T* row = k + (c0 + lead + j) * ldk;
+          const T* row = k + k_at[c0 + lead + j];
           if (near) {
             for (std::int64_t e = 0; e < d; e += kLine) __builtin_prefetch(row + e, 0, 3);
             __builtin_prefetch(row + d - 1, 0, 3);
@@ -100,25 +101,27 @@ struct DirectKv {
           }
         }
         if (c0 + j < keys) {
-          const T* row = v + (c0 + j) * ldv;
+          const T* row = v + v_at[c0 + j];
           for (std::int64_t e = 0; e < dv; e += kLine) __builtin_prefetch(row + e, 0, 2);
           __builtin_prefetch(row + dv - 1, 0, 2);
         }
       }
       const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
-      if (widen) {
+      const std::int64_t ldk = block >= 2 ? even_stride(k_at + c0, block) : d;
+      if (ldk == 0 || (sizeof(T) == 2 && rows > 1)) {
         for (std::int64_t j = 0; j < block; ++j) {
           for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
             const int n = static_cast<int>(std::min<std::int64_t>(kLanes, d - e0));
-            store(widened + j * d_pad + e0, load_part(k + (c0 + j) * ldk + e0, n, dtype));
+            store(widened + j * d_pad + e0, load_part(k + k_at[c0 + j] + e0, n, dtype));
           }
         }
         for (std::int64_t r = 0; r < rows; ++r) {
           score_block(widened, d_pad, DType::f32, d, block, q + r * d, s + r * kKeyTile + c0);
         }
       } else {
+        const T* first = block > 0 ? k + k_at[c0] : k;  // (block 0: no row is read)
         for (std::int64_t r = 0; r < rows; ++r) {
-          score_block(k + c0 * ldk, ldk, dtype, d, block, q + r * d, s + r * kKeyTile + c0);
+          score_block(first, ldk, dtype, d, block, q + r * d, s + r * kKeyTile + c0);
         }
       }
     }
@@ -130,7 +133,8 @@ struct DirectKv {
   // element is out * alpha plus its keys' products in key order, whatever the slice: the same
   // bits for any R.
   template <class T, int R>
-  ATTNCORE_TARGET static void accumulate(const Params& p, const T* v, std::int64_t ldv, DType dtype,
+  ATTNCORE_TARGET static void accumulate(const Params& p, const T* v, const std::int64_t* v_at,
+                                         DType dtype,
                                          std::int64_t keys, const float* probs,
                                          std::int64_t dv_pad, const float* alpha, float* out) {
     constexpr int kRegisters = kLanes == 16 ? 32 : 16;
@@ -160,7 +164,7 @@ struct DirectKv {
       }
       auto keys_loop = [&](auto whole) ATTNCORE_TARGET {
         for (std::int64_t c = 0; c < keys; ++c) {
-          const T* row = v + c * ldv + e0;
+          const T* row = v + v_at[c] + e0;
           Vec vrow[kVectors];
 #pragma GCC unroll 8
           for (int x = 0; x < kVectors; ++x) {
@@ -194,53 +198,50 @@ struct DirectKv {
   }
 
   template <class T>
-  ATTNCORE_TARGET static void accumulate_rows(const Params& p, const T* v, std::int64_t ldv,
-                                              DType dtype, std::int64_t keys, std::int64_t rows,
+  ATTNCORE_TARGET static void accumulate_rows(const Params& p, const T* v,
+                                              const std::int64_t* v_at, DType dtype, std::int64_t keys, std::int64_t rows,
                                               const float* probs, std::int64_t dv_pad,
                                               const float* alpha, float* out) {
     switch (rows_computed(rows)) {
       case 1:
-        return accumulate<T, 1>(p, v, ldv, dtype, keys, probs, dv_pad, alpha, out);
+        return accumulate<T, 1>(p, v, v_at, dtype, keys, probs, dv_pad, alpha, out);
       case 2:
-        return accumulate<T, 2>(p, v, ldv, dtype, keys, probs, dv_pad, alpha, out);
+        return accumulate<T, 2>(p, v, v_at, dtype, keys, probs, dv_pad, alpha, out);
       case 4:
         if constexpr (kTileRows > 4) {
-          return accumulate<T, 4>(p, v, ldv, dtype, keys, probs, dv_pad, alpha, out);
+          return accumulate<T, 4>(p, v, v_at, dtype, keys, probs, dv_pad, alpha, out);
         }
         [[fallthrough]];
       default:
-        return accumulate<T, kTileRows>(p, v, ldv, dtype, keys, probs, dv_pad, alpha, out);
+        return accumulate<T, kTileRows>(p, v, v_at, dtype, keys, probs, dv_pad, alpha, out);
     }
   }
 
-  // Both for key tile t of (b, kv_head), in the input's dtype.
-  ATTNCORE_TARGET static void tile_scores(const Params& p, const ForwardArgs& a, std::int64_t b,
-                                          std::int64_t kv_head, std::int64_t j0, std::int64_t keys,
-                                          std::int64_t cols, const float* q, std::int64_t rows,
-                                          float* s, float* widened) {
-    const std::int64_t at = offset4(a.k, b, kv_head, j0, 0), ahead = p.seq.lk - j0;
-    const std::int64_t v_at = offset4(a.v, b, kv_head, j0, 0);
+  // Both for a key tile of K and V rows resolved (TileRows), in the input's dtype; the product
+  // covers keys [begin, begin + keys) of the tile.
+  ATTNCORE_TARGET static void tile_scores(const Params& p, const ForwardArgs& a,
+                                          const TileRows& k_rows, const TileRows& v_rows,
+                                          std::int64_t keys, std::int64_t cols, const float* q,
+                                          std::int64_t rows, float* s, float* widened) {
     if (a.k.dtype == DType::f32) {
-      scores(p, static_cast<const float*>(a.k.data) + at, a.k.stride[2], a.k.dtype, keys, cols,
-             ahead, static_cast<const float*>(a.v.data) + v_at, a.v.stride[2], q, rows, s,
-             widened);
+      scores(p, static_cast<const float*>(a.k.data), k_rows.at, k_rows.count, a.k.dtype, keys,
+             cols, static_cast<const float*>(a.v.data), v_rows.at, q, rows, s, widened);
     } else {
-      scores(p, static_cast<const std::uint16_t*>(a.k.data) + at, a.k.stride[2], a.k.dtype, keys,
-             cols, ahead, static_cast<const std::uint16_t*>(a.v.data) + v_at, a.v.stride[2], q,
-             rows, s, widened);
+      scores(p, static_cast<const std::uint16_t*>(a.k.data), k_rows.at, k_rows.count, a.k.dtype,
+             keys, cols, static_cast<const std::uint16_t*>(a.v.data), v_rows.at, q, rows, s,
+             widened);
     }
   }
-  ATTNCORE_TARGET static void tile_accumulate(const Params& p, const ForwardArgs& a, std::int64_t b,
-                                              std::int64_t kv_head, std::int64_t j0,
+  ATTNCORE_TARGET static void tile_accumulate(const Params& p, const ForwardArgs& a,
+                                              const TileRows& v_rows, std::int64_t begin,
                                               std::int64_t keys, std::int64_t rows,
                                               const float* probs, std::int64_t dv_pad,
                                               const float* alpha, float* out) {
-    const std::int64_t at = offset4(a.v, b, kv_head, j0, 0);
     if (a.v.dtype == DType::f32) {
-      accumulate_rows(p, static_cast<const float*>(a.v.data) + at, a.v.stride[2], a.v.dtype, keys,
+      accumulate_rows(p, static_cast<const float*>(a.v.data), v_rows.at + begin, a.v.dtype, keys,
                       rows, probs, dv_pad, alpha, out);
     } else {
-      accumulate_rows(p, static_cast<const std::uint16_t*>(a.v.data) + at, a.v.stride[2],
+      accumulate_rows(p, static_cast<const std::uint16_t*>(a.v.data), v_rows.at + begin,
                       a.v.dtype, keys, rows, probs, dv_pad, alpha, out);
     }
   }

@@ -11,6 +11,7 @@
 #include "core/convert.h"
 #include "core/params.h"
 #include "cpu/flash_simd-inl.h"  // and <immintrin.h>
+#include "cpu/flash_tile_rows-inl.h"
 
 namespace attncore::detail::ATTNCORE_TARGET_NS {
 
@@ -106,12 +107,16 @@ struct Bf16Dot {
     const std::int64_t j0 = t * kKeyTile;
     const std::int64_t keys = std::min<std::int64_t>(kKeyTile, p.seq.lk - j0);
     const std::int64_t cols = tile_cols(keys);
-    const std::int64_t ldk = a.k.stride[2], ldv = a.v.stride[2], ahead = p.seq.lk - j0;
-    const auto* k = static_cast<const std::uint16_t*>(a.k.data) + offset4(a.k, b, kv_head, j0, 0);
+    const std::int64_t ahead = p.seq.lk - j0;
+    // The tile's rows (and up to kRowLead after it: the prefetches), pages resolved.
+    TileRows k_rows, v_rows;
+    resolve_rows(p, a.k, b, kv_head, j0, k_rows);
+    resolve_rows(p, a.v, b, kv_head, j0, v_rows);
+    const auto* k = static_cast<const std::uint16_t*>(a.k.data);
     // 16 keys x 16 pairs (32 bf16) at a time, as F32Dot's transpose.
     transpose_keys(
-        keys, cols, d_pairs, 2, ahead, ldk,
-        [&](std::int64_t c) ATTNCORE_TARGET { return k + c * ldk; },
+        keys, cols, d_pairs, 2, ahead,
+        [&](std::int64_t c) ATTNCORE_TARGET { return k + k_rows.at[c]; },
         [&](const std::uint16_t* row, std::int64_t e2, int) ATTNCORE_TARGET {
           const std::int64_t n = std::min<std::int64_t>(32, d - 2 * e2);  // bf16 elements
           const auto mask = static_cast<__mmask32>((std::uint64_t{1} << n) - 1);
@@ -120,15 +125,15 @@ struct Bf16Dot {
         [&](std::int64_t e2, std::int64_t c0, Vec x)
             ATTNCORE_TARGET { store(reinterpret_cast<float*>(kt + k_index(d_pairs, e2, c0)), x); });
     if (vt == nullptr) return;
-    const auto* v = static_cast<const std::uint16_t*>(a.v.data) + offset4(a.v, b, kv_head, j0, 0);
+    const auto* v = static_cast<const std::uint16_t*>(a.v.data);
     for (std::int64_t c2 = 0; c2 < cols / 2; ++c2) {
-      const std::uint16_t* lo = 2 * c2 < keys ? v + 2 * c2 * ldv : nullptr;
-      const std::uint16_t* hi = 2 * c2 + 1 < keys ? v + (2 * c2 + 1) * ldv : nullptr;
+      const std::uint16_t* lo = 2 * c2 < keys ? v + v_rows.at[2 * c2] : nullptr;
+      const std::uint16_t* hi = 2 * c2 + 1 < keys ? v + v_rows.at[2 * c2 + 1] : nullptr;
       if (2 * c2 + 16 < ahead) {  // the next rows' lines, 16 keys on
-        for (std::int64_t e = 0; e < dv; e += 32) __builtin_prefetch(v + (2 * c2 + 16) * ldv + e);
+        for (std::int64_t e = 0; e < dv; e += 32) __builtin_prefetch(v + v_rows.at[2 * c2 + 16] + e);
       }
       if (2 * c2 + 17 < ahead) {
-        for (std::int64_t e = 0; e < dv; e += 32) __builtin_prefetch(v + (2 * c2 + 17) * ldv + e);
+        for (std::int64_t e = 0; e < dv; e += 32) __builtin_prefetch(v + v_rows.at[2 * c2 + 17] + e);
       }
       for (std::int64_t e0 = 0; e0 < dv_pad; e0 += kTileCols) {
         const std::int64_t n = std::clamp<std::int64_t>(dv - e0, 0, kTileCols);

@@ -8,6 +8,7 @@
 #include "core/convert.h"
 #include "core/params.h"
 #include "cpu/flash_simd-inl.h"
+#include "cpu/flash_tile_rows-inl.h"
 
 namespace attncore::detail::ATTNCORE_TARGET_NS {
 
@@ -103,13 +104,16 @@ struct F32Dot {
     const std::int64_t j0 = t * kKeyTile;
     const std::int64_t keys = std::min<std::int64_t>(kKeyTile, p.seq.lk - j0);
     const std::int64_t cols = tile_cols(keys), lk = p.seq.lk;
-    const std::int64_t k0 = offset4(a.k, b, kv_head, j0, 0), ldk = a.k.stride[2];
+    // The tile's rows (and up to kRowLead after it: the prefetches), pages resolved.
+    TileRows k_rows, v_rows;
+    resolve_rows(p, a.k, b, kv_head, j0, k_rows);
+    resolve_rows(p, a.v, b, kv_head, j0, v_rows);
     // K through registers (load_part widens 16-bit rows: bf16 or f16 by a.k.dtype); V by one
     // copy loop per input dtype (f32, bf16, f16: the flash backend's), none inside.
     auto transpose = [&](const auto* src) ATTNCORE_TARGET {
       transpose_keys(
-          keys, cols, d, 1, lk - j0, ldk,
-          [&](std::int64_t c) ATTNCORE_TARGET { return src + c * ldk; },
+          keys, cols, d, 1, lk - j0,
+          [&](std::int64_t c) ATTNCORE_TARGET { return src + k_rows.at[c]; },
           [&](const auto* row, std::int64_t e0, int n)
               ATTNCORE_TARGET { return load_part(row + e0, n, a.k.dtype); },
           [&](std::int64_t e, std::int64_t c0, Vec x)
@@ -117,12 +121,12 @@ struct F32Dot {
     };
     auto copy_v = [&](const auto* v, auto to_float) ATTNCORE_TARGET {
       for (std::int64_t c = 0; c < cols; ++c) {
-        const auto* row = c < keys ? v + offset4(a.v, b, kv_head, j0 + c, 0) : v;
+        const auto* row = c < keys ? v + v_rows.at[c] : v;
         for (std::int64_t e0 = 0; e0 < dv_pad; e0 += kTileCols) {
           float* chunk = vt + v_index(c, e0);  // kTileCols columns of key c
           const std::int64_t n = c < keys ? std::clamp<std::int64_t>(dv - e0, 0, kTileCols) : 0;
           if (j0 + c + 16 < lk) {  // the same columns 16 keys on (the next tile's too)
-            const auto* ahead = v + offset4(a.v, b, kv_head, j0 + c + 16, e0);
+            const auto* ahead = v + v_rows.at[c + 16] + e0;
             __builtin_prefetch(ahead);
             __builtin_prefetch(ahead + kTileCols - 1);
           }
@@ -131,7 +135,7 @@ struct F32Dot {
         }
       }
     };
-    const auto* k16 = static_cast<const std::uint16_t*>(a.k.data) + k0;
+    const auto* k16 = static_cast<const std::uint16_t*>(a.k.data);
     const auto* v16 = static_cast<const std::uint16_t*>(a.v.data);
     const bool with_v = vt != nullptr;  // null: K only
     switch (a.k.dtype) {
@@ -144,7 +148,7 @@ struct F32Dot {
         if (with_v) copy_v(v16, [](std::uint16_t x) ATTNCORE_TARGET { return f16::to_float(x); });
         break;
       default:  // f32
-        transpose(static_cast<const float*>(a.k.data) + k0);
+        transpose(static_cast<const float*>(a.k.data));
         if (with_v)
           copy_v(static_cast<const float*>(a.v.data), [](float x) ATTNCORE_TARGET { return x; });
         break;

@@ -11,6 +11,7 @@
 
 #include "core/convert.h"
 #include "core/params.h"
+#include "core/sequence.h"
 #include "cpu/flash_simd-inl.h"
 #include "policy/kv_access.h"
 
@@ -51,7 +52,7 @@ ATTNCORE_TARGET __attribute__((noinline)) inline void add_bad_keys(
     const std::int64_t* head_of, const std::int64_t* index_of, std::int64_t rows,
     const float* weight, std::int64_t width, float* out, std::int64_t ld_out) {
   for (std::int64_t n = 0; n < bad_count; ++n) {
-    const std::int64_t c = bad[n], at = offset4(t, b, kv_head, j0 + c, 0);
+    const std::int64_t c = bad[n], at = kv_offset(p, t, b, kv_head, j0 + c);
     for (std::int64_t r = 0; r < rows; ++r) {
       if (!row_sees_key(p, band, b, head_of[r], index_of[r], j0 + c)) continue;
       const float w = weight[r * kKeyTile + c];

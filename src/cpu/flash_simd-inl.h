@@ -143,13 +143,12 @@ ATTNCORE_TARGET inline void transpose_lanes(Vec (&r)[kLanes]) {
 // registers: row c (c < keys; zeros for keys <= c < cols) starts at row(c) and has `width`
 // columns of `per_column` input elements each; load(row, e0, n) reads its n columns from e0 as
 // a Vec (zero past n); columns e of keys c0 .. c0 + kLanes - 1 go to store(e, c0, vector). Rows
-// 32 keys on are prefetched while below `ahead` (the next tile's too): packing K for decode
+// 32 keys on (row(c) for c < `ahead`: the next tile's too) are prefetched: packing K for decode
 // from memory went twice as fast with it (AVX-512; the README has the figures).
 template <class Row, class Load, class Store>
 ATTNCORE_TARGET inline void transpose_keys(std::int64_t keys, std::int64_t cols, std::int64_t width,
-                                           std::int64_t per_column, std::int64_t ahead,
-                                           std::int64_t row_stride, Row row, Load load,
-                                           Store store) {
+                                           std::int64_t per_column, std::int64_t ahead, Row row,
+                                           Load load, Store store) {
   static_assert(kTileCols % kLanes == 0, "kLanes keys lie in one micro-tile column");
   for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
     for (std::int64_t e0 = 0; e0 < width; e0 += kLanes) {
@@ -161,7 +160,7 @@ ATTNCORE_TARGET inline void transpose_keys(std::int64_t keys, std::int64_t cols,
           continue;
         }
         const auto* at = row(c0 + i);
-        if (c0 + 32 + i < ahead) __builtin_prefetch(at + 32 * row_stride + e0 * per_column);
+        if (c0 + 32 + i < ahead) __builtin_prefetch(row(c0 + 32 + i) + e0 * per_column);
         r[i] = load(at, e0, n);
       }
       transpose_lanes(r);

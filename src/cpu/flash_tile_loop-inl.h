@@ -20,6 +20,7 @@
 
 #include "core/convert.h"
 #include "core/params.h"
+#include "core/sequence.h"
 #include "cpu/flash.h"
 #include "cpu/flash_direct_kv-inl.h"
 #include "cpu/flash_dot_bf16-inl.h"
@@ -47,7 +48,7 @@ ATTNCORE_TARGET __attribute__((noinline)) std::int64_t leave_out_hidden_keys(
   for (std::int64_t c = 0; c < keys; ++c) {
     if (hidden[c / kLanes][c % kLanes] == 0) continue;
     const bool finite = direct
-                            ? row_is_finite(a.v, offset4(a.v, b, kv_head, j0 + c, 0), p.head_dim_v)
+                            ? row_is_finite(a.v, kv_offset(p, a.v, b, kv_head, j0 + c), p.head_dim_v)
                             : Dot::key_finite(*v_tile, c, dv_pad);
     if (!finite) bad[count++] = c;
   }
@@ -118,9 +119,11 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
     // now into scratch, where it stays in L1/L2 for its one use.
     const float* k_tile = w.k_tile;
     const float* v_tile = w.v_tile;
+    TileRows k_rows, v_rows;  // in place: the tile's rows, pages resolved once
     if (direct) {
-      DirectKv::tile_scores(p, a, b, item.kv_head, j0, keys, cols, w.q, rows, w.scores,
-                            w.k_tile);
+      resolve_rows(p, a.k, b, item.kv_head, j0, k_rows);
+      resolve_rows(p, a.v, b, item.kv_head, j0, v_rows);
+      DirectKv::tile_scores(p, a, k_rows, v_rows, keys, cols, w.q, rows, w.scores, w.k_tile);
     } else if (panel.k_tiles != nullptr) {
       k_tile = panel.k_tiles + t * d * kKeyTile;
       v_tile = panel.v_rows + j0 * dv_pad;
@@ -219,8 +222,8 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
       for (std::int64_t n = 0; n <= bad_count; ++n) {
         const std::int64_t end = n < bad_count ? bad[n] : pv_keys;
         if (end > begin || (n == bad_count && !rescaled)) {
-          DirectKv::tile_accumulate(p, a, b, item.kv_head, j0 + begin, end - begin, rows,
-                                    w.scores + begin, dv_pad, rescaled ? ones : w.alpha, w.out);
+          DirectKv::tile_accumulate(p, a, v_rows, begin, end - begin, rows, w.scores + begin,
+                                    dv_pad, rescaled ? ones : w.alpha, w.out);
           rescaled = true;
         }
         begin = end + 1;

@@ -1,0 +1,55 @@
+// TileRows, for one SIMD target: where the K or V rows of one key tile lie, resolved once per
+// tile from a plain view or a paged cache's pages (docs/design.md section 1, KV cache), so that
+// the products and the packing read rows through offsets and never see a page.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "core/params.h"
+#include "cpu/flash_layout-inl.h"
+
+namespace attncore::detail::ATTNCORE_TARGET_NS {
+
+// Keys past a tile whose rows are resolved with it: what its prefetches reach ahead (at most).
+constexpr std::int64_t kRowLead = 64;
+
+// at[c]: the element offset into the view's data of key j0 + c of (b, kv head h), for
+// c < count = min(kKeyTile + kRowLead, Lk - j0) (never a key past the sequence).
+struct TileRows {
+  std::int64_t at[kKeyTile + kRowLead];
+  std::int64_t count;
+};
+
+ATTNCORE_TARGET inline void resolve_rows(const Params& p, const TensorView& t, std::int64_t b,
+                                         std::int64_t h, std::int64_t j0, TileRows& rows) {
+  rows.count = std::clamp<std::int64_t>(p.seq.lk - j0, 0, kKeyTile + kRowLead);
+  if (!p.kv_pages.paged()) {
+    const std::int64_t base = b * t.stride[0] + h * t.stride[1] + j0 * t.stride[2];
+    for (std::int64_t c = 0; c < rows.count; ++c) rows.at[c] = base + c * t.stride[2];
+    return;
+  }
+  // Page by page: slot s of the sequence is row s % page_size of page pages[s / page_size].
+  const std::int64_t page_size = p.kv_pages.page_size;
+  for (std::int64_t c = 0; c < rows.count;) {
+    const std::int64_t slot = p.kv_pages.first + j0 + c;
+    const std::int64_t in_page = slot % page_size;
+    const std::int64_t base =
+        p.kv_pages.pages[slot / page_size] * t.stride[0] + h * t.stride[1] + in_page * t.stride[2];
+    const std::int64_t n = std::min(rows.count - c, page_size - in_page);
+    for (std::int64_t i = 0; i < n; ++i) rows.at[c + i] = base + i * t.stride[2];
+    c += n;
+  }
+}
+
+// The stride of rows at[0 .. n) when they are evenly spaced (n >= 2), else 0.
+ATTNCORE_TARGET inline std::int64_t even_stride(const std::int64_t* at, std::int64_t n) {
+  if (n < 2) return 0;
+  const std::int64_t ld = at[1] - at[0];
+  for (std::int64_t j = 2; j < n; ++j) {
+    if (at[j] - at[j - 1] != ld) return 0;
+  }
+  return ld;
+}
+
+}  // namespace attncore::detail::ATTNCORE_TARGET_NS
