@@ -182,6 +182,47 @@ TEST(Overlap, DenseOutputsThatShareMemoryAreRefused) {
   EXPECT_EQ(std::memcmp(again.data(), c.out.data(), 2 * 4 * 9 * 16 * sizeof(float)), 0);
 }
 
+// An output whose own elements share addresses (found by the fuzzer: out [B, H, L, D] with row
+// stride 1 was accepted and written, rows over one another). Refused like a zero stride, before
+// anything is written, for every output of every call; views whose elements interleave without
+// coinciding are not self-overlapping.
+TEST(Overlap, SelfOverlappingOutputsAreRefused) {
+  std::vector<float> buffer(4096, 7.0f);
+  float* base = buffer.data();
+  using detail::self_overlapping;
+  EXPECT_TRUE(self_overlapping(TensorView::strided(base, DType::f32, {9, 16}, {1, 1})));
+  EXPECT_TRUE(self_overlapping(TensorView::strided(base, DType::f32, {3, 4}, {2, 1})));
+  EXPECT_TRUE(self_overlapping(TensorView::strided(base, DType::f32, {2, 3, 4}, {0, 4, 1})));
+  EXPECT_TRUE(self_overlapping(TensorView::strided(base, DType::f32, {2, 3, 5}, {6, 2, 1})));
+  EXPECT_FALSE(self_overlapping(TensorView::strided(base, DType::f32, {2, 3, 4}, {12, 4, 1})));
+  EXPECT_FALSE(self_overlapping(TensorView::strided(base, DType::f32, {2, 4, 3, 5}, {60, 5, 20, 1})));
+  EXPECT_FALSE(self_overlapping(TensorView::strided(base, DType::f32, {3, 2}, {2, 5})));  // interleaved
+  EXPECT_FALSE(self_overlapping(TensorView::strided(base, DType::f32, {1, 5, 1}, {0, 1, 0})));
+
+  Dense c;
+  const TensorView rows_overlap = TensorView::strided(base, DType::f32, {2, 4, 9, 16}, {36, 9, 1, 1});
+  const TensorView lse_overlap = TensorView::strided(base + 2048, DType::f32, {2, 4, 9}, {9, 1, 1});
+  const TensorView dk_overlap = TensorView::strided(base, DType::f32, {2, 2, 13, 16}, {26, 13, 1, 1});
+  for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
+    SCOPED_TRACE(std::string(name_of(backend)));
+    EXPECT_TRUE(starts_with(invalid_argument_message([&] {
+                              forward_into(c.q, c.k, c.v, rows_overlap, std::nullopt, {}, backend);
+                            }),
+                            "forward: out is an output whose elements overlap (shape=[2, 4, 9, 16], "
+                            "strides=[36, 9, 1, 1]"));
+    EXPECT_TRUE(starts_with(invalid_argument_message([&] {
+                              forward_into(c.q, c.k, c.v, c.dq, lse_overlap, {}, backend);
+                            }),
+                            "forward: lse is an output whose elements overlap"));
+    EXPECT_TRUE(starts_with(invalid_argument_message([&] {
+                              backward_into(c.out, c.q, c.k, c.v, c.out, c.lse, c.dq, dk_overlap,
+                                            c.dv, std::nullopt, {}, backend);
+                            }),
+                            "backward: dk is an output whose elements overlap"));
+  }
+  for (float x : buffer) ASSERT_EQ(x, 7.0f);  // nothing written
+}
+
 // Gradients into one packed [B, L, 3, H, D] buffer (flash-attn's qkvpacked layout): accepted,
 // and the same bits as into separate buffers.
 TEST(Overlap, DenseGradientsIntoOnePackedBuffer) {

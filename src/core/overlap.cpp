@@ -45,6 +45,39 @@ std::int64_t element_bytes(const TensorView& t) {
   return static_cast<std::int64_t>(size_of(t.dtype));
 }
 
+// A sum of index differences times strides: sum_t k_t * stride_t with k_t in [lo_t, hi_t].
+// Terms of equal stride merge.
+class StrideSum {
+ public:
+  void add(Wide stride, Wide lo, Wide hi) {
+    if (stride == 0 || (lo == 0 && hi == 0)) return;
+    for (Term& t : terms_) {
+      if (t.stride == stride) {
+        t.lo += lo;
+        t.hi += hi;
+        return;
+      }
+    }
+    terms_.push_back({stride, lo, hi});
+  }
+
+  // Whether the sum can lie in [low, high]; true also when the search runs past its budget.
+  bool reaches(Wide low, Wide high) {
+    std::sort(terms_.begin(), terms_.end(),
+              [](const Term& x, const Term& y) { return x.stride > y.stride; });
+    std::vector<Wide> rest_min(terms_.size() + 1, 0), rest_max(terms_.size() + 1, 0);
+    for (std::size_t t = terms_.size(); t-- > 0;) {
+      rest_min[t] = rest_min[t + 1] + terms_[t].lo * terms_[t].stride;
+      rest_max[t] = rest_max[t + 1] + terms_[t].hi * terms_[t].stride;
+    }
+    long budget = 100000;  // nodes; far more than equal or nested strides take
+    return reachable(terms_, rest_min, rest_max, 0, low, high, budget);
+  }
+
+ private:
+  std::vector<Term> terms_;
+};
+
 }  // namespace
 
 ByteRange byte_range(const TensorView& t) {
@@ -62,35 +95,30 @@ bool views_overlap(const TensorView& a, const TensorView& b) {
   // Byte offsets x of a's elements and y of b's: their bytes meet iff
   // (b - a) - size_a < x - y < (b - a) + size_b. x - y is a sum of index differences times
   // strides: a's indices in [0, n - 1], b's in [-(n - 1), 0]; equal strides merge.
-  std::vector<Term> terms;
-  auto add = [&terms](Wide stride, Wide lo, Wide hi) {
-    if (stride == 0 || (lo == 0 && hi == 0)) return;
-    for (Term& t : terms) {
-      if (t.stride == stride) {
-        t.lo += lo;
-        t.hi += hi;
-        return;
-      }
-    }
-    terms.push_back({stride, lo, hi});
-  };
+  StrideSum sum;
   for (int d = 0; d < a.rank; ++d) {
-    add(Wide{a.stride_of(d)} * element_bytes(a), 0, a.size(d) - 1);
+    sum.add(Wide{a.stride_of(d)} * element_bytes(a), 0, a.size(d) - 1);
   }
   for (int d = 0; d < b.rank; ++d) {
-    add(Wide{b.stride_of(d)} * element_bytes(b), -(b.size(d) - 1), 0);
-  }
-  std::sort(terms.begin(), terms.end(),
-            [](const Term& x, const Term& y) { return x.stride > y.stride; });
-  std::vector<Wide> rest_min(terms.size() + 1, 0), rest_max(terms.size() + 1, 0);
-  for (std::size_t t = terms.size(); t-- > 0;) {
-    rest_min[t] = rest_min[t + 1] + terms[t].lo * terms[t].stride;
-    rest_max[t] = rest_max[t + 1] + terms[t].hi * terms[t].stride;
+    sum.add(Wide{b.stride_of(d)} * element_bytes(b), -(b.size(d) - 1), 0);
   }
   const Wide delta = Wide{static_cast<std::int64_t>(rb.begin - ra.begin)};
-  long budget = 100000;  // nodes; far more than equal or nested strides take
-  return reachable(terms, rest_min, rest_max, 0, delta - element_bytes(a) + 1,
-                   delta + element_bytes(b) - 1, budget);
+  return sum.reaches(delta - element_bytes(a) + 1, delta + element_bytes(b) - 1);
+}
+
+bool self_overlapping(const TensorView& t) {
+  if (t.data == nullptr || t.numel() <= 1) return false;
+  // Two elements share an address iff some index difference d != 0 (|d_i| < size_i) has
+  // sum_i d_i * stride_i = 0. Its first non-zero coordinate, p, can be taken positive.
+  for (int p = 0; p < t.rank; ++p) {
+    if (t.size(p) < 2) continue;
+    StrideSum sum;
+    if (t.stride_of(p) == 0) return true;
+    sum.add(t.stride_of(p), 1, t.size(p) - 1);
+    for (int d = p + 1; d < t.rank; ++d) sum.add(t.stride_of(d), -(t.size(d) - 1), t.size(d) - 1);
+    if (sum.reaches(0, 0)) return true;
+  }
+  return false;
 }
 
 }  // namespace attncore::detail

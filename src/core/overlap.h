@@ -17,6 +17,10 @@ namespace attncore::detail {
 // overlapping: a conservative answer.
 bool views_overlap(const TensorView& a, const TensorView& b);
 
+// Whether two elements of one view share an address (a zero stride, or rows that overlap like
+// [L, D] with strides [1, 1]). Exact by the same search (conservative past its budget).
+bool self_overlapping(const TensorView& t);
+
 // The bytes [begin, end) a view's elements lie within: its first element's address to its last
 // element's end (begin == end for an empty view).
 struct ByteRange {

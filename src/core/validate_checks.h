@@ -144,7 +144,8 @@ class Checker {
     }
   }
 
-  // An output may not map two elements to one address through a zero stride.
+  // An output may not map two elements to one address: through a zero stride, or strides that
+  // make elements coincide.
   void writable(const TensorView& t, const char* name) const {
     if (t.numel() == 0) return;
     for (int d = 0; d < t.rank; ++d) {
@@ -152,6 +153,10 @@ class Checker {
         fail(std::string(name) + " is an output with a zero stride (stride[" + std::to_string(d) +
              "]=0, expected > 0 on dims of size > 1)");
       }
+    }
+    if (self_overlapping(t)) {
+      fail(std::string(name) + " is an output whose elements overlap (shape=" + t.shape_string() +
+           ", strides=" + dims_string(t.stride.data(), t.rank) + ", expected each element at its own address)");
     }
   }
 
