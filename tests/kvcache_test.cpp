@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -293,14 +294,14 @@ TEST(KvCache, AppendWritesRotatedKeysThenAttends) {
 
 TEST(KvCache, AppendBadInputs) {
   const Tensor q(DType::f32, {2, 2, 1, 8});
-  const Tensor cache(DType::f32, {2, 2, 10, 8});
+  const Tensor cache(DType::f32, {2, 2, 10, 8}), v_cache(DType::f32, {2, 2, 10, 8});
   const Tensor k_new(DType::f32, {2, 2, 3, 8});
   const Tensor lens = int_tensor({4, 8});
   KvCacheSeqs s;
   s.cache_seqlens = lens.view();
   auto message = [&](const KvCacheSeqs& seqs, const KvAppend& a) -> std::string {
     try {
-      forward_kvcache(q, cache, cache, seqs, a);
+      forward_kvcache(q, cache, v_cache, seqs, a);
     } catch (const Error& e) {
       return e.what();
     }
@@ -328,6 +329,41 @@ TEST(KvCache, AppendBadInputs) {
                            "the largest position rotated)");
   // Nothing was written: the cache is still zero.
   for (double x : read_view(cache.view())) ASSERT_EQ(x, 0.0);
+}
+
+// Every check comes before the append writes the cache (found by the fuzzer: a call with its
+// cancel flag set threw Cancelled after writing the new rows): the cancel flag, the memory the
+// attending call needs, and new rows that share bytes with the cache.
+TEST(KvCache, AppendChecksEverythingBeforeWriting) {
+  const Tensor q(DType::f32, {2, 2, 1, 8});
+  const Tensor k_cache(DType::f32, {2, 2, 10, 8}), v_cache(DType::f32, {2, 2, 10, 8});
+  const Tensor k_new = make_tensor(DType::f32, {2, 2, 3, 8}, std::vector<double>(96, 0.5));
+  const Tensor lens = int_tensor({4, 5});
+  KvCacheSeqs s;
+  s.cache_seqlens = lens.view();
+  const KvAppend a{k_new, k_new, std::nullopt, std::nullopt, false};
+  const std::atomic<bool> cancel{true};
+  Options cancelled;
+  cancelled.cancel = &cancel;
+  EXPECT_THROW(forward_kvcache(q, k_cache, v_cache, s, a, cancelled), Cancelled);
+  // q broadcast (stride 0) to [2, 2^22, 2^20, 8]: an output of 2^48 bytes.
+  const TensorView huge_q = TensorView::strided(q.data(), DType::f32,
+                                                {2, std::int64_t{1} << 22, std::int64_t{1} << 20, 8},
+                                                {0, 0, 0, 1});
+  EXPECT_THROW(forward_kvcache(huge_q, k_cache, v_cache, s, a), OutOfMemory);
+  auto message = [&](const TensorView& kc, const TensorView& vc, const KvAppend& app) {
+    try {
+      forward_kvcache(q, kc, vc, s, app);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  const TensorView new_in_cache = TensorView::contiguous(k_cache.data(), DType::f32, {2, 2, 3, 8});
+  const KvAppend from_cache{new_in_cache, k_new, std::nullopt, std::nullopt, false};
+  EXPECT_EQ(message(k_cache, v_cache, from_cache).rfind("forward: k_cache overlaps k_new (", 0), 0u);
+  for (const Tensor* c : {&k_cache, &v_cache})
+    for (double x : read_view(c->view())) ASSERT_EQ(x, 0.0);
 }
 
 TEST(KvCache, AppendKeepsF64Exact) {

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "attncore/attncore.h"
+#include "core/api.h"
 #include "core/cpu_info.h"
 #include "core/exit_guard.h"
 #include "core/select.h"
@@ -268,16 +269,27 @@ void forward_kvcache_into(const TensorView& q, const TensorView& k_cache,
 ForwardResult forward_kvcache(const TensorView& q, const TensorView& k_cache,
                               const TensorView& v_cache, const KvCacheSeqs& seqs,
                               const Options& options, Backend backend) {
-  const ForwardArgs args{q, k_cache, v_cache, {}, {}};
+  return detail::forward_kvcache_with(q, k_cache, v_cache, seqs, options, backend, {});
+}
+
+ForwardResult detail::forward_kvcache_with(const TensorView& q, const TensorView& k_cache,
+                                           const TensorView& v_cache, const KvCacheSeqs& seqs,
+                                           const Options& options, Backend backend,
+                                           const std::function<void()>& before_run) {
+  ForwardArgs args{q, k_cache, v_cache, {}, {}};
   const Params p = detail::validate_kvcache_forward(args, seqs, options, backend, false);
-  (void)prepare(Pass::forward, p, launch_of(options, "forward"), backend,
-                forward_output_bytes(p, dense_rows(p, p.seq.lq)));
+  const Launch launch = launch_of(options, "forward");
+  const detail::BackendEntry& entry =
+      prepare(Pass::forward, p, launch, backend, forward_output_bytes(p, dense_rows(p, p.seq.lq)));
   ForwardResult r;
   guarded("forward", "allocating out and lse", [&] {
     r.out = Tensor(p.dtype, {p.batch, p.heads_q, p.seq.lq, p.head_dim_v});
     r.lse = Tensor(lse_dtype(p), {p.batch, p.heads_q, p.seq.lq});
   });
-  forward_kvcache_into(q, k_cache, v_cache, seqs, r.out, r.lse.view(), options, backend);
+  args.out = r.out;
+  args.lse = r.lse;
+  if (before_run) before_run();
+  run_forward(entry, p, launch, args);
   return r;
 }
 

@@ -6,8 +6,8 @@
 #include <vector>
 
 #include "attncore/kvcache.h"
+#include "core/api.h"
 #include "core/convert.h"
-#include "core/select.h"
 #include "core/sequence.h"
 #include "core/validate.h"
 #include "core/validate_checks.h"
@@ -87,6 +87,13 @@ std::vector<std::int32_t> validate_append(const Checker& check, const Params& p,
                std::string(a.rotary_cos ? "given" : "none") +
                ", rotary_sin=" + std::string(a.rotary_sin ? "given" : "none") +
                ", expected both or neither)");
+  }
+  // The caches are written: neither may share a byte with an array the append reads.
+  for (const detail::NamedView cache : {detail::NamedView{&k_cache, "k_cache"},
+                                        detail::NamedView{&v_cache, "v_cache"}}) {
+    check.separate({cache}, {{&q, "query"}, {&a.k_new, "k_new"}, {&a.v_new, "v_new"},
+                             {a.rotary_cos ? &*a.rotary_cos : nullptr, "rotary_cos"},
+                             {a.rotary_sin ? &*a.rotary_sin : nullptr, "rotary_sin"}});
   }
   if (!a.rotary_cos.has_value()) return lengths;
   const TensorView& cos = *a.rotary_cos;
@@ -173,21 +180,19 @@ ForwardResult forward_kvcache(const TensorView& q, const TensorView& k_cache,
   std::copy(lengths.begin(), lengths.end(), static_cast<std::int32_t*>(lengths_t.data()));
   KvCacheSeqs after = seqs;
   after.cache_seqlens = lengths_t.view();
-  // What the attending call checks, checked before anything is written: the lengths after the
-  // append (a paged cache: the pages of the appended slots) and that the backend asked for runs.
-  const Params p_after = detail::validate_kvcache_forward(args, after, options, backend, false);
-  if (backend != Backend::automatic) {
-    (void)detail::select_backend(detail::Pass::forward, p_after, detail::Launch{}, backend);
-  }
+  // The attending call checks everything (the lengths after the append, a paged cache's pages
+  // of the appended slots, the backend's verdict, memory, the cancel flag) and allocates its
+  // outputs before the append writes the cache.
   Tensor rotated;
   if (rotary.cos != nullptr) rotated = Tensor(q.dtype, {p.batch, p.heads_q, p.seq.lq, p.head_dim});
-  if (p.dtype == DType::f64) {
-    append_rows<double>(p, q, k_cache, v_cache, append, rotary, aligned, &rotated);
-  } else {
-    append_rows<float>(p, q, k_cache, v_cache, append, rotary, aligned, &rotated);
-  }
-  return forward_kvcache(rotary.cos != nullptr ? rotated.view() : q, k_cache, v_cache, after,
-                         options, backend);
+  return detail::forward_kvcache_with(
+      rotary.cos != nullptr ? rotated.view() : q, k_cache, v_cache, after, options, backend, [&] {
+        if (p.dtype == DType::f64) {
+          append_rows<double>(p, q, k_cache, v_cache, append, rotary, aligned, &rotated);
+        } else {
+          append_rows<float>(p, q, k_cache, v_cache, append, rotary, aligned, &rotated);
+        }
+      });
 }
 
 }  // namespace attncore
