@@ -117,5 +117,24 @@ TEST(Merge, BadInputs) {
             std::string::npos);
 }
 
+// The allocating form refuses outputs the process may not hold before allocating them: a
+// broadcast (stride 0) out_a of 2^40 rows.
+TEST(Merge, AllocatingFormChecksMemory) {
+  std::vector<float> row(64, 1.0f), lse_row(1, 0.0f);
+  const std::int64_t rows = std::int64_t{1} << 40;
+  const TensorView out = TensorView::strided(row.data(), DType::f32, {rows, 64}, {0, 1});
+  const TensorView lse = TensorView::strided(lse_row.data(), DType::f32, {rows}, {0});
+  try {
+    merge_attention_states(out, lse, out, lse);
+    ADD_FAILURE() << "no error";
+  } catch (const OutOfMemory& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("merge_attention_states: the outputs exceed the memory "
+                                          "this process may use (outputs=2.859e+14 bytes",
+                                          0),
+              0u)
+        << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace attncore::test

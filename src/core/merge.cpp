@@ -2,11 +2,14 @@
 // by policy/softmax_state.h's merge_outputs.
 #include "attncore/merge.h"
 
+#include <cstdio>
+#include <new>
 #include <string>
 #include <vector>
 
 #include "attncore/error.h"
 #include "core/convert.h"
+#include "core/cpu_info.h"
 #include "core/threadpool.h"
 #include "core/validate_checks.h"
 #include "policy/softmax_state.h"
@@ -126,10 +129,29 @@ MergeResult merge_attention_states(const TensorView& out_a, const TensorView& ls
   const Checker check("merge_attention_states");
   const std::int64_t rows =
       validate(check, out_a, lse_a, out_b, lse_b, nullptr, nullptr, num_threads);
+  // The outputs, refused before they are allocated when the process may not hold them (a
+  // broadcast out_a of absurd size costs its caller nothing).
+  const DType lse_dtype = out_a.dtype == DType::f64 ? DType::f64 : DType::f32;
+  const double bytes = static_cast<double>(rows) *
+                       (static_cast<double>(out_a.size(out_a.rank - 1)) *
+                            static_cast<double>(size_of(out_a.dtype)) +
+                        static_cast<double>(size_of(lse_dtype)));
+  const detail::MemoryLimit limit = detail::memory_limit();
+  if (bytes > limit.bytes) {
+    char text[160];
+    std::snprintf(text, sizeof text, "(outputs=%.4g bytes, expected <= %.4g bytes, %s)", bytes,
+                  limit.bytes, limit.name);
+    throw OutOfMemory(std::string("merge_attention_states: the outputs exceed the memory this "
+                                  "process may use ") +
+                      text + "; use merge_attention_states_into");
+  }
   MergeResult r;
-  r.out = Tensor(out_a.dtype, out_a.shape.data(), out_a.rank);
-  r.lse = Tensor(out_a.dtype == DType::f64 ? DType::f64 : DType::f32, out_a.shape.data(),
-                 out_a.rank - 1);
+  try {
+    r.out = Tensor(out_a.dtype, out_a.shape.data(), out_a.rank);
+    r.lse = Tensor(lse_dtype, out_a.shape.data(), out_a.rank - 1);
+  } catch (const std::bad_alloc&) {
+    throw OutOfMemory("merge_attention_states: out of memory while allocating out and lse");
+  }
   run(out_a, lse_a, out_b, lse_b, r.out, r.lse, rows, num_threads);
   return r;
 }
