@@ -3,7 +3,8 @@
 # Dependencies). Does nothing when they are all present; needs root otherwise.
 set -euo pipefail
 packages=(cmake g++ make pkg-config libopenblas-dev libgtest-dev libbenchmark-dev python3
-  python3-dev pybind11-dev libdlpack-dev python3-numpy python3-pytest python3-torch clang)
+  python3-dev pybind11-dev libdlpack-dev python3-numpy python3-pytest python3-torch clang
+  libclang-rt-14-dev)  # libclang-rt-14-dev: clang 14's libFuzzer and sanitizer runtimes
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
