@@ -67,19 +67,6 @@ TensorView batch_row(const TensorView& t, std::int64_t b) {
   return s;
 }
 
-::testing::AssertionResult same_bits(const std::vector<double>& got,
-                                     const std::vector<double>& want, const std::string& what) {
-  if (got.size() != want.size()) return ::testing::AssertionFailure() << what << ": sizes differ";
-  for (std::size_t e = 0; e < got.size(); ++e) {
-    if (!(std::isnan(got[e]) && std::isnan(want[e])) &&
-        std::memcmp(&got[e], &want[e], sizeof(double)) != 0) {
-      return ::testing::AssertionFailure() << what << ": element " << e << " is " << got[e]
-                                           << ", expected " << want[e];
-    }
-  }
-  return ::testing::AssertionSuccess();
-}
-
 TEST(KvCache, EachSequenceEqualsItsDenseCallBitwise) {
   const std::int64_t heads_q = 4, heads_kv = 2, dim = 40, capacity = 150;
   // Cache rows: 0 holds slots [3, 140), 1 nothing, 2 slots [0, 9); sequences use rows 2, 0, 0.

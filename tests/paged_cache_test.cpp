@@ -2,8 +2,6 @@
 // writing rows where attention reads them (checked against the reference on dense K/V), fork
 // sharing pages and copy-on-write leaving the source's bits unchanged, running out of pages, and
 // every bad argument refused before anything changes.
-#include "attncore/paged.h"
-
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -13,6 +11,7 @@
 #include <vector>
 
 #include "attncore/attncore.h"
+#include "attncore/paged.h"
 #include "testing/random.h"
 #include "testing/tensors.h"
 
@@ -32,15 +31,6 @@ std::vector<int> row_of(const PagedKvCache& c, std::int64_t b) {
 
 std::int32_t length_of(const PagedKvCache& c, std::int64_t b) {
   return static_cast<const std::int32_t*>(c.seqlens().data)[b];
-}
-
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 TEST(PagedCache, ReserveAndEraseTakePagesInTorchsOrder) {
@@ -104,9 +94,8 @@ TEST(PagedCache, AssignWritesWhereAttentionReads) {
   seqs.block_table = c.page_table();
   Options o;
   o.causal = Causal::lower_right;
-  const ForwardResult got = forward_kvcache(q, c.k_pages().transposed(1, 2),
-                                            c.v_pages().transposed(1, 2), seqs, o,
-                                            Backend::reference);
+  const ForwardResult got = forward_kvcache(
+      q, c.k_pages().transposed(1, 2), c.v_pages().transposed(1, 2), seqs, o, Backend::reference);
   const std::vector<double> out = read_view(got.out.view());
   for (std::int64_t b = 0; b < batch; ++b) {
     const std::int64_t n = lengths[static_cast<std::size_t>(b)];
@@ -186,13 +175,13 @@ TEST(PagedCache, ForkSharesPagesAndCopiesOnWrite) {
 
 TEST(PagedCache, OutOfPages) {
   PagedKvCache c(3, 16, 1, 4, 4, DType::f32, 2);
-  EXPECT_EQ(message_of([&] { c.reserve(0, 5 * 16); }),
+  EXPECT_EQ(error_message([&] { c.reserve(0, 5 * 16); }),
             "PagedKvCache::reserve: seq_len is out of range (seq_len=80, expected 0 <= seq_len "
             "<= max_pages_per_seq * page_size=48)");
   PagedKvCache big(8, 16, 1, 4, 4, DType::f32, 2);
   big.reserve(1, 5 * 16);
   EXPECT_THROW(big.reserve(0, 5 * 16), OutOfMemory);
-  EXPECT_EQ(message_of([&] { big.reserve(0, 5 * 16); }),
+  EXPECT_EQ(error_message([&] { big.reserve(0, 5 * 16); }),
             "PagedKvCache::reserve: requested 5 pages but only 3 are free (batch_idx=0, "
             "seq_len=80, capacity=0, expected at most free_pages()=3 pages); erase sequences "
             "first");
@@ -211,7 +200,7 @@ TEST(PagedCache, CopyOnWriteOutOfPages) {
   c.reserve(0, 8);
   c.assign(0, positions_of({5}), kv, kv);
   c.fork(0, 1, 6);
-  EXPECT_EQ(message_of([&] { c.assign(1, positions_of({1}), kv, kv); }),
+  EXPECT_EQ(error_message([&] { c.assign(1, positions_of({1}), kv, kv); }),
             "PagedKvCache::assign: requested 1 pages but only 0 are free (copies of shared pages "
             "before writing, batch_idx=1, expected at most free_pages()=0 pages); erase "
             "sequences first");
@@ -222,14 +211,13 @@ TEST(PagedCache, CopyOnWriteOutOfPages) {
 TEST(PagedCache, BadArguments) {
   auto make = [](std::int64_t n, std::int64_t ps, std::int64_t h, std::int64_t d, DType t,
                  std::int64_t b, std::int64_t per) {
-    return message_of([&] { PagedKvCache c(n, ps, h, d, d, t, b, per); });
+    return error_message([&] { PagedKvCache c(n, ps, h, d, d, t, b, per); });
   };
   EXPECT_EQ(make(0, 4, 1, 4, DType::f32, 1, 0),
             "PagedKvCache: num_pages is out of range (num_pages=0, expected >= 1)");
   EXPECT_EQ(make(4, 0, 1, 4, DType::f32, 1, 0),
             "PagedKvCache: page_size is out of range (page_size=0, expected >= 1)");
-  EXPECT_NE(make(4, 4, 0, 4, DType::f32, 1, 0).find("heads_kv is out of range"),
-            std::string::npos);
+  EXPECT_NE(make(4, 4, 0, 4, DType::f32, 1, 0).find("heads_kv is out of range"), std::string::npos);
   EXPECT_NE(make(4, 4, 1, -1, DType::f32, 1, 0).find("head_dim is out of range"),
             std::string::npos);
   EXPECT_NE(make(4, 4, 1, 4, DType::f32, 0, 0).find("max_batch is out of range"),
@@ -247,67 +235,76 @@ TEST(PagedCache, BadArguments) {
 
   PagedKvCache c(4, 4, 2, 4, 3, DType::f32, 2);
   c.reserve(0, 5);
-  EXPECT_EQ(message_of([&] { c.reserve(2, 1); }),
+  EXPECT_EQ(error_message([&] { c.reserve(2, 1); }),
             "PagedKvCache::reserve: batch_idx is out of range (batch_idx=2, expected 0 <= "
             "batch_idx < max_batch=2)");
-  EXPECT_NE(message_of([&] { c.reserve(0, -1); }).find("seq_len is out of range"),
+  EXPECT_NE(error_message([&] { c.reserve(0, -1); }).find("seq_len is out of range"),
             std::string::npos);
-  EXPECT_NE(message_of([&] { c.erase(-1); }).find("batch_idx is out of range"), std::string::npos);
-  EXPECT_NE(message_of([&] { (void)c.capacity(5); }).find("batch_idx is out of range"),
+  EXPECT_NE(error_message([&] { c.erase(-1); }).find("batch_idx is out of range"),
             std::string::npos);
-  EXPECT_NE(message_of([&] { (void)c.references(4); }).find("page is out of range"),
+  EXPECT_NE(error_message([&] { (void)c.capacity(5); }).find("batch_idx is out of range"),
+            std::string::npos);
+  EXPECT_NE(error_message([&] { (void)c.references(4); }).find("page is out of range"),
             std::string::npos);
   const Tensor k = make_tensor(DType::f32, {2, 2, 4}, random_vector(16, 1));
   const Tensor v = make_tensor(DType::f32, {2, 2, 3}, random_vector(12, 2));
   const Tensor pos = positions_of({0, 7});
-  EXPECT_EQ(message_of([&] { c.assign(0, positions_of({0, 8}), k, v); }),
+  EXPECT_EQ(error_message([&] {
+              c.assign(0, positions_of({0, 8}), k, v);
+            }),
             "PagedKvCache::assign: positions is out of what batch_idx=0 reserved (positions[1]=8, "
             "expected 0 <= position < capacity=8); reserve first");
-  EXPECT_NE(message_of([&] { c.assign(1, pos, k, v); }).find("capacity=0); reserve first"),
+  EXPECT_NE(error_message([&] { c.assign(1, pos, k, v); }).find("capacity=0); reserve first"),
             std::string::npos);
-  EXPECT_NE(message_of([&] { c.assign(0, positions_of({-1, 2}), k, v); })
-                .find("positions[0]=-1"),
+  EXPECT_NE(error_message([&] {
+              c.assign(0, positions_of({-1, 2}), k, v);
+            }).find("positions[0]=-1"),
             std::string::npos);
-  EXPECT_EQ(message_of([&] { c.assign(0, positions_of({3, 3}), k, v); }),
+  EXPECT_EQ(error_message([&] {
+              c.assign(0, positions_of({3, 3}), k, v);
+            }),
             "PagedKvCache::assign: positions repeats a position (position=3, expected distinct "
             "positions)");
-  EXPECT_NE(message_of([&] { c.assign(0, pos, v, v); }).find("k has shape [2, 2, 3]"),
+  EXPECT_NE(error_message([&] { c.assign(0, pos, v, v); }).find("k has shape [2, 2, 3]"),
             std::string::npos);
-  EXPECT_NE(message_of([&] { c.assign(0, pos, k, k); }).find("v has shape [2, 2, 4]"),
+  EXPECT_NE(error_message([&] { c.assign(0, pos, k, k); }).find("v has shape [2, 2, 4]"),
             std::string::npos);
   const Tensor k3(DType::f32, {3, 2, 4});
-  EXPECT_NE(message_of([&] { c.assign(0, pos, k3, v); }).find("with S = len(positions)"),
+  EXPECT_NE(error_message([&] { c.assign(0, pos, k3, v); }).find("with S = len(positions)"),
             std::string::npos);
   const Tensor k_int(DType::i32, {2, 2, 4});
-  EXPECT_NE(message_of([&] { c.assign(0, pos, k_int, v); }).find("k has the wrong dtype"),
+  EXPECT_NE(error_message([&] { c.assign(0, pos, k_int, v); }).find("k has the wrong dtype"),
             std::string::npos);
   const Tensor f32_pos(DType::f32, {2});
-  EXPECT_NE(message_of([&] { c.assign(0, f32_pos, k, v); }).find("positions has the wrong dtype"),
-            std::string::npos);
+  EXPECT_NE(
+      error_message([&] { c.assign(0, f32_pos, k, v); }).find("positions has the wrong dtype"),
+      std::string::npos);
   const Tensor k4(DType::f32, {1, 2, 2, 4});
-  EXPECT_NE(message_of([&] { c.assign(0, pos, k4, v); }).find("k has the wrong rank"),
+  EXPECT_NE(error_message([&] { c.assign(0, pos, k4, v); }).find("k has the wrong rank"),
             std::string::npos);
   const Tensor wide = make_tensor(DType::f32, {2, 2, 8}, random_vector(32, 3));
   TensorView strided = wide.view();
   strided.shape[2] = 4;
   strided.stride[2] = 2;
-  EXPECT_NE(message_of([&] { c.assign(0, pos, strided, v); }).find("k has a non-unit last stride"),
-            std::string::npos);
+  EXPECT_NE(
+      error_message([&] { c.assign(0, pos, strided, v); }).find("k has a non-unit last stride"),
+      std::string::npos);
   // Nothing was written by any refused call.
   for (double x : read_view(c.k_pages())) ASSERT_EQ(x, 0.0);
   EXPECT_EQ(length_of(c, 0), 0);
   c.assign(0, pos, k, v);
   EXPECT_EQ(length_of(c, 0), 8);
-  EXPECT_EQ(message_of([&] { c.fork(0, 0, 1); }),
+  EXPECT_EQ(error_message([&] { c.fork(0, 0, 1); }),
             "PagedKvCache::fork: src and dst are the same sequence (src=dst=0, expected two "
             "sequences)");
-  EXPECT_EQ(message_of([&] { c.fork(0, 1, 9); }),
+  EXPECT_EQ(error_message([&] { c.fork(0, 1, 9); }),
             "PagedKvCache::fork: prefix_len is out of range (prefix_len=9, expected 0 <= "
             "prefix_len <= the length of src=8)");
-  EXPECT_NE(message_of([&] { c.fork(0, 2, 1); }).find("dst is out of range"), std::string::npos);
-  EXPECT_NE(message_of([&] { c.fork(-1, 1, 1); }).find("src is out of range"), std::string::npos);
+  EXPECT_NE(error_message([&] { c.fork(0, 2, 1); }).find("dst is out of range"), std::string::npos);
+  EXPECT_NE(error_message([&] { c.fork(-1, 1, 1); }).find("src is out of range"),
+            std::string::npos);
   c.reserve(1, 1);
-  EXPECT_EQ(message_of([&] { c.fork(0, 1, 1); }),
+  EXPECT_EQ(error_message([&] { c.fork(0, 1, 1); }),
             "PagedKvCache::fork: dst is not empty (capacity=4, length=0, expected 0 and 0); "
             "erase it first");
 }

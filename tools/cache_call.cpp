@@ -63,8 +63,7 @@ Cache make_cache(const RunConfig& c, const Tensor& src, const std::vector<std::i
 RunResult run_cache(const PreparedCall& p) {
   const RunConfig& c = p.cfg;
   // Pages in a shuffled order (Fisher-Yates on the run's seed), as an engine's pool ends up.
-  const std::int64_t per_seq =
-      c.page_size > 0 ? (c.seqlen_k + c.page_size - 1) / c.page_size : 0;
+  const std::int64_t per_seq = c.page_size > 0 ? (c.seqlen_k + c.page_size - 1) / c.page_size : 0;
   std::vector<std::int32_t> table(static_cast<std::size_t>(c.batch * per_seq));
   std::iota(table.begin(), table.end(), 0);
   Random rng(c.seed ^ 7);
@@ -84,15 +83,16 @@ RunResult run_cache(const PreparedCall& p) {
   }
   // The new tokens: the last new_tokens rows of p.k / p.v, appended in place by every call.
   const attncore::KvAppend append{rows(p.k, c.cache_len, c.new_tokens),
-                                  rows(p.v, c.cache_len, c.new_tokens), std::nullopt,
-                                  std::nullopt, false};
+                                  rows(p.v, c.cache_len, c.new_tokens), std::nullopt, std::nullopt,
+                                  false};
   RunResult r;
   r.backend = c.backend == attncore::Backend::automatic
                   ? attncore::explain_forward_kvcache(p.q, k.view, v.view, seqs, p.options).chosen
                   : c.backend;
   r.flops = forward_flops(c);
-  r.kv_bytes = static_cast<double>(c.batch * c.heads_kv * c.seqlen_k * (c.head_dim + c.head_dim_v)) *
-               static_cast<double>(attncore::size_of(c.dtype));
+  r.kv_bytes =
+      static_cast<double>(c.batch * c.heads_kv * c.seqlen_k * (c.head_dim + c.head_dim_v)) *
+      static_cast<double>(attncore::size_of(c.dtype));
   attncore::ForwardResult result;
   r.seconds = best_seconds(c.repeat, [&] {
     result = attncore::forward_kvcache(p.q, k.view, v.view, seqs, append, p.options, c.backend);

@@ -3,7 +3,7 @@
 // pool pages, and each sequence's length, all usable directly by forward_kvcache
 // (attncore/kvcache.h):
 //
-//   k_pages()    [num_pages, page_size, Hkv, D]   flash-attn's layout (pass k_pages().transposed(1, 2))
+//   k_pages()    [num_pages, page_size, Hkv, D]    flash-attn's layout (pass transposed(1, 2))
 //   v_pages()    [num_pages, page_size, Hkv, Dv]
 //   page_table() i32 [max_batch, max_pages_per_seq], -1 unmapped   (KvCacheSeqs::block_table)
 //   seqlens()    i32 [max_batch]                                     (KvCacheSeqs::cache_seqlens)

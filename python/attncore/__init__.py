@@ -48,7 +48,8 @@ from .backends import BackendVerdict, Explanation, SDPBackend, enabled_backends,
 __version__ = _core.version()
 
 __all__ = [
-    "BackendVerdict", "Cancelled", "Explanation", "PagedKVCache", "SDPBackend", "attention", "attention_backward",
+    "BackendVerdict", "Cancelled", "Explanation", "PagedKVCache", "SDPBackend", "attention",
+    "attention_backward",
     "attention_varlen", "attention_varlen_backward", "enabled_backends", "explain",
     "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",

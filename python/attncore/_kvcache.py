@@ -172,7 +172,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     lse = lib.empty((batch, heads_q, seqlen_q), lse_dtype(dtype))
     q4 = times(lib.unit_last_stride(q_arr), call.q_factor).swapaxes(1, 2)
     _core.forward_kvcache(lib.to_core(q4), k_lib.to_core(kc.swapaxes(1, 2)),
-                          v_lib.to_core(vc.swapaxes(1, 2)), seqlens, batch_idx, leftpad, table, new[0], new[1], tables[0], tables[1],
-                          bool(rotary_interleaved), lib.to_core(out.swapaxes(1, 2)),
+                          v_lib.to_core(vc.swapaxes(1, 2)), seqlens, batch_idx, leftpad, table,
+                          new[0], new[1], tables[0], tables[1], bool(rotary_interleaved), lib.to_core(out.swapaxes(1, 2)),
                           lib.to_core(lse), alibi, call.core_options())
     return (give_back(out), give_back(lse)) if return_softmax_lse else give_back(out)

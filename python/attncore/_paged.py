@@ -203,7 +203,8 @@ def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table
     slopes = alibi_slopes
     for b in range(batch):
         q0, q1 = int(cu_q[b]), int(cu_q[b + 1])
-        if alibi_slopes is not None and len(_arrays.shape_of(alibi_slopes, op, "alibi_slopes")) == 2:
+        if alibi_slopes is not None and len(_arrays.shape_of(alibi_slopes, op,
+                                                             "alibi_slopes")) == 2:
             slopes = alibi_slopes[b:b + 1]
         o_b, lse_b = flash_attn_with_kvcache(
             q_arr[q0:q1][None], k, v, cache_seqlens=np.array([lengths[b]], np.int32),

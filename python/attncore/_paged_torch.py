@@ -120,7 +120,8 @@ class PagedAttention:
 
     def get_mask_mod(self, mask_mod, kv_len=None):
         """mask_mod over logical positions as one over physical slots, as torch's."""
-        mask_mod = mask_mod or (lambda b, h, q_idx, kv_idx: _torch.ones_like(kv_idx, dtype=_torch.bool))
+        mask_mod = mask_mod or (lambda b, h, q_idx, kv_idx:
+                                _torch.ones_like(kv_idx, dtype=_torch.bool))
 
         def new_mask_mod(b, h, q_idx, physical_kv_idx):
             logical = self._logical(b, physical_kv_idx, kv_len)

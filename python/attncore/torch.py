@@ -24,7 +24,8 @@ from ._paged import PagedKVCache
 from ._paged_torch import PagedAttention
 
 __all__ = [
-    "AttentionFunction", "PagedAttention", "PagedKVCache", "attention", "attention_varlen", "flash_attn_func",
+    "AttentionFunction", "PagedAttention", "PagedKVCache", "attention", "attention_varlen",
+    "flash_attn_func",
     "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache", "merge_attention_states", "scaled_dot_product_attention",

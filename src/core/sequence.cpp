@@ -41,10 +41,11 @@ void gather_rows(const Params& p, const TensorView& pool, std::int64_t width, Te
   const auto row_bytes = static_cast<std::size_t>(width) * size_of(pool.dtype);
   for (std::int64_t h = 0; h < heads; ++h) {
     for (std::int64_t j = 0; j < lk; ++j) {
-      std::memcpy(static_cast<char*>(dst->data()) + (h * lk + j) * static_cast<std::int64_t>(row_bytes),
-                  static_cast<const char*>(pool.data) +
-                      kv_offset(p, pool, 0, h, j) * static_cast<std::int64_t>(size_of(pool.dtype)),
-                  row_bytes);
+      std::memcpy(
+          static_cast<char*>(dst->data()) + (h * lk + j) * static_cast<std::int64_t>(row_bytes),
+          static_cast<const char*>(pool.data) +
+              kv_offset(p, pool, 0, h, j) * static_cast<std::int64_t>(size_of(pool.dtype)),
+          row_bytes);
     }
   }
 }

@@ -56,17 +56,18 @@ inline ForwardArgs sequence_args(const ForwardArgs& a, const SeqSpan& s) {
 }
 
 inline BackwardArgs sequence_args(const BackwardArgs& a, const SeqSpan& s) {
-  return {rows_of(a.dout, s.q0, s.lq), rows_of(a.q, s.q0, s.lq),   kv_rows_of(a.k, s),
-          kv_rows_of(a.v, s),          rows_of(a.out, s.q0, s.lq),  rows_of(a.lse, s.q0, s.lq),
-          rows_of(a.dq, s.q0, s.lq),   kv_rows_of(a.dk, s),         kv_rows_of(a.dv, s),
-          a.dbias};
+  return {rows_of(a.dout, s.q0, s.lq), rows_of(a.q, s.q0, s.lq),
+          kv_rows_of(a.k, s),          kv_rows_of(a.v, s),
+          rows_of(a.out, s.q0, s.lq),  rows_of(a.lse, s.q0, s.lq),
+          rows_of(a.dq, s.q0, s.lq),   kv_rows_of(a.dk, s),
+          kv_rows_of(a.dv, s),         a.dbias};
 }
 
 // The element offset of (batch b, kv head h, key j, dim 0) in K or V of a resolved sequence,
 // paged or not: for a paged one, row (first + j) % page_size of page
 // pages[(first + j) / page_size] (b addresses nothing).
-inline std::int64_t kv_offset(const Params& p, const TensorView& t, std::int64_t b,
-                              std::int64_t h, std::int64_t j) {
+inline std::int64_t kv_offset(const Params& p, const TensorView& t, std::int64_t b, std::int64_t h,
+                              std::int64_t j) {
   if (!p.kv_pages.paged()) return b * t.stride[0] + h * t.stride[1] + j * t.stride[2];
   const std::int64_t slot = p.kv_pages.first + j;
   return p.kv_pages.pages[slot / p.kv_pages.page_size] * t.stride[0] + h * t.stride[1] +

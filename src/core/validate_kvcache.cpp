@@ -25,8 +25,8 @@ const std::int32_t* index_array(const Checker& check, const TensorView& t, const
                std::to_string(n) + "] ([B])");
   }
   if (n > 1 && t.stride_of(0) != 1) {
-    check.fail(std::string(name) + " is not contiguous (stride[0]=" +
-               std::to_string(t.stride_of(0)) + ", expected 1)");
+    check.fail(std::string(name) +
+               " is not contiguous (stride[0]=" + std::to_string(t.stride_of(0)) + ", expected 1)");
   }
   return static_cast<const std::int32_t*>(t.data);
 }
@@ -117,8 +117,9 @@ Params validate_kvcache_forward(const ForwardArgs& a, const KvCacheSeqs& s, cons
     }
     block_table_of(check, *s.block_table, p.batch, rows, seq);
     if (s.cache_batch_idx.has_value()) {
-      check.unsupported("cache_batch_idx is not supported with a paged cache (cache_batch_idx="
-                        "given, expected none with block_table); flash-attn refuses it too");
+      check.unsupported(
+          "cache_batch_idx is not supported with a paged cache (cache_batch_idx="
+          "given, expected none with block_table); flash-attn refuses it too");
     }
   } else if (s.cache_batch_idx.has_value()) {
     seq.cache_batch = index_array(check, *s.cache_batch_idx, "cache_batch_idx", p.batch);
@@ -137,20 +138,21 @@ Params validate_kvcache_forward(const ForwardArgs& a, const KvCacheSeqs& s, cons
     if (end < 0 || end > capacity) {
       check.fail("cache_seqlens is out of range (cache_seqlens[" + std::to_string(b) +
                  "]=" + std::to_string(end) + ", expected 0 <= cache_seqlens[b] <= capacity=" +
-                 (paged ? "max_pages_per_seq * page_size=" : "") + std::to_string(capacity) +
-                 ")");
+                 (paged ? "max_pages_per_seq * page_size=" : "") + std::to_string(capacity) + ")");
     }
     if (seq.cache_batch != nullptr &&
         (seq.cache_batch[b] < 0 || seq.cache_batch[b] >= cache_batch)) {
       check.fail("cache_batch_idx is out of range (cache_batch_idx[" + std::to_string(b) +
-                 "]=" + std::to_string(seq.cache_batch[b]) + ", expected 0 <= idx < B_cache=" +
-                 std::to_string(cache_batch) + ")");
+                 "]=" + std::to_string(seq.cache_batch[b]) +
+                 ", expected 0 <= idx < B_cache=" + std::to_string(cache_batch) + ")");
     }
     const std::int64_t start = seq.cache_leftpad != nullptr ? seq.cache_leftpad[b] : 0;
     if (start < 0 || start > end) {
       check.fail("cache_leftpad is out of range (cache_leftpad[" + std::to_string(b) +
-                 "]=" + std::to_string(start) + ", expected 0 <= cache_leftpad[b] <= "
-                 "cache_seqlens[b]=" + std::to_string(end) + ")");
+                 "]=" + std::to_string(start) +
+                 ", expected 0 <= cache_leftpad[b] <= "
+                 "cache_seqlens[b]=" +
+                 std::to_string(end) + ")");
     }
     if (paged) check_pages(check, seq, b, start, end, cache_batch);
     seq.longest_k = std::max(seq.longest_k, end - start);
@@ -160,8 +162,9 @@ Params validate_kvcache_forward(const ForwardArgs& a, const KvCacheSeqs& s, cons
               "B * Hq * Lq * the longest cache_seqlens[b] - cache_leftpad[b]",
               {p.batch, p.heads_q, seq.lq, seq.longest_k});
   if (o.mask.has_value()) {
-    check.unsupported("mask is not supported with a KV cache (mask=given, expected none); use "
-                      "causal, window_left/window_right or cache_seqlens");
+    check.unsupported(
+        "mask is not supported with a KV cache (mask=given, expected none); use "
+        "causal, window_left/window_right or cache_seqlens");
   }
   if (o.dropout_p != 0.0) {
     check.unsupported("dropout is not supported with a KV cache (dropout_p=" +

@@ -1,8 +1,6 @@
 // PagedKvCache (attncore/paged.h): the pool, the page table, lengths, free list and reference
 // counts. Every call checks all of its arguments (docs/design.md section 4's messages) before it
 // changes anything.
-#include "attncore/paged.h"
-
 #include <algorithm>
 #include <climits>
 #include <cstdio>
@@ -11,6 +9,7 @@
 #include <vector>
 
 #include "attncore/error.h"
+#include "attncore/paged.h"
 #include "core/convert.h"
 #include "core/cpu_info.h"
 #include "core/validate_checks.h"
@@ -19,9 +18,9 @@ namespace attncore {
 
 struct PagedKvCache::State {
   std::int64_t num_pages, page_size, heads_kv, head_dim, head_dim_v, max_batch, per_seq;
-  Tensor k, v;          // [num_pages, page_size, Hkv, D], [num_pages, page_size, Hkv, Dv]
-  Tensor table;         // i32 [max_batch, per_seq], -1 unmapped
-  Tensor lengths;       // i32 [max_batch]
+  Tensor k, v;     // [num_pages, page_size, Hkv, D], [num_pages, page_size, Hkv, Dv]
+  Tensor table;    // i32 [max_batch, per_seq], -1 unmapped
+  Tensor lengths;  // i32 [max_batch]
   std::vector<std::int32_t> free;  // free pages; taken from the back (torch's order)
   std::vector<std::int32_t> refs;  // [num_pages]: sequences mapping each page
 
@@ -90,8 +89,10 @@ PagedKvCache::PagedKvCache(std::int64_t num_pages, std::int64_t page_size, std::
   if (max_pages_per_seq == 0) max_pages_per_seq = num_pages;
   if (max_pages_per_seq < 1 || max_pages_per_seq > num_pages) {
     check.fail("max_pages_per_seq is out of range (max_pages_per_seq=" +
-               std::to_string(max_pages_per_seq) + ", expected 1 <= max_pages_per_seq <= "
-               "num_pages=" + std::to_string(num_pages) + "; 0 = num_pages)");
+               std::to_string(max_pages_per_seq) +
+               ", expected 1 <= max_pages_per_seq <= "
+               "num_pages=" +
+               std::to_string(num_pages) + "; 0 = num_pages)");
   }
   if (max_pages_per_seq > INT32_MAX / page_size) {
     check.fail("the capacity per sequence is too large (max_pages_per_seq * page_size=" +
@@ -115,10 +116,11 @@ PagedKvCache::PagedKvCache(std::int64_t num_pages, std::int64_t page_size, std::
   const detail::MemoryLimit limit = detail::memory_limit();
   if (bytes > limit.bytes) {
     char text[160];
-    std::snprintf(text, sizeof text, "(bytes=%.4g, expected <= %.4g bytes, %s)", bytes,
-                  limit.bytes, limit.name);
+    std::snprintf(text, sizeof text, "(bytes=%.4g, expected <= %.4g bytes, %s)", bytes, limit.bytes,
+                  limit.name);
     throw OutOfMemory(std::string("PagedKvCache: the cache exceeds the memory this process may "
-                                  "use ") + text + "; use fewer or smaller pages");
+                                  "use ") +
+                      text + "; use fewer or smaller pages");
   }
   s_ = std::make_unique<State>();
   State& s = *s_;
@@ -164,9 +166,7 @@ const TensorView& PagedKvCache::k_pages() const { return s_->k.view(); }
 const TensorView& PagedKvCache::v_pages() const { return s_->v.view(); }
 const TensorView& PagedKvCache::page_table() const { return s_->table.view(); }
 const TensorView& PagedKvCache::seqlens() const { return s_->lengths.view(); }
-std::int64_t PagedKvCache::free_pages() const {
-  return static_cast<std::int64_t>(s_->free.size());
-}
+std::int64_t PagedKvCache::free_pages() const { return static_cast<std::int64_t>(s_->free.size()); }
 
 std::int64_t PagedKvCache::capacity(std::int64_t batch_idx) const {
   check_batch_idx(Checker("PagedKvCache::capacity"), "batch_idx", batch_idx, s_->max_batch);
@@ -197,9 +197,8 @@ void PagedKvCache::reserve(std::int64_t batch_idx, std::int64_t seq_len) {
   const std::int64_t want = (seq_len - have * s.page_size + s.page_size - 1) / s.page_size;
   if (want > free_pages()) {
     out_of_pages(op, want, free_pages(),
-                 "batch_idx=" + std::to_string(batch_idx) + ", seq_len=" +
-                     std::to_string(seq_len) + ", capacity=" +
-                     std::to_string(have * s.page_size));
+                 "batch_idx=" + std::to_string(batch_idx) + ", seq_len=" + std::to_string(seq_len) +
+                     ", capacity=" + std::to_string(have * s.page_size));
   }
   // The last `want` free pages, in their order, become logical pages have, have + 1, ...
   std::int32_t* row = s.row(batch_idx);
@@ -224,8 +223,8 @@ void PagedKvCache::erase(std::int64_t batch_idx) {
   s.length(batch_idx) = 0;
 }
 
-void PagedKvCache::assign(std::int64_t batch_idx, const TensorView& positions,
-                          const TensorView& k, const TensorView& v) {
+void PagedKvCache::assign(std::int64_t batch_idx, const TensorView& positions, const TensorView& k,
+                          const TensorView& v) {
   constexpr const char* op = "PagedKvCache::assign";
   const Checker check(op);
   State& s = *s_;
@@ -250,8 +249,8 @@ void PagedKvCache::assign(std::int64_t batch_idx, const TensorView& positions,
   const std::int64_t capacity = s.mapped(batch_idx) * s.page_size;
   std::vector<std::int32_t> pos(static_cast<std::size_t>(n));  // [S]
   for (std::int64_t i = 0; i < n; ++i) {
-    pos[static_cast<std::size_t>(i)] = detail::load_element<std::int32_t>(
-        positions.data, DType::i32, i * positions.stride_of(0));
+    pos[static_cast<std::size_t>(i)] =
+        detail::load_element<std::int32_t>(positions.data, DType::i32, i * positions.stride_of(0));
     const std::int64_t p = pos[static_cast<std::size_t>(i)];
     if (p < 0 || p >= capacity) {
       check.fail("positions is out of what batch_idx=" + std::to_string(batch_idx) +

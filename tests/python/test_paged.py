@@ -91,7 +91,8 @@ def test_paged_append_writes_the_pages_then_attends(page_size):
         k[b, lens[b]:after[b]], v[b, lens[b]:after[b]] = k_new[b], v_new[b]
         for s in range(after[b]):
             page, row = table[b, s // page_size], s % page_size
-            assert torch.equal(k_pool[page, row], k[b, s]) and torch.equal(v_pool[page, row], v[b, s])
+            assert torch.equal(k_pool[page, row], k[b, s])
+            assert torch.equal(v_pool[page, row], v[b, s])
     ref_out, _ = oracle(q, k, v, after, [0, 0], causal=True)
     assert_close(out, ref_out, torch.float32, "out")
 

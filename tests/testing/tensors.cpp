@@ -6,6 +6,8 @@
 #include <limits>
 #include <stdexcept>
 
+#include "attncore/error.h"
+
 namespace attncore::test {
 namespace {
 
@@ -213,6 +215,28 @@ double max_abs(const std::vector<double>& x) {
     if (std::isfinite(e) && std::fabs(e) > m) m = std::fabs(e);
   }
   return m;
+}
+
+::testing::AssertionResult same_bits(const std::vector<double>& got,
+                                     const std::vector<double>& want, const std::string& what) {
+  if (got.size() != want.size()) return ::testing::AssertionFailure() << what << ": sizes differ";
+  for (std::size_t e = 0; e < got.size(); ++e) {
+    if (!(std::isnan(got[e]) && std::isnan(want[e])) &&
+        std::memcmp(&got[e], &want[e], sizeof(double)) != 0) {
+      return ::testing::AssertionFailure()
+             << what << ": element " << e << " is " << got[e] << ", expected " << want[e];
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+std::string error_message(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
 }
 
 }  // namespace attncore::test

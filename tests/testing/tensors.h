@@ -2,8 +2,11 @@
 // views of any dtype, rank and strides, plus the memory layouts the tests run through.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -59,5 +62,13 @@ std::vector<std::int64_t> to_shape(const std::array<std::int64_t, N>& a) {
 
 // max |x| over finite elements (0 when empty).
 double max_abs(const std::vector<double>& x);
+
+// Whether got and want hold the same bits element by element (NaN where want has NaN); the
+// message names `what` and the first element that differs.
+::testing::AssertionResult same_bits(const std::vector<double>& got,
+                                     const std::vector<double>& want, const std::string& what);
+
+// The message of the attncore::Error f throws; "" when it throws none.
+std::string error_message(const std::function<void()>& f);
 
 }  // namespace attncore::test
