@@ -272,3 +272,26 @@ def test_torch_paged_attention():
         pa.convert_logical_block_mask(None)
     with pytest.raises(NotImplementedError, match="cpu"):
         attncore.torch.PagedAttention(4, 2, 3, device="cuda")
+
+
+def test_raw_appends_write_the_pages_as_mapped():
+    """flash_attn_with_kvcache(k=, v=) into a PagedKVCache's views appends in place through the
+    page table as it is: no copy-on-write (a shared page changes for both sequences), and
+    seqlens is left to the caller."""
+    cache = attncore.PagedKVCache(4, 4, 1, 8, 2)  # numpy views
+    rows = randn(3, 1, 8, seed=1).float().numpy()
+    cache.reserve(0, 3)
+    cache.assign(0, [0, 1, 2], rows, rows)
+    cache.fork(0, 1, 2)  # page 0 shared; sequence 1 has length 2
+    shared = int(cache.page_table[0, 0])
+    new = randn(2, 1, 1, 8, seed=2).float().numpy()
+    q = randn(2, 1, 1, 8, seed=3).float().numpy()
+    lens = cache.seqlens[:2].copy()
+    attncore.flash_attn_with_kvcache(q, cache.k_cache, cache.v_cache, k=new, v=new,
+                                     cache_seqlens=np.array([3, 2], np.int32),
+                                     block_table=cache.page_table[:2])
+    assert (cache.seqlens[:2] == lens).all()  # not advanced
+    # Sequence 1's new key went to slot 2 of the shared page: sequence 0 sees it too.
+    assert np.array_equal(cache.k_cache[shared, 2], new[1, 0])
+    assert np.array_equal(cache.k_cache[shared, 3], new[0, 0])
+    assert cache.references(shared) == 2
