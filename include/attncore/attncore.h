@@ -34,15 +34,18 @@ ATTNCORE_API ForwardResult forward(const TensorView& q, const TensorView& k, con
                                    const Options& options = {},
                                    Backend backend = Backend::automatic);
 
-// Attention forward into caller-provided views: `out` [B, Hq, Lq, Dv] of q's dtype and, when
-// given, `lse` [B, Hq, Lq] (f32, or f64 for f64 inputs). Both are fully written. An output may
+// Attention forward into caller-provided views: `out` [B, Hq, Lq, Dv] of q's dtype (or f32 for
+// bf16/f16 inputs: the output unrounded) and, when given, `lse` [B, Hq, Lq] (f32, or f64 for
+// f64 inputs). Both are fully written. An output may
 // share no byte with another output or with an input (InvalidArgument naming both); outputs
 // interleaved in one buffer without touching are fine (the test is exact on element bytes).
 ATTNCORE_API void forward_into(const TensorView& q, const TensorView& k, const TensorView& v,
                                const TensorView& out, const std::optional<TensorView>& lse,
                                const Options& options = {}, Backend backend = Backend::automatic);
 
-// Gradients of the forward call with the same q, k, v and options, given its out and lse.
+// Gradients of the forward call with the same q, k, v and options, given its out and lse. For
+// bf16/f16 inputs `out` may be f32 (forward_into writes one): Delta = rowsum(dout * out) then
+// carries no 16-bit rounding, which dq and dk otherwise inherit (README: 16-bit gradients).
 ATTNCORE_API BackwardResult backward(const TensorView& dout, const TensorView& q,
                                      const TensorView& k, const TensorView& v,
                                      const TensorView& out, const TensorView& lse,

@@ -20,11 +20,19 @@ class AttentionFunction(_torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, mask, alibi_slopes, call):
-        out, lse = forward4(_arrays.TORCH, query, key, value, mask, alibi_slopes, call)
+        # 16-bit inputs: the kernel writes an f32 out, kept for the backward's
+        # Delta = rowsum(dO * O), and the caller gets it rounded to the inputs' dtype. From the
+        # rounded out, dQ and dK err up to 2-4x more in FlashAttention's
+        # test_flash_attn_bwd_overflow case (tests/python/test_backward_precision.py). Memory:
+        # the graph holds 4 bytes per out element until backward, besides the returned 16-bit
+        # out (which alone it held before): +4 bytes per element.
+        sixteen_bit = query.dtype in (_torch.float16, _torch.bfloat16)
+        out, lse = forward4(_arrays.TORCH, query, key, value, mask, alibi_slopes, call,
+                            "float32" if sixteen_bit else None)
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(query, key, value, mask, alibi_slopes, out, lse)
         ctx.call = call
-        return out, lse
+        return (out.to(query.dtype) if sixteen_bit else out), lse
 
     @staticmethod
     @_once_differentiable

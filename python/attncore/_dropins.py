@@ -66,6 +66,9 @@ def _fast(query, key, value, mask, blhd, causal, scale, window_size, softcap, dr
     """The call through attncore._core.attend, the fast path for plain calls (its comment
     says which), recorded for autograd where a torch input requires grad; None for other
     calls, which take the general path."""
+    if (str(getattr(query, "dtype", "")) in ("torch.float16", "torch.bfloat16")
+            and any(getattr(x, "requires_grad", False) for x in (query, key, value))):
+        return None  # AttentionFunction keeps an f32 out for the backward (16-bit gradients)
     r = _core.attend(query, key, value, mask, blhd, causal, scale, window_size, softcap,
                      dropout_p, enable_gqa, backend)
     if type(r) is not tuple:

@@ -110,12 +110,14 @@ def core_or_none(lib, x):
     return None if x is None else lib.to_core(x)
 
 
-def forward4(lib, q4, k4, v4, mask4, alibi, call):
-    """out [B, Hq, Lq, Dv] (laid out in memory like q4) and lse [B, Hq, Lq] of the views
-    q4 [B, Hq, Lq, D], k4 [B, Hkv, Lk, D], v4 [B, Hkv, Lk, Dv], mask4 [B|1, Hq|1, Lq|1, Lk|1]."""
+def forward4(lib, q4, k4, v4, mask4, alibi, call, out_dtype=None):
+    """out [B, Hq, Lq, Dv] (laid out in memory like q4; of q4's dtype, or out_dtype "float32"
+    for 16-bit inputs: unrounded) and lse [B, Hq, Lq] of the views q4 [B, Hq, Lq, D],
+    k4 [B, Hkv, Lk, D], v4 [B, Hkv, Lk, Dv], mask4 [B|1, Hq|1, Lq|1, Lk|1]."""
     batch, heads_q, seqlen_q, _ = q4.shape
     dtype = lib.dtype_name(q4)
-    out = _arrays.empty_in_order_of(lib, q4, (batch, heads_q, seqlen_q, v4.shape[-1]), dtype)
+    out = _arrays.empty_in_order_of(lib, q4, (batch, heads_q, seqlen_q, v4.shape[-1]),
+                                    out_dtype or dtype)
     lse = lib.empty((batch, heads_q, seqlen_q), lse_dtype(dtype))
     _core.forward(lib.to_core(q4), lib.to_core(k4), lib.to_core(v4), lib.to_core(out),
                   lib.to_core(lse), core_or_none(lib, mask4), core_or_none(lib, alibi),
