@@ -59,6 +59,16 @@ __all__ = [
 ]
 
 
+Cancelled.__doc__ = ("A call whose cancel flag was set stopped before it finished; its outputs "
+                     "are incomplete. (Ctrl-C raises KeyboardInterrupt instead.)")
+
+# help() and reprs name the package, not the private module that defines a function or class.
+for _name in __all__:
+    _object = globals()[_name]
+    if getattr(_object, "__module__", "").startswith(__name__ + "._"):
+        _object.__module__ = __name__
+del _name, _object
+
 def __getattr__(name):
     # attncore.torch, the submodule, on first use as an attribute (importing it needs torch).
     # Once imported it is bound here as `torch`, so this file never names the torch library so.

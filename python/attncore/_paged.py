@@ -155,6 +155,7 @@ class PagedKVCache:
                         _index(op, "prefix_len", prefix_len))
 
     def free_pages(self):
+        """How many pages no sequence holds (what reserve and copy-on-write can still take)."""
         return self._core.free_pages()
 
     def capacity(self, batch_idx):

@@ -49,6 +49,9 @@ class PagedAttention:
         return b
 
     def reserve(self, batch_idx, seq_len):
+        """Maps free pages to sequence batch_idx until it holds at least seq_len slots (taken
+        from the end of the free list, as torch's); MemoryError when too few are free,
+        ValueError for a seq_len past n_pages * page_size."""
         op = "PagedAttention.reserve"
         b, n = self._batch(op, batch_idx), _index(op, "seq_len", seq_len)
         if n > self.n_pages * self.page_size:
@@ -70,6 +73,7 @@ class PagedAttention:
         self.capacity[b] += want * self.page_size
 
     def erase(self, batch_idx):
+        """Returns sequence batch_idx's pages to the free list and unmaps them."""
         b = self._batch("PagedAttention.erase", batch_idx)
         pages = self.page_table[b][self.page_table[b] != -1]
         self.capacity[b] = 0
@@ -114,6 +118,7 @@ class PagedAttention:
         v_cache[0, :, addr, :] = v_val.permute(1, 0, 2, 3).reshape(H, B * S, -1).to(v_cache.dtype)
 
     def convert_logical_block_mask(self, block_mask, batch_idx=None, kv_len=None):
+        """torch's flex_attention BlockMask conversion: not supported (NotImplementedError)."""
         raise NotImplementedError("PagedAttention.convert_logical_block_mask: flex_attention's "
                                   "BlockMask is not supported (expected PagedAttention.forward "
                                   "or flash_attn_with_kvcache with block_table)")

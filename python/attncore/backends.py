@@ -71,7 +71,7 @@ def sdpa_kernel(backends, set_priority=False):
 
 @dataclasses.dataclass(frozen=True)
 class BackendVerdict:
-    """One backend's verdict on one call."""
+    """One backend's verdict on one call, as explain() reports it."""
 
     backend: SDPBackend
     enabled: bool  # in this thread's enabled list (sdpa_kernel)
@@ -80,6 +80,7 @@ class BackendVerdict:
 
     @property
     def can_run(self):
+        """Whether the backend can run the call (it has no reasons against it)."""
         return not self.reasons
 
 

@@ -30,3 +30,5 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache", "merge_attention_states", "scaled_dot_product_attention",
 ]
+
+PagedAttention.__module__ = __name__  # help() names the public module

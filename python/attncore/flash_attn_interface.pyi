@@ -1,0 +1,23 @@
+# Type stubs of attncore.flash_attn_interface (flash-attn 2.8.3's seven functions). Arrays are
+# numpy arrays, torch tensors or other DLPack producers; results come back in the caller's type.
+from typing import Any, Optional, Tuple, Union
+
+from attncore.backends import SDPBackend
+
+_Array = Any
+_Backend = Union[None, str, SDPBackend]
+
+FLASH_ATTN_VERSION: str
+__all__ = [
+    "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"
+]
+
+def flash_attn_func(q: _Array, k: _Array, v: _Array, dropout_p: float = ..., softmax_scale: Optional[float] = ..., causal: bool = ..., window_size: Tuple[int, int] = ..., softcap: float = ..., alibi_slopes: Optional[_Array] = ..., deterministic: bool = ..., return_attn_probs: bool = ..., *, backend: _Backend = ...) -> Any: ...
+def flash_attn_kvpacked_func(q: _Array, kv: _Array, dropout_p: float = ..., softmax_scale: Optional[float] = ..., causal: bool = ..., window_size: Tuple[int, int] = ..., softcap: float = ..., alibi_slopes: Optional[_Array] = ..., deterministic: bool = ..., return_attn_probs: bool = ..., *, backend: _Backend = ...) -> Any: ...
+def flash_attn_qkvpacked_func(qkv: _Array, dropout_p: float = ..., softmax_scale: Optional[float] = ..., causal: bool = ..., window_size: Tuple[int, int] = ..., softcap: float = ..., alibi_slopes: Optional[_Array] = ..., deterministic: bool = ..., return_attn_probs: bool = ..., *, backend: _Backend = ...) -> Any: ...
+def flash_attn_varlen_func(q: _Array, k: _Array, v: _Array, cu_seqlens_q: _Array, cu_seqlens_k: _Array, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ..., softmax_scale: Optional[float] = ..., causal: bool = ..., window_size: Tuple[int, int] = ..., softcap: float = ..., alibi_slopes: Optional[_Array] = ..., deterministic: bool = ..., return_attn_probs: bool = ..., block_table: Optional[_Array] = ..., *, seqused_k: Optional[_Array] = ..., backend: _Backend = ...) -> Any: ...
+def flash_attn_varlen_kvpacked_func(q: _Array, kv: _Array, cu_seqlens_q: _Array, cu_seqlens_k: _Array, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ..., softmax_scale: Optional[float] = ..., causal: bool = ..., window_size: Tuple[int, int] = ..., softcap: float = ..., alibi_slopes: Optional[_Array] = ..., deterministic: bool = ..., return_attn_probs: bool = ..., *, seqused_k: Optional[_Array] = ..., backend: _Backend = ...) -> Any: ...
+def flash_attn_varlen_qkvpacked_func(qkv: _Array, cu_seqlens: _Array, max_seqlen: int, dropout_p: float = ..., softmax_scale: Optional[float] = ..., causal: bool = ..., window_size: Tuple[int, int] = ..., softcap: float = ..., alibi_slopes: Optional[_Array] = ..., deterministic: bool = ..., return_attn_probs: bool = ..., *, seqused_k: Optional[_Array] = ..., backend: _Backend = ...) -> Any: ...
+def flash_attn_with_kvcache(q: _Array, k_cache: _Array, v_cache: _Array, k: Optional[_Array] = ..., v: Optional[_Array] = ..., rotary_cos: Optional[_Array] = ..., rotary_sin: Optional[_Array] = ..., cache_seqlens: Optional[_Array] = ..., cache_batch_idx: Optional[_Array] = ..., cache_leftpad: Optional[_Array] = ..., block_table: Optional[_Array] = ..., softmax_scale: Optional[float] = ..., causal: bool = ..., window_size: Tuple[int, int] = ..., softcap: float = ..., rotary_interleaved: bool = ..., alibi_slopes: Optional[_Array] = ..., num_splits: int = ..., return_softmax_lse: bool = ..., *, backend: _Backend = ...) -> Any: ...
