@@ -165,7 +165,6 @@ int main(int argc, char** argv) {
   char peak[64];
   std::snprintf(peak, sizeof peak, "%.1f GFLOP/s f32 (%d threads)", g_peak_gflops, threads);
   benchmark::AddCustomContext("fma_peak", peak);
-  benchmark::AddCustomContext("blas", attncore::blas_info());
   register_benchmarks();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

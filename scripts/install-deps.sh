@@ -2,7 +2,7 @@
 # Installs the Debian 12 packages attncore needs to build, test and benchmark (README:
 # Dependencies). Does nothing when they are all present; needs root otherwise.
 set -euo pipefail
-packages=(cmake g++ make pkg-config libopenblas-dev libgtest-dev libbenchmark-dev python3
+packages=(cmake g++ make pkg-config libgtest-dev libbenchmark-dev python3
   python3-dev pybind11-dev libdlpack-dev python3-numpy python3-pytest python3-torch clang
   libclang-rt-14-dev  # clang 14's libFuzzer and sanitizer runtimes
   python3-venv python3-build mypy)  # pip into a venv, wheels, the type stubs' check

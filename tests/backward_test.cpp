@@ -47,7 +47,7 @@ struct BackwardCase {
   bool given_scale = false;
   DType mask_dtype = DType::f32;
   std::uint64_t seed = 1;
-  std::string target;  // SIMD target forced for the flash backend ("" = automatic)
+  std::string target;  // SIMD target forced for flash or math ("" = automatic)
 };
 
 void PrintTo(const BackwardCase& c, std::ostream* os) { *os << c.name; }
@@ -107,6 +107,11 @@ std::vector<BackwardCase> backward_grid() {
           c.into = n % 3 == 1;
           c.given_scale = n % 2 == 1;
           c.mask_dtype = n % 4 < 2 ? dtype : DType::f32;
+          // math's GEMMs on every SIMD target this CPU runs, in turn.
+          if (backend == Backend::math) {
+            const std::vector<std::string> targets = simd_targets_supported();
+            c.target = targets[n % targets.size()];
+          }
           c.seed = 5000 + n;
           c.name = case_name(c);
           cases.push_back(c);

@@ -1,5 +1,6 @@
-# Each SIMD target's kernel file (src/cpu/flash_<target>.cpp) compiles the functions of its
-# namespace (attncore::detail::<target>) for the target's ISA. A weak symbol of shared code
+# Each SIMD target's kernel files (src/cpu/flash_<target>.cpp, and math's GEMMs
+# src/cpu/gemm_<target>.cpp) compile the functions of their namespace
+# (attncore::detail::<target>) for the target's ISA. A weak symbol of shared code
 # carrying that ISA could be the copy the linker keeps for every caller, so every function the
 # object defines outside that namespace must be baseline code: inline helpers of the library
 # headers (which carry no target attribute) that the compiler emitted out of line, as clang does
@@ -22,10 +23,11 @@ endif()
 
 set(checked 0)
 foreach(obj IN LISTS OBJECTS)
-  if(NOT obj MATCHES "flash_([a-z0-9]+)\\.cpp\\.o$" OR CMAKE_MATCH_1 STREQUAL "cost")
+  if(NOT obj MATCHES "/(flash|gemm)_([a-z0-9]+)\\.cpp\\.o$" OR CMAKE_MATCH_2 STREQUAL "cost")
     continue()  # not a kernel file (flash_cost.cpp is the backend's cost term)
   endif()
-  set(target ${CMAKE_MATCH_1})
+  set(kind ${CMAKE_MATCH_1})
+  set(target ${CMAKE_MATCH_2})
   math(EXPR checked "${checked} + 1")
   if(target STREQUAL "generic")
     continue()
@@ -50,8 +52,8 @@ foreach(obj IN LISTS OBJECTS)
   foreach(line IN LISTS lines)
     if(line MATCHES "^[0-9a-f]+ <(.*)>:$")
       set(function "${CMAKE_MATCH_1}")
-      # The namespace, or this file's entry point flash_target_<target>().
-      set(entry "^_ZN8attncore6detail[0-9]+flash_target_${target}Ev$")
+      # The namespace, or this file's entry point <kind>_target_<target>().
+      set(entry "^_ZN8attncore6detail[0-9]+${kind}_target_${target}Ev$")
       if(function MATCHES "${namespace}" OR function MATCHES "${entry}")
         set(outside OFF)
         math(EXPR functions "${functions} + 1")

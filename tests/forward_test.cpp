@@ -36,7 +36,7 @@ struct ForwardCase {
   bool given_scale = false;
   DType mask_dtype = DType::f32;
   std::uint64_t seed = 1;
-  std::string target;  // SIMD target forced for the flash backend ("" = automatic)
+  std::string target;  // SIMD target forced for flash or math ("" = automatic)
 };
 
 void PrintTo(const ForwardCase& c, std::ostream* os) { *os << c.name; }
@@ -99,6 +99,11 @@ std::vector<ForwardCase> forward_grid() {
           c.into = n % 4 == 1;
           c.given_scale = n % 2 == 0;
           c.mask_dtype = n % 5 < 3 ? dtype : DType::f32;  // f64 masks: AdditiveMaskDtypes
+          // math's GEMMs on every SIMD target this CPU runs, in turn.
+          if (backend == Backend::math) {
+            const std::vector<std::string> targets = simd_targets_supported();
+            c.target = targets[n % targets.size()];
+          }
           c.seed = 1000 + n;
           c.name = case_name(c);
           cases.push_back(c);

@@ -52,7 +52,6 @@ int cmd_info(const std::vector<std::string>& args) {
     j.add_json("simd_compiled", json_strings(compiled));
     j.add_json("simd_supported", json_strings(supported));
     j.add("simd", attncore::simd_target());
-    j.add("blas", attncore::blas_info());
     j.add("threads", threads);
     j.add("max_threads", attncore::kMaxThreads);
     j.add("fma_peak_gflops_1_thread", peak1);
@@ -73,7 +72,6 @@ int cmd_info(const std::vector<std::string>& args) {
   std::printf("features:  %s\n", features.empty() ? "(none detected)" : features.c_str());
   std::printf("simd:      compiled: %s; this cpu: %s; chosen: %s\n", join(compiled).c_str(),
               join(supported).c_str(), attncore::simd_target().c_str());
-  std::printf("blas:      %s (math backend GEMMs)\n", attncore::blas_info().c_str());
   std::printf(
       "threads:   %d (ATTNCORE_NUM_THREADS, else the CPUs this process may run on; at most "
       "%d)\n",

@@ -52,7 +52,4 @@ ATTNCORE_API std::string simd_target();
 // InvalidArgument when `name` is not compiled in or this CPU cannot run it. Process-wide.
 ATTNCORE_API std::string set_simd_target(const std::string& name);
 
-// The BLAS library the math backend calls, as it reports itself.
-ATTNCORE_API std::string blas_info();
-
 }  // namespace attncore

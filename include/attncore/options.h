@@ -43,7 +43,7 @@ enum class Causal : std::uint8_t {
 enum class Backend : std::uint8_t {
   automatic,  // chosen per call: see attncore/backend.h
   reference,  // plain loops, fp64 accumulation: obviously correct, slow
-  math,       // unfused: scores materialised, QK^T and PV as BLAS GEMMs
+  math,       // unfused: scores materialised, QK^T and PV as GEMMs
   flash,      // fused: tiled online softmax, SIMD, never materialises Lq x Lk (f32/bf16/f16)
 };
 

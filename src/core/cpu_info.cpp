@@ -1,8 +1,6 @@
 // What attncore knows about the machine: CPU identification and features (cpuid + xgetbv on
-// x86-64), the default thread count, a measured f32 FMA peak, and the BLAS library in use.
+// x86-64), the default thread count and a measured f32 FMA peak.
 #include "core/cpu_info.h"
-
-#include <cblas.h>  // OpenBLAS: openblas_get_config(), openblas_get_corename()
 
 #include <algorithm>
 #include <atomic>
@@ -41,7 +39,7 @@
 namespace attncore {
 namespace {
 
-// `s` without leading and trailing spaces (cpuid pads the brand string, OpenBLAS its config).
+// `s` without leading and trailing spaces (cpuid pads the brand string).
 std::string trim(const std::string& s) {
   const auto first = s.find_first_not_of(' ');
   if (first == std::string::npos) return {};
@@ -461,13 +459,5 @@ MemoryLimit memory_limit() {
 }
 
 }  // namespace detail
-
-std::string blas_info() {
-  const char* config = openblas_get_config();
-  const char* core = openblas_get_corename();
-  std::string s = config != nullptr ? trim(config) : "OpenBLAS (unknown configuration)";
-  if (core != nullptr && *core != '\0') s += std::string(", core ") + core;
-  return s;
-}
 
 }  // namespace attncore

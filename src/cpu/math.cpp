@@ -1,24 +1,24 @@
-// Math backend: BLAS GEMMs for QK^T, PV and the backward products; score_row.h in between.
+// Math backend: GEMMs for QK^T, PV and the backward products (cpu/gemm.h); score_row.h in
+// between.
 //
 // Threads: work is cut into fixed blocks of kBlockRows query rows (or key rows in the
-// backward's dK/dV pass) and every block makes the same single-threaded BLAS calls whatever the
-// thread count, so results are bitwise identical for any number of threads (OpenBLAS's own
-// threading changes the bits: measured, 1 vs 2 threads differ by 1e-7 in out and LSE). The
-// call's cancel flag is read before each block.
+// backward's dK/dV pass) and every block makes the same single-threaded GEMM calls whatever the
+// thread count, so results are bitwise identical for any number of threads. The products are
+// our own (no BLAS), so a call changes no process-wide setting. The call's cancel flag is read
+// before each block.
 #include "cpu/math.h"
 
-#include <cblas.h>
-
 #include <algorithm>
-#include <climits>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "core/convert.h"
 #include "core/dbias.h"
 #include "core/sequence.h"
 #include "core/threadpool.h"
+#include "cpu/gemm.h"
 #include "policy/score_row.h"
 
 namespace attncore::detail {
@@ -26,33 +26,46 @@ namespace attncore::detail {
 namespace {
 
 // Query rows per block. Small enough that 2 threads get work at Lq = 256, large enough that
-// the GEMMs stay efficient (M = 128 keeps OpenBLAS's sgemm within a few % of M = Lq).
+// the GEMMs stay efficient (a block is one A block of the GEMM: kGemmMc >= 128).
 constexpr std::int64_t kBlockRows = 128;
 
-// C[m, n] = alpha * op(A) op(B) + beta * C, row-major.
-void gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
-          const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c,
-          std::int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
-              trans_b ? CblasTrans : CblasNoTrans, static_cast<blasint>(m), static_cast<blasint>(n),
-              static_cast<blasint>(k), alpha, a, static_cast<blasint>(lda), b,
-              static_cast<blasint>(ldb), beta, c, static_cast<blasint>(ldc));
-}
-void gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, double alpha,
-          const double* a, std::int64_t lda, const double* b, std::int64_t ldb, double beta,
-          double* c, std::int64_t ldc) {
-  cblas_dgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
-              trans_b ? CblasTrans : CblasNoTrans, static_cast<blasint>(m), static_cast<blasint>(n),
-              static_cast<blasint>(k), alpha, a, static_cast<blasint>(lda), b,
-              static_cast<blasint>(ldb), beta, c, static_cast<blasint>(ldc));
-}
+// One thread's matrix products: the call's GEMM target and a packing buffer that grows to the
+// largest product it has run (not zeroed: the GEMM writes what it reads).
+template <class T>
+class Products {
+ public:
+  explicit Products(const GemmTarget& target) : target_(&target) {}
+
+  // C[m, n] = alpha * op(A) op(B) + beta * C, row-major; op transposes when trans_*.
+  void operator()(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,
+                  T alpha, const T* a, std::int64_t lda, const T* b, std::int64_t ldb, T beta, T* c,
+                  std::int64_t ldc) {
+    const std::int64_t need = gemm_pack_elements(m, n, k);
+    if (need > capacity_) {
+      pack_.reset(new T[static_cast<std::size_t>(need)]);
+      capacity_ = need;
+    }
+    const GemmMatrix<T> ma = trans_a ? GemmMatrix<T>{a, 1, lda} : GemmMatrix<T>{a, lda, 1};
+    const GemmMatrix<T> mb = trans_b ? GemmMatrix<T>{b, 1, ldb} : GemmMatrix<T>{b, ldb, 1};
+    if constexpr (sizeof(T) == 4) {
+      target_->sgemm(m, n, k, alpha, ma, mb, beta, c, ldc, pack_.get());
+    } else {
+      target_->dgemm(m, n, k, alpha, ma, mb, beta, c, ldc, pack_.get());
+    }
+  }
+
+ private:
+  const GemmTarget* target_;
+  std::unique_ptr<T[]> pack_;
+  std::int64_t capacity_ = 0;
+};
 
 template <class T>
 constexpr DType dtype_of() {
   return sizeof(T) == 4 ? DType::f32 : DType::f64;
 }
 
-// A row-major [rows, cols] matrix for BLAS: pointer and leading dimension.
+// A row-major [rows, cols] matrix for the GEMMs: pointer and leading dimension.
 template <class T>
 struct Matrix {
   const T* data;
@@ -60,13 +73,13 @@ struct Matrix {
 };
 
 // Rows [row_begin, row_begin + rows) of head (b, h) of a rank-4 view: the view's own memory
-// when its dtype is T and its row stride is usable as a leading dimension (at least `cols`, and
-// a 32-bit int for BLAS), else a converted copy in `buffer` (converted by `threads` threads).
+// when its dtype is T and its row stride is usable as a leading dimension (at least `cols`),
+// else a converted copy in `buffer` (converted by `threads` threads).
 template <class T>
 Matrix<T> head_rows(const TensorView& t, std::int64_t b, std::int64_t h, std::int64_t row_begin,
                     std::int64_t rows, std::int64_t cols, std::vector<T>& buffer, int threads = 1) {
   const std::int64_t base = offset4(t, b, h, row_begin, 0);
-  if (t.dtype == dtype_of<T>() && (rows == 1 || (t.stride[2] >= cols && t.stride[2] <= INT_MAX))) {
+  if (t.dtype == dtype_of<T>() && (rows == 1 || t.stride[2] >= cols)) {
     return {static_cast<const T*>(t.data) + base, rows == 1 ? cols : t.stride[2]};
   }
   buffer.resize(static_cast<std::size_t>(rows * cols));
@@ -152,8 +165,8 @@ void add_hidden_rows(const CausalWindowMask& band, const std::vector<std::int64_
 }
 
 template <class T>
-void forward_impl(const Params& p, const Launch& launch, const ForwardArgs& a, std::int64_t b_begin,
-                  std::int64_t b_end) {
+void forward_impl(const Params& p, const Launch& launch, const GemmTarget& target,
+                  const ForwardArgs& a, std::int64_t b_begin, std::int64_t b_end) {
   const int threads = launch.threads;
   const CausalWindowMask causal_window(p);
   const std::int64_t lq = p.seq.lq, lk = p.seq.lk, d = p.head_dim, dv = p.head_dim_v;
@@ -161,6 +174,7 @@ void forward_impl(const Params& p, const Launch& launch, const ForwardArgs& a, s
   struct Workspace {
     std::vector<T> q, scores, out;  // [rows, D], [rows, Lk] (S, then P), [rows, Dv]
     std::vector<bool> unseen;       // [rows]: the row sees no key
+    Products<T> gemm;
   };
   std::vector<T> k_buf, v_buf, v_clean_buf;
   for (std::int64_t b = b_begin; b < b_end; ++b) {
@@ -174,7 +188,7 @@ void forward_impl(const Params& p, const Launch& launch, const ForwardArgs& a, s
       for_each_task(
           p.group * blocks, launch,
           [&] {
-            Workspace w;
+            Workspace w{{}, {}, {}, {}, Products<T>(target)};
             w.scores.resize(static_cast<std::size_t>(std::min(lq, kBlockRows) * lk));
             w.out.resize(static_cast<std::size_t>(std::min(lq, kBlockRows) * dv));
             w.unseen.resize(static_cast<std::size_t>(std::min(lq, kBlockRows)));
@@ -186,8 +200,8 @@ void forward_impl(const Params& p, const Launch& launch, const ForwardArgs& a, s
             const std::int64_t rows = std::min(kBlockRows, lq - row0);
             if (lk > 0) {
               const Matrix<T> q = head_rows<T>(a.q, b, h, row0, rows, d, w.q);  // [rows, D]
-              gemm(false, true, rows, lk, d, T(1), q.data, q.ld, k.data, k.ld, T(0),
-                   w.scores.data(), lk);
+              w.gemm(false, true, rows, lk, d, T(1), q.data, q.ld, k.data, k.ld, T(0),
+                     w.scores.data(), lk);
             }
             for (std::int64_t r = 0; r < rows; ++r) {
               const std::int64_t i = row0 + r;
@@ -203,8 +217,8 @@ void forward_impl(const Params& p, const Launch& launch, const ForwardArgs& a, s
                 store_element(a.lse.data, a.lse.dtype, lse_offset(a.lse, b, h, i), lse);
             }
             if (lk > 0) {
-              gemm(false, false, rows, dv, lk, T(1), w.scores.data(), lk, v_clean.data, v_clean.ld,
-                   T(0), w.out.data(), dv);
+              w.gemm(false, false, rows, dv, lk, T(1), w.scores.data(), lk, v_clean.data,
+                     v_clean.ld, T(0), w.out.data(), dv);
               add_hidden_rows(causal_window, bad_v, v, dv, row0, rows, w.scores.data(), lk, T(1),
                               w.out.data());
             }
@@ -221,8 +235,8 @@ void forward_impl(const Params& p, const Launch& launch, const ForwardArgs& a, s
 }
 
 template <class T>
-void backward_impl(const Params& p, const Launch& launch, const BackwardArgs& a,
-                   std::int64_t b_begin, std::int64_t b_end) {
+void backward_impl(const Params& p, const Launch& launch, const GemmTarget& target,
+                   const BackwardArgs& a, std::int64_t b_begin, std::int64_t b_end) {
   const int threads = launch.threads;
   const CausalWindowMask causal_window(p);
   DbiasAccumulator dbias(p);
@@ -239,8 +253,9 @@ void backward_impl(const Params& p, const Launch& launch, const BackwardArgs& a,
       dvv(static_cast<std::size_t>(lk * dv));  // [Lk, D], [Lk, Dv]
   struct Workspace {
     std::vector<T> q, dout, out, dq;  // [rows, D], [rows, Dv], [rows, Dv], [rows, D]
+    Products<T> gemm;
   };
-  auto make_workspace = [] { return Workspace{}; };
+  auto make_workspace = [&] { return Workspace{{}, {}, {}, {}, Products<T>(target)}; };
   for (std::int64_t b = b_begin; b < b_end; ++b) {
     for (std::int64_t kv_head = 0; kv_head < p.heads_kv; ++kv_head) {
       std::fill(dk.begin(), dk.end(), T(0));
@@ -264,9 +279,9 @@ void backward_impl(const Params& p, const Launch& launch, const BackwardArgs& a,
           const Matrix<T> out = head_rows<T>(a.out, b, h, row0, rows, dv, w.out);     // [rows, Dv]
           T* s_rows = weights.data() + row0 * lk;
           T* ds_rows = dscores.data() + row0 * lk;
-          gemm(false, true, rows, lk, d, T(1), q.data, q.ld, k.data, k.ld, T(0), s_rows, lk);
-          gemm(false, true, rows, lk, dv, T(1), dout.data, dout.ld, v.data, v.ld, T(0), ds_rows,
-               lk);
+          w.gemm(false, true, rows, lk, d, T(1), q.data, q.ld, k.data, k.ld, T(0), s_rows, lk);
+          w.gemm(false, true, rows, lk, dv, T(1), dout.data, dout.ld, v.data, v.ld, T(0), ds_rows,
+                 lk);
           for (std::int64_t r = 0; r < rows; ++r) {
             const std::int64_t i = row0 + r;
             T* s = s_rows + r * lk;
@@ -312,8 +327,8 @@ void backward_impl(const Params& p, const Launch& launch, const BackwardArgs& a,
             for (std::int64_t e = 0; e < rows * lk; ++e) ds_rows[e] *= cap[e];
           }
           w.dq.resize(static_cast<std::size_t>(rows * d));
-          gemm(false, false, rows, d, lk, scale, ds_rows, lk, k_clean.data, k_clean.ld, T(0),
-               w.dq.data(), d);
+          w.gemm(false, false, rows, d, lk, scale, ds_rows, lk, k_clean.data, k_clean.ld, T(0),
+                 w.dq.data(), d);
           add_hidden_rows(causal_window, bad_k, k, d, row0, rows, ds_rows, lk, scale, w.dq.data());
           store_rows(w.dq.data(), a.dq, b, h, row0, rows, d);
         });
@@ -322,6 +337,7 @@ void backward_impl(const Params& p, const Launch& launch, const BackwardArgs& a,
         const Matrix<T> dout =
             head_rows<T>(a.dout, b, h, 0, lq, dv, do_buf, threads);  // [Lq, Dv]
         parallel_for(k_blocks, threads, [&](std::int64_t blk_begin, std::int64_t blk_end) {
+          Products<T> gemm(target);
           for (std::int64_t blk = blk_begin; blk < blk_end; ++blk) {
             launch.check_cancel();
             const std::int64_t col0 = blk * kBlockRows, cols = std::min(kBlockRows, lk - col0);
@@ -342,27 +358,27 @@ void backward_impl(const Params& p, const Launch& launch, const BackwardArgs& a,
 }  // namespace
 
 void math_forward(const Params& p, const Launch& launch, const ForwardArgs& a) {
-  openblas_set_num_threads(1);  // see the threading note at the top
+  const GemmTarget& target = gemm_target_chosen();
   Tensor k_rows, v_rows;  // a paged sequence's K/V, gathered: [1, Hkv, Lk, D], [1, Hkv, Lk, Dv]
   for_each_sequence(p, a, [&](const Params& paged_p, const ForwardArgs& paged_a, std::int64_t b0,
                               std::int64_t b1) {
     const auto [sp, sa] = gather_kv_pages(paged_p, paged_a, &k_rows, &v_rows);
     if (p.dtype == DType::f64) {
-      forward_impl<double>(sp, launch, sa, b0, b1);
+      forward_impl<double>(sp, launch, target, sa, b0, b1);
     } else {
-      forward_impl<float>(sp, launch, sa, b0, b1);
+      forward_impl<float>(sp, launch, target, sa, b0, b1);
     }
   });
 }
 
 void math_backward(const Params& p, const Launch& launch, const BackwardArgs& a) {
-  openblas_set_num_threads(1);
+  const GemmTarget& target = gemm_target_chosen();
   for_each_sequence(p, a, [&](const Params& sp, const BackwardArgs& sa, std::int64_t b0,
                               std::int64_t b1) {
     if (p.dtype == DType::f64) {
-      backward_impl<double>(sp, launch, sa, b0, b1);
+      backward_impl<double>(sp, launch, target, sa, b0, b1);
     } else {
-      backward_impl<float>(sp, launch, sa, b0, b1);
+      backward_impl<float>(sp, launch, target, sa, b0, b1);
     }
   });
 }

@@ -1,4 +1,4 @@
-// The math backend's entry in the backend table: what it cannot run (BLAS's 32-bit sizes) and
+// The math backend's entry in the backend table: what it cannot run (sizes past 32 bits) and
 // its cost term (fitted to its measured times; core/cost.h says how).
 #include <climits>
 #include <cmath>
@@ -12,11 +12,13 @@ namespace attncore::detail {
 
 namespace {
 
-// math: OpenBLAS sgemm's share of the FMA peak on the attention GEMMs (blocks of 128 query
-// rows), and the cost of one score in elements of the measured softmax row (scale, masks,
-// softmax, LSE): forward D=128 336 ms, D=64 246 ms: 0.455 and 0.85.
-constexpr double kMathGemmEfficiency = 0.455;
-constexpr double kMathSoftmaxCost = 0.85;
+// math: the GEMMs' (cpu/gemm.h) share of the FMA peak on the attention products (blocks of 128
+// query rows), and the cost of one score in elements of the measured softmax row (scale,
+// masks, softmax, LSE): forward B=1 Hq=8 L=2048 f32, 1 thread, D=64 172.7 ms and D=128
+// 215.2 ms (medians of 3, avx512bf16 constants): 0.96 and 0.92. (OpenBLAS's sgemm, used
+// before, ran at 0.455.)
+constexpr double kMathGemmEfficiency = 0.96;
+constexpr double kMathSoftmaxCost = 0.92;
 // math: the fixed cost of one query row (softmax_row's log and division, the row's setup) in
 // softmax-row elements: B=1 Hq=8 L=32 D=64 took 73 us (1 thread), about 10 us (256 rows)
 // beyond the other terms; B=1 Hq=1 L=16: 3.4 us.
@@ -25,21 +27,23 @@ constexpr double kMathRowCost = 10;
 // Lk=128 D=128 took 0.32 ms in bf16 and 0.08 ms in f32, 0.92 ns more for each of the 262144
 // converted elements; B=4 Hq=32 Hkv=8 Lq=1 Lk=4096: 0.74 ns. 190 at 224 GFLOP/s is 0.85 ns.
 constexpr double kMathConvertFlops = 190;
-// math: K and V streamed per block of query rows: decode B=4 Hq=32 Hkv=8 Lq=1 Lk=4096 D=128
-// f32 took 52.9 ms, 49 ms of it for 537 MB of K and V: 0.47 of the measured 23 GB/s.
-constexpr double kMathStreamEfficiency = 0.47;
-// math backward: B=1 Hq=16 L=2048 D=128 f32 took 1131 ms (1 thread); GEMMs at the forward's
-// efficiency and the two Lq x Lk matrices (P * M and dS, written once and read twice: 24 bytes
-// a pair) at the memory bandwidth leave 1.15 softmax-row elements a pair (fitted at 1.52-1.72
-// on two shapes before the backward's BLAS calls were batched per head).
-constexpr double kMathBackwardSoftmaxCost = 1.15;
+// math: K and V streamed per block of query rows: decode B=4 Hq=Hkv=8 Lq=1 Lk=4096 D=128 f32
+// took 4.76 ms, about 4.3 ms of it for 134 MB of K and V: the full bandwidth (the GEMM reads
+// them in place at Lq = 1). With Hq = 4 Hkv the repeats come from cache: B=4 Hq=32 Hkv=8 took
+// 11.9 ms where this term says 17 ms, which errs towards flash.
+constexpr double kMathStreamEfficiency = 1.0;
+// math backward: B=1 Hq=16 L=2048 D=128 f32 took 737 ms (1 thread, median of 3; 1131 ms with
+// OpenBLAS); GEMMs at the forward's efficiency and the two Lq x Lk matrices (P * M and dS,
+// written once and read twice: 24 bytes a pair) at the memory bandwidth leave 0.90
+// softmax-row elements a pair.
+constexpr double kMathBackwardSoftmaxCost = 0.90;
 constexpr double kMathBackwardBytesPerPair = 24;
 // math backward: storing one dK or dV element (store_rows, per kv head), FMA-equivalent flops:
-// decode B=1 Hq=8 Lq=1 Lk=128 D=128 f32 took 0.36 ms, 0.22 ms beyond the other terms for
-// 262144 elements (perf: store_rows 39% of the call); B=4 Hq=32 Hkv=8 Lk=4096 then comes
-// within 10%. Shapes with Lq >= Lk (L=32, 64) store the same and run 20-30% faster than this
-// term says: it decides only decode-shaped backwards, where it is measured.
-constexpr double kMathBackwardStoreFlops = 200;
+// decode B=1 Hq=8 Lq=1 Lk=128 D=128 f32 took 0.235 ms (median of 3; 0.36 ms with OpenBLAS),
+// 0.15 ms beyond the other terms for 262144 elements (perf: store_rows 39% of the call then).
+// Shapes with Lq >= Lk (L=32, 64) store the same and run 20-30% faster than this term says: it
+// decides only decode-shaped backwards, where it is measured.
+constexpr double kMathBackwardStoreFlops = 135;
 
 // Fixed cost per call, forward and backward (validation, allocation, the row loops' setup):
 // with these, B=1 Hq=1 L=16 D=64 on 1 thread is estimated at flash 4.3 and 13 us, math 3.9 and
@@ -69,9 +73,8 @@ double estimate_math(Pass pass, const Params& p, const Launch& launch, const Cos
                           stores * kMathBackwardStoreFlops) /
                              flops_per_s +
                          (pairs * softmax_cost + rows * kMathRowCost) / m.machine.softmax_per_s;
-  // K and V streamed once per block of query rows (BLAS's GEMV-like products at Lq = 1 run far
-  // below the bandwidth: kMathStreamEfficiency); q and out (backward: dout and the gradients)
-  // once; the backward's Lq x Lk matrices.
+  // K and V streamed once per block of query rows (kMathStreamEfficiency); q and out
+  // (backward: dout and the gradients) once; the backward's Lq x Lk matrices.
   double bytes = s.batch * s.heads_q * q_blocks * s.lk * s.dims * 4 / kMathStreamEfficiency +
                  s.batch * s.heads_q * s.lq * s.dims * s.element;
   if (!forward) bytes = 2 * bytes + pairs * kMathBackwardBytesPerPair;
@@ -100,8 +103,9 @@ double estimate_math(Pass pass, const Params& p, const Launch& launch, const Cos
 }  // namespace
 
 void math_can_use(Pass, const Params& p, std::vector<std::string>& reasons) {
-  // The math backend hands sizes, and the Lq x Lk score matrix of one head in its backward,
-  // to BLAS as 32-bit ints.
+  // Sizes past 32 bits, refused since math ran on BLAS (32-bit sizes). Its own GEMMs
+  // (cpu/gemm.h) take 64-bit sizes; the limit and its messages stay until the tests and
+  // programs that use it as "a call math cannot run" move to another one.
   constexpr std::int64_t kMax = INT_MAX;
   const struct {
     const char* name;

@@ -1,0 +1,15 @@
+// The math backend's GEMM (cpu/gemm-inl.h) compiled for the baseline ISA (SSE2 on x86-64, NEON on
+// aarch64).
+#include "cpu/gemm.h"
+
+// As in src/cpu/flash_generic.cpp: the same ISA and micro-tile.
+#define ATTNCORE_TARGET_NS generic
+#define ATTNCORE_TARGET
+#define ATTNCORE_LANES 4
+#define ATTNCORE_TILE_ROWS 6
+#define ATTNCORE_TILE_VECTORS 2
+#include "cpu/gemm-inl.h"
+
+namespace attncore::detail {
+GemmTarget gemm_target_generic() { return {"generic", &generic::sgemm, &generic::dgemm}; }
+}  // namespace attncore::detail

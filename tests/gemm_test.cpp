@@ -1,0 +1,162 @@
+// The math backend's GEMMs (src/cpu/gemm.h) on every SIMD target this CPU runs, f32 and f64,
+// against fp64 sums: shapes at and around the micro-tile, block and few-rows edges, all four
+// transpose combinations, alpha and beta; beta = 0 never reads C (it starts as NaN); each
+// product's bits do not depend on how often it runs (no state carried between calls).
+#include "cpu/gemm.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "attncore/info.h"
+#include "testing/problem.h"
+#include "testing/random.h"
+
+namespace attncore {
+namespace {
+
+using detail::gemm_pack_elements;
+using detail::gemm_target_chosen;
+using detail::GemmMatrix;
+
+struct Shape {
+  std::int64_t m, n, k;
+};
+
+// C = alpha * op(A) op(B) + beta * C through the chosen target, against fp64; returns the
+// largest error in units of the bound k * eps * sum |a b| + eps * |C| (per element).
+template <class T>
+double worst_error(const Shape& s, bool trans_a, bool trans_b, T alpha, T beta,
+                   std::uint64_t seed) {
+  const std::vector<double> a64 = test::random_vector(s.m * s.k, seed);
+  const std::vector<double> b64 = test::random_vector(s.k * s.n, seed + 1);
+  const std::vector<double> c64 = test::random_vector(s.m * s.n, seed + 2);
+  // A is [m, k] (trans_a: stored [k, m]), B is [k, n] (trans_b: stored [n, k]); one padding
+  // column in every stored row.
+  const std::int64_t lda = (trans_a ? s.m : s.k) + 1, ldb = (trans_b ? s.k : s.n) + 1,
+                     ldc = s.n + 1;
+  std::vector<T> a(static_cast<std::size_t>((trans_a ? s.k : s.m) * lda)),
+      b(static_cast<std::size_t>((trans_b ? s.n : s.k) * ldb));
+  std::vector<T> c(static_cast<std::size_t>(s.m * ldc), std::numeric_limits<T>::quiet_NaN());
+  auto at_a = [&](std::int64_t i, std::int64_t p) -> T& {
+    return trans_a ? a[p * lda + i] : a[i * lda + p];
+  };
+  auto at_b = [&](std::int64_t p, std::int64_t j) -> T& {
+    return trans_b ? b[j * ldb + p] : b[p * ldb + j];
+  };
+  for (std::int64_t i = 0; i < s.m; ++i) {
+    for (std::int64_t p = 0; p < s.k; ++p) at_a(i, p) = static_cast<T>(a64[i * s.k + p]);
+  }
+  for (std::int64_t p = 0; p < s.k; ++p) {
+    for (std::int64_t j = 0; j < s.n; ++j) at_b(p, j) = static_cast<T>(b64[p * s.n + j]);
+  }
+  if (beta != T(0)) {
+    for (std::int64_t i = 0; i < s.m; ++i) {
+      for (std::int64_t j = 0; j < s.n; ++j) c[i * ldc + j] = static_cast<T>(c64[i * s.n + j]);
+    }
+  }
+  const std::vector<T> c_in = c;
+  const GemmMatrix<T> ma =
+      trans_a ? GemmMatrix<T>{a.data(), 1, lda} : GemmMatrix<T>{a.data(), lda, 1};
+  const GemmMatrix<T> mb =
+      trans_b ? GemmMatrix<T>{b.data(), 1, ldb} : GemmMatrix<T>{b.data(), ldb, 1};
+  std::vector<T> pack(static_cast<std::size_t>(gemm_pack_elements(s.m, s.n, s.k)));
+  auto run = [&](std::vector<T>& out) {
+    if constexpr (sizeof(T) == 4) {
+      gemm_target_chosen().sgemm(s.m, s.n, s.k, alpha, ma, mb, beta, out.data(), ldc, pack.data());
+    } else {
+      gemm_target_chosen().dgemm(s.m, s.n, s.k, alpha, ma, mb, beta, out.data(), ldc, pack.data());
+    }
+  };
+  run(c);
+  std::vector<T> again = c_in;
+  run(again);
+  EXPECT_EQ(std::memcmp(c.data(), again.data(), c.size() * sizeof(T)), 0) << "not repeatable";
+  const double eps = std::numeric_limits<T>::epsilon();
+  double worst = 0;
+  for (std::int64_t i = 0; i < s.m; ++i) {
+    for (std::int64_t j = 0; j < s.n; ++j) {
+      double exact = 0, magnitude = 0;
+      for (std::int64_t p = 0; p < s.k; ++p) {
+        const double x = static_cast<double>(at_a(i, p)) * static_cast<double>(at_b(p, j));
+        exact += x;
+        magnitude += std::fabs(x);
+      }
+      const double old = beta == T(0) ? 0.0 : static_cast<double>(c_in[i * ldc + j]);
+      const double want = static_cast<double>(alpha) * exact + static_cast<double>(beta) * old;
+      const double bound = (static_cast<double>(s.k) + 2) * eps *
+                               (std::fabs(static_cast<double>(alpha)) * magnitude) +
+                           2 * eps * std::fabs(static_cast<double>(beta) * old) + 1e-300;
+      const double err = std::fabs(static_cast<double>(c[i * ldc + j]) - want) / bound;
+      if (!(err <= worst)) worst = err;  // NaN (C read under beta = 0) becomes the worst
+    }
+    // The padding column of C is never written.
+    if (s.n < ldc) {
+      const T pad = c[i * ldc + s.n];
+      EXPECT_EQ(std::memcmp(&pad, &c_in[i * ldc + s.n], sizeof(T)), 0) << "padding written";
+    }
+  }
+  return worst;
+}
+
+class Gemm : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Gemm, MatchesFp64SumsOnEveryShape) {
+  const test::ScopedTarget target(GetParam());
+  // Micro-tiles are 6 or 8 rows and 8-32 columns; A blocks 144 rows, B blocks 1024 columns,
+  // k chunks 256; 1-2 rows take the in-place path (x K^T: dot products; x V: row updates).
+  const Shape shapes[] = {{1, 1, 1},     {1, 37, 64},  {2, 130, 128}, {1, 1030, 257},
+                          {3, 33, 17},   {8, 32, 256}, {9, 31, 255},  {128, 129, 64},
+                          {145, 17, 40}, {7, 1025, 9}, {50, 40, 513}, {6, 16, 1}};
+  std::uint64_t seed = 1;
+  for (const Shape& s : shapes) {
+    for (int t = 0; t < 4; ++t) {
+      const bool ta = (t & 1) != 0, tb = (t & 2) != 0;
+      SCOPED_TRACE("m=" + std::to_string(s.m) + " n=" + std::to_string(s.n) +
+                   " k=" + std::to_string(s.k) + " trans_a=" + std::to_string(ta) +
+                   " trans_b=" + std::to_string(tb));
+      EXPECT_LE(worst_error<float>(s, ta, tb, 1.0f, 0.0f, seed), 1.0);
+      EXPECT_LE(worst_error<float>(s, ta, tb, 0.125f, 1.0f, seed + 7), 1.0);
+      EXPECT_LE(worst_error<double>(s, ta, tb, 1.0, 0.0, seed + 11), 1.0);
+      EXPECT_LE(worst_error<double>(s, ta, tb, -0.7, 0.5, seed + 13), 1.0);
+      seed += 17;
+    }
+  }
+}
+
+// k = 0: C = beta * C (beta = 0: zeros, C not read).
+TEST_P(Gemm, EmptyProductScalesC) {
+  const test::ScopedTarget target(GetParam());
+  std::vector<float> c = {std::numeric_limits<float>::quiet_NaN(), 2.0f};
+  float pack[1];
+  const GemmMatrix<float> none{nullptr, 0, 1};
+  gemm_target_chosen().sgemm(1, 2, 0, 1.0f, none, none, 0.0f, c.data(), 2, pack);
+  EXPECT_EQ(c[0], 0.0f);
+  EXPECT_EQ(c[1], 0.0f);
+  c = {3.0f, 2.0f};
+  gemm_target_chosen().sgemm(1, 2, 0, 1.0f, none, none, 0.5f, c.data(), 2, pack);
+  EXPECT_EQ(c[0], 1.5f);
+  EXPECT_EQ(c[1], 1.0f);
+}
+
+INSTANTIATE_TEST_SUITE_P(Targets, Gemm, ::testing::ValuesIn(simd_targets_supported()),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           return info.param;
+                         });
+
+// The GEMM target follows the flash target's ISA.
+TEST(GemmTarget, FollowsTheSimdTarget) {
+  for (const std::string& name : simd_targets_supported()) {
+    const test::ScopedTarget target(name);
+    const std::string gemm = gemm_target_chosen().name;
+    EXPECT_EQ(name.rfind(gemm, 0), 0u) << name << " ran GEMM target " << gemm;
+  }
+}
+
+}  // namespace
+}  // namespace attncore
