@@ -2,32 +2,26 @@
 #include "cpu/gemm.h"
 
 #include <cstring>
-#include <vector>
+#include <iterator>
 
 #include "cpu/flash.h"
 
 namespace attncore::detail {
 
-namespace {
-
-// Best first, like flash_targets_compiled; generic last (every ISA begins with the baseline).
-std::vector<GemmTarget> gemm_targets_compiled() {
-#if defined(__x86_64__)
-  return {gemm_target_avx512(), gemm_target_avx2(), gemm_target_generic()};
-#else
-  return {gemm_target_generic()};
-#endif
-}
-
-}  // namespace
-
 const GemmTarget& gemm_target_chosen() {
-  static const std::vector<GemmTarget> targets = gemm_targets_compiled();
+  // Best first, like flash_targets_compiled; generic last (every ISA begins with the baseline).
+  // A plain array: nothing to destroy at exit while another thread may still run a call.
+#if defined(__x86_64__)
+  static const GemmTarget targets[] = {gemm_target_avx512(), gemm_target_avx2(),
+                                       gemm_target_generic()};
+#else
+  static const GemmTarget targets[] = {gemm_target_generic()};
+#endif
   const char* flash = flash_target_chosen().name;
   for (const GemmTarget& t : targets) {
     if (std::strncmp(flash, t.name, std::strlen(t.name)) == 0) return t;
   }
-  return targets.back();
+  return targets[std::size(targets) - 1];
 }
 
 }  // namespace attncore::detail
