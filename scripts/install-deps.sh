@@ -5,7 +5,8 @@ set -euo pipefail
 packages=(cmake g++ make pkg-config libgtest-dev libbenchmark-dev python3
   python3-dev pybind11-dev libdlpack-dev python3-numpy python3-pytest python3-torch clang
   libclang-rt-14-dev  # clang 14's libFuzzer and sanitizer runtimes
-  python3-venv python3-build mypy)  # pip into a venv, wheels, the type stubs' check
+  python3-venv python3-build mypy  # pip into a venv, wheels, the type stubs' check
+  libomp-14-dev)  # clang 14's OpenMP (the OpenMP executor test)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -3,6 +3,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string_view>
 
@@ -29,6 +30,26 @@ ATTNCORE_API int set_num_threads(int num_threads);
 // set_num_threads's setting, else default_num_threads() (attncore/info.h), whose
 // InvalidArgument for a bad ATTNCORE_NUM_THREADS it passes on.
 ATTNCORE_API int get_num_threads();
+
+// A thread pool of the caller's that runs a call's parallel work (Options::executor), so that
+// attention runs inside an engine's own threads instead of attncore's pool.
+class ATTNCORE_API Executor {
+ public:
+  // One task: its index in [0, num_tasks) and the worker running it, in [0, concurrency).
+  using Task = std::function<void(int task, int worker)>;
+
+  virtual ~Executor() = default;
+
+  // Runs task(t, worker) once for every t in [0, num_tasks) on at most `concurrency` threads
+  // at a time (the calling thread may be one of them; one thread running them in turn is
+  // valid), and returns when every task has returned. Tasks running at the same time get
+  // different worker indices. A task may wait for another task that has started, never for
+  // one that has not: every started task must be left to run to its end (no suspending it to
+  // run other tasks on its thread). Tasks do not throw: attncore catches inside them and
+  // rethrows after parallel_for returns. attncore calls it from the thread that made the call,
+  // once per parallel region, with 2 <= num_tasks and concurrency <= the call's thread count.
+  virtual void parallel_for(int num_tasks, int concurrency, const Task& task) const = 0;
+};
 
 // Which diagonal a causal mask keeps (query row i, key column j, lengths Lq and Lk).
 enum class Causal : std::uint8_t {
@@ -89,6 +110,10 @@ struct Options {
   // groups), and once it reads true, stops and throws attncore::Cancelled; outputs are then
   // incomplete. Set it from any thread; the caller keeps the flag alive during the call.
   const std::atomic<bool>* cancel = nullptr;
+  // When not null, the call's parallel regions run through this executor (kept alive by the
+  // caller during the call) instead of attncore's pool, on at most the call's thread count
+  // (num_threads and its defaults, as above). Results are the same bits either way.
+  const Executor* executor = nullptr;
 };
 
 }  // namespace attncore

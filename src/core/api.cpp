@@ -64,7 +64,7 @@ void check_memory(const char* op, const detail::BackendEntry& backend, Pass pass
 }
 
 Launch launch_of(const Options& options, const char* op) {
-  return {detail::resolve_threads(options.num_threads, op), options.cancel};
+  return {detail::resolve_threads(options.num_threads, op), options.cancel, options.executor};
 }
 
 // The backend a call runs (core/select.h), its memory checked (check_memory), and the call's
@@ -86,6 +86,7 @@ void run_forward(const detail::BackendEntry& entry, const Params& p, const Launc
                  const ForwardArgs& args) {
   detail::run_in_flight([&] {
     guarded("forward", "running the backend (outputs are incomplete)", [&] {
+      const detail::ExecutorScope executor(launch.executor);
       entry.forward(p, launch, args);
       detail::fill_unused_rows(p, args);
     });
@@ -100,6 +101,7 @@ void run_backward(const detail::BackendEntry& entry, const Params& p, const Laun
                   const BackwardArgs& args) {
   detail::run_in_flight([&] {
     guarded("backward", "running the backend (outputs are incomplete)", [&] {
+      const detail::ExecutorScope executor(launch.executor);
       entry.backward(p, launch, args);
       detail::fill_unused_rows(p, args);
     });

@@ -146,6 +146,7 @@ struct CancelledWork {};
 struct Launch {
   int threads = 1;                            // resolved: >= 1
   const std::atomic<bool>* cancel = nullptr;  // Options::cancel
+  const Executor* executor = nullptr;         // Options::executor (run_tasks reads it)
 
   bool cancelled() const { return cancel != nullptr && cancel->load(std::memory_order_relaxed); }
   // Backends call this between work items: throws CancelledWork once the flag is set or the

@@ -118,7 +118,40 @@ struct InTask {
   ~InTask() { t_in_task = previous; }
 };
 
+// The executor of the call this thread is running (ExecutorScope); null: the pool.
+thread_local const Executor* t_executor = nullptr;
+
+// The pool's job on the caller's executor: min(threads, num_tasks) executor tasks, each taking
+// tasks from one counter until none are left (as the pool's threads do), so a task only ever
+// waits for tasks already taken by a running executor task. Tasks the executor left unrun (it
+// ran fewer) are run here; the first exception is rethrown.
+void run_on_executor(const Executor& executor, int num_tasks, int threads,
+                     const std::function<void(int)>& task) {
+  const int workers = std::min(threads, num_tasks);
+  std::atomic<int> next{0};
+  std::mutex error_mutex;
+  std::exception_ptr error;
+  auto drain = [&] {
+    for (int t = next.fetch_add(1); t < num_tasks; t = next.fetch_add(1)) {
+      try {
+        task(t);
+      } catch (...) {
+        const std::lock_guard<std::mutex> lock(error_mutex);
+        if (!error) error = std::current_exception();
+      }
+    }
+  };
+  executor.parallel_for(workers, workers, [&](int, int) { drain(); });
+  drain();
+  if (error) std::rethrow_exception(error);
+}
+
 }  // namespace
+
+ExecutorScope::ExecutorScope(const Executor* executor) : previous_(t_executor) {
+  t_executor = executor;
+}
+ExecutorScope::~ExecutorScope() { t_executor = previous_; }
 
 void run_tasks(int num_tasks, int threads, const std::function<void(int)>& task) {
   if (num_tasks <= 0) return;
@@ -131,7 +164,9 @@ void run_tasks(int num_tasks, int threads, const std::function<void(int)>& task)
     const InTask inner;
     task(t);
   };
-  if (!pool().try_run(num_tasks, threads, marked)) {
+  if (t_executor != nullptr) {
+    run_on_executor(*t_executor, num_tasks, threads, marked);
+  } else if (!pool().try_run(num_tasks, threads, marked)) {
     for (int t = 0; t < num_tasks; ++t) task(t);
   }
 }
