@@ -14,6 +14,8 @@ packed views as they are: q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, H
 import math
 import typing
 
+import numpy as np
+
 from . import _arrays, _core, _random
 from ._rank4 import (INT32_MAX, Call, DenseKernel, backward4, bool_option,
                      core_or_none, forward4, int_option, lse_dtype, real_option, times)
@@ -83,11 +85,18 @@ class _Form:
         self.unbatched = layout == "bhld" and query.ndim == 2
         q, k, v = (self._bhld(x, name) for x, name in
                    ((query, "query"), (key, "key"), (value, "value")))
-        self.batch = tuple(q.shape[:-3])
+        # Batch dims broadcast between query, key and value, as in torch's math path; the
+        # inputs are expanded (stride 0, no copy where one batch dim is broadcast).
+        self.input_batches = [tuple(x.shape[:-3]) for x in (q, k, v)]
+        self.batch = self.input_batches[0]
         for x, name in ((k, "key"), (v, "value")):
-            if tuple(x.shape[:-3]) != self.batch:
+            try:
+                self.batch = tuple(np.broadcast_shapes(self.batch, tuple(x.shape[:-3])))
+            except ValueError:
                 raise ValueError(f"{op}: {name} has leading dims {list(x.shape[:-3])}, expected "
-                                 f"query's {list(self.batch)} (the same batch dims)")
+                                 f"them to broadcast with query's {list(q.shape[:-3])} (each "
+                                 "dim equal or 1)") from None
+        q, k, v = (self._broadcast(x) for x in (q, k, v))
         self.batch_size = math.prod(self.batch)
         self.heads_q, self.seqlen_q = q.shape[-3], q.shape[-2]
         self.seqlen_k = k.shape[-2]
@@ -104,6 +113,24 @@ class _Form:
             raise ValueError(f"{self.op}: {name} has the wrong rank (rank={x.ndim}, expected "
                              ">= 2: [..., H, L, D])")
         return x if x.ndim >= 3 else self.lib.reshape(x, (1,) + tuple(x.shape))
+
+    def _broadcast(self, x):
+        """x [..., H, L, D] expanded to the call's batch dims."""
+        if tuple(x.shape[:-3]) == self.batch:
+            return x
+        lead = (1,) * (len(self.batch) + 3 - x.ndim)
+        x = self.lib.reshape(x, lead + tuple(x.shape))
+        return self.lib.broadcast_to(x, self.batch + tuple(x.shape[-3:]))
+
+    def reduce_to_input(self, grad, index):
+        """The gradient of input `index` (0 query, 1 key, 2 value) in the caller's layout,
+        summed over the batch dims that input was broadcast along."""
+        batch = self.input_batches[index]
+        if batch == self.batch or self.unbatched:
+            return grad
+        rest = tuple(grad.shape[len(self.batch):])
+        padded = (1,) * (len(self.batch) - len(batch)) + batch
+        return self.lib.reshape(self.lib.sum_to(grad, padded + rest), batch + rest)
 
     def _fold(self, x):
         """[..., H, L, D] -> [B, H, L, D], unit last stride."""
@@ -269,7 +296,8 @@ def attention_backward(dout, query, key, value, out, softmax_lse, *, layout="bhl
         p.lib, form.from_caller(dout, "dout"), times(form.q4, factor), form.k4, form.v4,
         form.from_caller(out, "out"), form.lse_from_caller(softmax_lse), p.mask4, p.alibi,
         p.call, want_dbias)
-    grads = [form.to_caller(times(dq4, factor)), form.to_caller(dk4), form.to_caller(dv4)]
+    grads = [form.reduce_to_input(form.to_caller(g), i)
+             for i, g in enumerate((times(dq4, factor), dk4, dv4))]
     if want_dbias:
         grads.append(form.dbias_to_caller(dbias4, p.mask))
     return tuple(p.give_back(g) for g in grads)

@@ -21,15 +21,68 @@ class SDPBackend(enum.Enum):
     FLASH_ATTENTION = "flash"  # torch's name for the fused kernel: the same member as FLASH
 
 
+# torch 2.x's torch.nn.attention.SDPBackend: each member's (name, value) and attncore's backend
+# for it; None where attncore has no such backend (CUDA-only kernels), so that naming it alone
+# is NotImplementedError.
+TORCH_SDP_BACKENDS = {
+    ("MATH", 0): "math",
+    ("FLASH_ATTENTION", 1): "flash",
+    ("EFFICIENT_ATTENTION", 2): "flash",  # fused and memory-efficient: attncore's flash
+    ("CUDNN_ATTENTION", 3): None,
+    ("OVERRIDEABLE", 4): None,
+}
+
+
+def _torch_backend_name(op, backend):
+    """attncore's name for a member of torch's SDPBackend (an object of a type named SDPBackend
+    or _SDPBackend, not attncore's, with torch's name and value), None where attncore has no
+    such backend, or False when `backend` is no such member."""
+    if isinstance(backend, SDPBackend):
+        return False
+    kind = type(backend).__name__
+    name, value = getattr(backend, "name", None), getattr(backend, "value", None)
+    if kind not in ("SDPBackend", "_SDPBackend") or not isinstance(name, str):
+        return False
+    try:
+        return TORCH_SDP_BACKENDS[(name, int(value))]
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{op}: backend is not one torch's SDPBackend has (backend={name}, "
+                         f"value={value!r}, expected one of "
+                         f"{', '.join(f'{n}={v}' for n, v in TORCH_SDP_BACKENDS)})") from None
+
+
+def backend_names(op, backends):
+    """The library's names of backends (names, attncore's or torch's SDPBackend members), in
+    order; torch's members for which attncore has no backend (CUDNN_ATTENTION, OVERRIDEABLE) are
+    left out unless all are such, which is NotImplementedError."""
+    names = []
+    for backend in backends:
+        mapped = _torch_backend_name(op, backend)
+        if mapped is False:
+            names.append(backend_name(op, backend))
+        elif mapped is not None:
+            names.append(mapped)
+    if backends and not names:
+        raise NotImplementedError(f"{op}: backend is not available (backend="
+                                  f"{', '.join(str(b) for b in backends)}, expected one attncore "
+                                  "runs on CPUs: MATH, FLASH_ATTENTION or EFFICIENT_ATTENTION)")
+    return names
+
+
 def backend_name(op, backend):
     """The library's name of a backend: "auto" for None or "auto", else "reference", "math" or
-    "flash" for such a name or an SDPBackend. TypeError for other types, ValueError for other
-    names; `op` names the call in the message."""
+    "flash" for such a name, an attncore.SDPBackend or a member of torch 2.x's SDPBackend
+    (EFFICIENT_ATTENTION and FLASH_ATTENTION -> "flash", MATH -> "math"; CUDNN_ATTENTION and
+    OVERRIDEABLE, CUDA kernels: NotImplementedError). TypeError for other types, ValueError for
+    other names; `op` names the call in the message."""
     if backend is None:
         return "auto"
     if isinstance(backend, SDPBackend):
         return backend.value
-    expected = "None, 'auto', 'reference', 'math', 'flash' or an attncore.SDPBackend"
+    if _torch_backend_name(op, backend) is not False:
+        return backend_names(op, [backend])[0]
+    expected = ("None, 'auto', 'reference', 'math', 'flash', an attncore.SDPBackend or a "
+                "torch SDPBackend")
     if not isinstance(backend, str):
         raise TypeError(f"{op}: backend is not a backend name (type={type(backend).__name__}, "
                         f"expected {expected})")
@@ -46,11 +99,13 @@ def enabled_backends():
 @contextlib.contextmanager
 def sdpa_kernel(backends, set_priority=False):
     """Within the block, calls on this thread that name no backend choose among `backends`
-    only (an SDPBackend or name, or a list of them), like torch.nn.attention.sdpa_kernel: in
+    only (an SDPBackend, torch's or attncore's, or a name, or a list of them; torch's CUDA-only
+    members in a list are left out), like torch.nn.attention.sdpa_kernel: in
     the library's default priority order, or in the given order with set_priority=True. The
     previous list comes back on exit, exceptions included. Calls that name a backend run it
     regardless."""
-    if isinstance(backends, (SDPBackend, str)):
+    if isinstance(backends, (SDPBackend, str)) or _torch_backend_name("sdpa_kernel",
+                                                                      backends) is not False:
         backends = [backends]
     try:
         backends = list(backends)
@@ -58,7 +113,7 @@ def sdpa_kernel(backends, set_priority=False):
         raise TypeError(f"sdpa_kernel: backends is not a backend or a list of them "
                         f"(type={type(backends).__name__}, expected an SDPBackend, a name or a "
                         "list of them)") from None
-    names = [backend_name("sdpa_kernel", b) for b in backends]
+    names = list(dict.fromkeys(backend_names("sdpa_kernel", backends)))  # torch's two -> flash
     if not set_priority:
         order = [b.value for b in SDPBackend]
         names = sorted(names, key=lambda n: order.index(n) if n in order else -1)
