@@ -14,6 +14,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attncore/attncore.h"
@@ -40,6 +41,9 @@ struct DecodePoint {
   std::int64_t batch, heads_kv, seqlen_k;
   DType dtype;
   Layout layout;
+  std::int64_t page_size = 0;  // > 0: a paged cache, pages [pages, page_size, Hkv, D] (BLHD)
+  std::int64_t seqlen_q = 1;   // > 1: chunked prefill (lower-right causal: the chunk's last
+                               // Lq slots of the cache are its own keys)
   double kv_bytes() const {
     return 2.0 * static_cast<double>(batch * heads_kv * seqlen_k) * kHeadDim *
            static_cast<double>(attncore::size_of(dtype));
@@ -85,22 +89,40 @@ double time_point(const DecodePoint& pt, void* kv, const Timed& how, int repeat)
   const std::int64_t elements = b * hkv * l * d;
   char* k_data = static_cast<char*>(kv);
   char* v_data = k_data + elements * static_cast<std::int64_t>(attncore::size_of(pt.dtype));
+  // Paged: B * Lk / page_size pages (Lk a multiple of the page size), handed to the sequences in
+  // a fixed shuffled order (pages of one sequence are not adjacent in memory, as in a serving
+  // engine's pool after some traffic).
+  const std::int64_t ps = pt.page_size, per_seq = ps > 0 ? l / ps : 0, pages = b * per_seq;
   auto cache = [&](char* data) {
+    if (ps > 0) return TensorView::contiguous(data, pt.dtype, {pages, ps, hkv, d}).transposed(1, 2);
     return pt.layout == Layout::bhld
                ? TensorView::contiguous(data, pt.dtype, {b, hkv, l, d})
                : TensorView::contiguous(data, pt.dtype, {b, l, hkv, d}).transposed(1, 2);
   };
-  attncore::Tensor q(pt.dtype, {b, hq, 1, d});
-  attncore::Tensor out(pt.dtype, {b, hq, 1, d});
+  attncore::Tensor table(DType::i32, {b, std::max<std::int64_t>(per_seq, 1)});
+  if (ps > 0) {
+    auto* t = static_cast<std::int32_t*>(table.view().data);
+    for (std::int64_t n = 0; n < pages; ++n) t[n] = static_cast<std::int32_t>(n);
+    std::uint32_t state = 777;
+    for (std::int64_t n = pages - 1; n > 0; --n) {  // Fisher-Yates, fixed seed
+      state = state * 1664525u + 1013904223u;
+      std::swap(t[n], t[static_cast<std::int64_t>(state % static_cast<std::uint32_t>(n + 1))]);
+    }
+  }
+  const std::int64_t lq = pt.seqlen_q;
+  attncore::Tensor q(pt.dtype, {b, hq, lq, d});
+  attncore::Tensor out(pt.dtype, {b, hq, lq, d});
   attncore::Tensor seqlens(DType::i32, {b});
   auto* lens = static_cast<std::int32_t*>(seqlens.view().data);
   std::fill_n(lens, b, static_cast<std::int32_t>(l));
   std::memcpy(q.view().data, k_data,
-              static_cast<std::size_t>(b * hq * d) * attncore::size_of(pt.dtype));
+              static_cast<std::size_t>(b * hq * lq * d) * attncore::size_of(pt.dtype));
   attncore::KvCacheSeqs seqs;
   seqs.cache_seqlens = seqlens.view();
+  if (ps > 0) seqs.block_table = table.view();
   attncore::Options options;
   options.num_threads = how.threads;
+  if (lq > 1) options.causal = attncore::Causal::lower_right;
   double best = 1e30;
   for (int n = 0; n < repeat; ++n) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -129,17 +151,21 @@ int bench_decode(const BenchConfig& bc) {
   std::vector<DecodePoint> points, skipped;
   for (std::int64_t hkv : {std::int64_t{32}, std::int64_t{8}}) {
     for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
-      for (Layout layout : {Layout::bhld, Layout::blhd}) {
+      // Dense in both layouts, then paged (BLHD rows) at page sizes 16 and 256.
+      const std::pair<Layout, std::int64_t> kinds[] = {
+          {Layout::bhld, 0}, {Layout::blhd, 0}, {Layout::blhd, 16}, {Layout::blhd, 256}};
+      for (const auto& [layout, page_size] : kinds) {
         for (std::int64_t b : batches) {
           for (std::int64_t l : lengths) {
-            const DecodePoint pt{b, hkv, l, dtype, layout};
+            const DecodePoint pt{b, hkv, l, dtype, layout, page_size};
             (pt.kv_bytes() > max_bytes ? skipped : points).push_back(pt);
           }
         }
       }
     }
   }
-  double largest = 0;
+  // (At least the chunked prefill's cache, f32 B=1 Hkv=8 Lk=4096, and its queries.)
+  double largest = 2.0 * 8 * 4096 * 128 * 4;
   for (const DecodePoint& pt : points) largest = std::max(largest, pt.kv_bytes());
   const bool json_to_stdout = bc.sweep.json == "-";
   std::FILE* const table = json_to_stdout ? stderr : stdout;
@@ -168,7 +194,9 @@ int bench_decode(const BenchConfig& bc) {
                "%d interleaved passes, best of %d calls each\n"
                "read bandwidth probe (same passes): %.1f GB/s on 1 thread, %.1f on 2\n"
                "K/V GB/s = bytes of K and V read once / time; %%probe: of the probe on the same "
-               "thread count\n\n",
+               "thread count\n"
+               "lay: BHLD = [B, Hkv, L, D]; BLHD = [B, L, Hkv, D]; pN = paged, page size N, pages "
+               "[pages, N, Hkv, D] in a shuffled order\n\n",
                attncore::version(), static_cast<long long>(DecodePoint::kHeadsQ),
                static_cast<long long>(DecodePoint::kHeadDim), attncore::simd_target().c_str(),
                passes, bc.run.repeat, bw1, bw2);
@@ -183,14 +211,18 @@ int bench_decode(const BenchConfig& bc) {
       gbs[t] = pt.kv_bytes() / median(seconds[n * std::size(kTimed) + t]) * 1e-9;
     }
     const double of[] = {gbs[0] / bw1, gbs[1] / bw2, gbs[2] / bw1};
-    std::fprintf(table, "%-5s %-4s %3lld %3lld %6lld %9.1f | %8.1f %5.0f%% | %8.1f %5.0f%% | %8.1f %5.0f%%\n",
-                 std::string(attncore::name_of(pt.dtype)).c_str(), name_of(pt.layout),
+    const std::string kind =
+        pt.page_size > 0 ? "p" + std::to_string(pt.page_size) : std::string(name_of(pt.layout));
+    std::fprintf(table,
+                 "%-5s %-4s %3lld %3lld %6lld %9.1f | %8.1f %5.0f%% | %8.1f %5.0f%% | %8.1f %5.0f%%\n",
+                 std::string(attncore::name_of(pt.dtype)).c_str(), kind.c_str(),
                  static_cast<long long>(pt.heads_kv), static_cast<long long>(pt.batch),
                  static_cast<long long>(pt.seqlen_k), pt.kv_bytes() / 1e6, gbs[0], 100 * of[0],
                  gbs[1], 100 * of[1], gbs[2], 100 * of[2]);
     JsonObject j;
     j.add("dtype", attncore::name_of(pt.dtype));
     j.add("layout", name_of(pt.layout));
+    j.add("page_size", pt.page_size);
     j.add("heads_kv", pt.heads_kv);
     j.add("batch", pt.batch);
     j.add("seqlen_k", pt.seqlen_k);
@@ -203,10 +235,41 @@ int bench_decode(const BenchConfig& bc) {
     j.add("math_1t_of_probe", of[2]);
     items.push_back(j.str());
   }
+  // Chunked prefill over pages against the dense cache, flash on 1 thread, interleaved.
+  constexpr std::int64_t kChunk = 256, kContext = 4096;
+  std::fprintf(table,
+               "\nchunked prefill: B=1 Hq=32 Hkv=8 D=128, Lq=%lld new rows at the end of Lk=%lld "
+               "(lower-right causal), flash 1 thread; paged / dense = dense time / paged time "
+               "(equal work)\n%-5s %-5s %10s %10s %13s\n",
+               static_cast<long long>(kChunk), static_cast<long long>(kContext), "dtype", "pages",
+               "dense ms", "paged ms", "paged/dense");
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    for (std::int64_t page_size : {std::int64_t{16}, std::int64_t{256}}) {
+      const DecodePoint dense{1, 8, kContext, dtype, Layout::blhd, 0, kChunk};
+      DecodePoint paged = dense;
+      paged.page_size = page_size;
+      std::vector<double> dense_s, paged_s;
+      for (int pass = 0; pass < passes; ++pass) {
+        dense_s.push_back(time_point(dense, memory.data.get(), kTimed[0], bc.run.repeat));
+        paged_s.push_back(time_point(paged, memory.data.get(), kTimed[0], bc.run.repeat));
+      }
+      std::fprintf(table, "%-5s %-5lld %10.3f %10.3f %12.2fx\n",
+                   std::string(attncore::name_of(dtype)).c_str(),
+                   static_cast<long long>(page_size), median(dense_s) * 1e3,
+                   median(paged_s) * 1e3, median(dense_s) / median(paged_s));
+      JsonObject j;
+      j.add("dtype", attncore::name_of(dtype));
+      j.add("prefill_page_size", page_size);
+      j.add("dense_seconds", median(dense_s));
+      j.add("paged_seconds", median(paged_s));
+      j.add("paged_over_dense", median(dense_s) / median(paged_s));
+      items.push_back(j.str());
+    }
+  }
   std::string list;
   for (const DecodePoint& pt : skipped) {
     list += "\n  " + std::string(attncore::name_of(pt.dtype)) + " " +
-            name_of(pt.layout) + " Hkv=" + std::to_string(pt.heads_kv) +
+            (pt.page_size > 0 ? "p" + std::to_string(pt.page_size) : name_of(pt.layout)) + " Hkv=" + std::to_string(pt.heads_kv) +
             " B=" + std::to_string(pt.batch) + " Lk=" + std::to_string(pt.seqlen_k) +
             format(" (%.1f GiB)", pt.kv_bytes() / (1024.0 * 1024.0 * 1024.0));
   }

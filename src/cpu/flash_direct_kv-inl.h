@@ -31,21 +31,26 @@ struct DirectKv {
     }
   }
 
-  // The rows the in-place products compute for an item of `rows` rows: 1, 2, 4 or kTileRows
-  // (the rows past `rows` have P = 0 and alpha = 1). Decode items have one row per query head
-  // of the group: computing kTileRows rows for MHA's one row made P . V 8x the work it is.
-  ATTNCORE_TARGET static int rows_computed(std::int64_t rows) {
-    return rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 && kTileRows > 4 ? 4 : kTileRows;
+  // The rows the in-place products compute for an item of `rows` rows, V in `dtype`: 1, 2, 4
+  // or kTileRows (the rows past `rows` have P = 0 and alpha = 1). Decode items have one row per
+  // query head of the group: computing kTileRows rows for MHA's one row made P . V 8x the work
+  // it is. GQA groups of 3-4 rows: 4 for 16-bit V, kTileRows for f32 (GQA Hq=32 Hkv=8
+  // Lk=16384, 1 thread, GB/s: f32 18-20 with 8 rows against 16-17 with 4; bf16 17-18 with 4
+  // against 14 with 8).
+  ATTNCORE_TARGET static int rows_computed(std::int64_t rows, DType dtype) {
+    if (rows <= 2) return rows <= 1 ? 1 : 2;
+    return rows <= 4 && kTileRows > 4 && dtype != DType::f32 ? 4 : kTileRows;
   }
 
   // The scores of one row against keys c0 .. c0 + block - 1 (block <= kLanes) of `k` (rows ldk
-  // apart) into s[0 .. kLanes): one accumulator per key (in registers: the key loop is
-  // unrolled), summed across lanes by a register transpose (0 for keys past block). Out of line:
-  // inlined into the tile loop, GCC 12 kept the accumulators on the stack (GQA decode, bf16,
-  // 1 thread: 10.4 GB/s inlined).
-  template <class T>
-  ATTNCORE_TARGET __attribute__((noinline)) static void score_block(const T* k, std::int64_t ldk, DType dtype, std::int64_t d,
-                                          std::int64_t block, const float* q, float* s) {
+  // apart) into s[0 .. kLanes): one accumulator per key, in registers, summed across lanes by a
+  // register transpose (0 for keys past block). Full blocks test nothing per load: with a test
+  // per key GCC 12 kept the accumulators on the stack (f32 decode, 1 thread: 20-21 GB/s against
+  // 22-23 before).
+  template <bool kFull, class T>
+  ATTNCORE_TARGET __attribute__((noinline)) static void score_keys(const T* k, std::int64_t ldk, DType dtype,
+                                         std::int64_t d, std::int64_t block, const float* q,
+                                         float* s) {
     Vec acc[kLanes] = {};
     for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
       const int n = static_cast<int>(std::min<std::int64_t>(kLanes, d - e0));
@@ -53,14 +58,28 @@ struct DirectKv {
       const T* at = k + e0;
 #pragma GCC unroll 16
       for (int j = 0; j < kLanes; ++j) {
-        if (j < block) acc[j] += qv * load_part(at + j * ldk, n, dtype);
+        if (kFull || j < block) acc[j] += qv * load_part(at + j * ldk, n, dtype);
       }
     }
-    transpose_lanes(acc);
-    Vec sum = acc[0];
+    // (Transposed in a copy: with acc's address taken, GCC 12 stored every accumulator to the
+    // stack at each step of the loop above.)
+    Vec t[kLanes];
 #pragma GCC unroll 16
-    for (int j = 1; j < kLanes; ++j) sum += acc[j];
+    for (int j = 0; j < kLanes; ++j) t[j] = acc[j];
+    transpose_lanes(t);
+    Vec sum = t[0];
+#pragma GCC unroll 16
+    for (int j = 1; j < kLanes; ++j) sum += t[j];
     store(s, sum);
+  }
+  template <class T>
+  ATTNCORE_TARGET static void score_block(const T* k, std::int64_t ldk, DType dtype, std::int64_t d,
+                                          std::int64_t block, const float* q, float* s) {
+    if (block == kLanes) {
+      score_keys<true>(k, ldk, dtype, d, block, q, s);
+    } else {
+      score_keys<false>(k, ldk, dtype, d, block, q, s);
+    }
   }
 
   // S [rows][kKeyTile] = q . K[j0 + c]^T for c < keys, 0 for keys <= c < cols, kLanes keys at
@@ -100,7 +119,7 @@ struct DirectKv {
             __builtin_prefetch(row + d - 1, 0, 2);
           }
         }
-        if (c0 + j < keys) {
+        if (rows <= 2 && c0 + j < keys) {
           const T* row = v + v_at[c0 + j];
           for (std::int64_t e = 0; e < dv; e += kLine) __builtin_prefetch(row + e, 0, 2);
           __builtin_prefetch(row + dv - 1, 0, 2);
@@ -132,16 +151,19 @@ struct DirectKv {
   // and the slice of a V row (the whole row for R <= 2 and Dv <= 128 on AVX-512). Each output
   // element is out * alpha plus its keys' products in key order, whatever the slice: the same
   // bits for any R.
+  // Vectors per column slice of accumulate<R>: R accumulators and the V slice per vector in
+  // the registers.
+  static constexpr int slice_vectors(int r) {
+    const int fit = ((kLanes == 16 ? 32 : 16) - 1) / (r + 1);
+    return r == kTileRows ? kTileVectors : std::max(kTileVectors, fit >= 8 ? 8 : fit >= 4 ? 4 : 2);
+  }
+
   template <class T, int R>
   ATTNCORE_TARGET static void accumulate(const Params& p, const T* v, const std::int64_t* v_at,
-                                         DType dtype,
+                                         std::int64_t ahead, DType dtype,
                                          std::int64_t keys, const float* probs,
                                          std::int64_t dv_pad, const float* alpha, float* out) {
-    constexpr int kRegisters = kLanes == 16 ? 32 : 16;
-    constexpr int kFit = (kRegisters - 1) / (R + 1);  // R accumulators + the V slice per vector
-    constexpr int kVectors =
-        R == kTileRows ? kTileVectors
-                       : std::max(kTileVectors, kFit >= 8 ? 8 : kFit >= 4 ? 4 : 2);
+    constexpr int kVectors = slice_vectors(R);
     constexpr std::int64_t kCols = kVectors * kLanes;
     const std::int64_t dv = p.head_dim_v;
     for (std::int64_t e0 = 0; e0 < dv_pad; e0 += kCols) {
@@ -165,6 +187,10 @@ struct DirectKv {
       auto keys_loop = [&](auto whole) ATTNCORE_TARGET {
         for (std::int64_t c = 0; c < keys; ++c) {
           const T* row = v + v_at[c] + e0;
+          if (R > 2 && c + 16 < ahead) {  // GQA: this slice of the row 16 keys on, into L1
+            __builtin_prefetch(v + v_at[c + 16] + e0);
+            __builtin_prefetch(v + v_at[c + 16] + e0 + kCols - 1);
+          }
           Vec vrow[kVectors];
 #pragma GCC unroll 8
           for (int x = 0; x < kVectors; ++x) {
@@ -197,23 +223,48 @@ struct DirectKv {
     }
   }
 
+  // accumulate<R> for the item's rows. With several column slices (GQA), keys in chunks of 32
+  // so that a chunk's V rows stay in L1 from one slice to the next (a 128-key f32 tile does
+  // not fit: GQA f32 decode read 14-16 GB/s against 19-24 for 8 rows in 4 slices); the
+  // accumulator is rescaled by the first chunk only (the same bits as one pass).
+  template <class T, int R>
+  ATTNCORE_TARGET static void accumulate_chunks(const Params& p, const T* v,
+                                                const std::int64_t* v_at, std::int64_t ahead,
+                                                DType dtype, std::int64_t keys, const float* probs,
+                                                std::int64_t dv_pad, const float* alpha,
+                                                float* out) {
+    constexpr std::int64_t kChunk = 32;
+    if (slice_vectors(R) * kLanes >= dv_pad || keys <= kChunk) {
+      return accumulate<T, R>(p, v, v_at, ahead, dtype, keys, probs, dv_pad, alpha, out);
+    }
+    float ones[R];
+    std::fill_n(ones, R, 1.0f);
+    for (std::int64_t c = 0; c < keys; c += kChunk) {
+      accumulate<T, R>(p, v, v_at + c, ahead - c, dtype, std::min(kChunk, keys - c), probs + c,
+                       dv_pad, c == 0 ? alpha : ones, out);
+    }
+  }
+
   template <class T>
   ATTNCORE_TARGET static void accumulate_rows(const Params& p, const T* v,
-                                              const std::int64_t* v_at, DType dtype, std::int64_t keys, std::int64_t rows,
+                                              const std::int64_t* v_at, std::int64_t ahead,
+                                              DType dtype,
+                                              std::int64_t keys, std::int64_t rows,
                                               const float* probs, std::int64_t dv_pad,
                                               const float* alpha, float* out) {
-    switch (rows_computed(rows)) {
+    switch (rows_computed(rows, dtype)) {
       case 1:
-        return accumulate<T, 1>(p, v, v_at, dtype, keys, probs, dv_pad, alpha, out);
+        return accumulate_chunks<T, 1>(p, v, v_at, ahead, dtype, keys, probs, dv_pad, alpha, out);
       case 2:
-        return accumulate<T, 2>(p, v, v_at, dtype, keys, probs, dv_pad, alpha, out);
+        return accumulate_chunks<T, 2>(p, v, v_at, ahead, dtype, keys, probs, dv_pad, alpha, out);
       case 4:
         if constexpr (kTileRows > 4) {
-          return accumulate<T, 4>(p, v, v_at, dtype, keys, probs, dv_pad, alpha, out);
+          return accumulate_chunks<T, 4>(p, v, v_at, ahead, dtype, keys, probs, dv_pad, alpha, out);
         }
         [[fallthrough]];
       default:
-        return accumulate<T, kTileRows>(p, v, v_at, dtype, keys, probs, dv_pad, alpha, out);
+        return accumulate_chunks<T, kTileRows>(p, v, v_at, ahead, dtype, keys, probs, dv_pad,
+                                               alpha, out);
     }
   }
 
@@ -238,11 +289,11 @@ struct DirectKv {
                                               const float* probs, std::int64_t dv_pad,
                                               const float* alpha, float* out) {
     if (a.v.dtype == DType::f32) {
-      accumulate_rows(p, static_cast<const float*>(a.v.data), v_rows.at + begin, a.v.dtype, keys,
-                      rows, probs, dv_pad, alpha, out);
+      accumulate_rows(p, static_cast<const float*>(a.v.data), v_rows.at + begin,
+                      v_rows.count - begin, a.v.dtype, keys, rows, probs, dv_pad, alpha, out);
     } else {
       accumulate_rows(p, static_cast<const std::uint16_t*>(a.v.data), v_rows.at + begin,
-                      a.v.dtype, keys, rows, probs, dv_pad, alpha, out);
+                      v_rows.count - begin, a.v.dtype, keys, rows, probs, dv_pad, alpha, out);
     }
   }
 };

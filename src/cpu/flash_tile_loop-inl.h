@@ -87,7 +87,7 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   // (flash_reads_kv_in_place: the same rule).
   const bool direct = Dot::kDirectDecode && panel.k_tiles == nullptr && rows <= kTileRows;
   // The rows the products compute: whole micro-tiles, or in place the few DirectKv computes.
-  const std::int64_t live_rows = direct ? DirectKv::rows_computed(rows) : padded_rows;
+  const std::int64_t live_rows = direct ? DirectKv::rows_computed(rows, a.v.dtype) : padded_rows;
   if (direct) {
     DirectKv::load_queries(p, a, b, head_of, index_of, rows, w.q);
   } else {
