@@ -1,0 +1,107 @@
+"""attncore's attention as torch operators (torch.library), so that torch.jit.trace and
+torch.jit.script record a call as one node, torch.ops.attncore.scaled_dot_product_attention,
+and a scripted or traced model can hold it.
+
+Three operators, in the namespace "attncore":
+- scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+  is_causal=False, scale=None, enable_gqa=False) -> Tensor: torch's SDPA semantics (as
+  attncore.torch.scaled_dot_product_attention). Its autograd kernel records the two below.
+- sdpa_forward(..., seed) -> (out, lse): the forward with an explicit dropout seed (offset 0).
+- sdpa_backward(dout, query, key, value, out, lse, ..., seed) -> (dq, dk, dv).
+
+Dropout draws its seed from torch's default generator when the call is made (as the package's
+functions do), so torch.manual_seed reproduces a run. A float attn_mask that requires grad gets
+no gradient through the operators (NotImplementedError: use attncore.torch's function). The
+plain Python functions do not go through these operators (their fast path is cheaper).
+"""
+
+import torch as _torch
+
+from ._attention import attention, attention_backward
+from ._random import _torch_seed
+
+_ARGS = ("Tensor? attn_mask=None, float dropout_p=0.0, bool is_causal=False, "
+         "float? scale=None, bool enable_gqa=False")
+_U64 = 2 ** 64
+
+_library = _torch.library.Library("attncore", "DEF")
+_library.define(f"scaled_dot_product_attention(Tensor query, Tensor key, Tensor value, {_ARGS})"
+                " -> Tensor")
+_library.define(f"sdpa_forward(Tensor query, Tensor key, Tensor value, {_ARGS}, int seed=0)"
+                " -> (Tensor, Tensor)")
+_library.define("sdpa_backward(Tensor dout, Tensor query, Tensor key, Tensor value, Tensor out, "
+                f"Tensor lse, {_ARGS}, int seed=0) -> (Tensor, Tensor, Tensor)")
+
+
+def _options(attn_mask, dropout_p, is_causal, scale, enable_gqa, seed):
+    """attention()'s keyword arguments for the operators' arguments. The schema's int is
+    signed: the 64-bit seed travels as its two's complement."""
+    return dict(attn_mask=attn_mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa,
+                causal="upper-left" if is_causal else None,
+                seed=seed % _U64 if dropout_p > 0 else None, offset=0 if dropout_p > 0 else None)
+
+
+def _sdpa_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                  enable_gqa=False, seed=0):
+    with _torch.no_grad():
+        return attention(query, key, value, return_lse=True, _op="sdpa_forward",
+                         **_options(attn_mask, dropout_p, is_causal, scale, enable_gqa, seed))
+
+
+def _sdpa_backward(dout, query, key, value, out, lse, attn_mask=None, dropout_p=0.0,
+                   is_causal=False, scale=None, enable_gqa=False, seed=0):
+    grads = attention_backward(dout, query, key, value, out, lse,
+                               **_options(attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                          seed))
+    return tuple(grads[:3])  # a float mask's dbias is not an output of the operator
+
+
+class _Sdpa(_torch.autograd.Function):
+    """The autograd record of the operator: forward and backward run the two operators."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                seed):
+        out, lse = _torch.ops.attncore.sdpa_forward(query, key, value, attn_mask, dropout_p,
+                                                    is_causal, scale, enable_gqa, seed)
+        ctx.save_for_backward(query, key, value, attn_mask, out, lse)
+        ctx.options = (dropout_p, is_causal, scale, enable_gqa, seed)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        query, key, value, attn_mask, out, lse = ctx.saved_tensors
+        dq, dk, dv = _torch.ops.attncore.sdpa_backward(dout.contiguous(), query, key, value, out,
+                                                       lse, attn_mask, *ctx.options)
+        return (dq, dk, dv) + (None,) * 6
+
+
+def _seed(dropout_p):
+    """A 64-bit seed from torch's default generator, as the schema's signed int."""
+    if dropout_p <= 0:
+        return 0
+    seed = _torch_seed()[0]
+    return seed - _U64 if seed >= _U64 // 2 else seed
+
+
+def _sdpa_autograd(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                   scale=None, enable_gqa=False):
+    if attn_mask is not None and attn_mask.requires_grad:
+        raise NotImplementedError(
+            "attncore.scaled_dot_product_attention (torch operator): a float attn_mask that "
+            "requires grad gets no gradient here; call attncore.torch."
+            "scaled_dot_product_attention for dBias")
+    return _Sdpa.apply(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                       _seed(dropout_p))
+
+
+def _sdpa_inference(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                    scale=None, enable_gqa=False):
+    return _sdpa_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                         _seed(dropout_p))[0]
+
+
+_library.impl("scaled_dot_product_attention", _sdpa_autograd, "Autograd")
+_library.impl("scaled_dot_product_attention", _sdpa_inference, "CPU")
+_library.impl("sdpa_forward", _sdpa_forward, "CPU")
+_library.impl("sdpa_backward", _sdpa_backward, "CPU")
