@@ -11,23 +11,16 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
-#include <unistd.h>
 
 #include <array>
-#include <atomic>
-#include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <exception>
-#include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "attncore/attncore.h"
@@ -36,6 +29,7 @@
 #include "attncore/paged.h"
 #include "attncore/varlen.h"
 #include "borrowed.h"
+#include "calls.h"
 
 namespace py = pybind11;
 
@@ -48,164 +42,11 @@ using attncore::Unsupported;
 using attncore_python::ArrayKind;
 using attncore_python::borrow_optional;
 using attncore_python::Borrowed;
+using attncore_python::call_work;
+using attncore_python::GilReleased;
 using attncore_python::last_call_addresses;
+using attncore_python::run_call;
 using attncore_python::view_of;
-
-bool interpreter_finalizing() {
-#if PY_VERSION_HEX >= 0x030D0000
-  return Py_IsFinalizing() != 0;
-#else
-  return _Py_IsFinalizing() != 0;
-#endif
-}
-
-// Never returns: the interpreter is shutting down and this thread may not run Python again.
-// The process ends when the thread finalizing the interpreter exits it.
-[[noreturn]] void park_thread() {
-  for (;;) pause();
-}
-
-// Releases the GIL for the duration of a call into the library and takes it back after.
-// When the interpreter has begun to finalize (a daemon thread still inside a call at exit),
-// taking the GIL back ends the thread through pthread_exit, a forced unwind; unwinding this
-// frame's callers would run destructors that need the GIL, and unwinding a noexcept
-// destructor terminates the process. The thread is parked instead, as CPython 3.14 parks
-// daemon threads: it holds no lock and the process exits normally.
-class GilReleased {
- public:
-  GilReleased() : state_(PyEval_SaveThread()) {}
-  GilReleased(const GilReleased&) = delete;
-  GilReleased& operator=(const GilReleased&) = delete;
-  ~GilReleased() {
-    if (interpreter_finalizing()) park_thread();
-    try {
-      PyEval_RestoreThread(state_);
-    } catch (...) {  // abi::__forced_unwind from PyThread_exit_thread: finalization began
-      park_thread();
-    }
-  }
-
- private:
-  PyThreadState* state_;
-};
-
-// Ctrl-C during a long call made on the main thread (Python runs signal handlers there only):
-// the call runs on the runner thread while the main thread, GIL released, wakes every
-// kSignalPoll to take the GIL and run PyErr_CheckSignals (Python's own handlers: none is
-// installed here). When a handler raises (KeyboardInterrupt), the call's Options::cancel is set,
-// the main thread waits for the call to stop (the backends check the flag between work items)
-// and raises that exception. Calls on other threads run in place, GIL released.
-constexpr std::chrono::milliseconds kSignalPoll{20};  // the reaction time to Ctrl-C, at most
-
-// The thread main-thread calls run on: made at the first one, never destroyed (like the
-// library's pool, it may be idle at exit; nothing waits for it).
-class Runner {
- public:
-  // Runs job() there; poll() on this thread every kSignalPoll until it is done. Rethrows job's
-  // exception.
-  void run(const std::function<void()>& job, const std::function<void()>& poll) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    job_ = &job;
-    done_ = false;
-    error_ = nullptr;
-    wake_.notify_one();
-    while (!finished_.wait_for(lock, kSignalPoll, [this] { return done_; })) {
-      lock.unlock();
-      poll();
-      lock.lock();
-    }
-    if (error_) std::rethrow_exception(error_);
-  }
-
- private:
-  void loop() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    for (;;) {
-      wake_.wait(lock, [this] { return job_ != nullptr; });
-      const std::function<void()>* job = job_;
-      lock.unlock();
-      std::exception_ptr error;
-      try {
-        (*job)();
-      } catch (...) {
-        error = std::current_exception();
-      }
-      lock.lock();
-      job_ = nullptr;
-      error_ = error;
-      done_ = true;
-      finished_.notify_one();
-    }
-  }
-
-  std::mutex mutex_;  // guards everything below
-  std::condition_variable wake_, finished_;
-  const std::function<void()>* job_ = nullptr;
-  bool done_ = false;
-  std::exception_ptr error_;
-  std::thread thread_{[this] { loop(); }};  // last: starts once the members above exist
-};
-
-unsigned long main_thread_id = 0;  // Python's ident of the main thread, set at import
-bool runner_busy = false;          // main thread only: a signal handler's own call runs in place
-
-// A bound on a call's work, in multiply-adds: every query row (q [..., Lq, D], or packed rows
-// [total_q, Hq, D]) against every row of k [..., Lk, D] (or [total_k, Hkv, D]), times D + Dv.
-double call_work(const TensorView& q, const TensorView& k, const TensorView& v) {
-  const int key_rows = k.rank == 4 ? 2 : 0;
-  const double rows_q =
-      q.rank > 0 && q.size(q.rank - 1) > 0
-          ? static_cast<double>(q.numel()) / static_cast<double>(q.size(q.rank - 1))
-          : 0.0;
-  return rows_q * static_cast<double>(k.rank > key_rows ? k.size(key_rows) : 0) *
-         static_cast<double>((q.rank ? q.size(q.rank - 1) : 0) + (v.rank ? v.size(v.rank - 1) : 0));
-}
-
-// Calls of at most this much work (call_work) run in place on the main thread too: handing a
-// call to the runner and back costs ~50 us (measured: a q [1, 1, 1, 64], k/v [1, 1, 16, 64]
-// call took 50 us through the runner against 3.6 us in place), and at the slowest backend's
-// 1.7 GFLOP/s (reference, fp64 loops) such a call ends within ~5 ms, well under kSignalPoll.
-constexpr double kInPlaceWork = 1 << 22;
-
-// Runs call(options) with the GIL released: interruptible by Ctrl-C on the main thread (above)
-// when its work (call_work) exceeds kInPlaceWork.
-template <class Call>
-void run_call(attncore::Options options, double work, const Call& call) {
-  if (PyThread_get_thread_ident() != main_thread_id || runner_busy || work <= kInPlaceWork) {
-    const GilReleased released;
-    call(options);
-    return;
-  }
-  static Runner* const runner = new Runner;
-  std::atomic<bool> cancel{false};
-  options.cancel = &cancel;
-  const std::vector<attncore::Backend> enabled = attncore::enabled_backends();  // per thread
-  bool interrupted = false;
-  runner_busy = true;
-  PyThreadState* state = PyEval_SaveThread();
-  try {
-    runner->run(
-        [&] {
-          const attncore::BackendScope scope(enabled);
-          call(options);
-        },
-        [&] {
-          if (interrupted) return;
-          PyEval_RestoreThread(state);
-          interrupted = PyErr_CheckSignals() != 0;  // the handler's exception stays pending
-          state = PyEval_SaveThread();
-          if (interrupted) cancel.store(true);
-        });
-  } catch (...) {
-    PyEval_RestoreThread(state);
-    runner_busy = false;
-    if (interrupted) throw py::error_already_set();  // KeyboardInterrupt, not Cancelled
-    throw;
-  }
-  PyEval_RestoreThread(state);
-  runner_busy = false;
-  if (interrupted) throw py::error_already_set();  // it ended before seeing the flag
-}
 
 attncore::Causal causal_from_name(const char* op, const std::string& name) {
   for (auto c :
@@ -690,8 +531,8 @@ void bind_paged_cache(py::module_& m) {
 PYBIND11_MODULE(_core, m) {
   m.doc() = "attncore's C++ library on Python arrays (used by the attncore package)";
 
-  main_thread_id =
-      py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
+  attncore_python::set_main_thread(
+      py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>());
   // attncore::Cancelled: a call whose Options::cancel was set stopped (outputs incomplete).
   static py::exception<attncore::Cancelled> cancelled(m, "Cancelled", PyExc_RuntimeError);
   py::register_exception_translator([](std::exception_ptr p) {
