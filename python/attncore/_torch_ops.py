@@ -89,7 +89,7 @@ def _sdpa_autograd(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     if attn_mask is not None and attn_mask.requires_grad:
         raise NotImplementedError(
             "attncore.scaled_dot_product_attention (torch operator): a float attn_mask that "
-            "requires grad gets no gradient here; call attncore.torch."
+            "requires grad gets no gradient through the operator; call attncore.torch."
             "scaled_dot_product_attention for dBias")
     return _Sdpa.apply(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                        _seed(dropout_p))
