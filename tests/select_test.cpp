@@ -172,7 +172,7 @@ TEST(SelectReasons, NotEnabledOnThisThread) {
 TEST(SelectReasons, ReferenceRunsEverything) {
   for (DType dtype : {DType::f32, DType::f64, DType::bf16, DType::f16}) {
     Call p;
-    p.dtype = dtype;
+    p.dtype = p.kv_dtype = dtype;
     p.batch = p.heads_q = p.heads_kv = 1;
     p.seq.lq = p.seq.lk = p.head_dim = p.head_dim_v = kBig;
     for (Pass pass : {Pass::forward, Pass::backward}) {
@@ -385,7 +385,7 @@ Call problem(std::int64_t batch, std::int64_t heads_q, std::int64_t heads_kv, st
   p.seq.lq = lq;
   p.seq.lk = lk;
   p.head_dim = p.head_dim_v = d;
-  p.dtype = dtype;
+  p.dtype = p.kv_dtype = dtype;
   p.threads = threads;
   return p;
 }

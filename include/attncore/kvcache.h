@@ -11,11 +11,16 @@
 // the physical start, and positions are logical (slot minus leftpad) for the causal diagonal
 // (lower-right, against the sequence's length), windows and ALiBi. Slots outside the range are
 // never read. Decode is Lq = 1; chunked prefill Lq > 1. Tensor masks and dropout are not
-// supported with a cache (Unsupported); q and the cache share one dtype.
+// supported with a cache (Unsupported).
+//
+// Dtypes: q and the cache share one dtype (f32, f64, bf16 or f16), or an f32 query attends to a
+// bf16 or f16 cache (k_cache and v_cache alike): K and V are widened to f32 exactly, the
+// products are f32, and out and lse are f32; the result is bitwise the same call over an f32
+// cache holding the widened values. Other mixes are refused (InvalidArgument).
 //
 // With a KvAppend, new keys and values are first written into the cache in place at slots
-// [cache_seqlens[b], cache_seqlens[b] + L_new) (rotated first when rotary tables are given, and
-// rounded to the cache's dtype), then q attends to the cache as if cache_seqlens[b] were
+// [cache_seqlens[b], cache_seqlens[b] + L_new) (rotated first, in f32, when rotary tables are
+// given, then rounded once to the cache's dtype, to nearest even), then q attends to the cache as if cache_seqlens[b] were
 // cache_seqlens[b] + L_new (the caller's array is not changed). Rotary rotates the first
 // rotary_dim dims of each new key at its logical position cache_seqlens[b] - leftpad[b] + j, and
 // of query row i at that position plus i when causal or windowed, else at
@@ -48,7 +53,8 @@ struct KvCacheSeqs {
 };
 
 struct KvAppend {
-  TensorView k_new;  // [B, Hkv, L_new, D] like the cache (flash layout: transposed(1, 2))
+  // In the cache's dtype, or in q's (f32 over a 16-bit cache); v_new in k_new's.
+  TensorView k_new;  // [B, Hkv, L_new, D] (flash layout: transposed(1, 2))
   TensorView v_new;  // [B, Hkv, L_new, Dv]
   // Rotary tables, f32 [positions, rotary_dim / 2] both, or neither: rotary_dim = 2 x their
   // width, even and <= D; positions must cover every rotated position.

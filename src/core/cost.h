@@ -42,7 +42,9 @@ inline double visible_pairs(const Params& p) {
 // The call's sizes as the cost terms use them (a varlen call arrives as its dense equivalent,
 // core/sequence.h).
 struct Sizes {
-  double batch, heads_q, heads_kv, lq, lk, dims, element, threads;
+  double batch, heads_q, heads_kv, lq, lk, dims;
+  double element, kv_element;  // bytes of an element of q and out; of k and v (a 16-bit cache)
+  double threads;
 };
 
 inline Sizes sizes_of(const Params& p, const Launch& launch) {
@@ -53,6 +55,7 @@ inline Sizes sizes_of(const Params& p, const Launch& launch) {
           static_cast<double>(p.seq.lk),
           static_cast<double>(p.head_dim + p.head_dim_v),
           static_cast<double>(size_of(p.dtype)),
+          static_cast<double>(size_of(p.kv_dtype)),
           static_cast<double>(std::max(1, launch.threads))};
 }
 

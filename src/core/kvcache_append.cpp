@@ -54,8 +54,16 @@ std::vector<std::int32_t> validate_append(const Checker& check, const Params& p,
   const std::int64_t l_new = a.k_new.size(2);
   const std::int64_t k_shape[4] = {p.batch, p.heads_kv, l_new, p.head_dim};
   const std::int64_t v_shape[4] = {p.batch, p.heads_kv, l_new, p.head_dim_v};
-  check.dtype(a.k_new, "k_new", k_cache.dtype, " like k_cache");
-  check.dtype(a.v_new, "v_new", v_cache.dtype, " like v_cache");
+  // New rows in the cache's dtype, or in the query's when that differs (an f32 query over a
+  // 16-bit cache), rounded to the cache's when written; k_new and v_new alike.
+  if (a.k_new.dtype != p.kv_dtype && a.k_new.dtype != p.dtype) {
+    check.fail("k_new has the wrong dtype (dtype=" + std::string(name_of(a.k_new.dtype)) +
+               ", expected " + std::string(name_of(p.kv_dtype)) + " like k_cache" +
+               (p.dtype != p.kv_dtype ? " or " + std::string(name_of(p.dtype)) + " like query"
+                                      : std::string()) +
+               ")");
+  }
+  check.dtype(a.v_new, "v_new", a.k_new.dtype, " like k_new");
   check.shape(a.k_new, "k_new", k_shape, "[B, Hkv, L_new, D]");
   check.shape(a.v_new, "v_new", v_shape, "[B, Hkv, L_new, Dv] like k_new");
   check.unit_last_stride(a.k_new, "k_new");
@@ -125,7 +133,8 @@ std::vector<std::int32_t> validate_append(const Checker& check, const Params& p,
 }
 
 // Writes the new rows into the cache and, with rotary, the rotated query into `rotated`;
-// T: f32, or f64 for f64 inputs (no rounding beyond the cache's own dtype).
+// T: f32, or f64 for f64 inputs (no rounding beyond the cache's own dtype: f32 new rows for a
+// 16-bit cache are rotated in f32, then rounded once, to nearest even, when stored).
 template <class T>
 void append_rows(const Params& p, const TensorView& q, const TensorView& k_cache,
                  const TensorView& v_cache, const KvAppend& append, const Rotary& rotary,

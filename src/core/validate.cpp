@@ -25,6 +25,7 @@ Params resolve(const Checker& check, const TensorView& q, const TensorView& k, c
 
   Params p;
   p.dtype = q.dtype;
+  p.kv_dtype = q.dtype;
   p.batch = q.size(0);
   p.heads_q = q.size(1);
   p.seq.lq = q.size(2);

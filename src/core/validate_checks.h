@@ -218,12 +218,16 @@ class Checker {
     }
   }
 
-  // q, k, v of one floating dtype, head dims contiguous.
-  void inputs(const TensorView& q, const TensorView& k, const TensorView& v) const {
+  void floating_query(const TensorView& q) const {
     if (!is_floating(q.dtype)) {
       fail("query has an unsupported dtype (dtype=" + std::string(name_of(q.dtype)) +
            ", expected f32, f64, bf16 or f16)");
     }
+  }
+
+  // q, k, v of one floating dtype, head dims contiguous.
+  void inputs(const TensorView& q, const TensorView& k, const TensorView& v) const {
+    floating_query(q);
     dtype(k, "key", q.dtype, " like query");
     dtype(v, "value", q.dtype, " like query");
     unit_last_stride(q, "query");

@@ -1,5 +1,6 @@
-// Input validation of attention over a KV cache (attncore/kvcache.h): q and the cache, the
-// int32 arrays and their values, then the options as for dense calls (no mask, no dropout).
+// Input validation of attention over a KV cache (attncore/kvcache.h): q and the cache (of q's
+// dtype, or bf16 / f16 under an f32 query), the int32 arrays and their values, then the options
+// as for dense calls (no mask, no dropout).
 // Messages follow docs/design.md section 4.
 #include <algorithm>
 #include <string>
@@ -71,6 +72,21 @@ void check_pages(const Checker& check, const SeqInfo& seq, std::int64_t b, std::
   }
 }
 
+// The dtype of the cache's K and V (docs/design.md section 1.10): q's, or bf16 / f16 under an
+// f32 query (engines keep the cache 16-bit and the rest of the model in f32). K and V share it.
+DType cache_dtype(const Checker& check, const TensorView& q, const TensorView& k,
+                  const TensorView& v) {
+  check.floating_query(q);
+  check.dtype(v, "v_cache", k.dtype, " like k_cache");
+  const bool mixed = q.dtype == DType::f32 && (k.dtype == DType::bf16 || k.dtype == DType::f16);
+  if (k.dtype != q.dtype && !mixed) {
+    check.fail("k_cache has the wrong dtype for the query (k_cache=" +
+               std::string(name_of(k.dtype)) + ", query=" + std::string(name_of(q.dtype)) +
+               ", expected k_cache like query, or bf16 or f16 under an f32 query)");
+  }
+  return k.dtype;
+}
+
 }  // namespace
 
 Params validate_kvcache_forward(const ForwardArgs& a, const KvCacheSeqs& s, const Options& o,
@@ -83,9 +99,12 @@ Params validate_kvcache_forward(const ForwardArgs& a, const KvCacheSeqs& s, cons
              paged ? "[num_pages, Hkv, page_size, D]" : "[B_cache, Hkv, capacity, D]");
   check.view(a.v, "v_cache", 4,
              paged ? "[num_pages, Hkv, page_size, Dv]" : "[B_cache, Hkv, capacity, Dv]");
-  check.inputs(a.q, a.k, a.v);
   Params p;
   p.dtype = a.q.dtype;
+  p.kv_dtype = cache_dtype(check, a.q, a.k, a.v);
+  check.unit_last_stride(a.q, "query");
+  check.unit_last_stride(a.k, "k_cache");
+  check.unit_last_stride(a.v, "v_cache");
   p.batch = a.q.size(0);
   p.heads_q = a.q.size(1);
   p.head_dim = a.q.size(3);

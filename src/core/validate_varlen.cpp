@@ -101,6 +101,7 @@ Params resolve_varlen(const Checker& check, TensorView& q, TensorView& k, Tensor
 
   Params p;
   p.dtype = q.dtype;
+  p.kv_dtype = q.dtype;
   p.heads_q = q.size(1);
   p.head_dim = q.size(2);
   p.heads_kv = k.size(1);

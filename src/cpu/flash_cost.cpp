@@ -109,13 +109,13 @@ double estimate_flash(Pass pass, const Params& p, const Launch& launch, const Co
     const double runs = groups * static_cast<double>(plan.runs);
     packed = runs * lk_pad * static_cast<double>(2 * p.head_dim + p.head_dim_v) +
              s.batch * s.heads_q * s.lq * s.dims;
-    bytes = (groups * s.lk + 3 * s.batch * s.heads_q * s.lq) * s.dims * s.element;
+    bytes = (groups * s.lk * s.kv_element + 3 * s.batch * s.heads_q * s.lq * s.element) * s.dims;
     items = runs * static_cast<double>(plan.parts);
   }
   compute += cut_rows * kFlashCutRowFlops[bf16_dot ? 1 : 0] / flops_per_s;
   // Packing: per-element work, or reading K and V from memory, whichever is slower (each
   // thread reads its own groups: decode B=4 Hq=32 Hkv=8 Lk=4096 ran 2.0x faster on 2 threads).
-  const double kv_bytes = groups * s.lk * s.dims * s.element;
+  const double kv_bytes = groups * s.lk * s.dims * s.kv_element;
   const double read =
       kv_bytes > kFlashCachedBytes ? kv_bytes / (bytes_per_s * kFlashStreamEfficiency) : 0;
   const double per_element = pass == Pass::backward ? kFlashBackwardPackFlops

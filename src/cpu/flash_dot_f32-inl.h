@@ -109,7 +109,8 @@ struct F32Dot {
     resolve_rows(p, a.k, b, kv_head, j0, k_rows);
     resolve_rows(p, a.v, b, kv_head, j0, v_rows);
     // K through registers (load_part widens 16-bit rows: bf16 or f16 by a.k.dtype); V by one
-    // copy loop per input dtype (f32, bf16, f16: the flash backend's), none inside.
+    // copy loop per input dtype (f32, bf16, f16: the flash backend's), none inside. K and V
+    // share a dtype (validated), which may differ from q's (a 16-bit cache under an f32 query).
     auto transpose = [&](const auto* src) ATTNCORE_TARGET {
       transpose_keys(
           keys, cols, d, 1, lk - j0,

@@ -258,7 +258,8 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
 }
 
 // The exported entry points: native bf16 dot products for bf16 inputs where this target has
-// them, f32 for everything else.
+// them, f32 for everything else (p.dtype is the query's: an f32 query over a bf16 cache takes
+// f32 products, its K/V widened exactly as F32Dot packs them or DirectKv loads them).
 ATTNCORE_TARGET void run_block(const Params& p, const ForwardArgs& a, const FlashPanel& panel,
                                const FlashItem& item, const FlashScratch& w) {
 #if ATTNCORE_BF16_DOT

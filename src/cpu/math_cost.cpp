@@ -60,14 +60,18 @@ double estimate_math(Pass pass, const Params& p, const Launch& launch, const Cos
   const double pairs = s.batch * s.heads_q * s.lq * s.lk;  // every pair, masked or not
   const double q_blocks = std::ceil(s.lq / kMathBlockRows);
   const double k_blocks = std::ceil(s.lk / kMathBlockRows);
+  // 16-bit inputs are converted to f32: q's (and dout's) and K/V's dtypes apart (an f32 query
+  // over a 16-bit cache converts K and V only).
   const bool converted = p.dtype != DType::f32 && p.dtype != DType::f64;
+  const bool kv_converted = p.kv_dtype != DType::f32 && p.kv_dtype != DType::f64;
   const bool forward = pass == Pass::forward;
   const double gemm_flops = (forward ? 1 : kBackwardFlops) * 2 * s.dims * pairs;
   const double softmax_cost = forward ? kMathSoftmaxCost : kMathBackwardSoftmaxCost;
   const double rows = s.batch * s.heads_q * s.lq;
-  // 16-bit inputs are converted to f32: K and V once per kv head, q (and dout) per block.
-  const double conversions =
-      converted ? (s.batch * s.heads_kv * s.lk + (forward ? 1 : 2) * rows) * s.dims : 0;
+  // K and V once per kv head, q (and dout) per block.
+  const double conversions = ((kv_converted ? s.batch * s.heads_kv * s.lk : 0) +
+                              (converted ? (forward ? 1 : 2) * rows : 0)) *
+                             s.dims;
   const double stores = forward ? 0 : s.batch * s.heads_kv * s.lk * s.dims;  // dK and dV
   const double compute = (gemm_flops / kMathGemmEfficiency + conversions * kMathConvertFlops +
                           stores * kMathBackwardStoreFlops) /
@@ -83,7 +87,7 @@ double estimate_math(Pass pass, const Params& p, const Launch& launch, const Cos
   // passes 1 and 3 over query blocks and pass 4 over key blocks, and the conversions.
   const double tasks = s.heads_q / s.heads_kv * q_blocks;
   const double kv_conversions =  // K and V, each about Lk * dims / 2 elements
-      converted && s.lk * s.dims / 2 >= kMathParallelConvertElements ? 2 : 0;
+      kv_converted && s.lk * s.dims / 2 >= kMathParallelConvertElements ? 2 : 0;
   double regions = 0;
   if (forward) {
     regions = s.batch * s.heads_kv * ((tasks >= 2 ? 1 : 0) + kv_conversions);
@@ -141,7 +145,8 @@ double math_workspace_bytes(Pass pass, const Params& p, const Launch& launch) {
   // K and V of one kv head in the compute type; per thread a block's q, scores and output.
   const double kv = lk * (d + dv);
   // A paged cache: a sequence's K and V gathered out of the pages in their dtype (every head).
-  const double gathered = p.seq.paged() ? static_cast<double>(p.heads_kv * size_of(p.dtype)) * kv : 0;
+  const double gathered =
+      p.seq.paged() ? static_cast<double>(p.heads_kv * size_of(p.kv_dtype)) * kv : 0;
   if (pass == Pass::forward) return gathered + element * (kv + threads * block * (d + lk + dv + 1));
   // The backward's P * M, dS and softcap derivative [Lq, Lk], dK and dV sums, q and dO of a
   // head, and per thread a block's q, dO, out and dQ.
