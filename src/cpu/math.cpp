@@ -78,6 +78,8 @@ struct Matrix {
 template <class T>
 Matrix<T> head_rows(const TensorView& t, std::int64_t b, std::int64_t h, std::int64_t row_begin,
                     std::int64_t rows, std::int64_t cols, std::vector<T>& buffer, int threads = 1) {
+  // No rows (a sequence with no keys: its gathered pages are an empty tensor, data null).
+  if (rows == 0) return {static_cast<const T*>(t.data), std::max<std::int64_t>(cols, 1)};
   const std::int64_t base = offset4(t, b, h, row_begin, 0);
   if (t.dtype == dtype_of<T>() && (rows == 1 || t.stride[2] >= cols)) {
     return {static_cast<const T*>(t.data) + base, rows == 1 ? cols : t.stride[2]};
