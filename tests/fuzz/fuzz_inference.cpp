@@ -77,11 +77,25 @@ namespace {
 // The part of a KV-cache call after its cache and sequence arrays (`inputs`): the new rows
 // (append: L_new of them), rotary tables (up to max_positions positions), options, outputs;
 // runs the call on every backend and checks it.
+// The query's dtype over a cache of `dtype`: mostly the same; an f32 query over a 16-bit
+// cache now and then, and now and then a mix no call takes (a 16-bit query over the other
+// 16-bit dtype, or over an f32 cache).
+DType query_dtype(Reader& r, DType dtype) {
+  if (dtype == DType::bf16 || dtype == DType::f16) {
+    if (r.chance(3)) return dtype == DType::bf16 ? DType::f16 : DType::bf16;
+    return r.chance(80) ? DType::f32 : dtype;
+  }
+  return dtype == DType::f32 && r.chance(3) ? DType::bf16 : dtype;
+}
+
 void run_cache_call(Reader& r, const Dims& s, DType dtype, bool append, std::int64_t l_new,
                     std::int64_t max_positions, const KvCacheSeqs& seqs, Array& q, Array& k_cache,
                     Array& v_cache, std::vector<Array*> inputs) {
-  Array k_new = make_input(dtype, {s.b, s.hkv, l_new, s.d}, layout(r), r, 4, 1.0);
-  Array v_new = make_input(dtype, {s.b, s.hkv, l_new, s.dv}, layout(r), r, 5, 1.0);
+  // New rows in the cache's dtype, or (over a 16-bit cache) now and then in the query's.
+  const DType out_dtype = q.view.dtype;
+  const DType new_dtype = out_dtype != dtype && r.chance(100) ? out_dtype : dtype;
+  Array k_new = make_input(new_dtype, {s.b, s.hkv, l_new, s.d}, layout(r), r, 4, 1.0);
+  Array v_new = make_input(new_dtype, {s.b, s.hkv, l_new, s.dv}, layout(r), r, 5, 1.0);
   KvAppend add{k_new.view, v_new.view, std::nullopt, std::nullopt, r.chance(128)};
   std::optional<Array> cos, sin;
   if (append && r.chance(80)) {
@@ -93,8 +107,9 @@ void run_cache_call(Reader& r, const Dims& s, DType dtype, bool append, std::int
   Decoded o;
   decode_options(r, s, false, o);
   // An append returns new tensors, copied here: into contiguous arrays.
-  Array out = make_array(dtype, {s.b, s.hq, s.lq, s.dv}, append ? Layout::contiguous : output_layout(r), 0xa5);
-  Array lse = make_array(dtype == DType::f64 ? DType::f64 : DType::f32, {s.b, s.hq, s.lq},
+  Array out = make_array(out_dtype, {s.b, s.hq, s.lq, s.dv},
+                         append ? Layout::contiguous : output_layout(r), 0xa5);
+  Array lse = make_array(out_dtype == DType::f64 ? DType::f64 : DType::f32, {s.b, s.hq, s.lq},
                          append ? Layout::contiguous : output_layout(r), 0xa5);
   inputs.insert(inputs.end(), {&q, &k_cache, &v_cache, &k_new, &v_new});
   for (auto* a : {&cos, &sin, &o.alibi, &o.mask})
@@ -116,7 +131,7 @@ void run_cache_call(Reader& r, const Dims& s, DType dtype, bool append, std::int
                   test::write_view(lse.view, test::read_view(res.lse));
                 }};
   const std::vector<Run> runs = run_all_backends(call);
-  check_forward(runs, dtype, value_bound(v_cache, o.options), s.hq, s.dv, false);
+  check_forward(runs, out_dtype, value_bound(v_cache, o.options), s.hq, s.dv, false);
   for (const Run& run : runs) {  // every backend appends the same bytes
     if (run.outcome == Outcome::ok && runs.front().outcome == Outcome::ok &&
         run.written != runs.front().written)
@@ -159,7 +174,7 @@ void fuzz_kvcache(Reader& r) {
   if (r.chance(80) || rows < s.b) seqs.cache_batch_idx = aidx.view;
   if (r.chance(60)) seqs.cache_leftpad = apad.view;
   const DType dtype = value_dtype(r);
-  Array q = make_input(dtype, {s.b, s.hq, s.lq, s.d}, layout(r), r, 1, 1.0);
+  Array q = make_input(query_dtype(r, dtype), {s.b, s.hq, s.lq, s.d}, layout(r), r, 1, 1.0);
   Array k_cache = make_input(dtype, {rows, s.hkv, capacity, s.d}, layout(r), r, 2, 1.0);
   Array v_cache = make_input(dtype, {rows, s.hkv, capacity, s.dv}, layout(r), r, 3, 1.0);
   run_cache_call(r, s, dtype, append, l_new, capacity + 8, seqs, q, k_cache, v_cache,
@@ -203,7 +218,7 @@ void fuzz_paged(Reader& r) {
   if (r.chance(60)) seqs.cache_leftpad = apad.view;
   if (r.chance(3)) seqs.cache_batch_idx = aidx.view;
   const DType dtype = value_dtype(r);
-  Array q = make_input(dtype, {s.b, s.hq, s.lq, s.d}, layout(r), r, 1, 1.0);
+  Array q = make_input(query_dtype(r, dtype), {s.b, s.hq, s.lq, s.d}, layout(r), r, 1, 1.0);
   Array k_cache = make_input(dtype, {num_pages, s.hkv, page_size, s.d}, layout(r), r, 2, 1.0);
   Array v_cache = make_input(dtype, {num_pages, s.hkv, page_size, s.dv}, layout(r), r, 3, 1.0);
   if (r.chance(64)) {  // poison the slots no sequence reads (after its append)
