@@ -25,17 +25,11 @@ namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
-Tensor i32(const std::vector<std::int64_t>& shape, const std::vector<int>& values) {
-  Tensor t(DType::i32, shape.data(), static_cast<int>(shape.size()));
-  std::memcpy(t.data(), values.data(), values.size() * sizeof(int));
-  return t;
-}
-
 // Cache values [B, capacity, H, width] (flash layout) rounded to `dtype`; NaN outside each
 // sequence's slots [leftpad[b], seqlens[b]).
 std::vector<double> cache_values(DType dtype, std::int64_t capacity, std::int64_t heads,
-                                 std::int64_t width, const std::vector<int>& leftpad,
-                                 const std::vector<int>& seqlens, std::uint64_t seed) {
+                                 std::int64_t width, const std::vector<double>& leftpad,
+                                 const std::vector<double>& seqlens, std::uint64_t seed) {
   Random rng(seed);
   const std::int64_t row = heads * width;
   std::vector<double> x;
@@ -59,36 +53,23 @@ Pool paged_values(const std::vector<double>& dense, std::int64_t batch, std::int
   const std::int64_t per_seq = (capacity + page_size - 1) / page_size;
   const std::int64_t num_pages = batch * per_seq + 1;
   std::vector<double> pool(static_cast<std::size_t>(num_pages * page_size * row), kNaN);
-  std::vector<int> table;
+  std::vector<double> table;
   for (std::int64_t b = 0; b < batch; ++b)
     for (std::int64_t i = 0; i < per_seq; ++i) {
       const std::int64_t page = num_pages - 1 - (b * per_seq + i);
-      table.push_back(static_cast<int>(page));
+      table.push_back(static_cast<double>(page));
       for (std::int64_t r = 0; r < page_size && i * page_size + r < capacity; ++r)
         std::copy_n(dense.begin() + (b * capacity + i * page_size + r) * row, row,
                     pool.begin() + (page * page_size + r) * row);
     }
-  return {pool, i32({batch, per_seq}, table), num_pages};
-}
-
-// Runs f(backend) on every backend, flash on every SIMD target.
-template <class F>
-void for_each_backend(F&& f) {
-  const std::vector<std::string> targets = simd_targets_supported();
-  for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
-    for (const std::string& target : targets) {
-      if (backend != Backend::flash && target != targets.front()) continue;
-      const ScopedTarget scope(target);
-      SCOPED_TRACE(std::string(name_of(backend)) + " " + target);
-      f(backend);
-    }
-  }
+  return {pool, make_tensor(DType::i32, {batch, per_seq}, table), num_pages};
 }
 
 TEST(KvCacheMixed, EqualsTheWidenedF32CacheAndTheReference) {
   const std::int64_t hq = 4, d = 72, capacity = 160;
-  const std::vector<int> seqlens = {150, 37}, leftpad = {3, 0};
-  const Tensor lens_t = i32({2}, seqlens), pad_t = i32({2}, leftpad);
+  const std::vector<double> seqlens = {150, 37}, leftpad = {3, 0};
+  const Tensor lens_t = make_tensor(DType::i32, {2}, seqlens);
+  const Tensor pad_t = make_tensor(DType::i32, {2}, leftpad);
   for (DType kv : {DType::bf16, DType::f16}) {
     for (std::int64_t hkv : {4, 2}) {
       const std::vector<double> k = cache_values(kv, capacity, hkv, d, leftpad, seqlens, 1);
@@ -128,7 +109,7 @@ TEST(KvCacheMixed, EqualsTheWidenedF32CacheAndTheReference) {
           const ForwardResult want = run(k16, v16, Backend::reference);
           const std::vector<double> want_out = read_view(want.out.view());
           const double tol = out_tolerance(DType::f32, v, want_out, {}, 0.0);
-          for_each_backend([&](Backend backend) {
+          for_each_backend_and_target([&](Backend backend) {
             SCOPED_TRACE(std::string(name_of(kv)) + " Hkv=" + std::to_string(hkv) +
                          " page_size=" + std::to_string(page_size) + " Lq=" + std::to_string(lq));
             const ForwardResult got = run(k16, v16, backend);
@@ -172,8 +153,9 @@ RotaryTables rotary_tables(std::int64_t positions, std::int64_t half) {
 // rounded; the attention that follows agrees with the reference's.
 TEST(KvCacheMixed, AppendRoundsNewRowsOnceAfterRotary) {
   const std::int64_t hq = 4, hkv = 2, d = 24, capacity = 40, lq = 3, l_new = 3, half = 7;
-  const std::vector<int> seqlens = {20, 9}, leftpad = {2, 0};
-  const Tensor lens_t = i32({2}, seqlens), pad_t = i32({2}, leftpad);
+  const std::vector<double> seqlens = {20, 9}, leftpad = {2, 0};
+  const Tensor lens_t = make_tensor(DType::i32, {2}, seqlens);
+  const Tensor pad_t = make_tensor(DType::i32, {2}, leftpad);
   const RotaryTables rot = rotary_tables(capacity, half);
   const Tensor q = make_tensor(DType::f32, {2, hq, lq, d}, random_vector(2 * hq * lq * d, 21));
   for (DType kv : {DType::bf16, DType::f16}) {
@@ -234,17 +216,18 @@ TEST(KvCacheMixed, AppendRoundsNewRowsOnceAfterRotary) {
           EXPECT_TRUE(same_bits(read_view(want.v.view()), rounded(read_view(wide.v.view()), kv),
                                 "v_cache after the append"));
           if (new_dtype == kv && !rotary && page_size == 0) {
-            // Rows in the cache's dtype are copied exactly: sequence 0, head 1, new row j.
+            // Rows in the cache's dtype are copied exactly: sequence 0 (20 slots), head 1, new
+            // row j.
             const std::vector<double> cache = read_view(want.k.view());
             for (std::int64_t j = 0; j < l_new; ++j)
               for (std::int64_t e = 0; e < d; ++e)
-                ASSERT_EQ(cache[static_cast<std::size_t>(((seqlens[0] + j) * hkv + 1) * d + e)],
+                ASSERT_EQ(cache[static_cast<std::size_t>(((20 + j) * hkv + 1) * d + e)],
                           kn[static_cast<std::size_t>((l_new + j) * d + e)]);
           }
           const std::vector<double> want_out = read_view(want_r.out.view());
           const double tol = out_tolerance(DType::f32, v, want_out, {}, 0.0) +
                              out_tolerance(DType::f32, vn, want_out, {}, 0.0);
-          for_each_backend([&](Backend backend) {
+          for_each_backend_and_target([&](Backend backend) {
             const Caches c = fresh(kv);
             const ForwardResult r = run(c, backend);
             EXPECT_TRUE(same_bits(read_view(c.k.view()), read_view(want.k.view()), "k_cache"));
@@ -258,7 +241,7 @@ TEST(KvCacheMixed, AppendRoundsNewRowsOnceAfterRotary) {
 }
 
 TEST(KvCacheMixed, OtherMixesAreRefused) {
-  const Tensor lens = i32({1}, {3});
+  const Tensor lens = make_tensor(DType::i32, {1}, {3});
   KvCacheSeqs seqs;
   seqs.cache_seqlens = lens.view();
   auto message = [&](DType q_dtype, DType k_dtype, DType v_dtype) {
@@ -267,18 +250,18 @@ TEST(KvCacheMixed, OtherMixesAreRefused) {
     return error_message([&] { forward_kvcache(q, k, v, seqs); });
   };
   for (DType kv : {DType::bf16, DType::f16}) EXPECT_EQ(message(DType::f32, kv, kv), "");
-  EXPECT_EQ(message(DType::f16, DType::bf16, DType::bf16),
-            "forward: k_cache has the wrong dtype for the query (k_cache=bf16, query=f16, "
-            "expected k_cache like query, or bf16 or f16 under an f32 query)");
-  EXPECT_EQ(message(DType::bf16, DType::f32, DType::f32),
-            "forward: k_cache has the wrong dtype for the query (k_cache=f32, query=bf16, "
-            "expected k_cache like query, or bf16 or f16 under an f32 query)");
-  EXPECT_EQ(message(DType::f64, DType::bf16, DType::bf16),
-            "forward: k_cache has the wrong dtype for the query (k_cache=bf16, query=f64, "
-            "expected k_cache like query, or bf16 or f16 under an f32 query)");
-  EXPECT_EQ(message(DType::f32, DType::f64, DType::f64),
-            "forward: k_cache has the wrong dtype for the query (k_cache=f64, query=f32, "
-            "expected k_cache like query, or bf16 or f16 under an f32 query)");
+  // (query, cache) dtypes refused: "k_cache has the wrong dtype for the query".
+  const DType refused[][2] = {{DType::f16, DType::bf16},
+                              {DType::bf16, DType::f32},
+                              {DType::f64, DType::bf16},
+                              {DType::f32, DType::f64}};
+  for (const auto& [q_dtype, kv] : refused) {
+    EXPECT_EQ(message(q_dtype, kv, kv),
+              "forward: k_cache has the wrong dtype for the query (k_cache=" +
+                  std::string(name_of(kv)) + ", query=" + std::string(name_of(q_dtype)) +
+                  ", expected k_cache like query, or bf16 or f16 under "
+                  "an f32 query)");
+  }
   EXPECT_EQ(message(DType::f32, DType::bf16, DType::f16),
             "forward: v_cache has the wrong dtype (dtype=f16, expected bf16 like k_cache)");
   EXPECT_EQ(message(DType::f32, DType::f32, DType::bf16),
@@ -286,7 +269,7 @@ TEST(KvCacheMixed, OtherMixesAreRefused) {
   EXPECT_EQ(message(DType::i32, DType::bf16, DType::bf16),
             "forward: query has an unsupported dtype (dtype=i32, expected f32, f64, bf16 or f16)");
   // A paged cache takes the same rule.
-  const Tensor table = i32({1, 2}, {1, 0});
+  const Tensor table = make_tensor(DType::i32, {1, 2}, {1, 0});
   KvCacheSeqs paged = seqs;
   paged.block_table = table.view();
   const Tensor q(DType::f16, {1, 2, 1, 8}), pool(DType::bf16, {2, 2, 4, 8});
@@ -327,7 +310,7 @@ TEST(KvCacheMixed, OtherMixesAreRefused) {
 TEST(KvCacheMixed, CostPricesTheCacheDtype) {
   static float no_data;
   const std::int64_t hkv = 8, lk = 16384, d = 128;
-  const Tensor lens = i32({1}, {static_cast<int>(lk)});
+  const Tensor lens = make_tensor(DType::i32, {1}, {static_cast<double>(lk)});
   KvCacheSeqs seqs;
   seqs.cache_seqlens = lens.view();
   const TensorView q = TensorView::contiguous(&no_data, DType::f32, {1, 32, 1, d});

@@ -123,21 +123,15 @@ std::vector<double> paged_slots(const Paged& paged, std::int64_t b, std::int64_t
 // flash's of f64.
 template <class F>
 void for_each_paged_backend(F&& f) {
-  const std::vector<std::string> targets = simd_targets_supported();
-  for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
-    for (const std::string& target : targets) {
-      if (backend != Backend::flash && target != targets.front()) continue;
-      const ScopedTarget scope(target);
-      SCOPED_TRACE(std::string(name_of(backend)) + " " + target);
-      try {
-        f(backend);
-      } catch (const Unsupported& e) {
-        const std::string what = e.what();
-        ASSERT_TRUE(backend == Backend::flash && what.find("dtype f64") != std::string::npos)
-            << what;
-      }
+  for_each_backend_and_target([&](Backend backend) {
+    try {
+      f(backend);
+    } catch (const Unsupported& e) {
+      const std::string what = e.what();
+      ASSERT_TRUE(backend == Backend::flash && what.find("dtype f64") != std::string::npos)
+          << what;
     }
-  }
+  });
 }
 
 struct Variant {

@@ -119,6 +119,18 @@ std::string name_of_variant(Variant v) {
   return "?";
 }
 
+void for_each_backend_and_target(const std::function<void(Backend)>& f) {
+  const std::vector<std::string> targets = simd_targets_supported();
+  for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
+    for (const std::string& target : targets) {
+      if (backend != Backend::flash && target != targets.front()) continue;
+      const ScopedTarget scope(target);
+      SCOPED_TRACE(std::string(name_of(backend)) + " " + target);
+      f(backend);
+    }
+  }
+}
+
 std::vector<Variant> deterministic_variants() {
   return {Variant::plain,
           Variant::causal_upper_left,

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -54,6 +55,10 @@ class ScopedTarget {
  private:
   std::string previous_;
 };
+
+// Runs f(backend) for reference, math and flash, flash on every SIMD target this CPU runs
+// (each call inside a SCOPED_TRACE naming backend and target).
+void for_each_backend_and_target(const std::function<void(Backend)>& f);
 
 // One problem: the oracle's spec and the library's options for the same call.
 struct Problem {
