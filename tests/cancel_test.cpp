@@ -39,9 +39,10 @@ std::string cancelled_message(const std::function<void()>& call) {
   return "";
 }
 
-struct Problem {
+// A call's tensors, f32: q, k, v [1, H, L, D] filled, the outputs beside them.
+struct CallTensors {
   Tensor q, k, v, out, lse, dq, dk, dv;
-  Problem(std::int64_t h, std::int64_t l, std::int64_t d)
+  CallTensors(std::int64_t h, std::int64_t l, std::int64_t d)
       : q(DType::f32, {1, h, l, d}),
         k(DType::f32, {1, h, l, d}),
         v(DType::f32, {1, h, l, d}),
@@ -57,7 +58,7 @@ struct Problem {
 };
 
 TEST(Cancel, FlagSetBeforeTheCall) {
-  Problem c(2, 64, 32);
+  CallTensors c(2, 64, 32);
   std::atomic<bool> cancel{true};
   Options o;
   o.cancel = &cancel;
@@ -139,7 +140,7 @@ TEST(Cancel, EveryBackendStopsBetweenWorkItems) {
   for (const Case& k : {Case{Backend::reference, 4, 384}, Case{Backend::math, 8, 1536},
                         Case{Backend::flash, 8, 3072}}) {
     SCOPED_TRACE(std::string(name_of(k.backend)));
-    Problem c(k.heads, k.len, 64);
+    CallTensors c(k.heads, k.len, 64);
     expect_cancels_early("forward", [&](const Options& o) {
       forward_into(c.q, c.k, c.v, c.out, c.lse.view(), o, k.backend);
     });
@@ -153,10 +154,10 @@ TEST(Cancel, EveryBackendStopsBetweenWorkItems) {
 // One thread (the caller alone), and the flash forward's two modes: kv groups spread over the
 // threads (many heads) and one group's items shared (one head).
 TEST(Cancel, FlashModesAndOneThread) {
-  Problem many(16, 1536, 64), one(1, 8192, 64);
+  CallTensors many(16, 1536, 64), one(1, 8192, 64);
   for (int threads : {1, 0}) {
     SCOPED_TRACE("threads " + std::to_string(threads));
-    for (Problem* c : {&many, &one}) {
+    for (CallTensors* c : {&many, &one}) {
       expect_cancels_early("forward", [&](const Options& base) {
         Options o = base;
         o.num_threads = threads;
