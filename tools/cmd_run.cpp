@@ -55,6 +55,7 @@ int run(const RunConfig& c) {
     j.add("dropout", c.dropout);
     j.add("seed", c.seed);
     j.add("threads", threads);
+    j.add("num_splits", c.num_splits);
     j.add("simd", attncore::simd_target());
     j.add("repeat", c.repeat);
     j.add("flops", r.flops);

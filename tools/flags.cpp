@@ -202,6 +202,9 @@ constexpr Flag kFlags[] = {
     {"--backward", "", kBoth, &RunConfig::backward, "also time the backward (with a random dout)"},
     {"--threads", "N", kBoth, &RunConfig::threads,
      "threads (at most 1024), 0 = ATTNCORE_NUM_THREADS or the CPUs this\nprocess may run on"},
+    {"--num-splits", "N", kRun, &RunConfig::num_splits,
+     "flash's split-KV decode: parts per kv group's keys, 0 = planned\nfrom the CPU count, 1 = "
+     "no split, up to 256 forced"},
     {"--simd", "T", kBoth, &RunConfig::simd,
      "the flash kernels' SIMD target: avx512bf16, avx512, avx2 or generic\n(`attncore info` "
      "lists this CPU's)",

@@ -85,6 +85,7 @@ attncore::Options RunConfig::options(const TensorView& alibi_slopes,
   o.dropout_p = dropout;
   o.seed = seed;
   o.num_threads = threads;
+  o.num_splits = num_splits;
   if (alibi) o.alibi_slopes = alibi_slopes;
   if (mask != MaskKind::none) o.mask = mask_view;
   return o;

@@ -54,6 +54,7 @@ struct RunConfig {
   attncore::Backend backend = attncore::Backend::automatic;
   bool backward = false;
   int threads = 0;   // 0: the library's default (ATTNCORE_NUM_THREADS, else the allowed CPUs)
+  int num_splits = 0;  // Options::num_splits: 0 = flash's planner, 1 = no split
   std::string simd;  // the flash SIMD target; "": the automatic choice
   int repeat = 3;    // best of 3: enough to skip the first call's page faults
   bool check = false;

@@ -18,6 +18,11 @@ namespace attncore {
 // reaches it, and fixed, so that a value valid on one machine is valid on every one.
 inline constexpr int kMaxThreads = 1024;
 
+// The most key splits Options::num_splits may force: above it an InvalidArgument error. Fixed
+// (as kMaxThreads) so that a value valid on one machine is valid on every one; flash-attn's own
+// planner stops at 128.
+inline constexpr int kMaxSplits = 256;
+
 // The process-wide thread count of calls whose Options::num_threads is 0 (docs/design.md
 // section 8's order: Options::num_threads, else this setting, else ATTNCORE_NUM_THREADS, else
 // the CPUs the calling thread may run on). 1 to kMaxThreads sets it; 0 resets it (calls follow
@@ -114,6 +119,17 @@ struct Options {
   // caller during the call) instead of attncore's pool, on at most the call's thread count
   // (num_threads and its defaults, as above). Results are the same bits either way.
   const Executor* executor = nullptr;
+  // Split-KV decode (flash-decoding): how many parts the `flash` backend cuts each kv group's
+  // keys into in dense and KV-cache calls whose query rows per kv head (Hq / Hkv * Lq) fit one
+  // work item (48 rows on AVX2, 64 on AVX-512: decode, GQA decode, short chunks), each part run
+  // as its own work item and the parts' (out, LSE) merged in order (docs/design.md section
+  // 1.12). 0 = flash's planner chooses from the problem and the machine's CPU count (never from
+  // the thread count: results are the same bits for any num_threads or executor); 1 = no split;
+  // 2 to kMaxSplits = that many, capped to the number of 128-key tiles of the longest sequence.
+  // reference, math, varlen calls and longer query chunks compute without splitting. A split
+  // changes the rounding of the result (within docs/design.md section 6's rule of the exact
+  // one), never its meaning.
+  int num_splits = 0;
 };
 
 }  // namespace attncore

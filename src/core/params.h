@@ -138,6 +138,9 @@ struct Params {
 
   Dropout dropout;
 
+  // Options::num_splits (flash's split-KV decode, cpu/flash_split_kv.h): 0 = planned.
+  int num_splits = 0;
+
   bool empty_output() const { return batch == 0 || heads_q == 0 || seq.max_q() == 0; }
 };
 

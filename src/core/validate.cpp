@@ -99,6 +99,8 @@ void resolve_variant(const Checker& check, const Options& o, Params& p) {
   p.dropout.seed = o.seed;
   p.dropout.offset = o.offset;
   check.threads(o.num_threads);
+  check.splits(o.num_splits);
+  p.num_splits = o.num_splits;
 
   // ALiBi slopes: f32 [Hq] or [B, Hq].
   if (o.alibi_slopes.has_value()) {

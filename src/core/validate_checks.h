@@ -210,6 +210,14 @@ class Checker {
     }
   }
 
+  void splits(int num_splits) const {
+    if (num_splits < 0 || num_splits > kMaxSplits) {
+      fail("num_splits is out of range (num_splits=" + std::to_string(num_splits) +
+           ", expected 0 to " + std::to_string(kMaxSplits) +
+           ", attncore::kMaxSplits; 0 = planned, 1 = no split)");
+    }
+  }
+
   void backend(Backend b) const {
     if (static_cast<unsigned>(b) > static_cast<unsigned>(Backend::flash)) {
       unsupported("backend is not available in this build (backend=" +

@@ -15,8 +15,10 @@
 #include "attncore/error.h"
 #include "attncore/info.h"
 #include "core/convert.h"
+#include "core/cpu_info.h"
 #include "core/sequence.h"
 #include "core/threadpool.h"
+#include "cpu/flash_split_kv.h"
 #include "policy/mask.h"
 
 namespace attncore::detail {
@@ -48,21 +50,18 @@ struct AlignedFloats {
 
 std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
 
-// The next of `count` work items handed out by `next`, or -1 when none is left. The call's
-// cancel flag is read before an item is taken, never after: every item taken runs to its end
-// (a backward run waits on the runs of its kv head taken before it).
-std::int64_t take(std::atomic<std::int64_t>& next, std::int64_t count, const Launch& launch) {
-  launch.check_cancel();
-  const std::int64_t n = next.fetch_add(1);
-  return n < count ? n : -1;
-}
-
 // The target chosen by set_simd_target ("" = the best supported one). Never destroyed, like
 // every static a call reads: a call may be in flight at exit (tests/exit_test.cpp).
 std::mutex g_choice_mutex;
 std::string& g_choice = *new std::string;
 
 }  // namespace
+
+std::int64_t take_item(std::atomic<std::int64_t>& next, std::int64_t count, const Launch& launch) {
+  launch.check_cancel();
+  const std::int64_t n = next.fetch_add(1);
+  return n < count ? n : -1;
+}
 
 std::vector<FlashTarget> flash_targets_compiled() {
 #if defined(__x86_64__)
@@ -233,6 +232,15 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
   };
   AlignedFloats scratch(threads * scratch_floats);
 
+  // Split-KV decode (cpu/flash_split_kv.h): kv groups of one work item, cut into key parts.
+  const std::int64_t splits = plan_kv_splits(call, layout, machine_threads());
+  if (splits > 1) {
+    flash_forward_split(call, launch, call_args, target, plan.order, splits, [&](int slot) {
+      return scratch_of(scratch.get() + slot * scratch_floats);
+    });
+    return;
+  }
+
   // Modes and order: plan_flash_forward. An item of at most one micro-tile of rows reads K and
   // V in place, without packing, and so never gets a panel (its bits must not depend on the
   // thread count). Items compute the same in every mode. Each group resolves its sequence once
@@ -244,7 +252,8 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
       float* k_tiles = on_the_fly ? nullptr : panels.get() + slot * panel_floats;
       float* v_rows = on_the_fly ? nullptr : k_tiles + tiles * layout.key_tile * d;
       const FlashScratch w = scratch_of(scratch.get() + slot * scratch_floats);
-      for (std::int64_t n = take(next, groups, launch); n >= 0; n = take(next, groups, launch)) {
+      for (std::int64_t n = take_item(next, groups, launch); n >= 0;
+           n = take_item(next, groups, launch)) {
         const std::int64_t g = plan.order[static_cast<std::size_t>(n)];
         const std::int64_t b = g / call.heads_kv, kv_head = g % call.heads_kv;
         const Sequence<ForwardArgs> s = resolve_sequence(call, call_args, b);
@@ -285,8 +294,8 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
     run_tasks(static_cast<int>(std::min<std::int64_t>(threads, items.count)), threads,
               [&](int slot) {
                 const FlashScratch w = scratch_of(scratch.get() + slot * scratch_floats);
-                for (std::int64_t n = take(next, items.count, launch); n >= 0;
-                     n = take(next, items.count, launch)) {
+                for (std::int64_t n = take_item(next, items.count, launch); n >= 0;
+                     n = take_item(next, items.count, launch)) {
                   target.run_block(s.p, s.a, panel, items.item(b, kv_head, n, s.p), w);
                 }
               });
@@ -517,7 +526,9 @@ double flash_workspace_bytes(Pass pass, const Params& p, const Launch& launch) {
     const double panels = plan.on_the_fly ? 0
                           : plan.spread   ? threads * static_cast<double>(plan.panel_floats)
                                           : static_cast<double>(plan.panel_floats);
-    return 4.0 * (threads * scratch + panels);
+    const double split = static_cast<double>(
+        split_workspace_floats(p, plan_kv_splits(p, layout, machine_threads())));
+    return 4.0 * (threads * scratch + panels + split);
   }
   const BackwardSizes z = backward_sizes(p, layout, p.compute_dbias);
   const double kv_runs = static_cast<double>(p.batch * p.heads_kv * z.plan.runs);
@@ -605,7 +616,7 @@ void flash_backward(const Params& p, const Launch& launch, const BackwardArgs& a
     // last row this slack, zeroed here (those dK, dV rows are scratch, never stored).
     std::fill_n(w.s, block * tile + tile_rows, 0.0f);
     std::fill_n(w.ds, block * tile + tile_rows, 0.0f);
-    for (std::int64_t n = take(next, items, launch); n >= 0; n = take(next, items, launch)) {
+    for (std::int64_t n = take_item(next, items, launch); n >= 0; n = take_item(next, items, launch)) {
       const std::int64_t taken = order[static_cast<std::size_t>(n)];
       const std::int64_t kv_run = taken / parts, part = taken % parts;
       const std::int64_t b = kv_run / (runs * p.heads_kv);

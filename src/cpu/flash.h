@@ -6,6 +6,7 @@
 // both in f32) and shared by every block of every query head of the group.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -50,8 +51,11 @@ struct FlashScratch {
 // The group's rows are numbered n = (h - kv_head * group) * Lq + i; the item covers
 // n in [first, first + rows). Long sequences get items inside one head; short ones (decode)
 // put the rows of several heads of the group into one item, so K/V tiles serve them all.
+// A split-KV item (cpu/flash_split_kv.h) visits only the key tiles inside [key_begin, key_end)
+// (multiples of the key tile); masks and positions stay the sequence's own.
 struct FlashItem {
   std::int64_t b, kv_head, first, rows;
+  std::int64_t key_begin = 0, key_end = INT64_MAX;
 };
 
 // One thread's scratch for the backward of a run of query heads of one kv head (sizes set by
@@ -117,6 +121,11 @@ bool flash_target_supported(const FlashTarget& t);
 const FlashTarget& flash_target_chosen();
 
 void flash_forward(const Params& p, const Launch& launch, const ForwardArgs& args);
+
+// The next of `count` work items handed out by `next`, or -1 when none is left. The call's
+// cancel flag is read before an item is taken, never after: every item taken runs to its end
+// (a backward run waits on the runs of its kv head taken before it).
+std::int64_t take_item(std::atomic<std::int64_t>& next, std::int64_t count, const Launch& launch);
 
 // How flash_forward runs a call on `threads` threads: kv groups (b, kv head) spread over the
 // threads, each thread taking the next group in `order` (else the groups go one after the

@@ -106,9 +106,13 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   }
   const auto exp2 = [](auto x) ATTNCORE_TARGET { return exp2v(splat(x))[0]; };
 
+  // The tiles holding keys some row sees, within the item's own key range (a split-KV item's).
   const KeyRange span = seen.span();
-  const std::int64_t tile_begin = span.begin / kKeyTile;
-  const std::int64_t tile_end = span.empty() ? tile_begin : (span.end + kKeyTile - 1) / kKeyTile;
+  const std::int64_t first_key = std::max(span.begin, item.key_begin);
+  const std::int64_t end_key = std::min(span.end, item.key_end);
+  const std::int64_t tile_begin = first_key / kKeyTile;
+  const std::int64_t tile_end =
+      end_key > first_key ? (end_key + kKeyTile - 1) / kKeyTile : tile_begin;
   for (std::int64_t t = tile_begin; t < tile_end; ++t) {
     const std::int64_t j0 = t * kKeyTile;
     const std::int64_t keys = std::min<std::int64_t>(kKeyTile, lk - j0);
