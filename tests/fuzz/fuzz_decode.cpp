@@ -102,6 +102,9 @@ void decode_options(Reader& r, const Dims& s, bool mask_and_dropout, Decoded& o)
   opt.num_threads = static_cast<int>(r.range(1, 3));
   if (r.chance(3)) opt.num_threads = r.chance(128) ? -1 : kMaxThreads + 1;
   if (r.chance(3)) opt.cancel = &o.cancel;
+  // Key splits (flash's split-KV): forced now and then, now and then out of range.
+  if (r.chance(40)) opt.num_splits = static_cast<int>(r.range(1, 9));
+  if (r.chance(3)) opt.num_splits = r.chance(128) ? -1 : kMaxSplits + 1;
 }
 
 // With ATTNCORE_FUZZ_VERBOSE set, what an input decoded to (to read a crash's input).
@@ -111,12 +114,13 @@ void describe(const char* mode, const Dims& s, DType dtype, const Options& o,
   std::fprintf(stderr,
                "%s %s B=%lld Hq=%lld Hkv=%lld Lq=%lld Lk=%lld D=%lld Dv=%lld scale=%g causal=%d "
                "window=(%lld,%lld) softcap=%g alibi=%d mask=%d dropout=%g gqa=%d threads=%d "
-               "cancel=%d\n",
+               "cancel=%d splits=%d\n",
                mode, std::string(name_of(dtype)).c_str(), (long long)s.b, (long long)s.hq,
                (long long)s.hkv, (long long)s.lq, (long long)s.lk, (long long)s.d,
                (long long)s.dv, o.scale.value_or(-1), int(o.causal), (long long)o.window_left,
                (long long)o.window_right, o.softcap, o.alibi_slopes.has_value(),
-               o.mask.has_value(), o.dropout_p, o.enable_gqa, o.num_threads, o.cancel != nullptr);
+               o.mask.has_value(), o.dropout_p, o.enable_gqa, o.num_threads, o.cancel != nullptr,
+               o.num_splits);
   for (const Array* a : arrays) {
     std::fprintf(stderr, "  %s %s strides", std::string(name_of(a->view.dtype)).c_str(),
                  a->view.shape_string().c_str());
