@@ -390,7 +390,7 @@ TEST(Paged, ExplainSaysEveryBackendRunsPagedCalls) {
 
 TEST(Paged, AppendsCheckTheirPagesBeforeWriting) {
   const Tensor q(DType::f32, {2, 2, 1, 8});
-  const Tensor pool(DType::f32, {5, 2, 4, 8});
+  const Tensor pool(DType::f32, {5, 2, 4, 8}), v_pool(DType::f32, {5, 2, 4, 8});
   const Tensor k_new = make_tensor(DType::f32, {2, 2, 3, 8}, random_vector(96, 1));
   const Tensor lens = i32({2}, {4, 3});
   // Sequence 0 appends slots [4, 7): page 1 of its row is -1.
@@ -400,7 +400,7 @@ TEST(Paged, AppendsCheckTheirPagesBeforeWriting) {
   s.block_table = table.view();
   const KvAppend append{k_new, k_new, std::nullopt, std::nullopt, false};
   EXPECT_EQ(
-      error_message([&] { forward_kvcache(q, pool, pool, s, append, {}, Backend::reference); }),
+      error_message([&] { forward_kvcache(q, pool, v_pool, s, append, {}, Backend::reference); }),
       "forward: block_table names no page of the cache for slots in use (block_table[0][1]"
       "=-1, expected 0 <= page < num_pages=5 for sequence 0's slots [0, 7))");
   const Tensor full = i32({2}, {12, 3});
@@ -408,19 +408,67 @@ TEST(Paged, AppendsCheckTheirPagesBeforeWriting) {
   const Tensor all = i32({2, 3}, {4, 0, 1, 2, 3, -1});
   s.block_table = all.view();
   EXPECT_EQ(
-      error_message([&] { forward_kvcache(q, pool, pool, s, append, {}, Backend::reference); }),
+      error_message([&] { forward_kvcache(q, pool, v_pool, s, append, {}, Backend::reference); }),
       "forward: k_new does not fit in the cache (cache_seqlens[0]=12 + L_new=3, expected <= "
       "capacity=12)");
   // A backend that cannot run the call (flash: f64) is refused before the append too.
   const Tensor q64(DType::f64, {2, 2, 1, 8}), pool64(DType::f64, {5, 2, 4, 8});
+  const Tensor v_pool64(DType::f64, {5, 2, 4, 8});
   const Tensor new64 = make_tensor(DType::f64, {2, 2, 3, 8}, random_vector(96, 1));
   s.cache_seqlens = lens.view();
-  EXPECT_THROW(forward_kvcache(q64, pool64, pool64, s,
+  EXPECT_THROW(forward_kvcache(q64, pool64, v_pool64, s,
                                KvAppend{new64, new64, std::nullopt, std::nullopt, false}, {},
                                Backend::flash),
                Unsupported);
   for (double x : read_view(pool.view())) ASSERT_EQ(x, 0.0);  // nothing was written
   for (double x : read_view(pool64.view())) ASSERT_EQ(x, 0.0);
+  for (double x : read_view(v_pool.view())) ASSERT_EQ(x, 0.0);
+  for (double x : read_view(v_pool64.view())) ASSERT_EQ(x, 0.0);
+}
+
+// An append that would write one pool slot twice, or overwrite keys of its own sequence, and an
+// append whose K and V caches share memory, are refused before anything is written.
+TEST(Paged, AppendsRefuseSlotsWrittenTwice) {
+  const Tensor q(DType::f32, {2, 2, 1, 8});
+  const Tensor k_pool(DType::f32, {5, 2, 4, 8}), v_pool(DType::f32, {5, 2, 4, 8});
+  const Tensor k_new = make_tensor(DType::f32, {2, 2, 1, 8}, random_vector(32, 1));
+  const KvAppend append{k_new, k_new, std::nullopt, std::nullopt, false};
+  KvCacheSeqs s;
+  // Both sequences append their slot 5 (row 1 of logical page 1): page 3 in both rows.
+  const Tensor lens = i32({2}, {5, 5});
+  const Tensor shared = i32({2, 3}, {4, 3, -1, 2, 3, -1});
+  s.cache_seqlens = lens.view();
+  s.block_table = shared.view();
+  EXPECT_EQ(
+      error_message([&] { forward_kvcache(q, k_pool, v_pool, s, append, {}, Backend::reference); }),
+      "forward: k_new writes one pool slot twice (slot 5 of sequence 0 and slot 5 of sequence 1 "
+      "are both row 1 of page 3, expected distinct slots); map distinct pages where sequences "
+      "append (PagedKvCache::assign copies a shared page first)");
+  // Sequence 0 maps page 4 at logical pages 0 and 1: its new slot 5 is its own key 1.
+  const Tensor twice = i32({2, 3}, {4, 4, -1, 2, 3, -1});
+  s.block_table = twice.view();
+  EXPECT_EQ(
+      error_message([&] { forward_kvcache(q, k_pool, v_pool, s, append, {}, Backend::reference); }),
+      "forward: block_table maps one page twice in a sequence that appends (block_table[0][0]="
+      "block_table[0][1]=4, expected distinct pages); the append would overwrite the sequence's "
+      "own keys");
+  for (double x : read_view(k_pool.view())) ASSERT_EQ(x, 0.0);  // nothing was written
+  for (double x : read_view(v_pool.view())) ASSERT_EQ(x, 0.0);
+  // One pool for keys and values: the values would overwrite the keys.
+  s.block_table = shared.view();
+  const Tensor lens_apart = i32({2}, {1, 5});
+  s.cache_seqlens = lens_apart.view();
+  EXPECT_NE(error_message([&] {
+              forward_kvcache(q, k_pool, k_pool, s, append, {}, Backend::reference);
+            }).find("forward: v_cache overlaps k_cache"),
+            std::string::npos);
+  for (double x : read_view(k_pool.view())) ASSERT_EQ(x, 0.0);
+  // A page mapped twice past the slots a sequence uses is never written: the append runs.
+  const Tensor fine = i32({2, 3}, {4, 1, 1, 0, 3, -1});
+  s.block_table = fine.view();
+  const Tensor lens_fine = i32({2}, {3, 5});
+  s.cache_seqlens = lens_fine.view();
+  EXPECT_NO_THROW(forward_kvcache(q, k_pool, v_pool, s, append, {}, Backend::reference));
 }
 
 }  // namespace

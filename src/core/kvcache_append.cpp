@@ -3,6 +3,7 @@
 // query is rotated into a copy, and the call attends with the lengths after the append.
 #include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attncore/kvcache.h"
@@ -40,6 +41,61 @@ void rotate(const Rotary& r, std::int64_t pos, T* x) {
     const T x1 = x[a], x2 = x[b];
     x[a] = x1 * c - x2 * s;
     x[b] = x2 * c + x1 * s;
+  }
+}
+
+// A paged append writes slot s of sequence b at row s % page_size of page
+// block_table[b][s / page_size]. Refused, as it would leave a sequence attending to a key it
+// did not write: a page mapped twice within the slots a sequence uses (the append would
+// overwrite its own keys), and two new rows landing on one pool slot (pages two sequences share
+// at the slots both append). Runs after the capacity check (every slot has a table entry);
+// entries that name no page of the pool are left to the attending call's check, which names
+// them.
+void check_append_slots(const Checker& check, const Params& p, std::int64_t num_pages,
+                          std::int64_t l_new) {
+  const detail::SeqInfo& seq = p.seq;
+  const std::int64_t rows = p.batch * l_new;
+  std::vector<std::pair<std::int64_t, std::int64_t>> slots;  // [B * L_new]: (pool slot, row)
+  slots.reserve(static_cast<std::size_t>(rows));
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    const std::int32_t* table = seq.block_table + b * seq.block_table_stride;
+    for (std::int64_t j = 0; j < l_new; ++j) {
+      const std::int64_t s = seq.cache_seqlens[b] + j, page = table[s / seq.page_size];
+      if (page < 0 || page >= num_pages) continue;
+      slots.emplace_back(page * seq.page_size + s % seq.page_size, b * l_new + j);
+    }
+  }
+  for (std::int64_t b = 0; b < p.batch && l_new > 0; ++b) {
+    const std::int32_t* table = seq.block_table + b * seq.block_table_stride;
+    const std::int64_t first = (seq.cache_leftpad != nullptr ? seq.cache_leftpad[b] : 0) /
+                               seq.page_size;
+    const std::int64_t last = (seq.cache_seqlens[b] + l_new - 1) / seq.page_size;
+    std::vector<std::pair<std::int32_t, std::int64_t>> used;  // (page, logical page)
+    for (std::int64_t i = first; i <= last; ++i) {
+      if (table[i] >= 0 && table[i] < num_pages) used.emplace_back(table[i], i);
+    }
+    std::sort(used.begin(), used.end());
+    for (std::size_t i = 1; i < used.size(); ++i) {
+      if (used[i].first != used[i - 1].first) continue;
+      check.fail("block_table maps one page twice in a sequence that appends (block_table[" +
+                 std::to_string(b) + "][" + std::to_string(used[i - 1].second) +
+                 "]=block_table[" + std::to_string(b) + "][" + std::to_string(used[i].second) +
+                 "]=" + std::to_string(used[i].first) +
+                 ", expected distinct pages); the append would overwrite the sequence's own keys");
+    }
+  }
+  std::sort(slots.begin(), slots.end());
+  for (std::size_t i = 1; i < slots.size(); ++i) {
+    if (slots[i].first != slots[i - 1].first) continue;
+    const std::int64_t b0 = slots[i - 1].second / l_new, b1 = slots[i].second / l_new;
+    const std::int64_t s0 = seq.cache_seqlens[b0] + slots[i - 1].second % l_new;
+    const std::int64_t s1 = seq.cache_seqlens[b1] + slots[i].second % l_new;
+    check.fail("k_new writes one pool slot twice (slot " + std::to_string(s0) + " of sequence " +
+               std::to_string(b0) + " and slot " + std::to_string(s1) + " of sequence " +
+               std::to_string(b1) + " are both row " + std::to_string(s0 % seq.page_size) +
+               " of page " + std::to_string(slots[i].first / seq.page_size) +
+               ", expected distinct slots); map distinct pages where sequences append "
+               "(PagedKvCache::assign copies a shared page first)");
   }
 }
 
@@ -96,13 +152,13 @@ std::vector<std::int32_t> validate_append(const Checker& check, const Params& p,
                ", rotary_sin=" + std::string(a.rotary_sin ? "given" : "none") +
                ", expected both or neither)");
   }
-  // The caches are written: neither may share a byte with an array the append reads.
-  for (const detail::NamedView cache : {detail::NamedView{&k_cache, "k_cache"},
-                                        detail::NamedView{&v_cache, "v_cache"}}) {
-    check.separate({cache}, {{&q, "query"}, {&a.k_new, "k_new"}, {&a.v_new, "v_new"},
-                             {a.rotary_cos ? &*a.rotary_cos : nullptr, "rotary_cos"},
-                             {a.rotary_sin ? &*a.rotary_sin : nullptr, "rotary_sin"}});
-  }
+  // The caches are written: neither may share a byte with the other (the values would
+  // overwrite the keys) or with an array the append reads.
+  check.separate({{&k_cache, "k_cache"}, {&v_cache, "v_cache"}},
+                 {{&q, "query"}, {&a.k_new, "k_new"}, {&a.v_new, "v_new"},
+                  {a.rotary_cos ? &*a.rotary_cos : nullptr, "rotary_cos"},
+                  {a.rotary_sin ? &*a.rotary_sin : nullptr, "rotary_sin"}});
+  if (seq.paged()) check_append_slots(check, p, k_cache.size(0), l_new);
   if (!a.rotary_cos.has_value()) return lengths;
   const TensorView& cos = *a.rotary_cos;
   const TensorView& sin = *a.rotary_sin;
@@ -113,8 +169,9 @@ std::vector<std::int32_t> validate_append(const Checker& check, const Params& p,
   check.shape(sin, "rotary_sin", cos.shape.data(), "like rotary_cos");
   const std::int64_t half = cos.size(1);
   if (half < 1 || 2 * half > p.head_dim) {
-    check.fail("rotary_cos has shape " + cos.shape_string() + ", expected [positions, " +
-               "rotary_dim / 2] with 2 <= rotary_dim <= D=" + std::to_string(p.head_dim) + ")");
+    check.fail("rotary_cos has the wrong width (rotary_dim / 2=" + std::to_string(half) +
+               ", expected 1 <= rotary_dim / 2 <= D / 2=" + std::to_string(p.head_dim / 2) +
+               ": tables [positions, rotary_dim / 2] with an even rotary_dim <= D)");
   }
   // The largest position rotated: a new key's, or a query row's.
   const bool aligned = o.causal != Causal::none || o.window_left >= 0 || o.window_right >= 0;
