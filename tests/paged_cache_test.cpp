@@ -309,5 +309,46 @@ TEST(PagedCache, BadArguments) {
             "erase it first");
 }
 
+
+// k and v that lie in the cache's own pages are refused (rows would be read after being
+// overwritten), before anything changes.
+TEST(PagedCache, AssignRefusesRowsInTheCachesMemory) {
+  PagedKvCache c(3, 4, 1, 2, 2, DType::f32, 2);
+  c.reserve(0, 4);
+  const Tensor k = make_tensor(DType::f32, {4, 1, 2}, random_vector(8, 1));
+  c.assign(0, positions_of({0, 1, 2, 3}), k, k);
+  const std::vector<double> before = read_view(c.k_pages());
+  TensorView page = c.k_pages();  // page row 0's slots [0, 4) as [S=4, Hkv=1, D=2]
+  page.rank = 3;
+  page.shape = {4, 1, 2};
+  page.stride = {2, 2, 1};
+  page.data = static_cast<char*>(c.k_pages().data) + row_of(c, 0)[0] * 8 * sizeof(float);
+  EXPECT_NE(error_message([&] { c.assign(0, positions_of({1, 2, 3, 0}), page, k); })
+                .find("PagedKvCache::assign: k_pages overlaps k"),
+            std::string::npos);
+  TensorView v_page = page;
+  v_page.data = static_cast<char*>(c.v_pages().data) + row_of(c, 0)[0] * 8 * sizeof(float);
+  EXPECT_NE(error_message([&] { c.assign(0, positions_of({1, 2, 3, 0}), k, v_page); })
+                .find("v_pages overlaps v"),
+            std::string::npos);
+  EXPECT_EQ(read_view(c.k_pages()), before);
+}
+
+// The page table view is a copy: a caller that writes it (which it must not) cannot make the
+// cache free a page another sequence holds.
+TEST(PagedCache, WritesToThePageTableViewLeaveTheBookkeeping) {
+  PagedKvCache c(4, 2, 1, 2, 2, DType::f32, 2);
+  c.reserve(0, 2);
+  const int held = row_of(c, 0)[0];
+  static_cast<std::int32_t*>(c.page_table().data)[c.max_pages_per_seq()] = held;  // row 1
+  c.erase(1);  // row 1 holds nothing as the cache sees it
+  EXPECT_EQ(c.references(held), 1);
+  EXPECT_EQ(c.free_pages(), 3);
+  EXPECT_EQ(row_of(c, 1), (std::vector<int>{-1, -1, -1, -1}));  // rewritten by erase
+  c.reserve(1, 6);
+  for (int page : row_of(c, 1)) EXPECT_NE(page, held);
+  EXPECT_EQ(c.free_pages(), 0);
+}
+
 }  // namespace
 }  // namespace attncore::test

@@ -9,8 +9,10 @@
 //   seqlens()    i32 [max_batch]                                     (KvCacheSeqs::cache_seqlens)
 //
 // The views are live: they address the cache's own memory, which the calls below change in
-// place, and stay valid as long as the cache. The page table is the cache's bookkeeping: read
-// it, never write it. Sequence b holds logical pages 0, 1, ... (mapped
+// place, and stay valid as long as the cache. page_table() is a copy of the cache's own
+// bookkeeping, rewritten whenever a call changes a sequence's row: read it, do not write it (a
+// write misleads the attention calls that read it until the row next changes, never the
+// cache's reference counts or free pages). Sequence b holds logical pages 0, 1, ... (mapped
 // in order; its capacity is their count * page_size).
 //
 // reserve / erase / assign follow torch's PagedAttention (torch.nn.attention.experimental):
@@ -85,7 +87,7 @@ class ATTNCORE_API PagedKvCache {
   void reserve(std::int64_t batch_idx, std::int64_t seq_len);
   void erase(std::int64_t batch_idx);
   // positions i32 [S], k [S, Hkv, D], v [S, Hkv, Dv] of any float dtype (rounded to the cache's
-  // nearest even), head dim contiguous.
+  // nearest even), head dim contiguous, outside the cache's own memory (InvalidArgument).
   void assign(std::int64_t batch_idx, const TensorView& positions, const TensorView& k,
               const TensorView& v);
   void fork(std::int64_t src, std::int64_t dst, std::int64_t prefix_len);

@@ -19,19 +19,26 @@ namespace attncore {
 struct PagedKvCache::State {
   std::int64_t num_pages, page_size, heads_kv, head_dim, head_dim_v, max_batch, per_seq;
   Tensor k, v;     // [num_pages, page_size, Hkv, D], [num_pages, page_size, Hkv, Dv]
-  Tensor table;    // i32 [max_batch, per_seq], -1 unmapped
+  Tensor table;    // i32 [max_batch, per_seq], -1 unmapped: the view callers read
   Tensor lengths;  // i32 [max_batch]
+  // [max_batch * per_seq]: the page table as the cache keeps it, copied into `table` after each
+  // change (publish), so that a caller writing the view (which it must not) misleads only its
+  // own attention calls, never the reference counts and the free list.
+  std::vector<std::int32_t> pages;
   std::vector<std::int32_t> free;  // free pages; taken from the back (torch's order)
   std::vector<std::int32_t> refs;  // [num_pages]: sequences mapping each page
 
-  std::int32_t* row(std::int64_t b) const { return table.data_as<std::int32_t>() + b * per_seq; }
+  std::int32_t* row(std::int64_t b) { return pages.data() + b * per_seq; }
+  const std::int32_t* row(std::int64_t b) const { return pages.data() + b * per_seq; }
+  void publish(std::int64_t b) const {
+    std::copy_n(row(b), per_seq, table.data_as<std::int32_t>() + b * per_seq);
+  }
   std::int32_t& length(std::int64_t b) const { return lengths.data_as<std::int32_t>()[b]; }
-  // Logical pages of b: the leading entries of its row that name a page (callers must not
-  // write the table; an entry that names no page ends the row even if they do).
+  // Logical pages of b: the leading mapped entries of its row.
   std::int64_t mapped(std::int64_t b) const {
     const std::int32_t* r = row(b);
     std::int64_t i = 0;
-    while (i < per_seq && r[i] >= 0 && r[i] < num_pages) ++i;
+    while (i < per_seq && r[i] >= 0) ++i;
     return i;
   }
   // The bytes of one page of K or V.
@@ -136,6 +143,7 @@ PagedKvCache::PagedKvCache(std::int64_t num_pages, std::int64_t page_size, std::
     s.v = Tensor(dtype, {num_pages, page_size, heads_kv, head_dim_v});
     s.table = Tensor(DType::i32, {max_batch, max_pages_per_seq});
     s.lengths = Tensor(DType::i32, {max_batch});
+    s.pages.assign(static_cast<std::size_t>(max_batch * max_pages_per_seq), -1);
     s.refs.assign(static_cast<std::size_t>(num_pages), 0);
     s.free.resize(static_cast<std::size_t>(num_pages));
   } catch (const std::bad_alloc&) {
@@ -209,6 +217,7 @@ void PagedKvCache::reserve(std::int64_t batch_idx, std::int64_t seq_len) {
     s.refs[static_cast<std::size_t>(page)] = 1;
   }
   s.free.erase(first, s.free.end());
+  s.publish(batch_idx);
 }
 
 void PagedKvCache::erase(std::int64_t batch_idx) {
@@ -220,6 +229,7 @@ void PagedKvCache::erase(std::int64_t batch_idx) {
     if (--s.refs[static_cast<std::size_t>(row[i])] == 0) s.free.push_back(row[i]);
   }
   std::fill_n(row, s.per_seq, -1);
+  s.publish(batch_idx);
   s.length(batch_idx) = 0;
 }
 
@@ -246,6 +256,10 @@ void PagedKvCache::assign(std::int64_t batch_idx, const TensorView& positions, c
   check.shape(v, "v", v_shape, "[S, Hkv, Dv] with S = len(positions)");
   check.unit_last_stride(k, "k");
   check.unit_last_stride(v, "v");
+  // The rows are read while pages are written: k and v may not lie in the cache's memory.
+  check.separate({{&s.k.view(), "k_pages"}, {&s.v.view(), "v_pages"},
+                  {&s.table.view(), "page_table"}, {&s.lengths.view(), "seqlens"}},
+                 {{&k, "k"}, {&v, "v"}});
   const std::int64_t capacity = s.mapped(batch_idx) * s.page_size;
   std::vector<std::int32_t> pos(static_cast<std::size_t>(n));  // [S]
   for (std::int64_t i = 0; i < n; ++i) {
@@ -290,6 +304,7 @@ void PagedKvCache::assign(std::int64_t batch_idx, const TensorView& positions, c
     s.refs[static_cast<std::size_t>(fresh)] = 1;
     row[logical] = fresh;
   }
+  s.publish(batch_idx);
   // The rows: K[page, slot, h, :] = k[i, h, :] (f32, or f64 for f64 caches).
   const DType dtype = s.k.dtype();
   std::vector<double> x(static_cast<std::size_t>(std::max(s.head_dim, s.head_dim_v)));  // [D]
@@ -340,6 +355,7 @@ void PagedKvCache::fork(std::int64_t src, std::int64_t dst, std::int64_t prefix_
     to[i] = from[i];
     ++s.refs[static_cast<std::size_t>(from[i])];
   }
+  s.publish(dst);
   s.length(dst) = static_cast<std::int32_t>(prefix_len);
 }
 
