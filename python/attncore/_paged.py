@@ -12,6 +12,7 @@ from . import _arrays, _core
 from ._kvcache import flash_attn_with_kvcache
 from ._merge import refuse_grad
 from ._rank4 import INT32_MAX, int_option
+from ._varlen import index_array
 
 _CORE_DTYPES = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16"}
 
@@ -28,21 +29,35 @@ class PagedViews(typing.NamedTuple):
 
 
 def _dtype_name(dtype):
-    """("float32" | "float64" | "float16" | "bfloat16", whether a torch dtype was given)."""
+    """("float32" | "float64" | "float16" | "bfloat16", whether a torch dtype was given):
+    TypeError for what is no dtype (None included), ValueError for dtypes of no cache."""
     torch = sys.modules.get("torch")
-    if torch is not None and isinstance(dtype, torch.dtype):
-        return str(dtype).removeprefix("torch."), True
-    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    torch_given = torch is not None and isinstance(dtype, torch.dtype)
+    if torch_given:
+        name = str(dtype).removeprefix("torch.")
+    elif isinstance(dtype, str):
+        name = dtype
+    else:
+        try:
+            name = None if dtype is None else np.dtype(dtype).name
+        except TypeError:
+            name = None
+        if name is None:
+            raise TypeError(f"PagedKVCache: dtype is not a dtype (type={type(dtype).__name__}, "
+                            "expected a string, numpy dtype or torch dtype)")
     if name not in _CORE_DTYPES:
         raise ValueError(f"PagedKVCache: dtype is not a cache dtype (dtype={name}, expected "
                          "float32, float64, float16 or bfloat16)")
-    return name, False
+    return name, torch_given
 
 
 def _index(op, name, x):
-    """An int argument that may come as a one-element tensor or array (torch's style)."""
-    if hasattr(x, "shape") and tuple(x.shape) in ((), (1,)):
-        x = x.reshape(()).item() if hasattr(x, "item") else x
+    """An int argument that may come as a one-element tensor or array (torch's style); a
+    tensor attncore cannot read (another device, meta) raises NotImplementedError."""
+    if hasattr(x, "shape") and not isinstance(x, np.generic):
+        x = _arrays.adopt(x, op, name)[1]
+        if tuple(x.shape) in ((), (1,)):
+            x = x.reshape(()).item()
     return int_option(op, name, x)
 
 
@@ -50,7 +65,7 @@ def _positions(op, x):
     """input_pos as a contiguous int32 numpy array [S]."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
-        x = x.detach().cpu().numpy()
+        x = _arrays.adopt(x, op, "input_pos")[1].detach().numpy()
     array = np.asarray(x)
     if array.dtype.kind not in "iu":
         raise TypeError(f"{op}: input_pos is not an integer array (dtype={array.dtype}, expected "
@@ -167,6 +182,38 @@ class PagedKVCache:
         return self._core.references(_index("PagedKVCache.references", "page", page))
 
 
+def _host_index(op, name, x):
+    """An int32 index array (index_array's forms) as an int64 numpy copy for the checks here;
+    ValueError for another dtype, as the library gives."""
+    if x is None:
+        return None
+    array = index_array(op, name, x)
+    dtype = str(array.dtype).removeprefix("torch.")
+    if dtype != "int32":
+        raise ValueError(f"{op}: {name} has the wrong dtype (dtype={dtype}, expected int32)")
+    return np.array(array.numpy() if hasattr(array, "detach") else array, np.int64)
+
+
+def _check_pages(op, lengths, table, k_shape):
+    """Every sequence's keys 0:L_b lie in pages of the pool (checked for all sequences before
+    any is attended): L_b >= 0, within block_table's row, every page used in [0, num_pages)."""
+    if len(k_shape) != 4:
+        raise ValueError(f"{op}: k has the wrong rank (rank={len(k_shape)}, expected 4: "
+                         "[num_pages, page_size, Hkv, D])")
+    num_pages, page_size = k_shape[0], k_shape[1]
+    for b, length in enumerate(lengths.tolist()):
+        pages = -(-length // page_size) if page_size else 0
+        if length < 0 or pages > table.shape[1]:
+            raise ValueError(f"{op}: sequence {b} has {length} keys (expected 0 <= keys <= "
+                             f"max_pages_per_seq * page_size={table.shape[1] * page_size})")
+        row = table[b, :pages]
+        bad = np.flatnonzero((row < 0) | (row >= num_pages))
+        if bad.size:
+            raise ValueError(f"{op}: block_table names no page of the pool where sequence {b} "
+                             f"has keys (block_table[{b}][{bad[0]}]={row[bad[0]]}, expected 0 <= "
+                             f"page < num_pages={num_pages})")
+
+
 def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes,
                  kvcache_options):
     """flash_attn_varlen_func with block_table: packed queries q [total_q, Hq, D] over page
@@ -176,25 +223,28 @@ def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table
     sequence; rows past cu_seqlens_q[-1] get out 0 and lse -inf. Returns (out, lse [Hq,
     total_q])."""
     lib, q_arr, give_back = _arrays.adopt(q, op, "q")
-    host = [None if x is None else np.asarray(
-        x.detach().cpu().numpy() if hasattr(x, "detach") else x).astype(np.int64)
-        for x in (cu_seqlens_q, cu_seqlens_k, seqused_k)]
-    cu_q, cu_k, used = host
+    cu_q, cu_k, used = (_host_index(op, name, x) for name, x in (
+        ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k)))
     if cu_q.ndim != 1 or cu_k.shape != cu_q.shape or len(cu_q) < 1:
         raise ValueError(f"{op}: cu_seqlens_q and cu_seqlens_k have shapes {list(cu_q.shape)} "
                          f"and {list(cu_k.shape)} (expected [B + 1] both)")
     batch = len(cu_q) - 1
-    if np.any(np.diff(cu_q) < 0) or cu_q[0] != 0 or cu_q[-1] > q_arr.shape[0]:
-        raise ValueError(f"{op}: cu_seqlens_q is not a valid offset array (cu_seqlens_q="
-                         f"{cu_q.tolist()[:8]}, expected 0 = cu[0] <= cu[1] <= ... <= "
-                         f"total_q={q_arr.shape[0]})")
-    lengths = used if used is not None else np.diff(cu_k)
+    if len(q_arr.shape) != 3:
+        raise ValueError(f"{op}: q has the wrong rank (rank={len(q_arr.shape)}, expected 3: "
+                         "[total_q, Hq, D])")
+    for name, cu, end in (("cu_seqlens_q", cu_q, q_arr.shape[0]), ("cu_seqlens_k", cu_k, None)):
+        if cu[0] != 0 or np.any(np.diff(cu) < 0) or (end is not None and cu[-1] > end):
+            raise ValueError(f"{op}: {name} is not a valid offset array ({name}="
+                             f"{cu.tolist()[:8]}, expected 0 = cu[0] <= cu[1] <= ..."
+                             f"{'' if end is None else f' <= total_q={end}'})")
     if used is not None and used.shape != (batch,):
         raise ValueError(f"{op}: seqused_k has shape {list(used.shape)} (expected [{batch}])")
-    table_lib, table, _ = _arrays.adopt(block_table, op, "block_table")
+    lengths = used if used is not None else np.diff(cu_k)
+    _, table, _ = _arrays.adopt(block_table, op, "block_table")
     if len(table.shape) != 2 or table.shape[0] != batch:
         raise ValueError(f"{op}: block_table has shape {list(table.shape)}, expected "
                          f"[{batch}, max_pages_per_seq] ([B, max_pages_per_seq])")
+    _check_pages(op, lengths, _host_index(op, "block_table", table), _arrays.shape_of(k, op, "k"))
     total_q, heads_q = q_arr.shape[0], q_arr.shape[1]
     dim_v = _arrays.shape_of(v, op, "v")[-1]
     dtype = lib.dtype_name(q_arr)

@@ -6,10 +6,40 @@ flash_attn_with_kvcache with a block table. Imported by attncore.torch only (nee
 
 import torch as _torch
 
+from . import _arrays
 from ._kvcache import flash_attn_with_kvcache
 from ._merge import refuse_grad
 from ._paged import _index
-from ._rank4 import int_option
+from ._rank4 import INT32_MAX, int_option
+
+
+def _integers(op, name, x, shape, layout):
+    """An int64 torch tensor of indices from a tensor, array or sequence of integers:
+    TypeError for other dtypes (floats are not truncated), NotImplementedError for tensors
+    attncore cannot read (another device, meta), ValueError for another shape."""
+    t = _arrays.TORCH.asarray(x, op, name)
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == _torch.bool:
+        raise TypeError(f"{op}: {name} is not an integer tensor (dtype={t.dtype}, expected "
+                        "int32 or int64)")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{op}: {name} has shape {list(t.shape)}, expected {list(shape)} "
+                         f"({layout})")
+    return t.long()
+
+
+def _floating(op, name, x, rank, layout):
+    """A CPU torch tensor of a floating dtype and the given rank, else attncore's error."""
+    if not isinstance(x, _torch.Tensor):
+        raise TypeError(f"{op}: {name} is not a torch tensor (type={type(x).__name__}, expected "
+                        "torch.Tensor)")
+    x = _arrays.TORCH.asarray(x, op, name)
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"{op}: {name} has the wrong dtype (dtype={x.dtype}, expected float32, "
+                         "float64, float16 or bfloat16)")
+    if x.dim() != rank:
+        raise ValueError(f"{op}: {name} has the wrong rank (rank={x.dim()}, expected {rank}: "
+                         f"{layout})")
+    return x
 
 
 class PagedAttention:
@@ -26,7 +56,12 @@ class PagedAttention:
 
     def __init__(self, n_pages, page_size, max_batch_size, device="cpu"):
         op = "PagedAttention"
-        if _torch.device(device).type != "cpu":
+        try:
+            device = _torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"{op}: device is not a device (device={device!r}, expected "
+                             "'cpu')") from None
+        if device.type != "cpu":
             raise NotImplementedError(f"{op}: device is not cpu (device={device}, expected cpu); "
                                       "attncore has CPU backends only")
         self.n_pages = int_option(op, "n_pages", n_pages)
@@ -54,9 +89,9 @@ class PagedAttention:
         ValueError for a seq_len past n_pages * page_size."""
         op = "PagedAttention.reserve"
         b, n = self._batch(op, batch_idx), _index(op, "seq_len", seq_len)
-        if n > self.n_pages * self.page_size:
-            raise ValueError(f"{op}: seq_len is out of range (seq_len={n}, expected <= "
-                             f"n_pages * page_size={self.n_pages * self.page_size})")
+        if not 0 <= n <= self.n_pages * self.page_size:
+            raise ValueError(f"{op}: seq_len is out of range (seq_len={n}, expected 0 <= "
+                             f"seq_len <= n_pages * page_size={self.n_pages * self.page_size})")
         have = int(self.capacity[b])
         if n <= have:
             return
@@ -86,21 +121,22 @@ class PagedAttention:
         input_pos [B, S] of the sequences batch_idx [B]."""
         op = "PagedAttention.assign"
         refuse_grad(op, (("k_val", k_val), ("v_val", v_val)))
-        batch_idx, input_pos = _torch.as_tensor(batch_idx), _torch.as_tensor(input_pos)
-        if k_val.dim() != 4 or v_val.dim() != 4 or input_pos.dim() != 2:
-            raise ValueError(f"{op}: k_val, v_val and input_pos have ranks {k_val.dim()}, "
-                             f"{v_val.dim()}, {input_pos.dim()} (expected 4, 4, 2: [B, H, S, D], "
-                             "[B, S])")
+        k_val = _floating(op, "k_val", k_val, 4, "[B, H, S, D]")
+        v_val = _floating(op, "v_val", v_val, 4, "[B, H, S, Dv]")
+        k_cache = _floating(op, "k_cache", k_cache, 4, "[1, H, n_pages * page_size, D]")
+        v_cache = _floating(op, "v_cache", v_cache, 4, "[1, H, n_pages * page_size, Dv]")
         B, H, S, _ = k_val.shape
+        batch_idx = _integers(op, "batch_idx", batch_idx, (B,), "[B] like k_val")
+        input_pos = _integers(op, "input_pos", input_pos, (B, S), "[B, S] like k_val")
         slots = self.n_pages * self.page_size
-        expected = {"batch_idx": ((B,), tuple(batch_idx.shape)),
-                    "input_pos": ((B, S), tuple(input_pos.shape)),
-                    "v_val": ((B, H, S), tuple(v_val.shape[:3])),
-                    "k_cache": ((1, H, slots, k_val.shape[3]), tuple(k_cache.shape)),
-                    "v_cache": ((1, H, slots, v_val.shape[3]), tuple(v_cache.shape))}
-        for name, (want, got) in expected.items():
-            if want != got[:len(want)] or (name.endswith("cache") and want != got):
-                raise ValueError(f"{op}: {name} has shape {list(got)}, expected {list(want)}")
+        expected = {"v_val": ((B, H, S), "[B, H, S, Dv] like k_val"),
+                    "k_cache": ((1, H, slots, k_val.shape[3]), "[1, H, n_pages * page_size, D]"),
+                    "v_cache": ((1, H, slots, v_val.shape[3]), "[1, H, n_pages * page_size, Dv]")}
+        for name, (want, layout) in expected.items():
+            got = tuple({"v_val": v_val, "k_cache": k_cache, "v_cache": v_cache}[name].shape)
+            if want != got[:len(want)]:
+                raise ValueError(f"{op}: {name} has shape {list(got)}, expected "
+                                 f"{list(want)}{'' if len(want) == 4 else ' + [Dv]'} ({layout})")
         rows = _torch.stack([self.capacity[self._batch(op, b)] for b in batch_idx.tolist()]) \
             if B else _torch.zeros(0, dtype=_torch.int64)
         bad = (input_pos < 0) | (input_pos >= rows[:, None])
@@ -110,7 +146,7 @@ class PagedAttention:
                              f"{int(input_pos[i, j])}, expected 0 <= position < capacity="
                              f"{int(rows[i])}); reserve first")
         logical = (input_pos // self.page_size).long()
-        physical = _torch.gather(self.page_table[batch_idx.long()], 1, logical)
+        physical = _torch.gather(self.page_table[batch_idx], 1, logical)
         addr = (physical * self.page_size + input_pos % self.page_size).reshape(-1)
         if addr.unique().numel() != addr.numel():
             raise ValueError(f"{op}: input_pos writes one slot twice (expected distinct slots)")
@@ -159,13 +195,31 @@ class PagedAttention:
         positions of sequences batch_idx (default 0..B-1) held in k_cache, v_cache
         [1, H, n_pages * page_size, D]; causal is lower-right. Returns [B, Hq, Lq, Dv]. Other
         options as flash_attn_with_kvcache's. Forward only."""
+        op = "PagedAttention.forward"
+        refuse_grad(op, (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)))
+        query = _floating(op, "query", query, 4, "[B, Hq, Lq, D]")
         batch = query.shape[0]
-        batch_idx = _torch.arange(batch) if batch_idx is None else _torch.as_tensor(batch_idx)
-        table = self.page_table[batch_idx.long()].to(_torch.int32)
+        slots = self.n_pages * self.page_size
+        caches = [_floating(op, name, c, 4, f"[1, H, n_pages * page_size={slots}, D]")
+                  for name, c in (("k_cache", k_cache), ("v_cache", v_cache))]
+        for name, c in zip(("k_cache", "v_cache"), caches):
+            if c.shape[0] != 1 or c.shape[2] != slots:
+                raise ValueError(f"{op}: {name} has shape {list(c.shape)}, expected [1, "
+                                 f"{c.shape[1]}, {slots}, {c.shape[3]}] ([1, H, n_pages * "
+                                 "page_size, D])")
+        batch_idx = (_torch.arange(batch) if batch_idx is None
+                     else _integers(op, "batch_idx", batch_idx, (batch,), "[B] like query"))
+        for b in batch_idx.tolist():
+            self._batch(op, b)
+        lengths = _integers(op, "kv_len", kv_len, (batch,), "[B] like query")
+        if batch and (int(lengths.min()) < 0 or int(lengths.max()) > INT32_MAX):
+            raise ValueError(f"{op}: kv_len is out of range (kv_len={lengths.tolist()[:8]}, "
+                             "expected 0 <= kv_len[b] <= the sequence's capacity)")
+        table = self.page_table[batch_idx].to(_torch.int32)
         pools = [c[0].unflatten(1, (self.n_pages, self.page_size)).permute(1, 2, 0, 3)
-                 for c in (k_cache, v_cache)]  # [n_pages, page_size, H, D] views, no copy
+                 for c in caches]  # [n_pages, page_size, H, D] views, no copy
         out = flash_attn_with_kvcache(
             query.transpose(1, 2), pools[0], pools[1],
-            cache_seqlens=_torch.as_tensor(kv_len).to(_torch.int32), block_table=table,
+            cache_seqlens=lengths.to(_torch.int32), block_table=table,
             softmax_scale=scale, causal=causal, **options)
         return out.transpose(1, 2)

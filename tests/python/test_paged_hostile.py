@@ -1,0 +1,238 @@
+"""Hostile inputs to the paged and cache surfaces, one test per defect class once found: every
+refusal in attncore's message form and type (docs/design.md section 4) before anything is
+written, and the good neighbours of each refused call still right against a float64 oracle."""
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import attncore
+import attncore.torch
+
+FORM = re.compile(r"^[\w.:]+: .+ \(.*\)")  # <op>: <what> <problem> (<name>=<value>, expected ..)
+
+
+def raises(exc, fn, *fragments):
+    """fn() raises exc in attncore's form, with every fragment in its message."""
+    with pytest.raises(exc) as info:
+        fn()
+    message = str(info.value)
+    assert FORM.match(message), message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def oracle(q, k, v):
+    """softmax(q k^T / sqrt(D)) v in float64 for q [Lq, H, D], k, v [Lk, H, D] (one head group
+    per head)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(q.shape[-1])
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), v)
+
+
+# flash_attn_with_kvcache appends: writes that would collide or alias are refused unwritten.
+
+def test_append_refuses_one_array_for_k_cache_and_v_cache():
+    cache = np.zeros((2, 8, 1, 4), np.float32)
+    new = np.ones((2, 1, 1, 4), np.float32)
+    q = np.ones((2, 1, 1, 4), np.float32)
+    raises(ValueError, lambda: attncore.flash_attn_with_kvcache(
+        q, cache, cache, k=new, v=2 * new, cache_seqlens=3), "v_cache overlaps k_cache")
+    both = np.zeros((2, 8, 1, 8), np.float32)  # K and V interleaved in one buffer
+    raises(ValueError, lambda: attncore.flash_attn_with_kvcache(
+        q, both[..., :4], both[..., 2:6], k=new, v=2 * new, cache_seqlens=3),
+        "v_cache overlaps k_cache")
+    assert not cache.any() and not both.any()
+    attncore.flash_attn_with_kvcache(q, both[..., :4], both[..., 4:], k=new, v=2 * new,
+                                     cache_seqlens=3)  # side by side: fine
+    np.testing.assert_array_equal(both[:, 3, 0], np.tile([1, 1, 1, 1, 2, 2, 2, 2], (2, 1)))
+
+
+def paged_call(table, lens, l_new=1):
+    rng = np.random.default_rng(0)
+    k_pool = rng.standard_normal((5, 4, 1, 8)).astype(np.float32)
+    v_pool = rng.standard_normal((5, 4, 1, 8)).astype(np.float32)
+    before = k_pool.copy(), v_pool.copy()
+    q = rng.standard_normal((2, 1, 2, 8)).astype(np.float32)
+    new = rng.standard_normal((2, l_new, 1, 8)).astype(np.float32)
+    call = lambda: attncore.flash_attn_with_kvcache(  # noqa: E731
+        q, k_pool, v_pool, k=new, v=new, cache_seqlens=np.array(lens, np.int32),
+        block_table=np.array(table, np.int32))
+    return call, (k_pool, v_pool), before, (q, new)
+
+
+def test_paged_append_refuses_two_rows_for_one_slot():
+    # Both sequences append their slot 5, row 1 of page 3 in both rows of the table.
+    call, pools, before, _ = paged_call([[4, 3, -1], [2, 3, -1]], [5, 5])
+    raises(ValueError, call, "k_new writes one pool slot twice",
+           "slot 5 of sequence 0 and slot 5 of sequence 1 are both row 1 of page 3")
+    assert all(np.array_equal(a, b) for a, b in zip(pools, before))
+
+
+def test_paged_append_refuses_a_page_mapped_twice_in_its_sequence():
+    # Sequence 0 maps page 4 at logical pages 0 and 1: its new slot 5 is its own key 1.
+    call, pools, before, _ = paged_call([[4, 4, -1], [2, 3, -1]], [5, 5])
+    raises(ValueError, call, "block_table[0][0]=block_table[0][1]=4")
+    assert all(np.array_equal(a, b) for a, b in zip(pools, before))
+
+
+def test_paged_append_with_a_page_repeated_past_its_slots_is_right():
+    call, (k_pool, v_pool), (k0, v0), (q, new) = paged_call([[4, 1, 1], [0, 3, -1]], [3, 5])
+    out = call()
+    for b, (pages, length) in enumerate((([4], 4), ([0, 3], 6))):
+        k = np.concatenate([k_pool[p] for p in pages])[:length]
+        v = np.concatenate([v_pool[p] for p in pages])[:length]
+        np.testing.assert_array_equal(k[length - 1], new[b, 0])
+        np.testing.assert_allclose(out[b], oracle(q[b], np.repeat(k, 2, 1), np.repeat(v, 2, 1)),
+                                   atol=1e-5)
+
+
+# PagedKVCache.
+
+def test_paged_cache_refuses_what_is_no_cache_dtype():
+    raises(ValueError, lambda: attncore.PagedKVCache(2, 2, 1, 4, 1, torch.int32),
+           "dtype=int32")
+    raises(ValueError, lambda: attncore.PagedKVCache(2, 2, 1, 4, 1, torch.complex64),
+           "dtype=complex64")
+    raises(TypeError, lambda: attncore.PagedKVCache(2, 2, 1, 4, 1, object()), "type=object")
+    raises(TypeError, lambda: attncore.PagedKVCache(2, 2, 1, 4, 1, None), "type=NoneType")
+    assert attncore.PagedKVCache(2, 2, 1, 4, 1, torch.float16).k_cache.dtype == torch.float16
+
+
+def test_paged_cache_refuses_tensors_it_cannot_read():
+    cache = attncore.PagedKVCache(4, 2, 1, 4, 2)
+    meta = torch.zeros((), dtype=torch.int64, device="meta")
+    raises(NotImplementedError, lambda: cache.reserve(meta, 2), "PagedKVCache.reserve",
+           "device=meta")
+    cache.reserve(torch.tensor(0), torch.tensor([2]))
+    rows = np.ones((2, 1, 4), np.float32)
+    raises(NotImplementedError, lambda: cache.assign(
+        0, torch.zeros(2, dtype=torch.int32, device="meta"), rows, rows), "input_pos",
+        "device=meta")
+    assert cache.seqlens[0] == 0
+
+
+def test_paged_cache_assign_refuses_rows_in_its_own_pages():
+    cache = attncore.PagedKVCache(3, 4, 1, 2, 1)
+    cache.reserve(0, 4)
+    rng = np.random.default_rng(1)
+    cache.assign(0, np.arange(4), rng.standard_normal((4, 1, 2)), rng.standard_normal((4, 1, 2)))
+    page = cache.k_cache[cache.page_table[0, 0]]  # slots 0..3 of sequence 0: [4, 1, 2]
+    before = cache.k_cache.copy()
+    raises(ValueError, lambda: cache.assign(0, [1, 2, 3, 0], page, page.copy()),
+           "k_pages overlaps k")
+    np.testing.assert_array_equal(cache.k_cache, before)
+    cache.assign(0, [1, 2, 3, 0], page.copy(), page.copy())  # a copy: rotated as asked
+    np.testing.assert_array_equal(cache.k_cache[cache.page_table[0, 0]],
+                                  np.roll(before[cache.page_table[0, 0]], 1, axis=0))
+
+
+def test_paged_cache_bookkeeping_survives_writes_to_its_page_table_view():
+    cache = attncore.PagedKVCache(4, 2, 1, 2, 2)
+    cache.reserve(0, 2)
+    held = int(cache.page_table[0, 0])
+    cache.page_table[1, 0] = held  # the view must not be written; doing so frees nothing
+    cache.erase(1)
+    assert cache.references(held) == 1 and cache.free_pages() == 3
+    cache.reserve(1, 6)
+    assert held not in cache.page_table[1].tolist()
+
+
+# flash_attn_varlen_func(block_table=...).
+
+def varlen_args():
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((5, 2, 8)).astype(np.float32)
+    pool = rng.standard_normal((6, 4, 1, 8)).astype(np.float32)
+    table = np.array([[5, 2, -1], [0, 3, 1]], np.int32)
+    return q, pool, table
+
+
+@pytest.mark.parametrize("cu_k, fragment", [
+    (np.array([0.0, 8.5, 18.0]), "cu_seqlens_k has the wrong dtype (dtype=float64"),
+    (np.array([0, 8, 18], np.int64), "cu_seqlens_k has the wrong dtype (dtype=int64"),
+    (torch.tensor([0, 8, 18]), "cu_seqlens_k has the wrong dtype (dtype=int64"),
+    (np.array([2, 10, 20], np.int32), "cu_seqlens_k is not a valid offset array"),
+    (np.array([0, 8, 4], np.int32), "cu_seqlens_k is not a valid offset array"),
+    (np.array([0, 8, 40], np.int32), "sequence 1 has 32 keys"),
+])
+def test_varlen_paged_refuses_bad_offsets(cu_k, fragment):
+    q, pool, table = varlen_args()
+    raises(ValueError, lambda: attncore.flash_attn_varlen_func(
+        q, pool, pool, np.array([0, 2, 5], np.int32), cu_k, 3, 10, block_table=table),
+        "flash_attn_varlen_func: " + fragment)
+
+
+def test_varlen_paged_refuses_every_sequence_before_attending_any():
+    q, pool, table = varlen_args()
+    bad = table.copy()
+    bad[1, 2] = 6  # sequence 1's third page: past the pool of 6 pages
+    raises(ValueError, lambda: attncore.flash_attn_varlen_func(
+        q, pool, pool, np.array([0, 2, 5], np.int32), np.array([0, 8, 18], np.int32), 3, 10,
+        block_table=bad), "flash_attn_varlen_func: block_table names no page",
+        "block_table[1][2]=6")
+    raises(TypeError, lambda: attncore.flash_attn_varlen_func(
+        q, pool, pool, ["a", "b", "c"], np.array([0, 8, 18], np.int32), 3, 10,
+        block_table=table), "cu_seqlens_q")
+    out = attncore.flash_attn_varlen_func(q, pool, pool, [0, 2, 5], [0, 8, 18], 3, 10,
+                                          block_table=table)
+    for b, (q0, q1, n) in enumerate(((0, 2, 8), (2, 5, 10))):
+        k = np.concatenate([pool[p] for p in table[b] if p >= 0])[:n]
+        np.testing.assert_allclose(out[q0:q1], oracle(q[q0:q1], np.repeat(k, 2, 1),
+                                                      np.repeat(k, 2, 1)), atol=1e-5)
+
+
+# attncore.torch.PagedAttention.
+
+def paged_attention():
+    attn = attncore.torch.PagedAttention(6, 4, 3)
+    k_cache, v_cache = torch.zeros(1, 2, 24, 8), torch.zeros(1, 2, 24, 8)
+    attn.reserve(0, 7)
+    attn.reserve(1, 5)
+    return attn, k_cache, v_cache
+
+
+def test_paged_attention_refuses_bad_indices_without_truncating_them():
+    attn, k_cache, v_cache = paged_attention()
+    rows = torch.randn(1, 2, 3, 8)
+    raises(TypeError, lambda: attn.assign(torch.tensor([0]), torch.tensor([[0.5, 1.5, 2.5]]),
+                                          rows, rows, k_cache, v_cache),
+           "input_pos is not an integer tensor")
+    raises(TypeError, lambda: attn.assign([0], [[0, 1, 2]], rows.numpy(), rows, k_cache,
+                                          v_cache), "k_val is not a torch tensor")
+    raises(ValueError, lambda: attn.assign([0], [[0, 1, 2]], rows.int(), rows, k_cache,
+                                           v_cache), "k_val has the wrong dtype")
+    raises(ValueError, lambda: attn.reserve(2, -5), "seq_len is out of range")
+    raises(ValueError, lambda: attncore.torch.PagedAttention(4, 4, 2, device="bogus"),
+           "device is not a device")
+    assert not k_cache.any()
+    q = torch.randn(2, 4, 1, 8)
+    lens = torch.tensor([7, 5])
+    raises(ValueError, lambda: attn.forward(q, k_cache, v_cache, lens, batch_idx=[0, 3]),
+           "batch_idx is out of range (batch_idx=3")
+    raises(ValueError, lambda: attn.forward(q, k_cache, v_cache, lens, batch_idx=[0, -1]),
+           "batch_idx is out of range (batch_idx=-1")
+    raises(TypeError, lambda: attn.forward(q, k_cache, v_cache, lens.double()),
+           "kv_len is not an integer tensor")
+    raises(ValueError, lambda: attn.forward(q, k_cache, v_cache, torch.tensor([2 ** 40, 5])),
+           "kv_len is out of range")
+    raises(ValueError, lambda: attn.forward(q, k_cache[:, :, :20], v_cache[:, :, :20], lens),
+           "k_cache has shape [1, 2, 20, 8], expected [1, 2, 24, 8]")
+    raises(NotImplementedError, lambda: attn.forward(q.requires_grad_(), k_cache, v_cache,
+                                                     lens), "query requires grad")
+
+
+def test_paged_attention_forward_is_right_after_the_checks():
+    attn, k_cache, v_cache = paged_attention()
+    k, v = torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    attn.assign([0, 1], [list(range(7)), list(range(7))], k, v, k_cache, v_cache)
+    q = torch.randn(2, 4, 1, 8)
+    out = attn.forward(q, k_cache, v_cache, [7, 5], batch_idx=np.array([1, 0]))
+    for i, (b, n) in enumerate(((1, 7), (0, 5))):
+        want = oracle(q[i].transpose(0, 1), k[b, :, :n].transpose(0, 1).repeat_interleave(2, 1),
+                      v[b, :, :n].transpose(0, 1).repeat_interleave(2, 1))
+        np.testing.assert_allclose(out[i].transpose(0, 1).numpy(), want, atol=1e-5)
