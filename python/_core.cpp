@@ -77,6 +77,7 @@ struct CallOptions {
   bool enable_gqa;
   int num_threads;
   std::string backend;
+  int num_splits = 0;  // flash's split-KV decode (attncore::Options::num_splits)
 
   attncore::Options options(const char* op, const std::optional<Borrowed>& mask,
                             const std::optional<Borrowed>& alibi, bool compute_dbias) const {
@@ -94,6 +95,7 @@ struct CallOptions {
     o.offset = offset;
     o.enable_gqa = enable_gqa;
     o.num_threads = num_threads;
+    o.num_splits = num_splits;
     return o;
   }
 };
@@ -556,14 +558,15 @@ PYBIND11_MODULE(_core, m) {
           py::init([](std::optional<double> scale, std::string causal, std::int64_t window_left,
                       std::int64_t window_right, double softcap, double dropout_p,
                       std::uint64_t seed, std::uint64_t offset, bool enable_gqa, int num_threads,
-                      std::string backend) {
-            return CallOptions{
-                scale,  std::move(causal), window_left, window_right,      softcap, dropout_p, seed,
-                offset, enable_gqa,        num_threads, std::move(backend)};
+                      std::string backend, int num_splits) {
+            return CallOptions{scale,      std::move(causal),  window_left, window_right,
+                               softcap,    dropout_p,          seed,        offset,
+                               enable_gqa, num_threads,        std::move(backend), num_splits};
           }),
           py::kw_only(), py::arg("scale"), py::arg("causal"), py::arg("window_left"),
           py::arg("window_right"), py::arg("softcap"), py::arg("dropout_p"), py::arg("seed"),
-          py::arg("offset"), py::arg("enable_gqa"), py::arg("num_threads"), py::arg("backend"));
+          py::arg("offset"), py::arg("enable_gqa"), py::arg("num_threads"), py::arg("backend"),
+          py::arg("num_splits") = 0);
 
   m.def("forward", &forward, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("out"),
         py::arg("lse").none(true), py::arg("mask").none(true), py::arg("alibi_slopes").none(true),

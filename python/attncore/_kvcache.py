@@ -8,6 +8,7 @@ copy: q [B, Lq, Hq, D], caches [B_cache, capacity, Hkv, D] (paged: page pools
 [B, L_new, Hkv, D].
 """
 
+import dataclasses
 import sys
 
 import numpy as np
@@ -97,9 +98,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     flash-attn refuses it; cache_leftpad works. Appends write the pages as mapped (a page two
     sequences share is written for both: PagedKVCache.assign copies shared pages first).
 
-    num_splits (0 = choose, 1 = no split, > 1 forced) is checked and accepted; this build does
-    not split the keys, so it changes nothing yet. backend (keyword only, not in flash-attn's
-    function) picks an attncore backend as in attention().
+    num_splits (0 = planned from the problem and the CPU count, 1 = no split, 2 to 256 forced,
+    capped to the 128-key tiles of the longest sequence) is how many parts the flash backend
+    cuts each kv head's keys into (split-KV decode, merged afterwards): it changes the rounding
+    within the oracle's tolerance, never the result's meaning, and never depends on the thread
+    count; other backends ignore it. backend (keyword only, not in flash-attn's function) picks
+    an attncore backend as in attention().
     Forward only: a torch input that requires grad under grad mode raises
     NotImplementedError.
 
@@ -107,7 +111,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     [B, Hq, Lq] float32).
     """
     op = "flash_attn_with_kvcache"
-    int_option(op, "num_splits", num_splits, 0, INT32_MAX)
+    num_splits = int_option(op, "num_splits", num_splits, -INT32_MAX - 1, INT32_MAX)
     refuse_grad(op, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
                      ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
                      ("alibi_slopes", alibi_slopes)))
@@ -138,6 +142,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                          softcap=max(real_option(op, "softcap", softcap), 0.0), dropout_p=0.0,
                          seed=None, offset=None, enable_gqa=True, backend=backend, num_threads=0,
                          draw_seed=False)
+    call = dataclasses.replace(call, num_splits=num_splits)  # checked by the library
     batch, seqlen_q, heads_q, _ = q_arr.shape
     table = index_array(op, "block_table", block_table)
     capacity, dim_v = kc.shape[1], vc.shape[3]

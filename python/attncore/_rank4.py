@@ -81,6 +81,7 @@ class Call:
     enable_gqa: bool = True
     backend: str = "auto"
     num_threads: int = 0
+    num_splits: int = 0  # flash's split-KV decode: 0 = planned, 1 = none, > 1 forced
 
     @property
     def q_factor(self):
@@ -99,7 +100,7 @@ class Call:
             scale=scale, causal=self.causal, window_left=window_left,
             window_right=window_right, softcap=self.softcap, dropout_p=self.dropout_p,
             seed=self.seed, offset=self.offset, enable_gqa=self.enable_gqa,
-            num_threads=self.num_threads, backend=self.backend)
+            num_threads=self.num_threads, backend=self.backend, num_splits=self.num_splits)
 
 
 def lse_dtype(dtype_name):

@@ -97,16 +97,40 @@ def test_paged_append_writes_the_pages_then_attends(page_size):
     assert_close(out, ref_out, torch.float32, "out")
 
 
-def test_num_splits_is_checked_and_changes_nothing():
-    k, v = randn(1, 8, 1, 8, seed=1).float(), randn(1, 8, 1, 8, seed=2).float()
-    k_pool, v_pool, table = paged(k, v, 4, [8])
-    q = randn(1, 1, 1, 8, seed=3).float()
-    outs = [attncore.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=8,
-                                             block_table=table, num_splits=n) for n in (0, 1, 4)]
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    with pytest.raises(ValueError, match="num_splits"):
-        attncore.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=8, block_table=table,
-                                         num_splits=-1)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_num_splits_changes_bits_within_the_oracle_rule_never_with_threads(dtype):
+    """Split-KV decode: every split count (planned, none, forced, more than the tiles) within
+    the oracle's tolerance, LSE merged; a forced split gives the same bits on 1 and 2 threads;
+    some split count rounds differently from none (the parts do run)."""
+    lens, pads = [1500, 300], [0, 7]
+    k, v = randn(2, 1504, 2, 64, seed=1).to(dtype), randn(2, 1504, 2, 64, seed=2).to(dtype)
+    k_pool, v_pool, table = paged(k, v, 16, lens)
+    q = randn(2, 1, 4, 64, seed=3).to(dtype)
+    ref_out, ref_lse = oracle(q.double(), k.double(), v.double(), lens, pads, causal=True)
+
+    def run(n):
+        return attncore.flash_attn_with_kvcache(
+            q, k_pool, v_pool, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
+            cache_leftpad=torch.tensor(pads, dtype=torch.int32), block_table=table, causal=True,
+            num_splits=n, return_softmax_lse=True, backend="flash")
+
+    results = {n: run(n) for n in (0, 1, 2, 3, 7, 256)}
+    for n, (out, lse) in results.items():
+        assert_close(out, ref_out, dtype, f"out, num_splits={n}")
+        assert_close(lse, ref_lse, torch.float32, f"lse, num_splits={n}")
+    assert any(not torch.equal(out, results[1][0]) or not torch.equal(lse, results[1][1])
+               for n, (out, lse) in results.items() if n > 1)
+    try:
+        attncore.set_num_threads(1)
+        one = run(3)
+        attncore.set_num_threads(2)
+        two = run(3)
+    finally:
+        attncore.set_num_threads(0)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    for bad in (-1, 257):
+        with pytest.raises(ValueError, match="num_splits is out of range"):
+            run(bad)
 
 
 def test_paged_errors():
