@@ -57,6 +57,10 @@ struct Timed {
   int threads;
 };
 constexpr Timed kTimed[] = {{Backend::flash, 1}, {Backend::flash, 2}, {Backend::math, 1}};
+// With --threads N (1 or 2): only flash on N threads.
+bool timed(const BenchConfig& bc, const Timed& how) {
+  return bc.run.threads == 0 || (how.backend == Backend::flash && how.threads == bc.run.threads);
+}
 
 // Memory for the largest point's K and V, 2 MiB aligned with the huge-page hint the probe's
 // buffer gets too (the kernels and the probe see the same kind of pages), filled once with
@@ -134,6 +138,32 @@ double time_point(const DecodePoint& pt, void* kv, const Timed& how, int repeat)
   return best;
 }
 
+// Whether --points keeps a point: a comma-separated list of dtype:layout:Hkv (layout BHLD,
+// BLHD or pN; * matches anything), "" keeps all.
+bool kept(const std::string& points, const DecodePoint& pt) {
+  if (points.empty()) return true;
+  const std::string kind =
+      pt.page_size > 0 ? "p" + std::to_string(pt.page_size) : std::string(name_of(pt.layout));
+  const std::string fields[] = {std::string(attncore::name_of(pt.dtype)), kind,
+                                std::to_string(pt.heads_kv)};
+  std::size_t at = 0;
+  while (at <= points.size()) {
+    const std::size_t end = std::min(points.find(',', at), points.size());
+    const std::string spec = points.substr(at, end - at);
+    bool match = true;
+    std::size_t from = 0;
+    for (const std::string& field : fields) {
+      const std::size_t colon = std::min(spec.find(':', from), spec.size());
+      const std::string want = from <= spec.size() ? spec.substr(from, colon - from) : "*";
+      if (want != "*" && !want.empty() && want != field) match = false;
+      from = colon + 1;
+    }
+    if (match) return true;
+    at = end + 1;
+  }
+  return false;
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
@@ -142,6 +172,7 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int bench_decode(const BenchConfig& bc) {
+  if (bc.run.threads > 2) throw UsageError{"bench --decode: --threads takes 1 or 2"};
   const bool quick = bc.sweep.quick;
   const std::vector<std::int64_t> batches =
       quick ? std::vector<std::int64_t>{1} : std::vector<std::int64_t>{1, 4, 16, 64};
@@ -158,6 +189,7 @@ int bench_decode(const BenchConfig& bc) {
         for (std::int64_t b : batches) {
           for (std::int64_t l : lengths) {
             const DecodePoint pt{b, hkv, l, dtype, layout, page_size};
+            if (!kept(bc.sweep.points, pt)) continue;
             (pt.kv_bytes() > max_bytes ? skipped : points).push_back(pt);
           }
         }
@@ -182,6 +214,7 @@ int bench_decode(const BenchConfig& bc) {
     for (std::size_t n = 0; n < points.size(); ++n) {
       progress.showf("pass %d/%d: point %zu/%zu ...", pass + 1, passes, n + 1, points.size());
       for (std::size_t t = 0; t < std::size(kTimed); ++t) {
+        if (!timed(bc, kTimed[t])) continue;
         seconds[n * std::size(kTimed) + t].push_back(
             time_point(points[n], memory.data.get(), kTimed[t], bc.run.repeat));
       }
@@ -208,7 +241,8 @@ int bench_decode(const BenchConfig& bc) {
     const DecodePoint& pt = points[n];
     double gbs[std::size(kTimed)];
     for (std::size_t t = 0; t < std::size(kTimed); ++t) {
-      gbs[t] = pt.kv_bytes() / median(seconds[n * std::size(kTimed) + t]) * 1e-9;
+      const std::vector<double>& s = seconds[n * std::size(kTimed) + t];
+      gbs[t] = s.empty() ? 0.0 : pt.kv_bytes() / median(s) * 1e-9;  // (not timed: 0)
     }
     const double of[] = {gbs[0] / bw1, gbs[1] / bw2, gbs[2] / bw1};
     const std::string kind =
@@ -235,35 +269,38 @@ int bench_decode(const BenchConfig& bc) {
     j.add("math_1t_of_probe", of[2]);
     items.push_back(j.str());
   }
-  // Chunked prefill over pages against the dense cache, flash on 1 thread, interleaved.
-  constexpr std::int64_t kChunk = 256, kContext = 4096;
-  std::fprintf(table,
-               "\nchunked prefill: B=1 Hq=32 Hkv=8 D=128, Lq=%lld new rows at the end of Lk=%lld "
-               "(lower-right causal), flash 1 thread; paged / dense = dense time / paged time "
-               "(equal work)\n%-5s %-5s %10s %10s %13s\n",
-               static_cast<long long>(kChunk), static_cast<long long>(kContext), "dtype", "pages",
-               "dense ms", "paged ms", "paged/dense");
-  for (DType dtype : {DType::f32, DType::bf16}) {
-    for (std::int64_t page_size : {std::int64_t{16}, std::int64_t{256}}) {
-      const DecodePoint dense{1, 8, kContext, dtype, Layout::blhd, 0, kChunk};
-      DecodePoint paged = dense;
-      paged.page_size = page_size;
-      std::vector<double> dense_s, paged_s;
-      for (int pass = 0; pass < passes; ++pass) {
-        dense_s.push_back(time_point(dense, memory.data.get(), kTimed[0], bc.run.repeat));
-        paged_s.push_back(time_point(paged, memory.data.get(), kTimed[0], bc.run.repeat));
+  // Chunked prefill over pages against the dense cache, flash on 1 thread, interleaved (not
+  // with --points).
+  if (bc.sweep.points.empty()) {
+    constexpr std::int64_t kChunk = 256, kContext = 4096;
+    std::fprintf(table,
+                 "\nchunked prefill: B=1 Hq=32 Hkv=8 D=128, Lq=%lld new rows at the end of Lk=%lld "
+                 "(lower-right causal), flash 1 thread; paged / dense = dense time / paged time "
+                 "(equal work)\n%-5s %-5s %10s %10s %13s\n",
+                 static_cast<long long>(kChunk), static_cast<long long>(kContext), "dtype", "pages",
+                 "dense ms", "paged ms", "paged/dense");
+    for (DType dtype : {DType::f32, DType::bf16}) {
+      for (std::int64_t page_size : {std::int64_t{16}, std::int64_t{256}}) {
+        const DecodePoint dense{1, 8, kContext, dtype, Layout::blhd, 0, kChunk};
+        DecodePoint paged = dense;
+        paged.page_size = page_size;
+        std::vector<double> dense_s, paged_s;
+        for (int pass = 0; pass < passes; ++pass) {
+          dense_s.push_back(time_point(dense, memory.data.get(), kTimed[0], bc.run.repeat));
+          paged_s.push_back(time_point(paged, memory.data.get(), kTimed[0], bc.run.repeat));
+        }
+        std::fprintf(table, "%-5s %-5lld %10.3f %10.3f %12.2fx\n",
+                     std::string(attncore::name_of(dtype)).c_str(),
+                     static_cast<long long>(page_size), median(dense_s) * 1e3,
+                     median(paged_s) * 1e3, median(dense_s) / median(paged_s));
+        JsonObject j;
+        j.add("dtype", attncore::name_of(dtype));
+        j.add("prefill_page_size", page_size);
+        j.add("dense_seconds", median(dense_s));
+        j.add("paged_seconds", median(paged_s));
+        j.add("paged_over_dense", median(dense_s) / median(paged_s));
+        items.push_back(j.str());
       }
-      std::fprintf(table, "%-5s %-5lld %10.3f %10.3f %12.2fx\n",
-                   std::string(attncore::name_of(dtype)).c_str(),
-                   static_cast<long long>(page_size), median(dense_s) * 1e3,
-                   median(paged_s) * 1e3, median(dense_s) / median(paged_s));
-      JsonObject j;
-      j.add("dtype", attncore::name_of(dtype));
-      j.add("prefill_page_size", page_size);
-      j.add("dense_seconds", median(dense_s));
-      j.add("paged_seconds", median(paged_s));
-      j.add("paged_over_dense", median(dense_s) / median(paged_s));
-      items.push_back(j.str());
     }
   }
   std::string list;
@@ -274,7 +311,7 @@ int bench_decode(const BenchConfig& bc) {
             format(" (%.1f GiB)", pt.kv_bytes() / (1024.0 * 1024.0 * 1024.0));
   }
   if (!skipped.empty()) {
-    std::fprintf(table, "\nskipped (K/V over %.3g GiB, --max-kv-gib):%s\n", bc.sweep.max_kv_gib,
+    std::fprintf(table, "\nskipped (K/V over %d GiB, --max-kv-gib):%s\n", bc.sweep.max_kv_gib,
                  list.c_str());
   }
   if (!bc.sweep.json.empty()) {

@@ -228,6 +228,10 @@ constexpr Flag kFlags[] = {
      "f16, [B, Hkv, L, D] and [B, L, Hkv, D]) as K/V GB/s\nagainst the read bandwidth probe, "
      "flash on 1 and 2 threads and math\non 1, medians of --passes interleaved passes"},
     {"--quick", "", kBench, &BenchSweep::quick, "with --decode: B = 1 and Lk 4096, 16384 only"},
+    {"--points", "D:L:H,...", kBench, &BenchSweep::points,
+     "with --decode: only these points, e.g. f32:BLHD:32,bf16:p16:8 (dtype,\nBHLD, BLHD or pN, Hkv; "
+     "* = any), no chunked prefill; with --threads N:\nflash on N threads only",
+     "all"},
     {"--max-kv-gib", "N", kBench, &BenchSweep::max_kv_gib,
      "with --decode: points with more K/V are skipped (listed)", "", 1},
     {"--csv", "FILE", kBench, &BenchSweep::csv, "also write the table as CSV"},

@@ -116,6 +116,7 @@ struct BenchSweep {
   bool decode = false;  // bench --decode: K/V GB/s against the read probe (cmd_bench_decode.cpp)
   bool quick = false;   // bench --decode: B = 1, Lk 4096 and 16384 only
   int max_kv_gib = 8;   // bench --decode: points with more K/V bytes are skipped and listed
+  std::string points;   // bench --decode: "dtype:layout:Hkv,..." kept ("" all; cmd_bench_decode.cpp)
   std::string csv, json, png;  // "": not written; json "-": standard output
 };
 
