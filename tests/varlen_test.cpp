@@ -606,7 +606,8 @@ TEST(Varlen, FlashPlanBalancesThreads) {
       params.seq.lk = params.seq.longest_k = 8192;
       params.seq.rows_q = p.rows_q;
       params.seq.rows_k = p.rows_k;
-      const detail::FlashForwardPlan plan = detail::plan_flash_forward(params, threads, layout);
+      const detail::FlashForwardPlan plan = detail::plan_flash_forward(params, threads, layout,
+                                                                          false);
       std::vector<double> load(static_cast<std::size_t>(threads), 0.0);
       auto least = [&] { return std::min_element(load.begin(), load.end()); };
       double total = 0;

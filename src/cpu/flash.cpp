@@ -129,17 +129,25 @@ bool flash_reads_kv_in_place(const Params& p, int tile_rows) {
 
 namespace {
 
-// One thread's FlashScratch of the forward, in floats.
-std::int64_t forward_scratch_floats(const FlashLayout& layout, std::int64_t d,
-                                    std::int64_t dv_pad) {
+// Most kv heads in one item reading K/V in place (FlashItem::heads): a key's row of 32 f32
+// heads of D = 128 (16 KiB) read in order, the heads' scratch (q, S, O: 1.5 KiB a head for
+// one row) within L2.
+constexpr std::int64_t kMaxItemHeads = 32;
+
+// One thread's FlashScratch of the forward, in floats, for items of up to `item_heads` kv
+// heads.
+std::int64_t forward_scratch_floats(const FlashLayout& layout, std::int64_t d, std::int64_t dv_pad,
+                                    std::int64_t item_heads) {
   return round_up(layout.block_rows * (d + layout.key_tile + dv_pad + 3) +
                       layout.key_tile * (d + dv_pad) + layout.block_rows * layout.key_tile / 2,
-                  16);
+                  16) +
+         item_heads * direct_head_floats(layout.tile_rows, layout.key_tile, d, dv_pad);
 }
 
 }  // namespace
 
-FlashForwardPlan plan_flash_forward(const Params& call, int threads, const FlashLayout& layout) {
+FlashForwardPlan plan_flash_forward(const Params& call, int threads, const FlashLayout& layout,
+                                    bool heads_in_rows) {
   FlashForwardPlan plan;
   const std::int64_t groups = call.batch * call.heads_kv;
   // Work of a group: its query rows times keys (the cost of a plain, unmasked group).
@@ -199,6 +207,17 @@ FlashForwardPlan plan_flash_forward(const Params& call, int threads, const Flash
   plan.spread = plan.on_the_fly ||
                 (enough_groups && even &&
                  8.0 * threads * static_cast<double>(plan.panel_floats) <= operand_floats);
+  // In place with the heads inside a key's row: an item takes a run of kv heads of one
+  // sequence, so that it reads each key's row in order (one head's rows lie Hkv * D apart:
+  // no hardware prefetch stream, L1 set conflicts). All of a sequence's heads when there are
+  // sequences for every thread, else enough runs per sequence for the threads. A head's bits
+  // do not depend on its run.
+  if (plan.on_the_fly && heads_in_rows && flash_reads_kv_in_place(call, layout.tile_rows)) {
+    const std::int64_t batch = std::max<std::int64_t>(call.batch, 1);
+    const std::int64_t runs = std::clamp<std::int64_t>((threads + batch - 1) / batch, 1,
+                                                       std::max<std::int64_t>(call.heads_kv, 1));
+    plan.item_heads = std::clamp<std::int64_t>((call.heads_kv + runs - 1) / runs, 1, kMaxItemHeads);
+  }
   return plan;
 }
 
@@ -210,10 +229,11 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
   // Sized for the longest sequence (varlen) or every sequence (dense).
   const std::int64_t tiles = (call.seq.max_k() + layout.key_tile - 1) / layout.key_tile;
   const std::int64_t dv_pad = round_up(call.head_dim_v, layout.dv_align);
-  const std::int64_t scratch_floats = forward_scratch_floats(layout, d, dv_pad);
   const int threads = std::max(1, launch.threads);
-  const std::int64_t groups = call.batch * call.heads_kv;
-  const FlashForwardPlan plan = plan_flash_forward(call, threads, layout);
+  const bool heads_in_rows = call_args.k.stride[1] < call_args.k.stride[2] &&
+                             call_args.v.stride[1] < call_args.v.stride[2];
+  const FlashForwardPlan plan = plan_flash_forward(call, threads, layout, heads_in_rows);
+  const std::int64_t scratch_floats = forward_scratch_floats(layout, d, dv_pad, plan.item_heads);
   const std::int64_t panel_floats = plan.panel_floats;
   const bool on_the_fly = plan.on_the_fly;
 
@@ -221,6 +241,7 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
     const std::int64_t r = layout.block_rows;
     float* tiles_base = base + r * (d + layout.key_tile + dv_pad + 3);
     static_assert(sizeof(SoftmaxState) == 2 * sizeof(float), "a row's state takes two floats");
+    float* probs16 = tiles_base + layout.key_tile * (d + dv_pad);
     return FlashScratch{base,
                         base + r * d,
                         base + r * (d + layout.key_tile),
@@ -228,7 +249,9 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
                         base + r * (d + layout.key_tile + dv_pad + 2),
                         tiles_base,
                         tiles_base + layout.key_tile * d,
-                        tiles_base + layout.key_tile * (d + dv_pad)};
+                        probs16,
+                        base + round_up(probs16 + r * layout.key_tile / 2 - base, 16),
+                        direct_head_floats(layout.tile_rows, layout.key_tile, d, dv_pad)};
   };
   AlignedFloats scratch(threads * scratch_floats);
 
@@ -247,16 +270,28 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
   // (core/sequence.h).
   if (plan.spread) {
     AlignedFloats panels(on_the_fly ? 1 : threads * panel_floats);
+    // Runs of plan.item_heads kv heads, by their first group, in the plan's order.
+    std::vector<std::int64_t> run_order;
+    for (std::int64_t g : plan.order) {
+      if (g % call.heads_kv % plan.item_heads == 0) run_order.push_back(g);
+    }
+    const std::int64_t runs = static_cast<std::int64_t>(run_order.size());
     std::atomic<std::int64_t> next{0};
     run_tasks(threads, threads, [&](int slot) {
       float* k_tiles = on_the_fly ? nullptr : panels.get() + slot * panel_floats;
       float* v_rows = on_the_fly ? nullptr : k_tiles + tiles * layout.key_tile * d;
       const FlashScratch w = scratch_of(scratch.get() + slot * scratch_floats);
-      for (std::int64_t n = take_item(next, groups, launch); n >= 0;
-           n = take_item(next, groups, launch)) {
-        const std::int64_t g = plan.order[static_cast<std::size_t>(n)];
+      for (std::int64_t n = take_item(next, runs, launch); n >= 0;
+           n = take_item(next, runs, launch)) {
+        const std::int64_t g = run_order[static_cast<std::size_t>(n)];
         const std::int64_t b = g / call.heads_kv, kv_head = g % call.heads_kv;
         const Sequence<ForwardArgs> s = resolve_sequence(call, call_args, b);
+        if (plan.item_heads > 1) {  // one item of a run of heads (in place)
+          FlashItem item = plan_items(s.p, layout.block_rows).item(b, kv_head, 0, s.p);
+          item.heads = std::min(plan.item_heads, call.heads_kv - kv_head);
+          target.run_block(s.p, s.a, FlashPanel{nullptr, nullptr, dv_pad}, item, w);
+          continue;
+        }
         const ItemPlan items = plan_items(s.p, layout.block_rows);
         // One item: tiles packed on the fly (the same bits as from a panel).
         const bool packed = !on_the_fly && items.count > 1;
@@ -520,9 +555,10 @@ double flash_workspace_bytes(Pass pass, const Params& p, const Launch& launch) {
                        dims * (threads + 1) * 16.0 * static_cast<double>(p.batch * p.heads_kv + 1);
   if (!(bound < 0x1p50)) return bound;
   if (pass == Pass::forward) {
-    const FlashForwardPlan plan = plan_flash_forward(p, launch.threads, layout);
+    // (At most the scratch of items of several heads, whatever the layout.)
+    const FlashForwardPlan plan = plan_flash_forward(p, launch.threads, layout, true);
     const double scratch = static_cast<double>(forward_scratch_floats(
-        layout, p.head_dim, round_up(p.head_dim_v, layout.dv_align)));
+        layout, p.head_dim, round_up(p.head_dim_v, layout.dv_align), plan.item_heads));
     const double panels = plan.on_the_fly ? 0
                           : plan.spread   ? threads * static_cast<double>(plan.panel_floats)
                                           : static_cast<double>(plan.panel_floats);

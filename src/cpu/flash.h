@@ -45,17 +45,33 @@ struct FlashScratch {
   float* k_tile;          // [D][key_tile]: a tile packed on the fly (panel without tiles)
   float* v_tile;          // [key_tile][dv_pad]; also a V tile with keys left out (careful path)
   float* probs16;         // [block_rows][key_tile / 2]: P rounded to bf16 pairs (bf16 dots)
+  // Items reading K/V in place (DirectKv): each kv head x of the item has its own q, S, O,
+  // softmax states and alpha for its tile rows at heads + x * head_floats (direct_head_floats).
+  float* heads;
+  std::int64_t head_floats;
 };
+
+// The floats of one kv head's scratch of a DirectKv item, 64-byte aligned: q [tile_rows][D],
+// S [tile_rows][key_tile], O [tile_rows][dv_pad], softmax [tile_rows] (two floats each),
+// alpha [tile_rows].
+inline std::int64_t direct_head_floats(std::int64_t tile_rows, std::int64_t key_tile,
+                                       std::int64_t d, std::int64_t dv_pad) {
+  return (tile_rows * (d + key_tile + dv_pad + 3) + 15) / 16 * 16;
+}
 
 // One work item: `rows` (<= block_rows) consecutive query rows of the heads of one kv group.
 // The group's rows are numbered n = (h - kv_head * group) * Lq + i; the item covers
 // n in [first, first + rows). Long sequences get items inside one head; short ones (decode)
 // put the rows of several heads of the group into one item, so K/V tiles serve them all.
 // A split-KV item (cpu/flash_split_kv.h) visits only the key tiles inside [key_begin, key_end)
-// (multiples of the key tile); masks and positions stay the sequence's own.
+// (multiples of the key tile); masks and positions stay the sequence's own. An item reading
+// K/V in place (decode) may cover `heads` consecutive kv heads from kv_head (the same rows and
+// keys of each): its tiles are read for every head in turn (flash_tile_loop-inl.h), each head
+// computed exactly as in an item of its own.
 struct FlashItem {
   std::int64_t b, kv_head, first, rows;
   std::int64_t key_begin = 0, key_end = INT64_MAX;
+  std::int64_t heads = 1;
 };
 
 // One thread's scratch for the backward of a run of query heads of one kv head (sizes set by
@@ -135,8 +151,14 @@ struct FlashForwardPlan {
   bool on_the_fly = false;
   std::vector<std::int64_t> order;  // group b * Hkv + kv_head, in the order they are taken
   std::int64_t panel_floats = 0;    // one panel: the longest sequence's K and V tiles
+  // In place with the kv heads inside a key's row ([B, L, Hkv, D], pages): kv heads per item
+  // (FlashItem::heads), else 1.
+  std::int64_t item_heads = 1;
 };
-FlashForwardPlan plan_flash_forward(const Params& p, int threads, const FlashLayout& layout);
+// heads_in_rows: K's and V's kv heads lie inside a key's row (stride over heads below the
+// stride over keys), so that items of several heads read memory in order.
+FlashForwardPlan plan_flash_forward(const Params& p, int threads, const FlashLayout& layout,
+                                    bool heads_in_rows);
 
 // Whether the forward reads K and V in place instead of packing tiles: decode, each kv group's
 // rows (group * Lq) within one micro-tile of `tile_rows`, on f32 products for every dtype

@@ -13,6 +13,9 @@
 
 namespace attncore::detail::ATTNCORE_TARGET_NS {
 
+// Keys per chunk of P . V across the kv heads of a multi-head item (flash_tile_loop-inl.h).
+constexpr std::int64_t kHeadChunk = 16;
+
 // Decode-shaped items (one per kv group, at most kTileRows query rows) read K and V where they
 // lie, in f32, instead of packing each tile first: packing is most of such an item's work.
 struct DirectKv {
@@ -83,18 +86,25 @@ struct DirectKv {
   }
 
   // S [rows][kKeyTile] = q . K[j0 + c]^T for c < keys, 0 for keys <= c < cols, kLanes keys at
-  // a time (score_block). Key j0 + c is at k + k_at[c] for c < ahead (TileRows: the tile's keys
-  // and up to kRowLead after it, never past the sequence), V's at v + v_at[c]. Streams from
-  // memory, so that neither product waits on it: K rows `lead` keys on (the next tile's too),
-  // and this tile's V rows as their K rows are read, for P . V after the tile's scores. A block
-  // of keys not evenly spaced (a page boundary inside it), or 16-bit with several rows, is
-  // first copied (widened) into `widened` ([kLanes][d rounded up to kLanes] floats) and read
+  // a time (score_block), for each of `heads` kv heads: head x's K rows lie x * k_step
+  // elements after head 0's, its q and S head_floats floats after head
+  // 0's. Key j0 + c of head 0 is at k + k_at[c] for c < ahead (TileRows: the tile's keys and up
+  // to kRowLead after it, never past the sequence), V's at v + v_at[c] (read by one head only). Block by block, each
+  // block of kLanes keys for every head before the next block: with the heads inside a key's
+  // row ([B, L, Hkv, D], pages) memory is read in order. Streams from memory, so that neither
+  // product waits on it: K rows `lead` keys on (the next tile's too), and for one head this
+  // tile's V rows as their K rows are read, for P . V after the tile's scores (several heads
+  // prefetch V chunk by chunk in P . V: a whole tile's V of every head is more than L2). A
+  // block of keys not evenly spaced (a page boundary inside it), or 16-bit with several rows,
+  // is first copied (widened) into `widened` ([kLanes][d rounded up to kLanes] floats) and read
   // from there by every row (the same values, so the same scores).
   template <class T>
   ATTNCORE_TARGET static void scores(const Params& p, const T* k, const std::int64_t* k_at,
                                      std::int64_t ahead, DType dtype, std::int64_t keys,
                                      std::int64_t cols, const T* v, const std::int64_t* v_at,
-                                     const float* q, std::int64_t rows, float* s, float* widened) {
+                                     std::int64_t heads, std::int64_t k_step,
+                                     std::int64_t head_floats, const float* q, std::int64_t rows,
+                                     float* s, float* widened) {
     const std::int64_t d = p.head_dim, dv = p.head_dim_v;
     constexpr std::int64_t kLine = 64 / sizeof(T);  // elements per cache line
     // K rows prefetched this far ahead: at least 16 KiB, at least 32 keys (a block's 16 rows
@@ -108,41 +118,60 @@ struct DirectKv {
     const bool near = ahead < 2 || k_at[1] - k_at[0] == d;
     const std::int64_t d_pad = (d + kLanes - 1) / kLanes * kLanes;
     for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
-      for (int j = 0; j < kLanes; ++j) {
-        if (c0 + lead + j < ahead) {
-          const T* row = k + k_at[c0 + lead + j];
-          if (near) {
-            for (std::int64_t e = 0; e < d; e += kLine) __builtin_prefetch(row + e, 0, 3);
-            __builtin_prefetch(row + d - 1, 0, 3);
-          } else {
-            for (std::int64_t e = 0; e < d; e += kLine) __builtin_prefetch(row + e, 0, 2);
-            __builtin_prefetch(row + d - 1, 0, 2);
-          }
-        }
-        if (rows <= 2 && c0 + j < keys) {
-          const T* row = v + v_at[c0 + j];
-          for (std::int64_t e = 0; e < dv; e += kLine) __builtin_prefetch(row + e, 0, 2);
-          __builtin_prefetch(row + dv - 1, 0, 2);
-        }
-      }
       const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
       const std::int64_t ldk = block >= 2 ? even_stride(k_at + c0, block) : d;
-      if (ldk == 0 || (sizeof(T) == 2 && rows > 1)) {
-        for (std::int64_t j = 0; j < block; ++j) {
-          for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
-            const int n = static_cast<int>(std::min<std::int64_t>(kLanes, d - e0));
-            store(widened + j * d_pad + e0, load_part(k + k_at[c0 + j] + e0, n, dtype));
+      for (std::int64_t x = 0; x < heads; ++x) {
+        const T* kx = k + x * k_step;
+        for (int j = 0; j < kLanes; ++j) {
+          if (c0 + lead + j < ahead) {
+            const T* row = kx + k_at[c0 + lead + j];
+            if (near) {
+              for (std::int64_t e = 0; e < d; e += kLine) __builtin_prefetch(row + e, 0, 3);
+              __builtin_prefetch(row + d - 1, 0, 3);
+            } else {
+              for (std::int64_t e = 0; e < d; e += kLine) __builtin_prefetch(row + e, 0, 2);
+              __builtin_prefetch(row + d - 1, 0, 2);
+            }
+          }
+          if (heads == 1 && rows <= 2 && c0 + j < keys) {
+            const T* row = v + v_at[c0 + j];
+            for (std::int64_t e = 0; e < dv; e += kLine) __builtin_prefetch(row + e, 0, 2);
+            __builtin_prefetch(row + dv - 1, 0, 2);
           }
         }
-        for (std::int64_t r = 0; r < rows; ++r) {
-          score_block(widened, d_pad, DType::f32, d, block, q + r * d, s + r * kKeyTile + c0);
-        }
-      } else {
-        const T* first = block > 0 ? k + k_at[c0] : k;  // (block 0: no row is read)
-        for (std::int64_t r = 0; r < rows; ++r) {
-          score_block(first, ldk, dtype, d, block, q + r * d, s + r * kKeyTile + c0);
+        const float* qx = q + x * head_floats;
+        float* sx = s + x * head_floats + c0;
+        if (ldk == 0 || (sizeof(T) == 2 && rows > 1)) {
+          for (std::int64_t j = 0; j < block; ++j) {
+            for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
+              const int n = static_cast<int>(std::min<std::int64_t>(kLanes, d - e0));
+              store(widened + j * d_pad + e0, load_part(kx + k_at[c0 + j] + e0, n, dtype));
+            }
+          }
+          for (std::int64_t r = 0; r < rows; ++r) {
+            score_block(widened, d_pad, DType::f32, d, block, qx + r * d, sx + r * kKeyTile);
+          }
+        } else {
+          const T* first = block > 0 ? kx + k_at[c0] : kx;  // (block 0: no row is read)
+          for (std::int64_t r = 0; r < rows; ++r) {
+            score_block(first, ldk, dtype, d, block, qx + r * d, sx + r * kKeyTile);
+          }
         }
       }
+    }
+  }
+
+  // V rows c < count of one head (at v + v_at[c]) into L2: the next chunk of P . V with
+  // several heads.
+  template <class T>
+  ATTNCORE_TARGET static void prefetch_rows(const Params& p, const T* v, const std::int64_t* v_at,
+                                            std::int64_t count) {
+    constexpr std::int64_t kLine = 64 / sizeof(T);
+    const std::int64_t dv = p.head_dim_v;
+    for (std::int64_t c = 0; c < count; ++c) {
+      const T* row = v + v_at[c];
+      for (std::int64_t e = 0; e < dv; e += kLine) __builtin_prefetch(row + e, 0, 2);
+      __builtin_prefetch(row + dv - 1, 0, 2);
     }
   }
 
@@ -268,32 +297,43 @@ struct DirectKv {
     }
   }
 
-  // Both for a key tile of K and V rows resolved (TileRows), in the input's dtype; the product
-  // covers keys [begin, begin + keys) of the tile.
+  // Both for a key tile of K and V rows resolved (TileRows) of the item's first kv head, in
+  // the input's dtype, for `heads` heads (scores: as above); the product, for the head whose
+  // V rows lie v_shift elements after them, covers keys [begin, begin + keys) of the tile and
+  // prefetches the `next` keys after them.
   ATTNCORE_TARGET static void tile_scores(const Params& p, const ForwardArgs& a,
                                           const TileRows& k_rows, const TileRows& v_rows,
+                                          std::int64_t heads, std::int64_t head_floats,
                                           std::int64_t keys, std::int64_t cols, const float* q,
                                           std::int64_t rows, float* s, float* widened) {
+    const std::int64_t k_step = a.k.stride[1];
     if (a.k.dtype == DType::f32) {
       scores(p, static_cast<const float*>(a.k.data), k_rows.at, k_rows.count, a.k.dtype, keys,
-             cols, static_cast<const float*>(a.v.data), v_rows.at, q, rows, s, widened);
+             cols, static_cast<const float*>(a.v.data), v_rows.at, heads, k_step, head_floats, q,
+             rows, s, widened);
     } else {
       scores(p, static_cast<const std::uint16_t*>(a.k.data), k_rows.at, k_rows.count, a.k.dtype,
-             keys, cols, static_cast<const std::uint16_t*>(a.v.data), v_rows.at, q, rows, s,
-             widened);
+             keys, cols, static_cast<const std::uint16_t*>(a.v.data), v_rows.at, heads, k_step,
+             head_floats, q, rows, s, widened);
     }
   }
   ATTNCORE_TARGET static void tile_accumulate(const Params& p, const ForwardArgs& a,
-                                              const TileRows& v_rows, std::int64_t begin,
-                                              std::int64_t keys, std::int64_t rows,
+                                              const TileRows& v_rows, std::int64_t v_shift,
+                                              std::int64_t begin, std::int64_t keys,
+                                              std::int64_t next, std::int64_t rows,
                                               const float* probs, std::int64_t dv_pad,
                                               const float* alpha, float* out) {
+    const std::int64_t* at = v_rows.at + begin;
+    const std::int64_t ahead = v_rows.count - begin;
+    const std::int64_t prefetched = std::clamp<std::int64_t>(ahead - keys, 0, next);
     if (a.v.dtype == DType::f32) {
-      accumulate_rows(p, static_cast<const float*>(a.v.data), v_rows.at + begin,
-                      v_rows.count - begin, a.v.dtype, keys, rows, probs, dv_pad, alpha, out);
+      const float* v = static_cast<const float*>(a.v.data) + v_shift;
+      if (prefetched > 0) prefetch_rows(p, v, at + keys, prefetched);
+      accumulate_rows(p, v, at, ahead, a.v.dtype, keys, rows, probs, dv_pad, alpha, out);
     } else {
-      accumulate_rows(p, static_cast<const std::uint16_t*>(a.v.data), v_rows.at + begin,
-                      v_rows.count - begin, a.v.dtype, keys, rows, probs, dv_pad, alpha, out);
+      const std::uint16_t* v = static_cast<const std::uint16_t*>(a.v.data) + v_shift;
+      if (prefetched > 0) prefetch_rows(p, v, at + keys, prefetched);
+      accumulate_rows(p, v, at, ahead, a.v.dtype, keys, rows, probs, dv_pad, alpha, out);
     }
   }
 };

@@ -60,7 +60,23 @@ ATTNCORE_TARGET __attribute__((noinline)) std::int64_t leave_out_hidden_keys(
   return count;
 }
 
-// One work item: see the top of this file.
+// A DirectKv item's scratch for its kv head x (FlashScratch::heads): q, S, O, the softmax
+// states and alpha of its rows; the widened block (k_tile) and the rest are shared.
+ATTNCORE_TARGET inline FlashScratch head_scratch(const FlashScratch& w, std::int64_t x,
+                                                 std::int64_t d, std::int64_t dv_pad) {
+  FlashScratch h = w;
+  h.q = w.heads + x * w.head_floats;
+  h.scores = h.q + kTileRows * d;
+  h.out = h.scores + kTileRows * kKeyTile;
+  h.softmax = reinterpret_cast<SoftmaxState*>(h.out + kTileRows * dv_pad);
+  h.alpha = h.out + kTileRows * (dv_pad + 2);
+  return h;
+}
+
+// One work item: see the top of this file. A DirectKv item of several kv heads runs each tile
+// for every head in turn, each head's steps exactly those of an item of its own (the same
+// bits): the scores block by block across the heads, each head's softmax, then P . V in
+// chunks of kHeadChunk keys across the heads (the chunks sum in key order as one pass does).
 template <class Dot>
 ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const FlashPanel& panel,
                                     const FlashItem& item, const FlashScratch& w) {
@@ -71,8 +87,9 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   const bool has_mods = p.softcap != 0.0 || p.alibi != nullptr || p.mask_kind != MaskKind::none;
   const bool bool_mask = p.mask_kind == MaskKind::boolean;
 
-  // Each row's head and query index, and the keys the rows see (which tiles to visit, and
-  // which of them are full: seen entirely by every row, so that no mask code runs).
+  // Each row's head (of the item's first kv head; kv head x adds x * group) and query index,
+  // and the keys the rows see (which tiles to visit, and which of them are full: seen
+  // entirely by every row, so that no mask code runs), the same for every kv head.
   std::int64_t head_of[kBlockRows], index_of[kBlockRows];
   RowSetKeys seen;
   for (std::int64_t r = 0; r < rows; ++r) {
@@ -86,12 +103,30 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   // flash.cpp gives every such problem no panel, whatever the thread count
   // (flash_reads_kv_in_place: the same rule).
   const bool direct = Dot::kDirectDecode && panel.k_tiles == nullptr && rows <= kTileRows;
+  const std::int64_t heads = direct ? item.heads : 1;
   // The rows the products compute: whole micro-tiles, or in place the few DirectKv computes.
   const std::int64_t live_rows = direct ? DirectKv::rows_computed(rows, a.v.dtype) : padded_rows;
-  if (direct) {
-    DirectKv::load_queries(p, a, b, head_of, index_of, rows, w.q);
-  } else {
-    Dot::load_queries(p, a, b, head_of, index_of, rows, padded_rows, w.q);
+  // Scratch of kv head x (item.kv_head + x), and its rows' heads.
+  auto scratch_of = [&](std::int64_t x) ATTNCORE_TARGET {
+    return direct ? head_scratch(w, x, d, dv_pad) : w;
+  };
+  auto heads_of = [&](std::int64_t x, std::int64_t* of) ATTNCORE_TARGET {
+    for (std::int64_t r = 0; r < rows; ++r) of[r] = head_of[r] + x * p.group;
+  };
+  for (std::int64_t x = 0; x < heads; ++x) {
+    const FlashScratch wx = scratch_of(x);
+    std::int64_t hx[kBlockRows];
+    heads_of(x, hx);
+    if (direct) {
+      DirectKv::load_queries(p, a, b, hx, index_of, rows, wx.q);
+    } else {
+      Dot::load_queries(p, a, b, hx, index_of, rows, padded_rows, wx.q);
+    }
+    for (std::int64_t e = 0; e < padded_rows * dv_pad; ++e) wx.out[e] = 0.0f;
+    for (std::int64_t r = 0; r < padded_rows; ++r) {
+      wx.softmax[r] = SoftmaxState{};
+      wx.alpha[r] = 1.0f;
+    }
   }
   // S is in units of q.k times score_scale: scale is in the queries already, or applied here.
   const float score_scale = Dot::kScaledQueries && !direct ? 1.0f : static_cast<float>(p.scale);
@@ -99,11 +134,6 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   // f32 (scale < 2^-150): the masks' -inf times 0 would be NaN (every score is then 0 and the
   // row's weights uniform, as they are to f32 precision).
   const bool scale_first = has_mods || score_scale == 0.0f;
-  for (std::int64_t e = 0; e < padded_rows * dv_pad; ++e) w.out[e] = 0.0f;
-  for (std::int64_t r = 0; r < padded_rows; ++r) {
-    w.softmax[r] = SoftmaxState{};
-    w.alpha[r] = 1.0f;
-  }
   const auto exp2 = [](auto x) ATTNCORE_TARGET { return exp2v(splat(x))[0]; };
 
   // The tiles holding keys some row sees, within the item's own key range (a split-KV item's).
@@ -123,11 +153,13 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
     // now into scratch, where it stays in L1/L2 for its one use.
     const float* k_tile = w.k_tile;
     const float* v_tile = w.v_tile;
-    TileRows k_rows, v_rows;  // in place: the tile's rows, pages resolved once
+    TileRows k_rows, v_rows;  // in place: the tile's rows of the first kv head, pages resolved once
     if (direct) {
       resolve_rows(p, a.k, b, item.kv_head, j0, k_rows);
       resolve_rows(p, a.v, b, item.kv_head, j0, v_rows);
-      DirectKv::tile_scores(p, a, k_rows, v_rows, keys, cols, w.q, rows, w.scores, w.k_tile);
+      const FlashScratch w0 = scratch_of(0);
+      DirectKv::tile_scores(p, a, k_rows, v_rows, heads, w.head_floats, keys, cols, w0.q, rows,
+                            w0.scores, w.k_tile);
     } else if (panel.k_tiles != nullptr) {
       k_tile = panel.k_tiles + t * d * kKeyTile;
       v_tile = panel.v_rows + j0 * dv_pad;
@@ -138,125 +170,157 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
     // Tiles some row does not see entirely: lanes of `hidden` set for keys hidden from a row
     // (score -inf after the masks: outside its band, false in a bool mask, or -inf otherwise).
     const bool cut = !full || bool_mask;
-    IVec hidden[kKeyTile / kLanes];
-    if (cut) std::fill_n(hidden, cols / kLanes, IVec{});
-    for (std::int64_t r = 0; r < live_rows; ++r) {
-      float* s = w.scores + r * kKeyTile;
-      if (r >= rows) {  // padding rows take no part
-        for (std::int64_t c = 0; c < cols; ++c) s[c] = 0.0f;
-        continue;
-      }
-      const std::int64_t h = head_of[r], i = index_of[r];
-      float row_scale = score_scale;  // S * row_scale is the score of docs/design.md section 1.2
-      if (scale_first) {
-        if (row_scale != 1.0f) {
-          for (std::int64_t c = 0; c < cols; c += kLanes) store(s + c, load(s + c) * row_scale);
-          row_scale = 1.0f;
-        }
-        if (has_mods) apply_score_mods(p, b, h, i, j0, keys, s);
-      }
-      if (!full) {
-        const KeyRange visible = band.row(i);
-        const std::int64_t lo = std::max<std::int64_t>(visible.begin - j0, 0);
-        const std::int64_t hi = std::min<std::int64_t>(visible.end - j0, keys);
-        for (std::int64_t c = 0; c < cols; ++c) {
-          if (c < lo || c >= hi) s[c] = -INFINITY;
-        }
-      }
-      if (cut) {
-        for (std::int64_t c = 0; c < cols; c += kLanes) {
-          hidden[c / kLanes] |= load(s + c) == -INFINITY;
-        }
-      }
-      // Online softmax (policy/softmax_state.h). Scores enter in log2 units (score * log2 e,
-      // rounded once): P = 2^(S * factor - max) and the rescale alpha = 2^(old max - new max)
-      // use the same rounded values, and alpha is exactly 1 while the max stays.
-      float factor = row_scale * kLog2e;
-      Vec vmx = load(s);
-      for (std::int64_t c = kLanes; c < cols; c += kLanes) vmx = vmax(load(s + c), vmx);
-      SoftmaxState& state = w.softmax[r];
-      const float new_max = state.next_max(reduce_max(vmx) * factor);
-      if (new_max == -INFINITY) {  // nothing visible yet: P = 0, nothing to rescale
-        for (std::int64_t c = 0; c < cols; ++c) s[c] = 0.0f;
-        w.alpha[r] = 1.0f;
-        continue;
-      }
-      // P's argument S * factor - max is one fused operation: it keeps the rounding residual of
-      // the max's own product, below ulp(max) / 2. From |max| = 2^22 on (scales near f32's
-      // limit) that residual reaches 1/4 and more, and 2^residual of the row's largest score
-      // was 0 or 2^127 at scale 1e30: such rows are rounded to log2 units first, so that the
-      // largest score gives exactly 2^0.
-      if (!(std::fabs(new_max) < 0x1p22f)) {
-        for (std::int64_t c = 0; c < cols; c += kLanes) store(s + c, load(s + c) * factor);
-        factor = 1.0f;
-      }
-      const float alpha = state.alpha(new_max, exp2);
-      Vec vsum = splat(0.0f);
-      for (std::int64_t c = 0; c < cols; c += kLanes) {
-        const Vec prob = exp2v(load(s + c) * factor - new_max);
-        vsum += prob;
-        store(s + c, prob);
-      }
-      state.update(new_max, alpha, reduce_sum(vsum));
-      w.alpha[r] = alpha;
-      if (p.dropout.p > 0.0) {  // after the sum: the normaliser is the pre-dropout sum
-        const DropoutRow dropout(p, b, h, i);
-        for (std::int64_t c = 0; c < keys; ++c) s[c] *= dropout.factor<float>(j0 + c);
-      }
-    }
     // P . V runs over the tile's keys up to the last one some row sees, in whole micro-tiles
     // (the keys after it, past every row's band on a causal diagonal, have P = 0 everywhere).
     const std::int64_t pv_cols = std::min(cols, tile_cols(span.end - j0));
     const std::int64_t pv_keys = std::min(keys, pv_cols);
-    // Keys among them hidden from some row whose V holds inf or NaN (flash_hidden_keys-inl.h):
-    // left out of the product (zeroed in a copy of the tile, or skipped in place) and added to
-    // the rows that see them.
-    std::int64_t bad[kKeyTile], bad_count = 0;
-    if (cut) {
-      bad_count = leave_out_hidden_keys<Dot>(p, a, b, item.kv_head, j0, pv_keys, hidden, direct,
-                                             dv_pad, w, &v_tile, bad);
-    }
-    if (direct) {
-      // In place: the runs of keys between the ones left out, one after the other (the same
-      // sums in the same order as one pass), the accumulator rescaled by the first call only.
-      float ones[kTileRows];
-      if (bad_count > 0) std::fill_n(ones, kTileRows, 1.0f);
-      std::int64_t begin = 0;
-      bool rescaled = false;
-      for (std::int64_t n = 0; n <= bad_count; ++n) {
-        const std::int64_t end = n < bad_count ? bad[n] : pv_keys;
-        if (end > begin || (n == bad_count && !rescaled)) {
-          DirectKv::tile_accumulate(p, a, v_rows, begin, end - begin, rows, w.scores + begin,
-                                    dv_pad, rescaled ? ones : w.alpha, w.out);
-          rescaled = true;
+    for (std::int64_t x = 0; x < heads; ++x) {
+      const FlashScratch wx = scratch_of(x);
+      const std::int64_t kv_head = item.kv_head + x;
+      std::int64_t hx[kBlockRows];
+      heads_of(x, hx);
+      IVec hidden[kKeyTile / kLanes];
+      if (cut) std::fill_n(hidden, cols / kLanes, IVec{});
+      for (std::int64_t r = 0; r < live_rows; ++r) {
+        float* s = wx.scores + r * kKeyTile;
+        if (r >= rows) {  // padding rows take no part
+          for (std::int64_t c = 0; c < cols; ++c) s[c] = 0.0f;
+          continue;
         }
-        begin = end + 1;
+        const std::int64_t h = hx[r], i = index_of[r];
+        float row_scale = score_scale;  // S * row_scale is the score of docs/design.md section 1.2
+        if (scale_first) {
+          if (row_scale != 1.0f) {
+            for (std::int64_t c = 0; c < cols; c += kLanes) store(s + c, load(s + c) * row_scale);
+            row_scale = 1.0f;
+          }
+          if (has_mods) apply_score_mods(p, b, h, i, j0, keys, s);
+        }
+        if (!full) {
+          const KeyRange visible = band.row(i);
+          const std::int64_t lo = std::max<std::int64_t>(visible.begin - j0, 0);
+          const std::int64_t hi = std::min<std::int64_t>(visible.end - j0, keys);
+          for (std::int64_t c = 0; c < cols; ++c) {
+            if (c < lo || c >= hi) s[c] = -INFINITY;
+          }
+        }
+        if (cut) {
+          for (std::int64_t c = 0; c < cols; c += kLanes) {
+            hidden[c / kLanes] |= load(s + c) == -INFINITY;
+          }
+        }
+        // Online softmax (policy/softmax_state.h). Scores enter in log2 units (score * log2 e,
+        // rounded once): P = 2^(S * factor - max) and the rescale alpha = 2^(old max - new max)
+        // use the same rounded values, and alpha is exactly 1 while the max stays.
+        float factor = row_scale * kLog2e;
+        Vec vmx = load(s);
+        for (std::int64_t c = kLanes; c < cols; c += kLanes) vmx = vmax(load(s + c), vmx);
+        SoftmaxState& state = wx.softmax[r];
+        const float new_max = state.next_max(reduce_max(vmx) * factor);
+        if (new_max == -INFINITY) {  // nothing visible yet: P = 0, nothing to rescale
+          for (std::int64_t c = 0; c < cols; ++c) s[c] = 0.0f;
+          wx.alpha[r] = 1.0f;
+          continue;
+        }
+        // P's argument S * factor - max is one fused operation: it keeps the rounding residual
+        // of the max's own product, below ulp(max) / 2. From |max| = 2^22 on (scales near
+        // f32's limit) that residual reaches 1/4 and more, and 2^residual of the row's largest
+        // score was 0 or 2^127 at scale 1e30: such rows are rounded to log2 units first, so
+        // that the largest score gives exactly 2^0.
+        if (!(std::fabs(new_max) < 0x1p22f)) {
+          for (std::int64_t c = 0; c < cols; c += kLanes) store(s + c, load(s + c) * factor);
+          factor = 1.0f;
+        }
+        const float alpha = state.alpha(new_max, exp2);
+        Vec vsum = splat(0.0f);
+        for (std::int64_t c = 0; c < cols; c += kLanes) {
+          const Vec prob = exp2v(load(s + c) * factor - new_max);
+          vsum += prob;
+          store(s + c, prob);
+        }
+        state.update(new_max, alpha, reduce_sum(vsum));
+        wx.alpha[r] = alpha;
+        if (p.dropout.p > 0.0) {  // after the sum: the normaliser is the pre-dropout sum
+          const DropoutRow dropout(p, b, h, i);
+          for (std::int64_t c = 0; c < keys; ++c) s[c] *= dropout.factor<float>(j0 + c);
+        }
       }
-    } else {
-      Dot::accumulate(w.scores, v_tile, dv_pad, padded_rows, pv_cols, w.alpha, w.probs16, w.out);
+      if (direct && !cut) continue;  // P . V below, chunk by chunk across the heads
+      // Keys among them hidden from some row whose V holds inf or NaN
+      // (flash_hidden_keys-inl.h): left out of the product (zeroed in a copy of the tile, or
+      // skipped in place) and added to the rows that see them.
+      std::int64_t bad[kKeyTile], bad_count = 0;
+      if (cut) {
+        bad_count = leave_out_hidden_keys<Dot>(p, a, b, kv_head, j0, pv_keys, hidden, direct,
+                                               dv_pad, wx, &v_tile, bad);
+      }
+      if (direct) {
+        // In place: the runs of keys between the ones left out, one after the other (the same
+        // sums in the same order as one pass), the accumulator rescaled by the first call only.
+        float ones[kTileRows];
+        if (bad_count > 0) std::fill_n(ones, kTileRows, 1.0f);
+        std::int64_t begin = 0;
+        bool rescaled = false;
+        for (std::int64_t n = 0; n <= bad_count; ++n) {
+          const std::int64_t end = n < bad_count ? bad[n] : pv_keys;
+          if (end > begin || (n == bad_count && !rescaled)) {
+            DirectKv::tile_accumulate(p, a, v_rows, x * a.v.stride[1], begin, end - begin, 0,
+                                      rows, wx.scores + begin, dv_pad,
+                                      rescaled ? ones : wx.alpha, wx.out);
+            rescaled = true;
+          }
+          begin = end + 1;
+        }
+      } else {
+        Dot::accumulate(wx.scores, v_tile, dv_pad, padded_rows, pv_cols, wx.alpha, wx.probs16,
+                        wx.out);
+      }
+      if (bad_count > 0) {
+        add_bad_keys(p, band, a.v, b, kv_head, j0, bad, bad_count, hx, index_of, rows,
+                     wx.scores, p.head_dim_v, wx.out, dv_pad);
+      }
     }
-    if (bad_count > 0) {
-      add_bad_keys(p, band, a.v, b, item.kv_head, j0, bad, bad_count, head_of, index_of, rows,
-                   w.scores, p.head_dim_v, w.out, dv_pad);
+    if (direct && !cut) {
+      // In place, no key left out: P . V in chunks of kHeadChunk keys, each for every head
+      // (V read in order with the heads inside a key's row), the next chunk's rows of the
+      // head prefetched; each head's accumulator rescaled by its first chunk only.
+      float ones[kTileRows];
+      std::fill_n(ones, kTileRows, 1.0f);
+      const std::int64_t step = heads > 1 ? kHeadChunk : kKeyTile;
+      for (std::int64_t c = 0; c == 0 || c < pv_keys; c += step) {
+        const std::int64_t chunk = std::min(step, pv_keys - c);
+        for (std::int64_t x = 0; x < heads; ++x) {
+          const FlashScratch wx = scratch_of(x);
+          DirectKv::tile_accumulate(p, a, v_rows, x * a.v.stride[1], c, chunk,
+                                    heads > 1 ? kHeadChunk : 0, rows, wx.scores + c, dv_pad,
+                                    c == 0 ? wx.alpha : ones, wx.out);
+        }
+      }
     }
   }
 
   // out = O / l, lse = m ln 2 + log l; rows with no visible key: exactly 0 (even where V holds
   // inf or NaN, which 0-weighted keys still bring into O) and -inf.
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const SoftmaxState& state = w.softmax[r];
-    const float out_factor = state.out_factor();
-    float* o = w.out + r * dv_pad;
-    if (out_factor == 0.0f) {
-      for (std::int64_t e = 0; e < p.head_dim_v; ++e) o[e] = 0.0f;
-    } else {
-      for (std::int64_t e = 0; e < p.head_dim_v; ++e) o[e] *= out_factor;
-    }
-    const std::int64_t h = head_of[r], i = index_of[r];
-    store_row(o, p.head_dim_v, a.out.data, a.out.dtype, offset4(a.out, b, h, i, 0));
-    if (a.lse.data != nullptr) {
-      store_element(a.lse.data, a.lse.dtype,
-                    b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2], state.lse());
+  for (std::int64_t x = 0; x < heads; ++x) {
+    const FlashScratch wx = scratch_of(x);
+    std::int64_t hx[kBlockRows];
+    heads_of(x, hx);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const SoftmaxState& state = wx.softmax[r];
+      const float out_factor = state.out_factor();
+      float* o = wx.out + r * dv_pad;
+      if (out_factor == 0.0f) {
+        for (std::int64_t e = 0; e < p.head_dim_v; ++e) o[e] = 0.0f;
+      } else {
+        for (std::int64_t e = 0; e < p.head_dim_v; ++e) o[e] *= out_factor;
+      }
+      const std::int64_t h = hx[r], i = index_of[r];
+      store_row(o, p.head_dim_v, a.out.data, a.out.dtype, offset4(a.out, b, h, i, 0));
+      if (a.lse.data != nullptr) {
+        store_element(a.lse.data, a.lse.dtype,
+                      b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2],
+                      state.lse());
+      }
     }
   }
 }
