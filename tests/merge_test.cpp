@@ -117,6 +117,45 @@ TEST(Merge, BadInputs) {
             std::string::npos);
 }
 
+// Outputs into caller views: the very view of side a or b is fine (above); any other overlap
+// with an input or between out and lse is refused before anything is written.
+TEST(Merge, OverlappingOutputsAreRefused) {
+  const Tensor buf = make_tensor(DType::f32, {5, 4}, random_vector(20, 12));
+  const Tensor lse_buf = make_tensor(DType::f32, {5}, random_vector(5, 13, -3, 3));
+  const std::vector<double> before = read_view(buf.view()), lse_before = read_view(lse_buf.view());
+  auto rows = [](const Tensor& t, std::int64_t first) {  // rows [first, first + 4) of t
+    TensorView v = t.view();
+    v.data = static_cast<char*>(v.data) + first * v.stride_of(0) * std::int64_t{4};
+    v.shape[0] = 4;
+    return v;
+  };
+  const Tensor ob = make_tensor(DType::f32, {4, 4}, random_vector(16, 14));
+  const Tensor lb = make_tensor(DType::f32, {4}, random_vector(4, 15, -3, 3));
+  const Tensor lse_out(DType::f32, {4});
+  // out = out_a shifted by one row: row 0's result would overwrite out_a's row 1 unread.
+  EXPECT_NE(error_message([&] {
+              merge_attention_states_into(rows(buf, 0), rows(lse_buf, 0), ob, lb, rows(buf, 1),
+                                          lse_out);
+            }).find("merge_attention_states: out overlaps out_a"),
+            std::string::npos);
+  EXPECT_NE(error_message([&] {
+              merge_attention_states_into(rows(buf, 0), rows(lse_buf, 0), ob, lb, ob,
+                                          rows(lse_buf, 1));
+            }).find("merge_attention_states: lse overlaps lse_a"),
+            std::string::npos);
+  const Tensor out(DType::f32, {4, 4});
+  TensorView lse_in_out = out.view();  // the LSE in out's first column
+  lse_in_out.rank = 1;
+  lse_in_out.shape = {4};
+  lse_in_out.stride = {4};
+  EXPECT_NE(error_message([&] {
+              merge_attention_states_into(rows(buf, 0), rows(lse_buf, 0), ob, lb, out, lse_in_out);
+            }).find("merge_attention_states: lse overlaps out"),
+            std::string::npos);
+  EXPECT_EQ(read_view(buf.view()), before);
+  EXPECT_EQ(read_view(lse_buf.view()), lse_before);
+}
+
 // The allocating form refuses outputs the process may not hold before allocating them: a
 // broadcast (stride 0) out_a of 2^40 rows.
 TEST(Merge, AllocatingFormChecksMemory) {

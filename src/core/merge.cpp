@@ -37,6 +37,31 @@ std::int64_t row_offset(const TensorView& t, const std::array<std::int64_t, kMax
   return offset;
 }
 
+bool same_view(const TensorView& x, const TensorView& y) {
+  if (x.data != y.data || x.dtype != y.dtype || x.rank != y.rank) return false;
+  for (int d = 0; d < x.rank; ++d) {
+    if (x.size(d) != y.size(d) || (x.size(d) > 1 && x.stride_of(d) != y.stride_of(d))) return false;
+  }
+  return true;
+}
+
+// out and lse share no byte with each other or with an input, except that each may be the very
+// view of its own kind on side a or b (merge.h: each row is read before it is written; a
+// view shifted by a row would be read after being written).
+void separate(const Checker& check, const TensorView& out_a, const TensorView& lse_a,
+              const TensorView& out_b, const TensorView& lse_b, const TensorView& out,
+              const TensorView& lse) {
+  check.separate({{&out, "out"}, {&lse, "lse"}}, {});
+  const detail::NamedView outs[2] = {{&out_a, "out_a"}, {&out_b, "out_b"}};
+  const detail::NamedView lses[2] = {{&lse_a, "lse_a"}, {&lse_b, "lse_b"}};
+  for (int side = 0; side < 2; ++side) {
+    if (!same_view(out, *outs[side].view)) check.separate({{&out, "out"}}, {outs[side]});
+    check.separate({{&out, "out"}}, {lses[side]});
+    if (!same_view(lse, *lses[side].view)) check.separate({{&lse, "lse"}}, {lses[side]});
+    check.separate({{&lse, "lse"}}, {outs[side]});
+  }
+}
+
 // Checks the six views; returns the number of rows (the LSE's elements).
 std::int64_t validate(const Checker& check, const TensorView& out_a, const TensorView& lse_a,
                       const TensorView& out_b, const TensorView& lse_b, const TensorView* out,
@@ -71,6 +96,7 @@ std::int64_t validate(const Checker& check, const TensorView& out_a, const Tenso
     check.writable(*out, "out");
     like_lse(*lse, "lse");
     check.writable(*lse, "lse");
+    separate(check, out_a, lse_a, out_b, lse_b, *out, *lse);
   }
   check.threads(num_threads);
   std::int64_t rows = 1;
