@@ -56,7 +56,10 @@ struct CacheCase {
   std::int64_t window_left = -1;
   double softcap = 0.0;
   bool alibi = false;
+  DType kv_dtype = DType::f32;  // the cache's dtype when the query is f32 (bf16/f16: mixed)
 };
+
+DType kv_dtype_of(const CacheCase& c) { return c.dtype == DType::f32 ? c.kv_dtype : c.dtype; }
 
 // Its data in the flash layout, and the oracle's result per sequence (rows [B, Hq, Lq]).
 struct CacheData {
@@ -83,13 +86,13 @@ CacheData make_data(const CacheCase& c, std::uint64_t seed) {
   d.batch = static_cast<std::int64_t>(c.seqlens.size());
   d.capacity = *std::max_element(c.seqlens.begin(), c.seqlens.end()) + 5;
   Random rng(seed);
-  const auto draw = [&](std::vector<double>& x, std::int64_t n) {
+  const auto draw = [&](std::vector<double>& x, std::int64_t n, DType dtype) {
     x.resize(static_cast<std::size_t>(n));
-    for (double& e : x) e = round_to(rng.uniform(-1, 1), c.dtype);
+    for (double& e : x) e = round_to(rng.uniform(-1, 1), dtype);
   };
-  draw(d.q, d.batch * c.lq * c.hq * c.dim);
-  draw(d.k, d.batch * d.capacity * c.hkv * c.dim);
-  draw(d.v, d.batch * d.capacity * c.hkv * c.dim_v);
+  draw(d.q, d.batch * c.lq * c.hq * c.dim, c.dtype);
+  draw(d.k, d.batch * d.capacity * c.hkv * c.dim, kv_dtype_of(c));
+  draw(d.v, d.batch * d.capacity * c.hkv * c.dim_v, kv_dtype_of(c));
   for (std::int64_t h = 0; h < c.hq; ++h) d.slopes.push_back(std::exp2(-8.0 * (h + 1) / c.hq));
   d.out.assign(static_cast<std::size_t>(d.batch * c.hq * c.lq * c.dim_v), 0.0);
   d.naive_out = d.out;
@@ -153,8 +156,8 @@ CacheTensors make_cache(const CacheCase& c, const CacheData& d, std::int64_t pag
     t.seqs.cache_leftpad = t.leftpad.view();
   }
   if (page_size == 0) {
-    t.k = make_tensor(c.dtype, {d.batch, d.capacity, c.hkv, c.dim}, d.k);
-    t.v = make_tensor(c.dtype, {d.batch, d.capacity, c.hkv, c.dim_v}, d.v);
+    t.k = make_tensor(kv_dtype_of(c), {d.batch, d.capacity, c.hkv, c.dim}, d.k);
+    t.v = make_tensor(kv_dtype_of(c), {d.batch, d.capacity, c.hkv, c.dim_v}, d.v);
     return t;
   }
   const std::int64_t per_seq = (d.capacity + page_size - 1) / page_size;
@@ -177,8 +180,8 @@ CacheTensors make_cache(const CacheCase& c, const CacheData& d, std::int64_t pag
       std::copy_n(d.v.begin() + (b * d.capacity + s) * c.hkv * c.dim_v, c.hkv * c.dim_v,
                   v.begin() + row * c.hkv * c.dim_v);
     }
-  t.k = make_tensor(c.dtype, {pages, page_size, c.hkv, c.dim}, k);
-  t.v = make_tensor(c.dtype, {pages, page_size, c.hkv, c.dim_v}, v);
+  t.k = make_tensor(kv_dtype_of(c), {pages, page_size, c.hkv, c.dim}, k);
+  t.v = make_tensor(kv_dtype_of(c), {pages, page_size, c.hkv, c.dim_v}, v);
   t.table = i32({d.batch, per_seq}, table);
   t.seqs.block_table = t.table.view();
   return t;
@@ -306,6 +309,16 @@ TEST(SplitKv, PagedCacheEveryPageSize) {
   const CacheCase c{"paged causal leftpad", DType::f32, 4, 2, 1, 64, 64, {600, 129, 0}, {0, 3, 0},
                     Causal::lower_right};
   for (std::int64_t page_size : {1, 3, 16, 256}) check_cache_case(c, page_size);
+}
+
+// An f32 query over bf16 and f16 caches (K/V widened in registers), dense and paged.
+TEST(SplitKv, F32QueryOver16BitCaches) {
+  for (DType kv : {DType::bf16, DType::f16}) {
+    CacheCase c{"f32 query, 16-bit cache", DType::f32, 4, 2, 1, 64, 64, {1400, 90}, {2, 0},
+                Causal::lower_right};
+    c.kv_dtype = kv;
+    for (std::int64_t page_size : {0, 16}) check_cache_case(c, page_size);
+  }
 }
 
 // Dense decode calls (no cache) that read K/V in place take the same split path.
