@@ -15,6 +15,10 @@ namespace attncore::detail::ATTNCORE_TARGET_NS {
 
 // Keys per chunk of P . V across the kv heads of a multi-head item (flash_tile_loop-inl.h).
 constexpr std::int64_t kHeadChunk = 16;
+// V bytes of each head prefetched ahead of P . V in a multi-head item (into L2): bench
+// --decode, BLHD Hkv=32 Lk=4096/16384, 1 thread, GB/s: bf16 8 KiB (32 keys) 25.6-26.5, 4 KiB
+// 22.4-26.8, none 19.6-21.2; f32 8 KiB (16 keys) 24.2-26.4, 16 KiB 21.4-25.0, none 24.4-26.2.
+constexpr std::int64_t kHeadVAhead = 8192;
 
 // Decode-shaped items (one per kv group, at most kTileRows query rows) read K and V where they
 // lie, in f32, instead of packing each tile first: packing is most of such an item's work.
@@ -107,15 +111,21 @@ struct DirectKv {
                                      float* s, float* widened) {
     const std::int64_t d = p.head_dim, dv = p.head_dim_v;
     constexpr std::int64_t kLine = 64 / sizeof(T);  // elements per cache line
-    // K rows prefetched this far ahead: at least 16 KiB, at least 32 keys (a block's 16 rows
-    // are in flight while the next block computes), at most kRowLead.
-    const std::int64_t lead = std::clamp<std::int64_t>(
-        (16384 / static_cast<std::int64_t>(sizeof(T)) + d - 1) / d, 32, kRowLead);
+    // K rows prefetched this far ahead: one head, at least 16 KiB, at least 32 keys (a block's
+    // 16 rows are in flight while the next block computes), at most kRowLead. Several heads
+    // (memory read in order): 4 KiB of each head's rows, into L2 (bench --decode, BLHD Hkv=32
+    // Lk=4096/16384, 1 thread, GB/s: f32 8 keys 26.0-26.4, 32 keys 24.7-25.5, none 25.2-26.2,
+    // 32 keys into L1 21.3-23.3; bf16 16 keys 22.4-26.1, 8 keys 21.7-22.7).
+    const std::int64_t lead =
+        heads > 1 ? std::clamp<std::int64_t>(4096 / static_cast<std::int64_t>(sizeof(T) * d), 1,
+                                             kRowLead)
+                  : std::clamp<std::int64_t>(
+                        (16384 / static_cast<std::int64_t>(sizeof(T)) + d - 1) / d, 32, kRowLead);
     // Contiguous rows ([B, Hkv, L, D]) into L1. Rows far apart ([B, L, Hkv, D]: 16 KiB at 32
     // f32 heads) share L1 sets, where the rows a block reads evict the ones prefetched: into L2
     // (bench --decode, 1 thread: f32 [B, L, Hkv, D] 12.5 GB/s either way, bf16 8.3-10.7 into L2
     // against 6.2-6.7 into L1). V is read a whole tile after its prefetch: into L2.
-    const bool near = ahead < 2 || k_at[1] - k_at[0] == d;
+    const bool near = heads == 1 && (ahead < 2 || k_at[1] - k_at[0] == d);
     const std::int64_t d_pad = (d + kLanes - 1) / kLanes * kLanes;
     for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
       const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);

@@ -286,13 +286,15 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
       // head prefetched; each head's accumulator rescaled by its first chunk only.
       float ones[kTileRows];
       std::fill_n(ones, kTileRows, 1.0f);
+      const std::int64_t v_ahead =
+          kHeadVAhead / (p.head_dim_v * static_cast<std::int64_t>(size_of(a.v.dtype)));
       const std::int64_t step = heads > 1 ? kHeadChunk : kKeyTile;
       for (std::int64_t c = 0; c == 0 || c < pv_keys; c += step) {
         const std::int64_t chunk = std::min(step, pv_keys - c);
         for (std::int64_t x = 0; x < heads; ++x) {
           const FlashScratch wx = scratch_of(x);
           DirectKv::tile_accumulate(p, a, v_rows, x * a.v.stride[1], c, chunk,
-                                    heads > 1 ? kHeadChunk : 0, rows, wx.scores + c, dv_pad,
+                                    heads > 1 ? v_ahead : 0, rows, wx.scores + c, dv_pad,
                                     c == 0 ? wx.alpha : ones, wx.out);
         }
       }
