@@ -610,6 +610,13 @@ PYBIND11_MODULE(_core, m) {
   m.def("get_num_threads", &attncore::get_num_threads,
         "The thread count a call without num_threads would use now");
   m.def("version", &attncore::version);
+  m.def(
+      "memory_limit",
+      [] {
+        const attncore::MemoryLimit limit = attncore::memory_limit();
+        return py::make_tuple(limit.bytes, limit.name);
+      },
+      "(bytes, name): the memory this process may use and which limit sets it");
   bind_paged_cache(m);
   m.def("simd_target", &attncore::simd_target);
   m.def(

@@ -247,7 +247,7 @@ TEST(Memory, CgroupLimitOverTheTree) {
   EXPECT_TRUE(std::isinf(detail::cgroup_memory_limit_bytes("", r)));
   std::filesystem::remove_all(root);
   // This process's limit is at most its physical memory, and positive.
-  const detail::MemoryLimit limit = detail::memory_limit();
+  const MemoryLimit limit = memory_limit();
   EXPECT_GT(limit.bytes, 0);
   EXPECT_LE(limit.bytes, detail::physical_memory_bytes());
 }

@@ -29,6 +29,17 @@ ATTNCORE_API const char* version();
 // is set to anything but an integer from 1 to kMaxThreads.
 ATTNCORE_API int default_num_threads();
 
+// The memory this process may use: the smallest of the physical memory, the memory limit of
+// its cgroup (v2 memory.max, v1 memory.limit_in_bytes, over the cgroup and its ancestors) and
+// RLIMIT_AS, with the name of the one that is smallest ("physical memory", "the cgroup limit",
+// "RLIMIT_AS"). The first two are read once per process; RLIMIT_AS at every call. A call whose
+// outputs and workspace exceed it is refused with OutOfMemory before anything is allocated.
+struct MemoryLimit {
+  double bytes;
+  const char* name;
+};
+ATTNCORE_API MemoryLimit memory_limit();
+
 // Measured peak f32 FMA throughput of `threads` threads in GFLOP/s: independent FMA chains in
 // registers on the widest vector unit the CPU has, best of a few short runs (~0.1 s each).
 ATTNCORE_API double measure_fma_peak_gflops(int threads);

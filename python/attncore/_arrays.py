@@ -13,9 +13,12 @@ torch is never imported here: a tensor can only exist once its caller imported t
 """
 
 import importlib
+import math
 import sys
 
 import numpy as np
+
+from . import _core
 
 
 def _torch():
@@ -24,6 +27,24 @@ def _torch():
 
 _NUMBER_KINDS = "biufc"  # numpy dtype kinds of numbers (b: bool)
 _ARRAY_TYPES = "a numpy array, a torch tensor, an object with __dlpack__ or a sequence of numbers"
+
+
+_ITEM_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "bool": 1,
+               "int32": 4, "int64": 8}
+
+
+def check_new_arrays(op, *specs):
+    """Refuses (MemoryError, docs/design.md section 4) new arrays of these (shape, dtype name)
+    specs that together exceed the memory this process may use (memory_limit of
+    attncore/info.h: the smallest of physical memory, the cgroup limit and RLIMIT_AS), before
+    any is allocated: a call's outputs are checked here, its workspace by the library."""
+    # (A dtype no call takes counts 8 bytes an element: the library refuses it after this.)
+    total = sum(math.prod(shape) * _ITEM_BYTES.get(dtype, 8) for shape, dtype in specs)
+    limit, name = _core.memory_limit()
+    if total > limit:
+        raise MemoryError(f"{op}: the outputs exceed the memory this process may use "
+                          f"(outputs={total:.4g} bytes, expected <= {limit:.4g} bytes, {name}); "
+                          "reduce the sizes")
 
 
 def _type_name(x):

@@ -192,6 +192,8 @@ def _probs_dense(r):
     dtype = lib.dtype_name(q4)
     if seqlen_k == 0:
         return lib.zeros((batch, heads_q, seqlen_q, 0), dtype)
+    _arrays.check_new_arrays("flash_attn_func", ((seqlen_k, seqlen_k), dtype),
+                             ((batch, heads_q, seqlen_q, seqlen_k), dtype))
     v = lib.broadcast_to(_eye(lib, seqlen_k, dtype), (batch, heads_kv, seqlen_k, seqlen_k))
     kernel = DenseKernel(r.kernel.alibi, _without_dropout(r.kernel.call))
     return kernel.forward(lib, q4, k4, v)[0]
@@ -205,6 +207,8 @@ def _probs_varlen(r):
     cu_q, cu_k, used = seqs.lengths()
     batch, heads_q, heads_kv = len(cu_q) - 1, q.shape[1], k.shape[1]
     dtype = lib.dtype_name(q)
+    _arrays.check_new_arrays("flash_attn_varlen_func",
+                             ((batch, heads_q, seqs.max_seqlen_q, seqs.max_seqlen_k), dtype))
     probs = lib.zeros((batch, heads_q, seqs.max_seqlen_q, seqs.max_seqlen_k), dtype)
     if seqs.max_seqlen_k == 0:
         return probs

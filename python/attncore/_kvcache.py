@@ -173,6 +173,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         a_lib, alibi, _ = _arrays.adopt(alibi_slopes, op, "alibi_slopes")
         alibi = a_lib.to_core(alibi)
     dtype = lib.dtype_name(q_arr)
+    _arrays.check_new_arrays(op, ((batch, seqlen_q, heads_q, dim_v), dtype),
+                             ((batch, heads_q, seqlen_q), lse_dtype(dtype)))
     out = lib.empty((batch, seqlen_q, heads_q, dim_v), dtype)
     lse = lib.empty((batch, heads_q, seqlen_q), lse_dtype(dtype))
     q4 = times(lib.unit_last_stride(q_arr), call.q_factor).swapaxes(1, 2)

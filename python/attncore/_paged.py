@@ -248,6 +248,8 @@ def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table
     total_q, heads_q = q_arr.shape[0], q_arr.shape[1]
     dim_v = _arrays.shape_of(v, op, "v")[-1]
     dtype = lib.dtype_name(q_arr)
+    _arrays.check_new_arrays(op, ((total_q, heads_q, dim_v), dtype),
+                             ((heads_q, total_q), "float64" if dtype == "float64" else "float32"))
     out = lib.zeros((total_q, heads_q, dim_v), dtype)
     lse = lib.empty((heads_q, total_q), "float64" if dtype == "float64" else "float32")
     lse[...] = -np.inf

@@ -117,6 +117,9 @@ def forward4(lib, q4, k4, v4, mask4, alibi, call, out_dtype=None):
     k4 [B, Hkv, Lk, D], v4 [B, Hkv, Lk, Dv], mask4 [B|1, Hq|1, Lq|1, Lk|1]."""
     batch, heads_q, seqlen_q, _ = q4.shape
     dtype = lib.dtype_name(q4)
+    _arrays.check_new_arrays("forward",
+                             ((batch, heads_q, seqlen_q, v4.shape[-1]), out_dtype or dtype),
+                             ((batch, heads_q, seqlen_q), lse_dtype(dtype)))
     out = _arrays.empty_in_order_of(lib, q4, (batch, heads_q, seqlen_q, v4.shape[-1]),
                                     out_dtype or dtype)
     lse = lib.empty((batch, heads_q, seqlen_q), lse_dtype(dtype))
@@ -130,6 +133,8 @@ def backward4(lib, dout4, q4, k4, v4, out4, lse3, mask4, alibi, call, want_dbias
     """dq, dk, dv (shaped and laid out like q4, k4, v4) and dbias (mask4's shape, or None) of
     forward4's call; dout4 and out4 [B, Hq, Lq, Dv], lse3 [B, Hq, Lq]."""
     dtype = lib.dtype_name(q4)
+    _arrays.check_new_arrays("backward", *((tuple(x.shape), dtype) for x in (q4, k4, v4)),
+                             *([(tuple(mask4.shape), lib.dtype_name(mask4))] if want_dbias else []))
     dq, dk, dv = (_arrays.empty_in_order_of(lib, x, tuple(x.shape), dtype)
                   for x in (q4, k4, v4))
     dbias = lib.empty(tuple(mask4.shape), lib.dtype_name(mask4)) if want_dbias else None

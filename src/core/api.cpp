@@ -40,11 +40,11 @@ void guarded(const char* op, const char* stage, Fn&& fn) {
 
 // Refuses, before anything is allocated or written, a call whose workspace plus the outputs
 // the library allocates for it (`output_bytes`; 0 when the caller provides them) exceed the
-// memory this process may use (detail::memory_limit: physical memory, cgroup, RLIMIT_AS).
+// memory this process may use (memory_limit, attncore/info.h: physical memory, cgroup, RLIMIT_AS).
 void check_memory(const char* op, const detail::BackendEntry& backend, Pass pass, const Params& p,
                   const Launch& launch, double output_bytes) {
   const double workspace = backend.workspace_bytes(pass, p, launch);
-  const detail::MemoryLimit limit = detail::memory_limit();
+  const MemoryLimit limit = memory_limit();
   if (workspace + output_bytes <= limit.bytes) return;
   const std::string name(name_of(backend.id));
   char text[200];

@@ -438,13 +438,15 @@ double cgroup_memory_limit_bytes(const std::string& proc_self_cgroup, const std:
   return smallest;
 }
 
+}  // namespace detail
+
 MemoryLimit memory_limit() {
-  static const double physical = physical_memory_bytes();
+  static const double physical = detail::physical_memory_bytes();
   static const double cgroup = [] {
     std::ifstream file("/proc/self/cgroup");
     std::stringstream text;
     text << file.rdbuf();
-    return cgroup_memory_limit_bytes(text.str(), "/sys/fs/cgroup");
+    return detail::cgroup_memory_limit_bytes(text.str(), "/sys/fs/cgroup");
   }();
   MemoryLimit limit{physical, "physical memory"};
   if (cgroup < limit.bytes) limit = {cgroup, "the cgroup limit"};
@@ -457,7 +459,5 @@ MemoryLimit memory_limit() {
 #endif
   return limit;
 }
-
-}  // namespace detail
 
 }  // namespace attncore

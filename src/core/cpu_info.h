@@ -3,6 +3,8 @@
 
 #include <string>
 
+#include "attncore/info.h"  // memory_limit
+
 namespace attncore::detail {
 
 // Peak f32 FMA throughput of `threads` threads in GFLOP/s: the best of `runs` runs of about
@@ -23,16 +25,6 @@ int machine_threads();
 
 // This machine's physical memory in bytes (sysconf); 2^62 where the OS does not say.
 double physical_memory_bytes();
-
-// The memory this process may use: the smallest of the physical memory, the memory limit of
-// its cgroup (v2 memory.max, v1 memory.limit_in_bytes, over the cgroup and its ancestors) and
-// RLIMIT_AS, with the name of the one that is smallest ("physical memory", "the cgroup limit",
-// "RLIMIT_AS"). The first two are read once per process; RLIMIT_AS at every call.
-struct MemoryLimit {
-  double bytes;
-  const char* name;
-};
-MemoryLimit memory_limit();
 
 // The smallest cgroup memory limit that applies to a process whose /proc/self/cgroup reads
 // `proc_self_cgroup`, with the cgroup file systems mounted under `root` (/sys/fs/cgroup: v2 at

@@ -117,7 +117,7 @@ double measure_read_bandwidth_gbs(int threads) {
         "measure_read_bandwidth_gbs: threads is too large (threads=" + std::to_string(threads) +
         ", expected <= " + std::to_string(kMaxThreads) + ")");
   }
-  const double bytes = std::min(kProbeBytes, detail::memory_limit().bytes / 8);
+  const double bytes = std::min(kProbeBytes, memory_limit().bytes / 8);
   // Each thread's part: whole 512-byte blocks, 2 MiB aligned (huge pages where the OS gives them).
   constexpr std::size_t kAlign = 2u << 20, kBlockFloats = 128;
   const auto per_thread = static_cast<std::size_t>(bytes / 4 / threads) / kBlockFloats * kBlockFloats;

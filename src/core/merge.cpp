@@ -162,7 +162,7 @@ MergeResult merge_attention_states(const TensorView& out_a, const TensorView& ls
                        (static_cast<double>(out_a.size(out_a.rank - 1)) *
                             static_cast<double>(size_of(out_a.dtype)) +
                         static_cast<double>(size_of(lse_dtype)));
-  const detail::MemoryLimit limit = detail::memory_limit();
+  const MemoryLimit limit = memory_limit();
   if (bytes > limit.bytes) {
     char text[160];
     std::snprintf(text, sizeof text, "(outputs=%.4g bytes, expected <= %.4g bytes, %s)", bytes,

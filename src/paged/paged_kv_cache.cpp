@@ -120,7 +120,7 @@ PagedKvCache::PagedKvCache(std::int64_t num_pages, std::int64_t page_size, std::
           static_cast<double>(size_of(dtype)) +
       4.0 * static_cast<double>(max_batch) * static_cast<double>(max_pages_per_seq + 1) +
       4.0 * static_cast<double>(num_pages) * 2;
-  const detail::MemoryLimit limit = detail::memory_limit();
+  const MemoryLimit limit = memory_limit();
   if (bytes > limit.bytes) {
     char text[160];
     std::snprintf(text, sizeof text, "(bytes=%.4g, expected <= %.4g bytes, %s)", bytes, limit.bytes,

@@ -343,3 +343,28 @@ def test_workspace_past_the_machine_is_memory_error():
     for backend in ("flash", "reference"):
         with pytest.raises(MemoryError, match=r"^forward: the \w+ backend's workspace exceeds"):
             attncore.attention(q, k, k, backend=backend)
+
+
+def test_outputs_past_the_machine_are_refused_before_allocation():
+    # Broadcast (stride 0) inputs make outputs of 2^40 elements and more cheap to ask for: the
+    # package refuses them with attncore's MemoryError before allocating anything.
+    row = np.ones((1, 1, 1, 64), np.float32)
+    huge_q = np.broadcast_to(row, (1, 4, 2**32, 64))
+    k = np.ones((1, 4, 4, 64), np.float32)
+    pattern = r"^{}: the outputs exceed the memory this process may use \(outputs=[0-9.e+]+ bytes"
+    with pytest.raises(MemoryError, match=pattern.format("forward")):
+        attncore.attention(huge_q, k, k)
+    cache = np.ones((1, 8, 1, 64), np.float32)
+    with pytest.raises(MemoryError, match=pattern.format("flash_attn_with_kvcache")):
+        attncore.flash_attn_with_kvcache(np.broadcast_to(row, (1, 2**32, 4, 64)), cache, cache,
+                                         cache_seqlens=3)
+    out = np.broadcast_to(row, (2**20, 2**20, 1, 64))
+    lse = np.broadcast_to(np.zeros((1, 1, 1), np.float32), (2**20, 2**20, 1))
+    with pytest.raises(MemoryError, match=pattern.format("merge_attention_states")):
+        attncore.merge_attention_states(out, lse, out, lse)
+    q = np.broadcast_to(np.ones((1, 1, 64), np.float32), (2**30, 2**10, 64))
+    kv = np.ones((4, 2**10, 64), np.float32)
+    cu_q = np.array([0, 2**30], np.int32)
+    cu_k = np.array([0, 4], np.int32)
+    with pytest.raises(MemoryError, match=pattern.format("forward")):
+        attncore.attention_varlen(q, kv, kv, cu_q, cu_k, 2**30, 4)
