@@ -183,6 +183,8 @@ void flash_can_use(Pass pass, const Params& p, std::vector<std::string>& reasons
 double flash_estimate(Pass pass, const Params& p, const Launch& launch, const CostModel& model);
 // Bytes flash_forward / flash_backward allocate for the call (flash.cpp).
 double flash_workspace_bytes(Pass pass, const Params& p, const Launch& launch);
+// The backward's part of it (flash_backward_driver.cpp).
+double flash_backward_workspace_bytes(const Params& p, const Launch& launch);
 void flash_describe(CostModel& model);
 
 }  // namespace attncore::detail
