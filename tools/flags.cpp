@@ -475,10 +475,34 @@ void check_cache_flags(const RunConfig& c, const GivenFlags& flags) {
   }
 }
 
-// bench --varlen runs a fixed batch: the sweep's own flags have nothing to act on.
-void check_bench_varlen_flags(const GivenFlags& flags) {
-  for (const char* name : {"--batch", "--seqlens", "--select", "--passes", "--csv", "--png"}) {
-    if (given(flags, name)) throw UsageError{std::string(name) + " does not go with --varlen"};
+// bench runs one of its modes (the sweep, --select, --varlen, --decode); a flag the mode given
+// has nothing to act on, or a second mode, is refused rather than silently ignored.
+void check_bench_mode_flags(const GivenFlags& flags) {
+  struct Mode {
+    const char* name;
+    std::vector<const char*> ignored;  // flags the mode has nothing to act on
+  };
+  const Mode modes[] = {
+      {"--select", {"--varlen", "--decode", "--batch", "--heads-q", "--heads-kv", "--head-dim",
+                    "--seqlens", "--dtypes", "--causal", "--csv", "--json", "--png"}},
+      {"--varlen", {"--decode", "--batch", "--seqlens", "--passes", "--csv", "--png"}},
+      {"--decode", {"--batch", "--heads-q", "--heads-kv", "--head-dim", "--seqlens", "--dtypes",
+                    "--causal", "--backward", "--csv", "--png"}},
+  };
+  const Mode* mode = nullptr;
+  for (const Mode& m : modes) {
+    if (!given(flags, m.name)) continue;
+    if (mode == nullptr) mode = &m;
+    for (const char* name : m.ignored) {
+      if (given(flags, name)) throw UsageError{std::string(name) + " does not go with " + m.name};
+    }
+  }
+  const bool decode = mode != nullptr && std::string_view(mode->name) == "--decode";
+  for (const char* name : {"--quick", "--max-kv-gib", "--points"}) {
+    if (!decode && given(flags, name)) throw UsageError{std::string(name) + " needs --decode"};
+  }
+  if (mode == nullptr && given(flags, "--passes")) {
+    throw UsageError{"--passes needs --select or --decode"};
   }
 }
 
@@ -556,8 +580,8 @@ BenchConfig parse_bench_flags(const std::vector<std::string>& args) {
           "has no f64)"};
     }
   }
+  check_bench_mode_flags(flags);
   if (c.sweep.varlen) {
-    check_bench_varlen_flags(flags);
     // One thread unless asked: the comparison is of kernels, not of thread scheduling.
     if (!given(flags, "--threads")) c.run.threads = 1;
   }
