@@ -25,6 +25,15 @@ TensorView rows(const TensorView& t, std::int64_t first, std::int64_t count) {
   return r;
 }
 
+// Pages per sequence of a paged cache (0: dense).
+std::int64_t pages_per_seq(const RunConfig& c) {
+  if (c.page_size == 0) return 0;
+  return c.seqlen_k / c.page_size + (c.seqlen_k % c.page_size != 0);  // (no overflow at 2^63 - 1)
+}
+
+// The slots of each row of a cache: its capacity (dense) or the page size.
+std::int64_t cache_slots(const RunConfig& c) { return c.page_size > 0 ? c.page_size : c.seqlen_k; }
+
 // The cache of one of K or V: rows [0, cache_len) of each sequence of `src`
 // ([B, H, cache_len + T, width], contiguous) at slot s of sequence b, which is row s of cache row
 // b (dense: [B, capacity, H, width]) or row s % P of page table[b][s / P] (paged:
@@ -38,7 +47,7 @@ Cache make_cache(const RunConfig& c, const Tensor& src, const std::vector<std::i
                  std::int64_t per_seq) {
   const std::int64_t heads = src.size(1), width = src.size(3), capacity = c.seqlen_k;
   const bool paged = c.page_size > 0;
-  const std::int64_t slots = paged ? c.page_size : capacity;
+  const std::int64_t slots = cache_slots(c);
   Cache cache;
   cache.storage = Tensor(src.dtype(), {paged ? c.batch * per_seq : c.batch, slots, heads, width});
   const auto item = static_cast<std::int64_t>(attncore::size_of(src.dtype()));
@@ -60,10 +69,25 @@ Cache make_cache(const RunConfig& c, const Tensor& src, const std::vector<std::i
 
 }  // namespace
 
+double cache_bytes(const RunConfig& c) {
+  // make_cache's storage: [B (dense) or B * pages_per_seq (paged), cache_slots, Hkv, D or Dv],
+  // in double (flags can overflow int64).
+  const double rows = static_cast<double>(c.batch) *
+                      (c.page_size > 0 ? static_cast<double>(pages_per_seq(c)) : 1.0);
+  const double slots = rows * static_cast<double>(cache_slots(c));
+  const double widths = static_cast<double>(c.head_dim + c.head_dim_v);
+  // The shuffled table and the block table copied from it: int32 [B, pages_per_seq] each.
+  const double tables = 2.0 * static_cast<double>(c.batch) *
+                        static_cast<double>(pages_per_seq(c)) * sizeof(std::int32_t);
+  return slots * static_cast<double>(c.heads_kv) * widths *
+             static_cast<double>(attncore::size_of(c.dtype)) +
+         tables;
+}
+
 RunResult run_cache(const PreparedCall& p) {
   const RunConfig& c = p.cfg;
   // Pages in a shuffled order (Fisher-Yates on the run's seed), as an engine's pool ends up.
-  const std::int64_t per_seq = c.page_size > 0 ? (c.seqlen_k + c.page_size - 1) / c.page_size : 0;
+  const std::int64_t per_seq = pages_per_seq(c);
   std::vector<std::int32_t> table(static_cast<std::size_t>(c.batch * per_seq));
   std::iota(table.begin(), table.end(), 0);
   Random rng(c.seed ^ 7);

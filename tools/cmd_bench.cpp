@@ -82,7 +82,7 @@ int bench_select(const BenchConfig& bc) {
       c.repeat = bc.run.repeat;
       c.backward = bc.run.backward;
       c.finish();
-      PreparedCall p = prepare_call(c);
+      PreparedCall p = prepare_call(c, "bench");
       static char no_data;
       const CallViews w = c.views(&no_data);
       const Backend chosen =
@@ -316,13 +316,13 @@ int bench_varlen(const BenchConfig& bc) {
       packed.varlen_k.clear();
       packed.seqused_k.clear();
       packed.finish();
-      const RunResult a = run_once(prepare_call(packed));
+      const RunResult a = run_once(prepare_call(packed, "bench"));
 
       show("dense");
       RunConfig dense = base;
       dense.batch = batch;
       dense.seqlen_q = dense.seqlen_k = dense_len;
-      const RunResult b = run_once(prepare_call(dense));
+      const RunResult b = run_once(prepare_call(dense, "bench"));
 
       show("padded");
       RunConfig padded = base;
@@ -330,7 +330,7 @@ int bench_varlen(const BenchConfig& bc) {
       padded.seqlen_q = padded.seqlen_k = longest;
       RunResult c;
       {
-        PreparedCall p = prepare_call(padded);
+        PreparedCall p = prepare_call(padded, "bench");
         p.mask = attncore::Tensor(DType::b8, {batch, 1, 1, longest});  // true: a real key
         for (std::int64_t s = 0; s < batch; ++s) {
           for (std::int64_t j = 0; j < lengths[static_cast<std::size_t>(s)]; ++j) {
@@ -477,7 +477,7 @@ int cmd_bench(const std::vector<std::string>& args) {
           c.causal = causal;
           c.backend = backend;
           c.threads = threads;
-          const RunResult r = run_once(prepare_call(c));
+          const RunResult r = run_once(prepare_call(c, "bench"));
           if (backend == Backend::math) {
             math_seconds = r.seconds;
             math_bwd_seconds = r.bwd_seconds;

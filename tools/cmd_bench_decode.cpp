@@ -20,6 +20,7 @@
 #include "attncore/attncore.h"
 #include "attncore/kvcache.h"
 #include "commands.h"
+#include "inputs.h"
 #include "json.h"
 #include "progress.h"
 #include "run_config.h"
@@ -74,6 +75,7 @@ struct CacheMemory {
   explicit CacheMemory(double bytes) {
     constexpr std::size_t kAlign = 2u << 20;
     const std::size_t size = (static_cast<std::size_t>(bytes) + kAlign - 1) / kAlign * kAlign;
+    require_memory("bench --decode", "the caches of the largest point (--max-kv-gib)", bytes);
     data.reset(std::aligned_alloc(kAlign, std::max(size, kAlign)));
     if (!data) throw attncore::OutOfMemory("bench --decode: cannot allocate the caches");
     madvise(data.get(), size, MADV_HUGEPAGE);

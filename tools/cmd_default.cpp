@@ -85,7 +85,7 @@ int cmd_default() {
                    std::string(name_of(c.causal)).c_str(), std::string(name_of(c.dtype)).c_str(),
                    std::string(name_of(c.backend)).c_str());
 
-    const PreparedCall p = prepare_call(c);
+    const PreparedCall p = prepare_call(c, "attncore");
     const RunResult r = run_once(p);
     progress.clear();
     const std::string dims = std::to_string(c.seqlen_q) + "x" + std::to_string(c.head_dim);

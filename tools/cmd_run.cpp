@@ -23,7 +23,7 @@ namespace {
 
 int run(const RunConfig& c) {
   attncore::set_simd_target(c.simd);  // "" = the automatic choice
-  const PreparedCall p = prepare_call(c);
+  const PreparedCall p = prepare_call(c, "run");
   const RunResult r = run_once(p);
   const int threads = c.resolved_threads();
   const double peak = attncore::measure_fma_peak_gflops(threads);

@@ -2,7 +2,10 @@
 #include "inputs.h"
 
 #include <cmath>
+#include <cstdio>
 #include <vector>
+
+#include "measure.h"
 
 namespace attncore_tools {
 
@@ -76,15 +79,41 @@ Tensor offsets(const std::vector<std::int64_t>& lengths) {
 
 }  // namespace
 
+void require_memory(const char* op, const std::string& what, double bytes) {
+  const attncore::MemoryLimit limit = attncore::memory_limit();
+  if (bytes <= limit.bytes) return;
+  char text[160];
+  std::snprintf(text, sizeof text, " (bytes=%.4g, expected <= %.4g, %s); reduce the sizes", bytes,
+                limit.bytes, limit.name);
+  throw attncore::OutOfMemory(std::string(op) + ": " + what +
+                              " need more memory than this process may use" + text);
+}
+
+double bytes_of(const TensorView& t) {
+  double n = t.rank > 0 ? static_cast<double>(attncore::size_of(t.dtype)) : 0.0;
+  for (int d = 0; d < t.rank; ++d) n *= static_cast<double>(t.size(d));
+  return n;
+}
+
 Tensor allocate_like(const TensorView& t) {
   return t.rank > 0 ? Tensor(t.dtype, t.shape.data(), t.rank) : Tensor();
 }
 
-PreparedCall prepare_call(const RunConfig& c) {
-  PreparedCall p;
-  p.cfg = c;
+PreparedCall prepare_call(const RunConfig& c, const char* op) {
   // Dense [B, H, L, D] or packed [total, H, D] (RunConfig::views).
   const CallViews shapes = c.views(nullptr);
+  // Inputs (dout with --backward) and the outputs run_once allocates (dq, dk, dv: q, k, v's).
+  double bytes = bytes_of(shapes.q) + bytes_of(shapes.k) + bytes_of(shapes.v) +
+                 bytes_of(shapes.out) + bytes_of(shapes.lse) + bytes_of(shapes.alibi) +
+                 bytes_of(shapes.mask);
+  if (c.backward) {
+    bytes += bytes_of(shapes.out) + bytes_of(shapes.q) + bytes_of(shapes.k) + bytes_of(shapes.v);
+  }
+  if (c.is_cache()) bytes += cache_bytes(c);
+  require_memory(op, c.is_cache() ? "the KV cache and the call's tensors" : "the call's tensors",
+                 bytes);
+  PreparedCall p;
+  p.cfg = c;
   p.q = allocate_like(shapes.q);
   p.k = allocate_like(shapes.k);
   p.v = allocate_like(shapes.v);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "attncore/attncore.h"
 #include "attncore/varlen.h"
@@ -48,6 +49,16 @@ void for_each_offset(const attncore::TensorView& t, F&& f) {
         for (std::int64_t d = 0; d < n[3]; ++d) f(a * st[0] + b * st[1] + c * st[2] + d * st[3]);
 }
 
+// Refuses, before anything is allocated, `bytes` the program would allocate for `what` (plural:
+// "the KV cache and the call's tensors") when they pass the memory this process may use
+// (attncore::memory_limit): attncore::OutOfMemory "<op>: <what> need more memory than this
+// process may use (bytes=..., expected <= ..., <limit>); ...". Bytes in double: sizes from flags
+// can overflow int64.
+void require_memory(const char* op, const std::string& what, double bytes);
+
+// The bytes of a view's elements (0 for a rank-0 view), in double.
+double bytes_of(const attncore::TensorView& t);
+
 // A new zero-filled tensor of `shape`'s dtype and shape; an empty tensor for a rank-0 view.
 attncore::Tensor allocate_like(const attncore::TensorView& shape);
 
@@ -62,7 +73,9 @@ struct PreparedCall {
   attncore::VarlenSeqs seqs;
 };
 
-// `c` must be finished (RunConfig::finish).
-PreparedCall prepare_call(const RunConfig& c);
+// `c` must be finished (RunConfig::finish). First refuses (require_memory, naming `op`: "run",
+// "bench") a call whose tensors the program allocates (its inputs here, the outputs run_once
+// allocates, a KV-cache call's caches: cache_bytes) pass the memory this process may use.
+PreparedCall prepare_call(const RunConfig& c, const char* op);
 
 }  // namespace attncore_tools

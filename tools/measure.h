@@ -60,5 +60,8 @@ RunResult run_once(const PreparedCall& p);
 // each timed call (at the same slots every time), and the result is checked against p as the
 // dense call it equals.
 RunResult run_cache(const PreparedCall& p);
+// The bytes run_cache allocates for a cache call: its K and V caches (cache_rows of slots each)
+// and page tables.
+double cache_bytes(const RunConfig& c);
 
 }  // namespace attncore_tools
