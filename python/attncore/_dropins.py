@@ -314,8 +314,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     op = "flash_attn_varlen_func"
     if block_table is not None:
-        return _varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
-                             alibi_slopes, dropout_p, return_attn_probs,
+        return _varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                             max_seqlen_k, seqused_k, block_table, alibi_slopes, dropout_p,
+                             return_attn_probs,
                              dict(softmax_scale=softmax_scale, causal=causal,
                                   window_size=window_size, softcap=softcap, backend=backend))
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
@@ -328,15 +329,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return _varlen_result(r, return_attn_probs)
 
 
-def _varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
-                  alibi_slopes, dropout_p, return_attn_probs, options):
+def _varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  seqused_k, block_table, alibi_slopes, dropout_p, return_attn_probs, options):
     """flash_attn_varlen_func over page pools (_paged.varlen_paged), forward only."""
     refuse_grad(op, (("q", q), ("k", k), ("v", v)))
     if real_option(op, "dropout_p", dropout_p) != 0.0:
         raise NotImplementedError(f"{op}: dropout is not supported with a paged KV cache "
                                   f"(dropout_p={dropout_p}, expected 0)")
-    out, lse = varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
-                            alibi_slopes, options)
+    out, lse = varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            seqused_k, block_table, alibi_slopes, options)
     return (out, lse, None) if return_attn_probs else out
 
 

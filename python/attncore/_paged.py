@@ -214,13 +214,33 @@ def _check_pages(op, lengths, table, k_shape):
                              f"page < num_pages={num_pages})")
 
 
-def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes,
-                 kvcache_options):
+def _check_max_seqlen(op, name, value, longest):
+    """max_seqlen_q / max_seqlen_k of the paged varlen call, checked as the library checks the
+    non-paged call's (src/core/validate_varlen.cpp, check_max) with the same messages."""
+    value = int_option(op, name, value)
+    if value > INT32_MAX:
+        raise ValueError(f"{op}: {name} is too large ({name}={value}, expected <= {INT32_MAX})")
+    if value < longest:
+        raise ValueError(f"{op}: {name} is smaller than a sequence ({name}={value}, expected >= "
+                         f"the longest sequence's {longest})")
+
+
+def _naming(op, error):
+    """`error` (raised by a call `op` makes) with its message's leading "<call>: " replaced by
+    "<op>: ", so that it names the call the user made."""
+    head, sep, rest = str(error).partition(": ")
+    return type(error)(f"{op}: {rest}" if sep and " " not in head else str(error))
+
+
+def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                 block_table, alibi_slopes, kvcache_options):
     """flash_attn_varlen_func with block_table: packed queries q [total_q, Hq, D] over page
     pools k [num_pages, page_size, Hkv, D], v [.., Dv]; sequence b has queries
     cu_seqlens_q[b]:cu_seqlens_q[b+1] and keys 0:L_b of its pages block_table[b], L_b =
     seqused_k[b] or cu_seqlens_k[b+1] - cu_seqlens_k[b]. One flash_attn_with_kvcache call per
-    sequence; rows past cu_seqlens_q[-1] get out 0 and lse -inf. Returns (out, lse [Hq,
+    sequence; rows past cu_seqlens_q[-1] get out 0 and lse -inf. max_seqlen_q / max_seqlen_k
+    are checked as the library checks the non-paged call's (integers, at least the longest
+    sequence, below 2^31); errors of the per-sequence calls name `op`. Returns (out, lse [Hq,
     total_q])."""
     lib, q_arr, give_back = _arrays.adopt(q, op, "q")
     cu_q, cu_k, used = (_host_index(op, name, x) for name, x in (
@@ -240,6 +260,9 @@ def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table
     if used is not None and used.shape != (batch,):
         raise ValueError(f"{op}: seqused_k has shape {list(used.shape)} (expected [{batch}])")
     lengths = used if used is not None else np.diff(cu_k)
+    for name, value, longest in (("max_seqlen_q", max_seqlen_q, np.diff(cu_q)),
+                                 ("max_seqlen_k", max_seqlen_k, lengths)):
+        _check_max_seqlen(op, name, value, int(longest.max()) if len(longest) else 0)
     _, table, _ = _arrays.adopt(block_table, op, "block_table")
     if len(table.shape) != 2 or table.shape[0] != batch:
         raise ValueError(f"{op}: block_table has shape {list(table.shape)}, expected "
@@ -259,10 +282,13 @@ def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table
         if alibi_slopes is not None and len(_arrays.shape_of(alibi_slopes, op,
                                                              "alibi_slopes")) == 2:
             slopes = alibi_slopes[b:b + 1]
-        o_b, lse_b = flash_attn_with_kvcache(
-            q_arr[q0:q1][None], k, v, cache_seqlens=np.array([lengths[b]], np.int32),
-            block_table=table[b:b + 1], alibi_slopes=slopes, return_softmax_lse=True,
-            **kvcache_options)
+        try:
+            o_b, lse_b = flash_attn_with_kvcache(
+                q_arr[q0:q1][None], k, v, cache_seqlens=np.array([lengths[b]], np.int32),
+                block_table=table[b:b + 1], alibi_slopes=slopes, return_softmax_lse=True,
+                **kvcache_options)
+        except (ValueError, TypeError, NotImplementedError, MemoryError) as error:
+            raise _naming(op, error) from None
         out[q0:q1] = o_b[0]
         lse[:, q0:q1] = lse_b[0]
     return give_back(out), give_back(lse)
