@@ -260,14 +260,14 @@ def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if used is not None and used.shape != (batch,):
         raise ValueError(f"{op}: seqused_k has shape {list(used.shape)} (expected [{batch}])")
     lengths = used if used is not None else np.diff(cu_k)
-    for name, value, longest in (("max_seqlen_q", max_seqlen_q, np.diff(cu_q)),
-                                 ("max_seqlen_k", max_seqlen_k, lengths)):
-        _check_max_seqlen(op, name, value, int(longest.max()) if len(longest) else 0)
     _, table, _ = _arrays.adopt(block_table, op, "block_table")
     if len(table.shape) != 2 or table.shape[0] != batch:
         raise ValueError(f"{op}: block_table has shape {list(table.shape)}, expected "
                          f"[{batch}, max_pages_per_seq] ([B, max_pages_per_seq])")
     _check_pages(op, lengths, _host_index(op, "block_table", table), _arrays.shape_of(k, op, "k"))
+    for name, value, longest in (("max_seqlen_q", max_seqlen_q, np.diff(cu_q)),
+                                 ("max_seqlen_k", max_seqlen_k, lengths)):
+        _check_max_seqlen(op, name, value, int(longest.max()) if len(longest) else 0)
     total_q, heads_q = q_arr.shape[0], q_arr.shape[1]
     dim_v = _arrays.shape_of(v, op, "v")[-1]
     dtype = lib.dtype_name(q_arr)
