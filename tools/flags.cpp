@@ -473,6 +473,14 @@ void check_cache_flags(const RunConfig& c, const GivenFlags& flags) {
     throw UsageError{"--cache-len: cache_len + new_tokens passes 2^31 - 1 (cache_seqlens are "
                      "int32)"};
   }
+  // Page numbers (the batch's pages) are int32 too; page_size up to 2^63 - 1 must not overflow.
+  const std::int64_t slots = c.cache_len + c.new_tokens;
+  const std::int64_t pages = c.page_size > 0 ? slots / c.page_size + (slots % c.page_size != 0) : 0;
+  if (static_cast<double>(c.batch) * static_cast<double>(pages) >
+      std::numeric_limits<std::int32_t>::max()) {
+    throw UsageError{"--page-size: the pages of the batch pass 2^31 - 1 (block_table entries are "
+                     "int32)"};
+  }
 }
 
 // bench runs one of its modes (the sweep, --select, --varlen, --decode); a flag the mode given
