@@ -161,8 +161,8 @@ FlashForwardPlan plan_flash_forward(const Params& call, int threads, const Flash
   // (at most 1/8 of q, k, v and out together): groups are spread over the threads. Varlen
   // groups are spread only when, handed out in this order to whichever thread is free, no
   // thread gets more than 5% above its share (one sequence of 8192 among 63 of 16 with 32
-  // query heads on one kv head is one group: it runs with every thread on its items). Else the groups go one after the other, their packing and their
-  // items shared by all threads. A group with one item (decode) packs each tile just before
+  // query heads on one kv head is one group: it runs with every thread on its items). Else the
+  // groups go one after the other, their packing and their items shared by all threads. A group with one item (decode) packs each tile just before
   // its use, into scratch: no panel at all.
   const std::int64_t tiles = (call.seq.max_k() + layout.key_tile - 1) / layout.key_tile;
   const std::int64_t dv_pad = round_up(call.head_dim_v, layout.dv_align);
