@@ -50,8 +50,9 @@ struct DirectKv {
   }
 
   // The scores of one row against keys c0 .. c0 + block - 1 (block <= kLanes) of `k` (rows ldk
-  // apart) into s[0 .. kLanes): one accumulator per key, in registers, summed across lanes by a
-  // register transpose (0 for keys past block). Full blocks test nothing per load: with a test
+  // apart) into s[0 .. kLanes): one accumulator per key, in registers, summed across lanes by
+  // reduce_sums (0 for keys past block; a transpose and a sum instead ran bf16 decode at 63-66%
+  // of the read probe against 80-81%, [B, Hkv, L, D] Lk=16384, 1 thread). Full blocks test nothing per load: with a test
   // per key GCC 12 kept the accumulators on the stack (f32 decode, 1 thread: 20-21 GB/s against
   // 22-23 before).
   template <bool kFull, class T>
@@ -68,16 +69,12 @@ struct DirectKv {
         if (kFull || j < block) acc[j] += qv * load_part(at + j * ldk, n, dtype);
       }
     }
-    // (Transposed in a copy: with acc's address taken, GCC 12 stored every accumulator to the
+    // (Summed in a copy: with acc's address taken, GCC 12 stored every accumulator to the
     // stack at each step of the loop above.)
     Vec t[kLanes];
 #pragma GCC unroll 16
     for (int j = 0; j < kLanes; ++j) t[j] = acc[j];
-    transpose_lanes(t);
-    Vec sum = t[0];
-#pragma GCC unroll 16
-    for (int j = 1; j < kLanes; ++j) sum += t[j];
-    store(s, sum);
+    store(s, reduce_sums(t));
   }
   template <class T>
   ATTNCORE_TARGET static void score_block(const T* k, std::int64_t ldk, DType dtype, std::int64_t d,
@@ -91,25 +88,26 @@ struct DirectKv {
 
   // S [rows][kKeyTile] = q . K[j0 + c]^T for c < keys, 0 for keys <= c < cols, kLanes keys at
   // a time (score_block), for each of `heads` kv heads: head x's K rows lie x * k_step
-  // elements after head 0's, its q and S head_floats floats after head
-  // 0's. Key j0 + c of head 0 is at k + k_at[c] for c < ahead (TileRows: the tile's keys and up
-  // to kRowLead after it, never past the sequence), V's at v + v_at[c] (read by one head only). Block by block, each
-  // block of kLanes keys for every head before the next block: with the heads inside a key's
-  // row ([B, L, Hkv, D], pages) memory is read in order. Streams from memory, so that neither
-  // product waits on it: K rows `lead` keys on (the next tile's too), and for one head this
-  // tile's V rows as their K rows are read, for P . V after the tile's scores (several heads
-  // prefetch V chunk by chunk in P . V: a whole tile's V of every head is more than L2). A
-  // block of keys not evenly spaced (a page boundary inside it), or 16-bit with several rows,
-  // is first copied (widened) into `widened` ([kLanes][d rounded up to kLanes] floats) and read
-  // from there by every row (the same values, so the same scores).
+  // elements after head 0's, its q and S head_floats floats after head 0's. Key j0 + c of head
+  // 0 is at k + k_at[c] for c < ahead (TileRows: the tile's keys and up to kRowLead after it,
+  // never past the sequence). Block by block, each block of kLanes keys for every head before
+  // the next block: with the heads inside a key's row ([B, L, Hkv, D], pages) memory is read in
+  // order. Streams from memory, so that the product does not wait on it: K rows `lead` keys on
+  // (the next tile's too). One head's V rows, one sequential stream, are left to the hardware
+  // prefetcher (prefetched here as their K rows were read, [B, Hkv, L, D] MHA decode ran
+  // slower: bench --decode, Lk=4096/16384, 1 thread, % of the probe: f32 73/71 against 80/80
+  // without, bf16 68/62 against 71/74, f16 66/60 against 70/73); several heads prefetch V chunk
+  // by chunk in P . V (a whole tile's V of every head is more than L2). A block of keys not
+  // evenly spaced (a page boundary inside it), or 16-bit with several rows, is first copied
+  // (widened) into `widened` ([kLanes][d rounded up to kLanes] floats) and read from there by
+  // every row (the same values, so the same scores).
   template <class T>
   ATTNCORE_TARGET static void scores(const Params& p, const T* k, const std::int64_t* k_at,
                                      std::int64_t ahead, DType dtype, std::int64_t keys,
-                                     std::int64_t cols, const T* v, const std::int64_t* v_at,
-                                     std::int64_t heads, std::int64_t k_step,
+                                     std::int64_t cols, std::int64_t heads, std::int64_t k_step,
                                      std::int64_t head_floats, const float* q, std::int64_t rows,
                                      float* s, float* widened) {
-    const std::int64_t d = p.head_dim, dv = p.head_dim_v;
+    const std::int64_t d = p.head_dim;
     constexpr std::int64_t kLine = 64 / sizeof(T);  // elements per cache line
     // K rows prefetched this far ahead: one head, at least 16 KiB, at least 32 keys (a block's
     // 16 rows are in flight while the next block computes), at most kRowLead. Several heads
@@ -142,11 +140,6 @@ struct DirectKv {
               for (std::int64_t e = 0; e < d; e += kLine) __builtin_prefetch(row + e, 0, 2);
               __builtin_prefetch(row + d - 1, 0, 2);
             }
-          }
-          if (heads == 1 && rows <= 2 && c0 + j < keys) {
-            const T* row = v + v_at[c0 + j];
-            for (std::int64_t e = 0; e < dv; e += kLine) __builtin_prefetch(row + e, 0, 2);
-            __builtin_prefetch(row + dv - 1, 0, 2);
           }
         }
         const float* qx = q + x * head_floats;
@@ -312,19 +305,16 @@ struct DirectKv {
   // V rows lie v_shift elements after them, covers keys [begin, begin + keys) of the tile and
   // prefetches the `next` keys after them.
   ATTNCORE_TARGET static void tile_scores(const Params& p, const ForwardArgs& a,
-                                          const TileRows& k_rows, const TileRows& v_rows,
-                                          std::int64_t heads, std::int64_t head_floats,
+                                          const TileRows& k_rows, std::int64_t heads, std::int64_t head_floats,
                                           std::int64_t keys, std::int64_t cols, const float* q,
                                           std::int64_t rows, float* s, float* widened) {
     const std::int64_t k_step = a.k.stride[1];
     if (a.k.dtype == DType::f32) {
       scores(p, static_cast<const float*>(a.k.data), k_rows.at, k_rows.count, a.k.dtype, keys,
-             cols, static_cast<const float*>(a.v.data), v_rows.at, heads, k_step, head_floats, q,
-             rows, s, widened);
+             cols, heads, k_step, head_floats, q, rows, s, widened);
     } else {
       scores(p, static_cast<const std::uint16_t*>(a.k.data), k_rows.at, k_rows.count, a.k.dtype,
-             keys, cols, static_cast<const std::uint16_t*>(a.v.data), v_rows.at, heads, k_step,
-             head_floats, q, rows, s, widened);
+             keys, cols, heads, k_step, head_floats, q, rows, s, widened);
     }
   }
   ATTNCORE_TARGET static void tile_accumulate(const Params& p, const ForwardArgs& a,

@@ -60,6 +60,33 @@ ATTNCORE_TARGET inline float reduce_sum(Vec v) {
   return reduce<kLanes>(v, [](auto a, auto b) ATTNCORE_TARGET { return a + b; });
 }
 
+// reduce_sum of kLanes vectors at once: lane j of reduce_sums(v) is reduce_sum(v[j]), bit for
+// bit (the same halving tree), in log2(kLanes) stages of two-input shuffles. A stage holds
+// kLanes / g vectors of a key's g partial sums each, and turns each pair (x, y) into one vector
+// of x's keys then y's with g / 2 partial sums each: partial i plus partial i + g / 2.
+template <int kGroup>
+constexpr int halving_source(int lane, int upper) {
+  const int half = kGroup / 2, keys = kLanes / kGroup;
+  const int slot = lane / half, i = lane % half + upper * half;
+  return slot < keys ? slot * kGroup + i : kLanes + (slot - keys) * kGroup + i;
+}
+template <int kGroup, int... kLane>
+ATTNCORE_TARGET inline void halving_stage(Vec* v, std::integer_sequence<int, kLane...>) {
+  for (int i = 0; i < kGroup / 2; ++i) {  // kGroup vectors in, kGroup / 2 out
+    const Vec x = v[2 * i], y = v[2 * i + 1];
+    v[i] = __builtin_shufflevector(x, y, halving_source<kGroup>(kLane, 0)...) +
+           __builtin_shufflevector(x, y, halving_source<kGroup>(kLane, 1)...);
+  }
+}
+ATTNCORE_TARGET inline Vec reduce_sums(Vec (&v)[kLanes]) {
+  constexpr auto lanes = std::make_integer_sequence<int, kLanes>{};
+  if constexpr (kLanes >= 16) halving_stage<16>(v, lanes);
+  if constexpr (kLanes >= 8) halving_stage<8>(v, lanes);
+  halving_stage<4>(v, lanes);
+  halving_stage<2>(v, lanes);
+  return v[0];
+}
+
 // 2^x for a vector: x = n + f with n integral and |f| <= 1/2, 2^f by a degree-5 polynomial
 // with constant term exactly 1 (so 2^0 = 1: a rescale by an unchanged max is exact) and the
 // other coefficients fitted for least relative error on [-1/2, 1/2] (1.6e-7 evaluated in f32),

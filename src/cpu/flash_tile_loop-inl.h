@@ -158,7 +158,7 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
       resolve_rows(p, a.k, b, item.kv_head, j0, k_rows);
       resolve_rows(p, a.v, b, item.kv_head, j0, v_rows);
       const FlashScratch w0 = scratch_of(0);
-      DirectKv::tile_scores(p, a, k_rows, v_rows, heads, w.head_floats, keys, cols, w0.q, rows,
+      DirectKv::tile_scores(p, a, k_rows, heads, w.head_floats, keys, cols, w0.q, rows,
                             w0.scores, w.k_tile);
     } else if (panel.k_tiles != nullptr) {
       k_tile = panel.k_tiles + t * d * kKeyTile;
