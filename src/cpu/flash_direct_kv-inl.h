@@ -60,13 +60,28 @@ struct DirectKv {
                                          std::int64_t d, std::int64_t block, const float* q,
                                          float* s) {
     Vec acc[kLanes] = {};
-    for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
-      const int n = static_cast<int>(std::min<std::int64_t>(kLanes, d - e0));
-      const Vec qv = load_part(q + e0, n);
-      const T* at = k + e0;
+    // f32 rows of whole vectors (D a multiple of kLanes) test nothing per load: MHA decode
+    // [B, Hkv, L, D] 1 thread, % of the probe, Lk=4096/16384: f32 80/78 against 73/74 with the
+    // test; 16-bit rows ran slower that way (bf16 72/71 against 79/81). (Written twice: with
+    // the loop in a lambda, acc's address is taken, and GCC 12 keeps it on the stack.)
+    if (sizeof(T) == 4 && d % kLanes == 0) {
+      for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
+        const Vec qv = load(q + e0);
+        const T* at = k + e0;
 #pragma GCC unroll 16
-      for (int j = 0; j < kLanes; ++j) {
-        if (kFull || j < block) acc[j] += qv * load_part(at + j * ldk, n, dtype);
+        for (int j = 0; j < kLanes; ++j) {
+          if (kFull || j < block) acc[j] += qv * load_part(at + j * ldk, kLanes, dtype);
+        }
+      }
+    } else {
+      for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
+        const int n = static_cast<int>(std::min<std::int64_t>(kLanes, d - e0));
+        const Vec qv = load_part(q + e0, n);
+        const T* at = k + e0;
+#pragma GCC unroll 16
+        for (int j = 0; j < kLanes; ++j) {
+          if (kFull || j < block) acc[j] += qv * load_part(at + j * ldk, n, dtype);
+        }
       }
     }
     // (Summed in a copy: with acc's address taken, GCC 12 stored every accumulator to the
@@ -75,6 +90,56 @@ struct DirectKv {
 #pragma GCC unroll 16
     for (int j = 0; j < kLanes; ++j) t[j] = acc[j];
     store(s, reduce_sums(t));
+  }
+  // The scores of R rows (q rows d apart; rows past the item's are zero) against the block's
+  // keys c < block, at k + at[c], into s[r * kKeyTile + c] for c < kLanes (0 past block): key
+  // after key, each K vector loaded (widened) once for all R rows. A row's score of a key is
+  // reduce_sum of the lane sums score_keys forms for it: the same bits.
+  template <int R, class T>
+  ATTNCORE_TARGET __attribute__((noinline)) static void score_rows(
+      const T* k, const std::int64_t* at, std::int64_t block, DType dtype, std::int64_t d,
+      const float* q, float* s, float* parts) {
+    // Whole vectors (D a multiple of kLanes) test nothing per load.
+    auto keys = [&](auto whole) ATTNCORE_TARGET {
+      for (int j = 0; j < kLanes; ++j) {
+        Vec acc[R] = {};
+        if (j < block) {
+          const T* row = k + at[j];
+          for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
+            const int n = decltype(whole)::value
+                              ? kLanes
+                              : static_cast<int>(std::min<std::int64_t>(kLanes, d - e0));
+            const Vec kv = load_part(row + e0, n, dtype);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) acc[r] += load_part(q + r * d + e0, n) * kv;
+          }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) store(parts + (r * kLanes + j) * kLanes, acc[r]);
+      }
+    };
+    if (d % kLanes == 0) {
+      keys(std::true_type{});
+    } else {
+      keys(std::false_type{});
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      Vec t[kLanes];
+#pragma GCC unroll 16
+      for (int j = 0; j < kLanes; ++j) t[j] = load(parts + (r * kLanes + j) * kLanes);
+      store(s + r * kKeyTile, reduce_sums(t));
+    }
+  }
+  template <class T>
+  ATTNCORE_TARGET static void score_block_rows(const T* k, const std::int64_t* at,
+                                               std::int64_t block, DType dtype, std::int64_t d,
+                                               const float* q, std::int64_t rows, float* s, float* parts) {
+    if (rows <= 2) return score_rows<2>(k, at, block, dtype, d, q, s, parts);
+    if constexpr (kTileRows > 4) {
+      if (rows <= 4) return score_rows<4>(k, at, block, dtype, d, q, s, parts);
+    }
+    score_rows<kTileRows>(k, at, block, dtype, d, q, s, parts);
   }
   template <class T>
   ATTNCORE_TARGET static void score_block(const T* k, std::int64_t ldk, DType dtype, std::int64_t d,
@@ -97,10 +162,14 @@ struct DirectKv {
   // prefetcher (prefetched here as their K rows were read, [B, Hkv, L, D] MHA decode ran
   // slower: bench --decode, Lk=4096/16384, 1 thread, % of the probe: f32 73/71 against 80/80
   // without, bf16 68/62 against 71/74, f16 66/60 against 70/73); several heads prefetch V chunk
-  // by chunk in P . V (a whole tile's V of every head is more than L2). A block of keys not
-  // evenly spaced (a page boundary inside it), or 16-bit with several rows, is first copied
-  // (widened) into `widened` ([kLanes][d rounded up to kLanes] floats) and read from there by
-  // every row (the same values, so the same scores).
+  // by chunk in P . V (a whole tile's V of every head is more than L2). 16-bit K with several
+  // rows (GQA) goes through score_rows, each K vector widened once in registers for every row,
+  // its partial sums in `widened` (the item's K tile scratch, d * kKeyTile floats: enough from
+  // D = 16 on; GQA Hq=32 Hkv=8 [B, Hkv, L, D] decode, 1 thread, % of the probe, Lk=4096/16384:
+  // bf16 54/53 against 46/45 with the copy below). Otherwise a block of keys not evenly spaced
+  // (a page boundary inside it), or 16-bit with several rows, is first copied (widened) into
+  // `widened` ([kLanes][d rounded up to kLanes] floats) and read from there by every row (the
+  // same values, so the same scores).
   template <class T>
   ATTNCORE_TARGET static void scores(const Params& p, const T* k, const std::int64_t* k_at,
                                      std::int64_t ahead, DType dtype, std::int64_t keys,
@@ -144,7 +213,9 @@ struct DirectKv {
         }
         const float* qx = q + x * head_floats;
         float* sx = s + x * head_floats + c0;
-        if (ldk == 0 || (sizeof(T) == 2 && rows > 1)) {
+        if (sizeof(T) == 2 && rows > 1 && kTileRows * kLanes * kLanes <= d * kKeyTile) {
+          score_block_rows(kx, k_at + c0, block, dtype, d, qx, rows, sx, widened);
+        } else if (ldk == 0 || (sizeof(T) == 2 && rows > 1)) {
           for (std::int64_t j = 0; j < block; ++j) {
             for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
               const int n = static_cast<int>(std::min<std::int64_t>(kLanes, d - e0));
