@@ -462,9 +462,16 @@ void merge_states(py::handle out_a, py::handle lse_a, py::handle out_b, py::hand
   const Borrowed boa(out_a, op, "out_a", false), bla(lse_a, op, "lse_a", false);
   const Borrowed bob(out_b, op, "out_b", false), blb(lse_b, op, "lse_b", false);
   const Borrowed bout(out, op, "out", true), blse(lse, op, "lse", true);
-  const GilReleased released;
-  attncore::merge_attention_states_into(boa.view(), bla.view(), bob.view(), blb.view(), bout.view(),
-                                        blse.view(), num_threads);
+  // Work for run_call (Ctrl-C on the main thread): a merged element costs about what 8
+  // multiply-adds of attention do (2^22 rows of Dv = 128 took ~3 s on one thread).
+  double elements = 1.0;
+  for (int d = 0; d < boa.view().rank; ++d) elements *= static_cast<double>(boa.view().size(d));
+  attncore::Options options;
+  options.num_threads = num_threads;
+  run_call(options, 8.0 * elements, [&](const attncore::Options& o) {
+    attncore::merge_attention_states_into(boa.view(), bla.view(), bob.view(), blb.view(),
+                                          bout.view(), blse.view(), o.num_threads, o.cancel);
+  });
 }
 
 // A PagedKvCache's array as a numpy array over the cache's own memory, which the array keeps

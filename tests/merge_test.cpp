@@ -1,10 +1,11 @@
 // merge_attention_states (attncore/merge.h): attention over two disjoint key sets, merged,
 // equals attention over their union; -inf sides contribute nothing; dense, flash and varlen
-// layouts; in place; bad inputs.
+// layouts; in place; bad inputs; the cancel flag.
 #include "attncore/merge.h"
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -172,6 +173,35 @@ TEST(Merge, AllocatingFormChecksMemory) {
                                           0),
               0u)
         << e.what();
+  }
+}
+
+// A cancel flag read true stops the merge with Cancelled, in either form; false changes nothing.
+TEST(Merge, CancelFlagStopsTheCall) {
+  const Tensor out_a = make_tensor(DType::f32, {2, 3, 4}, random_vector(24, 1));
+  const Tensor out_b = make_tensor(DType::f32, {2, 3, 4}, random_vector(24, 2));
+  const Tensor lse_a = make_tensor(DType::f32, {2, 3}, random_vector(6, 3));
+  const Tensor lse_b = make_tensor(DType::f32, {2, 3}, random_vector(6, 4));
+  const std::atomic<bool> go{false}, stop{true};
+  const MergeResult plain = merge_attention_states(out_a, lse_a, out_b, lse_b);
+  const MergeResult flagged = merge_attention_states(out_a, lse_a, out_b, lse_b, 1, &go);
+  EXPECT_EQ(read_view(flagged.out.view()), read_view(plain.out.view()));
+  EXPECT_EQ(read_view(flagged.lse.view()), read_view(plain.lse.view()));
+  const std::string message =
+      "merge_attention_states: call is cancelled (cancel=true, expected false); the outputs are "
+      "incomplete";
+  try {
+    merge_attention_states(out_a, lse_a, out_b, lse_b, 2, &stop);
+    ADD_FAILURE() << "no error";
+  } catch (const Cancelled& e) {
+    EXPECT_EQ(std::string(e.what()), message);
+  }
+  Tensor out(DType::f32, {2, 3, 4}), lse(DType::f32, {2, 3});
+  try {
+    merge_attention_states_into(out_a, lse_a, out_b, lse_b, out, lse, 1, &stop);
+    ADD_FAILURE() << "no error";
+  } catch (const Cancelled& e) {
+    EXPECT_EQ(std::string(e.what()), message);
   }
 }
 

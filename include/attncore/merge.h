@@ -12,7 +12,13 @@
 // [B, Hq, Lq, Dv] with LSE [B, Hq, Lq], flash-layout [B, Lq, Hq, Dv] with LSE [B, Hq, Lq]
 // seen as lse.transposed(1, 2), and varlen [total_q, Hq, Dv] with LSE [Hq, total_q] seen as
 // lse.transposed(0, 1) all work.
+//
+// Cancellation: when `cancel` is not null, the call reads *cancel before it starts and between
+// blocks of rows, and once it reads true, stops and throws attncore::Cancelled (the outputs are
+// then incomplete), as Options::cancel does for attention calls.
 #pragma once
+
+#include <atomic>
 
 #include "attncore/export.h"
 #include "attncore/tensor.h"
@@ -26,13 +32,15 @@ struct MergeResult {
 
 ATTNCORE_API MergeResult merge_attention_states(const TensorView& out_a, const TensorView& lse_a,
                                                 const TensorView& out_b, const TensorView& lse_b,
-                                                int num_threads = 0);
+                                                int num_threads = 0,
+                                                const std::atomic<bool>* cancel = nullptr);
 
 // Into caller-provided views. `out` may be the very view out_a or out_b (and `lse` lse_a or
 // lse_b): each row is read before it is written, so a running merge needs no copy.
 ATTNCORE_API void merge_attention_states_into(const TensorView& out_a, const TensorView& lse_a,
                                               const TensorView& out_b, const TensorView& lse_b,
                                               const TensorView& out, const TensorView& lse,
-                                              int num_threads = 0);
+                                              int num_threads = 0,
+                                              const std::atomic<bool>* cancel = nullptr);
 
 }  // namespace attncore

@@ -32,9 +32,7 @@ void guarded(const char* op, const char* stage, Fn&& fn) {
   } catch (const std::bad_alloc&) {
     throw OutOfMemory(std::string(op) + ": out of memory while " + stage);
   } catch (const detail::CancelledWork&) {
-    throw Cancelled(std::string(op) +
-                    ": call is cancelled (cancel=true, expected false); the outputs are "
-                    "incomplete");
+    throw Cancelled(detail::cancelled_message(op));
   }
 }
 

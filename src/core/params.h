@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <string>
 
 #include "attncore/options.h"
 #include "attncore/tensor.h"
@@ -145,8 +146,13 @@ struct Params {
 };
 
 // Thrown by a backend that finds the call cancelled between two work items (never inside
-// one); the entry points turn it into attncore::Cancelled with the op's name.
+// one); the entry points turn it into attncore::Cancelled with the op's name
+// (cancelled_message).
 struct CancelledWork {};
+inline std::string cancelled_message(const char* op) {
+  return std::string(op) +
+         ": call is cancelled (cancel=true, expected false); the outputs are incomplete";
+}
 
 // How a call runs, apart from what it computes.
 struct Launch {

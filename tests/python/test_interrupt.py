@@ -2,7 +2,7 @@
 main thread checks for signals every 20 ms, sets the call's cancel flag and raises
 KeyboardInterrupt. The test interrupts a call sized for minutes (its duration predicted from a
 call 8192 times smaller, timed in the same process) and compares the time the interrupted call
-took with that prediction: a ratio, not a fixed timing."""
+took with that prediction: a ratio, not a fixed timing. The same for a long merge."""
 
 import os
 import signal
@@ -65,6 +65,52 @@ def test_ctrl_c_stops_a_long_call():
     print(f"interrupted after {elapsed:.3f} s of a call predicted at {predicted:.1f} s "
           f"(ratio {elapsed / predicted:.4f})")
     assert predicted > 20 * elapsed
+    assert child.returncode == 0
+
+
+MERGE_PROGRAM = """
+import time
+import numpy as np
+import attncore
+def sides(rows):
+    # out [rows, 1] and lse [rows]: one row broadcast (stride 0), a merge of `rows` rows.
+    out = np.broadcast_to(np.ones((1, 1), np.float32), (rows, 1))
+    lse = np.broadcast_to(np.zeros((1,), np.float32), (rows,))
+    return out, lse, out, lse
+times = []
+for _ in range(3):
+    start = time.perf_counter()
+    attncore.merge_attention_states(*sides(1 << 20), num_threads=1)
+    times.append(time.perf_counter() - start)
+predicted = sorted(times)[1] * 64  # the call below merges 64x the rows
+print(f"ready {predicted:.3f}", flush=True)
+start = time.perf_counter()
+try:
+    attncore.merge_attention_states(*sides(1 << 26), num_threads=1)
+    print("finished", flush=True)
+except KeyboardInterrupt:
+    print(f"interrupted {time.perf_counter() - start:.3f}", flush=True)
+"""
+
+
+def test_ctrl_c_stops_a_long_merge():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    child = subprocess.Popen([sys.executable, "-c", MERGE_PROGRAM], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready = child.stdout.readline().split()
+        assert ready[0] == "ready", child.stderr.read()
+        predicted = float(ready[1])
+        time.sleep(0.2)
+        child.send_signal(signal.SIGINT)
+        result = child.stdout.readline().split()
+        child.wait(timeout=60)
+    finally:
+        child.kill()
+    assert result and result[0] == "interrupted", (result, child.stderr.read())
+    elapsed = float(result[1])
+    print(f"interrupted after {elapsed:.3f} s of a merge predicted at {predicted:.2f} s")
+    assert predicted > 3 * elapsed
     assert child.returncode == 0
 
 
