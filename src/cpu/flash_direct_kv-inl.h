@@ -22,6 +22,16 @@ constexpr std::int64_t kHeadVAhead = 8192;
 
 // Decode-shaped items (one per kv group, at most kTileRows query rows) read K and V where they
 // lie, in f32, instead of packing each tile first: packing is most of such an item's work.
+// The cache lines of n elements from p, each once (by address), into L1 (kLocality 3) or L2 (2).
+template <int kLocality, class T>
+ATTNCORE_TARGET inline void prefetch_lines(const T* p, std::int64_t n) {
+  const auto first = reinterpret_cast<std::uintptr_t>(p) & ~std::uintptr_t{63};
+  const auto end = reinterpret_cast<std::uintptr_t>(p + n);
+  for (std::uintptr_t line = first; line < end; line += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(line), 0, kLocality);
+  }
+}
+
 struct DirectKv {
   // q [kTileRows][D]: the rows' queries, unscaled, in f32 (zero rows past `rows`).
   ATTNCORE_TARGET static void load_queries(const Params& p, const ForwardArgs& a, std::int64_t b,
@@ -213,7 +223,6 @@ struct DirectKv {
                                      std::int64_t head_floats, const float* q, std::int64_t rows,
                                      [[maybe_unused]] bool pairs, float* s, float* widened) {
     const std::int64_t d = p.head_dim;
-    constexpr std::int64_t kLine = 64 / sizeof(T);  // elements per cache line
     // K rows prefetched this far ahead: one head, at least 16 KiB, at least 32 keys (a block's
     // 16 rows are in flight while the next block computes), at most kRowLead. Several heads
     // (memory read in order): 4 KiB of each head's rows, into L2 (bench --decode, BLHD Hkv=32
@@ -239,11 +248,9 @@ struct DirectKv {
           if (c0 + lead + j < ahead) {
             const T* row = kx + k_at[c0 + lead + j];
             if (near) {
-              for (std::int64_t e = 0; e < d; e += kLine) __builtin_prefetch(row + e, 0, 3);
-              __builtin_prefetch(row + d - 1, 0, 3);
+              prefetch_lines<3>(row, d);
             } else {
-              for (std::int64_t e = 0; e < d; e += kLine) __builtin_prefetch(row + e, 0, 2);
-              __builtin_prefetch(row + d - 1, 0, 2);
+              prefetch_lines<2>(row, d);
             }
           }
         }
@@ -290,13 +297,7 @@ struct DirectKv {
   template <class T>
   ATTNCORE_TARGET static void prefetch_rows(const Params& p, const T* v, const std::int64_t* v_at,
                                             std::int64_t count) {
-    constexpr std::int64_t kLine = 64 / sizeof(T);
-    const std::int64_t dv = p.head_dim_v;
-    for (std::int64_t c = 0; c < count; ++c) {
-      const T* row = v + v_at[c];
-      for (std::int64_t e = 0; e < dv; e += kLine) __builtin_prefetch(row + e, 0, 2);
-      __builtin_prefetch(row + dv - 1, 0, 2);
-    }
+    for (std::int64_t c = 0; c < count; ++c) prefetch_lines<2>(v + v_at[c], p.head_dim_v);
   }
 
   // O [R][dv_pad] = alpha O + P . V[j0 .. j0 + keys) for the first R rows: V rows read once per
