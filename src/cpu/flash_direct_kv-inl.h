@@ -3,8 +3,8 @@
 #pragma once
 
 #include <algorithm>
-#include <type_traits>
 #include <cstdint>
+#include <type_traits>
 
 #include "core/convert.h"
 #include "core/params.h"
@@ -15,13 +15,16 @@ namespace attncore::detail::ATTNCORE_TARGET_NS {
 
 // Keys per chunk of P . V across the kv heads of a multi-head item (flash_tile_loop-inl.h).
 constexpr std::int64_t kHeadChunk = 16;
+// 16-bit V rows of a one-row, one-head item prefetched this many keys ahead of P . V, into L1
+// (8 KiB of bf16/f16 rows at D = 128): bench --decode, [B, Hkv, L, D] MHA, 1 thread, % of the
+// probe, Lk=4096/16384: bf16 71/76 without, 83/85 at 32 keys, 89/82 at 48, 84/81 at 64; f16
+// 70/74 without, 86/81 at 32; f32 rows ran slower with it (80/79 without, 78/76 at 8 keys).
+constexpr std::int64_t kVLead = 32;
 // V bytes of each head prefetched ahead of P . V in a multi-head item (into L2): bench
 // --decode, BLHD Hkv=32 Lk=4096/16384, 1 thread, GB/s: bf16 8 KiB (32 keys) 25.6-26.5, 4 KiB
 // 22.4-26.8, none 19.6-21.2; f32 8 KiB (16 keys) 24.2-26.4, 16 KiB 21.4-25.0, none 24.4-26.2.
 constexpr std::int64_t kHeadVAhead = 8192;
 
-// Decode-shaped items (one per kv group, at most kTileRows query rows) read K and V where they
-// lie, in f32, instead of packing each tile first: packing is most of such an item's work.
 // The cache lines of n elements from p, each once (by address), into L1 (kLocality 3) or L2 (2).
 template <int kLocality, class T>
 ATTNCORE_TARGET inline void prefetch_lines(const T* p, std::int64_t n) {
@@ -32,6 +35,8 @@ ATTNCORE_TARGET inline void prefetch_lines(const T* p, std::int64_t n) {
   }
 }
 
+// Decode-shaped items (one per kv group, at most kTileRows query rows) read K and V where they
+// lie, in f32, instead of packing each tile first: packing is most of such an item's work.
 struct DirectKv {
   // q [kTileRows][D]: the rows' queries, unscaled, in f32 (zero rows past `rows`).
   ATTNCORE_TARGET static void load_queries(const Params& p, const ForwardArgs& a, std::int64_t b,
@@ -62,13 +67,14 @@ struct DirectKv {
   // The scores of one row against keys c0 .. c0 + block - 1 (block <= kLanes) of `k` (rows ldk
   // apart) into s[0 .. kLanes): one accumulator per key, in registers, summed across lanes by
   // reduce_sums (0 for keys past block; a transpose and a sum instead ran bf16 decode at 63-66%
-  // of the read probe against 80-81%, [B, Hkv, L, D] Lk=16384, 1 thread). Full blocks test nothing per load: with a test
-  // per key GCC 12 kept the accumulators on the stack (f32 decode, 1 thread: 20-21 GB/s against
-  // 22-23 before).
+  // of the read probe against 80-81%, [B, Hkv, L, D] Lk=16384, 1 thread). Full blocks test nothing
+  // per load: with a test per key GCC 12 kept the accumulators on the stack (f32 decode, 1 thread:
+  // 20-21 GB/s against 22-23 before).
   template <bool kFull, class T>
-  ATTNCORE_TARGET __attribute__((noinline)) static void score_keys(const T* k, std::int64_t ldk, DType dtype,
-                                         std::int64_t d, std::int64_t block, const float* q,
-                                         float* s) {
+  ATTNCORE_TARGET __attribute__((noinline)) static void score_keys(const T* k, std::int64_t ldk,
+                                                                   DType dtype, std::int64_t d,
+                                                                   std::int64_t block,
+                                                                   const float* q, float* s) {
     Vec acc[kLanes] = {};
     // f32 rows of whole vectors (D a multiple of kLanes) test nothing per load: MHA decode
     // [B, Hkv, L, D] 1 thread, % of the probe, Lk=4096/16384: f32 80/78 against 73/74 with the
@@ -111,9 +117,11 @@ struct DirectKv {
   // 1 thread, % of the probe, Lk=4096/16384, interleaved: MHA [B, Hkv, L, D] 69/70 -> 75/75,
   // GQA (Hkv=8) 56/53 -> 65/59; [B, L, Hkv, D] MHA unchanged (57-60).
   template <bool kFull>
-  ATTNCORE_TARGET __attribute__((noinline)) static void score_keys_pairs(
-      const std::uint16_t* k, const std::int64_t* at, std::int64_t d, std::int64_t block,
-      const float* q, float* s) {
+  ATTNCORE_TARGET __attribute__((noinline)) static void score_keys_pairs(const std::uint16_t* k,
+                                                                         const std::int64_t* at,
+                                                                         std::int64_t d,
+                                                                         std::int64_t block,
+                                                                         const float* q, float* s) {
     __m512 acc[kLanes];
 #pragma GCC unroll 16
     for (int j = 0; j < kLanes; ++j) acc[j] = _mm512_setzero_ps();
@@ -142,9 +150,11 @@ struct DirectKv {
   // after key, each K vector loaded (widened) once for all R rows. A row's score of a key is
   // reduce_sum of the lane sums score_keys forms for it: the same bits.
   template <int R, class T>
-  ATTNCORE_TARGET __attribute__((noinline)) static void score_rows(
-      const T* k, const std::int64_t* at, std::int64_t block, DType dtype, std::int64_t d,
-      const float* q, float* s, float* parts) {
+  ATTNCORE_TARGET __attribute__((noinline)) static void score_rows(const T* k,
+                                                                   const std::int64_t* at,
+                                                                   std::int64_t block, DType dtype,
+                                                                   std::int64_t d, const float* q,
+                                                                   float* s, float* parts) {
     // Whole vectors (D a multiple of kLanes) test nothing per load.
     auto keys = [&](auto whole) ATTNCORE_TARGET {
       for (int j = 0; j < kLanes; ++j) {
@@ -180,7 +190,8 @@ struct DirectKv {
   template <class T>
   ATTNCORE_TARGET static void score_block_rows(const T* k, const std::int64_t* at,
                                                std::int64_t block, DType dtype, std::int64_t d,
-                                               const float* q, std::int64_t rows, float* s, float* parts) {
+                                               const float* q, std::int64_t rows, float* s,
+                                               float* parts) {
     if (rows <= 2) return score_rows<2>(k, at, block, dtype, d, q, s, parts);
     if constexpr (kTileRows > 4) {
       if (rows <= 4) return score_rows<4>(k, at, block, dtype, d, q, s, parts);
@@ -204,11 +215,12 @@ struct DirectKv {
   // never past the sequence). Block by block, each block of kLanes keys for every head before
   // the next block: with the heads inside a key's row ([B, L, Hkv, D], pages) memory is read in
   // order. Streams from memory, so that the product does not wait on it: K rows `lead` keys on
-  // (the next tile's too). One head's V rows, one sequential stream, are left to the hardware
-  // prefetcher (prefetched here as their K rows were read, [B, Hkv, L, D] MHA decode ran
-  // slower: bench --decode, Lk=4096/16384, 1 thread, % of the probe: f32 73/71 against 80/80
-  // without, bf16 68/62 against 71/74, f16 66/60 against 70/73); several heads prefetch V chunk
-  // by chunk in P . V (a whole tile's V of every head is more than L2). 16-bit K with several
+  // (the next tile's too). One head's V rows, one sequential stream, are not prefetched here
+  // (prefetched as their K rows were read, [B, Hkv, L, D] MHA decode ran slower: bench
+  // --decode, Lk=4096/16384, 1 thread, % of the probe: f32 73/71 against 80/80 without, bf16
+  // 68/62 against 71/74, f16 66/60 against 70/73): f32 is left to the hardware prefetcher,
+  // 16-bit prefetched kVLead keys ahead within P . V; several heads prefetch V chunk by chunk
+  // in P . V (a whole tile's V of every head is more than L2). 16-bit K with several
   // rows (GQA) goes through score_rows, each K vector widened once in registers for every row,
   // its partial sums in `widened` (the item's K tile scratch, d * kKeyTile floats: enough from
   // D = 16 on; GQA Hq=32 Hkv=8 [B, Hkv, L, D] decode, 1 thread, % of the probe, Lk=4096/16384:
@@ -229,10 +241,10 @@ struct DirectKv {
     // Lk=4096/16384, 1 thread, GB/s: f32 8 keys 26.0-26.4, 32 keys 24.7-25.5, none 25.2-26.2,
     // 32 keys into L1 21.3-23.3; bf16 16 keys 22.4-26.1, 8 keys 21.7-22.7).
     const std::int64_t lead =
-        heads > 1 ? std::clamp<std::int64_t>(4096 / static_cast<std::int64_t>(sizeof(T) * d), 1,
-                                             kRowLead)
-                  : std::clamp<std::int64_t>(
-                        (16384 / static_cast<std::int64_t>(sizeof(T)) + d - 1) / d, 32, kRowLead);
+        heads > 1
+            ? std::clamp<std::int64_t>(4096 / static_cast<std::int64_t>(sizeof(T) * d), 1, kRowLead)
+            : std::clamp<std::int64_t>((16384 / static_cast<std::int64_t>(sizeof(T)) + d - 1) / d,
+                                       32, kRowLead);
     // Contiguous rows ([B, Hkv, L, D]) into L1. Rows far apart ([B, L, Hkv, D]: 16 KiB at 32
     // f32 heads) share L1 sets, where the rows a block reads evict the ones prefetched: into L2
     // (bench --decode, 1 thread: f32 [B, L, Hkv, D] 12.5 GB/s either way, bf16 8.3-10.7 into L2
@@ -314,9 +326,9 @@ struct DirectKv {
 
   template <class T, int R>
   ATTNCORE_TARGET static void accumulate(const Params& p, const T* v, const std::int64_t* v_at,
-                                         std::int64_t ahead, DType dtype,
-                                         std::int64_t keys, const float* probs,
-                                         std::int64_t dv_pad, const float* alpha, float* out) {
+                                         std::int64_t ahead, std::int64_t lead, DType dtype,
+                                         std::int64_t keys, const float* probs, std::int64_t dv_pad,
+                                         const float* alpha, float* out) {
     constexpr int kVectors = slice_vectors(R);
     constexpr std::int64_t kCols = kVectors * kLanes;
     const std::int64_t dv = p.head_dim_v;
@@ -334,9 +346,9 @@ struct DirectKv {
       // The key loop, with whole vectors (the common case: no tail, no test per load) or not.
       int width[kVectors];  // elements of each vector of the slice within Dv
       for (int x = 0; x < kVectors; ++x) {
-        width[x] = x < vectors ? static_cast<int>(std::clamp<std::int64_t>(
-                                     dv - e0 - x * kLanes, 0, kLanes))
-                               : 0;
+        width[x] = x < vectors
+                       ? static_cast<int>(std::clamp<std::int64_t>(dv - e0 - x * kLanes, 0, kLanes))
+                       : 0;
       }
       auto keys_loop = [&](auto whole) ATTNCORE_TARGET {
         for (std::int64_t c = 0; c < keys; ++c) {
@@ -345,6 +357,7 @@ struct DirectKv {
             __builtin_prefetch(v + v_at[c + 16] + e0);
             __builtin_prefetch(v + v_at[c + 16] + e0 + kCols - 1);
           }
+          if (e0 == 0 && c + lead < ahead) prefetch_lines<3>(v + v_at[c + lead], dv);
           Vec vrow[kVectors];
 #pragma GCC unroll 8
           for (int x = 0; x < kVectors; ++x) {
@@ -384,40 +397,42 @@ struct DirectKv {
   template <class T, int R>
   ATTNCORE_TARGET static void accumulate_chunks(const Params& p, const T* v,
                                                 const std::int64_t* v_at, std::int64_t ahead,
-                                                DType dtype, std::int64_t keys, const float* probs,
-                                                std::int64_t dv_pad, const float* alpha,
-                                                float* out) {
+                                                std::int64_t lead, DType dtype, std::int64_t keys,
+                                                const float* probs, std::int64_t dv_pad,
+                                                const float* alpha, float* out) {
     constexpr std::int64_t kChunk = 32;
     if (slice_vectors(R) * kLanes >= dv_pad || keys <= kChunk) {
-      return accumulate<T, R>(p, v, v_at, ahead, dtype, keys, probs, dv_pad, alpha, out);
+      return accumulate<T, R>(p, v, v_at, ahead, lead, dtype, keys, probs, dv_pad, alpha, out);
     }
     float ones[R];
     std::fill_n(ones, R, 1.0f);
     for (std::int64_t c = 0; c < keys; c += kChunk) {
-      accumulate<T, R>(p, v, v_at + c, ahead - c, dtype, std::min(kChunk, keys - c), probs + c,
-                       dv_pad, c == 0 ? alpha : ones, out);
+      accumulate<T, R>(p, v, v_at + c, ahead - c, lead, dtype, std::min(kChunk, keys - c),
+                       probs + c, dv_pad, c == 0 ? alpha : ones, out);
     }
   }
 
   template <class T>
-  ATTNCORE_TARGET static void accumulate_rows(const Params& p, const T* v,
-                                              const std::int64_t* v_at, std::int64_t ahead,
-                                              DType dtype,
+  ATTNCORE_TARGET static void accumulate_rows(const Params& p, const T* v, const std::int64_t* v_at,
+                                              std::int64_t ahead, std::int64_t lead, DType dtype,
                                               std::int64_t keys, std::int64_t rows,
                                               const float* probs, std::int64_t dv_pad,
                                               const float* alpha, float* out) {
     switch (rows_computed(rows, dtype)) {
       case 1:
-        return accumulate_chunks<T, 1>(p, v, v_at, ahead, dtype, keys, probs, dv_pad, alpha, out);
+        return accumulate_chunks<T, 1>(p, v, v_at, ahead, lead, dtype, keys, probs, dv_pad, alpha,
+                                       out);
       case 2:
-        return accumulate_chunks<T, 2>(p, v, v_at, ahead, dtype, keys, probs, dv_pad, alpha, out);
+        return accumulate_chunks<T, 2>(p, v, v_at, ahead, lead, dtype, keys, probs, dv_pad, alpha,
+                                       out);
       case 4:
         if constexpr (kTileRows > 4) {
-          return accumulate_chunks<T, 4>(p, v, v_at, ahead, dtype, keys, probs, dv_pad, alpha, out);
+          return accumulate_chunks<T, 4>(p, v, v_at, ahead, lead, dtype, keys, probs, dv_pad, alpha,
+                                         out);
         }
         [[fallthrough]];
       default:
-        return accumulate_chunks<T, kTileRows>(p, v, v_at, ahead, dtype, keys, probs, dv_pad,
+        return accumulate_chunks<T, kTileRows>(p, v, v_at, ahead, lead, dtype, keys, probs, dv_pad,
                                                alpha, out);
     }
   }
@@ -427,13 +442,14 @@ struct DirectKv {
   // V rows lie v_shift elements after them, covers keys [begin, begin + keys) of the tile and
   // prefetches the `next` keys after them.
   ATTNCORE_TARGET static void tile_scores(const Params& p, const ForwardArgs& a,
-                                          const TileRows& k_rows, std::int64_t heads, std::int64_t head_floats,
-                                          std::int64_t keys, std::int64_t cols, const float* q,
-                                          std::int64_t rows, float* s, float* widened) {
+                                          const TileRows& k_rows, std::int64_t heads,
+                                          std::int64_t head_floats, std::int64_t keys,
+                                          std::int64_t cols, const float* q, std::int64_t rows,
+                                          float* s, float* widened) {
     const std::int64_t k_step = a.k.stride[1];
     if (a.k.dtype == DType::f32) {
-      scores(p, static_cast<const float*>(a.k.data), k_rows.at, k_rows.count, a.k.dtype, keys,
-             cols, heads, k_step, head_floats, q, rows, false, s, widened);
+      scores(p, static_cast<const float*>(a.k.data), k_rows.at, k_rows.count, a.k.dtype, keys, cols,
+             heads, k_step, head_floats, q, rows, false, s, widened);
     } else {
       // bf16 query and K on native bf16 dots (an f32 query keeps the f32 path: its bits are
       // those of the same call over an f32 cache).
@@ -451,14 +467,17 @@ struct DirectKv {
     const std::int64_t* at = v_rows.at + begin;
     const std::int64_t ahead = v_rows.count - begin;
     const std::int64_t prefetched = std::clamp<std::int64_t>(ahead - keys, 0, next);
+    // One row per item and nothing prefetched for it (one head: V one sequential stream): 16-bit
+    // V rows kVLead keys on, into L1, as P . V runs (f32 runs faster without).
+    const std::int64_t lead = next == 0 && rows == 1 && a.v.dtype != DType::f32 ? kVLead : ahead;
     if (a.v.dtype == DType::f32) {
       const float* v = static_cast<const float*>(a.v.data) + v_shift;
       if (prefetched > 0) prefetch_rows(p, v, at + keys, prefetched);
-      accumulate_rows(p, v, at, ahead, a.v.dtype, keys, rows, probs, dv_pad, alpha, out);
+      accumulate_rows(p, v, at, ahead, lead, a.v.dtype, keys, rows, probs, dv_pad, alpha, out);
     } else {
       const std::uint16_t* v = static_cast<const std::uint16_t*>(a.v.data) + v_shift;
       if (prefetched > 0) prefetch_rows(p, v, at + keys, prefetched);
-      accumulate_rows(p, v, at, ahead, a.v.dtype, keys, rows, probs, dv_pad, alpha, out);
+      accumulate_rows(p, v, at, ahead, lead, a.v.dtype, keys, rows, probs, dv_pad, alpha, out);
     }
   }
 };
