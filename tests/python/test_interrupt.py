@@ -46,26 +46,33 @@ except KeyboardInterrupt:
 """
 
 
-def test_ctrl_c_stops_a_long_call():
+def interrupt(program, wait):
+    """Runs `program` in a child Python, sends it SIGINT `wait` seconds after it prints
+    "ready <predicted seconds>", and returns (predicted, elapsed): the seconds its long call was
+    predicted to take and took until it printed "interrupted <seconds>"."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    child = subprocess.Popen([sys.executable, "-c", PROGRAM], env=env, stdout=subprocess.PIPE,
+    child = subprocess.Popen([sys.executable, "-c", program], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
         ready = child.stdout.readline().split()
         assert ready[0] == "ready", child.stderr.read()
         predicted = float(ready[1])
-        time.sleep(1.0)
+        time.sleep(wait)
         child.send_signal(signal.SIGINT)
         result = child.stdout.readline().split()
         child.wait(timeout=60)
     finally:
         child.kill()
     assert result and result[0] == "interrupted", (result, child.stderr.read())
-    elapsed = float(result[1])  # from the call's start: ~1 s of waiting plus the reaction
+    assert child.returncode == 0
+    return predicted, float(result[1])
+
+
+def test_ctrl_c_stops_a_long_call():
+    predicted, elapsed = interrupt(PROGRAM, 1.0)  # elapsed: ~1 s of waiting plus the reaction
     print(f"interrupted after {elapsed:.3f} s of a call predicted at {predicted:.1f} s "
           f"(ratio {elapsed / predicted:.4f})")
     assert predicted > 20 * elapsed
-    assert child.returncode == 0
 
 
 MERGE_PROGRAM = """
@@ -94,24 +101,9 @@ except KeyboardInterrupt:
 
 
 def test_ctrl_c_stops_a_long_merge():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    child = subprocess.Popen([sys.executable, "-c", MERGE_PROGRAM], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        ready = child.stdout.readline().split()
-        assert ready[0] == "ready", child.stderr.read()
-        predicted = float(ready[1])
-        time.sleep(0.2)
-        child.send_signal(signal.SIGINT)
-        result = child.stdout.readline().split()
-        child.wait(timeout=60)
-    finally:
-        child.kill()
-    assert result and result[0] == "interrupted", (result, child.stderr.read())
-    elapsed = float(result[1])
+    predicted, elapsed = interrupt(MERGE_PROGRAM, 0.2)
     print(f"interrupted after {elapsed:.3f} s of a merge predicted at {predicted:.2f} s")
     assert predicted > 3 * elapsed
-    assert child.returncode == 0
 
 
 def test_calls_on_the_main_thread_and_others_agree():
