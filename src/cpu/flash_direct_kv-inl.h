@@ -199,6 +199,37 @@ struct DirectKv {
     }
     score_rows<kTileRows>(k, at, block, dtype, d, q, s, parts);
   }
+  // One f32 row per head (MHA) against a block of keys c < block (0 past it) of `heads` heads,
+  // key after key, each key's row of every head in turn: memory read in address order, which the
+  // hardware prefetcher streams ([B, L, Hkv, D] and pages: a key's heads lie together). Head
+  // x's q and S lie x * head_floats floats on, its K row x * k_step elements after head 0's at
+  // k + at[j]. Each score is the one score_keys gives (the same lane sums, then reduce_sums over
+  // `parts`, heads * kLanes * kLanes floats).
+  ATTNCORE_TARGET static void score_heads_by_key(const float* k, const std::int64_t* at,
+                                                 std::int64_t block, std::int64_t d,
+                                                 std::int64_t heads, std::int64_t k_step,
+                                                 std::int64_t head_floats, const float* q, float* s,
+                                                 float* parts) {
+    for (std::int64_t j = 0; j < kLanes; ++j) {
+      const float* row = k + (j < block ? at[j] : 0);
+      for (std::int64_t x = 0; x < heads; ++x) {
+        Vec acc = {};
+        if (j < block) {
+          const float* kx = row + x * k_step;
+          const float* qx = q + x * head_floats;
+          for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) acc += load(qx + e0) * load(kx + e0);
+        }
+        store(parts + (x * kLanes + j) * kLanes, acc);
+      }
+    }
+    for (std::int64_t x = 0; x < heads; ++x) {
+      Vec t[kLanes];
+#pragma GCC unroll 16
+      for (int j = 0; j < kLanes; ++j) t[j] = load(parts + (x * kLanes + j) * kLanes);
+      store(s + x * head_floats, reduce_sums(t));
+    }
+  }
+
   template <class T>
   ATTNCORE_TARGET static void score_block(const T* k, std::int64_t ldk, DType dtype, std::int64_t d,
                                           std::int64_t block, const float* q, float* s) {
@@ -252,6 +283,20 @@ struct DirectKv {
     // against 6.2-6.7 into L1). V is read a whole tile after its prefetch: into L2.
     const bool near = heads == 1 && (ahead < 2 || k_at[1] - k_at[0] == d);
     const std::int64_t d_pad = (d + kLanes - 1) / kLanes * kLanes;
+    // f32, one row per head, several heads: key by key, no prefetch (bench --decode MHA 1 thread,
+    // % of the probe, Lk=4096/16384, interleaved with head by head: [B, L, Hkv, D] 65/65 -> 73/73,
+    // p16 61/59 -> 68/67, p256 63/65 -> 73/72; with each key's rows of every head prefetched
+    // `lead` keys on, 61/61).
+    if constexpr (sizeof(T) == 4) {
+      if (heads > 1 && rows == 1 && d % kLanes == 0 && heads * kLanes * kLanes <= d * kKeyTile) {
+        for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
+          const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
+          score_heads_by_key(k, k_at + c0, block, d, heads, k_step, head_floats, q, s + c0,
+                             widened);
+        }
+        return;
+      }
+    }
     for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
       const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
       const std::int64_t ldk = block >= 2 ? even_stride(k_at + c0, block) : d;
