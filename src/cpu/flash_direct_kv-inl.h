@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "core/convert.h"
@@ -199,25 +200,45 @@ struct DirectKv {
     }
     score_rows<kTileRows>(k, at, block, dtype, d, q, s, parts);
   }
-  // One f32 row per head (MHA) against a block of keys c < block (0 past it) of `heads` heads,
-  // key after key, each key's row of every head in turn: memory read in address order, which the
+  // One row per head (MHA) against a block of keys c < block (0 past it) of `heads` heads, key
+  // after key, each key's row of every head in turn: memory read in address order, which the
   // hardware prefetcher streams ([B, L, Hkv, D] and pages: a key's heads lie together). Head
   // x's q and S lie x * head_floats floats on, its K row x * k_step elements after head 0's at
-  // k + at[j]. Each score is the one score_keys gives (the same lane sums, then reduce_sums over
-  // `parts`, heads * kLanes * kLanes floats).
-  ATTNCORE_TARGET static void score_heads_by_key(const float* k, const std::int64_t* at,
-                                                 std::int64_t block, std::int64_t d,
+  // k + at[j]; D a multiple of kLanes. Each score is the one score_keys (score_keys_pairs with
+  // `q_pairs`: the heads' queries as bf16 pairs, d / 2 each) gives it: the same lane sums, then
+  // reduce_sums over `parts` (heads * kLanes * kLanes floats).
+  template <class T>
+  ATTNCORE_TARGET static void score_heads_by_key(const T* k, const std::int64_t* at,
+                                                 std::int64_t block, DType dtype, std::int64_t d,
                                                  std::int64_t heads, std::int64_t k_step,
-                                                 std::int64_t head_floats, const float* q, float* s,
+                                                 std::int64_t head_floats, const float* q,
+                                                 [[maybe_unused]] const float* q_pairs, float* s,
                                                  float* parts) {
     for (std::int64_t j = 0; j < kLanes; ++j) {
-      const float* row = k + (j < block ? at[j] : 0);
+      const T* row = k + (j < block ? at[j] : 0);
       for (std::int64_t x = 0; x < heads; ++x) {
         Vec acc = {};
         if (j < block) {
-          const float* kx = row + x * k_step;
-          const float* qx = q + x * head_floats;
-          for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) acc += load(qx + e0) * load(kx + e0);
+          const T* kx = row + x * k_step;
+#if ATTNCORE_BF16_DOT
+          if (sizeof(T) == 2 && q_pairs != nullptr) {
+            const float* qx = q_pairs + x * (d / 2);
+            __m512 sum = acc;
+            for (std::int64_t e0 = 0; e0 < d; e0 += 2 * kLanes) {
+              const __m512i qv = _mm512_loadu_si512(qx + e0 / 2);
+              const __m512i kv = _mm512_loadu_si512(kx + e0);
+              sum = _mm512_dpbf16_ps(sum, reinterpret_cast<const __m512bh&>(qv),
+                                     reinterpret_cast<const __m512bh&>(kv));
+            }
+            acc = sum;
+          } else
+#endif
+          {
+            const float* qx = q + x * head_floats;
+            for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
+              acc += load(qx + e0) * load_part(kx + e0, kLanes, dtype);
+            }
+          }
         }
         store(parts + (x * kLanes + j) * kLanes, acc);
       }
@@ -283,19 +304,36 @@ struct DirectKv {
     // against 6.2-6.7 into L1). V is read a whole tile after its prefetch: into L2.
     const bool near = heads == 1 && (ahead < 2 || k_at[1] - k_at[0] == d);
     const std::int64_t d_pad = (d + kLanes - 1) / kLanes * kLanes;
-    // f32, one row per head, several heads: key by key, no prefetch (bench --decode MHA 1 thread,
-    // % of the probe, Lk=4096/16384, interleaved with head by head: [B, L, Hkv, D] 65/65 -> 73/73,
-    // p16 61/59 -> 68/67, p256 63/65 -> 73/72; with each key's rows of every head prefetched
-    // `lead` keys on, 61/61).
-    if constexpr (sizeof(T) == 4) {
-      if (heads > 1 && rows == 1 && d % kLanes == 0 && heads * kLanes * kLanes <= d * kKeyTile) {
-        for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
-          const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
-          score_heads_by_key(k, k_at + c0, block, d, heads, k_step, head_floats, q, s + c0,
-                             widened);
+    // One row per head, several heads, f32 or bf16 pairs: key by key, no prefetch (bench
+    // --decode MHA 1 thread, % of the probe, Lk=4096/16384, interleaved with head by head: f32
+    // [B, L, Hkv, D] 65/65 -> 73/73, p16 61/59 -> 68/67, p256 63/65 -> 73/72, with each key's
+    // rows of every head prefetched `lead` keys on 61/61; bf16 pairs BLHD 63/61 -> 66/66, p16
+    // 63/56 -> 69/59, p256 65/62 -> 73/66; f16 widened ran 1-4 points slower that way). Pairs
+    // need D a multiple of 2 * kLanes and the queries as pairs, after the partial sums in
+    // `widened`.
+    const bool by_key = heads > 1 && rows == 1 && d % kLanes == 0 &&
+                        (sizeof(T) == 4 || (pairs && d % (2 * kLanes) == 0)) &&
+                        heads * kLanes * kLanes + heads * d / 2 <= d * kKeyTile;
+    if (by_key) {
+      float* q_pairs = nullptr;
+#if ATTNCORE_BF16_DOT
+      if (pairs) {
+        q_pairs = widened + heads * kLanes * kLanes;
+        for (std::int64_t x = 0; x < heads; ++x) {
+          const float* qx = q + x * head_floats;
+          for (std::int64_t e0 = 0; e0 < d; e0 += 2 * kLanes) {
+            const __m512bh qv = _mm512_cvtne2ps_pbh(load(qx + e0 + kLanes), load(qx + e0));
+            std::memcpy(q_pairs + x * (d / 2) + e0 / 2, &qv, sizeof qv);
+          }
         }
-        return;
       }
+#endif
+      for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
+        const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
+        score_heads_by_key(k, k_at + c0, block, dtype, d, heads, k_step, head_floats, q, q_pairs,
+                           s + c0, widened);
+      }
+      return;
     }
     for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
       const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
