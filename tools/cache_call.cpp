@@ -27,8 +27,7 @@ TensorView rows(const TensorView& t, std::int64_t first, std::int64_t count) {
 
 // Pages per sequence of a paged cache (0: dense).
 std::int64_t pages_per_seq(const RunConfig& c) {
-  if (c.page_size == 0) return 0;
-  return c.seqlen_k / c.page_size + (c.seqlen_k % c.page_size != 0);  // (no overflow at 2^63 - 1)
+  return pages_per_sequence(c.seqlen_k, c.page_size);
 }
 
 // The slots of each row of a cache: its capacity (dense) or the page size.
@@ -77,8 +76,8 @@ double cache_bytes(const RunConfig& c) {
   const double slots = rows * static_cast<double>(cache_slots(c));
   const double widths = static_cast<double>(c.head_dim + c.head_dim_v);
   // The shuffled table and the block table copied from it: int32 [B, pages_per_seq] each.
-  const double tables = 2.0 * static_cast<double>(c.batch) *
-                        static_cast<double>(pages_per_seq(c)) * sizeof(std::int32_t);
+  const double tables = 2.0 * static_cast<double>(c.batch) * static_cast<double>(pages_per_seq(c)) *
+                        sizeof(std::int32_t);
   return slots * static_cast<double>(c.heads_kv) * widths *
              static_cast<double>(attncore::size_of(c.dtype)) +
          tables;

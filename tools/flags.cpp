@@ -15,6 +15,7 @@
 #include <variant>
 
 #include "commands.h"
+#include "flag_checks.h"
 
 namespace attncore_tools {
 
@@ -365,13 +366,6 @@ std::string shown_default(const Flag& f, const Target& defaults) {
 // ---------------------------------------------------------------------------------------------
 // Parsing and usage.
 
-// The names of the flags a command line gave.
-using GivenFlags = std::vector<std::string_view>;
-
-bool given(const GivenFlags& flags, std::string_view name) {
-  return std::find(flags.begin(), flags.end(), name) != flags.end();
-}
-
 // Reads `args` into `into` (which holds the command's defaults) and returns the flags given.
 // --flag value and --flag=value; a value never starts with "--".
 GivenFlags parse_flags(const std::vector<std::string>& args, FlagSet command, const Target& into) {
@@ -408,110 +402,6 @@ GivenFlags parse_flags(const std::vector<std::string>& args, FlagSet command, co
     land(*flag, command, value, into);
   }
   return seen;
-}
-
-// The packed-batch flags of run: lists of matching lengths, and no dense lengths beside them.
-void check_varlen_flags(const RunConfig& c, const GivenFlags& flags) {
-  for (const char* name : {"--varlen-k", "--seqused-k"}) {
-    if (!c.is_varlen() && given(flags, name)) {
-      throw UsageError{std::string(name) + " needs --varlen"};
-    }
-  }
-  if (!c.is_varlen()) return;
-  for (const char* name : {"--seqlen-q", "--seqlen-k"}) {
-    if (given(flags, name)) {
-      throw UsageError{std::string(name) +
-                       " does not go with --varlen (the lengths come from --varlen and "
-                       "--varlen-k)"};
-    }
-  }
-  const std::size_t n = c.varlen.size();
-  auto same_count = [&](const char* name, const std::vector<std::int64_t>& lengths) {
-    if (!lengths.empty() && lengths.size() != n) {
-      throw UsageError{std::string(name) + " gives " + std::to_string(lengths.size()) +
-                       (lengths.size() == 1 ? " length" : " lengths") + ", expected " +
-                       std::to_string(n) + " (one per sequence of --varlen)"};
-    }
-  };
-  same_count("--varlen-k", c.varlen_k);
-  same_count("--seqused-k", c.seqused_k);
-  // cu_seqlens are int32: the packed rows must fit.
-  auto fits = [](const char* name, const std::vector<std::int64_t>& lengths) {
-    std::int64_t total = 0;
-    for (const std::int64_t x : lengths) {
-      total += x;
-      if (x > std::numeric_limits<std::int32_t>::max() ||
-          total > std::numeric_limits<std::int32_t>::max()) {
-        throw UsageError{std::string(name) +
-                         ": the lengths add up past 2^31 - 1 (cu_seqlens are int32)"};
-      }
-    }
-  };
-  fits("--varlen", c.varlen);
-  fits("--varlen-k", c.varlen_k);
-  fits("--seqused-k", c.seqused_k);
-}
-
-// The KV-cache flags of run: --new-tokens and --page-size need --cache-len, which takes the
-// place of the dense lengths and of the packed batch; the cache is forward only.
-void check_cache_flags(const RunConfig& c, const GivenFlags& flags) {
-  for (const char* name : {"--new-tokens", "--page-size"}) {
-    if (!c.is_cache() && given(flags, name)) {
-      throw UsageError{std::string(name) + " needs --cache-len"};
-    }
-  }
-  if (!c.is_cache()) return;
-  for (const char* name : {"--seqlen-q", "--seqlen-k", "--varlen", "--backward"}) {
-    if (given(flags, name)) {
-      throw UsageError{std::string(name) + " does not go with --cache-len (" +
-                       (std::string(name) == "--backward"
-                            ? "attention over a KV cache is forward only)"
-                            : "the lengths come from --cache-len and --new-tokens)")};
-    }
-  }
-  if (c.cache_len + c.new_tokens > std::numeric_limits<std::int32_t>::max()) {
-    throw UsageError{"--cache-len: cache_len + new_tokens passes 2^31 - 1 (cache_seqlens are "
-                     "int32)"};
-  }
-  // Page numbers (the batch's pages) are int32 too; page_size up to 2^63 - 1 must not overflow.
-  const std::int64_t slots = c.cache_len + c.new_tokens;
-  const std::int64_t pages = c.page_size > 0 ? slots / c.page_size + (slots % c.page_size != 0) : 0;
-  if (static_cast<double>(c.batch) * static_cast<double>(pages) >
-      std::numeric_limits<std::int32_t>::max()) {
-    throw UsageError{"--page-size: the pages of the batch pass 2^31 - 1 (block_table entries are "
-                     "int32)"};
-  }
-}
-
-// bench runs one of its modes (the sweep, --select, --varlen, --decode); a flag the mode given
-// has nothing to act on, or a second mode, is refused rather than silently ignored.
-void check_bench_mode_flags(const GivenFlags& flags) {
-  struct Mode {
-    const char* name;
-    std::vector<const char*> ignored;  // flags the mode has nothing to act on
-  };
-  const Mode modes[] = {
-      {"--select", {"--varlen", "--decode", "--batch", "--heads-q", "--heads-kv", "--head-dim",
-                    "--seqlens", "--dtypes", "--causal", "--csv", "--json", "--png"}},
-      {"--varlen", {"--decode", "--batch", "--seqlens", "--passes", "--csv", "--png"}},
-      {"--decode", {"--batch", "--heads-q", "--heads-kv", "--head-dim", "--seqlens", "--dtypes",
-                    "--causal", "--backward", "--csv", "--png"}},
-  };
-  const Mode* mode = nullptr;
-  for (const Mode& m : modes) {
-    if (!given(flags, m.name)) continue;
-    if (mode == nullptr) mode = &m;
-    for (const char* name : m.ignored) {
-      if (given(flags, name)) throw UsageError{std::string(name) + " does not go with " + m.name};
-    }
-  }
-  const bool decode = mode != nullptr && std::string_view(mode->name) == "--decode";
-  for (const char* name : {"--quick", "--max-kv-gib", "--points"}) {
-    if (!decode && given(flags, name)) throw UsageError{std::string(name) + " needs --decode"};
-  }
-  if (mode == nullptr && given(flags, "--passes")) {
-    throw UsageError{"--passes needs --select or --decode"};
-  }
 }
 
 // The flag lines of a command's usage text: "  --name VALUE" in a 27-column field, then the

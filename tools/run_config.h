@@ -22,6 +22,12 @@ enum class MaskKind { none, boolean, additive };
 std::string_view name_of(MaskKind m);
 using attncore::name_of;
 
+// The pages `slots` slots take at `page_size` slots a page (0 for page_size 0: a dense cache),
+// rounded up without overflow at any int64 size.
+inline std::int64_t pages_per_sequence(std::int64_t slots, std::int64_t page_size) {
+  return page_size > 0 ? slots / page_size + (slots % page_size != 0) : 0;
+}
+
 // A sliding window; -1 = unbounded on that side.
 struct Window {
   std::int64_t left = -1;
