@@ -51,7 +51,7 @@ struct CacheCase {
   DType dtype = DType::f32;
   std::int64_t hq = 4, hkv = 2, lq = 1, dim = 64, dim_v = 64;
   std::vector<int> seqlens;
-  std::vector<int> leftpad;  // empty: none
+  std::vector<int> leftpad = {};  // empty: none
   Causal causal = Causal::none;
   std::int64_t window_left = -1;
   double softcap = 0.0;
@@ -259,46 +259,42 @@ bool check_cache_case(const CacheCase& c, std::int64_t page_size) {
 TEST(SplitKv, DenseCacheEveryVariantAndDtype) {
   const std::vector<CacheCase> cases = {
       // Sequences of 0 keys, shorter than a tile, and long; rows of two heads per kv head.
-      {"plain f32", DType::f32, 4, 2, 1, 64, 64, {1500, 0, 77, 1030}},
+      {.name = "plain f32", .seqlens = {1500, 0, 77, 1030}},
       // GQA chunked prefill: 3 heads x 2 rows per kv head, causal.
-      {"gqa causal prefill bf16",
-       DType::bf16,
-       6,
-       2,
-       2,
-       64,
-       48,
-       {900, 130},
-       {},
-       Causal::lower_right},
+      {.name = "gqa causal prefill bf16",
+       .dtype = DType::bf16,
+       .hq = 6,
+       .lq = 2,
+       .dim_v = 48,
+       .seqlens = {900, 130},
+       .causal = Causal::lower_right},
       // A window of 60 keys: the first parts of the long sequences see no key at all.
-      {"window leftpad f16",
-       DType::f16,
-       2,
-       1,
-       1,
-       80,
-       80,
-       {1200, 700},
-       {5, 100},
-       Causal::lower_right,
-       60},
+      {.name = "window leftpad f16",
+       .dtype = DType::f16,
+       .hq = 2,
+       .hkv = 1,
+       .dim = 80,
+       .dim_v = 80,
+       .seqlens = {1200, 700},
+       .leftpad = {5, 100},
+       .causal = Causal::lower_right,
+       .window_left = 60},
       // 16 query heads on one kv head: one item of 16 rows, packing each tile it reads.
-      {"gqa 16 heads bf16", DType::bf16, 16, 1, 1, 64, 64, {1300, 40}},
-      {"gqa 8 heads chunk f32", DType::f32, 8, 1, 3, 64, 64, {700, 300}, {}, Causal::lower_right},
-      {"softcap alibi leftpad f32",
-       DType::f32,
-       4,
-       4,
-       1,
-       40,
-       24,
-       {1000, 260},
-       {3, 0},
-       Causal::none,
-       -1,
-       20.0,
-       true},
+      {.name = "gqa 16 heads bf16", .dtype = DType::bf16, .hq = 16, .hkv = 1, .seqlens = {1300, 40}},
+      {.name = "gqa 8 heads chunk f32",
+       .hq = 8,
+       .hkv = 1,
+       .lq = 3,
+       .seqlens = {700, 300},
+       .causal = Causal::lower_right},
+      {.name = "softcap alibi leftpad f32",
+       .hkv = 4,
+       .dim = 40,
+       .dim_v = 24,
+       .seqlens = {1000, 260},
+       .leftpad = {3, 0},
+       .softcap = 20.0,
+       .alibi = true},
   };
   bool changed = false;
   for (const CacheCase& c : cases) changed |= check_cache_case(c, 0);
@@ -306,16 +302,20 @@ TEST(SplitKv, DenseCacheEveryVariantAndDtype) {
 }
 
 TEST(SplitKv, PagedCacheEveryPageSize) {
-  const CacheCase c{"paged causal leftpad", DType::f32, 4, 2, 1, 64, 64, {600, 129, 0}, {0, 3, 0},
-                    Causal::lower_right};
+  const CacheCase c{.name = "paged causal leftpad",
+                    .seqlens = {600, 129, 0},
+                    .leftpad = {0, 3, 0},
+                    .causal = Causal::lower_right};
   for (std::int64_t page_size : {1, 3, 16, 256}) check_cache_case(c, page_size);
 }
 
 // An f32 query over bf16 and f16 caches (K/V widened in registers), dense and paged.
 TEST(SplitKv, F32QueryOver16BitCaches) {
   for (DType kv : {DType::bf16, DType::f16}) {
-    CacheCase c{"f32 query, 16-bit cache", DType::f32, 4, 2, 1, 64, 64, {1400, 90}, {2, 0},
-                Causal::lower_right};
+    CacheCase c{.name = "f32 query, 16-bit cache",
+                .seqlens = {1400, 90},
+                .leftpad = {2, 0},
+                .causal = Causal::lower_right};
     c.kv_dtype = kv;
     for (std::int64_t page_size : {0, 16}) check_cache_case(c, page_size);
   }
@@ -421,7 +421,7 @@ TEST(SplitKv, CancelledBetweenParts) {
       }
     }
   };
-  const CacheCase c{"cancel", DType::f32, 4, 2, 1, 64, 64, {3000}};
+  const CacheCase c{.name = "cancel", .seqlens = {3000}};
   const CacheData d = make_data(c, 3);
   const CacheTensors t = make_cache(c, d, 0);
   std::atomic<bool> cancel{false};
