@@ -65,7 +65,16 @@ void fuzz_dense(Reader& r) {
                                dbias ? std::optional<TensorView>(dbias->view) : std::nullopt,
                                o.options, b);
                }};
-  check_gradients(run_all_backends(bwd), {dtype, s.d, s.dv, s.lq, &o.options, &q, &k, &v, &dout,
+  // The most query rows one gradient element sums over: a key's, its group's rows (GQA); a
+  // mask element's, every (b, h, i) row its broadcast dims cover.
+  std::int64_t rows = s.hq / std::max<std::int64_t>(s.hkv, 1) * s.lq;
+  if (dbias) {
+    const TensorView& m = o.mask->view;
+    std::int64_t mask_rows = 1;  // the mask's sizes along [B, Hq, Lq] (right-aligned, then keys)
+    for (int dim = 0; dim + 1 < m.rank; ++dim) mask_rows *= std::max<std::int64_t>(m.size(dim), 1);
+    rows = std::max(rows, s.b * s.hq * s.lq / std::max<std::int64_t>(mask_rows, 1));
+  }
+  check_gradients(run_all_backends(bwd), {dtype, s.d, s.dv, rows, &o.options, &q, &k, &v, &dout,
                                           dbias ? &*dbias : nullptr});
 }
 

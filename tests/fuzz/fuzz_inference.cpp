@@ -69,7 +69,8 @@ void fuzz_varlen(Reader& r) {
                                       ref_lse.view, seqs, dq.view, dk.view, dv.view, o.options, b);
                }};
   check_gradients(run_all_backends(bwd),
-                  {dtype, s.d, s.dv, max_q, &o.options, &q, &k, &v, &dout, nullptr});
+                  {dtype, s.d, s.dv, s.hq / std::max<std::int64_t>(s.hkv, 1) * max_q, &o.options,
+                   &q, &k, &v, &dout, nullptr});  // a key's gradient sums its group's rows
 }
 
 namespace {

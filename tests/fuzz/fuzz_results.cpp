@@ -57,7 +57,7 @@ void check_gradients(const std::vector<Run>& grads, const GradientCall& call) {
   // or 1.
   const Options& o = *call.options;
   const double eps = dtype == DType::f64 ? 0x1p-53 : 0x1p-24;
-  const double sm_scale = o.scale.value_or(1.0 / std::sqrt(double(call.d)));
+  const double sm_scale = std::fabs(o.scale.value_or(1.0 / std::sqrt(double(call.d))));
   const double ds_error = 4.0 * eps * double(call.dv) * max_finite(test::read_view(call.dout->view)) *
                           max_finite(test::read_view(call.v->view)) / (1.0 - o.dropout_p);
   const double cancel =
