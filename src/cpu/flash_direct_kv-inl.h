@@ -147,6 +147,18 @@ struct DirectKv {
   }
 #endif
 
+  // The scores of `count` rows from their partial sums: parts [count][kLanes keys][kLanes]
+  // lanes into s[x * stride .. + kLanes) for row x, each key's lanes summed by reduce_sums.
+  ATTNCORE_TARGET static void sum_parts(const float* parts, std::int64_t count, std::int64_t stride,
+                                        float* s) {
+    for (std::int64_t x = 0; x < count; ++x) {
+      Vec t[kLanes];
+#pragma GCC unroll 16
+      for (int j = 0; j < kLanes; ++j) t[j] = load(parts + (x * kLanes + j) * kLanes);
+      store(s + x * stride, reduce_sums(t));
+    }
+  }
+
   // The scores of R rows (q rows d apart; rows past the item's are zero) against the block's
   // keys c < block, at k + at[c], into s[r * kKeyTile + c] for c < kLanes (0 past block): key
   // after key, each K vector loaded (widened) once for all R rows. A row's score of a key is
@@ -181,13 +193,7 @@ struct DirectKv {
     } else {
       keys(std::false_type{});
     }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      Vec t[kLanes];
-#pragma GCC unroll 16
-      for (int j = 0; j < kLanes; ++j) t[j] = load(parts + (r * kLanes + j) * kLanes);
-      store(s + r * kKeyTile, reduce_sums(t));
-    }
+    sum_parts(parts, R, kKeyTile, s);
   }
   template <class T>
   ATTNCORE_TARGET static void score_block_rows(const T* k, const std::int64_t* at,
@@ -243,12 +249,7 @@ struct DirectKv {
         store(parts + (x * kLanes + j) * kLanes, acc);
       }
     }
-    for (std::int64_t x = 0; x < heads; ++x) {
-      Vec t[kLanes];
-#pragma GCC unroll 16
-      for (int j = 0; j < kLanes; ++j) t[j] = load(parts + (x * kLanes + j) * kLanes);
-      store(s + x * head_floats, reduce_sums(t));
-    }
+    sum_parts(parts, heads, head_floats, s);
   }
 
   template <class T>
