@@ -14,8 +14,6 @@
 
 namespace attncore::detail::ATTNCORE_TARGET_NS {
 
-// Keys per chunk of P . V across the kv heads of a multi-head item (flash_tile_loop-inl.h).
-constexpr std::int64_t kHeadChunk = 16;
 // V rows of a one-head item prefetched this many keys ahead of P . V, into L1 (8 KiB of 16-bit
 // rows at D = 128): bench --decode, [B, Hkv, L, D], 1 thread, % of the probe, Lk=4096/16384:
 // MHA bf16 71/76 without, 83/85 at 32 keys, 89/82 at 48, 84/81 at 64; f16 70/74 without, 86/81
@@ -53,6 +51,17 @@ struct DirectKv {
         std::fill_n(q + r * d, d, 0.0f);
       }
     }
+  }
+
+  // Keys per chunk of P . V across the kv heads of a multi-head item (flash_tile_loop-inl.h),
+  // each chunk prefetching the next kHeadVAhead bytes of its head's V rows (so each row is
+  // prefetched kHeadVAhead / row bytes / chunk times, which ran faster than once): bench
+  // --decode, 1 thread, % of the probe, Lk=4096/16384, interleaved, MHA f32 [B, L, Hkv, D]
+  // 69/71 with 16 keys, 67/78 with 4, 67/66 with 2; p16 66/65 -> 78/74, p256 71/70 -> 77/77;
+  // bf16 BLHD 73/69 -> 52/51 and f16 66/61 -> 50/48 with 4 (also with each row prefetched
+  // once: 70/71, 64/67); GQA f32 BLHD 59/53 -> 53/50.
+  ATTNCORE_TARGET static std::int64_t head_chunk(DType dtype, std::int64_t rows) {
+    return dtype == DType::f32 && rows == 1 ? 4 : 16;
   }
 
   // The rows the in-place products compute for an item of `rows` rows, V in `dtype`: 1, 2, 4
@@ -212,7 +221,10 @@ struct DirectKv {
   // x's q and S lie x * head_floats floats on, its K row x * k_step elements after head 0's at
   // k + at[j]; D a multiple of kLanes. Each score is the one score_keys (score_keys_pairs with
   // `q_pairs`: the heads' queries as bf16 pairs, d / 2 each) gives it: the same lane sums, then
-  // reduce_sums over `parts` (heads * kLanes * kLanes floats).
+  // reduce_sums over `parts` (heads * kLanes * kLanes floats) for f32, each sum reduce_sum'd
+  // as it is formed for bf16 pairs (the same bits; bench --decode MHA bf16, 1 thread, % of the
+  // probe, Lk=4096/16384, interleaved: [B, L, Hkv, D] 69/66 -> 77/68, p256 72/65 -> 78/69; f32
+  // ran 3 points slower that way).
   template <class T>
   ATTNCORE_TARGET static void score_heads_by_key(const T* k, const std::int64_t* at,
                                                  std::int64_t block, DType dtype, std::int64_t d,
@@ -246,10 +258,14 @@ struct DirectKv {
             }
           }
         }
-        store(parts + (x * kLanes + j) * kLanes, acc);
+        if constexpr (sizeof(T) == 2) {
+          s[x * head_floats + j] = reduce_sum(acc);
+        } else {
+          store(parts + (x * kLanes + j) * kLanes, acc);
+        }
       }
     }
-    sum_parts(parts, heads, head_floats, s);
+    if constexpr (sizeof(T) == 4) sum_parts(parts, heads, head_floats, s);
   }
 
   template <class T>

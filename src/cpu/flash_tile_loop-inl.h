@@ -47,9 +47,9 @@ ATTNCORE_TARGET __attribute__((noinline)) std::int64_t leave_out_hidden_keys(
   std::int64_t count = 0;
   for (std::int64_t c = 0; c < keys; ++c) {
     if (hidden[c / kLanes][c % kLanes] == 0) continue;
-    const bool finite = direct
-                            ? row_is_finite(a.v, kv_offset(p, a.v, b, kv_head, j0 + c), p.head_dim_v)
-                            : Dot::key_finite(*v_tile, c, dv_pad);
+    const bool finite =
+        direct ? row_is_finite(a.v, kv_offset(p, a.v, b, kv_head, j0 + c), p.head_dim_v)
+               : Dot::key_finite(*v_tile, c, dv_pad);
     if (!finite) bad[count++] = c;
   }
   if (count > 0 && !direct) {
@@ -76,7 +76,8 @@ ATTNCORE_TARGET inline FlashScratch head_scratch(const FlashScratch& w, std::int
 // One work item: see the top of this file. A DirectKv item of several kv heads runs each tile
 // for every head in turn, each head's steps exactly those of an item of its own (the same
 // bits): the scores block by block across the heads, each head's softmax, then P . V in
-// chunks of kHeadChunk keys across the heads (the chunks sum in key order as one pass does).
+// chunks of DirectKv::head_chunk keys across the heads (the chunks sum in key order as one
+// pass does).
 template <class Dot>
 ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const FlashPanel& panel,
                                     const FlashItem& item, const FlashScratch& w) {
@@ -107,9 +108,8 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   // The rows the products compute: whole micro-tiles, or in place the few DirectKv computes.
   const std::int64_t live_rows = direct ? DirectKv::rows_computed(rows, a.v.dtype) : padded_rows;
   // Scratch of kv head x (item.kv_head + x), and its rows' heads.
-  auto scratch_of = [&](std::int64_t x) ATTNCORE_TARGET {
-    return direct ? head_scratch(w, x, d, dv_pad) : w;
-  };
+  auto scratch_of = [&](std::int64_t x)
+                        ATTNCORE_TARGET { return direct ? head_scratch(w, x, d, dv_pad) : w; };
   auto heads_of = [&](std::int64_t x, std::int64_t* of) ATTNCORE_TARGET {
     for (std::int64_t r = 0; r < rows; ++r) of[r] = head_of[r] + x * p.group;
   };
@@ -158,8 +158,8 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
       resolve_rows(p, a.k, b, item.kv_head, j0, k_rows);
       resolve_rows(p, a.v, b, item.kv_head, j0, v_rows);
       const FlashScratch w0 = scratch_of(0);
-      DirectKv::tile_scores(p, a, k_rows, heads, w.head_floats, keys, cols, w0.q, rows,
-                            w0.scores, w.k_tile);
+      DirectKv::tile_scores(p, a, k_rows, heads, w.head_floats, keys, cols, w0.q, rows, w0.scores,
+                            w.k_tile);
     } else if (panel.k_tiles != nullptr) {
       k_tile = panel.k_tiles + t * d * kKeyTile;
       v_tile = panel.v_rows + j0 * dv_pad;
@@ -264,9 +264,9 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
         for (std::int64_t n = 0; n <= bad_count; ++n) {
           const std::int64_t end = n < bad_count ? bad[n] : pv_keys;
           if (end > begin || (n == bad_count && !rescaled)) {
-            DirectKv::tile_accumulate(p, a, v_rows, x * a.v.stride[1], begin, end - begin, 0,
-                                      rows, wx.scores + begin, dv_pad,
-                                      rescaled ? ones : wx.alpha, wx.out);
+            DirectKv::tile_accumulate(p, a, v_rows, x * a.v.stride[1], begin, end - begin, 0, rows,
+                                      wx.scores + begin, dv_pad, rescaled ? ones : wx.alpha,
+                                      wx.out);
             rescaled = true;
           }
           begin = end + 1;
@@ -276,19 +276,19 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
                         wx.out);
       }
       if (bad_count > 0) {
-        add_bad_keys(p, band, a.v, b, kv_head, j0, bad, bad_count, hx, index_of, rows,
-                     wx.scores, p.head_dim_v, wx.out, dv_pad);
+        add_bad_keys(p, band, a.v, b, kv_head, j0, bad, bad_count, hx, index_of, rows, wx.scores,
+                     p.head_dim_v, wx.out, dv_pad);
       }
     }
     if (direct && !cut) {
-      // In place, no key left out: P . V in chunks of kHeadChunk keys, each for every head
+      // In place, no key left out: P . V in chunks of head_chunk keys, each for every head
       // (V read in order with the heads inside a key's row), the next chunk's rows of the
       // head prefetched; each head's accumulator rescaled by its first chunk only.
       float ones[kTileRows];
       std::fill_n(ones, kTileRows, 1.0f);
       const std::int64_t v_ahead =
           kHeadVAhead / (p.head_dim_v * static_cast<std::int64_t>(size_of(a.v.dtype)));
-      const std::int64_t step = heads > 1 ? kHeadChunk : kKeyTile;
+      const std::int64_t step = heads > 1 ? DirectKv::head_chunk(a.v.dtype, rows) : kKeyTile;
       for (std::int64_t c = 0; c == 0 || c < pv_keys; c += step) {
         const std::int64_t chunk = std::min(step, pv_keys - c);
         for (std::int64_t x = 0; x < heads; ++x) {
@@ -320,8 +320,7 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
       store_row(o, p.head_dim_v, a.out.data, a.out.dtype, offset4(a.out, b, h, i, 0));
       if (a.lse.data != nullptr) {
         store_element(a.lse.data, a.lse.dtype,
-                      b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2],
-                      state.lse());
+                      b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2], state.lse());
       }
     }
   }
