@@ -64,15 +64,16 @@ struct DirectKv {
     return dtype == DType::f32 && rows == 1 ? 4 : 16;
   }
 
-  // The rows the in-place products compute for an item of `rows` rows, V in `dtype`: 1, 2, 4
-  // or kTileRows (the rows past `rows` have P = 0 and alpha = 1). Decode items have one row per
-  // query head of the group: computing kTileRows rows for MHA's one row made P . V 8x the work
-  // it is. GQA groups of 3-4 rows: 4 for 16-bit V, kTileRows for f32 (GQA Hq=32 Hkv=8
-  // Lk=16384, 1 thread, GB/s: f32 18-20 with 8 rows against 16-17 with 4; bf16 17-18 with 4
-  // against 14 with 8).
-  ATTNCORE_TARGET static int rows_computed(std::int64_t rows, DType dtype) {
+  // The rows the in-place products compute for an item of `rows` rows: 1, 2, 4 or kTileRows
+  // (the rows past `rows` have P = 0 and alpha = 1). Decode items have one row per query head
+  // of the group: computing kTileRows rows for MHA's one row made P . V 8x the work it is. GQA
+  // groups of 3-4 rows: 4 (GQA Hq=32 Hkv=8 Lk=16384, 1 thread, GB/s: bf16 17-18 with 4 against
+  // 14 with 8; f32, once each slice's V lines were all prefetched, % of the probe, Lk=4096/16384,
+  // interleaved: [B, Hkv, L, D] 78/60 with 8 against 89/66 with 4 in one run of 5 passes, 59/56
+  // against 63/60 in one of 3; [B, L, Hkv, D] and pages within 3 points either way).
+  ATTNCORE_TARGET static int rows_computed(std::int64_t rows) {
     if (rows <= 2) return rows <= 1 ? 1 : 2;
-    return rows <= 4 && kTileRows > 4 && dtype != DType::f32 ? 4 : kTileRows;
+    return rows <= 4 && kTileRows > 4 ? 4 : kTileRows;
   }
 
   // The scores of one row against keys c0 .. c0 + block - 1 (block <= kLanes) of `k` (rows ldk
@@ -454,9 +455,8 @@ struct DirectKv {
       auto keys_loop = [&](auto whole) ATTNCORE_TARGET {
         for (std::int64_t c = 0; c < keys; ++c) {
           const T* row = v + v_at[c] + e0;
-          if (R > 2 && c + 16 < ahead) {  // GQA: this slice of the row 16 keys on, into L1
-            __builtin_prefetch(v + v_at[c + 16] + e0);
-            __builtin_prefetch(v + v_at[c + 16] + e0 + kCols - 1);
+          if (R > 2 && c + 16 < ahead) {  // GQA: this slice's lines of the row 16 keys on, into L1
+            prefetch_lines<3>(v + v_at[c + 16] + e0, std::min<std::int64_t>(kCols, dv - e0));
           }
           if (e0 == 0 && c + lead < ahead) prefetch_lines<3>(v + v_at[c + lead], dv);
           Vec vrow[kVectors];
@@ -519,7 +519,7 @@ struct DirectKv {
                                               std::int64_t keys, std::int64_t rows,
                                               const float* probs, std::int64_t dv_pad,
                                               const float* alpha, float* out) {
-    switch (rows_computed(rows, dtype)) {
+    switch (rows_computed(rows)) {
       case 1:
         return accumulate_chunks<T, 1>(p, v, v_at, ahead, lead, dtype, keys, probs, dv_pad, alpha,
                                        out);

@@ -106,7 +106,7 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   const bool direct = Dot::kDirectDecode && panel.k_tiles == nullptr && rows <= kTileRows;
   const std::int64_t heads = direct ? item.heads : 1;
   // The rows the products compute: whole micro-tiles, or in place the few DirectKv computes.
-  const std::int64_t live_rows = direct ? DirectKv::rows_computed(rows, a.v.dtype) : padded_rows;
+  const std::int64_t live_rows = direct ? DirectKv::rows_computed(rows) : padded_rows;
   // Scratch of kv head x (item.kv_head + x), and its rows' heads.
   auto scratch_of = [&](std::int64_t x)
                         ATTNCORE_TARGET { return direct ? head_scratch(w, x, d, dv_pad) : w; };
