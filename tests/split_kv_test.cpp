@@ -144,6 +144,7 @@ CacheData make_data(const CacheCase& c, std::uint64_t seed) {
 struct CacheTensors {
   Tensor q, k, v, seqlens, leftpad, table;
   KvCacheSeqs seqs;
+  bool heads_outer = false;  // k, v [B, Hkv, capacity, D] (else [B or pages, L, Hkv, D])
 };
 
 CacheTensors make_cache(const CacheCase& c, const CacheData& d, std::int64_t page_size) {
@@ -187,6 +188,20 @@ CacheTensors make_cache(const CacheCase& c, const CacheData& d, std::int64_t pag
   return t;
 }
 
+// A dense cache's copy with the heads outside the keys ([B, Hkv, L, D]).
+CacheTensors heads_outer(const CacheCase& c, const CacheData& d) {
+  CacheTensors r = make_cache(c, d, 0);
+  auto copy = [&](const Tensor& x) {
+    const TensorView v = x.view().transposed(1, 2);
+    return make_tensor(kv_dtype_of(c), {v.shape[0], v.shape[1], v.shape[2], v.shape[3]},
+                       read_view(v));
+  };
+  r.k = copy(r.k);
+  r.v = copy(r.v);
+  r.heads_outer = true;
+  return r;
+}
+
 struct Result {
   std::vector<double> out, lse;  // [B, Hq, Lq, Dv], [B, Hq, Lq]
 };
@@ -204,8 +219,9 @@ Result run_cache(const CacheCase& c, const CacheData& d, const CacheTensors& t, 
   o.num_splits = splits;
   o.num_threads = threads;
   o.executor = executor;
-  forward_kvcache_into(t.q.view().transposed(1, 2), t.k.view().transposed(1, 2),
-                       t.v.view().transposed(1, 2), t.seqs, out.view(), lse.view(), o,
+  const TensorView k = t.heads_outer ? t.k.view() : t.k.view().transposed(1, 2);
+  const TensorView v = t.heads_outer ? t.v.view() : t.v.view().transposed(1, 2);
+  forward_kvcache_into(t.q.view().transposed(1, 2), k, v, t.seqs, out.view(), lse.view(), o,
                        Backend::flash);
   return {read_view(out.view()), read_view(lse.view())};
 }
@@ -250,6 +266,15 @@ bool check_cache_case(const CacheCase& c, std::int64_t page_size) {
       const ThreadExecutor executor;
       const Result through = run_cache(c, d, t, splits, 3, &executor);
       EXPECT_TRUE(same_bits(through.out, r.out, "out through an executor"));
+      // Items of several kv heads ([B, L, Hkv, D]) give each head the bits of its own item.
+      if (page_size == 0) {
+        const CacheTensors outer = heads_outer(c, d);
+        for (int threads : {1, 2}) {
+          const Result h = run_cache(c, d, outer, splits, threads);
+          EXPECT_TRUE(same_bits(h.out, r.out, "out, [B, Hkv, L, D]"));
+          EXPECT_TRUE(same_bits(h.lse, r.lse, "lse, [B, Hkv, L, D]"));
+        }
+      }
       changed |= !static_cast<bool>(same_bits(r.out, unsplit.out, ""));
     }
   }

@@ -34,7 +34,6 @@ FlashTarget flash_target_generic();
 
 namespace {
 
-
 // The target chosen by set_simd_target ("" = the best supported one). Never destroyed, like
 // every static a call reads: a call may be in flight at exit (tests/exit_test.cpp).
 std::mutex g_choice_mutex;
@@ -140,8 +139,8 @@ FlashForwardPlan plan_flash_forward(const Params& call, int threads, const Flash
   double total = 0;
   for (std::int64_t b = 0; b < call.batch; ++b) {
     const SeqSpan s = call.seq.at(b);
-    const double w = static_cast<double>(s.lq) * static_cast<double>(s.lk) *
-                     static_cast<double>(call.group);
+    const double w =
+        static_cast<double>(s.lq) * static_cast<double>(s.lk) * static_cast<double>(call.group);
     work[static_cast<std::size_t>(b)] = w;
     total += w * static_cast<double>(call.heads_kv);
   }
@@ -162,8 +161,8 @@ FlashForwardPlan plan_flash_forward(const Params& call, int threads, const Flash
   // groups are spread only when, handed out in this order to whichever thread is free, no
   // thread gets more than 5% above its share (one sequence of 8192 among 63 of 16 with 32
   // query heads on one kv head is one group: it runs with every thread on its items). Else the
-  // groups go one after the other, their packing and their items shared by all threads. A group with one item (decode) packs each tile just before
-  // its use, into scratch: no panel at all.
+  // groups go one after the other, their packing and their items shared by all threads. A group
+  // with one item (decode) packs each tile just before its use, into scratch: no panel at all.
   const std::int64_t tiles = (call.seq.max_k() + layout.key_tile - 1) / layout.key_tile;
   const std::int64_t dv_pad = round_up(call.head_dim_v, layout.dv_align);
   plan.panel_floats = round_up(tiles * layout.key_tile * (call.head_dim + dv_pad), 16);
@@ -189,21 +188,30 @@ FlashForwardPlan plan_flash_forward(const Params& call, int threads, const Flash
     }
     even = *std::max_element(load.begin(), load.end()) <= 1.05 * total / threads;
   }
-  plan.spread = plan.on_the_fly ||
-                (enough_groups && even &&
-                 8.0 * threads * static_cast<double>(plan.panel_floats) <= operand_floats);
+  plan.spread =
+      plan.on_the_fly || (enough_groups && even &&
+                          8.0 * threads * static_cast<double>(plan.panel_floats) <= operand_floats);
+  plan.splits = plan_kv_splits(call, layout, machine_threads());
   // In place with the heads inside a key's row: an item takes a run of kv heads of one
-  // sequence, so that it reads each key's row in order (one head's rows lie Hkv * D apart:
-  // no hardware prefetch stream, L1 set conflicts). All of a sequence's heads when there are
-  // sequences for every thread, else enough runs per sequence for the threads. A head's bits
-  // do not depend on its run.
+  // sequence (and of one split part), so that it reads each key's row in order (one head's
+  // rows lie Hkv * D apart: no hardware prefetch stream, L1 set conflicts). All of a
+  // sequence's heads when there are sequences (times parts) for every thread, else enough runs
+  // per sequence for the threads. A head's bits do not depend on its run.
   if (plan.on_the_fly && heads_in_rows && flash_reads_kv_in_place(call, layout.tile_rows)) {
-    const std::int64_t batch = std::max<std::int64_t>(call.batch, 1);
+    const std::int64_t batch = std::max<std::int64_t>(call.batch, 1) * plan.splits;
     const std::int64_t runs = std::clamp<std::int64_t>((threads + batch - 1) / batch, 1,
                                                        std::max<std::int64_t>(call.heads_kv, 1));
     plan.item_heads = std::clamp<std::int64_t>((call.heads_kv + runs - 1) / runs, 1, kMaxItemHeads);
   }
   return plan;
+}
+
+std::vector<std::int64_t> run_order(const FlashForwardPlan& plan, std::int64_t heads_kv) {
+  std::vector<std::int64_t> runs;
+  for (std::int64_t g : plan.order) {
+    if (g % heads_kv % plan.item_heads == 0) runs.push_back(g);
+  }
+  return runs;
 }
 
 void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& call_args) {
@@ -241,9 +249,8 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
   AlignedFloats scratch(threads * scratch_floats);
 
   // Split-KV decode (cpu/flash_split_kv.h): kv groups of one work item, cut into key parts.
-  const std::int64_t splits = plan_kv_splits(call, layout, machine_threads());
-  if (splits > 1) {
-    flash_forward_split(call, launch, call_args, target, plan.order, splits, [&](int slot) {
+  if (plan.splits > 1) {
+    flash_forward_split(call, launch, call_args, target, plan, [&](int slot) {
       return scratch_of(scratch.get() + slot * scratch_floats);
     });
     return;
@@ -255,12 +262,8 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
   // (core/sequence.h).
   if (plan.spread) {
     AlignedFloats panels(on_the_fly ? 1 : threads * panel_floats);
-    // Runs of plan.item_heads kv heads, by their first group, in the plan's order.
-    std::vector<std::int64_t> run_order;
-    for (std::int64_t g : plan.order) {
-      if (g % call.heads_kv % plan.item_heads == 0) run_order.push_back(g);
-    }
-    const std::int64_t runs = static_cast<std::int64_t>(run_order.size());
+    const std::vector<std::int64_t> runs_order = run_order(plan, call.heads_kv);
+    const std::int64_t runs = static_cast<std::int64_t>(runs_order.size());
     std::atomic<std::int64_t> next{0};
     run_tasks(threads, threads, [&](int slot) {
       float* k_tiles = on_the_fly ? nullptr : panels.get() + slot * panel_floats;
@@ -268,7 +271,7 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
       const FlashScratch w = scratch_of(scratch.get() + slot * scratch_floats);
       for (std::int64_t n = take_item(next, runs, launch); n >= 0;
            n = take_item(next, runs, launch)) {
-        const std::int64_t g = run_order[static_cast<std::size_t>(n)];
+        const std::int64_t g = runs_order[static_cast<std::size_t>(n)];
         const std::int64_t b = g / call.heads_kv, kv_head = g % call.heads_kv;
         const Sequence<ForwardArgs> s = resolve_sequence(call, call_args, b);
         if (plan.item_heads > 1) {  // one item of a run of heads (in place)
@@ -325,12 +328,13 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
 double flash_workspace_bytes(Pass pass, const Params& p, const Launch& launch) {
   const FlashLayout& layout = flash_target_chosen().layout;
   const double threads = std::max(1, launch.threads);
-  const double max_q = static_cast<double>(p.seq.max_q()), max_k = static_cast<double>(p.seq.max_k());
+  const double max_q = static_cast<double>(p.seq.max_q()),
+               max_k = static_cast<double>(p.seq.max_k());
   const double dims = static_cast<double>(p.head_dim + p.head_dim_v) + 128;
   // A bound first, in doubles: sizes past it are refused before any int64 size is formed.
-  const double bound = (max_q * static_cast<double>(p.group) + max_k + layout.key_tile +
-                        layout.block_rows) *
-                       dims * (threads + 1) * 16.0 * static_cast<double>(p.batch * p.heads_kv + 1);
+  const double bound =
+      (max_q * static_cast<double>(p.group) + max_k + layout.key_tile + layout.block_rows) * dims *
+      (threads + 1) * 16.0 * static_cast<double>(p.batch * p.heads_kv + 1);
   if (!(bound < 0x1p50)) return bound;
   if (pass == Pass::forward) {
     // (At most the scratch of items of several heads, whatever the layout.)
@@ -340,8 +344,7 @@ double flash_workspace_bytes(Pass pass, const Params& p, const Launch& launch) {
     const double panels = plan.on_the_fly ? 0
                           : plan.spread   ? threads * static_cast<double>(plan.panel_floats)
                                           : static_cast<double>(plan.panel_floats);
-    const double split = static_cast<double>(
-        split_workspace_floats(p, plan_kv_splits(p, layout, machine_threads())));
+    const double split = static_cast<double>(split_workspace_floats(p, plan.splits));
     return 4.0 * (threads * scratch + panels + split);
   }
   return flash_backward_workspace_bytes(p, launch);

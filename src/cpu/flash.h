@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "core/dbias.h"
 #include "core/backend_table.h"
+#include "core/dbias.h"
 #include "policy/softmax_state.h"
 
 namespace attncore::detail {
@@ -154,11 +154,15 @@ struct FlashForwardPlan {
   // In place with the kv heads inside a key's row ([B, L, Hkv, D], pages): kv heads per item
   // (FlashItem::heads), else 1.
   std::int64_t item_heads = 1;
+  // Split-KV parts of each group's keys (plan_kv_splits; 1: no split).
+  std::int64_t splits = 1;
 };
 // heads_in_rows: K's and V's kv heads lie inside a key's row (stride over heads below the
 // stride over keys), so that items of several heads read memory in order.
 FlashForwardPlan plan_flash_forward(const Params& p, int threads, const FlashLayout& layout,
                                     bool heads_in_rows);
+// The plan's runs of item_heads kv heads, each by its first group, in the plan's order.
+std::vector<std::int64_t> run_order(const FlashForwardPlan& plan, std::int64_t heads_kv);
 
 // Whether the forward reads K and V in place instead of packing tiles: decode, each kv group's
 // rows (group * Lq) within one micro-tile of `tile_rows`, on f32 products for every dtype

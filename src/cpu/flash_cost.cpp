@@ -5,7 +5,9 @@
 #include <vector>
 
 #include "core/cost.h"
+#include "core/cpu_info.h"
 #include "cpu/flash.h"
+#include "cpu/flash_split_kv.h"
 
 namespace attncore::detail {
 
@@ -81,9 +83,9 @@ double estimate_flash(Pass pass, const Params& p, const Launch& launch, const Co
                                  : 0;
   // Decode items of at most one micro-tile of rows read K and V in place (f32 tiles): their
   // rows are not padded, and no tile is packed.
-  const bool direct =
-      pass == Pass::forward && flash_reads_kv_in_place(p, m.flash_tile_rows);
-  const double rows_pad = groups * (direct ? group_rows : round_up_to(group_rows, m.flash_tile_rows));
+  const bool direct = pass == Pass::forward && flash_reads_kv_in_place(p, m.flash_tile_rows);
+  const double rows_pad =
+      groups * (direct ? group_rows : round_up_to(group_rows, m.flash_tile_rows));
   const double pairs = rows_pad * keys;
   // Rows of tiles the mask code cuts: one tile per row along a band's edge, and the last tile
   // when Lk is not a whole number of tiles.
@@ -98,6 +100,19 @@ double estimate_flash(Pass pass, const Params& p, const Launch& launch, const Co
     compute = pairs * (2 * s.dims / efficiency + kFlashSoftmaxFlops) / flops_per_s;
     bytes = s.batch * s.heads_q * s.lq * s.dims * s.element;
     items = groups * std::ceil(group_rows / m.flash_block_rows);
+    // Split-KV (cpu/flash_split_kv.h): each group's keys in parts run as items of their own,
+    // then every row's parts (f32 outputs and LSEs) written and read back by the merge.
+    const FlashLayout layout{0,
+                             m.flash_block_rows,
+                             m.flash_key_tile,
+                             m.flash_tile_cols,
+                             m.flash_tile_rows,
+                             m.flash_bf16_dot};
+    const double splits = static_cast<double>(plan_kv_splits(p, layout, machine_threads()));
+    if (splits > 1) {
+      items *= splits;
+      bytes += 2 * splits * s.batch * s.heads_q * s.lq * (p.head_dim_v + 1) * sizeof(float);
+    }
   } else {
     compute = pairs *
               (kBackwardFlops * 2 * s.dims / kFlashBackwardEfficiency[bf16_dot ? 1 : 0] +

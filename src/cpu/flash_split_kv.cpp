@@ -53,9 +53,10 @@ std::int64_t split_workspace_floats(const Params& p, std::int64_t splits) {
 }
 
 void flash_forward_split(const Params& call, const Launch& launch, const ForwardArgs& args,
-                         const FlashTarget& target, const std::vector<std::int64_t>& order,
-                         std::int64_t splits, const std::function<FlashScratch(int)>& scratch_of) {
+                         const FlashTarget& target, const FlashForwardPlan& plan,
+                         const std::function<FlashScratch(int)>& scratch_of) {
   const FlashLayout& layout = target.layout;
+  const std::int64_t splits = plan.splits;
   const std::int64_t lq = call.seq.lq, dv = call.head_dim_v;
   const std::int64_t dv_pad = (dv + layout.dv_align - 1) / layout.dv_align * layout.dv_align;
   const std::int64_t rows = call.batch * call.heads_q * lq;  // the call's query rows
@@ -71,11 +72,13 @@ void flash_forward_split(const Params& call, const Launch& launch, const Forward
     return r;
   };
 
-  // Items n = group (in `order`) * splits + part. Part s of a sequence of `tiles` key tiles
-  // covers tiles [tiles * s / splits, tiles * (s + 1) / splits): a sequence shorter than the
-  // longest has shorter parts (or empty ones: output 0, LSE -inf, which merge to nothing).
-  // Each group is one item of group * Lq rows (plan_kv_splits), with no panel (K/V read in
-  // place or packed tile by tile into scratch): that item once per part.
+  // Items n = run (of plan.item_heads kv heads, by its first group in the plan's order) *
+  // splits + part. Part s of a sequence of `tiles` key tiles covers tiles [tiles * s / splits,
+  // tiles * (s + 1) / splits): a sequence shorter than the longest has shorter parts (or empty
+  // ones: output 0, LSE -inf, which merge to nothing). Each group is one item of group * Lq
+  // rows (plan_kv_splits), with no panel (K/V read in place or packed tile by tile into
+  // scratch): that item, for the run's heads, once per part.
+  const std::vector<std::int64_t> order = run_order(plan, call.heads_kv);
   const std::int64_t items = static_cast<std::int64_t>(order.size()) * splits;
   const int threads = std::max(1, launch.threads);
   std::atomic<std::int64_t> next{0};
@@ -89,6 +92,7 @@ void flash_forward_split(const Params& call, const Launch& launch, const Forward
       const Sequence<ForwardArgs> seq = resolve_sequence(call, args, b);
       const std::int64_t tiles = (seq.p.seq.lk + layout.key_tile - 1) / layout.key_tile;
       FlashItem item{b, kv_head, 0, call.group * lq};
+      item.heads = std::min(plan.item_heads, call.heads_kv - kv_head);
       item.key_begin = tiles * s / splits * layout.key_tile;
       item.key_end = tiles * (s + 1) / splits * layout.key_tile;
       target.run_block(seq.p, part_args(seq.a, s), panel, item, w);

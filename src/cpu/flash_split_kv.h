@@ -23,11 +23,11 @@ std::int64_t plan_kv_splits(const Params& p, const FlashLayout& layout, int cpus
 // The f32 workspace of a split call, in floats: every part's output and LSE of every row.
 std::int64_t split_workspace_floats(const Params& p, std::int64_t splits);
 
-// Runs a call whose plan has `splits` > 1 parts: items (group, part) over the threads, groups
-// taken in `order` (plan_flash_forward's), each thread in the scratch scratch_of(slot) gives;
-// then the parts of each row merged into the outputs.
+// Runs a call whose plan has splits > 1 parts: items (run of plan.item_heads kv heads, part)
+// over the threads, groups taken in plan.order, each thread in the scratch scratch_of(slot)
+// gives; then the parts of each row merged into the outputs.
 void flash_forward_split(const Params& p, const Launch& launch, const ForwardArgs& args,
-                         const FlashTarget& target, const std::vector<std::int64_t>& order,
-                         std::int64_t splits, const std::function<FlashScratch(int)>& scratch_of);
+                         const FlashTarget& target, const FlashForwardPlan& plan,
+                         const std::function<FlashScratch(int)>& scratch_of);
 
 }  // namespace attncore::detail
