@@ -276,6 +276,56 @@ TEST(Varlen, ResultsDoNotDependOnTheThreadCount) {
   }
 }
 
+// Decode-shaped sequences long enough to be split (split-KV, planned or forced): each one is
+// split as its own dense call would be, so the packed batch still equals the loop over its
+// sequences bit for bit, on any thread count.
+TEST(Varlen, SplitKvDecodeEqualsThePerSequenceLoop) {
+  const Batch batch{{1, 2, 0, 1}, {3000, 40, 500, 2100}, {2900, 40, 0, 2100}, 2, 3, 4, 1, 64, 48};
+  for (int splits : {0, 3}) {
+    for (DType dtype : {DType::f32, DType::bf16}) {
+      Packed p = make_packed(batch, dtype, variants()[1], 70 + splits);
+      p.options.num_splits = splits;
+      SCOPED_TRACE(std::string(name_of(dtype)) + " num_splits " + std::to_string(splits));
+      std::vector<double> first_out, first_lse;
+      for (int threads : {1, 2, 3}) {
+        Options o = p.options;
+        o.num_threads = threads;
+        const ForwardResult r = forward_varlen(p.q, p.k, p.v, p.seqs, o, Backend::flash);
+        if (threads > 1) {
+          EXPECT_TRUE(same_bits(read_view(r.out.view()), first_out, "out, threads"));
+          EXPECT_TRUE(same_bits(read_view(r.lse.view()), first_lse, "lse, threads"));
+          continue;
+        }
+        first_out = read_view(r.out.view());
+        first_lse = read_view(r.lse.view());
+        for (std::int64_t b = 0; b < p.count(); ++b) {
+          const std::int64_t q0 = p.cu_q[static_cast<std::size_t>(b)];
+          const std::int64_t lq = batch.lens_q[static_cast<std::size_t>(b)];
+          const std::int64_t k0 = p.cu_k[static_cast<std::size_t>(b)];
+          if (lq == 0) continue;
+          const ForwardResult one =
+              forward(dense_rows(p.q, q0, lq), dense_rows(p.k, k0, p.used(b)),
+                      dense_rows(p.v, k0, p.used(b)), sequence_options(p, b), Backend::flash);
+          EXPECT_TRUE(same_bits(packed_rows(r.out, q0, lq), read_view(one.out.view()),
+                                "out of sequence " + std::to_string(b)));
+          EXPECT_TRUE(same_bits(packed_lse(r.lse, q0, lq), read_view(one.lse.view()),
+                                "lse of sequence " + std::to_string(b)));
+        }
+        const std::int64_t end = p.cu_q.back();
+        for (double x : packed_rows(r.out, end, p.rows_q - end)) EXPECT_EQ(x, 0.0);
+        for (double x : packed_lse(r.lse, end, p.rows_q - end)) EXPECT_EQ(x, -INFINITY);
+      }
+      if (splits == 3) {  // the parts ran: their merge rounds differently from one pass
+        Options o = p.options;
+        o.num_splits = 1;
+        const ForwardResult unsplit = forward_varlen(p.q, p.k, p.v, p.seqs, o, Backend::flash);
+        EXPECT_FALSE(same_bits(read_view(unsplit.out.view()), first_out, "unsplit") &&
+                     same_bits(read_view(unsplit.lse.view()), first_lse, "unsplit"));
+      }
+    }
+  }
+}
+
 // The oracle's spec for sequence b of a packed batch.
 Spec sequence_spec(const Packed& p, std::int64_t b) {
   Spec s;

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/convert.h"
+#include "core/cpu_info.h"
 #include "core/sequence.h"
 #include "core/threadpool.h"
 #include "policy/softmax_state.h"
@@ -22,16 +23,14 @@ namespace {
 // the second thread brings). Hq=4 (memory-bound) changed by under 5% either way at these sizes.
 constexpr std::int64_t kMinSplitKeys = 1024;
 
-}  // namespace
-
-std::int64_t plan_kv_splits(const Params& p, const FlashLayout& layout, int cpus) {
-  // Split: dense and KV-cache calls whose kv groups are one work item each (group * Lq rows
-  // within one block of rows: decode, GQA decode, short chunks), which read K/V in place
-  // (flash_reads_kv_in_place) or pack each tile just before its use: a part reads only its own
-  // keys. Not split: groups of several items (longer Lq), which share K/V packed once into a
-  // panel and already spread their items over the threads; varlen calls without a cache, whose
-  // groups are planned longest first (cutting them would need per-sequence plans).
-  if (p.seq.varlen() || p.group * p.seq.lq > layout.block_rows) return 1;
+// The parts of a dense or cache call's groups (every sequence the same).
+std::int64_t plan_call_splits(const Params& p, const FlashLayout& layout, int cpus) {
+  // Split: calls whose kv groups are one work item each (group * Lq rows within one block of
+  // rows: decode, GQA decode, short chunks), which read K/V in place (flash_reads_kv_in_place)
+  // or pack each tile just before its use: a part reads only its own keys. Not split: groups
+  // of several items (longer Lq), which share K/V packed once into a panel and already spread
+  // their items over the threads.
+  if (p.group * p.seq.max_q() > layout.block_rows) return 1;
   const std::int64_t tiles = (p.seq.max_k() + layout.key_tile - 1) / layout.key_tile;
   if (p.num_splits > 0)
     return std::clamp<std::int64_t>(p.num_splits, 1, std::max<std::int64_t>(tiles, 1));
@@ -46,10 +45,45 @@ std::int64_t plan_kv_splits(const Params& p, const FlashLayout& layout, int cpus
   return std::max<std::int64_t>(splits, 1);
 }
 
+}  // namespace
+
+std::vector<std::int64_t> sequence_splits(const Params& p, const FlashLayout& layout, int cpus) {
+  if (!p.seq.varlen()) {
+    return std::vector<std::int64_t>(static_cast<std::size_t>(p.batch),
+                                     plan_call_splits(p, layout, cpus));
+  }
+  std::vector<std::int64_t> splits(static_cast<std::size_t>(p.batch));
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    Params one = sequence_params(p, p.seq.at(b));
+    one.batch = 1;
+    splits[static_cast<std::size_t>(b)] = plan_call_splits(one, layout, cpus);
+  }
+  return splits;
+}
+
+std::int64_t plan_kv_splits(const Params& p, const FlashLayout& layout, int cpus) {
+  if (!p.seq.varlen()) return plan_call_splits(p, layout, cpus);
+  const std::vector<std::int64_t> splits = sequence_splits(p, layout, cpus);
+  return splits.empty() ? 1 : *std::max_element(splits.begin(), splits.end());
+}
+
+namespace {
+
+// A part's outputs, laid out as the call's: [B][Hq][Lq] rows, or for varlen [Hq][rows of the
+// buffers] (batch stride 0).
+struct PartRows {
+  std::int64_t batch, lq;
+  explicit PartRows(const Params& p)
+      : batch(p.seq.varlen() ? 1 : p.batch), lq(p.seq.varlen() ? p.seq.rows_q : p.seq.lq) {}
+};
+
+}  // namespace
+
 std::int64_t split_workspace_floats(const Params& p, std::int64_t splits) {
   if (splits <= 1) return 0;
-  // [splits][B][Hq][Lq][Dv] outputs, then [splits][B][Hq][Lq] LSEs.
-  return splits * p.batch * p.heads_q * p.seq.lq * (p.head_dim_v + 1);
+  // [splits][rows][Dv] outputs, then [splits][rows] LSEs.
+  const PartRows part(p);
+  return splits * part.batch * p.heads_q * part.lq * (p.head_dim_v + 1);
 }
 
 void flash_forward_split(const Params& call, const Launch& launch, const ForwardArgs& args,
@@ -57,29 +91,43 @@ void flash_forward_split(const Params& call, const Launch& launch, const Forward
                          const std::function<FlashScratch(int)>& scratch_of) {
   const FlashLayout& layout = target.layout;
   const std::int64_t splits = plan.splits;
-  const std::int64_t lq = call.seq.lq, dv = call.head_dim_v;
+  const PartRows part(call);
+  const std::int64_t lq = part.lq, dv = call.head_dim_v;
   const std::int64_t dv_pad = (dv + layout.dv_align - 1) / layout.dv_align * layout.dv_align;
-  const std::int64_t rows = call.batch * call.heads_q * lq;  // the call's query rows
+  const std::int64_t rows = part.batch * call.heads_q * lq;  // a part's rows
   std::vector<float> workspace(static_cast<std::size_t>(split_workspace_floats(call, splits)));
-  float* const outs = workspace.data();           // [splits][B][Hq][Lq][Dv]
-  float* const lses = outs + splits * rows * dv;  // [splits][B][Hq][Lq]
-  // Part s's outputs as views of the call's shape: an item stores into them as into out, lse.
-  auto part_args = [&](const ForwardArgs& a, std::int64_t s) {
-    ForwardArgs r = a;
+  float* const outs = workspace.data();           // [splits][rows][Dv]
+  float* const lses = outs + splits * rows * dv;  // [splits][rows]
+  // Part s's outputs as views of the call's shape (varlen: batch stride 0, as the call's own):
+  // an item stores into them, resolved to its sequence, as into out, lse.
+  auto part_args = [&](std::int64_t s) {
+    ForwardArgs r = args;
     r.out = TensorView::contiguous(outs + s * rows * dv, DType::f32,
-                                   {call.batch, call.heads_q, lq, dv});
-    r.lse = TensorView::contiguous(lses + s * rows, DType::f32, {call.batch, call.heads_q, lq});
+                                   {part.batch, call.heads_q, lq, dv});
+    r.lse = TensorView::contiguous(lses + s * rows, DType::f32, {part.batch, call.heads_q, lq});
+    if (call.seq.varlen()) {
+      r.out.shape[0] = r.lse.shape[0] = call.batch;
+      r.out.stride[0] = r.lse.stride[0] = 0;
+    }
     return r;
   };
 
-  // Items n = run (of plan.item_heads kv heads, by its first group in the plan's order) *
-  // splits + part. Part s of a sequence of `tiles` key tiles covers tiles [tiles * s / splits,
-  // tiles * (s + 1) / splits): a sequence shorter than the longest has shorter parts (or empty
-  // ones: output 0, LSE -inf, which merge to nothing). Each group is one item of group * Lq
-  // rows (plan_kv_splits), with no panel (K/V read in place or packed tile by tile into
-  // scratch): that item, for the run's heads, once per part.
-  const std::vector<std::int64_t> order = run_order(plan, call.heads_kv);
-  const std::int64_t items = static_cast<std::int64_t>(order.size()) * splits;
+  // Items: each run (of plan.item_heads kv heads, by its first group in the plan's order) once
+  // per part of its sequence. Part s of `parts` of a sequence of `tiles` key tiles covers tiles
+  // [tiles * s / parts, tiles * (s + 1) / parts): a sequence shorter than the longest has
+  // shorter parts (or empty ones: output 0, LSE -inf, which merge to nothing). Each group is
+  // one item of group * Lq rows (plan_kv_splits), with no panel (K/V read in place or packed
+  // tile by tile into scratch): that item, for the run's heads, once per part.
+  const std::vector<std::int64_t> splits_of = sequence_splits(call, layout, machine_threads());
+  struct Part {
+    std::int64_t group, part, parts;
+  };
+  std::vector<Part> list;
+  for (std::int64_t g : run_order(plan, call.heads_kv)) {
+    const std::int64_t parts = splits_of[static_cast<std::size_t>(g / call.heads_kv)];
+    for (std::int64_t s = 0; s < parts; ++s) list.push_back({g, s, parts});
+  }
+  const auto items = static_cast<std::int64_t>(list.size());
   const int threads = std::max(1, launch.threads);
   std::atomic<std::int64_t> next{0};
   run_tasks(static_cast<int>(std::min<std::int64_t>(threads, items)), threads, [&](int slot) {
@@ -87,28 +135,39 @@ void flash_forward_split(const Params& call, const Launch& launch, const Forward
     const FlashPanel panel{nullptr, nullptr, dv_pad};
     for (std::int64_t n = take_item(next, items, launch); n >= 0;
          n = take_item(next, items, launch)) {
-      const std::int64_t g = order[static_cast<std::size_t>(n / splits)], s = n % splits;
+      const auto [g, s, parts] = list[static_cast<std::size_t>(n)];
       const std::int64_t b = g / call.heads_kv, kv_head = g % call.heads_kv;
-      const Sequence<ForwardArgs> seq = resolve_sequence(call, args, b);
+      const Sequence<ForwardArgs> seq = resolve_sequence(call, part_args(s), b);
+      if (seq.p.seq.lq == 0) continue;  // (a varlen sequence without query rows)
       const std::int64_t tiles = (seq.p.seq.lk + layout.key_tile - 1) / layout.key_tile;
-      FlashItem item{b, kv_head, 0, call.group * lq};
+      FlashItem item{b, kv_head, 0, call.group * seq.p.seq.lq};
       item.heads = std::min(plan.item_heads, call.heads_kv - kv_head);
-      item.key_begin = tiles * s / splits * layout.key_tile;
-      item.key_end = tiles * (s + 1) / splits * layout.key_tile;
-      target.run_block(seq.p, part_args(seq.a, s), panel, item, w);
+      item.key_begin = tiles * s / parts * layout.key_tile;
+      item.key_end = tiles * (s + 1) / parts * layout.key_tile;
+      target.run_block(seq.p, seq.a, panel, item, w);
     }
   });
 
   // Row r's parts merged in part order by the one merge of finished results
   // (policy/softmax_state.h), then stored in the outputs' dtype. The same sums in the same
-  // order whatever the thread count.
+  // order whatever the thread count. Varlen rows past the last sequence are no item's (the
+  // call fills them).
   launch.check_cancel();
+  const std::int64_t used_rows = call.seq.varlen() ? call.seq.cu_q[call.batch] : lq;
+  // The sequence of row r: its batch index (dense, cache), or the one whose rows hold it.
+  auto sequence_of = [&](std::int64_t r) {
+    if (!call.seq.varlen()) return r / (call.heads_q * lq);
+    const std::int32_t* cu = call.seq.cu_q;
+    return static_cast<std::int64_t>(std::upper_bound(cu, cu + call.batch + 1, r % lq) - cu) - 1;
+  };
   parallel_for(rows, threads, [&](std::int64_t begin, std::int64_t end) {
     std::vector<float> merged(static_cast<std::size_t>(dv));
     for (std::int64_t r = begin; r < end; ++r) {
+      if (r % lq >= used_rows) continue;
+      const std::int64_t parts = splits_of[static_cast<std::size_t>(sequence_of(r))];
       std::copy_n(outs + r * dv, dv, merged.data());
       float lse = lses[r];
-      for (std::int64_t s = 1; s < splits; ++s) {
+      for (std::int64_t s = 1; s < parts; ++s) {
         lse = merge_outputs(merged.data(), lse, outs + (s * rows + r) * dv, lses[s * rows + r], dv,
                             merged.data());
       }

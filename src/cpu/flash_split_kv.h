@@ -15,10 +15,14 @@ namespace attncore::detail {
 
 // The number of parts each kv group's keys are cut into (1: no split), a pure function of the
 // problem and `cpus`, a fixed property of the machine (machine_threads(), never the call's
-// thread count), so that results are the same bits for any thread count. Only dense and
-// KV-cache calls whose kv groups are one work item each (group * Lq <= the layout's block rows)
-// are split; Params::num_splits > 0 forces the count (capped to the longest sequence's tiles).
+// thread count), so that results are the same bits for any thread count. Only kv groups that
+// are one work item each (group * Lq <= the layout's block rows) are split; Params::num_splits
+// > 0 forces the count (capped to the longest sequence's tiles; a varlen sequence's own).
 std::int64_t plan_kv_splits(const Params& p, const FlashLayout& layout, int cpus);
+// Each sequence's parts: a dense or cache call's for every sequence; a varlen sequence's own,
+// as the dense call of its lengths would plan them (so that a packed batch gives, bit for bit,
+// what the loop over its sequences does). plan_kv_splits is their maximum.
+std::vector<std::int64_t> sequence_splits(const Params& p, const FlashLayout& layout, int cpus);
 
 // The f32 workspace of a split call, in floats: every part's output and LSE of every row.
 std::int64_t split_workspace_floats(const Params& p, std::int64_t splits);
