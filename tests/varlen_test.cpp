@@ -103,7 +103,8 @@ Packed make_packed(const Batch& batch, DType dtype, const Variant& variant, std:
       const std::vector<int>& cu = keys ? p.cu_k : p.cu_q;
       for (std::int64_t b = 0; b < p.count(); ++b) {
         const std::int64_t len = keys ? p.used(b) : batch.lens_q[static_cast<std::size_t>(b)];
-        used_row |= r >= cu[static_cast<std::size_t>(b)] && r < cu[static_cast<std::size_t>(b)] + len;
+        used_row |=
+            r >= cu[static_cast<std::size_t>(b)] && r < cu[static_cast<std::size_t>(b)] + len;
       }
       for (std::int64_t e = 0; e < heads * dim; ++e) {
         values[static_cast<std::size_t>(r * heads * dim + e)] =
@@ -132,7 +133,8 @@ Packed make_packed(const Batch& batch, DType dtype, const Variant& variant, std:
   if (variant.alibi != 0) {
     const std::int64_t n = variant.alibi == 1 ? batch.heads_q : p.count() * batch.heads_q;
     std::vector<double> slopes(static_cast<std::size_t>(n));
-    for (std::size_t s = 0; s < slopes.size(); ++s) slopes[s] = 0.05 + 0.11 * static_cast<double>(s % 7);
+    for (std::size_t s = 0; s < slopes.size(); ++s)
+      slopes[s] = 0.05 + 0.11 * static_cast<double>(s % 7);
     p.alibi = variant.alibi == 1 ? make_tensor(DType::f32, {n}, slopes)
                                  : make_tensor(DType::f32, {p.count(), batch.heads_q}, slopes);
     p.options.alibi_slopes = p.alibi.view();
@@ -195,12 +197,40 @@ std::vector<double> packed_lse(const Tensor& lse, std::int64_t first, std::int64
   return out;
 }
 
+// Whether a packed result is, bit for bit, the loop over its sequences run one by one as dense
+// calls on `backend` (with the batch's options), and its rows past the last sequence output 0
+// and LSE -inf.
+::testing::AssertionResult equals_sequence_loop(const Packed& p, const ForwardResult& r,
+                                                Backend backend) {
+  for (std::int64_t b = 0; b < p.count(); ++b) {
+    const std::int64_t q0 = p.cu_q[static_cast<std::size_t>(b)];
+    const std::int64_t lq = p.batch.lens_q[static_cast<std::size_t>(b)];
+    const std::int64_t k0 = p.cu_k[static_cast<std::size_t>(b)];
+    const ForwardResult one =
+        forward(dense_rows(p.q, q0, lq), dense_rows(p.k, k0, p.used(b)),
+                dense_rows(p.v, k0, p.used(b)), sequence_options(p, b), backend);
+    const std::string seq = " of sequence " + std::to_string(b);
+    auto same = same_bits(packed_rows(r.out, q0, lq), read_view(one.out.view()), "out" + seq);
+    if (!same) return same;
+    same = same_bits(packed_lse(r.lse, q0, lq), read_view(one.lse.view()), "lse" + seq);
+    if (!same) return same;
+  }
+  const std::int64_t end = p.cu_q.back();
+  for (double x : packed_rows(r.out, end, p.rows_q - end)) {
+    if (x != 0.0) return ::testing::AssertionFailure() << "an unused row's output is " << x;
+  }
+  for (double x : packed_lse(r.lse, end, p.rows_q - end)) {
+    if (x != -INFINITY) return ::testing::AssertionFailure() << "an unused row's LSE is " << x;
+  }
+  return ::testing::AssertionSuccess();
+}
+
 std::vector<Batch> batches() {
   std::vector<Batch> list;
   list.push_back({{5, 1, 17, 0, 9}, {5, 30, 3, 4, 0}, {}, 0, 0, 2, 1, 16, 16});
   list.push_back({{130, 7}, {129, 200}, {100, 150}, 3, 5, 4, 2, 40, 24});
   list.push_back({{1, 1, 1}, {300, 1, 64}, {}, 0, 2, 8, 2, 64, 64});  // decode-shaped
-  list.push_back({{70}, {70}, {}, 2, 0, 3, 3, 59, 59});                // one sequence
+  list.push_back({{70}, {70}, {}, 2, 0, 3, 3, 59, 59});               // one sequence
   return list;
 }
 
@@ -220,22 +250,7 @@ TEST(Varlen, ForwardEqualsThePerSequenceLoopBitwise) {
                          std::string(name_of(dtype)) + " " + variant.name + " batch " +
                          std::to_string(seed));
             const ForwardResult r = forward_varlen(p.q, p.k, p.v, p.seqs, p.options, backend);
-            for (std::int64_t b = 0; b < p.count(); ++b) {
-              const std::int64_t q0 = p.cu_q[static_cast<std::size_t>(b)];
-              const std::int64_t lq = batch.lens_q[static_cast<std::size_t>(b)];
-              const std::int64_t k0 = p.cu_k[static_cast<std::size_t>(b)];
-              const ForwardResult one =
-                  forward(dense_rows(p.q, q0, lq), dense_rows(p.k, k0, p.used(b)),
-                          dense_rows(p.v, k0, p.used(b)), sequence_options(p, b), backend);
-              ASSERT_TRUE(same_bits(packed_rows(r.out, q0, lq), read_view(one.out.view()),
-                                    "out of sequence " + std::to_string(b)));
-              ASSERT_TRUE(same_bits(packed_lse(r.lse, q0, lq), read_view(one.lse.view()),
-                                    "lse of sequence " + std::to_string(b)));
-            }
-            // Rows past the last sequence: output 0, LSE -inf.
-            const std::int64_t end = p.cu_q.back();
-            for (double x : packed_rows(r.out, end, p.rows_q - end)) ASSERT_EQ(x, 0.0);
-            for (double x : packed_lse(r.lse, end, p.rows_q - end)) ASSERT_EQ(x, -INFINITY);
+            ASSERT_TRUE(equals_sequence_loop(p, r, backend));
           }
         }
       }
@@ -298,22 +313,7 @@ TEST(Varlen, SplitKvDecodeEqualsThePerSequenceLoop) {
         }
         first_out = read_view(r.out.view());
         first_lse = read_view(r.lse.view());
-        for (std::int64_t b = 0; b < p.count(); ++b) {
-          const std::int64_t q0 = p.cu_q[static_cast<std::size_t>(b)];
-          const std::int64_t lq = batch.lens_q[static_cast<std::size_t>(b)];
-          const std::int64_t k0 = p.cu_k[static_cast<std::size_t>(b)];
-          if (lq == 0) continue;
-          const ForwardResult one =
-              forward(dense_rows(p.q, q0, lq), dense_rows(p.k, k0, p.used(b)),
-                      dense_rows(p.v, k0, p.used(b)), sequence_options(p, b), Backend::flash);
-          EXPECT_TRUE(same_bits(packed_rows(r.out, q0, lq), read_view(one.out.view()),
-                                "out of sequence " + std::to_string(b)));
-          EXPECT_TRUE(same_bits(packed_lse(r.lse, q0, lq), read_view(one.lse.view()),
-                                "lse of sequence " + std::to_string(b)));
-        }
-        const std::int64_t end = p.cu_q.back();
-        for (double x : packed_rows(r.out, end, p.rows_q - end)) EXPECT_EQ(x, 0.0);
-        for (double x : packed_lse(r.lse, end, p.rows_q - end)) EXPECT_EQ(x, -INFINITY);
+        EXPECT_TRUE(equals_sequence_loop(p, r, Backend::flash));
       }
       if (splits == 3) {  // the parts ran: their merge rounds differently from one pass
         Options o = p.options;
@@ -379,9 +379,9 @@ TEST(Varlen, BackwardMatchesTheOracle) {
             EXPECT_TRUE(all_close(packed_rows(f.out, q0, lq), of.out,
                                   out_tolerance(dtype, v, of.out, naive_f.out, 0.0), "out"));
             const OracleBackward ob = oracle_backward(dims, spec, q, k, v, d);
-            const OracleBackward naive = oracle_backward(dims, spec, q, k, v, d, rounder_for(dtype));
-            const double scale =
-                std::max({max_abs(ob.dq), max_abs(ob.dk), max_abs(ob.dv)});
+            const OracleBackward naive =
+                oracle_backward(dims, spec, q, k, v, d, rounder_for(dtype));
+            const double scale = std::max({max_abs(ob.dq), max_abs(ob.dk), max_abs(ob.dv)});
             EXPECT_TRUE(all_close(packed_rows(g.dq, q0, lq), ob.dq,
                                   grad_tolerance(dtype, ob.dq, naive.dq, scale),
                                   "dq of sequence " + std::to_string(b)));
@@ -441,12 +441,12 @@ TEST(Varlen, DropoutDrawsTheMaskOfThePaddedDenseBatch) {
                 dst[static_cast<std::size_t>(((b * heads + h) * max_len + i) * dim + e)] =
                     rows[static_cast<std::size_t>((h * len + i) * dim + e)];
         };
-        place(packed_rows(p.q, p.cu_q[static_cast<std::size_t>(b)], lq), q, batch.heads_q, lq,
-              mq, batch.dim);
-        place(packed_rows(p.k, p.cu_k[static_cast<std::size_t>(b)], lk), k, batch.heads_kv, lk,
-              mk, batch.dim);
-        place(packed_rows(p.v, p.cu_k[static_cast<std::size_t>(b)], lk), v, batch.heads_kv, lk,
-              mk, batch.dim_v);
+        place(packed_rows(p.q, p.cu_q[static_cast<std::size_t>(b)], lq), q, batch.heads_q, lq, mq,
+              batch.dim);
+        place(packed_rows(p.k, p.cu_k[static_cast<std::size_t>(b)], lk), k, batch.heads_kv, lk, mk,
+              batch.dim);
+        place(packed_rows(p.v, p.cu_k[static_cast<std::size_t>(b)], lk), v, batch.heads_kv, lk, mk,
+              batch.dim_v);
         for (std::int64_t j = 0; j < lk; ++j) mask.values[static_cast<std::size_t>(b * mk + j)] = 1;
       }
       Spec spec;
@@ -462,8 +462,8 @@ TEST(Varlen, DropoutDrawsTheMaskOfThePaddedDenseBatch) {
         for (std::int64_t h = 0; h < batch.heads_q; ++h)
           for (std::int64_t i = 0; i < lq; ++i)
             for (std::int64_t e = 0; e < batch.dim_v; ++e)
-              want.push_back(
-                  o.out[static_cast<std::size_t>(((b * batch.heads_q + h) * mq + i) * batch.dim_v + e)]);
+              want.push_back(o.out[static_cast<std::size_t>(
+                  ((b * batch.heads_q + h) * mq + i) * batch.dim_v + e)]);
         EXPECT_TRUE(all_close(packed_rows(f.out, p.cu_q[static_cast<std::size_t>(b)], lq), want,
                               1e-5 * max_abs(v) / 0.7,
                               std::string(name_of(backend)) + " sequence " + std::to_string(b)));
@@ -546,18 +546,19 @@ TEST(Varlen, BadInputsAreRefusedWithClearErrors) {
   s.cu_seqlens_q = TensorView::strided(strided.data(), DType::i32, {3}, {2});
   expect(s, "cu_seqlens_q is not contiguous (stride[0]=2, expected 1)");
   // A value tensor where an index array belongs and an index array where values belong.
-  const std::string int_query = error_of<InvalidArgument>(
-      [&] { forward_varlen(good.cu_q_t, good.k, good.v, good.seqs); });
+  const std::string int_query =
+      error_of<InvalidArgument>([&] { forward_varlen(good.cu_q_t, good.k, good.v, good.seqs); });
   EXPECT_NE(int_query.find("query has the wrong rank"), std::string::npos) << int_query;
   Tensor int_values(DType::i32, {7, 2, 8});
-  const std::string int_dtype = error_of<InvalidArgument>(
-      [&] { forward_varlen(int_values, good.k, good.v, good.seqs); });
+  const std::string int_dtype =
+      error_of<InvalidArgument>([&] { forward_varlen(int_values, good.k, good.v, good.seqs); });
   EXPECT_NE(int_dtype.find("query has an unsupported dtype (dtype=i32"), std::string::npos)
       << int_dtype;
   // Dense-layout tensors.
   Tensor rank4(DType::f32, {1, 7, 2, 8});
-  EXPECT_NE(error_of<InvalidArgument>([&] { forward_varlen(rank4, good.k, good.v, good.seqs); })
-                .find("query has the wrong rank (rank=4, expected 3: [total_q, Hq, D])"),
+  EXPECT_NE(error_of<InvalidArgument>([&] {
+              forward_varlen(rank4, good.k, good.v, good.seqs);
+            }).find("query has the wrong rank (rank=4, expected 3: [total_q, Hq, D])"),
             std::string::npos);
   // Outputs of the wrong shape.
   Tensor out(DType::f32, {6, 2, 8});
@@ -615,8 +616,8 @@ TEST(Varlen, ThousandsOfSequences) {
   batch.lens_k[1500] = 190;
   const Packed p = make_packed(batch, DType::f32, variants()[1], 12);
   const ForwardResult r = forward_varlen(p.q, p.k, p.v, p.seqs, p.options, Backend::flash);
-  for (std::int64_t b : {std::int64_t{0}, std::int64_t{999}, std::int64_t{1500},
-                         std::int64_t{1999}}) {
+  for (std::int64_t b :
+       {std::int64_t{0}, std::int64_t{999}, std::int64_t{1500}, std::int64_t{1999}}) {
     const std::int64_t q0 = p.cu_q[static_cast<std::size_t>(b)];
     const std::int64_t lq = batch.lens_q[static_cast<std::size_t>(b)];
     const std::int64_t k0 = p.cu_k[static_cast<std::size_t>(b)];
@@ -656,8 +657,8 @@ TEST(Varlen, FlashPlanBalancesThreads) {
       params.seq.lk = params.seq.longest_k = 8192;
       params.seq.rows_q = p.rows_q;
       params.seq.rows_k = p.rows_k;
-      const detail::FlashForwardPlan plan = detail::plan_flash_forward(params, threads, layout,
-                                                                          false);
+      const detail::FlashForwardPlan plan =
+          detail::plan_flash_forward(params, threads, layout, false);
       std::vector<double> load(static_cast<std::size_t>(threads), 0.0);
       auto least = [&] { return std::min_element(load.begin(), load.end()); };
       double total = 0;
@@ -676,7 +677,8 @@ TEST(Varlen, FlashPlanBalancesThreads) {
       }
       const double most = *std::max_element(load.begin(), load.end());
       EXPECT_LE(most, 1.05 * total / threads)
-          << "Hq=" << heads_q << " Hkv=" << heads_kv << " threads=" << threads << " spread=" << plan.spread;
+          << "Hq=" << heads_q << " Hkv=" << heads_kv << " threads=" << threads
+          << " spread=" << plan.spread;
       // The backward: items (runs of heads, key-tile parts) in flash_backward_order, each to
       // the least loaded thread. Its grain is a run of one head for long sequences, so when the
       // long sequence's items do not divide among the threads (Hq = 1 on 2 threads, 16 heads on
@@ -694,7 +696,8 @@ TEST(Varlen, FlashPlanBalancesThreads) {
         const std::int64_t heads =
             std::min(bplan.run_heads, heads_q / heads_kv - run * bplan.run_heads);
         const double w = static_cast<double>(heads) * batch.lens_q[static_cast<std::size_t>(b)] *
-                         batch.lens_k[static_cast<std::size_t>(b)] / static_cast<double>(bplan.parts);
+                         batch.lens_k[static_cast<std::size_t>(b)] /
+                         static_cast<double>(bplan.parts);
         btotal += w;
         *std::min_element(bload.begin(), bload.end()) += w;
       }
@@ -713,8 +716,8 @@ namespace {
 // The cost model prices a varlen call as the dense batch of the same sequences, query rows and
 // pairs: (3 x 5) + (1 x 30) + (17 x 3) = 96 pairs over 21 rows.
 TEST(Varlen, CostModelSeesTheDenseEquivalent) {
-  const Packed p = make_packed({{3, 1, 17}, {5, 30, 3}, {}, 0, 0, 2, 1, 16, 16}, DType::f32,
-                               variants()[0], 1);
+  const Packed p =
+      make_packed({{3, 1, 17}, {5, 30, 3}, {}, 0, 0, 2, 1, 16, 16}, DType::f32, variants()[0], 1);
   detail::Params params;
   params.batch = 3;
   params.seq.cu_q = p.cu_q.data();
@@ -723,8 +726,8 @@ TEST(Varlen, CostModelSeesTheDenseEquivalent) {
   params.seq.lk = 100;
   const detail::Params dense = detail::dense_equivalent(params);
   EXPECT_FALSE(dense.seq.varlen());
-  EXPECT_EQ(dense.seq.lq, 7);   // 21 rows / 3
-  EXPECT_EQ(dense.seq.lk, 5);   // 96 pairs / 21 rows = 4.6
+  EXPECT_EQ(dense.seq.lq, 7);  // 21 rows / 3
+  EXPECT_EQ(dense.seq.lk, 5);  // 96 pairs / 21 rows = 4.6
   EXPECT_EQ(dense.batch, 3);
 }
 
