@@ -120,15 +120,15 @@ struct Options {
   // (num_threads and its defaults, as above). Results are the same bits either way.
   const Executor* executor = nullptr;
   // Split-KV decode (flash-decoding): how many parts the `flash` backend cuts each kv group's
-  // keys into in dense and KV-cache calls whose query rows per kv head (Hq / Hkv * Lq) fit one
-  // work item (48 rows on AVX2, 64 on AVX-512: decode, GQA decode, short chunks), each part run
+  // keys into in dense, KV-cache and varlen calls whose query rows per kv head (Hq / Hkv * Lq) fit
+  // one work item (48 rows on AVX2, 64 on AVX-512: decode, GQA decode, short chunks), each part run
   // as its own work item and the parts' (out, LSE) merged in order (docs/design.md section
   // 1.12). 0 = flash's planner chooses from the problem and the machine's CPU count (never from
   // the thread count: results are the same bits for any num_threads or executor); 1 = no split;
-  // 2 to kMaxSplits = that many, capped to the number of 128-key tiles of the longest sequence.
-  // reference, math, varlen calls and longer query chunks compute without splitting. A split
-  // changes the rounding of the result (within docs/design.md section 6's rule of the exact
-  // one), never its meaning.
+  // 2 to kMaxSplits = that many, capped to the number of 128-key tiles of the longest sequence
+  // (varlen: of each sequence, which is split as its own dense call would be). reference,
+  // math and longer query chunks compute without splitting. A split changes the rounding of
+  // the result (within docs/design.md section 6's rule of the exact one), never its meaning.
   int num_splits = 0;
 };
 
