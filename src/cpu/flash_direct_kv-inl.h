@@ -223,9 +223,9 @@ struct DirectKv {
   // k + at[j]; D a multiple of kLanes. Each score is the one score_keys (score_keys_pairs with
   // `q_pairs`: the heads' queries as bf16 pairs, d / 2 each) gives it: the same lane sums, then
   // reduce_sums over `parts` (heads * kLanes * kLanes floats) for f32, each sum reduce_sum'd
-  // as it is formed for 16-bit K (the same bits; bench --decode MHA bf16 pairs, 1 thread, % of
-  // the probe, Lk=4096/16384, interleaved: [B, L, Hkv, D] 69/66 -> 77/68, p256 72/65 -> 78/69;
-  // f32 ran 3 points slower that way).
+  // as it is formed for bf16 pairs (the same bits; bench --decode MHA bf16, 1 thread, % of the
+  // probe, Lk=4096/16384, interleaved: [B, L, Hkv, D] 69/66 -> 77/68, p256 72/65 -> 78/69; f32
+  // ran 3 points slower that way).
   template <class T>
   ATTNCORE_TARGET static void score_heads_by_key(const T* k, const std::int64_t* at,
                                                  std::int64_t block, DType dtype, std::int64_t d,
@@ -322,15 +322,16 @@ struct DirectKv {
     // against 6.2-6.7 into L1). V is read a whole tile after its prefetch: into L2.
     const bool near = heads == 1 && (ahead < 2 || k_at[1] - k_at[0] == d);
     const std::int64_t d_pad = (d + kLanes - 1) / kLanes * kLanes;
-    // One row per head, several heads: key by key, no prefetch (bench --decode MHA 1 thread, %
-    // of the probe, Lk=4096/16384, interleaved with head by head: f32 [B, L, Hkv, D] 65/65 ->
-    // 73/73, p16 61/59 -> 68/67, p256 63/65 -> 73/72, with each key's rows of every head
-    // prefetched `lead` keys on 61/61; bf16 pairs BLHD 63/61 -> 66/66, p16 63/56 -> 69/59, p256
-    // 65/62 -> 73/66; f16 widened, once its sums were reduced as formed: BLHD 65 -> 68 at
-    // Lk=16384, p16 63/57 -> 67/57, p256 70/64 -> 74/67). Pairs need D a multiple of 2 * kLanes
-    // and the queries as pairs, after the partial sums in `widened`.
+    // One row per head, several heads, f32 or bf16 pairs: key by key, no prefetch (bench
+    // --decode MHA 1 thread, % of the probe, Lk=4096/16384, interleaved with head by head: f32
+    // [B, L, Hkv, D] 65/65 -> 73/73, p16 61/59 -> 68/67, p256 63/65 -> 73/72, with each key's
+    // rows of every head prefetched `lead` keys on 61/61; bf16 pairs BLHD 63/61 -> 66/66, p16
+    // 63/56 -> 69/59, p256 65/62 -> 73/66). f16 widened gained 3-5 points that way on 1 thread
+    // (BLHD 63/58 -> 68/61, p256 62/58 -> 67/61) and lost 11-14 on 2 (BLHD 70/65 -> 59/51,
+    // p256 76/64 -> 61/50, % of the 2-thread probe): left head by head. Pairs need D a multiple
+    // of 2 * kLanes and the queries as pairs, after the partial sums in `widened`.
     const bool by_key = heads > 1 && rows == 1 && d % kLanes == 0 &&
-                        (!pairs || d % (2 * kLanes) == 0) &&
+                        (sizeof(T) == 4 || (pairs && d % (2 * kLanes) == 0)) &&
                         heads * kLanes * kLanes + heads * d / 2 <= d * kKeyTile;
     if (by_key) {
       float* q_pairs = nullptr;
