@@ -305,7 +305,11 @@ TEST(SplitKv, DenseCacheEveryVariantAndDtype) {
        .causal = Causal::lower_right,
        .window_left = 60},
       // 16 query heads on one kv head: one item of 16 rows, packing each tile it reads.
-      {.name = "gqa 16 heads bf16", .dtype = DType::bf16, .hq = 16, .hkv = 1, .seqlens = {1300, 40}},
+      {.name = "gqa 16 heads bf16",
+       .dtype = DType::bf16,
+       .hq = 16,
+       .hkv = 1,
+       .seqlens = {1300, 40}},
       {.name = "gqa 8 heads chunk f32",
        .hq = 8,
        .hkv = 1,
@@ -407,13 +411,25 @@ TEST(SplitKv, Planner) {
   EXPECT_EQ(detail::plan_kv_splits(p, layout, 3), 3);
   EXPECT_EQ(detail::plan_kv_splits(p, layout, 16), 16);  // parts of 1024 keys
   EXPECT_EQ(detail::plan_kv_splits(p, layout, 64), 16);  // never shorter than 1024 keys
+  // Decode in place: a sequence's run of up to 32 kv heads is one unit (one item in the
+  // [B, L, Hkv, D] layout), whatever the layout.
   p.heads_kv = 2;
   p.heads_q = 8;
-  EXPECT_EQ(detail::plan_kv_splits(p, layout, 2), 1);  // as many groups as CPUs
+  EXPECT_EQ(detail::plan_kv_splits(p, layout, 2), 2);
+  p.heads_kv = 64;
+  p.heads_q = 256;
+  EXPECT_EQ(detail::plan_kv_splits(p, layout, 2), 1);  // two runs of 32 heads for two CPUs
   EXPECT_EQ(detail::plan_kv_splits(p, layout, 8), 4);
   EXPECT_EQ(detail::plan_kv_splits(p, layout, 6), 3);
   EXPECT_EQ(detail::plan_kv_splits(p, layout, 5), 5);  // 2 x 3 items share 5 CPUs badly: 2 x 5
-  p.seq.lk = 1500;                                     // too short to cut on two CPUs
+  // Packed tiles (rows past a micro-tile): each kv group is a unit.
+  p.heads_kv = 2;
+  p.heads_q = 64;
+  p.group = 32;
+  EXPECT_EQ(detail::plan_kv_splits(p, layout, 2), 1);
+  EXPECT_EQ(detail::plan_kv_splits(p, layout, 8), 4);
+  p.group = 4;
+  p.seq.lk = 1500;  // too short to cut on two CPUs
   p.heads_kv = 1;
   p.heads_q = 4;
   EXPECT_EQ(detail::plan_kv_splits(p, layout, 2), 1);

@@ -113,11 +113,6 @@ bool flash_reads_kv_in_place(const Params& p, int tile_rows) {
 
 namespace {
 
-// Most kv heads in one item reading K/V in place (FlashItem::heads): a key's row of 32 f32
-// heads of D = 128 (16 KiB) read in order, the heads' scratch (q, S, O: 1.5 KiB a head for
-// one row) within L2.
-constexpr std::int64_t kMaxItemHeads = 32;
-
 // One thread's FlashScratch of the forward, in floats, for items of up to `item_heads` kv
 // heads.
 std::int64_t forward_scratch_floats(const FlashLayout& layout, std::int64_t d, std::int64_t dv_pad,

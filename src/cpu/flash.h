@@ -164,6 +164,11 @@ FlashForwardPlan plan_flash_forward(const Params& p, int threads, const FlashLay
 // The plan's runs of item_heads kv heads, each by its first group, in the plan's order.
 std::vector<std::int64_t> run_order(const FlashForwardPlan& plan, std::int64_t heads_kv);
 
+// Most kv heads in one item reading K/V in place (FlashItem::heads): a key's row of 32 f32
+// heads of D = 128 (16 KiB) read in order, the heads' scratch (q, S, O: 1.5 KiB a head for
+// one row) within L2.
+constexpr std::int64_t kMaxItemHeads = 32;
+
 // Whether the forward reads K and V in place instead of packing tiles: decode, each kv group's
 // rows (group * Lq) within one micro-tile of `tile_rows`, on f32 products for every dtype
 // (DirectKv, flash_direct_kv-inl.h). flash_forward gives such a problem no panel whatever the
