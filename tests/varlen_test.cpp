@@ -295,7 +295,10 @@ TEST(Varlen, ResultsDoNotDependOnTheThreadCount) {
 // split as its own dense call would be, so the packed batch still equals the loop over its
 // sequences bit for bit, on any thread count.
 TEST(Varlen, SplitKvDecodeEqualsThePerSequenceLoop) {
-  const Batch batch{{1, 2, 0, 1}, {3000, 40, 500, 2100}, {2900, 40, 0, 2100}, 2, 3, 4, 1, 64, 48};
+  // The last sequence is a chunk of 70 rows per head (280 rows of its kv group: several work
+  // items), never split, beside the decode rows that are.
+  const Batch batch{
+      {1, 2, 0, 1, 70}, {3000, 40, 500, 2100, 260}, {2900, 40, 0, 2100, 260}, 2, 3, 4, 1, 64, 48};
   for (int splits : {0, 3}) {
     for (DType dtype : {DType::f32, DType::bf16}) {
       Packed p = make_packed(batch, dtype, variants()[1], 70 + splits);

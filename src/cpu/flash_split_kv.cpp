@@ -10,6 +10,7 @@
 #include "core/cpu_info.h"
 #include "core/sequence.h"
 #include "core/threadpool.h"
+#include "cpu/aligned_floats.h"
 #include "policy/softmax_state.h"
 
 namespace attncore::detail {
@@ -125,32 +126,55 @@ void flash_forward_split(const Params& call, const Launch& launch, const Forward
   // Items: each run (of plan.item_heads kv heads, by its first group in the plan's order) once
   // per part of its sequence. Part s of `parts` of a sequence of `tiles` key tiles covers tiles
   // [tiles * s / parts, tiles * (s + 1) / parts): a sequence shorter than the longest has
-  // shorter parts (or empty ones: output 0, LSE -inf, which merge to nothing). Each group is
-  // one item of group * Lq rows (plan_kv_splits), with no panel (K/V read in place or packed
-  // tile by tile into scratch): that item, for the run's heads, once per part.
+  // shorter parts (or empty ones: output 0, LSE -inf, which merge to nothing). A split group
+  // is one item of group * Lq rows (plan_kv_splits), with no panel (K/V read in place or packed
+  // tile by tile into scratch): that item, for the run's heads, once per part. A varlen
+  // sequence of more rows is not split: its group is one entry (item -1) that packs its K/V
+  // into the thread's panel and runs its items (plan_items) from it, as the unsplit forward
+  // does (an item of few rows without a panel would read K/V in place: other bits).
   const std::vector<std::int64_t> splits_of = sequence_splits(call, layout, machine_threads());
   struct Part {
-    std::int64_t group, part, parts;
+    std::int64_t group, part, parts, item;
   };
   std::vector<Part> list;
   for (std::int64_t g : run_order(plan, call.heads_kv)) {
-    const std::int64_t parts = splits_of[static_cast<std::size_t>(g / call.heads_kv)];
-    for (std::int64_t s = 0; s < parts; ++s) list.push_back({g, s, parts});
+    const std::int64_t b = g / call.heads_kv;
+    const std::int64_t parts = splits_of[static_cast<std::size_t>(b)];
+    const ItemPlan items = plan_items(sequence_params(call, call.seq.at(b)), layout.block_rows);
+    if (items.count > 1) {
+      list.push_back({g, 0, 1, -1});
+      continue;
+    }
+    for (std::int64_t s = 0; s < parts && items.count == 1; ++s) list.push_back({g, s, parts, 0});
   }
+  const bool panels_needed =
+      std::any_of(list.begin(), list.end(), [](const Part& x) { return x.item < 0; });
   const auto items = static_cast<std::int64_t>(list.size());
   const int threads = std::max(1, launch.threads);
+  AlignedFloats panels(panels_needed ? threads * plan.panel_floats : 1);
   std::atomic<std::int64_t> next{0};
   run_tasks(static_cast<int>(std::min<std::int64_t>(threads, items)), threads, [&](int slot) {
     const FlashScratch w = scratch_of(slot);
     const FlashPanel panel{nullptr, nullptr, dv_pad};
     for (std::int64_t n = take_item(next, items, launch); n >= 0;
          n = take_item(next, items, launch)) {
-      const auto [g, s, parts] = list[static_cast<std::size_t>(n)];
+      const auto [g, s, parts, i] = list[static_cast<std::size_t>(n)];
       const std::int64_t b = g / call.heads_kv, kv_head = g % call.heads_kv;
       const Sequence<ForwardArgs> seq = resolve_sequence(call, part_args(s), b);
-      if (seq.p.seq.lq == 0) continue;  // (a varlen sequence without query rows)
       const std::int64_t tiles = (seq.p.seq.lk + layout.key_tile - 1) / layout.key_tile;
-      FlashItem item{b, kv_head, 0, call.group * seq.p.seq.lq};
+      const ItemPlan group_items = plan_items(seq.p, layout.block_rows);
+      if (i < 0) {  // a group of several items, packed once into this thread's panel
+        float* k_tiles = panels.get() + slot * plan.panel_floats;
+        float* v_rows = k_tiles + tiles * layout.key_tile * call.head_dim;
+        target.pack_tiles(seq.p, seq.a, b, kv_head, 0, tiles, k_tiles, v_rows, dv_pad);
+        for (std::int64_t m = 0; m < group_items.count; ++m) {
+          if (m > 0) launch.check_cancel();
+          target.run_block(seq.p, seq.a, FlashPanel{k_tiles, v_rows, dv_pad},
+                           group_items.item(b, kv_head, m, seq.p), w);
+        }
+        continue;
+      }
+      FlashItem item = group_items.item(b, kv_head, i, seq.p);
       item.heads = std::min(plan.item_heads, call.heads_kv - kv_head);
       item.key_begin = tiles * s / parts * layout.key_tile;
       item.key_end = tiles * (s + 1) / parts * layout.key_tile;
