@@ -295,10 +295,7 @@ TEST(Varlen, ResultsDoNotDependOnTheThreadCount) {
 // split as its own dense call would be, so the packed batch still equals the loop over its
 // sequences bit for bit, on any thread count.
 TEST(Varlen, SplitKvDecodeEqualsThePerSequenceLoop) {
-  // The last sequence is a chunk of 70 rows per head (280 rows of its kv group: several work
-  // items), never split, beside the decode rows that are.
-  const Batch batch{
-      {1, 2, 0, 1, 70}, {3000, 40, 500, 2100, 260}, {2900, 40, 0, 2100, 260}, 2, 3, 4, 1, 64, 48};
+  const Batch batch{{1, 2, 0, 1}, {3000, 40, 500, 2100}, {2900, 40, 0, 2100}, 2, 3, 4, 1, 64, 48};
   for (int splits : {0, 3}) {
     for (DType dtype : {DType::f32, DType::bf16}) {
       Packed p = make_packed(batch, dtype, variants()[1], 70 + splits);
@@ -324,6 +321,30 @@ TEST(Varlen, SplitKvDecodeEqualsThePerSequenceLoop) {
         const ForwardResult unsplit = forward_varlen(p.q, p.k, p.v, p.seqs, o, Backend::flash);
         EXPECT_FALSE(same_bits(read_view(unsplit.out.view()), first_out, "unsplit") &&
                      same_bits(read_view(unsplit.lse.view()), first_lse, "unsplit"));
+      }
+    }
+  }
+}
+
+// A batch holding a chunk of several work items (70 rows per head: 280 rows of its kv group)
+// beside long decode rows is not split, forced or planned: the same bits as num_splits = 1, on
+// any thread count.
+TEST(Varlen, BatchWithAChunkIsNotSplit) {
+  const Batch batch{{1, 70, 1}, {3000, 260, 2100}, {}, 2, 3, 4, 1, 64, 48};
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    Packed p = make_packed(batch, dtype, variants()[1], 90);
+    p.options.num_splits = 1;
+    const ForwardResult unsplit = forward_varlen(p.q, p.k, p.v, p.seqs, p.options, Backend::flash);
+    for (int splits : {0, 3}) {
+      for (int threads : {1, 2}) {
+        Options o = p.options;
+        o.num_splits = splits;
+        o.num_threads = threads;
+        const ForwardResult r = forward_varlen(p.q, p.k, p.v, p.seqs, o, Backend::flash);
+        const std::string what = std::string(name_of(dtype)) + " num_splits " +
+                                 std::to_string(splits) + " threads " + std::to_string(threads);
+        EXPECT_TRUE(same_bits(read_view(r.out.view()), read_view(unsplit.out.view()), what));
+        EXPECT_TRUE(same_bits(read_view(r.lse.view()), read_view(unsplit.lse.view()), what));
       }
     }
   }

@@ -126,9 +126,10 @@ struct Options {
   // 1.12). 0 = flash's planner chooses from the problem and the machine's CPU count (never from
   // the thread count: results are the same bits for any num_threads or executor); 1 = no split;
   // 2 to kMaxSplits = that many, capped to the number of 128-key tiles of the longest sequence
-  // (varlen: of each sequence, which is split as its own dense call would be). reference,
-  // math and longer query chunks compute without splitting. A split changes the rounding of
-  // the result (within docs/design.md section 6's rule of the exact one), never its meaning.
+  // (varlen: of each sequence, which is split as its own dense call would be, unless the batch
+  // holds a longer chunk: then nothing is split). reference, math and longer query chunks
+  // compute without splitting. A split changes the rounding of the result (within
+  // docs/design.md section 6's rule of the exact one), never its meaning.
   int num_splits = 0;
 };
 

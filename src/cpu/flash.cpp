@@ -78,6 +78,25 @@ const FlashTarget& flash_target_chosen() {
   return targets.back();  // generic: always compiled, always supported
 }
 
+namespace {
+
+// How one kv group's rows are cut into work items.
+struct ItemPlan {
+  std::int64_t per_head;  // items per query head (rows stay inside one head); 0: rows of the
+                          // whole group are cut into consecutive blocks
+  std::int64_t count;     // items per kv group
+  std::int64_t block_rows;
+
+  FlashItem item(std::int64_t b, std::int64_t kv_head, std::int64_t n, const Params& p) const {
+    if (per_head > 0) {
+      const std::int64_t head = n / per_head, row0 = (n % per_head) * block_rows;
+      return {b, kv_head, head * p.seq.lq + row0, std::min(block_rows, p.seq.lq - row0)};
+    }
+    const std::int64_t first = n * block_rows;
+    return {b, kv_head, first, std::min(block_rows, p.group * p.seq.lq - first)};
+  }
+};
+
 ItemPlan plan_items(const Params& p, std::int64_t block_rows) {
   if (p.seq.lq >= block_rows) {
     const std::int64_t per_head = (p.seq.lq + block_rows - 1) / block_rows;
@@ -85,6 +104,8 @@ ItemPlan plan_items(const Params& p, std::int64_t block_rows) {
   }
   return {0, (p.group * p.seq.lq + block_rows - 1) / block_rows, block_rows};
 }
+
+}  // namespace
 
 bool flash_reads_kv_in_place(const Params& p, int tile_rows) {
   return p.group * p.seq.lq <= tile_rows;
@@ -315,11 +336,9 @@ double flash_workspace_bytes(Pass pass, const Params& p, const Launch& launch) {
     const FlashForwardPlan plan = plan_flash_forward(p, launch.threads, layout, true);
     const double scratch = static_cast<double>(forward_scratch_floats(
         layout, p.head_dim, round_up(p.head_dim_v, layout.dv_align), plan.item_heads));
-    // (A split varlen call packs its groups of several items into a panel per thread.)
     const double panels = plan.on_the_fly ? 0
-                          : plan.spread || (plan.splits > 1 && p.seq.varlen())
-                              ? threads * static_cast<double>(plan.panel_floats)
-                              : static_cast<double>(plan.panel_floats);
+                          : plan.spread   ? threads * static_cast<double>(plan.panel_floats)
+                                          : static_cast<double>(plan.panel_floats);
     const double split = static_cast<double>(split_workspace_floats(p, plan.splits));
     return 4.0 * (threads * scratch + panels + split);
   }

@@ -6,7 +6,6 @@
 // both in f32) and shared by every block of every query head of the group.
 #pragma once
 
-#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -74,24 +73,6 @@ struct FlashItem {
   std::int64_t key_begin = 0, key_end = INT64_MAX;
   std::int64_t heads = 1;
 };
-
-// How one kv group's rows are cut into work items.
-struct ItemPlan {
-  std::int64_t per_head;  // items per query head (rows stay inside one head); 0: rows of the
-                          // whole group are cut into consecutive blocks
-  std::int64_t count;     // items per kv group
-  std::int64_t block_rows;
-
-  FlashItem item(std::int64_t b, std::int64_t kv_head, std::int64_t n, const Params& p) const {
-    if (per_head > 0) {
-      const std::int64_t head = n / per_head, row0 = (n % per_head) * block_rows;
-      return {b, kv_head, head * p.seq.lq + row0, std::min(block_rows, p.seq.lq - row0)};
-    }
-    const std::int64_t first = n * block_rows;
-    return {b, kv_head, first, std::min(block_rows, p.group * p.seq.lq - first)};
-  }
-};
-ItemPlan plan_items(const Params& p, std::int64_t block_rows);
 
 // One thread's scratch for the backward of a run of query heads of one kv head (sizes set by
 // flash_backward for the longest run).

@@ -10,7 +10,6 @@
 #include "core/cpu_info.h"
 #include "core/sequence.h"
 #include "core/threadpool.h"
-#include "cpu/aligned_floats.h"
 #include "policy/softmax_state.h"
 
 namespace attncore::detail {
@@ -63,7 +62,10 @@ std::vector<std::int64_t> sequence_splits(const Params& p, const FlashLayout& la
     return std::vector<std::int64_t>(static_cast<std::size_t>(p.batch),
                                      plan_call_splits(p, layout, cpus));
   }
-  std::vector<std::int64_t> splits(static_cast<std::size_t>(p.batch));
+  // A batch holding a sequence of several work items (a chunk of more rows than one block) is
+  // not split at all: the parts' workspace would cover its rows too.
+  std::vector<std::int64_t> splits(static_cast<std::size_t>(p.batch), 1);
+  if (p.group * p.seq.max_q() > layout.block_rows) return splits;
   for (std::int64_t b = 0; b < p.batch; ++b) {
     Params one = sequence_params(p, p.seq.at(b));
     one.batch = 1;
@@ -80,12 +82,12 @@ std::int64_t plan_kv_splits(const Params& p, const FlashLayout& layout, int cpus
 
 namespace {
 
-// A part's outputs, laid out as the call's: [B][Hq][Lq] rows, or for varlen [Hq][rows of the
-// buffers] (batch stride 0).
+// A part's outputs, laid out as the call's: [B][Hq][Lq] rows, or for varlen [Hq][the
+// sequences' rows] (batch stride 0; rows past the last sequence have none).
 struct PartRows {
   std::int64_t batch, lq;
   explicit PartRows(const Params& p)
-      : batch(p.seq.varlen() ? 1 : p.batch), lq(p.seq.varlen() ? p.seq.rows_q : p.seq.lq) {}
+      : batch(p.seq.varlen() ? 1 : p.batch), lq(p.seq.varlen() ? p.seq.cu_q[p.batch] : p.seq.lq) {}
 };
 
 }  // namespace
@@ -126,55 +128,32 @@ void flash_forward_split(const Params& call, const Launch& launch, const Forward
   // Items: each run (of plan.item_heads kv heads, by its first group in the plan's order) once
   // per part of its sequence. Part s of `parts` of a sequence of `tiles` key tiles covers tiles
   // [tiles * s / parts, tiles * (s + 1) / parts): a sequence shorter than the longest has
-  // shorter parts (or empty ones: output 0, LSE -inf, which merge to nothing). A split group
-  // is one item of group * Lq rows (plan_kv_splits), with no panel (K/V read in place or packed
-  // tile by tile into scratch): that item, for the run's heads, once per part. A varlen
-  // sequence of more rows is not split: its group is one entry (item -1) that packs its K/V
-  // into the thread's panel and runs its items (plan_items) from it, as the unsplit forward
-  // does (an item of few rows without a panel would read K/V in place: other bits).
+  // shorter parts (or empty ones: output 0, LSE -inf, which merge to nothing). Each group is
+  // one item of group * Lq rows (plan_kv_splits), with no panel (K/V read in place or packed
+  // tile by tile into scratch): that item, for the run's heads, once per part.
   const std::vector<std::int64_t> splits_of = sequence_splits(call, layout, machine_threads());
   struct Part {
-    std::int64_t group, part, parts, item;
+    std::int64_t group, part, parts;
   };
   std::vector<Part> list;
   for (std::int64_t g : run_order(plan, call.heads_kv)) {
-    const std::int64_t b = g / call.heads_kv;
-    const std::int64_t parts = splits_of[static_cast<std::size_t>(b)];
-    const ItemPlan items = plan_items(sequence_params(call, call.seq.at(b)), layout.block_rows);
-    if (items.count > 1) {
-      list.push_back({g, 0, 1, -1});
-      continue;
-    }
-    for (std::int64_t s = 0; s < parts && items.count == 1; ++s) list.push_back({g, s, parts, 0});
+    const std::int64_t parts = splits_of[static_cast<std::size_t>(g / call.heads_kv)];
+    for (std::int64_t s = 0; s < parts; ++s) list.push_back({g, s, parts});
   }
-  const bool panels_needed =
-      std::any_of(list.begin(), list.end(), [](const Part& x) { return x.item < 0; });
   const auto items = static_cast<std::int64_t>(list.size());
   const int threads = std::max(1, launch.threads);
-  AlignedFloats panels(panels_needed ? threads * plan.panel_floats : 1);
   std::atomic<std::int64_t> next{0};
   run_tasks(static_cast<int>(std::min<std::int64_t>(threads, items)), threads, [&](int slot) {
     const FlashScratch w = scratch_of(slot);
     const FlashPanel panel{nullptr, nullptr, dv_pad};
     for (std::int64_t n = take_item(next, items, launch); n >= 0;
          n = take_item(next, items, launch)) {
-      const auto [g, s, parts, i] = list[static_cast<std::size_t>(n)];
+      const auto [g, s, parts] = list[static_cast<std::size_t>(n)];
       const std::int64_t b = g / call.heads_kv, kv_head = g % call.heads_kv;
       const Sequence<ForwardArgs> seq = resolve_sequence(call, part_args(s), b);
+      if (seq.p.seq.lq == 0) continue;  // (a varlen sequence without query rows)
       const std::int64_t tiles = (seq.p.seq.lk + layout.key_tile - 1) / layout.key_tile;
-      const ItemPlan group_items = plan_items(seq.p, layout.block_rows);
-      if (i < 0) {  // a group of several items, packed once into this thread's panel
-        float* k_tiles = panels.get() + slot * plan.panel_floats;
-        float* v_rows = k_tiles + tiles * layout.key_tile * call.head_dim;
-        target.pack_tiles(seq.p, seq.a, b, kv_head, 0, tiles, k_tiles, v_rows, dv_pad);
-        for (std::int64_t m = 0; m < group_items.count; ++m) {
-          if (m > 0) launch.check_cancel();
-          target.run_block(seq.p, seq.a, FlashPanel{k_tiles, v_rows, dv_pad},
-                           group_items.item(b, kv_head, m, seq.p), w);
-        }
-        continue;
-      }
-      FlashItem item = group_items.item(b, kv_head, i, seq.p);
+      FlashItem item{b, kv_head, 0, call.group * seq.p.seq.lq};
       item.heads = std::min(plan.item_heads, call.heads_kv - kv_head);
       item.key_begin = tiles * s / parts * layout.key_tile;
       item.key_end = tiles * (s + 1) / parts * layout.key_tile;
@@ -184,10 +163,9 @@ void flash_forward_split(const Params& call, const Launch& launch, const Forward
 
   // Row r's parts merged in part order by the one merge of finished results
   // (policy/softmax_state.h), then stored in the outputs' dtype. The same sums in the same
-  // order whatever the thread count. Varlen rows past the last sequence are no item's (the
-  // call fills them).
+  // order whatever the thread count. (Varlen rows past the last sequence have no part: the
+  // call fills them.)
   launch.check_cancel();
-  const std::int64_t used_rows = call.seq.varlen() ? call.seq.cu_q[call.batch] : lq;
   // The sequence of row r: its batch index (dense, cache), or the one whose rows hold it.
   auto sequence_of = [&](std::int64_t r) {
     if (!call.seq.varlen()) return r / (call.heads_q * lq);
@@ -197,7 +175,6 @@ void flash_forward_split(const Params& call, const Launch& launch, const Forward
   parallel_for(rows, threads, [&](std::int64_t begin, std::int64_t end) {
     std::vector<float> merged(static_cast<std::size_t>(dv));
     for (std::int64_t r = begin; r < end; ++r) {
-      if (r % lq >= used_rows) continue;
       const std::int64_t parts = splits_of[static_cast<std::size_t>(sequence_of(r))];
       std::copy_n(outs + r * dv, dv, merged.data());
       float lse = lses[r];
