@@ -410,6 +410,21 @@ TEST(SelectCostModel, FlashForLargeProblems) {
   EXPECT_EQ(choose(problem(4, 32, 8, 1, 4096, 128), m), Backend::flash);
 }
 
+// Split-KV parts are work items of their own: one kv group's decode, forced into 4 parts, is
+// estimated faster on 2 threads than unsplit (one item: one thread), and no faster on 1.
+TEST(SelectCostModel, FlashCountsSplitParts) {
+  const CostModel m = test_model();
+  Call one = problem(1, 32, 1, 1, 16384, 128, DType::f32, 2);
+  one.num_splits = 1;
+  Call parts = one;
+  parts.num_splits = 4;
+  EXPECT_LT(estimate(Backend::flash, Pass::forward, parts, m),
+            0.75 * estimate(Backend::flash, Pass::forward, one, m));
+  one.threads = parts.threads = 1;
+  EXPECT_GE(estimate(Backend::flash, Pass::forward, parts, m),
+            estimate(Backend::flash, Pass::forward, one, m));
+}
+
 // The choice compares estimates at the model's choice_threads, so that it, and with it every
 // bit of the result, is the same for any thread count of the call, even where the call's own
 // estimates rank the backends the other way (a slow pool wake-up penalises math's many
