@@ -1,7 +1,7 @@
 """attncore for torch: its attention as a torch.autograd.Function, so loss.backward() works.
 
 scaled_dot_product_attention, the flash-attn drop-ins (flash_attn_func and its packed and
-variable-length forms), attention and attention_varlen here are the package's own functions
+variable-length forms), attention and attention_varlen in this module are the package's own functions
 (they send torch tensors through autograd Functions); importing them from attncore.torch
 documents that the caller wants torch semantics and autograd. Gradients reach query, key, value
 (a packed qkv or kv as one packed gradient) and a float attn_mask that requires grad (its
