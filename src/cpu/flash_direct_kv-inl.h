@@ -25,6 +25,13 @@ constexpr std::int64_t kVLead = 32;
 // 22.4-26.8, none 19.6-21.2; f32 8 KiB (16 keys) 24.2-26.4, 16 KiB 21.4-25.0, none 24.4-26.2.
 constexpr std::int64_t kHeadVAhead = 8192;
 
+// 16-bit K scored key by key across heads (DirectKv::score_heads_by_key): the rows this many keys
+// on prefetched into L2, line by line as the products read theirs: bench --decode MHA Hkv=32, 1
+// thread, % of the probe, Lk=4096/16384, 7 interleaved passes: bf16 [B, L, Hkv, D] 69/70 ->
+// 74/74, p16 69/59 -> 79/65; f16 66/64 -> 67/65, p16 61/54 -> 64/58 (8 and 32 keys within
+// noise of 16; f32 rows ran 2-4 points slower with it, and have none).
+constexpr std::int64_t kByKeyLead = 16;
+
 // The cache lines of n elements from p, each once (by address), into L1 (kLocality 3) or L2 (2).
 template <int kLocality, class T>
 ATTNCORE_TARGET inline void prefetch_lines(const T* p, std::int64_t n) {
@@ -223,18 +230,22 @@ struct DirectKv {
   // k + at[j]; D a multiple of kLanes. Each score is the one score_keys (score_keys_pairs with
   // `q_pairs`: the heads' queries as bf16 pairs, d / 2 each) gives it: the same lane sums, then
   // reduce_sums over `parts` (heads * kLanes * kLanes floats) for f32, each sum reduce_sum'd
-  // as it is formed for bf16 pairs (the same bits; bench --decode MHA bf16, 1 thread, % of the
+  // as it is formed for 16-bit K (the same bits; bench --decode MHA bf16, 1 thread, % of the
   // probe, Lk=4096/16384, interleaved: [B, L, Hkv, D] 69/66 -> 77/68, p256 72/65 -> 78/69; f32
-  // ran 3 points slower that way).
+  // ran 3 points slower that way). With `lead` > 0, each line read prefetches the same line of
+  // the key `lead` keys on (at[j + lead] for j + lead < ahead), into L2: one prefetch per line,
+  // spread through the products, which also runs ahead across page boundaries.
   template <class T>
   ATTNCORE_TARGET static void score_heads_by_key(const T* k, const std::int64_t* at,
                                                  std::int64_t block, DType dtype, std::int64_t d,
                                                  std::int64_t heads, std::int64_t k_step,
                                                  std::int64_t head_floats, const float* q,
                                                  [[maybe_unused]] const float* q_pairs, float* s,
-                                                 float* parts) {
+                                                 float* parts, std::int64_t lead,
+                                                 std::int64_t ahead) {
     for (std::int64_t j = 0; j < kLanes; ++j) {
       const T* row = k + (j < block ? at[j] : 0);
+      const T* next = lead > 0 && j + lead < ahead ? k + at[j + lead] : nullptr;
       for (std::int64_t x = 0; x < heads; ++x) {
         Vec acc = {};
         if (j < block) {
@@ -244,6 +255,7 @@ struct DirectKv {
             const float* qx = q_pairs + x * (d / 2);
             __m512 sum = acc;
             for (std::int64_t e0 = 0; e0 < d; e0 += 2 * kLanes) {
+              if (next != nullptr) __builtin_prefetch(next + x * k_step + e0, 0, 2);
               const __m512i qv = _mm512_loadu_si512(qx + e0 / 2);
               const __m512i kv = _mm512_loadu_si512(kx + e0);
               sum = _mm512_dpbf16_ps(sum, reinterpret_cast<const __m512bh&>(qv),
@@ -255,6 +267,9 @@ struct DirectKv {
           {
             const float* qx = q + x * head_floats;
             for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
+              if (next != nullptr && (e0 * sizeof(T)) % 64 == 0) {
+                __builtin_prefetch(next + x * k_step + e0, 0, 2);
+              }
               acc += load(qx + e0) * load_part(kx + e0, kLanes, dtype);
             }
           }
@@ -322,16 +337,18 @@ struct DirectKv {
     // against 6.2-6.7 into L1). V is read a whole tile after its prefetch: into L2.
     const bool near = heads == 1 && (ahead < 2 || k_at[1] - k_at[0] == d);
     const std::int64_t d_pad = (d + kLanes - 1) / kLanes * kLanes;
-    // One row per head, several heads, f32 or bf16 pairs: key by key, no prefetch (bench
-    // --decode MHA 1 thread, % of the probe, Lk=4096/16384, interleaved with head by head: f32
-    // [B, L, Hkv, D] 65/65 -> 73/73, p16 61/59 -> 68/67, p256 63/65 -> 73/72, with each key's
-    // rows of every head prefetched `lead` keys on 61/61; bf16 pairs BLHD 63/61 -> 66/66, p16
-    // 63/56 -> 69/59, p256 65/62 -> 73/66). f16 widened gained 3-5 points that way on 1 thread
-    // (BLHD 63/58 -> 68/61, p256 62/58 -> 67/61) and lost 11-14 on 2 (BLHD 70/65 -> 59/51,
-    // p256 76/64 -> 61/50, % of the 2-thread probe): left head by head. Pairs need D a multiple
-    // of 2 * kLanes and the queries as pairs, after the partial sums in `widened`.
+    // One row per head, several heads: key by key, K prefetched as the products run (16-bit:
+    // kByKeyLead) or not at all (f32) (bench --decode MHA 1 thread, % of the probe,
+    // Lk=4096/16384, interleaved with head by head: f32 [B, L, Hkv, D] 65/65 -> 73/73, p16
+    // 61/59 -> 68/67, p256 63/65 -> 73/72, with each key's rows of every head prefetched `lead`
+    // keys on in a burst per block 61/61; bf16 pairs BLHD 63/61 -> 66/66, p16 63/56 -> 69/59,
+    // p256 65/62 -> 73/66). f16 (and bf16 K with an f32 query) widened, with the prefetch, 5
+    // interleaved passes: 1 thread BLHD 65/63 -> 68/65, p16 59/55 -> 65/57, p256 67/63 ->
+    // 68/65; 2 threads (% of the 2-thread probe) BLHD 76/64 -> 86/78, p16 71/60 -> 89/73, p256
+    // 73/64 -> 87/76. Pairs need D a multiple of 2 * kLanes and the queries as pairs, after
+    // the partial sums in `widened`.
     const bool by_key = heads > 1 && rows == 1 && d % kLanes == 0 &&
-                        (sizeof(T) == 4 || (pairs && d % (2 * kLanes) == 0)) &&
+                        (sizeof(T) == 4 || !pairs || d % (2 * kLanes) == 0) &&
                         heads * kLanes * kLanes + heads * d / 2 <= d * kKeyTile;
     if (by_key) {
       float* q_pairs = nullptr;
@@ -350,7 +367,7 @@ struct DirectKv {
       for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
         const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
         score_heads_by_key(k, k_at + c0, block, dtype, d, heads, k_step, head_floats, q, q_pairs,
-                           s + c0, widened);
+                           s + c0, widened, sizeof(T) == 2 ? kByKeyLead : 0, ahead - c0);
       }
       return;
     }
