@@ -371,16 +371,19 @@ struct DirectKv {
                                      std::int64_t head_floats, const float* q, std::int64_t rows,
                                      [[maybe_unused]] bool pairs, float* s, float* widened) {
     const std::int64_t d = p.head_dim;
-    // K rows prefetched this far ahead: one head, at least 16 KiB, at least 32 keys (a block's
-    // 16 rows are in flight while the next block computes), at most kRowLead. Several heads
+    // K rows prefetched this far ahead: one head, 6 KiB of rows (12 f32 keys at D = 128, 24
+    // 16-bit), at most kRowLead (bench --decode, [B, Hkv, L, D], 1 thread, % of the probe,
+    // Lk=4096/16384, 7 interleaved passes, against 16 KiB and at least 32 keys: MHA f32 75/76 ->
+    // 83/82, bf16 88/86 -> 97/94, f16 80/81 -> 88/85, GQA f32 63/58 -> 65/60, bf16 67/66 ->
+    // 68/69; 4, 5 and 8 KiB within 3 points of 6, 12 KiB between 6 and 16). Several heads
     // (memory read in order): 4 KiB of each head's rows, into L2 (bench --decode, BLHD Hkv=32
     // Lk=4096/16384, 1 thread, GB/s: f32 8 keys 26.0-26.4, 32 keys 24.7-25.5, none 25.2-26.2,
     // 32 keys into L1 21.3-23.3; bf16 16 keys 22.4-26.1, 8 keys 21.7-22.7).
     const std::int64_t lead =
         heads > 1
             ? std::clamp<std::int64_t>(4096 / static_cast<std::int64_t>(sizeof(T) * d), 1, kRowLead)
-            : std::clamp<std::int64_t>((16384 / static_cast<std::int64_t>(sizeof(T)) + d - 1) / d,
-                                       32, kRowLead);
+            : std::clamp<std::int64_t>((6144 / static_cast<std::int64_t>(sizeof(T)) + d - 1) / d,
+                                       1, kRowLead);
     // Contiguous rows ([B, Hkv, L, D]) into L1. Rows far apart ([B, L, Hkv, D]: 16 KiB at 32
     // f32 heads) share L1 sets, where the rows a block reads evict the ones prefetched: into L2
     // (bench --decode, 1 thread: f32 [B, L, Hkv, D] 12.5 GB/s either way, bf16 8.3-10.7 into L2
