@@ -474,60 +474,71 @@ TEST(Paged, AppendsRefuseSlotsWrittenTwice) {
 // Decode over a cache whose kv heads lie inside each key's row ([B, L, Hkv, D], as pages) runs
 // items of several kv heads, cut by the thread count; over [B, Hkv, L, D] one head an item.
 // Each head's result must not depend on either: the same bits for 1, 2 and 3 threads and both
-// layouts (the slots outside the sequences hold NaN).
+// layouts (the slots outside the sequences hold NaN). Two shapes: 5 heads of odd widths, and 20
+// heads of D = 64, where one row per head is scored key by key across the heads on every SIMD
+// target (f32, bf16 pairs, widened f16 and bf16; 20 heads: a full and a partial group of the
+// widened path's 16 heads on AVX-512, of 8 on AVX2).
 TEST(Paged, ItemsOfSeveralKvHeadsEqualOneHeadItemsBitwise) {
-  const std::int64_t batch = 2, hkv = 5, dim = 40, dim_v = 24, capacity = 300;
+  struct Shape {
+    std::int64_t hkv, dim, dim_v;
+  };
+  const std::int64_t batch = 2, capacity = 300;
   const std::vector<int> seqlens = {300, 197}, pads = {17, 2}, none = {0, 0};
   const Tensor seqlens_t = i32({batch}, seqlens);
-  // [B, capacity, H, width] -> the same values as [B, H, capacity, width], contiguous.
-  auto heads_outer = [&](const Tensor& t) {
-    const std::int64_t width = t.size(3);
-    const std::vector<double> x = read_view(t.view());
-    std::vector<double> y(x.size());
-    for (std::int64_t b = 0; b < batch; ++b)
-      for (std::int64_t s = 0; s < capacity; ++s)
-        for (std::int64_t h = 0; h < hkv; ++h)
-          for (std::int64_t e = 0; e < width; ++e)
-            y[static_cast<std::size_t>(((b * hkv + h) * capacity + s) * width + e)] =
-                x[static_cast<std::size_t>(((b * capacity + s) * hkv + h) * width + e)];
-    return make_tensor(t.dtype(), {batch, hkv, capacity, width}, y);
-  };
-  for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
-    for (const Variant& variant : kVariants) {
-      for (std::int64_t group : {1, 3}) {
-        const std::int64_t hq = hkv * group;
-        const std::vector<int>& leftpad = variant.leftpad ? pads : none;
-        const Tensor pad_t = i32({batch}, leftpad);
-        const Tensor k = dense_cache(dtype, capacity, hkv, dim, leftpad, seqlens, 1);
-        const Tensor v = dense_cache(dtype, capacity, hkv, dim_v, leftpad, seqlens, 2);
-        const Tensor k_outer = heads_outer(k), v_outer = heads_outer(v);
-        const Tensor slopes =
-            make_tensor(DType::f32, {batch, hq}, random_vector(batch * hq, 4, 0.01, 0.2));
-        const Tensor q = make_tensor(dtype, {batch, hq, 1, dim},
-                                     rounded(random_vector(batch * hq * dim, 3), dtype));
-        KvCacheSeqs seqs;
-        seqs.cache_seqlens = seqlens_t.view();
-        if (variant.leftpad) seqs.cache_leftpad = pad_t.view();
-        for (const std::string& target : simd_targets_supported()) {
-          const ScopedTarget scope(target);
-          Options o;
-          o.causal = variant.causal;
-          o.window_left = variant.window_left;
-          o.softcap = variant.softcap;
-          if (variant.alibi) o.alibi_slopes = slopes.view();
-          o.num_threads = 1;
-          const ForwardResult want =
-              forward_kvcache(q, k_outer.view(), v_outer.view(), seqs, o, Backend::flash);
-          for (int threads : {1, 2, 3}) {
-            SCOPED_TRACE(std::string(name_of(dtype)) + " " + variant.name + " " + target +
-                         " group=" + std::to_string(group) + " threads=" + std::to_string(threads));
-            o.num_threads = threads;
-            const ForwardResult got = forward_kvcache(
-                q, k.view().transposed(1, 2), v.view().transposed(1, 2), seqs, o, Backend::flash);
-            ASSERT_TRUE(
-                same_finite_bits(read_view(got.out.view()), read_view(want.out.view()), "out"));
-            ASSERT_TRUE(
-                same_finite_bits(read_view(got.lse.view()), read_view(want.lse.view()), "lse"));
+  for (const Shape& shape : {Shape{5, 40, 24}, Shape{20, 64, 64}}) {
+    const std::int64_t hkv = shape.hkv, dim = shape.dim, dim_v = shape.dim_v;
+    // [B, capacity, H, width] -> the same values as [B, H, capacity, width], contiguous.
+    auto heads_outer = [&](const Tensor& t) {
+      const std::int64_t width = t.size(3);
+      const std::vector<double> x = read_view(t.view());
+      std::vector<double> y(x.size());
+      for (std::int64_t b = 0; b < batch; ++b)
+        for (std::int64_t s = 0; s < capacity; ++s)
+          for (std::int64_t h = 0; h < hkv; ++h)
+            for (std::int64_t e = 0; e < width; ++e)
+              y[static_cast<std::size_t>(((b * hkv + h) * capacity + s) * width + e)] =
+                  x[static_cast<std::size_t>(((b * capacity + s) * hkv + h) * width + e)];
+      return make_tensor(t.dtype(), {batch, hkv, capacity, width}, y);
+    };
+    for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+      for (const Variant& variant : kVariants) {
+        for (std::int64_t group : {1, 3}) {
+          const std::int64_t hq = hkv * group;
+          const std::vector<int>& leftpad = variant.leftpad ? pads : none;
+          const Tensor pad_t = i32({batch}, leftpad);
+          const Tensor k = dense_cache(dtype, capacity, hkv, dim, leftpad, seqlens, 1);
+          const Tensor v = dense_cache(dtype, capacity, hkv, dim_v, leftpad, seqlens, 2);
+          const Tensor k_outer = heads_outer(k), v_outer = heads_outer(v);
+          const Tensor slopes =
+              make_tensor(DType::f32, {batch, hq}, random_vector(batch * hq, 4, 0.01, 0.2));
+          const Tensor q = make_tensor(dtype, {batch, hq, 1, dim},
+                                       rounded(random_vector(batch * hq * dim, 3), dtype));
+          KvCacheSeqs seqs;
+          seqs.cache_seqlens = seqlens_t.view();
+          if (variant.leftpad) seqs.cache_leftpad = pad_t.view();
+          for (const std::string& target : simd_targets_supported()) {
+            const ScopedTarget scope(target);
+            Options o;
+            o.causal = variant.causal;
+            o.window_left = variant.window_left;
+            o.softcap = variant.softcap;
+            if (variant.alibi) o.alibi_slopes = slopes.view();
+            o.num_threads = 1;
+            const ForwardResult want =
+                forward_kvcache(q, k_outer.view(), v_outer.view(), seqs, o, Backend::flash);
+            for (int threads : {1, 2, 3}) {
+              SCOPED_TRACE(std::string(name_of(dtype)) + " " + variant.name + " " + target +
+                           " hkv=" + std::to_string(hkv) + " group=" + std::to_string(group) +
+                           " threads=" + std::to_string(threads));
+              o.num_threads = threads;
+              const ForwardResult got =
+                  forward_kvcache(q, k.view().transposed(1, 2), v.view().transposed(1, 2), seqs,
+                                  o, Backend::flash);
+              ASSERT_TRUE(
+                  same_finite_bits(read_view(got.out.view()), read_view(want.out.view()), "out"));
+              ASSERT_TRUE(
+                  same_finite_bits(read_view(got.lse.view()), read_view(want.lse.view()), "lse"));
+            }
           }
         }
       }
