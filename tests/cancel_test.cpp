@@ -104,7 +104,7 @@ TEST(Cancel, FlagSetBeforeTheCall) {
 
 // Times `call` with no flag set; then, up to three times, runs it with a flag another thread
 // sets a tenth of that time after the start, and expects Cancelled each time and at least one
-// run to end in less than half the full time (the host is shared: one run may be slowed).
+// run to end in less than half the full time (other processes may slow one run).
 void expect_cancels_early(const char* op, const std::function<void(const Options&)>& call) {
   Options full;
   const auto t0 = Clock::now();

@@ -561,7 +561,7 @@ TEST(SelectCostModel, ConstantsAreFixedPerSimdTarget) {
   EXPECT_EQ(cost_constants().fma_gflops, c.fma_gflops);
   EXPECT_EQ(cost_constants().basis, c.basis);
   set_simd_target(previous);
-  // The development machine's row.
+  // The measuring machine's row.
   if (c.basis == "avx512bf16") {
     EXPECT_EQ(c.fma_gflops, 233);
     EXPECT_EQ(c.memory_gbps, 31);

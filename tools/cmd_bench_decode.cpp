@@ -2,8 +2,8 @@
 // read per second against the read bandwidth probe (attncore::measure_read_bandwidth_gbs)
 // measured in the same run. Each pass measures the probe (1 and 2 threads) and then every point
 // once (flash on 1 and 2 threads, math on 1), best of --repeat calls each; a point's figures
-// are the medians over the passes, so that the machine's drift (a shared host) hits the probe
-// and the kernels alike.
+// are the medians over the passes, so that the machine's drift (other load, clock changes)
+// hits the probe and the kernels alike.
 #include <sys/mman.h>
 
 #include <algorithm>

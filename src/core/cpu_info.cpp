@@ -136,8 +136,8 @@ void detect_x86(CpuInfo& info) {
 //
 // Chain counts: an FMA has 4 cycles latency and 2 pipes on Zen 4/5 and recent Intel cores, so
 // at least 8 chains are needed to fill them; 16 zmm chains use 16 of the 32 zmm registers, 14
-// ymm chains plus the two constants fill all 16 ymm registers without spilling. Measured on the
-// development machines: 114 GFLOP/s per Zen 4 core with either width (its 512-bit FMA is
+// ymm chains plus the two constants fill all 16 ymm registers without spilling. Measured on
+// the measuring machines: 114 GFLOP/s per Zen 4 core with either width (its 512-bit FMA is
 // double-pumped), 224-235 per Zen 5 core with zmm (full-width FMA).
 
 // The chains stay in registers only when the probe is optimised: keep it so in -O0 (Debug)
@@ -289,7 +289,7 @@ const char* version() { return ATTNCORE_VERSION; }
 int default_num_threads() { return detail::default_threads("default_num_threads"); }
 
 // threads <= 0 means default_num_threads(). Each run lasts about kRunSeconds; the best of
-// kRuns is reported (the host is shared: the best run is the least disturbed one).
+// kRuns is reported (the best run is the least disturbed one).
 double measure_fma_peak_gflops(int threads) {
   constexpr double kRunSeconds = 0.06;  // long enough for clock ramp-up and timers
   constexpr int kRuns = 3;              // best of 3 (one thread's peak varies ~5% run to run)

@@ -43,7 +43,7 @@
 namespace attncore {
 namespace {
 
-// 512 MiB: 16x a 32 MiB L3 (the development machines' last level), so that less than 1/16 of a
+// 512 MiB: 16x a 32 MiB L3 (the measuring machines' last level), so that less than 1/16 of a
 // pass can come from any cache; a pass takes ~13 ms at 40 GB/s. Smaller when the process may
 // use less than 8x that.
 constexpr double kProbeBytes = 512.0 * 1024 * 1024;

@@ -62,7 +62,7 @@ thread_local std::vector<Backend> t_enabled = all_backends();
 
 // ---------------------------------------------------------------------------------------------
 // The constants the cost model reads, fixed per SIMD target: the best target the CPU supports,
-// a fixed property of the machine. Measured constants moved between processes on a shared host
+// a fixed property of the machine. Measured constants moved between processes on one machine
 // (FMA 220-266 GFLOP/s, memory 21-42 GB/s, softmax 180-294 M/s, the pool's wake-up 0.6 us to
 // 1 ms), which flipped near-ties: `attncore explain --heads-q 2 --seqlen-q 14 --head-dim 64`
 // chose math in 15 and flash in 5 of 20 fresh processes.
@@ -71,7 +71,7 @@ struct TargetConstants {
   double fma_gflops, memory_gbps, softmax_per_s, dispatch_seconds;
 };
 
-// avx512bf16: the development machine (2 vCPUs of a shared AMD EPYC, Zen 5) as it measured
+// avx512bf16: 2 cores of an AMD EPYC (Zen 5) as they measured
 // itself when the cost terms were last checked against `attncore bench --select` (README:
 // FMA 233 GFLOP/s, memory 31 GB/s, softmax 238 M elements/s per thread; the first fits, in
 // core/cost.h, ran at 224, 23 and 183 M), and the middle of the pool wake-ups it measured
@@ -79,7 +79,7 @@ struct TargetConstants {
 // math, bf16: flash; from Hq = 8, L = 32 on: flash). The other rows were not measured on
 // machines of their own: the FMA rate scales with the vector width (avx512: the same two
 // 16-lane FMA pipes; avx2: two 8-lane ones, half; generic: 4-lane SSE without FMA, an eighth),
-// and the rest, which no vector width changes, is the development machine's.
+// and the rest, which no vector width changes, is the measuring machine's.
 constexpr TargetConstants kTargetConstants[] = {
     {"avx512bf16", 233, 31, 238e6, 2e-6},
     {"avx512", 233, 31, 238e6, 2e-6},
@@ -104,10 +104,10 @@ CostConstants fixed_cost_constants() {
 // Keeps the measured loops' results alive: a store the compiler must perform.
 std::atomic<float> g_measure_sink{0.0f};
 
-// One thread reading a 48 MiB buffer (1.5x the 32 MiB L3 of the development machine, more
+// One thread reading a 48 MiB buffer (1.5x the 32 MiB L3 of the measuring machine, more
 // than most CPUs' last-level cache), written first so that its pages exist: the better of 2
 // passes. Huge pages, where the OS offers them, make the first touch cheap: 4 ms instead of
-// 21 ms for the 12288 small-page faults (measured on the development machine).
+// 21 ms for the 12288 small-page faults (measured there).
 double measure_memory_gbps() {
   constexpr std::size_t kBytes = std::size_t{48} << 20;
   constexpr std::size_t kCount = kBytes / sizeof(float);
@@ -163,8 +163,8 @@ double measure_softmax_per_s() {
 // comes (the pool busy with another caller's job, or the process held to one CPU), 1 ms: the
 // model then expects no gain from a second thread, which the caller's taking every task
 // bounds (parallel_seconds). The fastest of 16
-// after 4 that start the worker and let it settle (the fastest: the least disturbed on a
-// shared host, where the median swung from 5 to 45 us between processes). 0 with one core.
+// after 4 that start the worker and let it settle (the fastest: the least disturbed run; the
+// median swung from 5 to 45 us between processes on one machine). 0 with one core.
 double measure_dispatch_seconds() {
   if (affinity_threads() < 2) return 0;
   double best = HUGE_VAL;

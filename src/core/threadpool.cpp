@@ -44,8 +44,8 @@ class Pool {
     drain();
     std::unique_lock<std::mutex> lock(mutex_);
     // Every task is taken. Helpers that have joined must check in, so none can still touch
-    // this job when the next starts; helpers not yet awake stay out (a late wake-up, 4-40 us on
-    // a shared host, no longer delays a call whose caller did the work alone).
+    // this job when the next starts; helpers not yet awake stay out (a late wake-up, 4-40 us
+    // measured, no longer delays a call whose caller did the work alone).
     open_ = false;
     done_.wait(lock, [this] { return helpers_done_ == helpers_joined_; });
     task_ = nullptr;

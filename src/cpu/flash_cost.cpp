@@ -28,7 +28,7 @@ constexpr double kFlashDirectFlops = 20;
 // GFLOP/s (bf16 L=32: 124). The term is 2% of the L=2048 backward.
 constexpr double kFlashBackwardPackFlops = 115;
 // flash: K and V read from memory when the call's K and V exceed this (below, a call that
-// repeats finds them in the caches: L2 + L3 of the development machine hold 33 MiB), at this
+// repeats finds them in the caches: L2 + L3 of the measuring machine hold 33 MiB), at this
 // share of the measured bandwidth (packing and reading overlap): decode B=4 Hq=32 Hkv=8 Lq=1
 // Lk=4096 D=128 (134 MB of f32, 67 MB of bf16) took 8.5 and 4.6 ms, 5.5 and 2.8 ms beyond the
 // products, at 35.7 GB/s measured: 0.68 and 0.67.
@@ -61,7 +61,7 @@ constexpr double kFlashBackwardSoftmaxFlops[] = {10, 42};
 constexpr double kFlashCallSeconds[] = {1e-6, 5e-6};
 
 // Memory traffic is shared by the threads (the decode shapes barely speed up with a second
-// thread on the development machine: flash 24.5 -> 21.2 ms, math 52.9 -> 46.2 ms), so byte
+// thread on the measuring machine: flash 24.5 -> 21.2 ms, math 52.9 -> 46.2 ms), so byte
 // terms are not divided by the thread count; work terms are, over the threads that get work.
 double estimate_flash(Pass pass, const Params& p, const Launch& launch, const CostModel& m) {
   const Sizes s = sizes_of(p, launch);
