@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "attncore/dtype.h"
 #include "attncore/tensor.h"
@@ -57,16 +58,42 @@ inline void store_element(void* base, DType dtype, std::int64_t index, T value) 
   }
 }
 
+// f(std::integral_constant<DType, dtype>{}): the dtype as a constant, so that a loop over a
+// row's elements inside f tests it once (the loops below tested it per element, an indirect jump
+// each: a GQA decode item of 512 bf16 keys spent about 15% of its time loading its queries and
+// storing its output that way).
+template <class F>
+inline void with_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::f32:
+      return f(std::integral_constant<DType, DType::f32>{});
+    case DType::f64:
+      return f(std::integral_constant<DType, DType::f64>{});
+    case DType::bf16:
+      return f(std::integral_constant<DType, DType::bf16>{});
+    case DType::f16:
+      return f(std::integral_constant<DType, DType::f16>{});
+    case DType::b8:
+      return f(std::integral_constant<DType, DType::b8>{});
+    case DType::i32:
+      return f(std::integral_constant<DType, DType::i32>{});
+  }
+}
+
 // n contiguous elements at base + index -> dst (converted to T).
 template <class T>
 inline void load_row(const void* base, DType dtype, std::int64_t index, std::int64_t n, T* dst) {
-  for (std::int64_t e = 0; e < n; ++e) dst[e] = load_element<T>(base, dtype, index + e);
+  with_dtype(dtype, [&](auto known) {
+    for (std::int64_t e = 0; e < n; ++e) dst[e] = load_element<T>(base, known, index + e);
+  });
 }
 
 // n values of src -> contiguous elements at base + index (converted to dtype).
 template <class T>
 inline void store_row(const T* src, std::int64_t n, void* base, DType dtype, std::int64_t index) {
-  for (std::int64_t e = 0; e < n; ++e) store_element<T>(base, dtype, index + e, src[e]);
+  with_dtype(dtype, [&](auto known) {
+    for (std::int64_t e = 0; e < n; ++e) store_element<T>(base, known, index + e, src[e]);
+  });
 }
 
 }  // namespace attncore::detail

@@ -177,32 +177,55 @@ struct DirectKv {
   }
 
   // The scores of R rows (q rows d apart; rows past the item's are zero) against the block's
-  // keys c < block, at k + at[c], into s[r * kKeyTile + c] for c < kLanes (0 past block): key
-  // after key, each K vector loaded (widened) once for all R rows. A row's score of a key is
-  // reduce_sum of the lane sums score_keys forms for it: the same bits.
+  // keys c < block, at k + at[c], into s[r * kKeyTile + c] for c < kLanes (0 past block):
+  // kLanes / R keys at a time, each K vector loaded (widened) once for the R rows, every (row,
+  // key) lane sum in its own register, formed in score_keys' order and summed across lanes by
+  // reduce_sums (sum_parts over `parts`, R * kLanes * kLanes floats): the same bits. Keys past
+  // block read key c0's row (or k's first) and their scores are then set to 0. GQA Hq=32 Hkv=8
+  // decode, 1 thread, % of the probe, Lk=4096/16384, 5 interleaved passes, against one key at
+  // a time with each row's q loaded per product: f16 [B, Hkv, L, D] 61/58 -> 64/62, [B, L, Hkv,
+  // D] 43/54 -> 51/58, p16 53/49 -> 57/53; f32 from cache (Lk=1024) 54-56 -> 58-59 GB/s, from
+  // memory within noise.
   template <int R, class T>
   ATTNCORE_TARGET __attribute__((noinline)) static void score_rows(const T* k,
                                                                    const std::int64_t* at,
                                                                    std::int64_t block, DType dtype,
                                                                    std::int64_t d, const float* q,
                                                                    float* s, float* parts) {
+    constexpr int kKeys = kLanes / R > 0 ? kLanes / R : 1;
     // Whole vectors (D a multiple of kLanes) test nothing per load.
     auto keys = [&](auto whole) ATTNCORE_TARGET {
-      for (int j = 0; j < kLanes; ++j) {
-        Vec acc[R] = {};
-        if (j < block) {
-          const T* row = k + at[j];
-          for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
-            const int n = decltype(whole)::value
-                              ? kLanes
-                              : static_cast<int>(std::min<std::int64_t>(kLanes, d - e0));
-            const Vec kv = load_part(row + e0, n, dtype);
-#pragma GCC unroll 8
-            for (int r = 0; r < R; ++r) acc[r] += load_part(q + r * d + e0, n) * kv;
+      for (int j0 = 0; j0 < kLanes; j0 += kKeys) {
+        const T* row[kKeys];
+#pragma GCC unroll 16
+        for (int j = 0; j < kKeys; ++j) {
+          row[j] = j0 + j < block ? k + at[j0 + j] : block > 0 ? k + at[0] : k;
+        }
+        Vec acc[R][kKeys];
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+          for (int j = 0; j < kKeys; ++j) acc[r][j] = Vec{};
+        }
+        for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
+          const int n = decltype(whole)::value
+                            ? kLanes
+                            : static_cast<int>(std::min<std::int64_t>(kLanes, d - e0));
+          Vec qv[R];
+#pragma GCC unroll 16
+          for (int r = 0; r < R; ++r) qv[r] = load_part(q + r * d + e0, n);
+#pragma GCC unroll 16
+          for (int j = 0; j < kKeys; ++j) {
+            const Vec kv = load_part(row[j] + e0, n, dtype);
+#pragma GCC unroll 16
+            for (int r = 0; r < R; ++r) acc[r][j] += qv[r] * kv;
           }
         }
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) store(parts + (r * kLanes + j) * kLanes, acc[r]);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+          for (int j = 0; j < kKeys; ++j) store(parts + (r * kLanes + j0 + j) * kLanes, acc[r][j]);
+        }
       }
     };
     if (d % kLanes == 0) {
@@ -211,12 +234,86 @@ struct DirectKv {
       keys(std::false_type{});
     }
     sum_parts(parts, R, kKeyTile, s);
+    clear_past(block, R, s);
   }
+#if ATTNCORE_BF16_DOT
+  // score_rows on bf16 pairs (AVX512-BF16, as score_keys_pairs): q_pairs [R][d / 2], the rows'
+  // queries as bf16 pairs; D a multiple of 2 * kLanes. Each (row, key) lane sum is formed as
+  // score_keys_pairs forms it: the same bits. GQA Hq=32 Hkv=8 bf16 decode, 1 thread, % of the
+  // probe, Lk=4096/16384, 5 interleaved passes, against score_keys_pairs row by row: [B, L,
+  // Hkv, D] 50/60 -> 57/65, p16 60/55 -> 66/58, [B, Hkv, L, D] equal (71/70).
+  template <int R>
+  ATTNCORE_TARGET __attribute__((noinline)) static void score_rows_pairs(
+      const std::uint16_t* k, const std::int64_t* at, std::int64_t block, std::int64_t d,
+      const float* q_pairs, float* s, float* parts) {
+    constexpr int kKeys = kLanes / R > 0 ? kLanes / R : 1;
+    for (int j0 = 0; j0 < kLanes; j0 += kKeys) {
+      const std::uint16_t* row[kKeys];
+#pragma GCC unroll 16
+      for (int j = 0; j < kKeys; ++j) {
+        row[j] = j0 + j < block ? k + at[j0 + j] : block > 0 ? k + at[0] : k;
+      }
+      __m512 acc[R][kKeys];
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+        for (int j = 0; j < kKeys; ++j) acc[r][j] = _mm512_setzero_ps();
+      }
+      for (std::int64_t e0 = 0; e0 < d; e0 += 2 * kLanes) {
+        __m512i qv[R];
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) qv[r] = _mm512_loadu_si512(q_pairs + r * (d / 2) + e0 / 2);
+#pragma GCC unroll 16
+        for (int j = 0; j < kKeys; ++j) {
+          const __m512i kv = _mm512_loadu_si512(row[j] + e0);
+#pragma GCC unroll 16
+          for (int r = 0; r < R; ++r) {
+            acc[r][j] = _mm512_dpbf16_ps(acc[r][j], reinterpret_cast<const __m512bh&>(qv[r]),
+                                         reinterpret_cast<const __m512bh&>(kv));
+          }
+        }
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+        for (int j = 0; j < kKeys; ++j) {
+          _mm512_storeu_ps(parts + (r * kLanes + j0 + j) * kLanes, acc[r][j]);
+        }
+      }
+    }
+    sum_parts(parts, R, kKeyTile, s);
+    clear_past(block, R, s);
+  }
+#endif
+  // Scores of keys block <= c < kLanes of `count` rows (kKeyTile apart) set to 0.
+  ATTNCORE_TARGET static void clear_past(std::int64_t block, std::int64_t count, float* s) {
+    if (block >= kLanes) return;
+    for (std::int64_t r = 0; r < count; ++r) {
+      std::fill(s + r * kKeyTile + std::max<std::int64_t>(block, 0), s + r * kKeyTile + kLanes, 0.0f);
+    }
+  }
+  // score_rows (score_rows_pairs with q_pairs) for the rows the products compute.
   template <class T>
   ATTNCORE_TARGET static void score_block_rows(const T* k, const std::int64_t* at,
                                                std::int64_t block, DType dtype, std::int64_t d,
-                                               const float* q, std::int64_t rows, float* s,
-                                               float* parts) {
+                                               const float* q,
+                                               [[maybe_unused]] const float* q_pairs,
+                                               std::int64_t rows, float* s, float* parts) {
+#if ATTNCORE_BF16_DOT
+    if constexpr (sizeof(T) == 2) {
+      if (q_pairs != nullptr) {
+        switch (rows_computed(rows)) {
+          case 2:
+            return score_rows_pairs<2>(k, at, block, d, q_pairs, s, parts);
+          case 4:
+            if constexpr (kTileRows > 4) return score_rows_pairs<4>(k, at, block, d, q_pairs, s, parts);
+            [[fallthrough]];
+          default:
+            return score_rows_pairs<kTileRows>(k, at, block, d, q_pairs, s, parts);
+        }
+      }
+    }
+#endif
     if (rows <= 2) return score_rows<2>(k, at, block, dtype, d, q, s, parts);
     if constexpr (kTileRows > 4) {
       if (rows <= 4) return score_rows<4>(k, at, block, dtype, d, q, s, parts);
@@ -355,14 +452,17 @@ struct DirectKv {
   // --decode, Lk=4096/16384, 1 thread, % of the probe: f32 73/71 against 80/80 without, bf16
   // 68/62 against 71/74, f16 66/60 against 70/73): f32 is left to the hardware prefetcher,
   // 16-bit prefetched kVLead keys ahead within P . V; several heads prefetch V chunk by chunk
-  // in P . V (a whole tile's V of every head is more than L2). 16-bit K with several
-  // rows (GQA) goes through score_rows, each K vector widened once in registers for every row,
-  // its partial sums in `widened` (the item's K tile scratch, d * kKeyTile floats: enough from
-  // D = 16 on; GQA Hq=32 Hkv=8 [B, Hkv, L, D] decode, 1 thread, % of the probe, Lk=4096/16384:
-  // bf16 54/53 against 46/45 with the copy below). Otherwise a block of keys not evenly spaced
-  // (a page boundary inside it), or 16-bit with several rows, is first copied (widened) into
-  // `widened` ([kLanes][d rounded up to kLanes] floats) and read from there by every row (the
-  // same values, so the same scores).
+  // in P . V (a whole tile's V of every head is more than L2). Several rows (GQA) go through
+  // score_rows (score_rows_pairs for a bf16 query over bf16 K, its rows as pairs made once per
+  // tile), each K vector loaded (widened) once in registers for every row, the partial sums
+  // in `widened` (the item's K tile scratch, d * kKeyTile floats: enough from D = 16 on; GQA
+  // Hq=32 Hkv=8 [B, Hkv, L, D] decode, 1 thread, % of the probe, Lk=4096/16384: bf16 54/53
+  // against 46/45 with the copy below); but f32 rows of one head that lie together ([B, Hkv, L,
+  // D]), which run row by row through score_keys (5 interleaved passes: 66/60 against 59/55
+  // that way; [B, L, Hkv, D] 54/49 -> 55/53, p16 54/45 -> 59/48 through score_rows).
+  // Otherwise a block of keys not evenly spaced (a page boundary inside it), or 16-bit with
+  // several rows, is first copied (widened) into `widened` ([kLanes][d rounded up to kLanes]
+  // floats) and read from there by every row (the same values, so the same scores).
   template <class T>
   ATTNCORE_TARGET static void scores(const Params& p, const T* k, const std::int64_t* k_at,
                                      std::int64_t ahead, DType dtype, std::int64_t keys,
@@ -428,6 +528,25 @@ struct DirectKv {
       }
       return;
     }
+    // Several rows on bf16 pairs (GQA): every head's rows as pairs once per tile, after the
+    // partial sums in `widened`.
+    float* rows_pairs = nullptr;
+#if ATTNCORE_BF16_DOT
+    if (pairs && rows > 1 && d % (2 * kLanes) == 0 &&
+        kTileRows * kLanes * kLanes + heads * kTileRows * (d / 2) <= d * kKeyTile) {
+      rows_pairs = widened + kTileRows * kLanes * kLanes;
+      for (std::int64_t x = 0; x < heads; ++x) {
+        for (std::int64_t r = 0; r < rows_computed(rows); ++r) {
+          const float* qr = q + x * head_floats + r * d;
+          float* to = rows_pairs + (x * kTileRows + r) * (d / 2);
+          for (std::int64_t e0 = 0; e0 < d; e0 += 2 * kLanes) {
+            const __m512bh qv = _mm512_cvtne2ps_pbh(load(qr + e0 + kLanes), load(qr + e0));
+            std::memcpy(to + e0 / 2, &qv, sizeof qv);
+          }
+        }
+      }
+    }
+#endif
     for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
       const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
       const std::int64_t ldk = block >= 2 ? even_stride(k_at + c0, block) : d;
@@ -445,6 +564,13 @@ struct DirectKv {
         }
         const float* qx = q + x * head_floats;
         float* sx = s + x * head_floats + c0;
+        if (rows > 1 && (!pairs || rows_pairs != nullptr) && (sizeof(T) == 2 || !near) &&
+            kTileRows * kLanes * kLanes <= d * kKeyTile) {
+          score_block_rows(kx, k_at + c0, block, dtype, d, qx,
+                           rows_pairs != nullptr ? rows_pairs + x * kTileRows * (d / 2) : nullptr,
+                           rows, sx, widened);
+          continue;
+        }
 #if ATTNCORE_BF16_DOT
         if constexpr (sizeof(T) == 2) {
           if (pairs) {
@@ -459,9 +585,7 @@ struct DirectKv {
           }
         }
 #endif
-        if (sizeof(T) == 2 && rows > 1 && kTileRows * kLanes * kLanes <= d * kKeyTile) {
-          score_block_rows(kx, k_at + c0, block, dtype, d, qx, rows, sx, widened);
-        } else if (ldk == 0 || (sizeof(T) == 2 && rows > 1)) {
+        if (ldk == 0 || (sizeof(T) == 2 && rows > 1)) {
           for (std::int64_t j = 0; j < block; ++j) {
             for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
               const int n = static_cast<int>(std::min<std::int64_t>(kLanes, d - e0));
