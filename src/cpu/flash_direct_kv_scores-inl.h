@@ -1,0 +1,588 @@
+// DirectKv's scores, for one SIMD target: S = q . K^T for decode-shaped items, K read where it
+// lies (dense rows or pages) and widened in registers; the prefetching of K that goes with it.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "core/params.h"
+#include "cpu/flash_simd-inl.h"
+#include "cpu/flash_tile_rows-inl.h"
+
+namespace attncore::detail::ATTNCORE_TARGET_NS {
+
+// 16-bit K scored key by key across heads (score_heads_by_key below): the rows this many keys
+// on prefetched into L2, line by line as the products read theirs: bench --decode MHA Hkv=32, 1
+// thread, % of the probe, Lk=4096/16384, 7 interleaved passes: bf16 [B, L, Hkv, D] 69/70 ->
+// 74/74, p16 69/59 -> 79/65; f16 66/64 -> 67/65, p16 61/54 -> 64/58 (8 and 32 keys within
+// noise of 16; f32 rows ran 2-4 points slower with it, and have none).
+constexpr std::int64_t kByKeyLead = 16;
+
+// The cache lines of n elements from p, each once (by address), into L1 (kLocality 3) or L2 (2).
+template <int kLocality, class T>
+ATTNCORE_TARGET inline void prefetch_lines(const T* p, std::int64_t n) {
+  const auto first = reinterpret_cast<std::uintptr_t>(p) & ~std::uintptr_t{63};
+  const auto end = reinterpret_cast<std::uintptr_t>(p + n);
+  for (std::uintptr_t line = first; line < end; line += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(line), 0, kLocality);
+  }
+}
+
+// The scores of DirectKv items (flash_direct_kv-inl.h): one row, a group's rows, or one row per
+// head across several heads, against a block of kLanes keys or a key tile.
+struct DirectKvScores {
+  // The rows the in-place products compute for an item of `rows` rows: 1, 2, 4 or kTileRows
+  // (the rows past `rows` have P = 0 and alpha = 1). Decode items have one row per query head
+  // of the group: computing kTileRows rows for MHA's one row made P . V 8x the work it is. GQA
+  // groups of 3-4 rows: 4 (GQA Hq=32 Hkv=8 Lk=16384, 1 thread, GB/s: bf16 17-18 with 4 against
+  // 14 with 8; f32, once each slice's V lines were all prefetched, % of the probe, Lk=4096/16384,
+  // interleaved: [B, Hkv, L, D] 78/60 with 8 against 89/66 with 4 in one run of 5 passes, 59/56
+  // against 63/60 in one of 3; [B, L, Hkv, D] and pages within 3 points either way).
+  ATTNCORE_TARGET static int rows_computed(std::int64_t rows) {
+    if (rows <= 2) return rows <= 1 ? 1 : 2;
+    return rows <= 4 && kTileRows > 4 ? 4 : kTileRows;
+  }
+
+  // The scores of one row against keys c0 .. c0 + block - 1 (block <= kLanes) of `k` (rows ldk
+  // apart) into s[0 .. kLanes): one accumulator per key, in registers, summed across lanes by
+  // reduce_sums (0 for keys past block; a transpose and a sum instead ran bf16 decode at 63-66%
+  // of the read probe against 80-81%, [B, Hkv, L, D] Lk=16384, 1 thread). Full blocks test nothing
+  // per load: with a test per key GCC 12 kept the accumulators on the stack (f32 decode, 1 thread:
+  // 20-21 GB/s against 22-23 before).
+  template <bool kFull, class T>
+  ATTNCORE_TARGET __attribute__((noinline)) static void score_keys(const T* k, std::int64_t ldk,
+                                                                   DType dtype, std::int64_t d,
+                                                                   std::int64_t block,
+                                                                   const float* q, float* s) {
+    Vec acc[kLanes] = {};
+    // f32 rows of whole vectors (D a multiple of kLanes) test nothing per load: MHA decode
+    // [B, Hkv, L, D] 1 thread, % of the probe, Lk=4096/16384: f32 80/78 against 73/74 with the
+    // test; 16-bit rows ran slower that way (bf16 72/71 against 79/81). (Written twice: with
+    // the loop in a lambda, acc's address is taken, and GCC 12 keeps it on the stack.)
+    if (sizeof(T) == 4 && d % kLanes == 0) {
+      for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
+        const Vec qv = load(q + e0);
+        const T* at = k + e0;
+#pragma GCC unroll 16
+        for (int j = 0; j < kLanes; ++j) {
+          if (kFull || j < block) acc[j] += qv * load_part(at + j * ldk, kLanes, dtype);
+        }
+      }
+    } else {
+      for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
+        const int n = static_cast<int>(std::min<std::int64_t>(kLanes, d - e0));
+        const Vec qv = load_part(q + e0, n);
+        const T* at = k + e0;
+#pragma GCC unroll 16
+        for (int j = 0; j < kLanes; ++j) {
+          if (kFull || j < block) acc[j] += qv * load_part(at + j * ldk, n, dtype);
+        }
+      }
+    }
+    // (Summed in a copy: with acc's address taken, GCC 12 stored every accumulator to the
+    // stack at each step of the loop above.)
+    Vec t[kLanes];
+#pragma GCC unroll 16
+    for (int j = 0; j < kLanes; ++j) t[j] = acc[j];
+    store(s, reduce_sums(t));
+  }
+#if ATTNCORE_BF16_DOT
+  // score_keys for a bf16 query against bf16 K (AVX512-BF16): q . k on vdpbf16ps, a pair of
+  // elements per lane and instruction (the query's f32 copy holds bf16 values, so rounding it
+  // back to bf16 pairs is exact), the keys' rows at k + at[j] (any spacing: pages, so paged and
+  // dense give the same bits). Each lane adds its pairs' products with a rounding after each
+  // (the instruction's own order): the scores differ in the last bits from the f32 path's,
+  // within the oracle's tolerance. A quarter of the instructions of widening K: bench --decode,
+  // 1 thread, % of the probe, Lk=4096/16384, interleaved: MHA [B, Hkv, L, D] 69/70 -> 75/75,
+  // GQA (Hkv=8) 56/53 -> 65/59; [B, L, Hkv, D] MHA unchanged (57-60).
+  template <bool kFull>
+  ATTNCORE_TARGET __attribute__((noinline)) static void score_keys_pairs(const std::uint16_t* k,
+                                                                         const std::int64_t* at,
+                                                                         std::int64_t d,
+                                                                         std::int64_t block,
+                                                                         const float* q, float* s) {
+    __m512 acc[kLanes];
+#pragma GCC unroll 16
+    for (int j = 0; j < kLanes; ++j) acc[j] = _mm512_setzero_ps();
+    for (std::int64_t e0 = 0; e0 < d; e0 += 2 * kLanes) {
+      const int n = static_cast<int>(std::min<std::int64_t>(2 * kLanes, d - e0));
+      const __m512bh qv = _mm512_cvtne2ps_pbh(load_part(q + e0 + kLanes, std::max(n - kLanes, 0)),
+                                              load_part(q + e0, std::min(n, kLanes)));
+      const __mmask32 mask = n == 2 * kLanes ? ~__mmask32{0} : (__mmask32{1} << n) - 1;
+#pragma GCC unroll 16
+      for (int j = 0; j < kLanes; ++j) {
+        if (kFull || j < block) {
+          const __m512i kv = _mm512_maskz_loadu_epi16(mask, k + at[j] + e0);
+          acc[j] = _mm512_dpbf16_ps(acc[j], qv, reinterpret_cast<const __m512bh&>(kv));
+        }
+      }
+    }
+    Vec t[kLanes];
+#pragma GCC unroll 16
+    for (int j = 0; j < kLanes; ++j) t[j] = acc[j];
+    store(s, reduce_sums(t));
+  }
+#endif
+
+  // The scores of `count` rows from their partial sums: parts [count][kLanes keys][kLanes]
+  // lanes into s[x * stride .. + kLanes) for row x, each key's lanes summed by reduce_sums.
+  ATTNCORE_TARGET static void sum_parts(const float* parts, std::int64_t count, std::int64_t stride,
+                                        float* s) {
+    for (std::int64_t x = 0; x < count; ++x) {
+      Vec t[kLanes];
+#pragma GCC unroll 16
+      for (int j = 0; j < kLanes; ++j) t[j] = load(parts + (x * kLanes + j) * kLanes);
+      store(s + x * stride, reduce_sums(t));
+    }
+  }
+
+  // The scores of R rows (q rows d apart; rows past the item's are zero) against the block's
+  // keys c < block, at k + at[c], into s[r * kKeyTile + c] for c < kLanes (0 past block):
+  // kLanes / R keys at a time, each K vector loaded (widened) once for the R rows, every (row,
+  // key) lane sum in its own register, formed in score_keys' order and summed across lanes by
+  // reduce_sums (sum_parts over `parts`, R * kLanes * kLanes floats): the same bits. Keys past
+  // block read key c0's row (or k's first) and their scores are then set to 0. GQA Hq=32 Hkv=8
+  // decode, 1 thread, % of the probe, Lk=4096/16384, 5 interleaved passes, against one key at
+  // a time with each row's q loaded per product: f16 [B, Hkv, L, D] 61/58 -> 64/62, [B, L, Hkv,
+  // D] 43/54 -> 51/58, p16 53/49 -> 57/53; f32 from cache (Lk=1024) 54-56 -> 58-59 GB/s, from
+  // memory within noise.
+  template <int R, class T>
+  ATTNCORE_TARGET __attribute__((noinline)) static void score_rows(const T* k,
+                                                                   const std::int64_t* at,
+                                                                   std::int64_t block, DType dtype,
+                                                                   std::int64_t d, const float* q,
+                                                                   float* s, float* parts) {
+    constexpr int kKeys = kLanes / R > 0 ? kLanes / R : 1;
+    // Whole vectors (D a multiple of kLanes) test nothing per load, and 16-bit K is widened as
+    // its known dtype, with d and q in registers (with the dtype tested per load and both read
+    // from the lambda's captures in the loop, GQA f16 decode, 1 thread, % of the probe,
+    // Lk=4096/16384, 7 interleaved passes: [B, Hkv, L, D] 63/63 against 68/67, [B, L, Hkv, D]
+    // 58/58 against 62/62, p16 57/52 against 62/54).
+    auto keys = [&](auto whole, auto known) ATTNCORE_TARGET {
+      const std::int64_t dd = d;
+      const float* qq = q;
+      for (int j0 = 0; j0 < kLanes; j0 += kKeys) {
+        const T* row[kKeys];
+#pragma GCC unroll 16
+        for (int j = 0; j < kKeys; ++j) {
+          row[j] = j0 + j < block ? k + at[j0 + j] : block > 0 ? k + at[0] : k;
+        }
+        Vec acc[R][kKeys];
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+          for (int j = 0; j < kKeys; ++j) acc[r][j] = Vec{};
+        }
+        for (std::int64_t e0 = 0; e0 < dd; e0 += kLanes) {
+          const int n = decltype(whole)::value
+                            ? kLanes
+                            : static_cast<int>(std::min<std::int64_t>(kLanes, dd - e0));
+          Vec qv[R];
+#pragma GCC unroll 16
+          for (int r = 0; r < R; ++r) qv[r] = load_part(qq + r * dd + e0, n);
+#pragma GCC unroll 16
+          for (int j = 0; j < kKeys; ++j) {
+            const Vec kv = load_part(row[j] + e0, n, decltype(known)::value);
+#pragma GCC unroll 16
+            for (int r = 0; r < R; ++r) acc[r][j] += qv[r] * kv;
+          }
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+          for (int j = 0; j < kKeys; ++j) store(parts + (r * kLanes + j0 + j) * kLanes, acc[r][j]);
+        }
+      }
+    };
+    auto with_known = [&](auto whole) ATTNCORE_TARGET {
+      using F16 = std::integral_constant<DType, DType::f16>;
+      using Bf16 = std::integral_constant<DType, DType::bf16>;
+      using F32 = std::integral_constant<DType, DType::f32>;
+      if constexpr (sizeof(T) == 2) {
+        if (dtype == DType::f16) return keys(whole, F16{});
+        return keys(whole, Bf16{});
+      } else {
+        keys(whole, F32{});
+      }
+    };
+    if (d % kLanes == 0) {
+      with_known(std::true_type{});
+    } else {
+      with_known(std::false_type{});
+    }
+    sum_parts(parts, R, kKeyTile, s);
+    clear_past(block, R, s);
+  }
+#if ATTNCORE_BF16_DOT
+  // score_rows on bf16 pairs (AVX512-BF16, as score_keys_pairs): q_pairs [R][d / 2], the rows'
+  // queries as bf16 pairs; D a multiple of 2 * kLanes. Each (row, key) lane sum is formed as
+  // score_keys_pairs forms it: the same bits. GQA Hq=32 Hkv=8 bf16 decode, 1 thread, % of the
+  // probe, Lk=4096/16384, 5 interleaved passes, against score_keys_pairs row by row: [B, L,
+  // Hkv, D] 50/60 -> 57/65, p16 60/55 -> 66/58, [B, Hkv, L, D] equal (71/70).
+  template <int R>
+  ATTNCORE_TARGET __attribute__((noinline)) static void score_rows_pairs(
+      const std::uint16_t* k, const std::int64_t* at, std::int64_t block, std::int64_t d,
+      const float* q_pairs, float* s, float* parts) {
+    constexpr int kKeys = kLanes / R > 0 ? kLanes / R : 1;
+    for (int j0 = 0; j0 < kLanes; j0 += kKeys) {
+      const std::uint16_t* row[kKeys];
+#pragma GCC unroll 16
+      for (int j = 0; j < kKeys; ++j) {
+        row[j] = j0 + j < block ? k + at[j0 + j] : block > 0 ? k + at[0] : k;
+      }
+      __m512 acc[R][kKeys];
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+        for (int j = 0; j < kKeys; ++j) acc[r][j] = _mm512_setzero_ps();
+      }
+      for (std::int64_t e0 = 0; e0 < d; e0 += 2 * kLanes) {
+        __m512i qv[R];
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) qv[r] = _mm512_loadu_si512(q_pairs + r * (d / 2) + e0 / 2);
+#pragma GCC unroll 16
+        for (int j = 0; j < kKeys; ++j) {
+          const __m512i kv = _mm512_loadu_si512(row[j] + e0);
+#pragma GCC unroll 16
+          for (int r = 0; r < R; ++r) {
+            acc[r][j] = _mm512_dpbf16_ps(acc[r][j], reinterpret_cast<const __m512bh&>(qv[r]),
+                                         reinterpret_cast<const __m512bh&>(kv));
+          }
+        }
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+        for (int j = 0; j < kKeys; ++j) {
+          _mm512_storeu_ps(parts + (r * kLanes + j0 + j) * kLanes, acc[r][j]);
+        }
+      }
+    }
+    sum_parts(parts, R, kKeyTile, s);
+    clear_past(block, R, s);
+  }
+#endif
+  // Scores of keys block <= c < kLanes of `count` rows (kKeyTile apart) set to 0.
+  ATTNCORE_TARGET static void clear_past(std::int64_t block, std::int64_t count, float* s) {
+    if (block >= kLanes) return;
+    for (std::int64_t r = 0; r < count; ++r) {
+      std::fill(s + r * kKeyTile + std::max<std::int64_t>(block, 0), s + r * kKeyTile + kLanes, 0.0f);
+    }
+  }
+  // score_rows (score_rows_pairs with q_pairs) for the rows the products compute.
+  template <class T>
+  ATTNCORE_TARGET static void score_block_rows(const T* k, const std::int64_t* at,
+                                               std::int64_t block, DType dtype, std::int64_t d,
+                                               const float* q,
+                                               [[maybe_unused]] const float* q_pairs,
+                                               std::int64_t rows, float* s, float* parts) {
+#if ATTNCORE_BF16_DOT
+    if constexpr (sizeof(T) == 2) {
+      if (q_pairs != nullptr) {
+        switch (rows_computed(rows)) {
+          case 2:
+            return score_rows_pairs<2>(k, at, block, d, q_pairs, s, parts);
+          case 4:
+            if constexpr (kTileRows > 4) return score_rows_pairs<4>(k, at, block, d, q_pairs, s, parts);
+            [[fallthrough]];
+          default:
+            return score_rows_pairs<kTileRows>(k, at, block, d, q_pairs, s, parts);
+        }
+      }
+    }
+#endif
+    if (rows <= 2) return score_rows<2>(k, at, block, dtype, d, q, s, parts);
+    if constexpr (kTileRows > 4) {
+      if (rows <= 4) return score_rows<4>(k, at, block, dtype, d, q, s, parts);
+    }
+    score_rows<kTileRows>(k, at, block, dtype, d, q, s, parts);
+  }
+  // One row per head (MHA) against a block of keys c < block (0 past it) of `heads` heads, key
+  // after key, each key's row of every head in turn: memory read in address order, which the
+  // hardware prefetcher streams ([B, L, Hkv, D] and pages: a key's heads lie together). Head
+  // x's q and S lie x * head_floats floats on, its K row x * k_step elements after head 0's at
+  // k + at[j]; D a multiple of kLanes. Each score is the one score_keys (score_keys_pairs with
+  // `q_pairs`: the heads' queries as bf16 pairs, d / 2 each) gives it: the same lane sums, then
+  // reduce_sums over `parts` (heads * kLanes * kLanes floats) for f32, each sum reduce_sum'd
+  // as it is formed for bf16 pairs (the same bits; widened 16-bit K: score_heads_widened;
+  // bench --decode MHA bf16, 1 thread, % of the probe, Lk=4096/16384, interleaved: [B, L, Hkv,
+  // D] 69/66 -> 77/68, p256 72/65 -> 78/69; f32 ran 3 points slower that way). With `lead` > 0
+  // (bf16 pairs), each line read prefetches the same line of the key `lead` keys on (at[j +
+  // lead] for j + lead < ahead), into L2: one prefetch per line, spread through the products,
+  // which also runs ahead across page boundaries.
+  template <class T>
+  ATTNCORE_TARGET static void score_heads_by_key(const T* k, const std::int64_t* at,
+                                                 std::int64_t block, DType dtype, std::int64_t d,
+                                                 std::int64_t heads, std::int64_t k_step,
+                                                 std::int64_t head_floats, const float* q,
+                                                 [[maybe_unused]] const float* q_pairs, float* s,
+                                                 float* parts, std::int64_t lead,
+                                                 std::int64_t ahead) {
+    for (std::int64_t j = 0; j < kLanes; ++j) {
+      const T* row = k + (j < block ? at[j] : 0);
+      [[maybe_unused]] const T* next = lead > 0 && j + lead < ahead ? k + at[j + lead] : nullptr;
+      for (std::int64_t x = 0; x < heads; ++x) {
+        Vec acc = {};
+        if (j < block) {
+          const T* kx = row + x * k_step;
+#if ATTNCORE_BF16_DOT
+          if (sizeof(T) == 2 && q_pairs != nullptr) {
+            const float* qx = q_pairs + x * (d / 2);
+            __m512 sum = acc;
+            for (std::int64_t e0 = 0; e0 < d; e0 += 2 * kLanes) {
+              if (next != nullptr) __builtin_prefetch(next + x * k_step + e0, 0, 2);
+              const __m512i qv = _mm512_loadu_si512(qx + e0 / 2);
+              const __m512i kv = _mm512_loadu_si512(kx + e0);
+              sum = _mm512_dpbf16_ps(sum, reinterpret_cast<const __m512bh&>(qv),
+                                     reinterpret_cast<const __m512bh&>(kv));
+            }
+            acc = sum;
+          } else
+#endif
+          {
+            const float* qx = q + x * head_floats;
+            for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
+              acc += load(qx + e0) * load_part(kx + e0, kLanes, dtype);
+            }
+          }
+        }
+        if constexpr (sizeof(T) == 2) {
+          s[x * head_floats + j] = reduce_sum(acc);
+        } else {
+          store(parts + (x * kLanes + j) * kLanes, acc);
+        }
+      }
+    }
+    if constexpr (sizeof(T) == 4) sum_parts(parts, heads, head_floats, s);
+  }
+
+  // score_heads_by_key for 16-bit K widened in registers (f16, or bf16 under an f32 query): the
+  // lane sums of kLanes heads at a time kept in registers and summed across lanes together,
+  // reduce_sums giving head x0 + x's score in lane x (the bits of reduce_sum'ing each), into
+  // `by_key` [kLanes keys][heads rounded up to kLanes], then copied to each head's S (bench
+  // --decode MHA f16, % of the probe, Lk=4096/16384, interleaved against one reduce_sum per
+  // score, 7 passes on 1 thread: BLHD 60/66 -> 65/71, p16 67/60 -> 70/62, p256 70/67 -> 78/71;
+  // 5 on 2 threads: BLHD 81/78 -> 88/76, p16 84/77 -> 88/75, p256 92/80 -> 97/79. bf16 pairs
+  // ran 12-18 points slower that way, f32 1-2).
+  template <class T>
+  ATTNCORE_TARGET static void score_heads_widened(const T* k, const std::int64_t* at,
+                                                  std::int64_t block, DType dtype, std::int64_t d,
+                                                  std::int64_t heads, std::int64_t k_step,
+                                                  std::int64_t head_floats, const float* q,
+                                                  float* s, float* by_key, std::int64_t lead,
+                                                  std::int64_t ahead) {
+    const std::int64_t heads_pad = (heads + kLanes - 1) / kLanes * kLanes;
+    for (std::int64_t j = 0; j < kLanes; ++j) {
+      const T* row = k + (j < block ? at[j] : 0);
+      const T* next = lead > 0 && j + lead < ahead ? k + at[j + lead] : nullptr;
+      for (std::int64_t x0 = 0; x0 < heads; x0 += kLanes) {
+        const std::int64_t n = j < block ? std::min<std::int64_t>(kLanes, heads - x0) : 0;
+        Vec acc[kLanes];
+#pragma GCC unroll 16
+        for (int x = 0; x < kLanes; ++x) acc[x] = Vec{};
+#pragma GCC unroll 16
+        for (int x = 0; x < kLanes; ++x) {
+          if (x < n) {
+            const T* kx = row + (x0 + x) * k_step;
+            const T* ahead_row = next != nullptr ? next + (x0 + x) * k_step : nullptr;
+            const float* qx = q + (x0 + x) * head_floats;
+            Vec sum = acc[x];
+            for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
+              if (ahead_row != nullptr && (e0 * sizeof(T)) % 64 == 0) {
+                __builtin_prefetch(ahead_row + e0, 0, 2);
+              }
+              sum += load(qx + e0) * load_part(kx + e0, kLanes, dtype);
+            }
+            acc[x] = sum;
+          }
+        }
+        Vec t[kLanes];
+#pragma GCC unroll 16
+        for (int x = 0; x < kLanes; ++x) t[x] = acc[x];
+        store(by_key + j * heads_pad + x0, reduce_sums(t));
+      }
+    }
+    for (std::int64_t x = 0; x < heads; ++x) {
+      for (int j = 0; j < kLanes; ++j) s[x * head_floats + j] = by_key[j * heads_pad + x];
+    }
+  }
+
+  template <class T>
+  ATTNCORE_TARGET static void score_block(const T* k, std::int64_t ldk, DType dtype, std::int64_t d,
+                                          std::int64_t block, const float* q, float* s) {
+    if (block == kLanes) {
+      score_keys<true>(k, ldk, dtype, d, block, q, s);
+    } else {
+      score_keys<false>(k, ldk, dtype, d, block, q, s);
+    }
+  }
+
+  // S [rows][kKeyTile] = q . K[j0 + c]^T for c < keys, 0 for keys <= c < cols, kLanes keys at
+  // a time (score_block), for each of `heads` kv heads: head x's K rows lie x * k_step
+  // elements after head 0's, its q and S head_floats floats after head 0's. Key j0 + c of head
+  // 0 is at k + k_at[c] for c < ahead (TileRows: the tile's keys and up to kRowLead after it,
+  // never past the sequence). Block by block, each block of kLanes keys for every head before
+  // the next block: with the heads inside a key's row ([B, L, Hkv, D], pages) memory is read in
+  // order. Streams from memory, so that the product does not wait on it: K rows `lead` keys on
+  // (the next tile's too). One head's V rows, one sequential stream, are not prefetched here
+  // (prefetched as their K rows were read, [B, Hkv, L, D] MHA decode ran slower: bench
+  // --decode, Lk=4096/16384, 1 thread, % of the probe: f32 73/71 against 80/80 without, bf16
+  // 68/62 against 71/74, f16 66/60 against 70/73): f32 is left to the hardware prefetcher,
+  // 16-bit prefetched kVLead keys ahead within P . V; several heads prefetch V chunk by chunk
+  // in P . V (a whole tile's V of every head is more than L2). Several rows (GQA) go through
+  // score_rows (score_rows_pairs for a bf16 query over bf16 K, its rows as pairs made once per
+  // tile), each K vector loaded (widened) once in registers for every row, the partial sums
+  // in `widened` (the item's K tile scratch, d * kKeyTile floats: enough from D = 16 on; GQA
+  // Hq=32 Hkv=8 [B, Hkv, L, D] decode, 1 thread, % of the probe, Lk=4096/16384: bf16 54/53
+  // against 46/45 with the copy below); but f32 rows of one head that lie together ([B, Hkv, L,
+  // D]), which run row by row through score_keys (5 interleaved passes: 66/60 against 59/55
+  // that way; [B, L, Hkv, D] 54/49 -> 55/53, p16 54/45 -> 59/48 through score_rows).
+  // Otherwise a block of keys not evenly spaced (a page boundary inside it), or 16-bit with
+  // several rows, is first copied (widened) into `widened` ([kLanes][d rounded up to kLanes]
+  // floats) and read from there by every row (the same values, so the same scores).
+  template <class T>
+  ATTNCORE_TARGET static void scores(const Params& p, const T* k, const std::int64_t* k_at,
+                                     std::int64_t ahead, DType dtype, std::int64_t keys,
+                                     std::int64_t cols, std::int64_t heads, std::int64_t k_step,
+                                     std::int64_t head_floats, const float* q, std::int64_t rows,
+                                     [[maybe_unused]] bool pairs, float* s, float* widened) {
+    const std::int64_t d = p.head_dim;
+    // K rows prefetched this far ahead: one head, 6 KiB of rows (12 f32 keys at D = 128, 24
+    // 16-bit), at most kRowLead (bench --decode, [B, Hkv, L, D], 1 thread, % of the probe,
+    // Lk=4096/16384, 7 interleaved passes, against 16 KiB and at least 32 keys: MHA f32 75/76 ->
+    // 83/82, bf16 88/86 -> 97/94, f16 80/81 -> 88/85, GQA f32 63/58 -> 65/60, bf16 67/66 ->
+    // 68/69; 4, 5 and 8 KiB within 3 points of 6, 12 KiB between 6 and 16). Several heads
+    // (memory read in order): 4 KiB of each head's rows, into L2 (bench --decode, BLHD Hkv=32
+    // Lk=4096/16384, 1 thread, GB/s: f32 8 keys 26.0-26.4, 32 keys 24.7-25.5, none 25.2-26.2,
+    // 32 keys into L1 21.3-23.3; bf16 16 keys 22.4-26.1, 8 keys 21.7-22.7).
+    const std::int64_t lead =
+        heads > 1
+            ? std::clamp<std::int64_t>(4096 / static_cast<std::int64_t>(sizeof(T) * d), 1, kRowLead)
+            : std::clamp<std::int64_t>((6144 / static_cast<std::int64_t>(sizeof(T)) + d - 1) / d,
+                                       1, kRowLead);
+    // Contiguous rows ([B, Hkv, L, D]) into L1. Rows far apart ([B, L, Hkv, D]: 16 KiB at 32
+    // f32 heads) share L1 sets, where the rows a block reads evict the ones prefetched: into L2
+    // (bench --decode, 1 thread: f32 [B, L, Hkv, D] 12.5 GB/s either way, bf16 8.3-10.7 into L2
+    // against 6.2-6.7 into L1). V is read a whole tile after its prefetch: into L2.
+    const bool near = heads == 1 && (ahead < 2 || k_at[1] - k_at[0] == d);
+    const std::int64_t d_pad = (d + kLanes - 1) / kLanes * kLanes;
+    // One row per head, several heads: key by key, K prefetched as the products run (16-bit:
+    // kByKeyLead) or not at all (f32) (bench --decode MHA 1 thread, % of the probe,
+    // Lk=4096/16384, interleaved with head by head: f32 [B, L, Hkv, D] 65/65 -> 73/73, p16
+    // 61/59 -> 68/67, p256 63/65 -> 73/72, with each key's rows of every head prefetched `lead`
+    // keys on in a burst per block 61/61; bf16 pairs BLHD 63/61 -> 66/66, p16 63/56 -> 69/59,
+    // p256 65/62 -> 73/66). f16 (and bf16 K with an f32 query) widened, with the prefetch, 5
+    // interleaved passes: 1 thread BLHD 65/63 -> 68/65, p16 59/55 -> 65/57, p256 67/63 ->
+    // 68/65; 2 threads (% of the 2-thread probe) BLHD 76/64 -> 86/78, p16 71/60 -> 89/73, p256
+    // 73/64 -> 87/76. Pairs need D a multiple of 2 * kLanes and the queries as pairs, after
+    // the partial sums in `widened`.
+    const bool by_key = heads > 1 && rows == 1 && d % kLanes == 0 &&
+                        (sizeof(T) == 4 || !pairs || d % (2 * kLanes) == 0) &&
+                        heads * kLanes * kLanes + heads * d / 2 <= d * kKeyTile;
+    if (by_key) {
+      float* q_pairs = nullptr;
+#if ATTNCORE_BF16_DOT
+      if (pairs) {
+        q_pairs = widened + heads * kLanes * kLanes;
+        for (std::int64_t x = 0; x < heads; ++x) {
+          const float* qx = q + x * head_floats;
+          for (std::int64_t e0 = 0; e0 < d; e0 += 2 * kLanes) {
+            const __m512bh qv = _mm512_cvtne2ps_pbh(load(qx + e0 + kLanes), load(qx + e0));
+            std::memcpy(q_pairs + x * (d / 2) + e0 / 2, &qv, sizeof qv);
+          }
+        }
+      }
+#endif
+      for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
+        const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
+        if (sizeof(T) == 2 && q_pairs == nullptr) {
+          score_heads_widened(k, k_at + c0, block, dtype, d, heads, k_step, head_floats, q, s + c0,
+                              widened, kByKeyLead, ahead - c0);
+        } else {
+          score_heads_by_key(k, k_at + c0, block, dtype, d, heads, k_step, head_floats, q, q_pairs,
+                             s + c0, widened, sizeof(T) == 2 ? kByKeyLead : 0, ahead - c0);
+        }
+      }
+      return;
+    }
+    // Several rows on bf16 pairs (GQA): every head's rows as pairs once per tile, after the
+    // partial sums in `widened`.
+    float* rows_pairs = nullptr;
+#if ATTNCORE_BF16_DOT
+    if (pairs && rows > 1 && d % (2 * kLanes) == 0 &&
+        kTileRows * kLanes * kLanes + heads * kTileRows * (d / 2) <= d * kKeyTile) {
+      rows_pairs = widened + kTileRows * kLanes * kLanes;
+      for (std::int64_t x = 0; x < heads; ++x) {
+        for (std::int64_t r = 0; r < rows_computed(rows); ++r) {
+          const float* qr = q + x * head_floats + r * d;
+          float* to = rows_pairs + (x * kTileRows + r) * (d / 2);
+          for (std::int64_t e0 = 0; e0 < d; e0 += 2 * kLanes) {
+            const __m512bh qv = _mm512_cvtne2ps_pbh(load(qr + e0 + kLanes), load(qr + e0));
+            std::memcpy(to + e0 / 2, &qv, sizeof qv);
+          }
+        }
+      }
+    }
+#endif
+    for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
+      const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
+      const std::int64_t ldk = block >= 2 ? even_stride(k_at + c0, block) : d;
+      for (std::int64_t x = 0; x < heads; ++x) {
+        const T* kx = k + x * k_step;
+        for (int j = 0; j < kLanes; ++j) {
+          if (c0 + lead + j < ahead) {
+            const T* row = kx + k_at[c0 + lead + j];
+            if (near) {
+              prefetch_lines<3>(row, d);
+            } else {
+              prefetch_lines<2>(row, d);
+            }
+          }
+        }
+        const float* qx = q + x * head_floats;
+        float* sx = s + x * head_floats + c0;
+        if (rows > 1 && (!pairs || rows_pairs != nullptr) && (sizeof(T) == 2 || !near) &&
+            kTileRows * kLanes * kLanes <= d * kKeyTile) {
+          score_block_rows(kx, k_at + c0, block, dtype, d, qx,
+                           rows_pairs != nullptr ? rows_pairs + x * kTileRows * (d / 2) : nullptr,
+                           rows, sx, widened);
+          continue;
+        }
+#if ATTNCORE_BF16_DOT
+        if constexpr (sizeof(T) == 2) {
+          if (pairs) {
+            for (std::int64_t r = 0; r < rows; ++r) {
+              if (block == kLanes) {
+                score_keys_pairs<true>(kx, k_at + c0, d, block, qx + r * d, sx + r * kKeyTile);
+              } else {
+                score_keys_pairs<false>(kx, k_at + c0, d, block, qx + r * d, sx + r * kKeyTile);
+              }
+            }
+            continue;
+          }
+        }
+#endif
+        if (ldk == 0 || (sizeof(T) == 2 && rows > 1)) {
+          for (std::int64_t j = 0; j < block; ++j) {
+            for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
+              const int n = static_cast<int>(std::min<std::int64_t>(kLanes, d - e0));
+              store(widened + j * d_pad + e0, load_part(kx + k_at[c0 + j] + e0, n, dtype));
+            }
+          }
+          for (std::int64_t r = 0; r < rows; ++r) {
+            score_block(widened, d_pad, DType::f32, d, block, qx + r * d, sx + r * kKeyTile);
+          }
+        } else {
+          const T* first = block > 0 ? kx + k_at[c0] : kx;  // (block 0: no row is read)
+          for (std::int64_t r = 0; r < rows; ++r) {
+            score_block(first, ldk, dtype, d, block, qx + r * d, sx + r * kKeyTile);
+          }
+        }
+      }
+    }
+  }
+};
+
+}  // namespace attncore::detail::ATTNCORE_TARGET_NS
