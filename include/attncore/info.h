@@ -49,7 +49,7 @@ ATTNCORE_API double measure_fma_peak_gflops(int threads);
 // where the process may use under 4 GiB) with 8 vector accumulators, the median of 5 runs of 2
 // passes (~0.3 s with the buffer's first touch). What a memory-bound call (decode over a long
 // KV cache) can at best stream; `attncore info` and `attncore bench --decode` report it.
-double measure_read_bandwidth_gbs(int threads);
+ATTNCORE_API double measure_read_bandwidth_gbs(int threads);
 
 // SIMD targets of the fused kernels compiled into this build, best first ("avx512", "avx2",
 // "generic"), and those this CPU can run.

@@ -1,6 +1,6 @@
 // Uses the installed attncore from C++17: one forward call checked against its closed form, one
-// call with bad shapes that must throw attncore::InvalidArgument, and the version macros of the
-// headers against the version of the library loaded.
+// call with bad shapes that must throw attncore::InvalidArgument, the measurements of info.h
+// linked, and the version macros of the headers against the version of the library loaded.
 //
 // With q = 0 every score is 0, so the softmax is uniform over the keys:
 // out[b, h, i, :] = mean_j v[b, h / (Hq / Hkv), j, :] and lse[b, h, i] = log(Lk).
@@ -58,6 +58,11 @@ int main() {
   } catch (const attncore::InvalidArgument& e) {
     std::printf("expected error: %s\n", e.what());
   }
+  // The measurements of attncore/info.h resolve from the installed library (one was declared
+  // without ATTNCORE_API, so a program linking the shared library could not call it).
+  // (Stored through volatile, so that the references stay in the program to be linked.)
+  double (*volatile measurement)(int) = &attncore::measure_fma_peak_gflops;
+  measurement = &attncore::measure_read_bandwidth_gbs;
   const std::string from_macros = std::to_string(ATTNCORE_VERSION_MAJOR) + "." +
                                   std::to_string(ATTNCORE_VERSION_MINOR) + "." +
                                   std::to_string(ATTNCORE_VERSION_PATCH);
