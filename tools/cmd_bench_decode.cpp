@@ -45,6 +45,9 @@ struct DecodePoint {
   std::int64_t page_size = 0;  // > 0: a paged cache, pages [pages, page_size, Hkv, D] (BLHD)
   std::int64_t seqlen_q = 1;   // > 1: chunked prefill (lower-right causal: the chunk's last
                                // Lq slots of the cache are its own keys)
+  std::int64_t page_bytes() const {  // of K (or of V): page_size key rows of Hkv heads
+    return page_size * heads_kv * kHeadDim * static_cast<std::int64_t>(attncore::size_of(dtype));
+  }
   double kv_bytes() const {
     return 2.0 * static_cast<double>(batch * heads_kv * seqlen_k) * kHeadDim *
            static_cast<double>(attncore::size_of(dtype));
@@ -208,11 +211,25 @@ int bench_decode(const BenchConfig& bc) {
   const CacheMemory memory(largest);
   const int passes = std::max(1, bc.sweep.passes);
   std::vector<double> probe1, probe2;
+  // The probe over pieces of each paged point's page bytes (of K, or of V), shuffled: what the
+  // memory gives a read of such pages at best, 1 thread.
+  std::vector<std::int64_t> page_bytes;
+  for (const DecodePoint& pt : points) {
+    if (pt.page_size > 0 && pt.page_bytes() % 512 == 0 &&
+        std::find(page_bytes.begin(), page_bytes.end(), pt.page_bytes()) == page_bytes.end()) {
+      page_bytes.push_back(pt.page_bytes());
+    }
+  }
+  std::sort(page_bytes.begin(), page_bytes.end());
+  std::vector<std::vector<double>> pieces(page_bytes.size());
   std::vector<std::vector<double>> seconds(points.size() * std::size(kTimed));
   for (int pass = 0; pass < passes; ++pass) {
     progress.showf("pass %d/%d: read bandwidth probe ...", pass + 1, passes);
     probe1.push_back(attncore::measure_read_bandwidth_gbs(1));
     probe2.push_back(attncore::measure_read_bandwidth_gbs(2));
+    for (std::size_t n = 0; n < page_bytes.size(); ++n) {
+      pieces[n].push_back(attncore::measure_read_bandwidth_gbs(1, page_bytes[n]));
+    }
     for (std::size_t n = 0; n < points.size(); ++n) {
       progress.showf("pass %d/%d: point %zu/%zu ...", pass + 1, passes, n + 1, points.size());
       for (std::size_t t = 0; t < std::size(kTimed); ++t) {
@@ -270,6 +287,22 @@ int bench_decode(const BenchConfig& bc) {
     j.add("math_1t_gbs", gbs[2]);
     j.add("math_1t_of_probe", of[2]);
     items.push_back(j.str());
+  }
+  if (!page_bytes.empty()) {
+    std::fprintf(table,
+                 "\nread probe over pages: the probe's loop over pieces of a page's bytes (of K or "
+                 "V) in a shuffled order, 1 thread, same passes\n%10s %8s %14s\n",
+                 "page KiB", "GB/s", "of the probe");
+    for (std::size_t n = 0; n < page_bytes.size(); ++n) {
+      const double gbs = median(pieces[n]);
+      std::fprintf(table, "%10lld %8.1f %13.0f%%\n",
+                   static_cast<long long>(page_bytes[n] / 1024), gbs, 100 * gbs / bw1);
+      JsonObject j;
+      j.add("probe_piece_bytes", page_bytes[n]);
+      j.add("probe_1t_gbs", gbs);
+      j.add("of_probe", gbs / bw1);
+      items.push_back(j.str());
+    }
   }
   // Chunked prefill over pages against the dense cache, flash on 1 thread, interleaved (not
   // with --points).

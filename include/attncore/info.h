@@ -1,6 +1,7 @@
 // What attncore knows about the machine it runs on.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -49,7 +50,11 @@ ATTNCORE_API double measure_fma_peak_gflops(int threads);
 // where the process may use under 4 GiB) with 8 vector accumulators, the median of 5 runs of 2
 // passes (~0.3 s with the buffer's first touch). What a memory-bound call (decode over a long
 // KV cache) can at best stream; `attncore info` and `attncore bench --decode` report it.
-ATTNCORE_API double measure_read_bandwidth_gbs(int threads);
+// piece_bytes > 0 (a multiple of 512, at most a thread's part): each thread reads its part in
+// pieces of that size in a fixed shuffled order, as decode reads a paged cache whose pages lie
+// anywhere in their pool (what such a decode can at best stream; pieces of 128 KiB read about a
+// tenth less than the whole part on the measuring machine).
+ATTNCORE_API double measure_read_bandwidth_gbs(int threads, std::int64_t piece_bytes = 0);
 
 // SIMD targets of the fused kernels compiled into this build, best first ("avx512", "avx2",
 // "generic"), and those this CPU can run.

@@ -7,7 +7,8 @@
 // (a probe summing into one double measured 7 GB/s on a machine that streams 25-40), not the
 // memory. Each thread writes its part first (first touch: the pages are its own, resident, and
 // not the shared zero page), then every run is timed from the first thread's start to the last
-// one's end; the result is the median of the runs.
+// one's end; the result is the median of the runs. With piece_bytes, each thread reads its part
+// in pieces of that size in a fixed shuffled order, as decode reads a paged KV cache.
 #include <algorithm>
 #include <atomic>
 #include <barrier>
@@ -110,12 +111,17 @@ struct FreeFloats {
 
 }  // namespace
 
-double measure_read_bandwidth_gbs(int threads) {
+double measure_read_bandwidth_gbs(int threads, std::int64_t piece_bytes) {
   if (threads <= 0) threads = default_num_threads();
   if (threads > kMaxThreads) {
     throw InvalidArgument(
         "measure_read_bandwidth_gbs: threads is too large (threads=" + std::to_string(threads) +
         ", expected <= " + std::to_string(kMaxThreads) + ")");
+  }
+  if (piece_bytes < 0 || piece_bytes % 512 != 0) {
+    throw InvalidArgument(
+        "measure_read_bandwidth_gbs: piece_bytes is not a multiple of 512 (piece_bytes=" +
+        std::to_string(piece_bytes) + ", expected 0 or a positive multiple of 512)");
   }
   const double bytes = std::min(kProbeBytes, memory_limit().bytes / 8);
   // Each thread's part: whole 512-byte blocks, 2 MiB aligned (huge pages where the OS gives them).
@@ -126,6 +132,21 @@ double measure_read_bandwidth_gbs(int threads) {
                 std::to_string(threads) + ", expected at least " + std::to_string(threads * 512) +
                 " bytes to be available)");
   }
+  // Pieces of each part read in a fixed shuffled order (one piece: the part, in order).
+  const std::size_t piece = piece_bytes > 0 ? static_cast<std::size_t>(piece_bytes) / 4 : per_thread;
+  if (piece > per_thread) {
+    throw InvalidArgument("measure_read_bandwidth_gbs: piece_bytes is larger than a thread's part "
+                          "of the buffer (piece_bytes=" + std::to_string(piece_bytes) +
+                          ", expected <= " + std::to_string(per_thread * 4) + ")");
+  }
+  std::vector<std::size_t> order(per_thread / piece);
+  for (std::size_t n = 0; n < order.size(); ++n) order[n] = n;
+  std::uint32_t state = 777;
+  for (std::size_t n = order.size(); n > 1; --n) {  // Fisher-Yates, fixed seed
+    state = state * 1664525u + 1013904223u;
+    std::swap(order[n - 1], order[state % static_cast<std::uint32_t>(n)]);
+  }
+  const std::size_t read_per_thread = order.size() * piece;
   const std::size_t total = per_thread * static_cast<std::size_t>(threads);
   const std::size_t alloc_bytes = (total * sizeof(float) + kAlign - 1) / kAlign * kAlign;
   std::unique_ptr<float, FreeFloats> buffer(static_cast<float*>(std::aligned_alloc(kAlign, alloc_bytes)));
@@ -160,7 +181,9 @@ double measure_read_bandwidth_gbs(int threads) {
     for (int run = 0; run < kRuns; ++run) {
       start[slot] = Clock::now();
       float s = 0;
-      for (int pass = 0; pass < kPasses; ++pass) s += sum(part, per_thread);
+      for (int pass = 0; pass < kPasses; ++pass) {
+        for (std::size_t n : order) s += sum(part + n * piece, piece);
+      }
       stop[slot] = Clock::now();
       g_bandwidth_sink.store(s, std::memory_order_relaxed);
       sync.arrive_and_wait();
@@ -182,7 +205,8 @@ double measure_read_bandwidth_gbs(int threads) {
   for (std::thread& th : pool) th.join();
   std::sort(seconds.begin(), seconds.end());
   const double median = seconds[seconds.size() / 2];
-  return static_cast<double>(total) * sizeof(float) * kPasses / median * 1e-9;
+  return static_cast<double>(read_per_thread) * static_cast<double>(threads) * sizeof(float) *
+         kPasses / median * 1e-9;
 }
 
 }  // namespace attncore

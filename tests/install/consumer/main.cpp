@@ -61,8 +61,9 @@ int main() {
   // The measurements of attncore/info.h resolve from the installed library (one was declared
   // without ATTNCORE_API, so a program linking the shared library could not call it).
   // (Stored through volatile, so that the references stay in the program to be linked.)
-  double (*volatile measurement)(int) = &attncore::measure_fma_peak_gflops;
-  measurement = &attncore::measure_read_bandwidth_gbs;
+  double (*volatile fma_peak)(int) = &attncore::measure_fma_peak_gflops;
+  double (*volatile read_bandwidth)(int, std::int64_t) = &attncore::measure_read_bandwidth_gbs;
+  if (fma_peak == nullptr || read_bandwidth == nullptr) return 1;
   const std::string from_macros = std::to_string(ATTNCORE_VERSION_MAJOR) + "." +
                                   std::to_string(ATTNCORE_VERSION_MINOR) + "." +
                                   std::to_string(ATTNCORE_VERSION_PATCH);
