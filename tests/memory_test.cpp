@@ -270,10 +270,12 @@ TEST(Memory, ReadProbeOverPiecesChecksThePieceSize) {
     (void)measure_read_bandwidth_gbs(1, std::int64_t{1} << 40);
     ADD_FAILURE() << "no error for a piece of 1 TiB";
   } catch (const InvalidArgument& e) {
-    EXPECT_EQ(std::string(e.what()).rfind("measure_read_bandwidth_gbs: piece_bytes is larger than "
-                                          "a thread's part of the buffer (piece_bytes=1099511627776, "
-                                          "expected <= ", 0),
-              0u);
+    EXPECT_EQ(
+        std::string(e.what()).rfind("measure_read_bandwidth_gbs: piece_bytes is larger than "
+                                    "a thread's part of the buffer (piece_bytes=1099511627776, "
+                                    "expected <= ",
+                                    0),
+        0u);
   }
   EXPECT_GT(measure_read_bandwidth_gbs(1, 128 * 1024), 0.0);
 }

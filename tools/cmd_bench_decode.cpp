@@ -45,12 +45,13 @@ struct DecodePoint {
   std::int64_t page_size = 0;  // > 0: a paged cache, pages [pages, page_size, Hkv, D] (BLHD)
   std::int64_t seqlen_q = 1;   // > 1: chunked prefill (lower-right causal: the chunk's last
                                // Lq slots of the cache are its own keys)
-  std::int64_t page_bytes() const {  // of K (or of V): page_size key rows of Hkv heads
-    return page_size * heads_kv * kHeadDim * static_cast<std::int64_t>(attncore::size_of(dtype));
-  }
   double kv_bytes() const {
     return 2.0 * static_cast<double>(batch * heads_kv * seqlen_k) * kHeadDim *
            static_cast<double>(attncore::size_of(dtype));
+  }
+  // A page of K (or of V): page_size key rows of Hkv heads.
+  std::int64_t page_bytes() const {
+    return page_size * heads_kv * kHeadDim * static_cast<std::int64_t>(attncore::size_of(dtype));
   }
   static constexpr std::int64_t kHeadsQ = 32, kHeadDim = 128;
 };
@@ -181,8 +182,9 @@ int bench_decode(const BenchConfig& bc) {
   const bool quick = bc.sweep.quick;
   const std::vector<std::int64_t> batches =
       quick ? std::vector<std::int64_t>{1} : std::vector<std::int64_t>{1, 4, 16, 64};
-  const std::vector<std::int64_t> lengths = quick ? std::vector<std::int64_t>{4096, 16384}
-                                                  : std::vector<std::int64_t>{1024, 4096, 16384, 32768};
+  const std::vector<std::int64_t> lengths =
+      quick ? std::vector<std::int64_t>{4096, 16384}
+            : std::vector<std::int64_t>{1024, 4096, 16384, 32768};
   const double max_bytes = bc.sweep.max_kv_gib * 1024.0 * 1024.0 * 1024.0;
   std::vector<DecodePoint> points, skipped;
   for (std::int64_t hkv : {std::int64_t{32}, std::int64_t{8}}) {
@@ -266,12 +268,13 @@ int bench_decode(const BenchConfig& bc) {
     const double of[] = {gbs[0] / bw1, gbs[1] / bw2, gbs[2] / bw1};
     const std::string kind =
         pt.page_size > 0 ? "p" + std::to_string(pt.page_size) : std::string(name_of(pt.layout));
-    std::fprintf(table,
-                 "%-5s %-4s %3lld %3lld %6lld %9.1f | %8.1f %5.0f%% | %8.1f %5.0f%% | %8.1f %5.0f%%\n",
-                 std::string(attncore::name_of(pt.dtype)).c_str(), kind.c_str(),
-                 static_cast<long long>(pt.heads_kv), static_cast<long long>(pt.batch),
-                 static_cast<long long>(pt.seqlen_k), pt.kv_bytes() / 1e6, gbs[0], 100 * of[0],
-                 gbs[1], 100 * of[1], gbs[2], 100 * of[2]);
+    std::fprintf(
+        table,
+        "%-5s %-4s %3lld %3lld %6lld %9.1f | %8.1f %5.0f%% | %8.1f %5.0f%% | %8.1f %5.0f%%\n",
+        std::string(attncore::name_of(pt.dtype)).c_str(), kind.c_str(),
+        static_cast<long long>(pt.heads_kv), static_cast<long long>(pt.batch),
+        static_cast<long long>(pt.seqlen_k), pt.kv_bytes() / 1e6, gbs[0], 100 * of[0], gbs[1],
+        100 * of[1], gbs[2], 100 * of[2]);
     JsonObject j;
     j.add("dtype", attncore::name_of(pt.dtype));
     j.add("layout", name_of(pt.layout));
@@ -295,8 +298,8 @@ int bench_decode(const BenchConfig& bc) {
                  "page KiB", "GB/s", "of the probe");
     for (std::size_t n = 0; n < page_bytes.size(); ++n) {
       const double gbs = median(pieces[n]);
-      std::fprintf(table, "%10lld %8.1f %13.0f%%\n",
-                   static_cast<long long>(page_bytes[n] / 1024), gbs, 100 * gbs / bw1);
+      std::fprintf(table, "%10lld %8.1f %13.0f%%\n", static_cast<long long>(page_bytes[n] / 1024),
+                   gbs, 100 * gbs / bw1);
       JsonObject j;
       j.add("probe_piece_bytes", page_bytes[n]);
       j.add("probe_1t_gbs", gbs);
@@ -341,8 +344,9 @@ int bench_decode(const BenchConfig& bc) {
   std::string list;
   for (const DecodePoint& pt : skipped) {
     list += "\n  " + std::string(attncore::name_of(pt.dtype)) + " " +
-            (pt.page_size > 0 ? "p" + std::to_string(pt.page_size) : name_of(pt.layout)) + " Hkv=" + std::to_string(pt.heads_kv) +
-            " B=" + std::to_string(pt.batch) + " Lk=" + std::to_string(pt.seqlen_k) +
+            (pt.page_size > 0 ? "p" + std::to_string(pt.page_size) : name_of(pt.layout)) +
+            " Hkv=" + std::to_string(pt.heads_kv) + " B=" + std::to_string(pt.batch) +
+            " Lk=" + std::to_string(pt.seqlen_k) +
             format(" (%.1f GiB)", pt.kv_bytes() / (1024.0 * 1024.0 * 1024.0));
   }
   if (!skipped.empty()) {

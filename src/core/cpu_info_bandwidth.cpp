@@ -126,18 +126,21 @@ double measure_read_bandwidth_gbs(int threads, std::int64_t piece_bytes) {
   const double bytes = std::min(kProbeBytes, memory_limit().bytes / 8);
   // Each thread's part: whole 512-byte blocks, 2 MiB aligned (huge pages where the OS gives them).
   constexpr std::size_t kAlign = 2u << 20, kBlockFloats = 128;
-  const auto per_thread = static_cast<std::size_t>(bytes / 4 / threads) / kBlockFloats * kBlockFloats;
+  const auto per_thread =
+      static_cast<std::size_t>(bytes / 4 / threads) / kBlockFloats * kBlockFloats;
   if (per_thread == 0) {
     throw Error("measure_read_bandwidth_gbs: too little memory for the probe (threads=" +
                 std::to_string(threads) + ", expected at least " + std::to_string(threads * 512) +
                 " bytes to be available)");
   }
   // Pieces of each part read in a fixed shuffled order (one piece: the part, in order).
-  const std::size_t piece = piece_bytes > 0 ? static_cast<std::size_t>(piece_bytes) / 4 : per_thread;
+  const std::size_t piece =
+      piece_bytes > 0 ? static_cast<std::size_t>(piece_bytes) / 4 : per_thread;
   if (piece > per_thread) {
-    throw InvalidArgument("measure_read_bandwidth_gbs: piece_bytes is larger than a thread's part "
-                          "of the buffer (piece_bytes=" + std::to_string(piece_bytes) +
-                          ", expected <= " + std::to_string(per_thread * 4) + ")");
+    throw InvalidArgument(
+        "measure_read_bandwidth_gbs: piece_bytes is larger than a thread's part "
+        "of the buffer (piece_bytes=" +
+        std::to_string(piece_bytes) + ", expected <= " + std::to_string(per_thread * 4) + ")");
   }
   std::vector<std::size_t> order(per_thread / piece);
   for (std::size_t n = 0; n < order.size(); ++n) order[n] = n;
@@ -149,7 +152,8 @@ double measure_read_bandwidth_gbs(int threads, std::int64_t piece_bytes) {
   const std::size_t read_per_thread = order.size() * piece;
   const std::size_t total = per_thread * static_cast<std::size_t>(threads);
   const std::size_t alloc_bytes = (total * sizeof(float) + kAlign - 1) / kAlign * kAlign;
-  std::unique_ptr<float, FreeFloats> buffer(static_cast<float*>(std::aligned_alloc(kAlign, alloc_bytes)));
+  std::unique_ptr<float, FreeFloats> buffer(
+      static_cast<float*>(std::aligned_alloc(kAlign, alloc_bytes)));
   if (!buffer) {
     throw OutOfMemory("measure_read_bandwidth_gbs: cannot allocate the probe's buffer (bytes=" +
                       std::to_string(alloc_bytes) + ", expected that much free memory)");

@@ -268,7 +268,8 @@ struct DirectKvScores {
   ATTNCORE_TARGET static void clear_past(std::int64_t block, std::int64_t count, float* s) {
     if (block >= kLanes) return;
     for (std::int64_t r = 0; r < count; ++r) {
-      std::fill(s + r * kKeyTile + std::max<std::int64_t>(block, 0), s + r * kKeyTile + kLanes, 0.0f);
+      std::fill(s + r * kKeyTile + std::max<std::int64_t>(block, 0), s + r * kKeyTile + kLanes,
+                0.0f);
     }
   }
   // score_rows (score_rows_pairs with q_pairs) for the rows the products compute.
@@ -285,7 +286,8 @@ struct DirectKvScores {
           case 2:
             return score_rows_pairs<2>(k, at, block, d, q_pairs, s, parts);
           case 4:
-            if constexpr (kTileRows > 4) return score_rows_pairs<4>(k, at, block, d, q_pairs, s, parts);
+            if constexpr (kTileRows > 4)
+              return score_rows_pairs<4>(k, at, block, d, q_pairs, s, parts);
             [[fallthrough]];
           default:
             return score_rows_pairs<kTileRows>(k, at, block, d, q_pairs, s, parts);
@@ -460,8 +462,8 @@ struct DirectKvScores {
     const std::int64_t lead =
         heads > 1
             ? std::clamp<std::int64_t>(4096 / static_cast<std::int64_t>(sizeof(T) * d), 1, kRowLead)
-            : std::clamp<std::int64_t>((6144 / static_cast<std::int64_t>(sizeof(T)) + d - 1) / d,
-                                       1, kRowLead);
+            : std::clamp<std::int64_t>((6144 / static_cast<std::int64_t>(sizeof(T)) + d - 1) / d, 1,
+                                       kRowLead);
     // Contiguous rows ([B, Hkv, L, D]) into L1. Rows far apart ([B, L, Hkv, D]: 16 KiB at 32
     // f32 heads) share L1 sets, where the rows a block reads evict the ones prefetched: into L2
     // (bench --decode, 1 thread: f32 [B, L, Hkv, D] 12.5 GB/s either way, bf16 8.3-10.7 into L2
@@ -531,6 +533,16 @@ struct DirectKvScores {
       const std::int64_t ldk = block >= 2 ? even_stride(k_at + c0, block) : d;
       for (std::int64_t x = 0; x < heads; ++x) {
         const T* kx = k + x * k_step;
+        // f32 rows of one head lying together ([B, Hkv, L, D]): each row prefetched a second
+        // time, half the lead ahead (bench --decode, 1 thread, % of the probe, Lk=4096/16384, 9
+        // interleaved passes: MHA 82/81 -> 88/86, GQA Hkv=8 76/65 -> 80/72 and 68/62 -> 78/73
+        // in two runs; 16-bit rows ran slower with it: MHA bf16 97/92 -> 89/88, f16 87/86 ->
+        // 80/81, GQA 2-5 points; f32 rows far apart, into L2, within noise).
+        if (sizeof(T) == 4 && near) {
+          for (int j = 0; j < kLanes; ++j) {
+            if (c0 + lead / 2 + j < ahead) prefetch_lines<3>(kx + k_at[c0 + lead / 2 + j], d);
+          }
+        }
         for (int j = 0; j < kLanes; ++j) {
           if (c0 + lead + j < ahead) {
             const T* row = kx + k_at[c0 + lead + j];
