@@ -36,6 +36,8 @@ foreach(expected
     "attncore::backward_into("
     "attncore::set_num_threads(int)"
     "attncore::version()"
+    "attncore::measure_fma_peak_gflops(int)"
+    "attncore::measure_read_bandwidth_gbs(int, long)"
     "attncore::Tensor::Tensor("
     "typeinfo for attncore::InvalidArgument"
     "typeinfo for attncore::Cancelled")

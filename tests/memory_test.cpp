@@ -17,6 +17,7 @@
 
 #include "attncore/attncore.h"
 #include "core/cpu_info.h"
+#include "testing/tensors.h"
 
 namespace attncore {
 namespace {
@@ -257,26 +258,16 @@ TEST(Memory, CgroupLimitOverTheTree) {
 // work, naming it; a valid one reads (0 = the whole part in order).
 TEST(Memory, ReadProbeOverPiecesChecksThePieceSize) {
   for (std::int64_t bad : {std::int64_t{-512}, std::int64_t{100}, std::int64_t{513}}) {
-    try {
-      (void)measure_read_bandwidth_gbs(1, bad);
-      ADD_FAILURE() << "no error for piece_bytes=" << bad;
-    } catch (const InvalidArgument& e) {
-      EXPECT_EQ(std::string(e.what()),
-                "measure_read_bandwidth_gbs: piece_bytes is not a multiple of 512 (piece_bytes=" +
-                    std::to_string(bad) + ", expected 0 or a positive multiple of 512)");
-    }
+    EXPECT_EQ(test::invalid_argument_message([&] { (void)measure_read_bandwidth_gbs(1, bad); }),
+              "measure_read_bandwidth_gbs: piece_bytes is not a multiple of 512 (piece_bytes=" +
+                  std::to_string(bad) + ", expected 0 or a positive multiple of 512)");
   }
-  try {
-    (void)measure_read_bandwidth_gbs(1, std::int64_t{1} << 40);
-    ADD_FAILURE() << "no error for a piece of 1 TiB";
-  } catch (const InvalidArgument& e) {
-    EXPECT_EQ(
-        std::string(e.what()).rfind("measure_read_bandwidth_gbs: piece_bytes is larger than "
-                                    "a thread's part of the buffer (piece_bytes=1099511627776, "
-                                    "expected <= ",
-                                    0),
-        0u);
-  }
+  EXPECT_EQ(test::invalid_argument_message(
+                [] { (void)measure_read_bandwidth_gbs(1, std::int64_t{1} << 40); })
+                .rfind("measure_read_bandwidth_gbs: piece_bytes is larger than a thread's part of "
+                       "the buffer (piece_bytes=1099511627776, expected <= ",
+                       0),
+            0u);
   EXPECT_GT(measure_read_bandwidth_gbs(1, 128 * 1024), 0.0);
 }
 

@@ -15,21 +15,14 @@
 
 #include "attncore/attncore.h"
 #include "attncore/kvcache.h"
+#include "testing/tensors.h"
 
 namespace attncore {
 namespace {
 
-using detail::views_overlap;
+using test::invalid_argument_message;
 
-// The message of the InvalidArgument `call` throws ("" if none).
-std::string invalid_argument_message(const std::function<void()>& call) {
-  try {
-    call();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  }
-  return "";
-}
+using detail::views_overlap;
 
 // Whether `message` starts with `prefix`.
 ::testing::AssertionResult starts_with(const std::string& message, const std::string& prefix) {

@@ -9,19 +9,12 @@
 #include <string>
 
 #include "attncore/attncore.h"
+#include "testing/tensors.h"
 
 namespace attncore {
 namespace {
 
-// The message of the InvalidArgument `call` throws ("" if none).
-std::string invalid_argument_message(const std::function<void()>& call) {
-  try {
-    call();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  }
-  return "";
-}
+using test::invalid_argument_message;
 
 const Backend kBackends[] = {Backend::automatic, Backend::reference, Backend::math, Backend::flash};
 

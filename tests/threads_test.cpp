@@ -20,9 +20,12 @@
 #include "attncore/attncore.h"
 #include "attncore/merge.h"
 #include "core/threadpool.h"
+#include "testing/tensors.h"
 
 namespace attncore {
 namespace {
+
+using test::invalid_argument_message;
 
 // Sets ATTNCORE_NUM_THREADS (or unsets it, for nullopt) for the scope, then restores it.
 class EnvThreads {
@@ -53,15 +56,6 @@ class EnvThreads {
 struct Small {
   Tensor q{DType::f32, {1, 2, 8, 16}}, k{DType::f32, {1, 2, 8, 16}}, v{DType::f32, {1, 2, 8, 16}};
 };
-
-std::string invalid_argument_message(const std::function<void()>& call) {
-  try {
-    call();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  }
-  return "";
-}
 
 TEST(Threads, MaximumIsDocumentedValue) { EXPECT_EQ(kMaxThreads, 1024); }
 

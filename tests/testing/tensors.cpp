@@ -239,4 +239,13 @@ std::string error_message(const std::function<void()>& f) {
   return "";
 }
 
+std::string invalid_argument_message(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  }
+  return "";
+}
+
 }  // namespace attncore::test

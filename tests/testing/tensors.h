@@ -71,4 +71,8 @@ double max_abs(const std::vector<double>& x);
 // The message of the attncore::Error f throws; "" when it throws none.
 std::string error_message(const std::function<void()>& f);
 
+// The message of the InvalidArgument f throws; "" when it throws none (another exception
+// propagates).
+std::string invalid_argument_message(const std::function<void()>& f);
+
 }  // namespace attncore::test
