@@ -85,12 +85,13 @@ double cache_bytes(const RunConfig& c) {
 
 RunResult run_cache(const PreparedCall& p) {
   const RunConfig& c = p.cfg;
-  // Pages in a shuffled order (Fisher-Yates on the run's seed), as an engine's pool ends up.
+  // Pages in a shuffled order (Fisher-Yates on the run's seed), as an engine's pool ends up;
+  // with --pages-in-order, each sequence's pages one after the other.
   const std::int64_t per_seq = pages_per_seq(c);
   std::vector<std::int32_t> table(static_cast<std::size_t>(c.batch * per_seq));
   std::iota(table.begin(), table.end(), 0);
   Random rng(c.seed ^ 7);
-  for (std::size_t i = table.size(); i > 1; --i) {
+  for (std::size_t i = table.size(); i > 1 && !c.pages_in_order; --i) {
     std::swap(table[i - 1], table[static_cast<std::size_t>(rng.next() % i)]);
   }
   const Cache k = make_cache(c, p.k, table, per_seq);

@@ -58,10 +58,13 @@ void check_varlen_flags(const RunConfig& c, const GivenFlags& flags) {
 }
 
 void check_cache_flags(const RunConfig& c, const GivenFlags& flags) {
-  for (const char* name : {"--new-tokens", "--page-size"}) {
+  for (const char* name : {"--new-tokens", "--page-size", "--pages-in-order"}) {
     if (!c.is_cache() && given(flags, name)) {
       throw UsageError{std::string(name) + " needs --cache-len"};
     }
+  }
+  if (c.pages_in_order && c.page_size == 0) {
+    throw UsageError{"--pages-in-order needs --page-size P > 0 (a dense cache has no pages)"};
   }
   if (!c.is_cache()) return;
   for (const char* name : {"--seqlen-q", "--seqlen-k", "--varlen", "--backward"}) {

@@ -184,6 +184,9 @@ constexpr Flag kFlags[] = {
     {"--page-size", "P", kRun, &RunConfig::page_size,
      "with --cache-len: a paged cache of pages of P slots in shuffled\norder; 0 = a dense "
      "cache"},
+    {"--pages-in-order", "", kRun, &RunConfig::pages_in_order,
+     "with --page-size: each sequence's pages one after the other in\nthe pool, not "
+     "shuffled"},
     {"--seqlens", "L,L,...", kBench, &BenchSweep::seqlens, "sequence lengths, Lq = Lk"},
     {"--head-dim", "N", kBoth, &RunConfig::head_dim, "query/key head dim D"},
     {"--head-dim-v", "N", kRun, &RunConfig::head_dim_v, "value head dim Dv", "= head-dim"},

@@ -128,6 +128,7 @@ std::string RunConfig::shape_text() const {
   if (is_cache()) {
     s << " cache_len=" << cache_len << " new_tokens=" << new_tokens;
     s << (page_size > 0 ? " page_size=" + std::to_string(page_size) : std::string(" dense cache"));
+    if (pages_in_order) s << " pages_in_order";
   }
   return s.str();
 }
@@ -161,6 +162,7 @@ void RunConfig::add_shape(JsonObject& j) const {
     j.add("cache_len", cache_len);
     j.add("new_tokens", new_tokens);
     j.add("page_size", page_size);  // 0: a dense cache
+    j.add("pages_in_order", pages_in_order);
   } else {
     j.add_null("cache_len");
   }
