@@ -257,7 +257,10 @@ TEST(Memory, CgroupLimitOverTheTree) {
 // positive multiple of 512, or more than a thread's part of the buffer, is refused before any
 // work, naming it; a valid one reads (0 = the whole part in order).
 TEST(Memory, ReadProbeOverPiecesChecksThePieceSize) {
-  for (std::int64_t bad : {std::int64_t{-512}, std::int64_t{100}, std::int64_t{513}}) {
+  EXPECT_EQ(test::invalid_argument_message([] { (void)measure_read_bandwidth_gbs(1, -512); }),
+            "measure_read_bandwidth_gbs: piece_bytes is negative (piece_bytes=-512, expected 0 or "
+            "a positive multiple of 512)");
+  for (std::int64_t bad : {std::int64_t{100}, std::int64_t{513}, std::int64_t{1000}}) {
     EXPECT_EQ(test::invalid_argument_message([&] { (void)measure_read_bandwidth_gbs(1, bad); }),
               "measure_read_bandwidth_gbs: piece_bytes is not a multiple of 512 (piece_bytes=" +
                   std::to_string(bad) + ", expected 0 or a positive multiple of 512)");

@@ -118,7 +118,12 @@ double measure_read_bandwidth_gbs(int threads, std::int64_t piece_bytes) {
         "measure_read_bandwidth_gbs: threads is too large (threads=" + std::to_string(threads) +
         ", expected <= " + std::to_string(kMaxThreads) + ")");
   }
-  if (piece_bytes < 0 || piece_bytes % 512 != 0) {
+  if (piece_bytes < 0) {
+    throw InvalidArgument("measure_read_bandwidth_gbs: piece_bytes is negative (piece_bytes=" +
+                          std::to_string(piece_bytes) +
+                          ", expected 0 or a positive multiple of 512)");
+  }
+  if (piece_bytes % 512 != 0) {
     throw InvalidArgument(
         "measure_read_bandwidth_gbs: piece_bytes is not a multiple of 512 (piece_bytes=" +
         std::to_string(piece_bytes) + ", expected 0 or a positive multiple of 512)");
@@ -134,14 +139,15 @@ double measure_read_bandwidth_gbs(int threads, std::int64_t piece_bytes) {
                 " bytes to be available)");
   }
   // Pieces of each part read in a fixed shuffled order (one piece: the part, in order).
-  const std::size_t piece =
-      piece_bytes > 0 ? static_cast<std::size_t>(piece_bytes) / 4 : per_thread;
-  if (piece > per_thread) {
+  // (Compared in 64 bits before the conversion: a size_t of 32 bits would wrap.)
+  if (static_cast<std::uint64_t>(piece_bytes) / 4 > static_cast<std::uint64_t>(per_thread)) {
     throw InvalidArgument(
         "measure_read_bandwidth_gbs: piece_bytes is larger than a thread's part "
         "of the buffer (piece_bytes=" +
         std::to_string(piece_bytes) + ", expected <= " + std::to_string(per_thread * 4) + ")");
   }
+  const std::size_t piece =
+      piece_bytes > 0 ? static_cast<std::size_t>(piece_bytes) / 4 : per_thread;
   std::vector<std::size_t> order(per_thread / piece);
   for (std::size_t n = 0; n < order.size(); ++n) order[n] = n;
   std::uint32_t state = 777;

@@ -189,9 +189,9 @@ struct DirectKv : DirectKvScores {
   }
 
   // Both for a key tile of K and V rows resolved (TileRows) of the item's first kv head, in
-  // the input's dtype, for `heads` heads (scores: as above); the product, for the head whose
-  // V rows lie v_shift elements after them, covers keys [begin, begin + keys) of the tile and
-  // prefetches the `next` keys after them.
+  // the input's dtype, for `heads` heads (scores: DirectKvScores::scores); the product, for the
+  // head whose V rows lie v_shift elements after them, covers keys [begin, begin + keys) of the
+  // tile and prefetches the `next` keys after them.
   ATTNCORE_TARGET static void tile_scores(const Params& p, const ForwardArgs& a,
                                           const TileRows& k_rows, std::int64_t heads,
                                           std::int64_t head_floats, std::int64_t keys,

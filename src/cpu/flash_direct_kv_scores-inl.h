@@ -155,6 +155,7 @@ struct DirectKvScores {
                                                                    std::int64_t d, const float* q,
                                                                    float* s, float* parts) {
     constexpr int kKeys = kLanes / R > 0 ? kLanes / R : 1;
+    static_assert(kLanes % kKeys == 0, "whole groups of keys in a block");
     // Whole vectors (D a multiple of kLanes) test nothing per load, and 16-bit K is widened as
     // its known dtype, with d and q in registers (with the dtype tested per load and both read
     // from the lambda's captures in the loop, GQA f16 decode, 1 thread, % of the probe,
@@ -226,6 +227,7 @@ struct DirectKvScores {
       const std::uint16_t* k, const std::int64_t* at, std::int64_t block, std::int64_t d,
       const float* q_pairs, float* s, float* parts) {
     constexpr int kKeys = kLanes / R > 0 ? kLanes / R : 1;
+    static_assert(kLanes % kKeys == 0, "whole groups of keys in a block");
     for (int j0 = 0; j0 < kLanes; j0 += kKeys) {
       const std::uint16_t* row[kKeys];
 #pragma GCC unroll 16
@@ -510,16 +512,18 @@ struct DirectKvScores {
       return;
     }
     // Several rows on bf16 pairs (GQA): every head's rows as pairs once per tile, after the
-    // partial sums in `widened`.
+    // partial sums in `widened` ([heads][rows_computed][d / 2]; with D not a multiple of 2 *
+    // kLanes, or too little scratch, row by row through score_keys_pairs).
+    const std::int64_t pair_rows = rows > 1 ? rows_computed(rows) : 0;
     float* rows_pairs = nullptr;
 #if ATTNCORE_BF16_DOT
     if (pairs && rows > 1 && d % (2 * kLanes) == 0 &&
-        kTileRows * kLanes * kLanes + heads * kTileRows * (d / 2) <= d * kKeyTile) {
+        kTileRows * kLanes * kLanes + heads * pair_rows * (d / 2) <= d * kKeyTile) {
       rows_pairs = widened + kTileRows * kLanes * kLanes;
       for (std::int64_t x = 0; x < heads; ++x) {
-        for (std::int64_t r = 0; r < rows_computed(rows); ++r) {
+        for (std::int64_t r = 0; r < pair_rows; ++r) {
           const float* qr = q + x * head_floats + r * d;
-          float* to = rows_pairs + (x * kTileRows + r) * (d / 2);
+          float* to = rows_pairs + (x * pair_rows + r) * (d / 2);
           for (std::int64_t e0 = 0; e0 < d; e0 += 2 * kLanes) {
             const __m512bh qv = _mm512_cvtne2ps_pbh(load(qr + e0 + kLanes), load(qr + e0));
             std::memcpy(to + e0 / 2, &qv, sizeof qv);
@@ -558,7 +562,7 @@ struct DirectKvScores {
         if (rows > 1 && (!pairs || rows_pairs != nullptr) && (sizeof(T) == 2 || !near) &&
             kTileRows * kLanes * kLanes <= d * kKeyTile) {
           score_block_rows(kx, k_at + c0, block, dtype, d, qx,
-                           rows_pairs != nullptr ? rows_pairs + x * kTileRows * (d / 2) : nullptr,
+                           rows_pairs != nullptr ? rows_pairs + x * pair_rows * (d / 2) : nullptr,
                            rows, sx, widened);
           continue;
         }
