@@ -230,22 +230,25 @@ double max_abs(const std::vector<double>& x) {
   return ::testing::AssertionSuccess();
 }
 
-std::string error_message(const std::function<void()>& f) {
+namespace {
+
+// The message of the E that f throws; "" when it throws none (other exceptions propagate).
+template <class E>
+std::string message_of(const std::function<void()>& f) {
   try {
     f();
-  } catch (const Error& e) {
+  } catch (const E& e) {
     return e.what();
   }
   return "";
 }
 
+}  // namespace
+
+std::string error_message(const std::function<void()>& f) { return message_of<Error>(f); }
+
 std::string invalid_argument_message(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  }
-  return "";
+  return message_of<InvalidArgument>(f);
 }
 
 }  // namespace attncore::test
