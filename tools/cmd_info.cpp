@@ -47,6 +47,8 @@ int cmd_info(const std::vector<std::string>& args) {
     j.add("version", attncore::version());
     j.add("cpu_vendor", cpu.vendor);
     j.add("cpu_brand", cpu.brand);
+    j.add("cpu_family", cpu.family);
+    j.add("cpu_model", cpu.model);
     j.add("logical_cores", cpu.logical_cores);
     j.add_json("features", json_strings(cpu.features));
     j.add_json("simd_compiled", json_strings(compiled));
@@ -66,9 +68,10 @@ int cmd_info(const std::vector<std::string>& args) {
   }
   const std::string features = join(cpu.features);
   std::printf("attncore %s\n", attncore::version());
-  std::printf("cpu:       %s, %s, %d logical cores\n",
+  std::printf("cpu:       %s, %s, family 0x%X model 0x%X, %d logical cores\n",
               cpu.vendor.empty() ? "unknown vendor" : cpu.vendor.c_str(),
-              cpu.brand.empty() ? "unknown model" : cpu.brand.c_str(), cpu.logical_cores);
+              cpu.brand.empty() ? "unknown model" : cpu.brand.c_str(), cpu.family, cpu.model,
+              cpu.logical_cores);
   std::printf("features:  %s\n", features.empty() ? "(none detected)" : features.c_str());
   std::printf("simd:      compiled: %s; this cpu: %s; chosen: %s\n", join(compiled).c_str(),
               join(supported).c_str(), attncore::simd_target().c_str());

@@ -93,6 +93,15 @@ void detect_x86(CpuInfo& info) {
   }
 
   const CpuidRegs l1 = cpuid(1);
+  // The display family and model (Intel SDM, CPUID leaf 1: the extended fields count from
+  // family 0xF; the extended model also for family 6).
+  const int base_family = static_cast<int>((l1.eax >> 8) & 0xF);
+  const int base_model = static_cast<int>((l1.eax >> 4) & 0xF);
+  info.family =
+      base_family == 0xF ? base_family + static_cast<int>((l1.eax >> 20) & 0xFF) : base_family;
+  info.model = base_family == 0xF || base_family == 6
+                   ? base_model + (static_cast<int>((l1.eax >> 16) & 0xF) << 4)
+                   : base_model;
   const CpuidRegs l7 = cpuid(7, 0);
   const CpuidRegs l7s1 = cpuid(7, 1);
 

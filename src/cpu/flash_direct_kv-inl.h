@@ -19,7 +19,7 @@ namespace attncore::detail::ATTNCORE_TARGET_NS {
 // rows at D = 128): bench --decode, [B, Hkv, L, D], 1 thread, % of the probe, Lk=4096/16384:
 // MHA bf16 71/76 without, 83/85 at 32 keys, 89/82 at 48, 84/81 at 64; f16 70/74 without, 86/81
 // at 32; GQA (Hkv=8) f32 62/54 without, 77/57 at 32, 76/56 at 64; bf16 66/60 -> 74/71; f16
-// 57/54 -> 65/62. MHA f32 rows ran slower with it (80/79 without, 78/76 at 8 keys).
+// 57/54 -> 65/62. One f32 row (MHA) has its own lead, the core's (prefetch_plan.h).
 constexpr std::int64_t kVLead = 32;
 // V bytes of each head prefetched ahead of P . V in a multi-head item (into L2): bench
 // --decode, BLHD Hkv=32 Lk=4096/16384, 1 thread, GB/s: bf16 8 KiB (32 keys) 25.6-26.5, 4 KiB
@@ -219,8 +219,13 @@ struct DirectKv : DirectKvScores {
     const std::int64_t ahead = v_rows.count - begin;
     const std::int64_t prefetched = std::clamp<std::int64_t>(ahead - keys, 0, next);
     // One head per item, nothing prefetched for the next chunk (V one sequential stream): V rows
-    // kVLead keys on, into L1, as P . V runs; but for one f32 row (MHA), which runs faster without.
-    const std::int64_t lead = next == 0 && (rows > 1 || a.v.dtype != DType::f32) ? kVLead : ahead;
+    // kVLead keys on, into L1, as P . V runs; for one f32 row (MHA), as far as the core's
+    // prefetch plan says (prefetch_plan.h; 0: none).
+    const int row_lead = prefetch_plan().f32_row_v_lead;
+    const std::int64_t lead = next > 0                              ? ahead
+                              : rows > 1 || a.v.dtype != DType::f32 ? kVLead
+                              : row_lead > 0                        ? row_lead
+                                                                    : ahead;
     if (a.v.dtype == DType::f32) {
       const float* v = static_cast<const float*>(a.v.data) + v_shift;
       if (prefetched > 0) prefetch_rows(p, v, at + keys, prefetched);

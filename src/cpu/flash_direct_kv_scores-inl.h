@@ -10,6 +10,7 @@
 #include "core/params.h"
 #include "cpu/flash_simd-inl.h"
 #include "cpu/flash_tile_rows-inl.h"
+#include "cpu/prefetch_plan.h"
 
 namespace attncore::detail::ATTNCORE_TARGET_NS {
 
@@ -466,11 +467,15 @@ struct DirectKvScores {
             ? std::clamp<std::int64_t>(4096 / static_cast<std::int64_t>(sizeof(T) * d), 1, kRowLead)
             : std::clamp<std::int64_t>((6144 / static_cast<std::int64_t>(sizeof(T)) + d - 1) / d, 1,
                                        kRowLead);
-    // Contiguous rows ([B, Hkv, L, D]) into L1. Rows far apart ([B, L, Hkv, D]: 16 KiB at 32
-    // f32 heads) share L1 sets, where the rows a block reads evict the ones prefetched: into L2
-    // (bench --decode, 1 thread: f32 [B, L, Hkv, D] 12.5 GB/s either way, bf16 8.3-10.7 into L2
-    // against 6.2-6.7 into L1). V is read a whole tile after its prefetch: into L2.
+    // Contiguous rows ([B, Hkv, L, D]) as the core's prefetch plan says (prefetch_plan.h: into
+    // L1 or L2, f32 rows once or twice). Rows far apart ([B, L, Hkv, D]: 16 KiB at 32 f32 heads)
+    // share L1 sets, where the rows a block reads evict the ones prefetched: into L2 (bench
+    // --decode, 1 thread: f32 [B, L, Hkv, D] 12.5 GB/s either way, bf16 8.3-10.7 into L2 against
+    // 6.2-6.7 into L1).
     const bool near = heads == 1 && (ahead < 2 || k_at[1] - k_at[0] == d);
+    const PrefetchPlan& plan = prefetch_plan();
+    const bool near_l1 = near && plan.near_k_into_l1;
+    const bool twice = sizeof(T) == 4 && near && plan.near_k_f32_twice;
     const std::int64_t d_pad = (d + kLanes - 1) / kLanes * kLanes;
     // One row per head, several heads: key by key, K prefetched as the products run (16-bit:
     // kByKeyLead) or not at all (f32) (bench --decode MHA 1 thread, % of the probe,
@@ -537,12 +542,8 @@ struct DirectKvScores {
       const std::int64_t ldk = block >= 2 ? even_stride(k_at + c0, block) : d;
       for (std::int64_t x = 0; x < heads; ++x) {
         const T* kx = k + x * k_step;
-        // f32 rows of one head lying together ([B, Hkv, L, D]): each row prefetched a second
-        // time, half the lead ahead (bench --decode, 1 thread, % of the probe, Lk=4096/16384, 9
-        // interleaved passes: MHA 82/81 -> 88/86, GQA Hkv=8 76/65 -> 80/72 and 68/62 -> 78/73
-        // in two runs; 16-bit rows ran slower with it: MHA bf16 97/92 -> 89/88, f16 87/86 ->
-        // 80/81, GQA 2-5 points; f32 rows far apart, into L2, within noise).
-        if (sizeof(T) == 4 && near) {
+        // (f32 rows far apart prefetched twice, into L2: within noise.)
+        if (twice) {
           for (int j = 0; j < kLanes; ++j) {
             if (c0 + lead / 2 + j < ahead) prefetch_lines<3>(kx + k_at[c0 + lead / 2 + j], d);
           }
@@ -550,7 +551,7 @@ struct DirectKvScores {
         for (int j = 0; j < kLanes; ++j) {
           if (c0 + lead + j < ahead) {
             const T* row = kx + k_at[c0 + lead + j];
-            if (near) {
+            if (near_l1) {
               prefetch_lines<3>(row, d);
             } else {
               prefetch_lines<2>(row, d);

@@ -1,0 +1,44 @@
+// Where and how far ahead the in-place decode kernels (DirectKv, flash_direct_kv*-inl.h)
+// prefetch the K and V rows they stream: a property of the core's design, chosen once from the
+// CPU. A prefetch changes no value, so every plan gives the same bits.
+#pragma once
+
+#include <string>
+
+namespace attncore::detail {
+
+struct PrefetchPlan {
+  const char* name;
+  // K rows of one head lying together ([B, Hkv, L, D]), prefetched a lead ahead: into L1 (else
+  // L2), and each f32 row a second time at half the lead.
+  bool near_k_into_l1;
+  bool near_k_f32_twice;
+  // V rows of one f32 query row over one head (MHA [B, Hkv, L, D]) prefetched this many keys
+  // ahead of P . V, into L1 (0: none, the hardware prefetcher's stream alone).
+  int f32_row_v_lead;
+};
+
+// The plan for a CPU: `vendor` as cpuid gives it ("AuthenticAMD", ...) and its x86 family.
+const PrefetchPlan& prefetch_plan_for(const std::string& vendor, int family);
+
+// This machine's plan (prefetch_plan_for of attncore::cpu_info(), looked up once), or the one
+// a ScopedPrefetchPlan holds.
+const PrefetchPlan& prefetch_plan();
+
+// The plans there are (for tests: every plan must give the same bits).
+const PrefetchPlan* prefetch_plans(int* count);
+
+// Makes `plan` the one prefetch_plan() returns while in scope (tests; not thread-safe against
+// calls running meanwhile).
+class ScopedPrefetchPlan {
+ public:
+  explicit ScopedPrefetchPlan(const PrefetchPlan& plan);
+  ~ScopedPrefetchPlan();
+  ScopedPrefetchPlan(const ScopedPrefetchPlan&) = delete;
+  ScopedPrefetchPlan& operator=(const ScopedPrefetchPlan&) = delete;
+
+ private:
+  const PrefetchPlan* previous_;
+};
+
+}  // namespace attncore::detail

@@ -1,0 +1,115 @@
+// The decode kernels' prefetch plans (src/cpu/prefetch_plan.h): chosen by the core, and every
+// plan giving the same bits (a prefetch changes no value; the plans' other branches also run
+// here, under the sanitizers, on a machine that would never choose them).
+#include "cpu/prefetch_plan.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "attncore/attncore.h"
+#include "attncore/kvcache.h"
+#include "testing/problem.h"
+#include "testing/random.h"
+#include "testing/tensors.h"
+
+namespace attncore::test {
+namespace {
+
+using detail::PrefetchPlan;
+
+TEST(PrefetchPlan, ChosenByTheCore) {
+  EXPECT_STREQ(detail::prefetch_plan_for("AuthenticAMD", 0x19).name, "zen4");
+  EXPECT_STREQ(detail::prefetch_plan_for("AuthenticAMD", 0x1A).name, "zen5");
+  EXPECT_STREQ(detail::prefetch_plan_for("GenuineIntel", 6).name, "zen4");  // the default
+  EXPECT_STREQ(detail::prefetch_plan_for("", 0).name, "zen4");
+  int count = 0;
+  const PrefetchPlan* plans = detail::prefetch_plans(&count);
+  ASSERT_EQ(count, 2);
+  const CpuInfo cpu = cpu_info();
+  EXPECT_EQ(&detail::prefetch_plan(), &detail::prefetch_plan_for(cpu.vendor, cpu.family));
+  {
+    const detail::ScopedPrefetchPlan scope(plans[1]);
+    EXPECT_EQ(&detail::prefetch_plan(), &plans[1]);
+  }
+  EXPECT_EQ(&detail::prefetch_plan(), &detail::prefetch_plan_for(cpu.vendor, cpu.family));
+}
+
+// Decode and a 3-row chunk over a cache whose one head's keys lie together ([B, Hkv, L, D]:
+// the plans differ there) and with a key's heads together ([B, L, Hkv, D]); MHA and GQA, f32,
+// bf16, f16 and an f32 query over a bf16 cache; Lk not a multiple of a block or a tile.
+TEST(PrefetchPlan, EveryPlanGivesTheSameBits) {
+  int count = 0;
+  const PrefetchPlan* plans = detail::prefetch_plans(&count);
+  const std::int64_t batch = 2, hkv = 2, capacity = 301, dim = 64;
+  const std::vector<int> lens = {301, 170};
+  Tensor seqlens(DType::i32, {batch});
+  for (std::int64_t b = 0; b < batch; ++b) seqlens.data_as<std::int32_t>()[b] = lens[b];
+  KvCacheSeqs seqs;
+  seqs.cache_seqlens = seqlens.view();
+  struct Types {
+    DType q, kv;
+  };
+  for (const Types types : {Types{DType::f32, DType::f32}, Types{DType::bf16, DType::bf16},
+                            Types{DType::f16, DType::f16}, Types{DType::f32, DType::bf16}}) {
+    const auto values = [&](std::int64_t n, std::uint64_t seed) {
+      return rounded(random_vector(n, seed), types.kv);
+    };
+    // [B, Hkv, L, D] and [B, L, Hkv, D] caches holding the same values.
+    const std::vector<double> k = values(batch * hkv * capacity * dim, 1);
+    const std::vector<double> v = values(batch * hkv * capacity * dim, 2);
+    const auto heads_inner = [&](const std::vector<double>& x) {
+      std::vector<double> y(x.size());
+      for (std::int64_t b = 0; b < batch; ++b)
+        for (std::int64_t h = 0; h < hkv; ++h)
+          for (std::int64_t s = 0; s < capacity; ++s)
+            for (std::int64_t e = 0; e < dim; ++e)
+              y[static_cast<std::size_t>(((b * capacity + s) * hkv + h) * dim + e)] =
+                  x[static_cast<std::size_t>(((b * hkv + h) * capacity + s) * dim + e)];
+      return y;
+    };
+    const Tensor k_outer = make_tensor(types.kv, {batch, hkv, capacity, dim}, k);
+    const Tensor v_outer = make_tensor(types.kv, {batch, hkv, capacity, dim}, v);
+    const Tensor k_inner = make_tensor(types.kv, {batch, capacity, hkv, dim}, heads_inner(k));
+    const Tensor v_inner = make_tensor(types.kv, {batch, capacity, hkv, dim}, heads_inner(v));
+    for (std::int64_t group : {1, 4}) {
+      for (std::int64_t lq : {1, 3}) {
+        const Tensor q =
+            make_tensor(types.q, {batch, hkv * group, lq, dim},
+                        rounded(random_vector(batch * hkv * group * lq * dim, 3), types.q));
+        Options o;
+        o.num_threads = 1;
+        if (lq > 1) o.causal = Causal::lower_right;
+        for (const std::string& target : simd_targets_supported()) {
+          const ScopedTarget scope(target);
+          std::vector<double> want;
+          for (int n = 0; n < count; ++n) {
+            const detail::ScopedPrefetchPlan plan(plans[n]);
+            for (bool inner : {false, true}) {
+              SCOPED_TRACE(std::string(name_of(types.q)) + " over " +
+                           std::string(name_of(types.kv)) + " " + target + " plan " +
+                           plans[n].name + " group " + std::to_string(group) + " lq " +
+                           std::to_string(lq) + (inner ? " [B, L, Hkv, D]" : " [B, Hkv, L, D]"));
+              const TensorView kc = inner ? k_inner.view().transposed(1, 2) : k_outer.view();
+              const TensorView vc = inner ? v_inner.view().transposed(1, 2) : v_outer.view();
+              const ForwardResult got = forward_kvcache(q, kc, vc, seqs, o, Backend::flash);
+              std::vector<double> bits = read_view(got.out.view());
+              const std::vector<double> lse = read_view(got.lse.view());
+              bits.insert(bits.end(), lse.begin(), lse.end());
+              if (want.empty()) {
+                want = bits;
+              } else {
+                ASSERT_TRUE(same_bits(bits, want, "out and lse"));
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace attncore::test
