@@ -1,6 +1,9 @@
 // attncore bench --decode: decode (one query row per sequence) over a KV cache, as K/V bytes
 // read per second against the read bandwidth probe (attncore::measure_read_bandwidth_gbs)
-// measured in the same run. Each pass measures the probe (1 and 2 threads) and then every point
+// measured in the same run, and as GFLOP/s against the FMA peak (attncore::measure_fma_peak_gflops)
+// with the ceiling that binds first: reading K/V at the probe's bandwidth or computing at the
+// peak (GQA reads each K/V byte for several query heads). Each pass measures the probe (1 and 2
+// threads) and the 1-thread peak, and then every point
 // once (flash on 1 and 2 threads, math on 1), best of --repeat calls each; a point's figures
 // are the medians over the passes, so that the machine's drift (other load, clock changes)
 // hits the probe and the kernels alike.
@@ -48,6 +51,11 @@ struct DecodePoint {
   double kv_bytes() const {
     return 2.0 * static_cast<double>(batch * heads_kv * seqlen_k) * kHeadDim *
            static_cast<double>(attncore::size_of(dtype));
+  }
+  // Floating-point operations (DESIGN.md section 5: 4 * B * Hq * Lq * Lk * D; every key visible
+  // to a decode row).
+  double flops() const {
+    return 4.0 * static_cast<double>(batch * kHeadsQ * seqlen_q * seqlen_k) * kHeadDim;
   }
   // A page of K (or of V): page_size key rows of Hkv heads.
   std::int64_t page_bytes() const {
@@ -212,7 +220,7 @@ int bench_decode(const BenchConfig& bc) {
   progress.show("filling the caches ...");
   const CacheMemory memory(largest);
   const int passes = std::max(1, bc.sweep.passes);
-  std::vector<double> probe1, probe2;
+  std::vector<double> probe1, probe2, peak1;
   // The probe over pieces of each paged point's page bytes (of K, or of V), shuffled: what the
   // memory gives a read of such pages at best, 1 thread.
   std::vector<std::int64_t> page_bytes;
@@ -229,6 +237,7 @@ int bench_decode(const BenchConfig& bc) {
     progress.showf("pass %d/%d: read bandwidth probe ...", pass + 1, passes);
     probe1.push_back(attncore::measure_read_bandwidth_gbs(1));
     probe2.push_back(attncore::measure_read_bandwidth_gbs(2));
+    peak1.push_back(attncore::measure_fma_peak_gflops(1));
     for (std::size_t n = 0; n < page_bytes.size(); ++n) {
       pieces[n].push_back(attncore::measure_read_bandwidth_gbs(1, page_bytes[n]));
     }
@@ -242,21 +251,23 @@ int bench_decode(const BenchConfig& bc) {
     }
   }
   progress.clear();
-  const double bw1 = median(probe1), bw2 = median(probe2);
+  const double bw1 = median(probe1), bw2 = median(probe2), fma1 = median(peak1);
   std::fprintf(table,
                "attncore %s bench --decode: Hq=%lld, D=Dv=%lld, Lq=1, no mask, simd %s; median of "
                "%d interleaved passes, best of %d calls each\n"
-               "read bandwidth probe (same passes): %.1f GB/s on 1 thread, %.1f on 2\n"
+               "read bandwidth probe (same passes): %.1f GB/s on 1 thread, %.1f on 2; f32 FMA peak "
+               "%.1f GFLOP/s on 1 thread\n"
                "K/V GB/s = bytes of K and V read once / time; %%probe: of the probe on the same "
-               "thread count\n"
+               "thread count; GFLOP/s = 4 B Hq Lk D / time, %%fma: of the 1-thread peak; binds: "
+               "the ceiling reached first at the probe's bandwidth (bw) or the peak (fma)\n"
                "lay: BHLD = [B, Hkv, L, D]; BLHD = [B, L, Hkv, D]; pN = paged, page size N, pages "
                "[pages, N, Hkv, D] in a shuffled order\n\n",
                attncore::version(), static_cast<long long>(DecodePoint::kHeadsQ),
                static_cast<long long>(DecodePoint::kHeadDim), attncore::simd_target().c_str(),
-               passes, bc.run.repeat, bw1, bw2);
-  std::fprintf(table, "%-5s %-4s %3s %3s %6s %9s | %8s %6s | %8s %6s | %8s %6s\n", "dtype", "lay",
-               "Hkv", "B", "Lk", "K/V MB", "flash 1T", "%probe", "flash 2T", "%probe", "math 1T",
-               "%probe");
+               passes, bc.run.repeat, bw1, bw2, fma1);
+  std::fprintf(table, "%-5s %-4s %3s %3s %6s %9s | %8s %6s %7s %5s %5s | %8s %6s | %8s %6s\n",
+               "dtype", "lay", "Hkv", "B", "Lk", "K/V MB", "flash 1T", "%probe", "GFLOP/s", "%fma",
+               "binds", "flash 2T", "%probe", "math 1T", "%probe");
   std::vector<std::string> items;
   for (std::size_t n = 0; n < points.size(); ++n) {
     const DecodePoint& pt = points[n];
@@ -266,15 +277,19 @@ int bench_decode(const BenchConfig& bc) {
       gbs[t] = s.empty() ? 0.0 : pt.kv_bytes() / median(s) * 1e-9;  // (not timed: 0)
     }
     const double of[] = {gbs[0] / bw1, gbs[1] / bw2, gbs[2] / bw1};
+    const double intensity = pt.flops() / pt.kv_bytes();  // FLOPs per byte of K/V
+    const double gflops = gbs[0] * intensity;
+    const char* binds = bw1 * intensity < fma1 ? "bw" : "fma";
     const std::string kind =
         pt.page_size > 0 ? "p" + std::to_string(pt.page_size) : std::string(name_of(pt.layout));
     std::fprintf(
         table,
-        "%-5s %-4s %3lld %3lld %6lld %9.1f | %8.1f %5.0f%% | %8.1f %5.0f%% | %8.1f %5.0f%%\n",
+        "%-5s %-4s %3lld %3lld %6lld %9.1f | %8.1f %5.0f%% %7.1f %4.0f%% %5s | %8.1f %5.0f%% | "
+        "%8.1f %5.0f%%\n",
         std::string(attncore::name_of(pt.dtype)).c_str(), kind.c_str(),
         static_cast<long long>(pt.heads_kv), static_cast<long long>(pt.batch),
-        static_cast<long long>(pt.seqlen_k), pt.kv_bytes() / 1e6, gbs[0], 100 * of[0], gbs[1],
-        100 * of[1], gbs[2], 100 * of[2]);
+        static_cast<long long>(pt.seqlen_k), pt.kv_bytes() / 1e6, gbs[0], 100 * of[0], gflops,
+        100 * gflops / fma1, binds, gbs[1], 100 * of[1], gbs[2], 100 * of[2]);
     JsonObject j;
     j.add("dtype", attncore::name_of(pt.dtype));
     j.add("layout", name_of(pt.layout));
@@ -285,6 +300,9 @@ int bench_decode(const BenchConfig& bc) {
     j.add("kv_bytes", pt.kv_bytes());
     j.add("flash_1t_gbs", gbs[0]);
     j.add("flash_1t_of_probe", of[0]);
+    j.add("flash_1t_gflops", gflops);
+    j.add("flash_1t_of_fma_peak", gflops / fma1);
+    j.add("binds", binds);
     j.add("flash_2t_gbs", gbs[1]);
     j.add("flash_2t_of_probe", of[1]);
     j.add("math_1t_gbs", gbs[2]);
@@ -364,6 +382,7 @@ int bench_decode(const BenchConfig& bc) {
     top.add("repeat", bc.run.repeat);
     top.add("probe_1t_gbs", bw1);
     top.add("probe_2t_gbs", bw2);
+    top.add("fma_peak_1t_gflops", fma1);
     top.add("skipped", static_cast<std::int64_t>(skipped.size()));
     top.add_json("rows", json_array(items));
     std::FILE* f = json_to_stdout ? stdout : std::fopen(bc.sweep.json.c_str(), "w");
