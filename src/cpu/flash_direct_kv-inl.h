@@ -26,6 +26,12 @@ constexpr std::int64_t kVLead = 32;
 // 22.4-26.8, none 19.6-21.2; f32 8 KiB (16 keys) 24.2-26.4, 16 KiB 21.4-25.0, none 24.4-26.2.
 constexpr std::int64_t kHeadVAhead = 8192;
 
+// How far ahead of P . V the V rows of a one-head item are prefetched, in keys: into L1 and
+// into L2 (`ahead`, the rows known, for none).
+struct VLead {
+  std::int64_t l1, l2;
+};
+
 // Decode-shaped items (one per kv group, at most kTileRows query rows) read K and V where they
 // lie, in f32, instead of packing each tile first: packing is most of such an item's work. The
 // scores are DirectKvScores' (flash_direct_kv_scores-inl.h); P . V is here.
@@ -78,7 +84,7 @@ struct DirectKv : DirectKvScores {
 
   template <class T, int R>
   ATTNCORE_TARGET static void accumulate(const Params& p, const T* v, const std::int64_t* v_at,
-                                         std::int64_t ahead, std::int64_t lead, DType dtype,
+                                         std::int64_t ahead, VLead lead, DType dtype,
                                          std::int64_t keys, const float* probs, std::int64_t dv_pad,
                                          const float* alpha, float* out) {
     constexpr int kVectors = slice_vectors(R);
@@ -108,7 +114,8 @@ struct DirectKv : DirectKvScores {
           if (R > 2 && c + 16 < ahead) {  // GQA: this slice's lines of the row 16 keys on, into L1
             prefetch_lines<3>(v + v_at[c + 16] + e0, std::min<std::int64_t>(kCols, dv - e0));
           }
-          if (e0 == 0 && c + lead < ahead) prefetch_lines<3>(v + v_at[c + lead], dv);
+          if (e0 == 0 && c + lead.l1 < ahead) prefetch_lines<3>(v + v_at[c + lead.l1], dv);
+          if (e0 == 0 && c + lead.l2 < ahead) prefetch_lines<2>(v + v_at[c + lead.l2], dv);
           Vec vrow[kVectors];
 #pragma GCC unroll 8
           for (int x = 0; x < kVectors; ++x) {
@@ -148,7 +155,7 @@ struct DirectKv : DirectKvScores {
   template <class T, int R>
   ATTNCORE_TARGET static void accumulate_chunks(const Params& p, const T* v,
                                                 const std::int64_t* v_at, std::int64_t ahead,
-                                                std::int64_t lead, DType dtype, std::int64_t keys,
+                                                VLead lead, DType dtype, std::int64_t keys,
                                                 const float* probs, std::int64_t dv_pad,
                                                 const float* alpha, float* out) {
     constexpr std::int64_t kChunk = 32;
@@ -165,7 +172,7 @@ struct DirectKv : DirectKvScores {
 
   template <class T>
   ATTNCORE_TARGET static void accumulate_rows(const Params& p, const T* v, const std::int64_t* v_at,
-                                              std::int64_t ahead, std::int64_t lead, DType dtype,
+                                              std::int64_t ahead, VLead lead, DType dtype,
                                               std::int64_t keys, std::int64_t rows,
                                               const float* probs, std::int64_t dv_pad,
                                               const float* alpha, float* out) {
@@ -220,12 +227,14 @@ struct DirectKv : DirectKvScores {
     const std::int64_t prefetched = std::clamp<std::int64_t>(ahead - keys, 0, next);
     // One head per item, nothing prefetched for the next chunk (V one sequential stream): V rows
     // kVLead keys on, into L1, as P . V runs; for one f32 row (MHA), as far as the core's
-    // prefetch plan says (prefetch_plan.h; 0: none).
-    const int row_lead = prefetch_plan().f32_row_v_lead;
-    const std::int64_t lead = next > 0                              ? ahead
-                              : rows > 1 || a.v.dtype != DType::f32 ? kVLead
-                              : row_lead > 0                        ? row_lead
-                                                                    : ahead;
+    // prefetch plan says, into L1 and L2 (prefetch_plan.h; 0: none).
+    const PrefetchPlan& plan = prefetch_plan();
+    auto keys_or_none = [&](int n) { return n > 0 ? std::int64_t{n} : ahead; };
+    const VLead lead =
+        next > 0 ? VLead{ahead, ahead}
+        : rows > 1 || a.v.dtype != DType::f32
+            ? VLead{kVLead, ahead}
+            : VLead{keys_or_none(plan.f32_row_v_lead), keys_or_none(plan.f32_row_v_far)};
     if (a.v.dtype == DType::f32) {
       const float* v = static_cast<const float*>(a.v.data) + v_shift;
       if (prefetched > 0) prefetch_rows(p, v, at + keys, prefetched);

@@ -475,7 +475,10 @@ struct DirectKvScores {
     const bool near = heads == 1 && (ahead < 2 || k_at[1] - k_at[0] == d);
     const PrefetchPlan& plan = prefetch_plan();
     const bool near_l1 = near && plan.near_k_into_l1;
-    const bool twice = sizeof(T) == 4 && near && plan.near_k_f32_twice;
+    const std::int64_t again =  // (0: no second prefetch)
+        sizeof(T) == 4 && near && plan.near_k_f32_again_bytes > 0
+            ? std::clamp<std::int64_t>((plan.near_k_f32_again_bytes / 4 + d - 1) / d, 1, kRowLead)
+            : 0;
     const std::int64_t d_pad = (d + kLanes - 1) / kLanes * kLanes;
     // One row per head, several heads: key by key, K prefetched as the products run (16-bit:
     // kByKeyLead) or not at all (f32) (bench --decode MHA 1 thread, % of the probe,
@@ -542,13 +545,19 @@ struct DirectKvScores {
       const std::int64_t ldk = block >= 2 ? even_stride(k_at + c0, block) : d;
       for (std::int64_t x = 0; x < heads; ++x) {
         const T* kx = k + x * k_step;
-        // (f32 rows far apart prefetched twice, into L2: within noise.)
-        if (twice) {
-          for (int j = 0; j < kLanes; ++j) {
-            if (c0 + lead / 2 + j < ahead) prefetch_lines<3>(kx + k_at[c0 + lead / 2 + j], d);
-          }
-        }
+        // Each row's second prefetch (f32 near, the plan's) just before the first one of the row
+        // `lead` keys on: all second prefetches of a block first read less (prefetch_plan.cpp).
+        // (Written out: through a lambda, GCC 12 made every decode 2x slower.) (f32 rows far
+        // apart prefetched twice, into L2: within noise.)
         for (int j = 0; j < kLanes; ++j) {
+          if (again > 0 && c0 + again + j < ahead) {
+            const T* row = kx + k_at[c0 + again + j];
+            if (near_l1) {
+              prefetch_lines<3>(row, d);
+            } else {
+              prefetch_lines<2>(row, d);
+            }
+          }
           if (c0 + lead + j < ahead) {
             const T* row = kx + k_at[c0 + lead + j];
             if (near_l1) {

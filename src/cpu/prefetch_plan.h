@@ -9,13 +9,15 @@ namespace attncore::detail {
 
 struct PrefetchPlan {
   const char* name;
-  // K rows of one head lying together ([B, Hkv, L, D]), prefetched a lead ahead: into L1 (else
-  // L2), and each f32 row a second time at half the lead.
+  // K rows of one head lying together ([B, Hkv, L, D]), prefetched 6 KiB ahead: into L1 (else
+  // L2), and each f32 row a second time this many bytes ahead, into the same level (0: none).
   bool near_k_into_l1;
-  bool near_k_f32_twice;
+  int near_k_f32_again_bytes;
   // V rows of one f32 query row over one head (MHA [B, Hkv, L, D]) prefetched this many keys
-  // ahead of P . V, into L1 (0: none, the hardware prefetcher's stream alone).
+  // ahead of P . V into L1, and into L2 (0: none; both none: the hardware prefetcher's stream
+  // alone).
   int f32_row_v_lead;
+  int f32_row_v_far;
 };
 
 // The plan for a CPU: `vendor` as cpuid gives it ("AuthenticAMD", ...) and its x86 family.
