@@ -39,10 +39,16 @@ TEST(PrefetchPlan, ChosenByTheCore) {
 
 // Decode and a 3-row chunk over a cache whose one head's keys lie together ([B, Hkv, L, D]:
 // the plans differ there) and with a key's heads together ([B, L, Hkv, D]); MHA and GQA, f32,
-// bf16, f16 and an f32 query over a bf16 cache; Lk not a multiple of a block or a tile.
+// bf16, f16 and an f32 query over a bf16 cache; Lk not a multiple of a block or a tile. Besides
+// the machines' plans, plans whose distances reach far past a tile's rows: a prefetch address
+// taken from past the rows a tile resolved would read past them (the sanitizers' builds).
 TEST(PrefetchPlan, EveryPlanGivesTheSameBits) {
-  int count = 0;
-  const PrefetchPlan* plans = detail::prefetch_plans(&count);
+  int machines = 0;
+  const PrefetchPlan* known = detail::prefetch_plans(&machines);
+  std::vector<PrefetchPlan> plans(known, known + machines);
+  plans.push_back({"far", true, 1 << 30, true, 1000, 100000});
+  plans.push_back({"far_l2", false, 1 << 30, false, 100000, 1000});
+  const int count = static_cast<int>(plans.size());
   const std::int64_t batch = 2, hkv = 2, capacity = 301, dim = 64;
   const std::vector<int> lens = {301, 170};
   Tensor seqlens(DType::i32, {batch});

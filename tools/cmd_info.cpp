@@ -68,10 +68,13 @@ int cmd_info(const std::vector<std::string>& args) {
   }
   const std::string features = join(cpu.features);
   std::printf("attncore %s\n", attncore::version());
-  std::printf("cpu:       %s, %s, family 0x%X model 0x%X, %d logical cores\n",
+  char family[48] = "";  // x86 only
+  if (cpu.family > 0) {
+    std::snprintf(family, sizeof family, "family 0x%X model 0x%X, ", cpu.family, cpu.model);
+  }
+  std::printf("cpu:       %s, %s, %s%d logical cores\n",
               cpu.vendor.empty() ? "unknown vendor" : cpu.vendor.c_str(),
-              cpu.brand.empty() ? "unknown model" : cpu.brand.c_str(), cpu.family, cpu.model,
-              cpu.logical_cores);
+              cpu.brand.empty() ? "unknown model" : cpu.brand.c_str(), family, cpu.logical_cores);
   std::printf("features:  %s\n", features.empty() ? "(none detected)" : features.c_str());
   std::printf("simd:      compiled: %s; this cpu: %s; chosen: %s\n", join(compiled).c_str(),
               join(supported).c_str(), attncore::simd_target().c_str());

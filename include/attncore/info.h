@@ -13,8 +13,8 @@ namespace attncore {
 struct ATTNCORE_API CpuInfo {
   std::string vendor;                 // "AuthenticAMD", ...
   std::string brand;                  // "AMD EPYC ..."
-  int family = 0;                     // x86: the family and model cpuid gives (0x19 = Zen 4,
-  int model = 0;                      // 0x1A = Zen 5); 0 elsewhere
+  int family = 0;                     // x86: the display family and model of cpuid leaf 1
+  int model = 0;                      // (AMD 0x19: Zen 3 and 4, 0x1A: Zen 5); 0 elsewhere
   int logical_cores = 1;              // std::thread::hardware_concurrency()
   std::vector<std::string> features;  // "avx2", "fma", "avx512f", "avx512bf16", ...
   bool has(const std::string& feature) const;

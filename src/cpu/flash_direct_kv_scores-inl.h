@@ -434,8 +434,8 @@ struct DirectKvScores {
   // (the next tile's too). One head's V rows, one sequential stream, are not prefetched here
   // (prefetched as their K rows were read, [B, Hkv, L, D] MHA decode ran slower: bench
   // --decode, Lk=4096/16384, 1 thread, % of the probe: f32 73/71 against 80/80 without, bf16
-  // 68/62 against 71/74, f16 66/60 against 70/73): f32 is left to the hardware prefetcher,
-  // 16-bit prefetched kVLead keys ahead within P . V; several heads prefetch V chunk by chunk
+  // 68/62 against 71/74, f16 66/60 against 70/73): P . V prefetches them (16-bit kVLead keys
+  // ahead, f32 as the core's prefetch plan says); several heads prefetch V chunk by chunk
   // in P . V (a whole tile's V of every head is more than L2). Several rows (GQA) go through
   // score_rows (score_rows_pairs for a bf16 query over bf16 K, its rows as pairs made once per
   // tile), each K vector loaded (widened) once in registers for every row, the partial sums
@@ -468,17 +468,21 @@ struct DirectKvScores {
             : std::clamp<std::int64_t>((6144 / static_cast<std::int64_t>(sizeof(T)) + d - 1) / d, 1,
                                        kRowLead);
     // Contiguous rows ([B, Hkv, L, D]) as the core's prefetch plan says (prefetch_plan.h: into
-    // L1 or L2, f32 rows once or twice). Rows far apart ([B, L, Hkv, D]: 16 KiB at 32 f32 heads)
-    // share L1 sets, where the rows a block reads evict the ones prefetched: into L2 (bench
+    // L1 or L2, f32 rows also `also` keys ahead). Rows far apart ([B, L, Hkv, D]: 16 KiB at 32 f32
+    // heads) share L1 sets, where the rows a block reads evict the ones prefetched: into L2 (bench
     // --decode, 1 thread: f32 [B, L, Hkv, D] 12.5 GB/s either way, bf16 8.3-10.7 into L2 against
     // 6.2-6.7 into L1).
     const bool near = heads == 1 && (ahead < 2 || k_at[1] - k_at[0] == d);
     const PrefetchPlan& plan = prefetch_plan();
     const bool near_l1 = near && plan.near_k_into_l1;
-    const std::int64_t again =  // (0: no second prefetch)
-        sizeof(T) == 4 && near && plan.near_k_f32_again_bytes > 0
-            ? std::clamp<std::int64_t>((plan.near_k_f32_again_bytes / 4 + d - 1) / d, 1, kRowLead)
+    const std::int64_t also_keys =
+        sizeof(T) == 4 && near && plan.near_k_f32_also_bytes > 0
+            ? std::clamp<std::int64_t>(
+                  (plan.near_k_f32_also_bytes / static_cast<std::int64_t>(sizeof(T)) + d - 1) / d,
+                  1, kRowLead)
             : 0;
+    const std::int64_t also = also_keys != lead ? also_keys : 0;  // (0: none)
+    const bool interleaved = plan.near_k_f32_also_interleaved;
     const std::int64_t d_pad = (d + kLanes - 1) / kLanes * kLanes;
     // One row per head, several heads: key by key, K prefetched as the products run (16-bit:
     // kByKeyLead) or not at all (f32) (bench --decode MHA 1 thread, % of the probe,
@@ -545,25 +549,31 @@ struct DirectKvScores {
       const std::int64_t ldk = block >= 2 ? even_stride(k_at + c0, block) : d;
       for (std::int64_t x = 0; x < heads; ++x) {
         const T* kx = k + x * k_step;
-        // Each row's second prefetch (f32 near, the plan's) just before the first one of the row
-        // `lead` keys on: all second prefetches of a block first read less (prefetch_plan.cpp).
-        // (Written out: through a lambda, GCC 12 made every decode 2x slower.) (f32 rows far
-        // apart prefetched twice, into L2: within noise.)
-        for (int j = 0; j < kLanes; ++j) {
-          if (again > 0 && c0 + again + j < ahead) {
-            const T* row = kx + k_at[c0 + again + j];
+        // The plan's `also` prefetches all before the others, or each just before the one of the
+        // row `lead` keys on. (Written out: through a lambda, GCC 12 ran every decode 2x slower.)
+        // (f32 rows far apart prefetched twice, into L2: within noise.)
+        for (int j = 0; also > 0 && !interleaved && j < kLanes; ++j) {
+          if (c0 + also + j < ahead) {
             if (near_l1) {
-              prefetch_lines<3>(row, d);
+              prefetch_lines<3>(kx + k_at[c0 + also + j], d);
             } else {
-              prefetch_lines<2>(row, d);
+              prefetch_lines<2>(kx + k_at[c0 + also + j], d);
+            }
+          }
+        }
+        for (int j = 0; j < kLanes; ++j) {
+          if (also > 0 && interleaved && c0 + also + j < ahead) {
+            if (near_l1) {
+              prefetch_lines<3>(kx + k_at[c0 + also + j], d);
+            } else {
+              prefetch_lines<2>(kx + k_at[c0 + also + j], d);
             }
           }
           if (c0 + lead + j < ahead) {
-            const T* row = kx + k_at[c0 + lead + j];
             if (near_l1) {
-              prefetch_lines<3>(row, d);
+              prefetch_lines<3>(kx + k_at[c0 + lead + j], d);
             } else {
-              prefetch_lines<2>(row, d);
+              prefetch_lines<2>(kx + k_at[c0 + lead + j], d);
             }
           }
         }

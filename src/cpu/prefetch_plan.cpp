@@ -1,7 +1,6 @@
 #include "cpu/prefetch_plan.h"
 
 #include <atomic>
-#include <functional>
 #include <iterator>
 
 #include "attncore/info.h"
@@ -13,26 +12,25 @@ namespace {
 // Each plan as measured on its core: bench --decode, 1 thread, % of the read probe, Lk =
 // 4096/16384, B = 1, interleaved passes of the two plans on the same machine.
 const PrefetchPlan kPlans[] = {
-    // Zen 4 (AMD family 0x19), and every CPU not named below. Near K rows into L2, f32 rows at
-    // 6 and 12 KiB; an f32 row's V 8 keys ahead into L1 and 32 into L2. Against the zen5 plan,
-    // 5 passes, with f32 K once and V into L1 only: MHA [B, Hkv, L, D] f32 47/45 -> 57/58, bf16
-    // 60/59 -> 78/78, f16 55/55 -> 75/73; GQA (Hkv = 8) f32 35/36 -> 43/43, bf16 38/37 ->
-    // 49/49, f16 33/32 -> 46/44. Then f32 K again at 12 KiB and V into L2 at 32 keys, 7 passes
-    // in two runs: MHA f32 66/66 -> 79/79 (and 64/65 -> 79/76), GQA 52/50 -> 58/56 (47/45 ->
-    // 52/48); again at 8 KiB 74/76, V at 48 keys 75/77, K again alone 71/72; in the code as it
-    // is (each row's second prefetch just before the first's of the row 16 keys nearer: all
-    // second prefetches of a block first read 65/65 where this read 71/72), 5 passes: MHA f32
-    // 60/62 -> 70/72, GQA f32 46/45 -> 49/49, the rest within noise. (Near K into L1
-    // once: f32 MHA 49/47 with no V lead; not prefetched at all: 35/35; an f32 row's V into L1
-    // 0, 8, 16, 32 keys ahead: 55, 77, 74, 66-69 in one run. Tiles of 512 keys instead of 128,
-    // so that K and V alternate less often: within noise.)
-    {"zen4", false, 12288, 8, 32},
-    // Zen 5 (AMD family 0x1A). Near K rows into L1, f32 rows again at 3 KiB (MHA f32 82/81 ->
-    // 88/86, GQA f32 76/65 -> 80/72 and 68/62 -> 78/73 in two runs of 9 passes against once,
-    // measured with all second prefetches of a block before the first ones; 16-bit rows ran
-    // slower twice: bf16 97/92 -> 89/88); no V prefetch for an f32 row (80/79 against 78/76 at
-    // 8 keys).
-    {"zen5", true, 3072, 0, 0},
+    // Zen 4 (AMD family 0x19, which also holds Zen 3, not measured), and every CPU not named
+    // below (not measured either). Near K rows into L2, f32 rows also 12 KiB ahead; an f32
+    // row's V 8 keys ahead into L1 and 32 into L2. Against the zen5 plan, 5 passes, with f32 K
+    // once and V into L1 only: MHA [B, Hkv, L, D] f32 47/45 -> 57/58, bf16 60/59 -> 78/78, f16
+    // 55/55 -> 75/73; GQA (Hkv = 8) f32 35/36 -> 43/43, bf16 38/37 -> 49/49, f16 33/32 ->
+    // 46/44. Then f32 K also at 12 KiB, interleaved, and V into L2 at 32 keys, 7 passes in two
+    // runs: MHA f32 66/66 -> 79/79 (and 64/65 -> 79/76), GQA 52/50 -> 58/56 (47/45 -> 52/48);
+    // at 8 KiB 74/76, V at 48 keys 75/77, K alone 71/72; 5 passes of the code as it is: MHA f32
+    // 60/62 -> 70/72, GQA f32 46/45 -> 49/49, the rest within noise, with all of a block's
+    // 12 KiB prefetches first 65/65. (Near K into L1 once: f32 MHA 49/47 with no V lead; not
+    // prefetched at all: 35/35; an f32 row's V into L1 0, 8, 16, 32 keys ahead: 55, 77, 74,
+    // 66-69 in one run. Tiles of 512 keys instead of 128, so that K and V alternate less
+    // often: within noise.)
+    {"zen4", false, 12288, true, 8, 32},
+    // Zen 5 (AMD family 0x1A and later). Near K rows into L1, f32 rows also 3 KiB ahead, a
+    // block's first (MHA f32 82/81 -> 88/86, GQA f32 76/65 -> 80/72 and 68/62 -> 78/73 in two
+    // runs of 9 passes against once; 16-bit rows ran slower twice: bf16 97/92 -> 89/88); no V
+    // prefetch for an f32 row (80/79 against 78/76 at 8 keys).
+    {"zen5", true, 3072, false, 0, 0},
 };
 
 std::atomic<const PrefetchPlan*> scoped{nullptr};
@@ -46,11 +44,11 @@ const PrefetchPlan& prefetch_plan_for(const std::string& vendor, int family) {
 
 const PrefetchPlan& prefetch_plan() {
   if (const PrefetchPlan* plan = scoped.load(std::memory_order_relaxed)) return *plan;
-  static const PrefetchPlan& machine = [] {
+  static const PrefetchPlan* const machine = [] {
     const CpuInfo cpu = cpu_info();
-    return std::ref(prefetch_plan_for(cpu.vendor, cpu.family));
+    return &prefetch_plan_for(cpu.vendor, cpu.family);
   }();
-  return machine;
+  return *machine;
 }
 
 const PrefetchPlan* prefetch_plans(int* count) {

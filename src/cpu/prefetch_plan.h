@@ -9,18 +9,22 @@ namespace attncore::detail {
 
 struct PrefetchPlan {
   const char* name;
-  // K rows of one head lying together ([B, Hkv, L, D]), prefetched 6 KiB ahead: into L1 (else
-  // L2), and each f32 row a second time this many bytes ahead, into the same level (0: none).
+  // K rows of one head lying together ([B, Hkv, L, D]), prefetched 6 KiB ahead into L1 (else
+  // L2); f32 rows also this many bytes ahead, into the same level (0: not), those prefetches
+  // either each just before the one of the row 6 KiB ahead (interleaved) or all of a block of
+  // keys before them.
   bool near_k_into_l1;
-  int near_k_f32_again_bytes;
+  int near_k_f32_also_bytes;
+  bool near_k_f32_also_interleaved;
   // V rows of one f32 query row over one head (MHA [B, Hkv, L, D]) prefetched this many keys
-  // ahead of P . V into L1, and into L2 (0: none; both none: the hardware prefetcher's stream
+  // ahead of P . V into L1, and into L2 (0: not; both 0: the hardware prefetcher's stream
   // alone).
   int f32_row_v_lead;
   int f32_row_v_far;
 };
 
-// The plan for a CPU: `vendor` as cpuid gives it ("AuthenticAMD", ...) and its x86 family.
+// The plan for a CPU: `vendor` as cpuid gives it ("AuthenticAMD", ...) and its x86 family
+// (CpuInfo::family).
 const PrefetchPlan& prefetch_plan_for(const std::string& vendor, int family);
 
 // This machine's plan (prefetch_plan_for of attncore::cpu_info(), looked up once), or the one
@@ -30,8 +34,8 @@ const PrefetchPlan& prefetch_plan();
 // The plans there are (for tests: every plan must give the same bits).
 const PrefetchPlan* prefetch_plans(int* count);
 
-// Makes `plan` the one prefetch_plan() returns while in scope (tests; not thread-safe against
-// calls running meanwhile).
+// Makes `plan` (a plan of prefetch_plans() or any other) the one prefetch_plan() returns while
+// in scope: tests. (A call running meanwhile may mix plans, which changes no value.)
 class ScopedPrefetchPlan {
  public:
   explicit ScopedPrefetchPlan(const PrefetchPlan& plan);
