@@ -66,20 +66,13 @@ TEST(PrefetchPlan, EveryPlanGivesTheSameBits) {
     // [B, Hkv, L, D] and [B, L, Hkv, D] caches holding the same values.
     const std::vector<double> k = values(batch * hkv * capacity * dim, 1);
     const std::vector<double> v = values(batch * hkv * capacity * dim, 2);
-    const auto heads_inner = [&](const std::vector<double>& x) {
-      std::vector<double> y(x.size());
-      for (std::int64_t b = 0; b < batch; ++b)
-        for (std::int64_t h = 0; h < hkv; ++h)
-          for (std::int64_t s = 0; s < capacity; ++s)
-            for (std::int64_t e = 0; e < dim; ++e)
-              y[static_cast<std::size_t>(((b * capacity + s) * hkv + h) * dim + e)] =
-                  x[static_cast<std::size_t>(((b * hkv + h) * capacity + s) * dim + e)];
-      return y;
-    };
     const Tensor k_outer = make_tensor(types.kv, {batch, hkv, capacity, dim}, k);
     const Tensor v_outer = make_tensor(types.kv, {batch, hkv, capacity, dim}, v);
-    const Tensor k_inner = make_tensor(types.kv, {batch, capacity, hkv, dim}, heads_inner(k));
-    const Tensor v_inner = make_tensor(types.kv, {batch, capacity, hkv, dim}, heads_inner(v));
+    const auto heads_inner = [&](const Tensor& t) {
+      return make_tensor(types.kv, {batch, capacity, hkv, dim},
+                         read_view(t.view().transposed(1, 2)));
+    };
+    const Tensor k_inner = heads_inner(k_outer), v_inner = heads_inner(v_outer);
     for (std::int64_t group : {1, 4}) {
       for (std::int64_t lq : {1, 3}) {
         const Tensor q =
