@@ -226,15 +226,15 @@ struct DirectKv : DirectKvScores {
     const std::int64_t ahead = v_rows.count - begin;
     const std::int64_t prefetched = std::clamp<std::int64_t>(ahead - keys, 0, next);
     // One head per item, nothing prefetched for the next chunk (V one sequential stream): V rows
-    // kVLead keys on, into L1, as P . V runs; for one f32 row (MHA), as far as the core's
-    // prefetch plan says, into L1 and L2 (prefetch_plan.h; 0: none).
+    // kVLead keys on, into L1, as P . V runs (one f32 row, MHA: as far as the core's prefetch
+    // plan says), and into L2 as far as the plan says (prefetch_plan.h; 0: not).
     const PrefetchPlan& plan = prefetch_plan();
     auto keys_or_none = [&](int n) { return n > 0 ? std::int64_t{n} : ahead; };
     const VLead lead =
         next > 0 ? VLead{ahead, ahead}
-        : rows > 1 || a.v.dtype != DType::f32
-            ? VLead{kVLead, ahead}
-            : VLead{keys_or_none(plan.f32_row_v_lead), keys_or_none(plan.f32_row_v_far)};
+                 : VLead{rows > 1 || a.v.dtype != DType::f32 ? kVLead
+                                                             : keys_or_none(plan.f32_row_v_lead),
+                         keys_or_none(plan.v_far)};
     if (a.v.dtype == DType::f32) {
       const float* v = static_cast<const float*>(a.v.data) + v_shift;
       if (prefetched > 0) prefetch_rows(p, v, at + keys, prefetched);

@@ -14,18 +14,23 @@ namespace {
 const PrefetchPlan kPlans[] = {
     // Zen 4 (AMD family 0x19, which also holds Zen 3, not measured), and every CPU not named
     // below (not measured either). Near K rows into L2, f32 rows also 12 KiB ahead; an f32
-    // row's V 8 keys ahead into L1 and 32 into L2. Against the zen5 plan, 5 passes, with f32 K
-    // once and V into L1 only: MHA [B, Hkv, L, D] f32 47/45 -> 57/58, bf16 60/59 -> 78/78, f16
-    // 55/55 -> 75/73; GQA (Hkv = 8) f32 35/36 -> 43/43, bf16 38/37 -> 49/49, f16 33/32 ->
-    // 46/44. Then f32 K also at 12 KiB, interleaved, and V into L2 at 32 keys, 7 passes in two
-    // runs: MHA f32 66/66 -> 79/79 (and 64/65 -> 79/76), GQA 52/50 -> 58/56 (47/45 -> 52/48);
-    // at 8 KiB 74/76, V at 48 keys 75/77, K alone 71/72; 5 passes of the code as it is: MHA f32
-    // 60/62 -> 70/72, GQA f32 46/45 -> 49/49, the rest within noise, with all of a block's
-    // 12 KiB prefetches first 65/65. (Near K into L1 once: f32 MHA 49/47 with no V lead; not
-    // prefetched at all: 35/35; an f32 row's V into L1 0, 8, 16, 32 keys ahead: 55, 77, 74,
-    // 66-69 in one run. Tiles of 512 keys instead of 128, so that K and V alternate less
-    // often: within noise.)
-    {"zen4", false, 12288, true, 8, 32},
+    // row's V 8 keys ahead into L1; every one-head item's V also 64 keys ahead into L2. Built
+    // up in steps, each against the step before:
+    // - Against the zen5 plan, 5 passes, near K into L2 once and an f32 row's V 8 keys ahead
+    //   into L1: MHA [B, Hkv, L, D] f32 47/45 -> 57/58, bf16 60/59 -> 78/78, f16 55/55 ->
+    //   75/73; GQA (Hkv = 8) f32 35/36 -> 43/43, bf16 38/37 -> 49/49, f16 33/32 -> 46/44.
+    //   (Near K into L1 once: f32 MHA 49/47 with no V lead; not prefetched at all: 35/35; an
+    //   f32 row's V into L1 0, 8, 16, 32 keys ahead: 55, 77, 74, 66-69 in one run. Tiles of
+    //   512 keys instead of 128, so that K and V alternate less often: within noise.)
+    // - f32 K also 12 KiB ahead, each such prefetch just before the one 6 KiB ahead, and an f32
+    //   row's V also 32 keys ahead into L2, 5 passes: MHA f32 60/62 -> 70/72, GQA f32 46/45 ->
+    //   49/49, the rest within noise (with all of a block's 12 KiB prefetches first 65/65; in
+    //   7-pass runs: 8 KiB 74/76 against 12 KiB's 79/79, K alone 71/72).
+    // - Every one-head item's V also 64 keys ahead into L2, 5 passes: GQA f32 51/47 -> 65/61,
+    //   bf16 50/49 -> 61/61, f16 44/43 -> 53/53 (48 and 40 keys: 2-9 points less than 64 in
+    //   another run); MHA bf16 81/79 -> 84/85, f16 73/72 -> 80/78; one f32 row equal at 32, 48
+    //   or 64 keys (7 passes).
+    {"zen4", false, 12288, true, 8, 64},
     // Zen 5 (AMD family 0x1A and later). Near K rows into L1, f32 rows also 3 KiB ahead, a
     // block's first (MHA f32 82/81 -> 88/86, GQA f32 76/65 -> 80/72 and 68/62 -> 78/73 in two
     // runs of 9 passes against once; 16-bit rows ran slower twice: bf16 97/92 -> 89/88); no V

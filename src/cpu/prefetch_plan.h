@@ -17,10 +17,11 @@ struct PrefetchPlan {
   int near_k_f32_also_bytes;
   bool near_k_f32_also_interleaved;
   // V rows of one f32 query row over one head (MHA [B, Hkv, L, D]) prefetched this many keys
-  // ahead of P . V into L1, and into L2 (0: not; both 0: the hardware prefetcher's stream
-  // alone).
+  // ahead of P . V into L1 (0: not; other one-head items: kVLead, flash_direct_kv-inl.h).
   int f32_row_v_lead;
-  int f32_row_v_far;
+  // V rows of any one-head item ([B, Hkv, L, D]) also prefetched this many keys ahead into L2
+  // (0: not).
+  int v_far;
 };
 
 // The plan for a CPU: `vendor` as cpuid gives it ("AuthenticAMD", ...) and its x86 family
