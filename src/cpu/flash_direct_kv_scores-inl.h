@@ -1,5 +1,6 @@
 // DirectKv's scores, for one SIMD target: S = q . K^T for decode-shaped items, K read where it
 // lies (dense rows or pages) and widened in registers; the prefetching of K that goes with it.
+// (One row per head across several heads: DirectKvHeads, flash_direct_kv_heads-inl.h.)
 #pragma once
 
 #include <algorithm>
@@ -8,32 +9,16 @@
 #include <type_traits>
 
 #include "core/params.h"
+#include "cpu/flash_direct_kv_heads-inl.h"
 #include "cpu/flash_simd-inl.h"
 #include "cpu/flash_tile_rows-inl.h"
 #include "cpu/prefetch_plan.h"
 
 namespace attncore::detail::ATTNCORE_TARGET_NS {
 
-// 16-bit K scored key by key across heads (score_heads_by_key below): the rows this many keys
-// on prefetched into L2, line by line as the products read theirs: bench --decode MHA Hkv=32, 1
-// thread, % of the probe, Lk=4096/16384, 7 interleaved passes: bf16 [B, L, Hkv, D] 69/70 ->
-// 74/74, p16 69/59 -> 79/65; f16 66/64 -> 67/65, p16 61/54 -> 64/58 (8 and 32 keys within
-// noise of 16; f32 rows ran 2-4 points slower with it, and have none).
-constexpr std::int64_t kByKeyLead = 16;
-
-// The cache lines of n elements from p, each once (by address), into L1 (kLocality 3) or L2 (2).
-template <int kLocality, class T>
-ATTNCORE_TARGET inline void prefetch_lines(const T* p, std::int64_t n) {
-  const auto first = reinterpret_cast<std::uintptr_t>(p) & ~std::uintptr_t{63};
-  const auto end = reinterpret_cast<std::uintptr_t>(p + n);
-  for (std::uintptr_t line = first; line < end; line += 64) {
-    __builtin_prefetch(reinterpret_cast<const void*>(line), 0, kLocality);
-  }
-}
-
 // The scores of DirectKv items (flash_direct_kv-inl.h): one row, a group's rows, or one row per
 // head across several heads, against a block of kLanes keys or a key tile.
-struct DirectKvScores {
+struct DirectKvScores : DirectKvHeads {
   // The rows the in-place products compute for an item of `rows` rows: 1, 2, 4 or kTileRows
   // (the rows past `rows` have P = 0 and alpha = 1). Decode items have one row per query head
   // of the group: computing kTileRows rows for MHA's one row made P . V 8x the work it is. GQA
@@ -126,18 +111,6 @@ struct DirectKvScores {
     store(s, reduce_sums(t));
   }
 #endif
-
-  // The scores of `count` rows from their partial sums: parts [count][kLanes keys][kLanes]
-  // lanes into s[x * stride .. + kLanes) for row x, each key's lanes summed by reduce_sums.
-  ATTNCORE_TARGET static void sum_parts(const float* parts, std::int64_t count, std::int64_t stride,
-                                        float* s) {
-    for (std::int64_t x = 0; x < count; ++x) {
-      Vec t[kLanes];
-#pragma GCC unroll 16
-      for (int j = 0; j < kLanes; ++j) t[j] = load(parts + (x * kLanes + j) * kLanes);
-      store(s + x * stride, reduce_sums(t));
-    }
-  }
 
   // The scores of R rows (q rows d apart; rows past the item's are zero) against the block's
   // keys c < block, at k + at[c], into s[r * kKeyTile + c] for c < kLanes (0 past block):
@@ -304,116 +277,6 @@ struct DirectKvScores {
     }
     score_rows<kTileRows>(k, at, block, dtype, d, q, s, parts);
   }
-  // One row per head (MHA) against a block of keys c < block (0 past it) of `heads` heads, key
-  // after key, each key's row of every head in turn: memory read in address order, which the
-  // hardware prefetcher streams ([B, L, Hkv, D] and pages: a key's heads lie together). Head
-  // x's q and S lie x * head_floats floats on, its K row x * k_step elements after head 0's at
-  // k + at[j]; D a multiple of kLanes. Each score is the one score_keys (score_keys_pairs with
-  // `q_pairs`: the heads' queries as bf16 pairs, d / 2 each) gives it: the same lane sums, then
-  // reduce_sums over `parts` (heads * kLanes * kLanes floats) for f32, each sum reduce_sum'd
-  // as it is formed for bf16 pairs (the same bits; widened 16-bit K: score_heads_widened;
-  // bench --decode MHA bf16, 1 thread, % of the probe, Lk=4096/16384, interleaved: [B, L, Hkv,
-  // D] 69/66 -> 77/68, p256 72/65 -> 78/69; f32 ran 3 points slower that way). With `lead` > 0
-  // (bf16 pairs), each line read prefetches the same line of the key `lead` keys on (at[j +
-  // lead] for j + lead < ahead), into L2: one prefetch per line, spread through the products,
-  // which also runs ahead across page boundaries.
-  template <class T>
-  ATTNCORE_TARGET static void score_heads_by_key(const T* k, const std::int64_t* at,
-                                                 std::int64_t block, DType dtype, std::int64_t d,
-                                                 std::int64_t heads, std::int64_t k_step,
-                                                 std::int64_t head_floats, const float* q,
-                                                 [[maybe_unused]] const float* q_pairs, float* s,
-                                                 float* parts, std::int64_t lead,
-                                                 std::int64_t ahead) {
-    for (std::int64_t j = 0; j < kLanes; ++j) {
-      const T* row = k + (j < block ? at[j] : 0);
-      [[maybe_unused]] const T* next = lead > 0 && j + lead < ahead ? k + at[j + lead] : nullptr;
-      for (std::int64_t x = 0; x < heads; ++x) {
-        Vec acc = {};
-        if (j < block) {
-          const T* kx = row + x * k_step;
-#if ATTNCORE_BF16_DOT
-          if (sizeof(T) == 2 && q_pairs != nullptr) {
-            const float* qx = q_pairs + x * (d / 2);
-            __m512 sum = acc;
-            for (std::int64_t e0 = 0; e0 < d; e0 += 2 * kLanes) {
-              if (next != nullptr) __builtin_prefetch(next + x * k_step + e0, 0, 2);
-              const __m512i qv = _mm512_loadu_si512(qx + e0 / 2);
-              const __m512i kv = _mm512_loadu_si512(kx + e0);
-              sum = _mm512_dpbf16_ps(sum, reinterpret_cast<const __m512bh&>(qv),
-                                     reinterpret_cast<const __m512bh&>(kv));
-            }
-            acc = sum;
-          } else
-#endif
-          {
-            const float* qx = q + x * head_floats;
-            for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
-              acc += load(qx + e0) * load_part(kx + e0, kLanes, dtype);
-            }
-          }
-        }
-        if constexpr (sizeof(T) == 2) {
-          s[x * head_floats + j] = reduce_sum(acc);
-        } else {
-          store(parts + (x * kLanes + j) * kLanes, acc);
-        }
-      }
-    }
-    if constexpr (sizeof(T) == 4) sum_parts(parts, heads, head_floats, s);
-  }
-
-  // score_heads_by_key for 16-bit K widened in registers (f16, or bf16 under an f32 query): the
-  // lane sums of kLanes heads at a time kept in registers and summed across lanes together,
-  // reduce_sums giving head x0 + x's score in lane x (the bits of reduce_sum'ing each), into
-  // `by_key` [kLanes keys][heads rounded up to kLanes], then copied to each head's S (bench
-  // --decode MHA f16, % of the probe, Lk=4096/16384, interleaved against one reduce_sum per
-  // score, 7 passes on 1 thread: BLHD 60/66 -> 65/71, p16 67/60 -> 70/62, p256 70/67 -> 78/71;
-  // 5 on 2 threads: BLHD 81/78 -> 88/76, p16 84/77 -> 88/75, p256 92/80 -> 97/79. bf16 pairs
-  // ran 12-18 points slower that way, f32 1-2).
-  template <class T>
-  ATTNCORE_TARGET static void score_heads_widened(const T* k, const std::int64_t* at,
-                                                  std::int64_t block, DType dtype, std::int64_t d,
-                                                  std::int64_t heads, std::int64_t k_step,
-                                                  std::int64_t head_floats, const float* q,
-                                                  float* s, float* by_key, std::int64_t lead,
-                                                  std::int64_t ahead) {
-    const std::int64_t heads_pad = (heads + kLanes - 1) / kLanes * kLanes;
-    for (std::int64_t j = 0; j < kLanes; ++j) {
-      const T* row = k + (j < block ? at[j] : 0);
-      const T* next = lead > 0 && j + lead < ahead ? k + at[j + lead] : nullptr;
-      for (std::int64_t x0 = 0; x0 < heads; x0 += kLanes) {
-        const std::int64_t n = j < block ? std::min<std::int64_t>(kLanes, heads - x0) : 0;
-        Vec acc[kLanes];
-#pragma GCC unroll 16
-        for (int x = 0; x < kLanes; ++x) acc[x] = Vec{};
-#pragma GCC unroll 16
-        for (int x = 0; x < kLanes; ++x) {
-          if (x < n) {
-            const T* kx = row + (x0 + x) * k_step;
-            const T* ahead_row = next != nullptr ? next + (x0 + x) * k_step : nullptr;
-            const float* qx = q + (x0 + x) * head_floats;
-            Vec sum = acc[x];
-            for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
-              if (ahead_row != nullptr && (e0 * sizeof(T)) % 64 == 0) {
-                __builtin_prefetch(ahead_row + e0, 0, 2);
-              }
-              sum += load(qx + e0) * load_part(kx + e0, kLanes, dtype);
-            }
-            acc[x] = sum;
-          }
-        }
-        Vec t[kLanes];
-#pragma GCC unroll 16
-        for (int x = 0; x < kLanes; ++x) t[x] = acc[x];
-        store(by_key + j * heads_pad + x0, reduce_sums(t));
-      }
-    }
-    for (std::int64_t x = 0; x < heads; ++x) {
-      for (int j = 0; j < kLanes; ++j) s[x * head_floats + j] = by_key[j * heads_pad + x];
-    }
-  }
-
   template <class T>
   ATTNCORE_TARGET static void score_block(const T* k, std::int64_t ldk, DType dtype, std::int64_t d,
                                           std::int64_t block, const float* q, float* s) {

@@ -1,6 +1,7 @@
 // TileRows, for one SIMD target: where the K or V rows of one key tile lie, resolved once per
 // tile from a plain view or a paged cache's pages (docs/design.md section 1, KV cache), so that
-// the products and the packing read rows through offsets and never see a page.
+// the products and the packing read rows through offsets and never see a page; and the
+// prefetch of a row's cache lines (prefetch_lines).
 #pragma once
 
 #include <algorithm>
@@ -13,6 +14,16 @@ namespace attncore::detail::ATTNCORE_TARGET_NS {
 
 // Keys past a tile whose rows are resolved with it: what its prefetches reach ahead (at most).
 constexpr std::int64_t kRowLead = 64;
+
+// The cache lines of n elements from p, each once (by address), into L1 (kLocality 3) or L2 (2).
+template <int kLocality, class T>
+ATTNCORE_TARGET inline void prefetch_lines(const T* p, std::int64_t n) {
+  const auto first = reinterpret_cast<std::uintptr_t>(p) & ~std::uintptr_t{63};
+  const auto end = reinterpret_cast<std::uintptr_t>(p + n);
+  for (std::uintptr_t line = first; line < end; line += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(line), 0, kLocality);
+  }
+}
 
 // at[c]: the element offset into the view's data of key j0 + c of (b, kv head h), for
 // c < count = min(kKeyTile + kRowLead, Lk - j0) (never a key past the sequence).
