@@ -1,6 +1,6 @@
-"""attncore's attention as torch operators (torch.library), so that torch.jit.trace and
-torch.jit.script record a call as one node, torch.ops.attncore.scaled_dot_product_attention,
-and a scripted or traced model can hold it.
+"""attncore's attention as torch operators (registered through torch's Library API), so that
+torch.jit.trace and torch.jit.script record a call as one node,
+torch.ops.attncore.scaled_dot_product_attention, and a scripted or traced model can hold it.
 
 Three operators, in the namespace "attncore":
 - scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -16,6 +16,7 @@ plain Python functions do not go through these operators (their fast path is che
 """
 
 import torch as _torch
+from torch import library as _registry
 
 from ._attention import attention, attention_backward
 from ._random import _torch_seed
@@ -24,7 +25,7 @@ _ARGS = ("Tensor? attn_mask=None, float dropout_p=0.0, bool is_causal=False, "
          "float? scale=None, bool enable_gqa=False")
 _U64 = 2 ** 64
 
-_library = _torch.library.Library("attncore", "DEF")
+_library = _registry.Library("attncore", "DEF")
 _library.define(f"scaled_dot_product_attention(Tensor query, Tensor key, Tensor value, {_ARGS})"
                 " -> Tensor")
 _library.define(f"sdpa_forward(Tensor query, Tensor key, Tensor value, {_ARGS}, int seed=0)"

@@ -22,7 +22,7 @@ from ._kvcache import flash_attn_with_kvcache
 from ._merge import merge_attention_states
 from ._paged import PagedKVCache
 from ._paged_torch import PagedAttention
-from . import _torch_ops  # imported for its effect: registers torch.ops.attncore.* (torch.library)
+from . import _torch_ops  # imported for its effect: registers torch.ops.attncore.*
 
 __all__ = [
     "AttentionFunction", "PagedAttention", "PagedKVCache", "attention", "attention_varlen",
