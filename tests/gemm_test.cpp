@@ -1,7 +1,8 @@
 // The math backend's GEMMs (src/cpu/gemm.h) on every SIMD target this CPU runs, f32 and f64,
 // against fp64 sums: shapes at and around the micro-tile, block and few-rows edges, all four
 // transpose combinations, alpha and beta; beta = 0 never reads C (it starts as NaN); each
-// product's bits do not depend on how often it runs (no state carried between calls).
+// product's bits do not depend on how often it runs (no state carried between calls). And the
+// widening of 16-bit rows (GemmTarget::widen): every bit pattern's exact value.
 #include "cpu/gemm.h"
 
 #include <gtest/gtest.h>
@@ -13,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "attncore/dtype.h"
 #include "attncore/info.h"
 #include "testing/problem.h"
 #include "testing/random.h"
@@ -142,6 +144,38 @@ TEST_P(Gemm, EmptyProductScalesC) {
   gemm_target_chosen().sgemm(1, 2, 0, 1.0f, none, none, 0.5f, c.data(), 2, pack);
   EXPECT_EQ(c[0], 1.5f);
   EXPECT_EQ(c[1], 1.0f);
+}
+
+// widen: every bf16 and f16 bit pattern, at every offset in a vector and row lengths around
+// whole vectors, gives the scalar conversion's value (a NaN for a NaN: the vector conversion
+// may quiet a signalling one), and nothing past the row is written.
+TEST_P(Gemm, WidensEvery16BitPatternExactly) {
+  const test::ScopedTarget target(GetParam());
+  std::vector<std::uint16_t> all(65536 + 40);
+  for (std::size_t i = 0; i < all.size(); ++i) all[i] = static_cast<std::uint16_t>(i * 40503u);
+  for (std::size_t i = 0; i < 65536; ++i) all[i] = static_cast<std::uint16_t>(i);
+  for (const DType dtype : {DType::bf16, DType::f16}) {
+    for (const std::int64_t n : {std::int64_t{65536}, std::int64_t{1}, std::int64_t{7},
+                                 std::int64_t{16}, std::int64_t{17}, std::int64_t{33}}) {
+      for (const std::int64_t offset : {0, 1, 3, 9}) {
+        std::vector<float> out(static_cast<std::size_t>(n) + 1, 1234.5f);
+        gemm_target_chosen().widen(all.data() + offset, dtype, n, out.data());
+        for (std::int64_t e = 0; e < n; ++e) {
+          const std::uint16_t h = all[static_cast<std::size_t>(offset + e)];
+          const float want = dtype == DType::bf16 ? bf16::to_float(h) : f16::to_float(h);
+          const float got = out[static_cast<std::size_t>(e)];
+          if (std::isnan(want)) {
+            ASSERT_TRUE(std::isnan(got)) << "bits " << h;
+          } else {
+            ASSERT_EQ(std::memcmp(&got, &want, sizeof got), 0)
+                << (dtype == DType::bf16 ? "bf16" : "f16") << " bits " << h << ": " << got
+                << " against " << want;
+          }
+        }
+        EXPECT_EQ(out[static_cast<std::size_t>(n)], 1234.5f) << "written past the row";
+      }
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Targets, Gemm, ::testing::ValuesIn(simd_targets_supported()),

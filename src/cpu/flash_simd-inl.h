@@ -16,6 +16,8 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 #include <immintrin.h>
+#elif ATTNCORE_LANES == 8  // AVX2: F16C's f16 widening
+#include <immintrin.h>
 #endif
 
 #include "attncore/dtype.h"
@@ -225,12 +227,23 @@ ATTNCORE_TARGET inline Vec load_part(const std::uint16_t* p, int n, DType dtype)
     std::memcpy(&x, &bits, sizeof x);
     return x;
   }
+#if ATTNCORE_LANES == 8
+  if (n == kLanes) {  // F16C (part of the AVX2 target)
+    __m128i h;
+    std::memcpy(&h, p, sizeof h);
+    const __m256 x = _mm256_cvtph_ps(h);
+    Vec v;
+    std::memcpy(&v, &x, sizeof v);
+    return v;
+  }
+#else
   if (n == kLanes) {
     Vec x;
 #pragma GCC unroll 16
     for (int e = 0; e < kLanes; ++e) x[e] = f16::to_float(p[e]);
     return x;
   }
+#endif
   float x[kLanes] = {};
   for (int e = 0; e < n; ++e)
     x[e] = dtype == DType::f16 ? f16::to_float(p[e]) : bf16::to_float(p[e]);
@@ -239,5 +252,22 @@ ATTNCORE_TARGET inline Vec load_part(const std::uint16_t* p, int n, DType dtype)
 #endif
 // A row of the input's dtype (f32 or 16-bit) from element e0, n <= kLanes of them.
 ATTNCORE_TARGET inline Vec load_part(const float* p, int n, DType) { return load_part(p, n); }
+
+// dst [n] = src [n], a row of bf16 or f16 widened to f32 by load_part (exact: the values the
+// flash kernels compute with): the math backend's copies of 16-bit operands (GemmTarget::widen).
+ATTNCORE_TARGET inline void widen_row(const std::uint16_t* src, DType dtype, std::int64_t n,
+                                      float* dst) {
+  std::int64_t e = 0;
+  if (dtype == DType::bf16) {
+    for (; e + kLanes <= n; e += kLanes) store(dst + e, load_part(src + e, kLanes, DType::bf16));
+  } else {
+    for (; e + kLanes <= n; e += kLanes) store(dst + e, load_part(src + e, kLanes, DType::f16));
+  }
+  if (e < n) {
+    float tail[kLanes];
+    store(tail, load_part(src + e, static_cast<int>(n - e), dtype));
+    std::memcpy(dst + e, tail, static_cast<std::size_t>(n - e) * sizeof(float));
+  }
+}
 
 }  // namespace attncore::detail::ATTNCORE_TARGET_NS

@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "attncore/dtype.h"
+
 namespace attncore::detail {
 
 // A matrix operand: element (r, c) at data[r * row_stride + c * col_stride]. A row-major
@@ -49,10 +51,15 @@ using DgemmFn = void (*)(std::int64_t m, std::int64_t n, std::int64_t k, double 
                          GemmMatrix<double> a, GemmMatrix<double> b, double beta, double* c,
                          std::int64_t ldc, double* pack);
 
+// dst [n] = src [n], a row of bf16 or f16 (dtype) widened to f32, exactly (the flash kernels'
+// own widening, flash_simd-inl.h's widen_row).
+using WidenFn = void (*)(const std::uint16_t* src, DType dtype, std::int64_t n, float* dst);
+
 struct GemmTarget {
   const char* name;  // "avx512", "avx2", "generic": the ISA, as the flash targets name it
   SgemmFn sgemm;
   DgemmFn dgemm;
+  WidenFn widen;  // the math backend's f32 copies of 16-bit operands
 };
 
 // The products for the ISA of the flash target in use (flash_target_chosen): the first

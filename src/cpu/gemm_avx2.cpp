@@ -8,9 +8,11 @@
 #define ATTNCORE_LANES 8
 #define ATTNCORE_TILE_ROWS 6
 #define ATTNCORE_TILE_VECTORS 2
+#define ATTNCORE_BF16_DOT 0  // (flash_simd-inl.h, for widen_row: no bf16 dot products here)
+#include "cpu/flash_simd-inl.h"
 #include "cpu/gemm-inl.h"
 
 namespace attncore::detail {
-GemmTarget gemm_target_avx2() { return {"avx2", &avx2::sgemm, &avx2::dgemm}; }
+GemmTarget gemm_target_avx2() { return {"avx2", &avx2::sgemm, &avx2::dgemm, &avx2::widen_row}; }
 }  // namespace attncore::detail
 #endif  // __x86_64__

@@ -8,9 +8,13 @@
 #define ATTNCORE_LANES 16
 #define ATTNCORE_TILE_ROWS 8
 #define ATTNCORE_TILE_VECTORS 2
+#define ATTNCORE_BF16_DOT 0  // (flash_simd-inl.h, for widen_row: no bf16 dot products here)
+#include "cpu/flash_simd-inl.h"
 #include "cpu/gemm-inl.h"
 
 namespace attncore::detail {
-GemmTarget gemm_target_avx512() { return {"avx512", &avx512::sgemm, &avx512::dgemm}; }
+GemmTarget gemm_target_avx512() {
+  return {"avx512", &avx512::sgemm, &avx512::dgemm, &avx512::widen_row};
+}
 }  // namespace attncore::detail
 #endif  // __x86_64__

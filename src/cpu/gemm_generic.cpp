@@ -8,8 +8,12 @@
 #define ATTNCORE_LANES 4
 #define ATTNCORE_TILE_ROWS 6
 #define ATTNCORE_TILE_VECTORS 2
+#define ATTNCORE_BF16_DOT 0  // (flash_simd-inl.h, for widen_row: no bf16 dot products here)
+#include "cpu/flash_simd-inl.h"
 #include "cpu/gemm-inl.h"
 
 namespace attncore::detail {
-GemmTarget gemm_target_generic() { return {"generic", &generic::sgemm, &generic::dgemm}; }
+GemmTarget gemm_target_generic() {
+  return {"generic", &generic::sgemm, &generic::dgemm, &generic::widen_row};
+}
 }  // namespace attncore::detail
