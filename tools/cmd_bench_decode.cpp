@@ -61,6 +61,14 @@ struct DecodePoint {
   std::int64_t page_bytes() const {
     return page_size * heads_kv * kHeadDim * static_cast<std::int64_t>(attncore::size_of(dtype));
   }
+  // The layout column: BHLD, BLHD, or pN for pages of N. (Appended, not "p" + string: GCC
+  // 12 warned, wrongly, of an overlapping memcpy in that operator+ [-Wrestrict].)
+  std::string layout_name() const {
+    if (page_size == 0) return name_of(layout);
+    std::string name = "p";
+    name += std::to_string(page_size);
+    return name;
+  }
   static constexpr std::int64_t kHeadsQ = 32, kHeadDim = 128;
 };
 
@@ -156,8 +164,7 @@ double time_point(const DecodePoint& pt, void* kv, const Timed& how, int repeat)
 // BLHD or pN; * matches anything), "" keeps all.
 bool kept(const std::string& points, const DecodePoint& pt) {
   if (points.empty()) return true;
-  const std::string kind =
-      pt.page_size > 0 ? "p" + std::to_string(pt.page_size) : std::string(name_of(pt.layout));
+  const std::string kind = pt.layout_name();
   const std::string fields[] = {std::string(attncore::name_of(pt.dtype)), kind,
                                 std::to_string(pt.heads_kv)};
   std::size_t at = 0;
@@ -280,8 +287,7 @@ int bench_decode(const BenchConfig& bc) {
     const double intensity = pt.flops() / pt.kv_bytes();  // FLOPs per byte of K/V
     const double gflops = gbs[0] * intensity;
     const char* binds = bw1 * intensity < fma1 ? "bw" : "fma";
-    const std::string kind =
-        pt.page_size > 0 ? "p" + std::to_string(pt.page_size) : std::string(name_of(pt.layout));
+    const std::string kind = pt.layout_name();
     std::fprintf(
         table,
         "%-5s %-4s %3lld %3lld %6lld %9.1f | %8.1f %5.0f%% %7.1f %4.0f%% %5s | %8.1f %5.0f%% | "
@@ -361,8 +367,7 @@ int bench_decode(const BenchConfig& bc) {
   }
   std::string list;
   for (const DecodePoint& pt : skipped) {
-    list += "\n  " + std::string(attncore::name_of(pt.dtype)) + " " +
-            (pt.page_size > 0 ? "p" + std::to_string(pt.page_size) : name_of(pt.layout)) +
+    list += "\n  " + std::string(attncore::name_of(pt.dtype)) + " " + pt.layout_name() +
             " Hkv=" + std::to_string(pt.heads_kv) + " B=" + std::to_string(pt.batch) +
             " Lk=" + std::to_string(pt.seqlen_k) +
             format(" (%.1f GiB)", pt.kv_bytes() / (1024.0 * 1024.0 * 1024.0));
