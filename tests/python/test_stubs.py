@@ -23,11 +23,16 @@ PUBLIC_MODULES = (attncore, attncore.torch, attncore.flash_attn_interface,
 
 def test_stubs_match_the_package():
     pytest.importorskip("mypy", reason="Debian's mypy (scripts/install-deps.sh) runs stubtest")
+    # stubtest checks the package this test imported (its directory first on the path: a
+    # relative PYTHONPATH would not hold from the temporary directory it runs in).
+    package_root = str(pathlib.Path(attncore.__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory() as cwd:  # outside the source tree
         result = subprocess.run(
             [sys.executable, "-m", "mypy.stubtest", "attncore", "--allowlist",
              str(HERE / "stubtest_allowlist.txt")],
-            cwd=cwd, capture_output=True, text=True, env=os.environ)
+            cwd=cwd, capture_output=True, text=True, env=env)
     assert result.returncode == 0, (
         "the type stubs python/attncore/*.pyi disagree with the package: a public function, "
         "class, method or __all__ entry added or changed needs its entry in the module's .pyi "
