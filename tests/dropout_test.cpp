@@ -1,7 +1,7 @@
-// Dropout (docs/design.md section 1.5): the library's keep mask is read back exactly from its output
-// and compared with the oracle's element-addressed Philox stream; the kept fraction over more
-// than 10^6 elements lies within 4 sigma of 1 - p; the same (seed, offset) replays the same mask
-// in forward and backward; a different offset or seed gives a different mask.
+// Dropout (docs/design.md section 1.5): the library's keep mask is read back exactly from its
+// output and compared with the oracle's element-addressed Philox stream; the kept fraction over
+// more than 10^6 elements lies within 4 sigma of 1 - p; the same (seed, offset) replays the same
+// mask in forward and backward; a different offset or seed gives a different mask.
 //
 // Reading the mask back: with q = 0 every score is 0, so P = 1/Lk on every key, and with
 // v[j, c] = 2^(j % bits) when j / bits == c (else 0) the output column c of row i is
@@ -108,9 +108,8 @@ TEST(Dropout, KeptFractionWithinFourSigma) {
     DType dtype = DType::f64;  // flash runs f32: 8 decisions per column fit its precision
     int bits = 16;
   };
-  for (const Run run :
-       {Run{Backend::reference, 0.25}, Run{Backend::math, 0.5},
-        Run{Backend::flash, 0.1, DType::f32, 8}}) {
+  for (const Run run : {Run{Backend::reference, 0.25}, Run{Backend::math, 0.5},
+                        Run{Backend::flash, 0.1, DType::f32, 8}}) {
     SCOPED_TRACE(std::string(name_of(run.backend)) + " p=" + std::to_string(run.p));
     MaskRun r;
     r.backend = run.backend;

@@ -52,8 +52,8 @@ Tensor make_cache(DType dtype, std::int64_t rows, std::int64_t capacity, std::in
 TensorView slots(const Tensor& cache, std::int64_t r, std::int64_t start, std::int64_t end) {
   const TensorView v = cache.view().transposed(1, 2);  // [B_cache, H, capacity, D]
   TensorView s = v;
-  s.data = static_cast<char*>(v.data) +
-           (r * v.stride_of(0) + start * v.stride_of(2)) * static_cast<std::int64_t>(size_of(v.dtype));
+  s.data = static_cast<char*>(v.data) + (r * v.stride_of(0) + start * v.stride_of(2)) *
+                                            static_cast<std::int64_t>(size_of(v.dtype));
   s.shape[0] = 1;
   s.shape[2] = end - start;
   return s;
@@ -62,7 +62,8 @@ TensorView slots(const Tensor& cache, std::int64_t r, std::int64_t start, std::i
 // Batch row b of a [B, H, L, D] tensor as [1, H, L, D].
 TensorView batch_row(const TensorView& t, std::int64_t b) {
   TensorView s = t;
-  s.data = static_cast<char*>(t.data) + b * t.stride_of(0) * static_cast<std::int64_t>(size_of(t.dtype));
+  s.data =
+      static_cast<char*>(t.data) + b * t.stride_of(0) * static_cast<std::int64_t>(size_of(t.dtype));
   s.shape[0] = 1;
   return s;
 }
@@ -100,8 +101,8 @@ TEST(KvCache, EachSequenceEqualsItsDenseCallBitwise) {
           const Tensor v = make_cache(dtype, 3, capacity, heads_kv, dim, ranges, 2);
           const Tensor q = make_tensor(dtype, {3, heads_q, lq, dim},
                                        rounded(random_vector(3 * heads_q * lq * dim, 3), dtype));
-          const Tensor slopes = make_tensor(DType::f32, {3, heads_q},
-                                            random_vector(3 * heads_q, 4, 0.01, 0.2));
+          const Tensor slopes =
+              make_tensor(DType::f32, {3, heads_q}, random_vector(3 * heads_q, 4, 0.01, 0.2));
           for (const Variant& variant : variants) {
             SCOPED_TRACE(target + " " + std::string(name_of(backend)) + " " +
                          std::string(name_of(dtype)) + " Lq=" + std::to_string(lq) + " " +
@@ -126,9 +127,8 @@ TEST(KvCache, EachSequenceEqualsItsDenseCallBitwise) {
               const std::int64_t start = leftpad[static_cast<std::size_t>(b)];
               const std::int64_t end = seqlens[static_cast<std::size_t>(b)];
               const std::int64_t row = batch_idx[static_cast<std::size_t>(b)];
-              const ForwardResult one =
-                  forward(batch_row(q.view(), b), slots(k, row, start, end),
-                          slots(v, row, start, end), ob, backend);
+              const ForwardResult one = forward(batch_row(q.view(), b), slots(k, row, start, end),
+                                                slots(v, row, start, end), ob, backend);
               ASSERT_TRUE(same_bits(read_view(batch_row(r.out.view(), b)),
                                     read_view(one.out.view()), "out " + std::to_string(b)));
               ASSERT_TRUE(same_bits(read_view(batch_row(r.lse.view(), b)),
@@ -161,18 +161,21 @@ TEST(KvCache, BadInputs) {
   EXPECT_EQ(message(s), "");
   const Tensor past = int_tensor({4, 11});
   s.cache_seqlens = past.view();
-  EXPECT_EQ(message(s), "forward: cache_seqlens is out of range (cache_seqlens[1]=11, expected "
-                        "0 <= cache_seqlens[b] <= capacity=10)");
+  EXPECT_EQ(message(s),
+            "forward: cache_seqlens is out of range (cache_seqlens[1]=11, expected "
+            "0 <= cache_seqlens[b] <= capacity=10)");
   s.cache_seqlens = seqlens.view();
   const Tensor bad_idx = int_tensor({3, 0});
   s.cache_batch_idx = bad_idx.view();
-  EXPECT_EQ(message(s), "forward: cache_batch_idx is out of range (cache_batch_idx[0]=3, "
-                        "expected 0 <= idx < B_cache=3)");
+  EXPECT_EQ(message(s),
+            "forward: cache_batch_idx is out of range (cache_batch_idx[0]=3, "
+            "expected 0 <= idx < B_cache=3)");
   s.cache_batch_idx = idx.view();
   const Tensor pad = int_tensor({0, 6});
   s.cache_leftpad = pad.view();
-  EXPECT_EQ(message(s), "forward: cache_leftpad is out of range (cache_leftpad[1]=6, expected "
-                        "0 <= cache_leftpad[b] <= cache_seqlens[b]=5)");
+  EXPECT_EQ(message(s),
+            "forward: cache_leftpad is out of range (cache_leftpad[1]=6, expected "
+            "0 <= cache_leftpad[b] <= cache_seqlens[b]=5)");
   s.cache_leftpad.reset();
   const Tensor f32_lens = make_tensor(DType::f32, {2}, {4, 5});
   s.cache_seqlens = f32_lens.view();
@@ -194,7 +197,8 @@ TEST(KvCache, BadInputs) {
 std::vector<double> rotate_plain(std::vector<double> x, std::int64_t pos, std::int64_t half,
                                  bool interleaved, const std::vector<double>& freq) {
   for (std::int64_t i = 0; i < half; ++i) {
-    const double angle = static_cast<double>(static_cast<float>(pos * freq[static_cast<std::size_t>(i)]));
+    const double angle =
+        static_cast<double>(static_cast<float>(pos * freq[static_cast<std::size_t>(i)]));
     const double c = static_cast<float>(std::cos(angle)), s = static_cast<float>(std::sin(angle));
     const std::size_t a = static_cast<std::size_t>(interleaved ? 2 * i : i);
     const std::size_t b = static_cast<std::size_t>(interleaved ? 2 * i + 1 : i + half);
@@ -243,14 +247,16 @@ TEST(KvCache, AppendWritesRotatedKeysThenAttends) {
       for (std::int64_t h = 0; h < hkv; ++h)
         for (std::int64_t j = 0; j < l_new; ++j) {
           const std::size_t at = static_cast<std::size_t>(((b * hkv + h) * l_new + j) * d);
-          const std::vector<double> want = rotate_plain(
-              std::vector<double>(kn.begin() + at, kn.begin() + at + d), base + j, half,
-              interleaved, freq);
+          const std::vector<double> want =
+              rotate_plain(std::vector<double>(kn.begin() + at, kn.begin() + at + d), base + j,
+                           half, interleaved, freq);
           const std::vector<double> got = read_view(slots(k, b, seqlens[b] + j, seqlens[b] + j + 1)
                                                         .transposed(0, 1));  // [H, 1, D] -> rows
           for (std::int64_t e = 0; e < d; ++e)
-            EXPECT_NEAR(got[static_cast<std::size_t>(h * d + e)], want[static_cast<std::size_t>(e)], 1e-6);
-          const std::vector<double> got_v = read_view(slots(v, b, seqlens[b] + j, seqlens[b] + j + 1));
+            EXPECT_NEAR(got[static_cast<std::size_t>(h * d + e)], want[static_cast<std::size_t>(e)],
+                        1e-6);
+          const std::vector<double> got_v =
+              read_view(slots(v, b, seqlens[b] + j, seqlens[b] + j + 1));
           for (std::int64_t e = 0; e < d; ++e)
             EXPECT_EQ(got_v[static_cast<std::size_t>(h * d + e)],
                       static_cast<float>(vn[at + static_cast<std::size_t>(e)]));
@@ -263,18 +269,18 @@ TEST(KvCache, AppendWritesRotatedKeysThenAttends) {
       for (std::int64_t h = 0; h < hq; ++h)
         for (std::int64_t i = 0; i < lq; ++i) {
           const std::size_t at = static_cast<std::size_t>(((b * hq + h) * lq + i) * d);
-          const std::vector<double> x = rotate_plain(
-              std::vector<double>(q_values.begin() + at, q_values.begin() + at + d),
-              seqlens[b] - leftpad[b] + i, half, interleaved, freq);
+          const std::vector<double> x =
+              rotate_plain(std::vector<double>(q_values.begin() + at, q_values.begin() + at + d),
+                           seqlens[b] - leftpad[b] + i, half, interleaved, freq);
           std::copy(x.begin(), x.end(), q_rot.begin() + at);
         }
     const Tensor q2 = make_tensor(DType::f32, {2, hq, lq, d}, q_rot);
     const Tensor after = int_tensor({8, 12});
     KvCacheSeqs seqs_after = seqs;
     seqs_after.cache_seqlens = after.view();
-    const ForwardResult want = forward_kvcache(q2, k.view().transposed(1, 2),
-                                               v.view().transposed(1, 2), seqs_after, o,
-                                               Backend::reference);
+    const ForwardResult want =
+        forward_kvcache(q2, k.view().transposed(1, 2), v.view().transposed(1, 2), seqs_after, o,
+                        Backend::reference);
     EXPECT_TRUE(all_close(read_view(r.out.view()), read_view(want.out.view()), 1e-5, "out"));
   }
 }
@@ -295,25 +301,29 @@ TEST(KvCache, AppendBadInputs) {
     return "";
   };
   KvAppend a{k_new, k_new, std::nullopt, std::nullopt, false};
-  EXPECT_EQ(message(s, a), "forward: k_new does not fit in the cache (cache_seqlens[1]=8 + "
-                           "L_new=3, expected <= capacity=10)");
+  EXPECT_EQ(message(s, a),
+            "forward: k_new does not fit in the cache (cache_seqlens[1]=8 + "
+            "L_new=3, expected <= capacity=10)");
   const Tensor short_lens = int_tensor({4, 5}), idx = int_tensor({1, 1});
   s.cache_seqlens = short_lens.view();
   s.cache_batch_idx = idx.view();
-  EXPECT_EQ(message(s, a), "forward: cache_batch_idx repeats a row when appending "
-                           "(cache_batch_idx[0]=cache_batch_idx[1]=1, expected distinct rows)");
+  EXPECT_EQ(message(s, a),
+            "forward: cache_batch_idx repeats a row when appending "
+            "(cache_batch_idx[0]=cache_batch_idx[1]=1, expected distinct rows)");
   s.cache_batch_idx.reset();
   const Tensor cos(DType::f32, {10, 5});
   a.rotary_cos = cos.view();
   EXPECT_NE(message(s, a).find("rotary_cos and rotary_sin go together"), std::string::npos);
   a.rotary_sin = cos.view();
-  EXPECT_EQ(message(s, a), "forward: rotary_cos has the wrong width (rotary_dim / 2=5, expected "
-                          "1 <= rotary_dim / 2 <= D / 2=4: tables [positions, rotary_dim / 2] "
-                          "with an even rotary_dim <= D)");
+  EXPECT_EQ(message(s, a),
+            "forward: rotary_cos has the wrong width (rotary_dim / 2=5, expected "
+            "1 <= rotary_dim / 2 <= D / 2=4: tables [positions, rotary_dim / 2] "
+            "with an even rotary_dim <= D)");
   const Tensor few(DType::f32, {6, 4});
   a.rotary_cos = a.rotary_sin = few.view();
-  EXPECT_EQ(message(s, a), "forward: rotary_cos has too few positions (positions=6, expected > 7, "
-                           "the largest position rotated)");
+  EXPECT_EQ(message(s, a),
+            "forward: rotary_cos has too few positions (positions=6, expected > 7, "
+            "the largest position rotated)");
   // Nothing was written: the cache is still zero.
   for (double x : read_view(cache.view())) ASSERT_EQ(x, 0.0);
 }
@@ -334,9 +344,8 @@ TEST(KvCache, AppendChecksEverythingBeforeWriting) {
   cancelled.cancel = &cancel;
   EXPECT_THROW(forward_kvcache(q, k_cache, v_cache, s, a, cancelled), Cancelled);
   // q broadcast (stride 0) to [2, 2^22, 2^20, 8]: an output of 2^48 bytes.
-  const TensorView huge_q = TensorView::strided(q.data(), DType::f32,
-                                                {2, std::int64_t{1} << 22, std::int64_t{1} << 20, 8},
-                                                {0, 0, 0, 1});
+  const TensorView huge_q = TensorView::strided(
+      q.data(), DType::f32, {2, std::int64_t{1} << 22, std::int64_t{1} << 20, 8}, {0, 0, 0, 1});
   EXPECT_THROW(forward_kvcache(huge_q, k_cache, v_cache, s, a), OutOfMemory);
   auto message = [&](const TensorView& kc, const TensorView& vc, const KvAppend& app) {
     try {
@@ -348,7 +357,8 @@ TEST(KvCache, AppendChecksEverythingBeforeWriting) {
   };
   const TensorView new_in_cache = TensorView::contiguous(k_cache.data(), DType::f32, {2, 2, 3, 8});
   const KvAppend from_cache{new_in_cache, k_new, std::nullopt, std::nullopt, false};
-  EXPECT_EQ(message(k_cache, v_cache, from_cache).rfind("forward: k_cache overlaps k_new (", 0), 0u);
+  EXPECT_EQ(message(k_cache, v_cache, from_cache).rfind("forward: k_cache overlaps k_new (", 0),
+            0u);
   for (const Tensor* c : {&k_cache, &v_cache})
     for (double x : read_view(c->view())) ASSERT_EQ(x, 0.0);
 }

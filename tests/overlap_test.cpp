@@ -188,21 +188,26 @@ TEST(Overlap, SelfOverlappingOutputsAreRefused) {
   EXPECT_TRUE(self_overlapping(TensorView::strided(base, DType::f32, {2, 3, 4}, {0, 4, 1})));
   EXPECT_TRUE(self_overlapping(TensorView::strided(base, DType::f32, {2, 3, 5}, {6, 2, 1})));
   EXPECT_FALSE(self_overlapping(TensorView::strided(base, DType::f32, {2, 3, 4}, {12, 4, 1})));
-  EXPECT_FALSE(self_overlapping(TensorView::strided(base, DType::f32, {2, 4, 3, 5}, {60, 5, 20, 1})));
-  EXPECT_FALSE(self_overlapping(TensorView::strided(base, DType::f32, {3, 2}, {2, 5})));  // interleaved
+  EXPECT_FALSE(
+      self_overlapping(TensorView::strided(base, DType::f32, {2, 4, 3, 5}, {60, 5, 20, 1})));
+  EXPECT_FALSE(
+      self_overlapping(TensorView::strided(base, DType::f32, {3, 2}, {2, 5})));  // interleaved
   EXPECT_FALSE(self_overlapping(TensorView::strided(base, DType::f32, {1, 5, 1}, {0, 1, 0})));
 
   Dense c;
-  const TensorView rows_overlap = TensorView::strided(base, DType::f32, {2, 4, 9, 16}, {36, 9, 1, 1});
+  const TensorView rows_overlap =
+      TensorView::strided(base, DType::f32, {2, 4, 9, 16}, {36, 9, 1, 1});
   const TensorView lse_overlap = TensorView::strided(base + 2048, DType::f32, {2, 4, 9}, {9, 1, 1});
-  const TensorView dk_overlap = TensorView::strided(base, DType::f32, {2, 2, 13, 16}, {26, 13, 1, 1});
+  const TensorView dk_overlap =
+      TensorView::strided(base, DType::f32, {2, 2, 13, 16}, {26, 13, 1, 1});
   for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
     SCOPED_TRACE(std::string(name_of(backend)));
-    EXPECT_TRUE(starts_with(invalid_argument_message([&] {
-                              forward_into(c.q, c.k, c.v, rows_overlap, std::nullopt, {}, backend);
-                            }),
-                            "forward: out is an output whose elements overlap (shape=[2, 4, 9, 16], "
-                            "strides=[36, 9, 1, 1]"));
+    EXPECT_TRUE(
+        starts_with(invalid_argument_message([&] {
+                      forward_into(c.q, c.k, c.v, rows_overlap, std::nullopt, {}, backend);
+                    }),
+                    "forward: out is an output whose elements overlap (shape=[2, 4, 9, 16], "
+                    "strides=[36, 9, 1, 1]"));
     EXPECT_TRUE(starts_with(invalid_argument_message([&] {
                               forward_into(c.q, c.k, c.v, c.dq, lse_overlap, {}, backend);
                             }),

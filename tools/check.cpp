@@ -156,8 +156,8 @@ double max_abs(const Tensor& t) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dropout's keep decisions (docs/design.md section 1.5): word `pos` of the Philox4x32-10 stream keyed
-// by the seed, u = x * 2^-32 + 2^-33 in fp32, keep iff u > p.
+// Dropout's keep decisions (docs/design.md section 1.5): word `pos` of the Philox4x32-10 stream
+// keyed by the seed, u = x * 2^-32 + 2^-33 in fp32, keep iff u > p.
 
 std::uint32_t philox_word(std::uint64_t seed, std::uint64_t pos) {
   // Multipliers and Weyl increments of Philox4x32 (Salmon et al., SC'11).

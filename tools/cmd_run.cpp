@@ -1,8 +1,8 @@
 // attncore run: one configured call on random data, dense, a packed variable-length batch
-// (--varlen) or new tokens over a dense or paged KV cache (--cache-len), timed (best of --repeat), in GFLOP/s and percent of the measured FMA peak,
-// optionally checked against the reference backend (exit code 1 when an error is over the
-// tolerance of docs/design.md section 6); as text or as one JSON object (--json), also when the call
-// fails.
+// (--varlen) or new tokens over a dense or paged KV cache (--cache-len), timed (best of --repeat),
+// in GFLOP/s and percent of the measured FMA peak, optionally checked against the reference backend
+// (exit code 1 when an error is over the tolerance of docs/design.md section 6); as text or as one
+// JSON object (--json), also when the call fails.
 #include <cstdio>
 #include <exception>
 #include <optional>

@@ -221,8 +221,7 @@ constexpr Flag kFlags[] = {
      "backend and auto's choice timed in --passes\ninterleaved passes (median), and auto's time "
      "over the best one's;\nwith --backward: the backward instead of the forward"},
     {"--passes", "N", kBench, &BenchSweep::passes,
-     "with --select, --decode: interleaved passes per shape",
-     "", 1},
+     "with --select, --decode: interleaved passes per shape", "", 1},
     {"--varlen", "", kBench, &BenchSweep::varlen,
      "instead: a fixed ragged batch of 32 sequences (64 to 2048) run\npacked (varlen), as a dense "
      "batch of equal work and padded to\nthe longest with a key-padding mask; forward and "
@@ -233,7 +232,8 @@ constexpr Flag kFlags[] = {
      "flash on 1 and 2 threads and math\non 1, medians of --passes interleaved passes"},
     {"--quick", "", kBench, &BenchSweep::quick, "with --decode: B = 1 and Lk 4096, 16384 only"},
     {"--points", "D:L:H,...", kBench, &BenchSweep::points,
-     "with --decode: only these points, e.g. f32:BLHD:32,bf16:p16:8 (dtype,\nBHLD, BLHD or pN, Hkv; "
+     "with --decode: only these points, e.g. f32:BLHD:32,bf16:p16:8 (dtype,\nBHLD, BLHD or pN, "
+     "Hkv; "
      "* = any), no chunked prefill; with --threads N:\nflash on N threads only",
      "all"},
     {"--max-kv-gib", "N", kBench, &BenchSweep::max_kv_gib,

@@ -59,10 +59,10 @@ struct RunConfig {
   std::uint64_t seed = 0;
   attncore::Backend backend = attncore::Backend::automatic;
   bool backward = false;
-  int threads = 0;   // 0: the library's default (ATTNCORE_NUM_THREADS, else the allowed CPUs)
+  int threads = 0;     // 0: the library's default (ATTNCORE_NUM_THREADS, else the allowed CPUs)
   int num_splits = 0;  // Options::num_splits: 0 = flash's planner, 1 = no split
-  std::string simd;  // the flash SIMD target; "": the automatic choice
-  int repeat = 3;    // best of 3: enough to skip the first call's page faults
+  std::string simd;    // the flash SIMD target; "": the automatic choice
+  int repeat = 3;      // best of 3: enough to skip the first call's page faults
   bool check = false;
   bool json = false;
   // A packed variable-length batch: the query lengths of its sequences (B = their count), the
@@ -120,11 +120,11 @@ struct BenchSweep {
   std::vector<attncore::Causal> causals = {attncore::Causal::none, attncore::Causal::lower_right};
   int passes = 3;  // bench --select: interleaved passes per shape
   bool select = false;
-  bool varlen = false;         // bench --varlen: packed against dense and padded (cmd_bench.cpp)
+  bool varlen = false;  // bench --varlen: packed against dense and padded (cmd_bench.cpp)
   bool decode = false;  // bench --decode: K/V GB/s against the read probe (cmd_bench_decode.cpp)
   bool quick = false;   // bench --decode: B = 1, Lk 4096 and 16384 only
   int max_kv_gib = 8;   // bench --decode: points with more K/V bytes are skipped and listed
-  std::string points;   // bench --decode: "dtype:layout:Hkv,..." kept ("" all; cmd_bench_decode.cpp)
+  std::string points;  // bench --decode: "dtype:layout:Hkv,..." kept ("" all; cmd_bench_decode.cpp)
   std::string csv, json, png;  // "": not written; json "-": standard output
 };
 

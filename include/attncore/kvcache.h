@@ -22,10 +22,10 @@
 //
 // With a KvAppend, new keys and values are first written into the cache in place at slots
 // [cache_seqlens[b], cache_seqlens[b] + L_new) (rotated first, in f32, when rotary tables are
-// given, then rounded once to the cache's dtype, to nearest even), then q attends to the cache as if cache_seqlens[b] were
-// cache_seqlens[b] + L_new (the caller's array is not changed). Rotary rotates the first
-// rotary_dim dims of each new key at its logical position cache_seqlens[b] - leftpad[b] + j, and
-// of query row i at that position plus i when causal or windowed, else at
+// given, then rounded once to the cache's dtype, to nearest even), then q attends to the cache as
+// if cache_seqlens[b] were cache_seqlens[b] + L_new (the caller's array is not changed). Rotary
+// rotates the first rotary_dim dims of each new key at its logical position cache_seqlens[b] -
+// leftpad[b] + j, and of query row i at that position plus i when causal or windowed, else at
 // cache_seqlens[b] - leftpad[b] (flash-attn's convention); interleaved pairs dims (2i, 2i + 1),
 // else dim i with dim i + rotary_dim / 2.
 //
@@ -86,8 +86,7 @@ ATTNCORE_API ForwardResult forward_kvcache(const TensorView& q, const TensorView
 // Validate like forward_kvcache (reading the index arrays) and explain the backend choice
 // (attncore/backend.h), without running anything.
 ATTNCORE_API Explanation explain_forward_kvcache(const TensorView& q, const TensorView& k_cache,
-                                                 const TensorView& v_cache,
-                                                 const KvCacheSeqs& seqs,
+                                                 const TensorView& v_cache, const KvCacheSeqs& seqs,
                                                  const Options& options = {});
 
 }  // namespace attncore

@@ -4,7 +4,8 @@
 // Times are sums of terms of the form work / (rate of one thread), divided by the threads
 // that get work, plus fixed costs per call. Every factor carries the measurement that fitted
 // it, taken with `attncore run --json --threads 1` (median of 3 interleaved passes, best of 5
-// calls each; tiny shapes best of 50) on 2 cores of an AMD EPYC (Zen 5, avx512bf16 target), with the constants measured by the same build (`attncore explain
+// calls each; tiny shapes best of 50) on 2 cores of an AMD EPYC (Zen 5, avx512bf16 target), with
+// the constants measured by the same build (`attncore explain
 // --json`: FMA 224 GFLOP/s, memory 23 GB/s, softmax 183 M elements/s per thread).
 #pragma once
 

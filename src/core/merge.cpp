@@ -126,12 +126,13 @@ void merge_rows(const TensorView& out_a, const TensorView& lse_a, const TensorVi
                a.data());
       load_row(out_b.data, out_b.dtype, row_offset(out_b, out_a.shape, rank - 1, row), dv,
                b.data());
-      const T la = load_element<T>(lse_a.data, lse_a.dtype,
-                                   row_offset(lse_a, out_a.shape, rank - 1, row));
-      const T lb = load_element<T>(lse_b.data, lse_b.dtype,
-                                   row_offset(lse_b, out_a.shape, rank - 1, row));
+      const T la =
+          load_element<T>(lse_a.data, lse_a.dtype, row_offset(lse_a, out_a.shape, rank - 1, row));
+      const T lb =
+          load_element<T>(lse_b.data, lse_b.dtype, row_offset(lse_b, out_a.shape, rank - 1, row));
       const T l = detail::merge_outputs(a.data(), la, b.data(), lb, dv, merged.data());
-      store_row(merged.data(), dv, out.data, out.dtype, row_offset(out, out_a.shape, rank - 1, row));
+      store_row(merged.data(), dv, out.data, out.dtype,
+                row_offset(out, out_a.shape, rank - 1, row));
       store_element(lse.data, lse.dtype, row_offset(lse, out_a.shape, rank - 1, row), l);
     }
   });
@@ -140,8 +141,8 @@ void merge_rows(const TensorView& out_a, const TensorView& lse_a, const TensorVi
 // Counted as a run in flight (core/exit_guard.h: a merge on a thread still running at exit
 // stops at its next block and parks); a cancelled merge throws Cancelled.
 void run(const TensorView& out_a, const TensorView& lse_a, const TensorView& out_b,
-         const TensorView& lse_b, const TensorView& out, const TensorView& lse,
-         std::int64_t rows, int num_threads, const std::atomic<bool>* cancel) {
+         const TensorView& lse_b, const TensorView& out, const TensorView& lse, std::int64_t rows,
+         int num_threads, const std::atomic<bool>* cancel) {
   Launch launch;
   launch.threads = detail::resolve_threads(num_threads, "merge_attention_states");
   launch.cancel = cancel;
@@ -178,10 +179,10 @@ MergeResult merge_attention_states(const TensorView& out_a, const TensorView& ls
   // The outputs, refused before they are allocated when the process may not hold them (a
   // broadcast out_a of absurd size costs its caller nothing).
   const DType lse_dtype = out_a.dtype == DType::f64 ? DType::f64 : DType::f32;
-  const double bytes = static_cast<double>(rows) *
-                       (static_cast<double>(out_a.size(out_a.rank - 1)) *
-                            static_cast<double>(size_of(out_a.dtype)) +
-                        static_cast<double>(size_of(lse_dtype)));
+  const double bytes =
+      static_cast<double>(rows) *
+      (static_cast<double>(out_a.size(out_a.rank - 1)) * static_cast<double>(size_of(out_a.dtype)) +
+       static_cast<double>(size_of(lse_dtype)));
   const MemoryLimit limit = memory_limit();
   if (bytes > limit.bytes) {
     char text[160];

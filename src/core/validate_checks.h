@@ -1,5 +1,5 @@
-// The checks validate.cpp and validate_varlen.cpp share: one Checker with docs/design.md section 4's
-// message form, `<op>: <what> <problem> (<name>=<value>, expected <constraint>)[; <remedy>]`.
+// The checks validate.cpp and validate_varlen.cpp share: one Checker with docs/design.md section
+// 4's message form, `<op>: <what> <problem> (<name>=<value>, expected <constraint>)[; <remedy>]`.
 #pragma once
 
 #include <cstdint>
@@ -156,7 +156,8 @@ class Checker {
     }
     if (self_overlapping(t)) {
       fail(std::string(name) + " is an output whose elements overlap (shape=" + t.shape_string() +
-           ", strides=" + dims_string(t.stride.data(), t.rank) + ", expected each element at its own address)");
+           ", strides=" + dims_string(t.stride.data(), t.rank) +
+           ", expected each element at its own address)");
     }
   }
 
@@ -282,6 +283,5 @@ inline NamedView mask_view(const Options& o) { return {o.mask ? &*o.mask : nullp
 // Checks of the options, the same for dense and varlen calls; fills p's variant and dropout
 // (p's geometry and sequence info are set). validate.cpp.
 void resolve_variant(const Checker& check, const Options& o, Params& p);
-
 
 }  // namespace attncore::detail

@@ -2,10 +2,10 @@
 // built on the forward's vector helpers, score mods, packing and micro-kernels.
 //
 // One work item is a run of query heads [h_begin, h_end) of one kv head (one head, unless Lq is
-// short: flash_backward_driver.cpp) or, for fewer than 4 heads in all, a part of its key tiles, owned by one
-// thread: its dQ rows are written by nobody else, and its dK and dV of each key tile go to
-// put_kv_tile, which sums the items of a kv group in head order (src/cpu/flash_backward_driver.cpp). No atomic
-// adds: bitwise the same for any thread count.
+// short: flash_backward_driver.cpp) or, for fewer than 4 heads in all, a part of its key tiles,
+// owned by one thread: its dQ rows are written by nobody else, and its dK and dV of each key tile
+// go to put_kv_tile, which sums the items of a kv group in head order
+// (src/cpu/flash_backward_driver.cpp). No atomic adds: bitwise the same for any thread count.
 //   Delta_i = <dO_i, O_i>;  q, dO packed once
 //   for each key tile:  dK = dV = 0
 //     for each head, each block of its rows the band reaches:

@@ -312,7 +312,8 @@ void flash_backward(const Params& p, const Launch& launch, const BackwardArgs& a
     // last row this slack, zeroed here (those dK, dV rows are scratch, never stored).
     std::fill_n(w.s, block * tile + tile_rows, 0.0f);
     std::fill_n(w.ds, block * tile + tile_rows, 0.0f);
-    for (std::int64_t n = take_item(next, items, launch); n >= 0; n = take_item(next, items, launch)) {
+    for (std::int64_t n = take_item(next, items, launch); n >= 0;
+         n = take_item(next, items, launch)) {
       const std::int64_t taken = order[static_cast<std::size_t>(n)];
       const std::int64_t kv_run = taken / parts, part = taken % parts;
       const std::int64_t b = kv_run / (runs * p.heads_kv);

@@ -130,10 +130,12 @@ struct Bf16Dot {
       const std::uint16_t* lo = 2 * c2 < keys ? v + v_rows.at[2 * c2] : nullptr;
       const std::uint16_t* hi = 2 * c2 + 1 < keys ? v + v_rows.at[2 * c2 + 1] : nullptr;
       if (2 * c2 + 16 < ahead) {  // the next rows' lines, 16 keys on
-        for (std::int64_t e = 0; e < dv; e += 32) __builtin_prefetch(v + v_rows.at[2 * c2 + 16] + e);
+        for (std::int64_t e = 0; e < dv; e += 32)
+          __builtin_prefetch(v + v_rows.at[2 * c2 + 16] + e);
       }
       if (2 * c2 + 17 < ahead) {
-        for (std::int64_t e = 0; e < dv; e += 32) __builtin_prefetch(v + v_rows.at[2 * c2 + 17] + e);
+        for (std::int64_t e = 0; e < dv; e += 32)
+          __builtin_prefetch(v + v_rows.at[2 * c2 + 17] + e);
       }
       for (std::int64_t e0 = 0; e0 < dv_pad; e0 += kTileCols) {
         const std::int64_t n = std::clamp<std::int64_t>(dv - e0, 0, kTileCols);

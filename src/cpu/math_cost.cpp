@@ -114,14 +114,14 @@ void math_can_use(Pass, const Params& p, std::vector<std::string>& reasons) {
   const struct {
     const char* name;
     std::int64_t value;
-  } sizes[] = {{"Lq", p.seq.max_q()}, {"Lk", p.seq.max_k()}, {"D", p.head_dim}, {"Dv", p.head_dim_v}};
+  } sizes[] = {
+      {"Lq", p.seq.max_q()}, {"Lk", p.seq.max_k()}, {"D", p.head_dim}, {"Dv", p.head_dim_v}};
   bool each_fits = true;
   for (const auto& size : sizes) {
     if (size.value > kMax) {
       each_fits = false;
-      reasons.push_back(std::string("math: ") + size.name +
-                        " does not fit BLAS's 32-bit sizes (" + size.name + "=" +
-                        std::to_string(size.value) +
+      reasons.push_back(std::string("math: ") + size.name + " does not fit BLAS's 32-bit sizes (" +
+                        size.name + "=" + std::to_string(size.value) +
                         ", expected <= 2147483647); flash and reference have no such limit");
     }
   }

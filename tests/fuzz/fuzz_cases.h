@@ -60,7 +60,8 @@ void check_forward(const std::vector<Run>& runs, DType dtype, double vmax, std::
 
 // The gradients (results dq, dk, dv and, when asked for, dbias, in that order) of every
 // successful run against the reference's, for f32 and f64 (16-bit gradients have no bound
-// without the oracle's naive run). rows_q: the most query rows one key's (or one mask element's) gradient sums over.
+// without the oracle's naive run). rows_q: the most query rows one key's (or one mask element's)
+// gradient sums over.
 struct GradientCall {
   DType dtype;
   std::int64_t d, dv, rows_q;

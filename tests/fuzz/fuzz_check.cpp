@@ -63,7 +63,8 @@ Run run_one(const CallSpec& spec, Backend backend,
     bool may_write = false;
     for (const Array* w : spec.written) may_write |= w == spec.inputs[i];
     if (may_write && run.outcome == Outcome::ok) continue;
-    if (!spec.inputs[i]->same_as(inputs_before[i])) fail(who + ": wrote input " + std::to_string(i));
+    if (!spec.inputs[i]->same_as(inputs_before[i]))
+      fail(who + ": wrote input " + std::to_string(i));
   }
   if (run.outcome != Outcome::ok) {
     for (std::size_t i = 0; i < spec.outputs.size(); ++i) {
@@ -112,9 +113,9 @@ void check_close(const Run& ref, const Run& run, std::size_t i, double tolerance
     if (same_special) continue;
     if (!(std::fabs(a - b) <= tolerance)) {
       char text[256];
-      std::snprintf(text, sizeof text, "%s: %s element %zu is %.9g, reference %.9g (tolerance %.3g)",
-                    std::string(attncore::name_of(run.backend)).c_str(), what.c_str(), j, a, b,
-                    tolerance);
+      std::snprintf(
+          text, sizeof text, "%s: %s element %zu is %.9g, reference %.9g (tolerance %.3g)",
+          std::string(attncore::name_of(run.backend)).c_str(), what.c_str(), j, a, b, tolerance);
       fail(text);
     }
   }

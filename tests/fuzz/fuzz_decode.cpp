@@ -52,7 +52,8 @@ double flops(const Dims& s, double pairs) {
 void decode_options(Reader& r, const Dims& s, bool mask_and_dropout, Decoded& o) {
   Options& opt = o.options;
   static constexpr double scales[] = {0.01, 0.1, 0.5, 1.0, 2.0, 1e-30};
-  static constexpr double bad_scales[] = {0.0, -1.0, kInf, std::numeric_limits<double>::quiet_NaN()};
+  static constexpr double bad_scales[] = {0.0, -1.0, kInf,
+                                          std::numeric_limits<double>::quiet_NaN()};
   if (r.chance(40)) opt.scale = scales[r.byte() % std::size(scales)];
   if (r.chance(3)) opt.scale = bad_scales[r.byte() % std::size(bad_scales)];
   opt.causal = static_cast<Causal>(r.byte() % 3);
@@ -68,8 +69,8 @@ void decode_options(Reader& r, const Dims& s, bool mask_and_dropout, Decoded& o)
     std::vector<std::int64_t> shape{s.hq};
     if (per_batch) shape.insert(shape.begin(), s.b);
     if (r.chance(5)) shape.back() += 1;
-    o.alibi = make_input(r.chance(5) ? DType::f64 : DType::f32, shape, Layout::contiguous, r,
-                         11, 1.0 / 4);
+    o.alibi = make_input(r.chance(5) ? DType::f64 : DType::f32, shape, Layout::contiguous, r, 11,
+                         1.0 / 4);
     test::write_view(o.alibi->view, [&] {
       auto v = test::read_view(o.alibi->view);
       for (double& x : v) x = std::fabs(x);
@@ -82,7 +83,8 @@ void decode_options(Reader& r, const Dims& s, bool mask_and_dropout, Decoded& o)
     static constexpr DType additive[] = {DType::f32, DType::bf16, DType::f16, DType::f64};
     const DType dtype = is_bool ? DType::b8 : additive[r.byte() % std::size(additive)];
     std::vector<std::int64_t> shape{r.chance(128) ? s.lq : 1, r.chance(200) ? s.lk : 1};
-    if (r.chance(128)) shape.insert(shape.begin(), {r.chance(128) ? s.b : 1, r.chance(128) ? s.hq : 1});
+    if (r.chance(128))
+      shape.insert(shape.begin(), {r.chance(128) ? s.b : 1, r.chance(128) ? s.hq : 1});
     if (r.chance(4)) shape.back() += 1;
     o.mask = make_input(dtype, shape, layout(r), r, 13, 8.0);
     if (!is_bool) {  // the most negative values hide keys: fully masked rows now and then
@@ -116,15 +118,15 @@ void describe(const char* mode, const Dims& s, DType dtype, const Options& o,
                "window=(%lld,%lld) softcap=%g alibi=%d mask=%d dropout=%g gqa=%d threads=%d "
                "cancel=%d splits=%d\n",
                mode, std::string(name_of(dtype)).c_str(), (long long)s.b, (long long)s.hq,
-               (long long)s.hkv, (long long)s.lq, (long long)s.lk, (long long)s.d,
-               (long long)s.dv, o.scale.value_or(-1), int(o.causal), (long long)o.window_left,
-               (long long)o.window_right, o.softcap, o.alibi_slopes.has_value(),
-               o.mask.has_value(), o.dropout_p, o.enable_gqa, o.num_threads, o.cancel != nullptr,
-               o.num_splits);
+               (long long)s.hkv, (long long)s.lq, (long long)s.lk, (long long)s.d, (long long)s.dv,
+               o.scale.value_or(-1), int(o.causal), (long long)o.window_left,
+               (long long)o.window_right, o.softcap, o.alibi_slopes.has_value(), o.mask.has_value(),
+               o.dropout_p, o.enable_gqa, o.num_threads, o.cancel != nullptr, o.num_splits);
   for (const Array* a : arrays) {
     std::fprintf(stderr, "  %s %s strides", std::string(name_of(a->view.dtype)).c_str(),
                  a->view.shape_string().c_str());
-    for (int d = 0; d < a->view.rank; ++d) std::fprintf(stderr, " %lld", (long long)a->view.stride[d]);
+    for (int d = 0; d < a->view.rank; ++d)
+      std::fprintf(stderr, " %lld", (long long)a->view.stride[d]);
     std::fprintf(stderr, "\n");
   }
 }

@@ -31,8 +31,10 @@ void fuzz_dense(Reader& r) {
   std::vector<Array*> inputs{&q, &k, &v};
   if (o.alibi) inputs.push_back(&*o.alibi);
   if (o.mask) inputs.push_back(&*o.mask);
-  CallSpec fwd{{&out, &lse}, inputs, {}, {out.view, lse.view}, o.options.cancel != nullptr,
-               [&](Backend b) { forward_into(q.view, k.view, v.view, out_view, lse.view, o.options, b); }};
+  CallSpec fwd{
+      {&out, &lse}, inputs, {}, {out.view, lse.view}, o.options.cancel != nullptr, [&](Backend b) {
+        forward_into(q.view, k.view, v.view, out_view, lse.view, o.options, b);
+      }};
   const std::vector<Run> runs = run_all_backends(fwd);
   check_forward(runs, dtype, value_bound(v, o.options), s.hq, s.dv, false);
   if (runs.front().outcome != Outcome::ok || r.chance(128)) return;
@@ -82,12 +84,12 @@ void fuzz_dense(Reader& r) {
 // library allocates. They must be refused before any allocation or work.
 void fuzz_absurd(Reader& r) {
   Array one = make_input(DType::f32, {64}, Layout::contiguous, r, 1, 1.0);
-  TensorView q = TensorView::strided(one.storage.data(), DType::f32,
-                                     {std::int64_t{1} << r.range(10, 40), 16, std::int64_t{1} << 20, 64},
-                                     {0, 0, 0, 1});
-  TensorView k = TensorView::strided(one.storage.data(), DType::f32,
-                                     {q.shape[0], 16, std::int64_t{1} << r.range(0, 57), 64},
-                                     {0, 0, 0, 1});
+  TensorView q = TensorView::strided(
+      one.storage.data(), DType::f32,
+      {std::int64_t{1} << r.range(10, 40), 16, std::int64_t{1} << 20, 64}, {0, 0, 0, 1});
+  TensorView k =
+      TensorView::strided(one.storage.data(), DType::f32,
+                          {q.shape[0], 16, std::int64_t{1} << r.range(0, 57), 64}, {0, 0, 0, 1});
   Options o;
   o.dropout_p = r.chance(128) ? 0.5 : 0.0;
   for (Backend b : {Backend::automatic, Backend::reference, Backend::math, Backend::flash}) {

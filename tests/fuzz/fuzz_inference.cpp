@@ -29,8 +29,8 @@ void fuzz_varlen(Reader& r) {
   if (r.chance(6)) std::swap(cu_q[1], cu_q[s.b]);  // decreasing offsets
   const std::int64_t total_q = cu_q.back() + r.range(0, 2), total_k = cu_k.back() + r.range(0, 2);
   Array acu_q = index_array(cu_q), acu_k = index_array(cu_k), aused = index_array(used);
-  VarlenSeqs seqs{acu_q.view, acu_k.view, std::nullopt, max_q + r.range(0, 2) - (r.chance(6) ? 1 : 0),
-                  max_k + r.range(0, 2)};
+  VarlenSeqs seqs{acu_q.view, acu_k.view, std::nullopt,
+                  max_q + r.range(0, 2) - (r.chance(6) ? 1 : 0), max_k + r.range(0, 2)};
   if (r.chance(100)) seqs.seqused_k = aused.view;
   const DType dtype = value_dtype(r);
   Array q = make_input(dtype, {total_q, s.hq, s.d}, layout(r), r, 1, 1.0);
@@ -44,10 +44,10 @@ void fuzz_varlen(Reader& r) {
   std::vector<Array*> inputs{&q, &k, &v, &acu_q, &acu_k, &aused};
   if (o.alibi) inputs.push_back(&*o.alibi);
   if (o.mask) inputs.push_back(&*o.mask);
-  CallSpec fwd{{&out, &lse}, inputs, {}, {out.view, lse.view}, o.options.cancel != nullptr,
-               [&](Backend b) {
-                 forward_varlen_into(q.view, k.view, v.view, seqs, out.view, lse.view, o.options, b);
-               }};
+  CallSpec fwd{
+      {&out, &lse}, inputs, {}, {out.view, lse.view}, o.options.cancel != nullptr, [&](Backend b) {
+        forward_varlen_into(q.view, k.view, v.view, seqs, out.view, lse.view, o.options, b);
+      }};
   const std::vector<Run> runs = run_all_backends(fwd);
   check_forward(runs, dtype, value_bound(v, o.options), s.hq, s.dv, true);
   if (runs.front().outcome != Outcome::ok || r.chance(128)) return;
@@ -63,10 +63,9 @@ void fuzz_varlen(Reader& r) {
   Array dv = make_array(dtype, {total_k, s.hkv, s.dv}, output_layout(r), 0xa5);
   std::vector<Array*> bwd_inputs = inputs;
   bwd_inputs.insert(bwd_inputs.end(), {&ref_out, &ref_lse, &dout});
-  CallSpec bwd{{&dq, &dk, &dv}, bwd_inputs, {}, {dq.view, dk.view, dv.view}, false,
-               [&](Backend b) {
-                 backward_varlen_into(dout.view, q.view, k.view, v.view, ref_out.view,
-                                      ref_lse.view, seqs, dq.view, dk.view, dv.view, o.options, b);
+  CallSpec bwd{{&dq, &dk, &dv}, bwd_inputs, {}, {dq.view, dk.view, dv.view}, false, [&](Backend b) {
+                 backward_varlen_into(dout.view, q.view, k.view, v.view, ref_out.view, ref_lse.view,
+                                      seqs, dq.view, dk.view, dv.view, o.options, b);
                }};
   check_gradients(run_all_backends(bwd),
                   {dtype, s.d, s.dv, s.hq / std::max<std::int64_t>(s.hkv, 1) * max_q, &o.options,
@@ -119,7 +118,11 @@ void run_cache_call(Reader& r, const Dims& s, DType dtype, bool append, std::int
            {&q, &k_cache, &v_cache, &k_new, &v_new});
   std::vector<Array*> written;
   if (append) written = {&k_cache, &v_cache};
-  CallSpec call{{&out, &lse}, inputs, written, {out.view, lse.view}, o.options.cancel != nullptr,
+  CallSpec call{{&out, &lse},
+                inputs,
+                written,
+                {out.view, lse.view},
+                o.options.cancel != nullptr,
                 [&](Backend b) {
                   if (!append) {
                     forward_kvcache_into(q.view, k_cache.view, v_cache.view, seqs, out.view,
@@ -239,7 +242,8 @@ void fuzz_paged(Reader& r) {
         for (std::int64_t h = 0; h < s.hkv; ++h)
           for (std::int64_t i = 0; i < page_size; ++i) {
             if (read[page * page_size + i]) continue;
-            const std::size_t at = static_cast<std::size_t>((page * s.hkv + h) * page_size + i) * row;
+            const std::size_t at =
+                static_cast<std::size_t>((page * s.hkv + h) * page_size + i) * row;
             for (std::size_t e = 0; e < row; ++e) x[at + e] = e % 2 ? kInf : std::nan("");
           }
       test::write_view(cache->view, x);
@@ -270,7 +274,8 @@ void fuzz_merge(Reader& r) {
   const int threads = r.chance(4) ? -1 : static_cast<int>(r.range(0, 3));
   const bool allocating = r.chance(60);  // new tensors, copied here into contiguous arrays
   Array out = make_array(dtype, shape, allocating ? Layout::contiguous : output_layout(r), 0xa5);
-  Array lse = make_array(lse_dtype, lse_shape, allocating ? Layout::contiguous : output_layout(r), 0xa5);
+  Array lse =
+      make_array(lse_dtype, lse_shape, allocating ? Layout::contiguous : output_layout(r), 0xa5);
   // Expected, in double from the inputs as the library reads them.
   const auto xa = test::read_view(oa.view), xb = test::read_view(ob.view);
   const auto ya = test::read_view(la.view), yb = test::read_view(lb.view);
@@ -278,7 +283,8 @@ void fuzz_merge(Reader& r) {
   Array* target_lse = in_place ? &la : &lse;
   CallSpec call{{&out, &lse}, {&oa, &ob, &la, &lb}, {}, {}, false, [&](Backend) {
                   if (allocating) {
-                    const MergeResult m = merge_attention_states(oa.view, la.view, ob.view, lb.view, threads);
+                    const MergeResult m =
+                        merge_attention_states(oa.view, la.view, ob.view, lb.view, threads);
                     test::write_view(out.view, test::read_view(m.out));
                     test::write_view(lse.view, test::read_view(m.lse));
                     return;
@@ -296,8 +302,10 @@ void fuzz_merge(Reader& r) {
   const double tol = output_tolerance(dtype, vmax);
   for (std::size_t row = 0; row < ya.size(); ++row) {
     const double m = std::max(ya[row], yb[row]);
-    const double l = m == -kInf ? -kInf : m + std::log(std::exp(ya[row] - m) + std::exp(yb[row] - m));
-    if (!(std::fabs(run.results[1][row] - l) <= test::lse_tolerance(dtype, l)) && run.results[1][row] != l)
+    const double l =
+        m == -kInf ? -kInf : m + std::log(std::exp(ya[row] - m) + std::exp(yb[row] - m));
+    if (!(std::fabs(run.results[1][row] - l) <= test::lse_tolerance(dtype, l)) &&
+        run.results[1][row] != l)
       fail("merge: lse differs");
     for (std::size_t j = 0; j < dv; ++j) {
       const double want = l == -kInf ? 0.0

@@ -41,7 +41,14 @@ class Reader {
 // rows padded to an odd stride, a broadcast (stride 0) leading dim. The ones that are refused
 // for outputs (and accepted for inputs): overlapping rows (row stride 1). Refused everywhere: a
 // last stride of 2.
-enum class Layout : std::uint8_t { contiguous, transposed, padded, broadcast, overlapping, bad_last };
+enum class Layout : std::uint8_t {
+  contiguous,
+  transposed,
+  padded,
+  broadcast,
+  overlapping,
+  bad_last
+};
 inline constexpr int kLayouts = 6;
 
 // An owned array and the view the library is given. The storage covers every element the view

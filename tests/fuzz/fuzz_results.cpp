@@ -35,7 +35,8 @@ void check_forward(const std::vector<Run>& runs, DType dtype, double vmax, std::
     check_close(ref, run, 0, output_tolerance(dtype, vmax), "out");
     for (std::size_t j = 0; j < ref.results[1].size(); ++j) {
       const double want = ref.results[1][j];
-      if (std::isfinite(want) && !(std::fabs(run.results[1][j] - want) <= test::lse_tolerance(dtype, want)))
+      if (std::isfinite(want) &&
+          !(std::fabs(run.results[1][j] - want) <= test::lse_tolerance(dtype, want)))
         fail(std::string(name_of(run.backend)) + ": lse element " + std::to_string(j) + " is " +
              std::to_string(run.results[1][j]) + ", reference " + std::to_string(want));
     }
@@ -58,17 +59,19 @@ void check_gradients(const std::vector<Run>& grads, const GradientCall& call) {
   const Options& o = *call.options;
   const double eps = dtype == DType::f64 ? 0x1p-53 : 0x1p-24;
   const double sm_scale = std::fabs(o.scale.value_or(1.0 / std::sqrt(double(call.d))));
-  const double ds_error = 4.0 * eps * double(call.dv) * max_finite(test::read_view(call.dout->view)) *
+  const double ds_error = 4.0 * eps * double(call.dv) *
+                          max_finite(test::read_view(call.dout->view)) *
                           max_finite(test::read_view(call.v->view)) / (1.0 - o.dropout_p);
   const double cancel =
-      ds_error * std::max({1.0, sm_scale * max_finite(test::read_view(call.k->view)),
-                           double(call.rows_q) *
-                               std::max(1.0, sm_scale * max_finite(test::read_view(call.q->view)))});
+      ds_error *
+      std::max({1.0, sm_scale * max_finite(test::read_view(call.k->view)),
+                double(call.rows_q) *
+                    std::max(1.0, sm_scale * max_finite(test::read_view(call.q->view)))});
   // dbias has the mask's dtype: a 16-bit mask's gradient is rounded to it (its unit, doubled).
-  const double mask_unit = call.dbias == nullptr                       ? 0.0
-                           : call.dbias->view.dtype == DType::bf16     ? 0x1p-8
-                           : call.dbias->view.dtype == DType::f16      ? 0x1p-11
-                                                                       : 0.0;
+  const double mask_unit = call.dbias == nullptr                   ? 0.0
+                           : call.dbias->view.dtype == DType::bf16 ? 0x1p-8
+                           : call.dbias->view.dtype == DType::f16  ? 0x1p-11
+                                                                   : 0.0;
   for (const Run& run : grads) {
     if (run.outcome != Outcome::ok) continue;
     for (std::size_t i = 0; i < run.results.size(); ++i) {

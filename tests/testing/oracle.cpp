@@ -126,7 +126,8 @@ __extension__ typedef unsigned __int128 Position;
 std::uint32_t oracle_philox_word_at(std::uint64_t seed, Position pos) {
   const Position block = pos / 4;  // the 128-bit counter
   std::array<std::uint32_t, 4> counter{};
-  for (int w = 0; w < 4; ++w) counter[static_cast<std::size_t>(w)] = static_cast<std::uint32_t>(block >> (32 * w));
+  for (int w = 0; w < 4; ++w)
+    counter[static_cast<std::size_t>(w)] = static_cast<std::uint32_t>(block >> (32 * w));
   const std::array<std::uint32_t, 2> key = {static_cast<std::uint32_t>(seed & 0xffffffffu),
                                             static_cast<std::uint32_t>(seed >> 32)};
   return oracle_philox4x32_10(counter, key)[static_cast<std::size_t>(pos % 4)];
@@ -193,8 +194,7 @@ std::vector<std::uint8_t> oracle_dropout_mask(const Dims& d, const Spec& spec) {
   if (spec.dropout_p == 0.0) return keep;
   for (std::size_t n = 0; n < keep.size(); ++n) {
     // Element (b, h, i, j) sits at ((b*Hq + h)*Lq + i)*Lk + j = n of the dense layout.
-    keep[n] =
-        oracle_keep_at(spec.seed, Position{spec.offset} + n, spec.dropout_p) ? 1 : 0;
+    keep[n] = oracle_keep_at(spec.seed, Position{spec.offset} + n, spec.dropout_p) ? 1 : 0;
   }
   return keep;
 }
