@@ -101,9 +101,9 @@ struct DirectKvHeads {
   // score, 7 passes on 1 thread: BLHD 60/66 -> 65/71, p16 67/60 -> 70/62, p256 70/67 -> 78/71;
   // 5 on 2 threads: BLHD 81/78 -> 88/76, p16 84/77 -> 88/75, p256 92/80 -> 97/79. bf16 pairs
   // ran 12-18 points slower that way, f32 1-2).
-  template <class T>
+  template <DType kDtype, class T>
   ATTNCORE_TARGET static void score_heads_widened(const T* k, const std::int64_t* at,
-                                                  std::int64_t block, DType dtype, std::int64_t d,
+                                                  std::int64_t block, std::int64_t d,
                                                   std::int64_t heads, std::int64_t k_step,
                                                   std::int64_t head_floats, const float* q,
                                                   float* s, float* by_key, std::int64_t lead,
@@ -128,7 +128,7 @@ struct DirectKvHeads {
               if (ahead_row != nullptr && (e0 * sizeof(T)) % 64 == 0) {
                 __builtin_prefetch(ahead_row + e0, 0, 2);
               }
-              sum += load(qx + e0) * load_part(kx + e0, kLanes, dtype);
+              sum += load(qx + e0) * load_part(kx + e0, kLanes, kDtype);
             }
             acc[x] = sum;
           }
