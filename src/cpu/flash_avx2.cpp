@@ -2,14 +2,7 @@
 #include "cpu/flash.h"
 #if defined(__x86_64__)
 
-// The ISA as the compiler names it, and as CpuInfo::features names it: keep them equal.
-#define ATTNCORE_TARGET_NS avx2
-#define ATTNCORE_TARGET __attribute__((target("avx2,fma,f16c")))
-#define ATTNCORE_TARGET_FEATURES "avx2 fma f16c"
-#define ATTNCORE_LANES 8
-#define ATTNCORE_BF16_DOT 0
-#define ATTNCORE_TILE_VECTORS 2
-#define ATTNCORE_TILE_ROWS 6
+#include "cpu/target_avx2.h"
 #include "cpu/flash_backward-inl.h"
 #include "cpu/flash_tile_loop-inl.h"
 

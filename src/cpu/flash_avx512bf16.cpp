@@ -3,15 +3,7 @@
 #include "cpu/flash.h"
 #if defined(__x86_64__)
 
-// The ISA as the compiler names it, and as CpuInfo::features names it: keep them equal.
-#define ATTNCORE_TARGET_NS avx512bf16
-#define ATTNCORE_TARGET \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,avx512bf16")))
-#define ATTNCORE_TARGET_FEATURES "avx512f avx512bw avx512vl avx512dq avx2 fma f16c avx512bf16"
-#define ATTNCORE_LANES 16
-#define ATTNCORE_BF16_DOT 1
-#define ATTNCORE_TILE_VECTORS 2
-#define ATTNCORE_TILE_ROWS 8
+#include "cpu/target_avx512bf16.h"
 #include "cpu/flash_backward-inl.h"
 #include "cpu/flash_tile_loop-inl.h"
 

@@ -2,14 +2,7 @@
 // on aarch64), every dtype in f32.
 #include "cpu/flash.h"
 
-// The ISA as the compiler names it, and as CpuInfo::features names it: keep them equal.
-#define ATTNCORE_TARGET_NS generic
-#define ATTNCORE_TARGET
-#define ATTNCORE_TARGET_FEATURES ""
-#define ATTNCORE_LANES 4
-#define ATTNCORE_BF16_DOT 0
-#define ATTNCORE_TILE_VECTORS 2
-#define ATTNCORE_TILE_ROWS 6
+#include "cpu/target_generic.h"
 #include "cpu/flash_backward-inl.h"
 #include "cpu/flash_tile_loop-inl.h"
 

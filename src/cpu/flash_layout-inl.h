@@ -2,7 +2,8 @@
 // items and key tiles, and the FlashLayout that flash.cpp reads.
 //
 // The flash kernel headers (flash_*-inl.h) are compiled once per SIMD target: each
-// src/cpu/flash_<target>.cpp defines
+// src/cpu/flash_<target>.cpp includes src/cpu/target_<target>.h (also math's gemm_<target>.cpp:
+// one definition per target of the code they share), which defines
 //   ATTNCORE_TARGET_NS      the target's namespace (avx512bf16, avx512, avx2, generic)
 //   ATTNCORE_TARGET         __attribute__((target("..."))) for the target's ISA, or nothing
 //   ATTNCORE_TARGET_FEATURES the CPU features the target needs (CpuInfo names, space-separated)

@@ -2,10 +2,11 @@
 // register-tiled micro-kernel of kTileRows x kTileVectors vectors (broadcast one A element,
 // multiply-add a row of B), the classic three-level blocking (Goto; BLIS's loop order).
 //
-// Compiled once per target by src/cpu/gemm_<target>.cpp, which defines the flash kernels'
-// macros (flash_layout-inl.h describes them): ATTNCORE_TARGET_NS, ATTNCORE_TARGET,
-// ATTNCORE_LANES (f32 lanes per vector), ATTNCORE_TILE_ROWS, ATTNCORE_TILE_VECTORS. Every
-// function carries ATTNCORE_TARGET and lives in the target's namespace.
+// Compiled once per target by src/cpu/gemm_<target>.cpp, which includes the flash kernels'
+// target_<target>.h (flash_layout-inl.h describes its macros; here ATTNCORE_TARGET_NS,
+// ATTNCORE_TARGET, ATTNCORE_LANES, ATTNCORE_TILE_ROWS and ATTNCORE_TILE_VECTORS are read) and
+// flash_simd-inl.h (widen_row, GemmTarget::widen). Every function carries ATTNCORE_TARGET and
+// lives in the target's namespace.
 //
 // Order of operations, fixed by the operands alone: element (i, j) of a chunk of kGemmKc
 // products is sum_p a(i, p) b(p, j) accumulated in p order (multiply-adds, fused where the ISA
