@@ -117,21 +117,9 @@ TEST(KvCacheMixed, EqualsTheWidenedF32CacheAndTheReference) {
             ASSERT_EQ(got.lse.dtype(), DType::f32);
             const ForwardResult wide = run(k32, v32, backend);
             const std::vector<double> out = read_view(got.out.view());
-#if defined(__clang__)
-            // clang 14's AVX2 kernels round single-row decode over a 16-bit cache differently
-            // from the f32 cache in the last bits (kvcache.h): held to the reference below.
-            const bool same = !(backend == Backend::flash && simd_target() == "avx2" &&
-                                hq / hkv * lq == 1);
-#else
-            const bool same = true;
-#endif
-            if (same) {
-              EXPECT_TRUE(same_bits(out, read_view(wide.out.view()), "out vs the f32 cache"));
-              EXPECT_TRUE(same_bits(read_view(got.lse.view()), read_view(wide.lse.view()),
-                                    "lse vs the f32 cache"));
-            } else {
-              EXPECT_TRUE(all_close(out, read_view(wide.out.view()), tol, "out vs the f32 cache"));
-            }
+            EXPECT_TRUE(same_bits(out, read_view(wide.out.view()), "out vs the f32 cache"));
+            EXPECT_TRUE(same_bits(read_view(got.lse.view()), read_view(wide.lse.view()),
+                                  "lse vs the f32 cache"));
             EXPECT_TRUE(all_close(out, want_out, tol, "out vs the reference"));
             const std::vector<double> lse = read_view(got.lse.view());
             const std::vector<double> want_lse = read_view(want.lse.view());

@@ -16,9 +16,8 @@
 // Dtypes: q and the cache share one dtype (f32, f64, bf16 or f16), or an f32 query attends to a
 // bf16 or f16 cache (k_cache and v_cache alike): K and V are widened to f32 exactly, the
 // products are f32, and out and lse are f32; the result is bitwise the same call over an f32
-// cache holding the widened values in GCC builds (every SIMD target; clang 14's build of the
-// AVX2 kernels rounds single-row decode over a 16-bit cache differently in the last bits, within
-// the f32 tolerance). Other mixes are refused (InvalidArgument).
+// cache holding the widened values (every SIMD target, GCC and clang builds). Other mixes are
+// refused (InvalidArgument).
 //
 // With a KvAppend, new keys and values are first written into the cache in place at slots
 // [cache_seqlens[b], cache_seqlens[b] + L_new) (rotated first, in f32, when rotary tables are

@@ -130,7 +130,7 @@ struct DirectKv : DirectKvScores {
           for (int r = 0; r < R; ++r) {
             const Vec weight = splat(probs[r * kKeyTile + c]);
 #pragma GCC unroll 8
-            for (int x = 0; x < kVectors; ++x) acc[r][x] += weight * vrow[x];
+            for (int x = 0; x < kVectors; ++x) acc[r][x] = fmadd(weight, vrow[x], acc[r][x]);
           }
         }
       };

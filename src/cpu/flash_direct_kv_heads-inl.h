@@ -79,7 +79,7 @@ struct DirectKvHeads {
           {
             const float* qx = q + x * head_floats;
             for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
-              acc += load(qx + e0) * load_part(kx + e0, kLanes, dtype);
+              acc = fmadd(load(qx + e0), load_part(kx + e0, kLanes, dtype), acc);
             }
           }
         }
@@ -128,7 +128,7 @@ struct DirectKvHeads {
               if (ahead_row != nullptr && (e0 * sizeof(T)) % 64 == 0) {
                 __builtin_prefetch(ahead_row + e0, 0, 2);
               }
-              sum += load(qx + e0) * load_part(kx + e0, kLanes, kDtype);
+              sum = fmadd(load(qx + e0), load_part(kx + e0, kLanes, kDtype), sum);
             }
             acc[x] = sum;
           }

@@ -53,7 +53,8 @@ struct DirectKvScores : DirectKvHeads {
         const T* at = k + e0;
 #pragma GCC unroll 16
         for (int j = 0; j < kLanes; ++j) {
-          if (kFull || j < block) acc[j] += qv * load_part(at + j * ldk, kLanes, dtype);
+          if (kFull || j < block)
+            acc[j] = fmadd(qv, load_part(at + j * ldk, kLanes, dtype), acc[j]);
         }
       }
     } else {
@@ -63,7 +64,7 @@ struct DirectKvScores : DirectKvHeads {
         const T* at = k + e0;
 #pragma GCC unroll 16
         for (int j = 0; j < kLanes; ++j) {
-          if (kFull || j < block) acc[j] += qv * load_part(at + j * ldk, n, dtype);
+          if (kFull || j < block) acc[j] = fmadd(qv, load_part(at + j * ldk, n, dtype), acc[j]);
         }
       }
     }
@@ -161,7 +162,7 @@ struct DirectKvScores : DirectKvHeads {
           for (int j = 0; j < kKeys; ++j) {
             const Vec kv = load_part(row[j] + e0, n, decltype(known)::value);
 #pragma GCC unroll 16
-            for (int r = 0; r < R; ++r) acc[r][j] += qv[r] * kv;
+            for (int r = 0; r < R; ++r) acc[r][j] = fmadd(qv[r], kv, acc[r][j]);
           }
         }
 #pragma GCC unroll 16

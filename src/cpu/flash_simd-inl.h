@@ -34,6 +34,19 @@ ATTNCORE_TARGET inline Vec load(const float* p) {
   return v;
 }
 ATTNCORE_TARGET inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+// c + a * b with one rounding on the x86 targets (FMA): written out, so that the bits do not
+// depend on a compiler's choice to fuse (clang 14 left some decode products of -ffp-contract=fast
+// unfused on AVX2: the layouts of an f32 query over a bf16 cache rounded apart). The baseline
+// target writes the expression (fused where its ISA can: aarch64).
+ATTNCORE_TARGET inline Vec fmadd(Vec a, Vec b, Vec c) {
+#if ATTNCORE_LANES == 16
+  return _mm512_fmadd_ps(a, b, c);
+#elif ATTNCORE_LANES == 8
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  return c + a * b;
+#endif
+}
 // x - (+0) == x exactly: folds to a broadcast.
 ATTNCORE_TARGET inline Vec splat(float x) { return x - Vec{}; }
 // max that propagates NaN from either side (a NaN score must make its row NaN).
