@@ -87,13 +87,17 @@ struct f16 {
   explicit operator float() const { return to_float(bits); }
 
   // Branch-free (so that loops of it vectorise): the 15 magnitude bits moved into a float's
-  // exponent and mantissa and scaled by 2^112 give every finite half exactly, subnormals
-  // included; exponent 31 (inf, NaN) is rebuilt with the float's all-ones exponent.
+  // exponent and mantissa and scaled by 2^112 give every normal half exactly; a subnormal half
+  // (exponent 0) is its 10 bits times 2^-24, converted from the integer, so that a caller's
+  // denormals-are-zero mode (which would read the float subnormal the shift makes as 0) changes
+  // nothing, as it changes nothing in F16C's conversion; exponent 31 (inf, NaN) is rebuilt
+  // with the float's all-ones exponent.
   static float to_float(std::uint16_t h) {
     const std::uint32_t magnitude = static_cast<std::uint32_t>(h & 0x7fffu) << 13;
     float f;
     std::memcpy(&f, &magnitude, 4);
     f *= 0x1p112f;
+    if ((h & 0x7c00u) == 0) f = static_cast<float>(h & 0x3ffu) * 0x1p-24f;
     std::uint32_t u;
     std::memcpy(&u, &f, 4);
     if ((h & 0x7c00u) == 0x7c00u) u = 0x7f800000u | magnitude;  // inf or NaN, payload kept
