@@ -146,18 +146,27 @@ TEST_P(Gemm, EmptyProductScalesC) {
   EXPECT_EQ(c[1], 1.0f);
 }
 
-// widen: every bf16 and f16 bit pattern, at every offset in a vector and row lengths around
-// whole vectors, gives the scalar conversion's value (a NaN for a NaN: the vector conversion
-// may quiet a signalling one), and nothing past the row is written.
+// widen: every bf16 and f16 bit pattern, in rows of lengths around whole vectors (short rows
+// starting at offsets spread over every pattern), gives the scalar conversion's value (a NaN for a
+// NaN: the vector conversion may quiet a signalling one), and nothing past the row is written.
 TEST_P(Gemm, WidensEvery16BitPatternExactly) {
   const test::ScopedTarget target(GetParam());
-  std::vector<std::uint16_t> all(65536 + 40);
-  for (std::size_t i = 0; i < all.size(); ++i) all[i] = static_cast<std::uint16_t>(i * 40503u);
+  // Every pattern once, then again in a scattered order (i * 40503, odd: a permutation), so
+  // that the short rows below start at many different patterns.
+  std::vector<std::uint16_t> all(2 * 65536 + 40);
   for (std::size_t i = 0; i < 65536; ++i) all[i] = static_cast<std::uint16_t>(i);
+  for (std::size_t i = 65536; i < all.size(); ++i) {
+    all[i] = static_cast<std::uint16_t>(i * 40503u);
+  }
   for (const DType dtype : {DType::bf16, DType::f16}) {
     for (const std::int64_t n : {std::int64_t{65536}, std::int64_t{1}, std::int64_t{7},
                                  std::int64_t{16}, std::int64_t{17}, std::int64_t{33}}) {
-      for (const std::int64_t offset : {0, 1, 3, 9}) {
+      // Short rows (tails) at offsets spread over the whole table, long ones at a few.
+      std::vector<std::int64_t> offsets = {0, 1, 3, 9};
+      if (n < 64) {
+        for (std::int64_t o = 0; o < 2 * 65536; o += 37) offsets.push_back(o);
+      }
+      for (const std::int64_t offset : offsets) {
         std::vector<float> out(static_cast<std::size_t>(n) + 1, 1234.5f);
         gemm_target_chosen().widen(all.data() + offset, dtype, n, out.data());
         for (std::int64_t e = 0; e < n; ++e) {
