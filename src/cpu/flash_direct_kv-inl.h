@@ -27,9 +27,11 @@ constexpr std::int64_t kVLead = 32;
 constexpr std::int64_t kHeadVAhead = 8192;
 
 // How far ahead of P . V the V rows of a one-head item are prefetched, in keys: into L1 and
-// into L2 (`ahead`, the rows known, for none).
+// into L2 (`ahead`, the rows known, for none); and whether the item is one head's (its V one
+// sequential stream).
 struct VLead {
   std::int64_t l1, l2;
+  bool one_head;
 };
 
 // Decode-shaped items (one per kv group, at most kTileRows query rows) read K and V where they
@@ -108,8 +110,8 @@ struct DirectKv : DirectKvScores {
                        ? static_cast<int>(std::clamp<std::int64_t>(dv - e0 - x * kLanes, 0, kLanes))
                        : 0;
       }
+      // known: the dtype as a constant (an integral_constant), or `dtype`, tested per load.
       auto keys_loop = [&](auto whole, auto known) ATTNCORE_TARGET {
-        constexpr DType kDtype = decltype(known)::value;
         for (std::int64_t c = 0; c < keys; ++c) {
           const T* row = v + v_at[c] + e0;
           if (R > 2 && c + 16 < ahead) {  // GQA: this slice's lines of the row 16 keys on, into L1
@@ -121,9 +123,9 @@ struct DirectKv : DirectKvScores {
 #pragma GCC unroll 8
           for (int x = 0; x < kVectors; ++x) {
             if constexpr (decltype(whole)::value) {
-              vrow[x] = load_part(row + x * kLanes, kLanes, kDtype);
+              vrow[x] = load_part(row + x * kLanes, kLanes, known);
             } else {
-              vrow[x] = width[x] > 0 ? load_part(row + x * kLanes, width[x], kDtype) : Vec{};
+              vrow[x] = width[x] > 0 ? load_part(row + x * kLanes, width[x], known) : Vec{};
             }
           }
 #pragma GCC unroll 16
@@ -136,9 +138,12 @@ struct DirectKv : DirectKvScores {
       };
       // The dtype a constant in the loop: no test per load (16-bit: bf16 or f16). bench
       // --decode, 1 thread, % of the probe, Lk=4096/16384, interleaved, against the test per
-      // load: MHA f16 [B, L, Hkv, D] 75/73 -> 81/78, bf16 73/72 -> 76/75, [B, Hkv, L, D] 2-4
-      // points less (82/85 -> 80/81), GQA 16-bit 2-4 more; AVX2 GQA f16 38/39 -> 43/44. (With
-      // this dispatch in a second lambda, GCC 12 ran AVX-512 GQA 1.4x slower.)
+      // load: MHA f16 [B, L, Hkv, D] 75/73 -> 81/78, bf16 73/72 -> 76/75, GQA 16-bit 2-4 more;
+      // AVX2 GQA f16 38/39 -> 43/44. But one head's one row (MHA [B, Hkv, L, D], whose V
+      // prefetch distances were measured with the test) keeps the test: without it, 7 passes,
+      // bf16 92/85 -> 89/80, f16 86/83 -> 78/76, and 24 or 48 keys of V lead, or V 96 keys on
+      // into L2, did not recover that. (With this dispatch in a second lambda, GCC 12 ran
+      // AVX-512 GQA 1.4x slower.)
       using F32 = std::integral_constant<DType, DType::f32>;
       using F16 = std::integral_constant<DType, DType::f16>;
       using Bf16 = std::integral_constant<DType, DType::bf16>;
@@ -148,6 +153,12 @@ struct DirectKv : DirectKvScores {
           keys_loop(std::true_type{}, F32{});
         } else {
           keys_loop(std::false_type{}, F32{});
+        }
+      } else if (R == 1 && lead.one_head) {
+        if (whole) {
+          keys_loop(std::true_type{}, dtype);
+        } else {
+          keys_loop(std::false_type{}, dtype);
         }
       } else if (dtype == DType::f16) {
         if (whole) {
@@ -253,10 +264,10 @@ struct DirectKv : DirectKvScores {
     const PrefetchPlan& plan = prefetch_plan();
     auto keys_or_none = [&](int n) { return n > 0 ? std::int64_t{n} : ahead; };
     const VLead lead =
-        next > 0 ? VLead{ahead, ahead}
+        next > 0 ? VLead{ahead, ahead, false}
                  : VLead{rows > 1 || a.v.dtype != DType::f32 ? kVLead
                                                              : keys_or_none(plan.f32_row_v_lead),
-                         keys_or_none(plan.v_far)};
+                         keys_or_none(plan.v_far), true};
     if (a.v.dtype == DType::f32) {
       const float* v = static_cast<const float*>(a.v.data) + v_shift;
       if (prefetched > 0) prefetch_rows(p, v, at + keys, prefetched);
