@@ -90,28 +90,21 @@ ATTNCORE_TARGET void pack_rows(const TensorView& t, std::int64_t b, const std::i
       }
     }
   } else {
-    // One loop per dtype, none inside.
-    auto pack = [&](const auto* data, auto to_float) ATTNCORE_TARGET {
+    // By whole vectors (widen_cols), each row's kTileCols columns at a time.
+    auto pack = [&](const auto* data) ATTNCORE_TARGET {
       for (std::int64_t r = 0; r < padded_rows; ++r) {
-        const auto* src = r < rows ? data + offset4(t, b, head_of[r], index_of[r], 0) : nullptr;
-        for (std::int64_t c = 0; c < width_pad; ++c) {
-          out_floats[(c / kTileCols) * padded_rows * kTileCols + r * kTileCols + c % kTileCols] =
-              src != nullptr && c < width ? to_float(src[c]) : 0.0f;
+        const auto* src = r < rows ? data + offset4(t, b, head_of[r], index_of[r], 0) : data;
+        for (std::int64_t c0 = 0; c0 < width_pad; c0 += kTileCols) {
+          const std::int64_t n = r < rows ? std::clamp<std::int64_t>(width - c0, 0, kTileCols) : 0;
+          widen_cols(src + c0, n, t.dtype,
+                     out_floats + (c0 / kTileCols) * padded_rows * kTileCols + r * kTileCols);
         }
       }
     };
-    switch (t.dtype) {
-      case DType::bf16:
-        pack(static_cast<const std::uint16_t*>(t.data),
-             [](std::uint16_t x) ATTNCORE_TARGET { return bf16::to_float(x); });
-        break;
-      case DType::f16:
-        pack(static_cast<const std::uint16_t*>(t.data),
-             [](std::uint16_t x) ATTNCORE_TARGET { return f16::to_float(x); });
-        break;
-      default:  // f32
-        pack(static_cast<const float*>(t.data), [](float x) ATTNCORE_TARGET { return x; });
-        break;
+    if (t.dtype == DType::f32) {
+      pack(static_cast<const float*>(t.data));
+    } else {  // bf16 or f16
+      pack(static_cast<const std::uint16_t*>(t.data));
     }
   }
 }

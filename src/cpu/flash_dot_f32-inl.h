@@ -108,9 +108,8 @@ struct F32Dot {
     TileRows k_rows, v_rows;
     resolve_rows(p, a.k, b, kv_head, j0, k_rows);
     resolve_rows(p, a.v, b, kv_head, j0, v_rows);
-    // K through registers (load_part widens 16-bit rows: bf16 or f16 by a.k.dtype); V by one
-    // copy loop per input dtype (f32, bf16, f16: the flash backend's), none inside. K and V
-    // share a dtype (validated), which may differ from q's (a 16-bit cache under an f32 query).
+    // K and V through registers (load_part widens 16-bit rows: bf16 or f16 by the dtype). K and
+    // V share a dtype (validated), which may differ from q's (a 16-bit cache under an f32 query).
     auto transpose = [&](const auto* src) ATTNCORE_TARGET {
       transpose_keys(
           keys, cols, d, 1, lk - j0,
@@ -120,39 +119,27 @@ struct F32Dot {
           [&](std::int64_t e, std::int64_t c0, Vec x)
               ATTNCORE_TARGET { store(kt + k_index(d, e, c0), x); });
     };
-    auto copy_v = [&](const auto* v, auto to_float) ATTNCORE_TARGET {
+    auto copy_v = [&](const auto* v) ATTNCORE_TARGET {
       for (std::int64_t c = 0; c < cols; ++c) {
         const auto* row = c < keys ? v + v_rows.at[c] : v;
         for (std::int64_t e0 = 0; e0 < dv_pad; e0 += kTileCols) {
-          float* chunk = vt + v_index(c, e0);  // kTileCols columns of key c
           const std::int64_t n = c < keys ? std::clamp<std::int64_t>(dv - e0, 0, kTileCols) : 0;
           if (j0 + c + 16 < lk) {  // the same columns 16 keys on (the next tile's too)
             const auto* ahead = v + v_rows.at[c + 16] + e0;
             __builtin_prefetch(ahead);
             __builtin_prefetch(ahead + kTileCols - 1);
           }
-          for (std::int64_t e = 0; e < n; ++e) chunk[e] = to_float(row[e0 + e]);
-          for (std::int64_t e = n; e < kTileCols; ++e) chunk[e] = 0.0f;
+          widen_cols(row + e0, n, a.v.dtype, vt + v_index(c, e0));  // key c's columns from e0
         }
       }
     };
-    const auto* k16 = static_cast<const std::uint16_t*>(a.k.data);
-    const auto* v16 = static_cast<const std::uint16_t*>(a.v.data);
     const bool with_v = vt != nullptr;  // null: K only
-    switch (a.k.dtype) {
-      case DType::bf16:
-        transpose(k16);
-        if (with_v) copy_v(v16, [](std::uint16_t x) ATTNCORE_TARGET { return bf16::to_float(x); });
-        break;
-      case DType::f16:
-        transpose(k16);
-        if (with_v) copy_v(v16, [](std::uint16_t x) ATTNCORE_TARGET { return f16::to_float(x); });
-        break;
-      default:  // f32
-        transpose(static_cast<const float*>(a.k.data));
-        if (with_v)
-          copy_v(static_cast<const float*>(a.v.data), [](float x) ATTNCORE_TARGET { return x; });
-        break;
+    if (a.k.dtype == DType::f32) {
+      transpose(static_cast<const float*>(a.k.data));
+      if (with_v) copy_v(static_cast<const float*>(a.v.data));
+    } else {  // bf16 or f16
+      transpose(static_cast<const std::uint16_t*>(a.k.data));
+      if (with_v) copy_v(static_cast<const std::uint16_t*>(a.v.data));
     }
   }
 
@@ -167,8 +154,15 @@ struct F32Dot {
       float* dst = q + (r / kTileRows) * d * kTileRows + r % kTileRows;
       if (r < rows) {
         const std::int64_t src = offset4(a.q, b, head_of[r], index_of[r], 0);
-        for (std::int64_t e = 0; e < d; ++e) {
-          dst[e * kTileRows] = load_element<float>(a.q.data, a.q.dtype, src + e) * scale;
+        for (std::int64_t e0 = 0; e0 < d; e0 += kTileCols) {
+          float chunk[kTileCols];  // the row's columns from e0, widened
+          const std::int64_t n = std::min<std::int64_t>(kTileCols, d - e0);
+          if (a.q.dtype == DType::f32) {
+            widen_cols(static_cast<const float*>(a.q.data) + src + e0, n, a.q.dtype, chunk);
+          } else {
+            widen_cols(static_cast<const std::uint16_t*>(a.q.data) + src + e0, n, a.q.dtype, chunk);
+          }
+          for (std::int64_t e = 0; e < n; ++e) dst[(e0 + e) * kTileRows] = chunk[e] * scale;
         }
       } else {
         for (std::int64_t e = 0; e < d; ++e) dst[e * kTileRows] = 0.0f;

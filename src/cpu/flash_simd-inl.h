@@ -298,4 +298,17 @@ ATTNCORE_TARGET inline void widen_row(const std::uint16_t* src, DType dtype, std
   }
 }
 
+// dst [kTileCols] = src [0, n) as f32 (a 16-bit row widened as `dtype`, exact), 0 past n
+// (n <= kTileCols; src not read where n = 0): one micro-tile column block of a packed operand,
+// by whole vectors (element by element, f16 prefill and its backward ran 6% and 12% slower
+// than f32: 93.6 and 87.1 GFLOP/s against 99.7 and 99.2, Hq 8 L 2048 D 128, 1 thread, Zen 4).
+template <class T>
+ATTNCORE_TARGET inline void widen_cols(const T* src, std::int64_t n, DType dtype, float* dst) {
+#pragma GCC unroll 4
+  for (int x = 0; x < kTileVectors; ++x) {
+    const int m = static_cast<int>(std::clamp<std::int64_t>(n - x * kLanes, 0, kLanes));
+    store(dst + x * kLanes, m > 0 ? load_part(src + x * kLanes, m, dtype) : Vec{});
+  }
+}
+
 }  // namespace attncore::detail::ATTNCORE_TARGET_NS
