@@ -355,8 +355,8 @@ ATTNCORE_TARGET void run_backward_heads_with(const Params& p, const BackwardArgs
   if (!w.store_dq) return;  // a part of the key tiles: the caller sums the dQ parts
   for (std::int64_t h = h_begin; h < h_end; ++h) {
     for (std::int64_t i = 0; i < lq; ++i) {
-      store_row(w.dq + ((h - h_begin) * lq_pad + i) * d_pad, d, a.dq.data, a.dq.dtype,
-                offset4(a.dq, b, h, i, 0));
+      store_row_any(w.dq + ((h - h_begin) * lq_pad + i) * d_pad, d, a.dq.data, a.dq.dtype,
+                    offset4(a.dq, b, h, i, 0));
     }
   }
 }

@@ -55,11 +55,16 @@ using DgemmFn = void (*)(std::int64_t m, std::int64_t n, std::int64_t k, double 
 // own widening, flash_simd-inl.h's widen_row).
 using WidenFn = void (*)(const std::uint16_t* src, DType dtype, std::int64_t n, float* dst);
 
+// dst [n] = src [n] rounded to bf16 or f16 (dtype) to nearest even, the bits of
+// bf16::from_float and f16::from_float (flash_simd-inl.h's narrow_row).
+using NarrowFn = void (*)(const float* src, DType dtype, std::int64_t n, std::uint16_t* dst);
+
 struct GemmTarget {
   const char* name;  // "avx512", "avx2", "generic": the ISA, as the flash targets name it
   SgemmFn sgemm;
   DgemmFn dgemm;
-  WidenFn widen;  // the math backend's f32 copies of 16-bit operands
+  WidenFn widen;    // the math backend's f32 copies of 16-bit operands
+  NarrowFn narrow;  // and its 16-bit outputs
 };
 
 // The products for the ISA of the flash target in use (flash_target_chosen): the first

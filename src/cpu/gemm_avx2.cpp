@@ -7,6 +7,8 @@
 #include "cpu/gemm-inl.h"
 
 namespace attncore::detail {
-GemmTarget gemm_target_avx2() { return {"avx2", &avx2::sgemm, &avx2::dgemm, &avx2::widen_row}; }
+GemmTarget gemm_target_avx2() {
+  return {"avx2", &avx2::sgemm, &avx2::dgemm, &avx2::widen_row, &avx2::narrow_row};
+}
 }  // namespace attncore::detail
 #endif  // __x86_64__

@@ -8,7 +8,7 @@
 
 namespace attncore::detail {
 GemmTarget gemm_target_avx512() {
-  return {"avx512", &avx512::sgemm, &avx512::dgemm, &avx512::widen_row};
+  return {"avx512", &avx512::sgemm, &avx512::dgemm, &avx512::widen_row, &avx512::narrow_row};
 }
 }  // namespace attncore::detail
 #endif  // __x86_64__

@@ -8,6 +8,6 @@
 
 namespace attncore::detail {
 GemmTarget gemm_target_generic() {
-  return {"generic", &generic::sgemm, &generic::dgemm, &generic::widen_row};
+  return {"generic", &generic::sgemm, &generic::dgemm, &generic::widen_row, &generic::narrow_row};
 }
 }  // namespace attncore::detail

@@ -106,11 +106,21 @@ Matrix<T> head_rows(const GemmTarget& target, const TensorView& t, std::int64_t 
 }
 
 // Writes a [rows, cols] row-major matrix into rows [row_begin, ...) of head (b, h) of a view.
+// (f32 to bf16 or f16 by the target's vector rounding, GemmTarget::narrow.)
 template <class T>
 void store_rows(const T* src, const TensorView& t, std::int64_t b, std::int64_t h,
                 std::int64_t row_begin, std::int64_t rows, std::int64_t cols) {
+  const bool narrow = std::is_same_v<T, float> && (t.dtype == DType::bf16 || t.dtype == DType::f16);
   for (std::int64_t r = 0; r < rows; ++r) {
-    store_row(src + r * cols, cols, t.data, t.dtype, offset4(t, b, h, row_begin + r, 0));
+    const std::int64_t at = offset4(t, b, h, row_begin + r, 0);
+    if constexpr (std::is_same_v<T, float>) {
+      if (narrow) {
+        gemm_target_chosen().narrow(src + r * cols, t.dtype, cols,
+                                    static_cast<std::uint16_t*>(t.data) + at);
+        continue;
+      }
+    }
+    store_row(src + r * cols, cols, t.data, t.dtype, at);
   }
 }
 
