@@ -13,6 +13,7 @@
 
 #include "core/backend_table.h"
 #include "core/dbias.h"
+#include "cpu/gemm.h"  // NarrowFn
 #include "policy/softmax_state.h"
 
 namespace attncore::detail {
@@ -127,6 +128,7 @@ struct FlashTarget {
   FlashBlockFn run_block;
   FlashPackFn pack_tiles;
   FlashBackwardFn run_backward_heads;
+  NarrowFn narrow;  // 16-bit dK and dV rounded from their f32 sums (flash_simd-inl.h's narrow_row)
 };
 
 // The targets this build compiled, best first, and whether this CPU can run each.

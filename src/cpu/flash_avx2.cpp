@@ -8,8 +8,13 @@
 
 namespace attncore::detail {
 FlashTarget flash_target_avx2() {
-  return {"avx2",           ATTNCORE_TARGET_FEATURES, avx2::kLayout,
-          &avx2::run_block, &avx2::pack_tiles,        &avx2::run_backward_heads};
+  return {"avx2",
+          ATTNCORE_TARGET_FEATURES,
+          avx2::kLayout,
+          &avx2::run_block,
+          &avx2::pack_tiles,
+          &avx2::run_backward_heads,
+          &avx2::narrow_row};
 }
 }  // namespace attncore::detail
 #endif  // __x86_64__

@@ -9,8 +9,13 @@
 
 namespace attncore::detail {
 FlashTarget flash_target_avx512() {
-  return {"avx512",           ATTNCORE_TARGET_FEATURES, avx512::kLayout,
-          &avx512::run_block, &avx512::pack_tiles,      &avx512::run_backward_heads};
+  return {"avx512",
+          ATTNCORE_TARGET_FEATURES,
+          avx512::kLayout,
+          &avx512::run_block,
+          &avx512::pack_tiles,
+          &avx512::run_backward_heads,
+          &avx512::narrow_row};
 }
 }  // namespace attncore::detail
 #endif  // __x86_64__

@@ -9,8 +9,13 @@
 
 namespace attncore::detail {
 FlashTarget flash_target_avx512bf16() {
-  return {"avx512bf16",           ATTNCORE_TARGET_FEATURES, avx512bf16::kLayout,
-          &avx512bf16::run_block, &avx512bf16::pack_tiles,  &avx512bf16::run_backward_heads};
+  return {"avx512bf16",
+          ATTNCORE_TARGET_FEATURES,
+          avx512bf16::kLayout,
+          &avx512bf16::run_block,
+          &avx512bf16::pack_tiles,
+          &avx512bf16::run_backward_heads,
+          &avx512bf16::narrow_row};
 }
 }  // namespace attncore::detail
 #endif  // __x86_64__

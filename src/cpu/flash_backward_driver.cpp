@@ -131,11 +131,19 @@ class KvTileReducer {
              const float* dv) const {
     const std::int64_t j0 = t * key_tile_;
     const BackwardArgs& a = *r.a;
+    // (16-bit by the target's vector rounding.)
+    const NarrowFn narrow = flash_target_chosen().narrow;
+    auto store_one = [&](const float* src, std::int64_t n, const TensorView& t, std::int64_t c) {
+      const std::int64_t at = offset4(t, r.b, r.kv_head, j0 + c, 0);
+      if (t.dtype == DType::bf16 || t.dtype == DType::f16) {
+        narrow(src, t.dtype, n, static_cast<std::uint16_t*>(t.data) + at);
+      } else {
+        store_row(src, n, t.data, t.dtype, at);
+      }
+    };
     for (std::int64_t c = 0; c < keys; ++c) {
-      store_row(dk + c * d_pad_, p_.head_dim, a.dk.data, a.dk.dtype,
-                offset4(a.dk, r.b, r.kv_head, j0 + c, 0));
-      store_row(dv + c * dv_pad_, p_.head_dim_v, a.dv.data, a.dv.dtype,
-                offset4(a.dv, r.b, r.kv_head, j0 + c, 0));
+      store_one(dk + c * d_pad_, p_.head_dim, a.dk, c);
+      store_one(dv + c * dv_pad_, p_.head_dim_v, a.dv, c);
     }
   }
 

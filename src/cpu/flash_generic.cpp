@@ -8,7 +8,12 @@
 
 namespace attncore::detail {
 FlashTarget flash_target_generic() {
-  return {"generic",           ATTNCORE_TARGET_FEATURES, generic::kLayout,
-          &generic::run_block, &generic::pack_tiles,     &generic::run_backward_heads};
+  return {"generic",
+          ATTNCORE_TARGET_FEATURES,
+          generic::kLayout,
+          &generic::run_block,
+          &generic::pack_tiles,
+          &generic::run_backward_heads,
+          &generic::narrow_row};
 }
 }  // namespace attncore::detail
