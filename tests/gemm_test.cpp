@@ -19,6 +19,7 @@
 
 #include "attncore/dtype.h"
 #include "attncore/info.h"
+#include "cpu/flash.h"
 #include "testing/problem.h"
 #include "testing/random.h"
 
@@ -28,6 +29,7 @@ namespace {
 using detail::gemm_pack_elements;
 using detail::gemm_target_chosen;
 using detail::GemmMatrix;
+using detail::NarrowFn;
 
 struct Shape {
   std::int64_t m, n, k;
@@ -190,19 +192,22 @@ TEST_P(Gemm, WidensEvery16BitPatternExactly) {
   }
 }
 
-// f32 -> bf16 / f16 by the target's vector rounding (GemmTarget::narrow, also the flash
-// kernels' 16-bit outputs): the bits of bf16::from_float and f16::from_float, for every high
-// half of a float with low halves at and around each rounding boundary (f16 rounds at bit 13,
-// bf16 at bit 16; subnormal halves higher, in the high half), NaNs with payloads, infinities
-// and zeros; rows of every length class (tails), nothing written past them; and again with
-// denormals-are-zero and flush-to-zero set, which must change nothing.
+// f32 -> bf16 / f16 by the target's vector rounding (GemmTarget::narrow, and FlashTarget::narrow,
+// the flash kernels' 16-bit outputs, its own compiled copy): the bits of bf16::from_float and
+// f16::from_float, for every high half of a float with low halves at and around each rounding
+// boundary (f16 rounds at bit 13 for normal halves, up to bit 23 for subnormal ones, with the
+// bits above in the high half; bf16 at bit 16), NaNs with payloads, infinities and zeros; rows
+// of every length class (tails), nothing written past them; and under the caller's
+// floating-point mode, with denormals-are-zero and flush-to-zero set, and in each other
+// rounding direction, which must change nothing.
 TEST_P(Gemm, NarrowsAsFromFloat) {
   const test::ScopedTarget target(GetParam());
   std::vector<float> in;
   for (std::uint32_t high = 0; high <= 0xffffu; ++high) {
     for (const std::uint32_t low :
-         {0x0000u, 0x0001u, 0x0fffu, 0x1000u, 0x1001u, 0x1fffu, 0x2000u, 0x2fffu, 0x3000u, 0x3001u,
-          0x6000u, 0x7fffu, 0x8000u, 0x8001u, 0x9000u, 0xafffu, 0xf000u, 0xffffu}) {
+         {0x0000u, 0x0001u, 0x0fffu, 0x1000u, 0x1001u, 0x1fffu, 0x2000u, 0x2fffu,
+          0x3000u, 0x3001u, 0x3fffu, 0x4000u, 0x4001u, 0x6000u, 0x7fffu, 0x8000u,
+          0x8001u, 0x9000u, 0xafffu, 0xc000u, 0xf000u, 0xffffu}) {
       const std::uint32_t u = high << 16 | low;
       float f;
       std::memcpy(&f, &u, sizeof f);
@@ -212,37 +217,44 @@ TEST_P(Gemm, NarrowsAsFromFloat) {
   const std::int64_t total = static_cast<std::int64_t>(in.size());
 #if defined(__x86_64__) || defined(__i386__)
   const unsigned saved = _mm_getcsr();
-  for (const unsigned mode : {saved, saved | 0x8040u}) {  // as the caller's, then DAZ and FTZ
+  // As the caller's; DAZ and FTZ; rounding down, up, towards zero.
+  const unsigned modes[] = {saved, saved | 0x8040u, (saved & ~0x6000u) | 0x2000u,
+                            (saved & ~0x6000u) | 0x4000u, saved | 0x6000u};
 #else
-  for (const unsigned mode : {0u}) {
+  const unsigned modes[] = {0u};
 #endif
-    for (const DType dtype : {DType::bf16, DType::f16}) {
-      for (const std::int64_t n : {total, std::int64_t{1}, std::int64_t{7}, std::int64_t{16},
-                                   std::int64_t{17}, std::int64_t{33}}) {
-        std::vector<std::int64_t> offsets = {0, 3};
-        if (n < 64) {
-          for (std::int64_t o = 0; o + n <= total; o += 4099) offsets.push_back(o);
-        }
-        for (const std::int64_t offset : offsets) {
-          std::vector<std::uint16_t> out(static_cast<std::size_t>(n) + 1, 0x1234u);
-#if defined(__x86_64__) || defined(__i386__)
-          _mm_setcsr(mode);
-#endif
-          gemm_target_chosen().narrow(in.data() + offset, dtype, n, out.data());
-#if defined(__x86_64__) || defined(__i386__)
-          _mm_setcsr(saved);
-#endif
-          for (std::int64_t e = 0; e < n; ++e) {
-            const float x = in[static_cast<std::size_t>(offset + e)];
-            const std::uint16_t want =
-                dtype == DType::bf16 ? bf16::from_float(x) : f16::from_float(x);
-            std::uint32_t bits;
-            std::memcpy(&bits, &x, sizeof bits);
-            ASSERT_EQ(out[static_cast<std::size_t>(e)], want)
-                << (dtype == DType::bf16 ? "bf16" : "f16") << " of bits " << std::hex << bits
-                << " mode " << mode;
+  const NarrowFn narrows[] = {gemm_target_chosen().narrow, detail::flash_target_chosen().narrow};
+  for (const NarrowFn narrow : narrows) {
+    for (const unsigned mode : modes) {
+      for (const DType dtype : {DType::bf16, DType::f16}) {
+        for (const std::int64_t n : {total, std::int64_t{1}, std::int64_t{7}, std::int64_t{16},
+                                     std::int64_t{17}, std::int64_t{33}}) {
+          std::vector<std::int64_t> offsets = {0, 3};
+          if (n < 64) {
+            for (std::int64_t o = 0; o + n <= total; o += 4099) offsets.push_back(o);
           }
-          ASSERT_EQ(out[static_cast<std::size_t>(n)], 0x1234u) << "written past the row";
+          for (const std::int64_t offset : offsets) {
+            if (offset + n > total) continue;
+            std::vector<std::uint16_t> out(static_cast<std::size_t>(n) + 1, 0x1234u);
+#if defined(__x86_64__) || defined(__i386__)
+            _mm_setcsr(mode);
+#endif
+            narrow(in.data() + offset, dtype, n, out.data());
+#if defined(__x86_64__) || defined(__i386__)
+            _mm_setcsr(saved);
+#endif
+            for (std::int64_t e = 0; e < n; ++e) {
+              const float x = in[static_cast<std::size_t>(offset + e)];
+              const std::uint16_t want =
+                  dtype == DType::bf16 ? bf16::from_float(x) : f16::from_float(x);
+              std::uint32_t bits;
+              std::memcpy(&bits, &x, sizeof bits);
+              ASSERT_EQ(out[static_cast<std::size_t>(e)], want)
+                  << (dtype == DType::bf16 ? "bf16" : "f16") << " of bits " << std::hex << bits
+                  << " mode " << mode;
+            }
+            ASSERT_EQ(out[static_cast<std::size_t>(n)], 0x1234u) << "written past the row";
+          }
         }
       }
     }

@@ -96,4 +96,19 @@ inline void store_row(const T* src, std::int64_t n, void* base, DType dtype, std
   });
 }
 
+// dst [n] = src [n] rounded to bf16 or f16 (dtype) to nearest even: the bits of
+// bf16::from_float and f16::from_float, by a SIMD target's vectors (cpu/flash_simd-inl.h's
+// narrow_row, reached through GemmTarget::narrow and FlashTarget::narrow).
+using NarrowFn = void (*)(const float* src, DType dtype, std::int64_t n, std::uint16_t* dst);
+
+// store_row for f32 values, a 16-bit dtype rounded by `narrow`.
+inline void store_row_narrowed(NarrowFn narrow, const float* src, std::int64_t n, void* base,
+                               DType dtype, std::int64_t index) {
+  if (dtype == DType::bf16 || dtype == DType::f16) {
+    narrow(src, dtype, n, static_cast<std::uint16_t*>(base) + index);
+  } else {
+    store_row(src, n, base, dtype, index);
+  }
+}
+
 }  // namespace attncore::detail

@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "core/backend_table.h"
+#include "core/convert.h"  // NarrowFn
 #include "core/dbias.h"
-#include "cpu/gemm.h"  // NarrowFn
 #include "policy/softmax_state.h"
 
 namespace attncore::detail {

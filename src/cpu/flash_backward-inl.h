@@ -93,10 +93,10 @@ ATTNCORE_TARGET void pack_rows(const TensorView& t, std::int64_t b, const std::i
     // By whole vectors (widen_cols), each row's kTileCols columns at a time.
     auto pack = [&](const auto* data) ATTNCORE_TARGET {
       for (std::int64_t r = 0; r < padded_rows; ++r) {
-        const auto* src = r < rows ? data + offset4(t, b, head_of[r], index_of[r], 0) : data;
+        const auto* src = r < rows ? data + offset4(t, b, head_of[r], index_of[r], 0) : nullptr;
         for (std::int64_t c0 = 0; c0 < width_pad; c0 += kTileCols) {
           const std::int64_t n = r < rows ? std::clamp<std::int64_t>(width - c0, 0, kTileCols) : 0;
-          widen_cols(src + c0, n, t.dtype,
+          widen_cols(n > 0 ? src + c0 : src, n, t.dtype,
                      out_floats + (c0 / kTileCols) * padded_rows * kTileCols + r * kTileCols);
         }
       }
@@ -355,8 +355,8 @@ ATTNCORE_TARGET void run_backward_heads_with(const Params& p, const BackwardArgs
   if (!w.store_dq) return;  // a part of the key tiles: the caller sums the dQ parts
   for (std::int64_t h = h_begin; h < h_end; ++h) {
     for (std::int64_t i = 0; i < lq; ++i) {
-      store_row_any(w.dq + ((h - h_begin) * lq_pad + i) * d_pad, d, a.dq.data, a.dq.dtype,
-                    offset4(a.dq, b, h, i, 0));
+      store_row_narrowed(narrow_row, w.dq + ((h - h_begin) * lq_pad + i) * d_pad, d, a.dq.data,
+                         a.dq.dtype, offset4(a.dq, b, h, i, 0));
     }
   }
 }

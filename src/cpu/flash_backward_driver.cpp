@@ -47,8 +47,9 @@ void zero_view(const TensorView& t) {
 class KvTileReducer {
  public:
   KvTileReducer(const Params& p, const BackwardArgs& a, std::int64_t runs, std::int64_t d_pad,
-                std::int64_t dv_pad, std::int64_t key_tile, std::int64_t key_rows)
+                std::int64_t dv_pad, std::int64_t key_tile, std::int64_t key_rows, NarrowFn narrow)
       : p_(p),
+        narrow_(narrow),
         runs_(runs),
         d_pad_(d_pad),
         dv_pad_(dv_pad),
@@ -131,23 +132,16 @@ class KvTileReducer {
              const float* dv) const {
     const std::int64_t j0 = t * key_tile_;
     const BackwardArgs& a = *r.a;
-    // (16-bit by the target's vector rounding.)
-    const NarrowFn narrow = flash_target_chosen().narrow;
-    auto store_one = [&](const float* src, std::int64_t n, const TensorView& t, std::int64_t c) {
-      const std::int64_t at = offset4(t, r.b, r.kv_head, j0 + c, 0);
-      if (t.dtype == DType::bf16 || t.dtype == DType::f16) {
-        narrow(src, t.dtype, n, static_cast<std::uint16_t*>(t.data) + at);
-      } else {
-        store_row(src, n, t.data, t.dtype, at);
-      }
-    };
     for (std::int64_t c = 0; c < keys; ++c) {
-      store_one(dk + c * d_pad_, p_.head_dim, a.dk, c);
-      store_one(dv + c * dv_pad_, p_.head_dim_v, a.dv, c);
+      store_row_narrowed(narrow_, dk + c * d_pad_, p_.head_dim, a.dk.data, a.dk.dtype,
+                         offset4(a.dk, r.b, r.kv_head, j0 + c, 0));
+      store_row_narrowed(narrow_, dv + c * dv_pad_, p_.head_dim_v, a.dv.data, a.dv.dtype,
+                         offset4(a.dv, r.b, r.kv_head, j0 + c, 0));
     }
   }
 
   const Params& p_;
+  NarrowFn narrow_;  // 16-bit dK and dV: the call's target's rounding
   std::int64_t runs_;
   std::int64_t d_pad_, dv_pad_, key_tile_;
   std::vector<std::int64_t> tile_base_;  // [B + 1]: tiles of the sequences before b
@@ -297,7 +291,7 @@ void flash_backward(const Params& p, const Launch& launch, const BackwardArgs& a
   AlignedFloats dq_parts(parts > 1 ? kv_runs * parts * item_dq : 1);
   const std::int64_t items = kv_runs * parts;
   AlignedFloats scratch(threads * per_thread);
-  KvTileReducer reducer(p, a, runs, shape.d_pad, shape.dv_pad, tile, key_rows);
+  KvTileReducer reducer(p, a, runs, shape.d_pad, shape.dv_pad, tile, key_rows, target.narrow);
   // The heads of run r of (b, kv head): [first, last).
   auto run_heads_of = [&](std::int64_t kv_run, std::int64_t* first, std::int64_t* last) {
     const std::int64_t kv_head = kv_run / runs % p.heads_kv, r = kv_run % runs;
@@ -365,8 +359,8 @@ void flash_backward(const Params& p, const Launch& launch, const BackwardArgs& a
       run_heads_of(kv_run, &first, &last);
       for (std::int64_t h = first; h < last; ++h) {
         for (std::int64_t i = 0; i < s.p.seq.lq; ++i) {
-          store_row(sum + ((h - first) * lq_pad + i) * shape.d_pad, d, s.a.dq.data, s.a.dq.dtype,
-                    offset4(s.a.dq, b, h, i, 0));
+          store_row_narrowed(target.narrow, sum + ((h - first) * lq_pad + i) * shape.d_pad, d,
+                             s.a.dq.data, s.a.dq.dtype, offset4(s.a.dq, b, h, i, 0));
         }
       }
     }

@@ -121,7 +121,7 @@ struct F32Dot {
     };
     auto copy_v = [&](const auto* v) ATTNCORE_TARGET {
       for (std::int64_t c = 0; c < cols; ++c) {
-        const auto* row = c < keys ? v + v_rows.at[c] : v;
+        const auto* row = c < keys ? v + v_rows.at[c] : nullptr;  // (padding: nothing read)
         for (std::int64_t e0 = 0; e0 < dv_pad; e0 += kTileCols) {
           const std::int64_t n = c < keys ? std::clamp<std::int64_t>(dv - e0, 0, kTileCols) : 0;
           if (j0 + c + 16 < lk) {  // the same columns 16 keys on (the next tile's too)
@@ -129,7 +129,7 @@ struct F32Dot {
             __builtin_prefetch(ahead);
             __builtin_prefetch(ahead + kTileCols - 1);
           }
-          widen_cols(row + e0, n, a.v.dtype, vt + v_index(c, e0));  // key c's columns from e0
+          widen_cols(n > 0 ? row + e0 : row, n, a.v.dtype, vt + v_index(c, e0));  // key c's, e0 on
         }
       }
     };

@@ -162,7 +162,8 @@ void flash_forward_split(const Params& call, const Launch& launch, const Forward
   });
 
   // Row r's parts merged in part order by the one merge of finished results
-  // (policy/softmax_state.h), then stored in the outputs' dtype. The same sums in the same
+  // (policy/softmax_state.h), then stored in the outputs' dtype (16-bit: the target's rounding).
+  // The same sums in the same
   // order whatever the thread count. (Varlen rows past the last sequence have no part: the
   // call fills them.)
   launch.check_cancel();
@@ -183,7 +184,8 @@ void flash_forward_split(const Params& call, const Launch& launch, const Forward
                             merged.data());
       }
       const std::int64_t b = r / (call.heads_q * lq), h = r / lq % call.heads_q, i = r % lq;
-      store_row(merged.data(), dv, args.out.data, args.out.dtype, offset4(args.out, b, h, i, 0));
+      store_row_narrowed(target.narrow, merged.data(), dv, args.out.data, args.out.dtype,
+                         offset4(args.out, b, h, i, 0));
       if (args.lse.data != nullptr) {
         store_element(args.lse.data, args.lse.dtype,
                       b * args.lse.stride[0] + h * args.lse.stride[1] + i * args.lse.stride[2],

@@ -317,7 +317,8 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
         for (std::int64_t e = 0; e < p.head_dim_v; ++e) o[e] *= out_factor;
       }
       const std::int64_t h = hx[r], i = index_of[r];
-      store_row_any(o, p.head_dim_v, a.out.data, a.out.dtype, offset4(a.out, b, h, i, 0));
+      store_row_narrowed(narrow_row, o, p.head_dim_v, a.out.data, a.out.dtype,
+                         offset4(a.out, b, h, i, 0));
       if (a.lse.data != nullptr) {
         store_element(a.lse.data, a.lse.dtype,
                       b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2], state.lse());

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "attncore/dtype.h"
+#include "core/convert.h"  // NarrowFn
 
 namespace attncore::detail {
 
@@ -54,10 +55,6 @@ using DgemmFn = void (*)(std::int64_t m, std::int64_t n, std::int64_t k, double 
 // dst [n] = src [n], a row of bf16 or f16 (dtype) widened to f32, exactly (the flash kernels'
 // own widening, flash_simd-inl.h's widen_row).
 using WidenFn = void (*)(const std::uint16_t* src, DType dtype, std::int64_t n, float* dst);
-
-// dst [n] = src [n] rounded to bf16 or f16 (dtype) to nearest even, the bits of
-// bf16::from_float and f16::from_float (flash_simd-inl.h's narrow_row).
-using NarrowFn = void (*)(const float* src, DType dtype, std::int64_t n, std::uint16_t* dst);
 
 struct GemmTarget {
   const char* name;  // "avx512", "avx2", "generic": the ISA, as the flash targets name it

@@ -106,21 +106,17 @@ Matrix<T> head_rows(const GemmTarget& target, const TensorView& t, std::int64_t 
 }
 
 // Writes a [rows, cols] row-major matrix into rows [row_begin, ...) of head (b, h) of a view.
-// (f32 to bf16 or f16 by the target's vector rounding, GemmTarget::narrow.)
+// (f32 to bf16 or f16 by the call's target's vector rounding, GemmTarget::narrow.)
 template <class T>
-void store_rows(const T* src, const TensorView& t, std::int64_t b, std::int64_t h,
-                std::int64_t row_begin, std::int64_t rows, std::int64_t cols) {
-  const bool narrow = std::is_same_v<T, float> && (t.dtype == DType::bf16 || t.dtype == DType::f16);
+void store_rows(const GemmTarget& target, const T* src, const TensorView& t, std::int64_t b,
+                std::int64_t h, std::int64_t row_begin, std::int64_t rows, std::int64_t cols) {
   for (std::int64_t r = 0; r < rows; ++r) {
     const std::int64_t at = offset4(t, b, h, row_begin + r, 0);
     if constexpr (std::is_same_v<T, float>) {
-      if (narrow) {
-        gemm_target_chosen().narrow(src + r * cols, t.dtype, cols,
-                                    static_cast<std::uint16_t*>(t.data) + at);
-        continue;
-      }
+      store_row_narrowed(target.narrow, src + r * cols, cols, t.data, t.dtype, at);
+    } else {
+      store_row(src + r * cols, cols, t.data, t.dtype, at);
     }
-    store_row(src + r * cols, cols, t.data, t.dtype, at);
   }
 }
 
@@ -253,7 +249,7 @@ void forward_impl(const Params& p, const Launch& launch, const GemmTarget& targe
                 std::fill_n(w.out.begin() + r * dv, dv, T(0));
               }
             }
-            store_rows(w.out.data(), a.out, b, h, row0, rows, dv);
+            store_rows(target, w.out.data(), a.out, b, h, row0, rows, dv);
           });
     }
   }
@@ -295,7 +291,7 @@ void backward_impl(const Params& p, const Launch& launch, const GemmTarget& targ
       for (std::int64_t h = kv_head * p.group; h < (kv_head + 1) * p.group && lq > 0; ++h) {
         if (lk == 0) {
           std::vector<T> zeros(static_cast<std::size_t>(lq * d), T(0));
-          store_rows(zeros.data(), a.dq, b, h, 0, lq, d);
+          store_rows(target, zeros.data(), a.dq, b, h, 0, lq, d);
           continue;
         }
         // Pass 1, blocks of query rows: S = Q K^T and dP = dO V^T, then P * M and dS per row.
@@ -359,7 +355,7 @@ void backward_impl(const Params& p, const Launch& launch, const GemmTarget& targ
           w.gemm(false, false, rows, d, lk, scale, ds_rows, lk, k_clean.data, k_clean.ld, T(0),
                  w.dq.data(), d);
           add_hidden_rows(causal_window, bad_k, k, d, row0, rows, ds_rows, lk, scale, w.dq.data());
-          store_rows(w.dq.data(), a.dq, b, h, row0, rows, d);
+          store_rows(target, w.dq.data(), a.dq, b, h, row0, rows, d);
         });
         // Pass 4, blocks of key rows: dV += (P M)^T dO and dK += scale * dS^T Q over all rows.
         const Matrix<T> q = head_rows<T>(target, a.q, b, h, 0, lq, d, q_buf, threads);  // [Lq, D]
@@ -377,8 +373,8 @@ void backward_impl(const Params& p, const Launch& launch, const GemmTarget& targ
           }
         });
       }
-      store_rows(dk.data(), a.dk, b, kv_head, 0, lk, d);
-      store_rows(dvv.data(), a.dv, b, kv_head, 0, lk, dv);
+      store_rows(target, dk.data(), a.dk, b, kv_head, 0, lk, d);
+      store_rows(target, dvv.data(), a.dv, b, kv_head, 0, lk, dv);
     }
   }
   dbias.store(a.dbias);
