@@ -46,8 +46,8 @@ TEST(PrefetchPlan, EveryPlanGivesTheSameBits) {
   int machines = 0;
   const PrefetchPlan* known = detail::prefetch_plans(&machines);
   std::vector<PrefetchPlan> plans(known, known + machines);
-  plans.push_back({"far", true, 1 << 30, true, 1000, 100000});
-  plans.push_back({"far_l2", false, 1 << 30, false, 100000, 1000});  // (V: past kVLead too)
+  plans.push_back({"far", true, 1 << 30, true, 1000, 100000, true});
+  plans.push_back({"far_l2", false, 1 << 30, false, 100000, 1000, false});  // (V: past kVLead too)
   const int count = static_cast<int>(plans.size());
   const std::int64_t batch = 2, hkv = 2, capacity = 301, dim = 64;
   const std::vector<int> lens = {301, 170};
