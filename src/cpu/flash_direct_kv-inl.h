@@ -19,7 +19,7 @@ namespace attncore::detail::ATTNCORE_TARGET_NS {
 // rows at D = 128): bench --decode, [B, Hkv, L, D], 1 thread, % of the probe, Lk=4096/16384:
 // MHA bf16 71/76 without, 83/85 at 32 keys, 89/82 at 48, 84/81 at 64; f16 70/74 without, 86/81
 // at 32; GQA (Hkv=8) f32 62/54 without, 77/57 at 32, 76/56 at 64; bf16 66/60 -> 74/71; f16
-// 57/54 -> 65/62 (measured into L1 on Zen 5; on Zen 4 a group's go into L2: prefetch_plan.h).
+// 57/54 -> 65/62 (measured into L1 on Zen 5; into L2 on Zen 4: prefetch_plan.h, v_into_l1).
 // One f32 row (MHA) has its own lead, the core's (prefetch_plan.h).
 constexpr std::int64_t kVLead = 32;
 // V bytes of each head prefetched ahead of P . V in a multi-head item (into L2): bench
@@ -29,8 +29,8 @@ constexpr std::int64_t kHeadVAhead = 8192;
 
 // How far ahead of P . V the V rows of a one-head item are prefetched, in keys: into L1 and
 // into L2 (`ahead`, the rows known, for none); whether the item is one head's (its V one
-// sequential stream); and whether a group's rows (GQA: more than two) prefetch V into L1, or
-// into L2 instead (the core's prefetch plan: gqa_v_into_l1).
+// sequential stream); and whether V is prefetched into L1, or into L2 instead, where the core's
+// prefetch plan says (v_into_l1; one f32 row's own lead: into L1).
 struct VLead {
   std::int64_t l1, l2;
   bool one_head;
@@ -127,7 +127,7 @@ struct DirectKv : DirectKvScores {
             }
           }
           if (e0 == 0 && c + lead.l1 < ahead) {
-            if (R <= 2 || lead.into_l1) {  // (one or two rows: into L1, no test)
+            if ((sizeof(T) == 4 && R == 1) || lead.into_l1) {  // (one f32 row: L1, no test)
               prefetch_lines<3>(v + v_at[c + lead.l1], dv);
             } else {
               prefetch_lines<2>(v + v_at[c + lead.l1], dv);
@@ -275,15 +275,15 @@ struct DirectKv : DirectKvScores {
     const std::int64_t prefetched = std::clamp<std::int64_t>(ahead - keys, 0, next);
     // One head per item, nothing prefetched for the next chunk (V one sequential stream): V rows
     // kVLead keys on, into L1, as P . V runs (one f32 row, MHA: as far as the core's prefetch
-    // plan says; a group's rows, GQA: into L2 where the plan says so), and into L2 as far as the
-    // plan says (prefetch_plan.h; 0: not).
+    // plan says; others into L2 where the plan says so), and into L2 as far as the plan says
+    // (prefetch_plan.h; 0: not).
     const PrefetchPlan& plan = prefetch_plan();
     auto keys_or_none = [&](int n) { return n > 0 ? std::int64_t{n} : ahead; };
     const VLead lead =
-        next > 0 ? VLead{ahead, ahead, false, plan.gqa_v_into_l1}
+        next > 0 ? VLead{ahead, ahead, false, plan.v_into_l1}
                  : VLead{rows > 1 || a.v.dtype != DType::f32 ? kVLead
                                                              : keys_or_none(plan.f32_row_v_lead),
-                         keys_or_none(plan.v_far), true, plan.gqa_v_into_l1};
+                         keys_or_none(plan.v_far), true, plan.v_into_l1};
     if (a.v.dtype == DType::f32) {
       const float* v = static_cast<const float*>(a.v.data) + v_shift;
       if (prefetched > 0) prefetch_rows(p, v, at + keys, prefetched);

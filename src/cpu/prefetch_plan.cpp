@@ -30,17 +30,19 @@ const PrefetchPlan kPlans[] = {
     //   bf16 50/49 -> 61/61, f16 44/43 -> 53/53 (48 and 40 keys: 2-9 points less than 64 in
     //   another run); MHA bf16 81/79 -> 84/85, f16 73/72 -> 80/78; one f32 row equal at 32, 48
     //   or 64 keys (7 passes).
-    // - A group's V rows (GQA) prefetched into L2 instead of L1 (kVLead keys ahead and each
-    //   column slice's 16 keys ahead), GQA Hkv=8, 9 passes, Lk=4096/16384: f32 [B, Hkv, L, D]
-    //   59/60 -> 66/66, [B, L, Hkv, D] 68/63 -> 73/70, p16 71/64 -> 73/65, p256 74/66 -> 75/69;
-    //   bf16 [B, Hkv, L, D] 57/56 -> 60/59, f16 49/50 -> 52/53, [B, L, Hkv, D] and p16 within 2
-    //   (the slice's alone into L2: within noise; L1 prefetches cost on this core: a plain
-    //   stream read 31 GB/s, 23-25 with prefetcht0 1-16 KiB ahead).
+    // - V prefetched into L2 instead of L1 (L1 prefetches cost on this core: a plain stream read
+    //   31 GB/s, 23-25 with prefetcht0 1-16 KiB ahead). A group's (GQA, kVLead keys ahead and
+    //   each column slice's 16), Hkv=8, 9 passes, Lk=4096/16384: f32 [B, Hkv, L, D] 59/60 ->
+    //   66/66, [B, L, Hkv, D] 68/63 -> 73/70, p16 71/64 -> 73/65, p256 74/66 -> 75/69; bf16
+    //   [B, Hkv, L, D] 57/56 -> 60/59, f16 49/50 -> 52/53, [B, L, Hkv, D] and p16 within 2 (the
+    //   slice's alone into L2: within noise). One 16-bit row's (MHA [B, Hkv, L, D], kVLead keys
+    //   ahead), three runs of 9-11 passes: bf16 78/78 -> 76/81, 76/82 -> 85/86, 79/81 -> 83/82;
+    //   f16 74/74 -> 84/85, 78/79 -> 75/83, 79/76 -> 82/76.
     {"zen4", false, 12288, true, 8, 64, false},
     // Zen 5 (AMD family 0x1A and later). Near K rows into L1, f32 rows also 3 KiB ahead, a
     // block's first (MHA f32 82/81 -> 88/86, GQA f32 76/65 -> 80/72 and 68/62 -> 78/73 in two
     // runs of 9 passes against once; 16-bit rows ran slower twice: bf16 97/92 -> 89/88); no V
-    // prefetch for an f32 row (80/79 against 78/76 at 8 keys); a group's V into L1 (as measured
+    // prefetch for an f32 row (80/79 against 78/76 at 8 keys); other V into L1 (as measured
     // there before the plans).
     {"zen5", true, 3072, false, 0, 0, true},
 };

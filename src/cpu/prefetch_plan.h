@@ -22,9 +22,10 @@ struct PrefetchPlan {
   // V rows of any one-head item ([B, Hkv, L, D]) also prefetched this many keys ahead into L2
   // (0: not).
   int v_far;
-  // The V rows of a group's rows (GQA) prefetched kVLead keys ahead, and each column slice's 16
-  // keys ahead, into L1 (else into L2).
-  bool gqa_v_into_l1;
+  // 16-bit V rows, and a group's (GQA) in any dtype, prefetched kVLead keys ahead (a group's
+  // also each column slice's 16 keys ahead) into L1, else into L2. (One f32 row's own lead,
+  // f32_row_v_lead, goes into L1.)
+  bool v_into_l1;
 };
 
 // The plan for a CPU: `vendor` as cpuid gives it ("AuthenticAMD", ...) and its x86 family
