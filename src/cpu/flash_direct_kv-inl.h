@@ -29,8 +29,8 @@ constexpr std::int64_t kHeadVAhead = 8192;
 
 // How far ahead of P . V the V rows of a one-head item are prefetched, in keys: into L1 and
 // into L2 (`ahead`, the rows known, for none); whether the item is one head's (its V one
-// sequential stream); and whether V is prefetched into L1, or into L2 instead, where the core's
-// prefetch plan says (v_into_l1; one f32 row's own lead: into L1).
+// sequential stream); and whether the prefetches `l1` names (and GQA's column slices') go into
+// L1, or into L2 instead where the core's prefetch plan says so (v_into_l1).
 struct VLead {
   std::int64_t l1, l2;
   bool one_head;
@@ -127,7 +127,7 @@ struct DirectKv : DirectKvScores {
             }
           }
           if (e0 == 0 && c + lead.l1 < ahead) {
-            if ((sizeof(T) == 4 && R == 1) || lead.into_l1) {  // (one f32 row: L1, no test)
+            if (lead.into_l1) {
               prefetch_lines<3>(v + v_at[c + lead.l1], dv);
             } else {
               prefetch_lines<2>(v + v_at[c + lead.l1], dv);
@@ -274,9 +274,8 @@ struct DirectKv : DirectKvScores {
     const std::int64_t ahead = v_rows.count - begin;
     const std::int64_t prefetched = std::clamp<std::int64_t>(ahead - keys, 0, next);
     // One head per item, nothing prefetched for the next chunk (V one sequential stream): V rows
-    // kVLead keys on, into L1, as P . V runs (one f32 row, MHA: as far as the core's prefetch
-    // plan says; others into L2 where the plan says so), and into L2 as far as the plan says
-    // (prefetch_plan.h; 0: not).
+    // kVLead keys on, into L1 (or L2: the core's prefetch plan), as P . V runs (one f32 row, MHA:
+    // as far as the plan says), and into L2 as far as the plan says (prefetch_plan.h; 0: not).
     const PrefetchPlan& plan = prefetch_plan();
     auto keys_or_none = [&](int n) { return n > 0 ? std::int64_t{n} : ahead; };
     const VLead lead =

@@ -14,8 +14,8 @@ namespace {
 const PrefetchPlan kPlans[] = {
     // Zen 4 (AMD family 0x19, which also holds Zen 3, not measured), and every CPU not named
     // below (not measured either). Near K rows into L2, f32 rows also 12 KiB ahead; an f32
-    // row's V 8 keys ahead into L1; every one-head item's V also 64 keys ahead into L2. Built
-    // up in steps, each against the step before:
+    // row's V 8 keys ahead; every one-head item's V also 64 keys ahead into L2; no V into L1.
+    // Built up in steps, each against the step before:
     // - Against the zen5 plan, 5 passes, near K into L2 once and an f32 row's V 8 keys ahead
     //   into L1: MHA [B, Hkv, L, D] f32 47/45 -> 57/58, bf16 60/59 -> 78/78, f16 55/55 ->
     //   75/73; GQA (Hkv = 8) f32 35/36 -> 43/43, bf16 38/37 -> 49/49, f16 33/32 -> 46/44.
@@ -37,7 +37,9 @@ const PrefetchPlan kPlans[] = {
     //   [B, Hkv, L, D] 57/56 -> 60/59, f16 49/50 -> 52/53, [B, L, Hkv, D] and p16 within 2 (the
     //   slice's alone into L2: within noise). One 16-bit row's (MHA [B, Hkv, L, D], kVLead keys
     //   ahead), three runs of 9-11 passes: bf16 78/78 -> 76/81, 76/82 -> 85/86, 79/81 -> 83/82;
-    //   f16 74/74 -> 84/85, 78/79 -> 75/83, 79/76 -> 82/76.
+    //   f16 74/74 -> 84/85, 78/79 -> 75/83, 79/76 -> 82/76. One f32 row's (8 keys ahead), 9 and
+    //   11 passes: 73/74 -> 81/83, 71/71 -> 78/80 (4 or 16 keys into L2 as 8; the last stops'
+    //   tuning had found L2 no better).
     {"zen4", false, 12288, true, 8, 64, false},
     // Zen 5 (AMD family 0x1A and later). Near K rows into L1, f32 rows also 3 KiB ahead, a
     // block's first (MHA f32 82/81 -> 88/86, GQA f32 76/65 -> 80/72 and 68/62 -> 78/73 in two

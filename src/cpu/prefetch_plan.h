@@ -17,14 +17,14 @@ struct PrefetchPlan {
   int near_k_f32_also_bytes;
   bool near_k_f32_also_interleaved;
   // V rows of one f32 query row over one head (MHA [B, Hkv, L, D]) prefetched this many keys
-  // ahead of P . V into L1 (0: not; other one-head items: kVLead, flash_direct_kv-inl.h).
+  // ahead of P . V, into L1 or L2 as v_into_l1 says (0: not; other one-head items: kVLead,
+  // flash_direct_kv-inl.h).
   int f32_row_v_lead;
   // V rows of any one-head item ([B, Hkv, L, D]) also prefetched this many keys ahead into L2
   // (0: not).
   int v_far;
-  // 16-bit V rows, and a group's (GQA) in any dtype, prefetched kVLead keys ahead (a group's
-  // also each column slice's 16 keys ahead) into L1, else into L2. (One f32 row's own lead,
-  // f32_row_v_lead, goes into L1.)
+  // V rows prefetched f32_row_v_lead or kVLead keys ahead (GQA: also each column slice's 16
+  // keys ahead) into L1, else into L2.
   bool v_into_l1;
 };
 
