@@ -38,8 +38,8 @@ const PrefetchPlan kPlans[] = {
     //   slice's alone into L2: within noise). One 16-bit row's (MHA [B, Hkv, L, D], kVLead keys
     //   ahead), three runs of 9-11 passes: bf16 78/78 -> 76/81, 76/82 -> 85/86, 79/81 -> 83/82;
     //   f16 74/74 -> 84/85, 78/79 -> 75/83, 79/76 -> 82/76. One f32 row's (8 keys ahead), 9 and
-    //   11 passes: 73/74 -> 81/83, 71/71 -> 78/80 (4 or 16 keys into L2 as 8; the last stops'
-    //   tuning had found L2 no better).
+    //   11 passes: 73/74 -> 81/83, 71/71 -> 78/80 (4 or 16 keys into L2 as 8; earlier kernels
+    //   had read no more with it in L2).
     {"zen4", false, 12288, true, 8, 64, false},
     // Zen 5 (AMD family 0x1A and later). Near K rows into L1, f32 rows also 3 KiB ahead, a
     // block's first (MHA f32 82/81 -> 88/86, GQA f32 76/65 -> 80/72 and 68/62 -> 78/73 in two
