@@ -21,7 +21,6 @@
 #endif
 
 #include "attncore/dtype.h"
-#include "core/convert.h"
 #include "cpu/flash_layout-inl.h"
 
 namespace attncore::detail::ATTNCORE_TARGET_NS {

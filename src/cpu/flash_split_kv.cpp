@@ -163,9 +163,8 @@ void flash_forward_split(const Params& call, const Launch& launch, const Forward
 
   // Row r's parts merged in part order by the one merge of finished results
   // (policy/softmax_state.h), then stored in the outputs' dtype (16-bit: the target's rounding).
-  // The same sums in the same
-  // order whatever the thread count. (Varlen rows past the last sequence have no part: the
-  // call fills them.)
+  // The same sums in the same order whatever the thread count. (Varlen rows past the last
+  // sequence have no part: the call fills them.)
   launch.check_cancel();
   // The sequence of row r: its batch index (dense, cache), or the one whose rows hold it.
   auto sequence_of = [&](std::int64_t r) {
