@@ -305,8 +305,11 @@ TEST(KvCacheMixed, OtherMixesAreRefused) {
             "like query)");
 }
 
-// flash's cost term prices K and V by the cache's dtype: a memory-bound decode over a bf16
-// cache is estimated faster than over an f32 one (half the bytes).
+// The cache's dtype reaches flash's cost term through the public path: a decode over a bf16
+// cache is estimated faster than over an f32 one (half the bytes). By how much depends on this
+// machine's SIMD target (the fixed constants of AVX2 make the per-element work bind for bf16,
+// where AVX-512's let the read bind): SelectCostModel.FlashPricesTheCacheDtype checks the
+// ratio on a fixed model.
 TEST(KvCacheMixed, CostPricesTheCacheDtype) {
   static float no_data;
   const std::int64_t hkv = 8, lk = 16384, d = 128;
@@ -326,7 +329,7 @@ TEST(KvCacheMixed, CostPricesTheCacheDtype) {
   const double f32 = estimate(DType::f32, Backend::flash);
   const double bf16 = estimate(DType::bf16, Backend::flash);
   EXPECT_GT(bf16, 0);
-  EXPECT_LT(bf16, 0.75 * f32);
+  EXPECT_LT(bf16, f32);
 }
 
 }  // namespace

@@ -394,6 +394,20 @@ Backend choose(const Call& p, const CostModel& m, Pass pass = Pass::forward) {
   return select_call(pass, p, Backend::automatic, kDefault, m).chosen;
 }
 
+// flash's cost term prices K and V by the cache's dtype: a memory-bound decode (an f32 query,
+// Hq=32 Hkv=8 Lk=16384) over a bf16 cache is estimated well under the same over an f32 one.
+TEST(SelectCostModel, FlashPricesTheCacheDtype) {
+  const CostModel m = test_model();
+  auto flash = [&](DType kv) {
+    Call p = problem(1, 32, 8, 1, 16384, 128);
+    p.kv_dtype = kv;
+    return estimate(Backend::flash, Pass::forward, p, m);
+  };
+  EXPECT_GT(flash(DType::bf16), 0);
+  EXPECT_LT(flash(DType::bf16), 0.75 * flash(DType::f32));
+  EXPECT_LT(flash(DType::f16), 0.75 * flash(DType::f32));
+}
+
 TEST(SelectCostModel, FlashForLargeProblems) {
   const CostModel m = test_model();
   for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {

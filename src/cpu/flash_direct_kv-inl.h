@@ -82,8 +82,15 @@ struct DirectKv : DirectKvScores {
   // bits for any R.
   // Vectors per column slice of accumulate<R>: R accumulators and the V slice per vector in
   // the registers.
+  static constexpr int kRegisters = kLanes == 16 ? 32 : 16;  // vector registers
   static constexpr int slice_vectors(int r) {
-    const int fit = ((kLanes == 16 ? 32 : 16) - 1) / (r + 1);
+    const int fit = (kRegisters - 1) / (r + 1);
+    // AVX2, one row: 8 vectors (8 independent multiply-add chains; 4 left the loop waiting on
+    // their latency): Zen 3, 1 thread, MHA [B, Hkv, L, D] Lk=16384 from memory f32 12.5 -> 13.8
+    // GB/s, from L3 (Lk=256) about 20 -> 33 GB/s, with the rest of the AVX2 changes of that
+    // commit: bench --decode-like A/B of 5 interleaved passes, % of the probe, Lk=4096/16384,
+    // f32 66/65 -> 70/70, bf16 51/56 -> 61/61, f16 56/57 -> 62/64.
+    if (r == 1 && kLanes == 8) return 8;
     return r == kTileRows ? kTileVectors : std::max(kTileVectors, fit >= 8 ? 8 : fit >= 4 ? 4 : 2);
   }
 
@@ -94,6 +101,7 @@ struct DirectKv : DirectKvScores {
                                          const float* alpha, float* out) {
     constexpr int kVectors = slice_vectors(R);
     constexpr std::int64_t kCols = kVectors * kLanes;
+    constexpr bool kWidenedOneByOne = R == 1 && sizeof(T) == 2 && 2 * kVectors + 1 > kRegisters;
     const std::int64_t dv = p.head_dim_v;
     for (std::int64_t e0 = 0; e0 < dv_pad; e0 += kCols) {
       const std::int64_t vectors = std::min<std::int64_t>(kVectors, (dv_pad - e0) / kLanes);
@@ -121,9 +129,11 @@ struct DirectKv : DirectKvScores {
           // lambda, GCC 12 ran decode 2x slower.)
           if (R > 2 && c + 16 < ahead) {
             if (lead.into_l1) {
-              prefetch_lines<3>(v + v_at[c + 16] + e0, std::min<std::int64_t>(kCols, dv - e0));
+              prefetch_slice_lines<3>(v + v_at[c + 16] + e0, std::min<std::int64_t>(kCols, dv - e0),
+                                      e0 == 0);
             } else {
-              prefetch_lines<2>(v + v_at[c + 16] + e0, std::min<std::int64_t>(kCols, dv - e0));
+              prefetch_slice_lines<2>(v + v_at[c + 16] + e0, std::min<std::int64_t>(kCols, dv - e0),
+                                      e0 == 0);
             }
           }
           if (e0 == 0 && c + lead.l1 < ahead) {
@@ -142,7 +152,15 @@ struct DirectKv : DirectKvScores {
             } else {
               vrow[x] = width[x] > 0 ? load_part(row + x * kLanes, width[x], known) : Vec{};
             }
+            // One row of 16-bit V with no registers for the whole slice (AVX2: 8 accumulators,
+            // 8 widened vectors and the weight): each vector's product as it is widened, or GCC
+            // 12 widens all of them first and keeps an accumulator on the stack. (f32 vectors
+            // are read by the multiply-adds themselves.)
+            if constexpr (kWidenedOneByOne) {
+              acc[0][x] = fmadd(splat(probs[c]), vrow[x], acc[0][x]);
+            }
           }
+          if constexpr (kWidenedOneByOne) continue;
 #pragma GCC unroll 16
           for (int r = 0; r < R; ++r) {
             const Vec weight = splat(probs[r * kKeyTile + c]);
@@ -169,7 +187,7 @@ struct DirectKv : DirectKvScores {
         } else {
           keys_loop(std::false_type{}, F32{});
         }
-      } else if (R == 1 && lead.one_head) {
+      } else if (R == 1 && lead.one_head && kLanes == 16) {  // (AVX2: the known dtype, faster)
         if (whole) {
           keys_loop(std::true_type{}, dtype);
         } else {

@@ -57,6 +57,29 @@ struct DirectKvScores : DirectKvHeads {
             acc[j] = fmadd(qv, load_part(at + j * ldk, kLanes, dtype), acc[j]);
         }
       }
+    } else if (kLanes == 8 && sizeof(T) == 2 && d % kLanes == 0) {
+      // AVX2: 16-bit rows of whole vectors widened as their known dtype (no test per load).
+      if (dtype == DType::f16) {
+        for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
+          const Vec qv = load(q + e0);
+          const T* at = k + e0;
+#pragma GCC unroll 16
+          for (int j = 0; j < kLanes; ++j) {
+            if (kFull || j < block)
+              acc[j] = fmadd(qv, load_part(at + j * ldk, kLanes, DType::f16), acc[j]);
+          }
+        }
+      } else {
+        for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
+          const Vec qv = load(q + e0);
+          const T* at = k + e0;
+#pragma GCC unroll 16
+          for (int j = 0; j < kLanes; ++j) {
+            if (kFull || j < block)
+              acc[j] = fmadd(qv, load_part(at + j * ldk, kLanes, DType::bf16), acc[j]);
+          }
+        }
+      }
     } else {
       for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
         const int n = static_cast<int>(std::min<std::int64_t>(kLanes, d - e0));

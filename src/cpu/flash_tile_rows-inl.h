@@ -25,6 +25,19 @@ ATTNCORE_TARGET inline void prefetch_lines(const T* p, std::int64_t n) {
   }
 }
 
+// The cache lines that start within the n elements from p, and with `first` also the one that
+// holds p: a row prefetched slice by slice (first for its first slice) has each line prefetched
+// once, where prefetch_lines would prefetch a line two slices share twice.
+template <int kLocality, class T>
+ATTNCORE_TARGET inline void prefetch_slice_lines(const T* p, std::int64_t n, bool first) {
+  const auto begin = reinterpret_cast<std::uintptr_t>(p);
+  const auto end = reinterpret_cast<std::uintptr_t>(p + n);
+  for (std::uintptr_t line = first ? begin & ~std::uintptr_t{63} : (begin + 63) & ~std::uintptr_t{63};
+       line < end; line += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(line), 0, kLocality);
+  }
+}
+
 // at[c]: the element offset into the view's data of key j0 + c of (b, kv head h), for
 // c < count = min(kKeyTile + kRowLead, Lk - j0) (never a key past the sequence).
 struct TileRows {
