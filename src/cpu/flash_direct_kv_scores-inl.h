@@ -37,58 +37,49 @@ struct DirectKvScores : DirectKvHeads {
   // of the read probe against 80-81%, [B, Hkv, L, D] Lk=16384, 1 thread). Full blocks test nothing
   // per load: with a test per key GCC 12 kept the accumulators on the stack (f32 decode, 1 thread:
   // 20-21 GB/s against 22-23 before).
+  // f32 rows of whole vectors (D a multiple of kLanes) test nothing per load: MHA decode [B, Hkv,
+  // L, D] 1 thread, % of the probe, Lk=4096/16384: f32 80/78 against 73/74 with the test; 16-bit
+  // rows ran slower that way on AVX-512 (bf16 72/71 against 79/81), and faster on AVX2, where
+  // they are widened as their known dtype (Zen 3: part of 49b7def's gains, bf16 MHA from L3 about
+  // 13 -> 15 GB/s).
   template <bool kFull, class T>
   ATTNCORE_TARGET __attribute__((noinline)) static void score_keys(const T* k, std::int64_t ldk,
                                                                    DType dtype, std::int64_t d,
                                                                    std::int64_t block,
                                                                    const float* q, float* s) {
+    using Whole = std::true_type;
+    if (d % kLanes == 0 && sizeof(T) == 4) {
+      return score_keys_as<kFull, Whole>(k, ldk, std::integral_constant<DType, DType::f32>{}, d,
+                                         block, q, s);
+    }
+    if constexpr (sizeof(T) == 2 && kLanes == 8) {
+      if (d % kLanes == 0 && dtype == DType::f16) {
+        return score_keys_as<kFull, Whole>(k, ldk, std::integral_constant<DType, DType::f16>{}, d,
+                                           block, q, s);
+      }
+      if (d % kLanes == 0) {
+        return score_keys_as<kFull, Whole>(k, ldk, std::integral_constant<DType, DType::bf16>{},
+                                           d, block, q, s);
+      }
+    }
+    score_keys_as<kFull, std::false_type>(k, ldk, dtype, d, block, q, s);
+  }
+  // score_keys' loop: D a multiple of kLanes (Whole) or not, the dtype a constant (an
+  // integral_constant: no test per load) or `dtype`, tested per load. (The accumulators are
+  // this function's own: with their address taken, as by a lambda's capture, GCC 12 kept them
+  // on the stack.)
+  template <bool kFull, class Whole, class T, class Known>
+  ATTNCORE_TARGET __attribute__((always_inline)) static inline void score_keys_as(
+      const T* k, std::int64_t ldk, Known dtype, std::int64_t d, std::int64_t block,
+      const float* q, float* s) {
     Vec acc[kLanes] = {};
-    // f32 rows of whole vectors (D a multiple of kLanes) test nothing per load: MHA decode
-    // [B, Hkv, L, D] 1 thread, % of the probe, Lk=4096/16384: f32 80/78 against 73/74 with the
-    // test; 16-bit rows ran slower that way (bf16 72/71 against 79/81). (Written twice: with
-    // the loop in a lambda, acc's address is taken, and GCC 12 keeps it on the stack.)
-    if (sizeof(T) == 4 && d % kLanes == 0) {
-      for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
-        const Vec qv = load(q + e0);
-        const T* at = k + e0;
+    for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
+      const int n = Whole::value ? kLanes : static_cast<int>(std::min<std::int64_t>(kLanes, d - e0));
+      const Vec qv = load_part(q + e0, n);
+      const T* at = k + e0;
 #pragma GCC unroll 16
-        for (int j = 0; j < kLanes; ++j) {
-          if (kFull || j < block)
-            acc[j] = fmadd(qv, load_part(at + j * ldk, kLanes, dtype), acc[j]);
-        }
-      }
-    } else if (kLanes == 8 && sizeof(T) == 2 && d % kLanes == 0) {
-      // AVX2: 16-bit rows of whole vectors widened as their known dtype (no test per load).
-      if (dtype == DType::f16) {
-        for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
-          const Vec qv = load(q + e0);
-          const T* at = k + e0;
-#pragma GCC unroll 16
-          for (int j = 0; j < kLanes; ++j) {
-            if (kFull || j < block)
-              acc[j] = fmadd(qv, load_part(at + j * ldk, kLanes, DType::f16), acc[j]);
-          }
-        }
-      } else {
-        for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
-          const Vec qv = load(q + e0);
-          const T* at = k + e0;
-#pragma GCC unroll 16
-          for (int j = 0; j < kLanes; ++j) {
-            if (kFull || j < block)
-              acc[j] = fmadd(qv, load_part(at + j * ldk, kLanes, DType::bf16), acc[j]);
-          }
-        }
-      }
-    } else {
-      for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
-        const int n = static_cast<int>(std::min<std::int64_t>(kLanes, d - e0));
-        const Vec qv = load_part(q + e0, n);
-        const T* at = k + e0;
-#pragma GCC unroll 16
-        for (int j = 0; j < kLanes; ++j) {
-          if (kFull || j < block) acc[j] = fmadd(qv, load_part(at + j * ldk, n, dtype), acc[j]);
-        }
+      for (int j = 0; j < kLanes; ++j) {
+        if (kFull || j < block) acc[j] = fmadd(qv, load_part(at + j * ldk, n, dtype), acc[j]);
       }
     }
     // (Summed in a copy: with acc's address taken, GCC 12 stored every accumulator to the
