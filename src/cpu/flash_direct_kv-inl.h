@@ -85,11 +85,12 @@ struct DirectKv : DirectKvScores {
   static constexpr int kRegisters = kLanes == 16 ? 32 : 16;  // vector registers
   static constexpr int slice_vectors(int r) {
     const int fit = (kRegisters - 1) / (r + 1);
-    // AVX2, one row: 8 vectors (8 independent multiply-add chains; 4 left the loop waiting on
-    // their latency): Zen 3, 1 thread, MHA [B, Hkv, L, D] Lk=16384 from memory f32 12.5 -> 13.8
-    // GB/s, from L3 (Lk=256) about 20 -> 33 GB/s, with the rest of the AVX2 changes of that
-    // commit: bench --decode-like A/B of 5 interleaved passes, % of the probe, Lk=4096/16384,
-    // f32 66/65 -> 70/70, bf16 51/56 -> 61/61, f16 56/57 -> 62/64.
+    // AVX2, one row: 8 vectors, whose accumulators and V no longer all fit the registers (8
+    // independent multiply-add chains; 4 left the loop waiting on their latency): Zen 3, 1
+    // thread, MHA f32 [B, Hkv, L, D] from L3 (Lk=256) 20-32 -> 29-34 GB/s in noisy runs; with
+    // the other AVX2 changes of its commit (16-bit K and V), two runs of 5 interleaved passes,
+    // % of the probe, Lk=4096/16384: f32 67/67, 66/65 -> 71/70, 70/70; bf16 51/53, 50/56 ->
+    // 66/65, 61/61; f16 56/56, 59/57 -> 66/67, 62/64.
     if (r == 1 && kLanes == 8) return 8;
     return r == kTileRows ? kTileVectors : std::max(kTileVectors, fit >= 8 ? 8 : fit >= 4 ? 4 : 2);
   }
