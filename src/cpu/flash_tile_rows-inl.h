@@ -15,27 +15,24 @@ namespace attncore::detail::ATTNCORE_TARGET_NS {
 // Keys past a tile whose rows are resolved with it: what its prefetches reach ahead (at most).
 constexpr std::int64_t kRowLead = 64;
 
-// The cache lines of n elements from p, each once (by address), into L1 (kLocality 3) or L2 (2).
-template <int kLocality, class T>
-ATTNCORE_TARGET inline void prefetch_lines(const T* p, std::int64_t n) {
-  const auto first = reinterpret_cast<std::uintptr_t>(p) & ~std::uintptr_t{63};
-  const auto end = reinterpret_cast<std::uintptr_t>(p + n);
-  for (std::uintptr_t line = first; line < end; line += 64) {
-    __builtin_prefetch(reinterpret_cast<const void*>(line), 0, kLocality);
-  }
-}
-
 // The cache lines that start within the n elements from p, and with `first` also the one that
 // holds p: a row prefetched slice by slice (first for its first slice) has each line prefetched
-// once, where prefetch_lines would prefetch a line two slices share twice.
+// once, where whole-range prefetches would prefetch a line two slices share twice.
 template <int kLocality, class T>
 ATTNCORE_TARGET inline void prefetch_slice_lines(const T* p, std::int64_t n, bool first) {
   const auto begin = reinterpret_cast<std::uintptr_t>(p);
   const auto end = reinterpret_cast<std::uintptr_t>(p + n);
-  for (std::uintptr_t line = first ? begin & ~std::uintptr_t{63} : (begin + 63) & ~std::uintptr_t{63};
-       line < end; line += 64) {
+  constexpr std::uintptr_t kLine = 63;
+  for (std::uintptr_t line = first ? begin & ~kLine : (begin + kLine) & ~kLine; line < end;
+       line += 64) {
     __builtin_prefetch(reinterpret_cast<const void*>(line), 0, kLocality);
   }
+}
+
+// The cache lines of n elements from p, each once (by address), into L1 (kLocality 3) or L2 (2).
+template <int kLocality, class T>
+ATTNCORE_TARGET inline void prefetch_lines(const T* p, std::int64_t n) {
+  prefetch_slice_lines<kLocality>(p, n, true);
 }
 
 // at[c]: the element offset into the view's data of key j0 + c of (b, kv head h), for
