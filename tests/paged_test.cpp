@@ -476,8 +476,8 @@ TEST(Paged, AppendsRefuseSlotsWrittenTwice) {
 // Each head's result must not depend on either: the same bits for 1, 2 and 3 threads and both
 // layouts (the slots outside the sequences hold NaN). Two shapes: 5 heads of odd widths, and 20
 // heads of D = 64, where one row per head is scored key by key across the heads on every SIMD
-// target (f32, bf16 pairs, widened f16 and bf16; 20 heads: a full and a partial group of the
-// widened path's 16 heads on AVX-512, of 8 on AVX2).
+// target (AVX-512: f32, bf16 pairs, widened f16 and bf16, 20 heads a full and a partial group
+// of the widened path's 16; AVX2: several keys at once, every dtype).
 TEST(Paged, ItemsOfSeveralKvHeadsEqualOneHeadItemsBitwise) {
   struct Shape {
     std::int64_t hkv, dim, dim_v;

@@ -62,8 +62,16 @@ struct DirectKv : DirectKvScores {
   // --decode, 1 thread, % of the probe, Lk=4096/16384, interleaved, MHA f32 [B, L, Hkv, D]
   // 69/71 with 16 keys, 67/78 with 4, 67/66 with 2; p16 66/65 -> 78/74, p256 71/70 -> 77/77;
   // bf16 BLHD 73/69 -> 52/51 and f16 66/61 -> 50/48 with 4 (also with each row prefetched
-  // once: 70/71, 64/67); GQA f32 BLHD 59/53 -> 53/50.
+  // once: 70/71, 64/67); GQA f32 BLHD 59/53 -> 53/50. AVX2 prefetches no next chunk (the
+  // hardware prefetcher streams the chunks' rows, read in address order: tile_accumulate) and
+  // takes one row's 16-bit V 8 keys at a time: Zen 3, 1 thread, % of the probe, Lk=16384, 3
+  // runs of 3 interleaved passes: f32 (4 keys) BLHD 64/74/62 -> 88/96/98, p16 57/73/67 ->
+  // 95/87/83; bf16 BLHD 55/55/48 with 16 keys and the prefetch -> 59/72/73 with 4 keys, none,
+  // and against that 82/94/62 with 8, 75/72/59 with 16; f16 BLHD 75/79/64 (4) -> 84/88/66 (8),
+  // bf16 p16 74/74/56 -> 79/87/59, f16 p16 75/66/76 -> 83/83/63. GQA BLHD (Hkv=8) within the
+  // noise either way (f32 59/55/47 without the prefetch, 44/48/58 with).
   ATTNCORE_TARGET static std::int64_t head_chunk(DType dtype, std::int64_t rows) {
+    if (kLanes == 8 && rows == 1) return dtype == DType::f32 ? 4 : 8;
     return dtype == DType::f32 && rows == 1 ? 4 : 16;
   }
 
@@ -291,7 +299,9 @@ struct DirectKv : DirectKvScores {
                                               const float* alpha, float* out) {
     const std::int64_t* at = v_rows.at + begin;
     const std::int64_t ahead = v_rows.count - begin;
-    const std::int64_t prefetched = std::clamp<std::int64_t>(ahead - keys, 0, next);
+    // The next chunk's rows of this head (several heads), into L2; AVX2: none (head_chunk).
+    const std::int64_t prefetched =
+        kLanes == 8 ? 0 : std::clamp<std::int64_t>(ahead - keys, 0, next);
     // One head per item, nothing prefetched for the next chunk (V one sequential stream): V rows
     // kVLead keys on, into L1 (or L2: the core's prefetch plan), as P . V runs (one f32 row, MHA:
     // as far as the plan says), and into L2 as far as the plan says (prefetch_plan.h; 0: not).

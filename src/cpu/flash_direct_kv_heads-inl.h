@@ -93,6 +93,65 @@ struct DirectKvHeads {
     if constexpr (sizeof(T) == 4) sum_parts(parts, heads, head_floats, s);
   }
 
+  // score_heads_by_key on AVX2 (any dtype: kDtype): kKeys keys of the block at once, one head
+  // after another, each step of a head's row multiplied with kKeys keys' rows (one query load,
+  // kKeys multiply-add chains: one key's chain alone left each step waiting on its latency),
+  // so that K is read as kKeys streams in address order; each (key, head) lane sum formed as
+  // score_keys forms it, into `parts` ([heads][kLanes keys][kLanes]) and summed by sum_parts
+  // (the same bits). With `lead` > 0, each line read prefetches the same line of the key
+  // `lead` keys on, into L2 (16-bit: kByKeyLead; f32: none, as on AVX-512). Zen 3, 1 thread,
+  // % of the probe, Lk=16384, two runs of 3 interleaved passes against score_heads_by_key (f32)
+  // and score_heads_widened (16-bit): BLHD f32 69/71 -> 81/77, bf16 50/49 -> 55/57, f16 50/44
+  // -> 56/57, p16 f32 70/55 -> 67/78, bf16 47/46 -> 48/46 (8 keys at once within the noise of
+  // 4, 2 lower for f32: 62-64 against 68-72); kLanes heads' chains interleaved instead, each
+  // step of the rows for every head in turn (K no longer read in address order): lower, f32
+  // BLHD 56/64 -> 47/49, p16 61/61 -> 48/43.
+  template <DType kDtype, class T>
+  ATTNCORE_TARGET static void score_heads_keys(const T* k, const std::int64_t* at,
+                                               std::int64_t block, std::int64_t d,
+                                               std::int64_t heads, std::int64_t k_step,
+                                               std::int64_t head_floats, const float* q, float* s,
+                                               float* parts, std::int64_t lead,
+                                               std::int64_t ahead) {
+    constexpr int kKeys = kLanes < 4 ? kLanes : 4;
+    static_assert(kLanes % kKeys == 0, "whole groups of keys in a block");
+    for (int j0 = 0; j0 < kLanes; j0 += kKeys) {
+      const T* row[kKeys];
+      const T* next[kKeys];
+#pragma GCC unroll 8
+      for (int j = 0; j < kKeys; ++j) {
+        row[j] = j0 + j < block ? k + at[j0 + j] : block > 0 ? k + at[0] : nullptr;
+        next[j] = lead > 0 && j0 + j + lead < ahead ? k + at[j0 + j + lead] : nullptr;
+      }
+      const bool any = row[0] != nullptr;
+      for (std::int64_t x = 0; x < heads; ++x) {
+        Vec acc[kKeys];
+#pragma GCC unroll 8
+        for (int j = 0; j < kKeys; ++j) acc[j] = Vec{};
+        const float* qx = q + x * head_floats;
+        const std::int64_t off = x * k_step;
+        for (std::int64_t e0 = 0; any && e0 < d; e0 += kLanes) {
+          if (lead > 0 && (e0 * sizeof(T)) % 64 == 0) {
+#pragma GCC unroll 8
+            for (int j = 0; j < kKeys; ++j) {
+              if (next[j] != nullptr) __builtin_prefetch(next[j] + off + e0, 0, 2);
+            }
+          }
+          const Vec qv = load(qx + e0);
+#pragma GCC unroll 8
+          for (int j = 0; j < kKeys; ++j) {
+            acc[j] = fmadd(qv, load_part(row[j] + off + e0, kLanes, kDtype), acc[j]);
+          }
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < kKeys; ++j) {
+          store(parts + (x * kLanes + j0 + j) * kLanes, j0 + j < block ? acc[j] : Vec{});
+        }
+      }
+    }
+    sum_parts(parts, heads, head_floats, s);
+  }
+
   // score_heads_by_key for 16-bit K widened in registers (f16, or bf16 under an f32 query): the
   // lane sums of kLanes heads at a time kept in registers and summed across lanes together,
   // reduce_sums giving head x0 + x's score in lane x (the bits of reduce_sum'ing each), into

@@ -58,8 +58,8 @@ struct DirectKvScores : DirectKvHeads {
                                            block, q, s);
       }
       if (d % kLanes == 0) {
-        return score_keys_as<kFull, Whole>(k, ldk, std::integral_constant<DType, DType::bf16>{},
-                                           d, block, q, s);
+        return score_keys_as<kFull, Whole>(k, ldk, std::integral_constant<DType, DType::bf16>{}, d,
+                                           block, q, s);
       }
     }
     score_keys_as<kFull, std::false_type>(k, ldk, dtype, d, block, q, s);
@@ -70,11 +70,12 @@ struct DirectKvScores : DirectKvHeads {
   // on the stack.)
   template <bool kFull, class Whole, class T, class Known>
   ATTNCORE_TARGET __attribute__((always_inline)) static inline void score_keys_as(
-      const T* k, std::int64_t ldk, Known dtype, std::int64_t d, std::int64_t block,
-      const float* q, float* s) {
+      const T* k, std::int64_t ldk, Known dtype, std::int64_t d, std::int64_t block, const float* q,
+      float* s) {
     Vec acc[kLanes] = {};
     for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
-      const int n = Whole::value ? kLanes : static_cast<int>(std::min<std::int64_t>(kLanes, d - e0));
+      const int n =
+          Whole::value ? kLanes : static_cast<int>(std::min<std::int64_t>(kLanes, d - e0));
       const Vec qv = load_part(q + e0, n);
       const T* at = k + e0;
 #pragma GCC unroll 16
@@ -371,7 +372,7 @@ struct DirectKvScores : DirectKvHeads {
     // interleaved passes: 1 thread BLHD 65/63 -> 68/65, p16 59/55 -> 65/57, p256 67/63 ->
     // 68/65; 2 threads (% of the 2-thread probe) BLHD 76/64 -> 86/78, p16 71/60 -> 89/73, p256
     // 73/64 -> 87/76. Pairs need D a multiple of 2 * kLanes and the queries as pairs, after
-    // the partial sums in `widened`.
+    // the partial sums in `widened`. AVX2: score_heads_keys, several keys at once.
     const bool by_key = heads > 1 && rows == 1 && d % kLanes == 0 &&
                         (sizeof(T) == 4 || !pairs || d % (2 * kLanes) == 0) &&
                         heads * kLanes * kLanes + heads * d / 2 <= d * kKeyTile;
@@ -391,20 +392,33 @@ struct DirectKvScores : DirectKvHeads {
 #endif
       for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
         const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
-        if constexpr (sizeof(T) == 2) {
-          if (q_pairs == nullptr) {  // (the dtype a constant: no test per load)
-            if (dtype == DType::f16) {
-              score_heads_widened<DType::f16>(k, k_at + c0, block, d, heads, k_step, head_floats, q,
-                                              s + c0, widened, kByKeyLead, ahead - c0);
-            } else {
-              score_heads_widened<DType::bf16>(k, k_at + c0, block, d, heads, k_step, head_floats,
-                                               q, s + c0, widened, kByKeyLead, ahead - c0);
-            }
-            continue;
+        if constexpr (kLanes == 8) {  // AVX2 (the dtype a constant: no test per load)
+          if (sizeof(T) == 4) {
+            score_heads_keys<DType::f32>(k, k_at + c0, block, d, heads, k_step, head_floats, q,
+                                         s + c0, widened, 0, ahead - c0);
+          } else if (dtype == DType::f16) {
+            score_heads_keys<DType::f16>(k, k_at + c0, block, d, heads, k_step, head_floats, q,
+                                         s + c0, widened, kByKeyLead, ahead - c0);
+          } else {
+            score_heads_keys<DType::bf16>(k, k_at + c0, block, d, heads, k_step, head_floats, q,
+                                          s + c0, widened, kByKeyLead, ahead - c0);
           }
+        } else {
+          if constexpr (sizeof(T) == 2) {
+            if (q_pairs == nullptr) {  // (the dtype a constant: no test per load)
+              if (dtype == DType::f16) {
+                score_heads_widened<DType::f16>(k, k_at + c0, block, d, heads, k_step, head_floats,
+                                                q, s + c0, widened, kByKeyLead, ahead - c0);
+              } else {
+                score_heads_widened<DType::bf16>(k, k_at + c0, block, d, heads, k_step, head_floats,
+                                                 q, s + c0, widened, kByKeyLead, ahead - c0);
+              }
+              continue;
+            }
+          }
+          score_heads_by_key(k, k_at + c0, block, dtype, d, heads, k_step, head_floats, q, q_pairs,
+                             s + c0, widened, sizeof(T) == 2 ? kByKeyLead : 0, ahead - c0);
         }
-        score_heads_by_key(k, k_at + c0, block, dtype, d, heads, k_step, head_floats, q, q_pairs,
-                           s + c0, widened, sizeof(T) == 2 ? kByKeyLead : 0, ahead - c0);
       }
       return;
     }
