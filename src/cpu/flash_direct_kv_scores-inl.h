@@ -31,6 +31,49 @@ struct DirectKvScores : DirectKvHeads {
     return rows <= 4 && kTileRows > 4 ? 4 : kTileRows;
   }
 
+  // The scores of one row against a whole key tile of one head (s[0 .. kKeyTile)), the keys at k
+  // + k_at[c], kStreams keys kKeyTile / kStreams apart at a time: each of their rows read in
+  // order with one query load for all of them, so that K is read as kStreams sequential
+  // streams, which the hardware prefetcher follows with no software prefetch (rows of one head
+  // lying together, [B, Hkv, L, D]). Each score is score_keys' (one accumulator per key over its
+  // vectors in order, then reduce_sums over `parts`, kKeyTile * kLanes floats): the same bits.
+  // AVX2, MHA f32 decode, Zen 3, 1 thread, % of the probe, Lk=16384, four runs of 3 interleaved
+  // passes against score_keys' blocks of kLanes adjacent keys with K prefetched 6 and 12 KiB
+  // ahead: 74, 75, 78, 71 -> 83, 82, 80, 83 (2 streams 74-84, 8 streams 81-83); bf16 63, 61, 66,
+  // 64 -> 67, 64, 67, 62, f16 66, 66, 66, 65 -> 73, 66, 66, 66; score_keys without its
+  // prefetches 53. (GQA f32, each row's scores so: 49-57 -> 45-54.)
+  template <class T, class Known>
+  ATTNCORE_TARGET static void score_tile_streams(const T* k, const std::int64_t* k_at,
+                                                 std::int64_t d, Known dtype, const float* q,
+                                                 float* s, float* parts) {
+    constexpr int kStreams = 4;
+    constexpr int kSpan = kKeyTile / kStreams;
+    for (int j = 0; j < kSpan; ++j) {
+      const T* row[kStreams];
+      Vec acc[kStreams];
+#pragma GCC unroll 8
+      for (int i = 0; i < kStreams; ++i) {
+        row[i] = k + k_at[j + i * kSpan];
+        acc[i] = Vec{};
+      }
+      for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
+        const Vec qv = load(q + e0);
+#pragma GCC unroll 8
+        for (int i = 0; i < kStreams; ++i) {
+          acc[i] = fmadd(qv, load_part(row[i] + e0, kLanes, dtype), acc[i]);
+        }
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < kStreams; ++i) store(parts + (j + i * kSpan) * kLanes, acc[i]);
+    }
+    for (int c0 = 0; c0 < kKeyTile; c0 += kLanes) {
+      Vec t[kLanes];
+#pragma GCC unroll 16
+      for (int j = 0; j < kLanes; ++j) t[j] = load(parts + (c0 + j) * kLanes);
+      store(s + c0, reduce_sums(t));
+    }
+  }
+
   // The scores of one row against keys c0 .. c0 + block - 1 (block <= kLanes) of `k` (rows ldk
   // apart) into s[0 .. kLanes): one accumulator per key, in registers, summed across lanes by
   // reduce_sums (0 for keys past block; a transpose and a sum instead ran bf16 decode at 63-66%
@@ -333,14 +376,14 @@ struct DirectKvScores : DirectKvHeads {
                                      std::int64_t head_floats, const float* q, std::int64_t rows,
                                      [[maybe_unused]] bool pairs, float* s, float* widened) {
     const std::int64_t d = p.head_dim;
-    // K rows prefetched this far ahead: one head, 6 KiB of rows (12 f32 keys at D = 128, 24
-    // 16-bit), at most kRowLead (bench --decode, [B, Hkv, L, D], 1 thread, % of the probe,
-    // Lk=4096/16384, 7 interleaved passes, against 16 KiB and at least 32 keys: MHA f32 75/76 ->
-    // 83/82, bf16 88/86 -> 97/94, f16 80/81 -> 88/85, GQA f32 63/58 -> 65/60, bf16 67/66 ->
-    // 68/69; 4, 5 and 8 KiB within 3 points of 6, 12 KiB between 6 and 16). Several heads
-    // (memory read in order): 4 KiB of each head's rows, into L2 (bench --decode, BLHD Hkv=32
-    // Lk=4096/16384, 1 thread, GB/s: f32 8 keys 26.0-26.4, 32 keys 24.7-25.5, none 25.2-26.2,
-    // 32 keys into L1 21.3-23.3; bf16 16 keys 22.4-26.1, 8 keys 21.7-22.7).
+    // K rows prefetched this far ahead (AVX2's whole tiles of one row: not at all, below): one
+    // head, 6 KiB of rows (12 f32 keys at D = 128, 24 16-bit), at most kRowLead (bench --decode,
+    // [B, Hkv, L, D], 1 thread, % of the probe, Lk=4096/16384, 7 interleaved passes, against 16 KiB
+    // and at least 32 keys: MHA f32 75/76 -> 83/82, bf16 88/86 -> 97/94, f16 80/81 -> 88/85, GQA
+    // f32 63/58 -> 65/60, bf16 67/66 -> 68/69; 4, 5 and 8 KiB within 3 points of 6, 12 KiB between
+    // 6 and 16). Several heads (memory read in order): 4 KiB of each head's rows, into L2 (bench
+    // --decode, BLHD Hkv=32 Lk=4096/16384, 1 thread, GB/s: f32 8 keys 26.0-26.4, 32 keys 24.7-25.5,
+    // none 25.2-26.2, 32 keys into L1 21.3-23.3; bf16 16 keys 22.4-26.1, 8 keys 21.7-22.7).
     const std::int64_t lead =
         heads > 1
             ? std::clamp<std::int64_t>(4096 / static_cast<std::int64_t>(sizeof(T) * d), 1, kRowLead)
@@ -373,6 +416,21 @@ struct DirectKvScores : DirectKvHeads {
     // 68/65; 2 threads (% of the 2-thread probe) BLHD 76/64 -> 86/78, p16 71/60 -> 89/73, p256
     // 73/64 -> 87/76. Pairs need D a multiple of 2 * kLanes and the queries as pairs, after
     // the partial sums in `widened`. AVX2: score_heads_keys, several keys at once.
+    // AVX2, one row of one head over a whole tile of rows that lie together: score_tile_streams.
+    if (kLanes == 8 && rows == 1 && near && d % kLanes == 0 && keys == kKeyTile &&
+        cols == kKeyTile) {
+      using F32 = std::integral_constant<DType, DType::f32>;
+      using F16 = std::integral_constant<DType, DType::f16>;
+      using Bf16 = std::integral_constant<DType, DType::bf16>;
+      if constexpr (sizeof(T) == 4) {
+        score_tile_streams(k, k_at, d, F32{}, q, s, widened);
+      } else if (dtype == DType::f16) {
+        score_tile_streams(k, k_at, d, F16{}, q, s, widened);
+      } else {
+        score_tile_streams(k, k_at, d, Bf16{}, q, s, widened);
+      }
+      return;
+    }
     const bool by_key = heads > 1 && rows == 1 && d % kLanes == 0 &&
                         (sizeof(T) == 4 || !pairs || d % (2 * kLanes) == 0) &&
                         heads * kLanes * kLanes + heads * d / 2 <= d * kKeyTile;
