@@ -477,7 +477,8 @@ TEST(Paged, AppendsRefuseSlotsWrittenTwice) {
 // layouts (the slots outside the sequences hold NaN). Two shapes: 5 heads of odd widths, and 20
 // heads of D = 64, where one row per head is scored key by key across the heads on every SIMD
 // target (AVX-512: f32, bf16 pairs, widened f16 and bf16, 20 heads a full and a partial group
-// of the widened path's 16; AVX2: several keys at once, every dtype).
+// of the widened path's 16; AVX2: several keys at once, every dtype, and over [B, Hkv, L, D]
+// each whole tile's keys as 4 streams).
 TEST(Paged, ItemsOfSeveralKvHeadsEqualOneHeadItemsBitwise) {
   struct Shape {
     std::int64_t hkv, dim, dim_v;

@@ -22,7 +22,8 @@ namespace attncore::detail::ATTNCORE_TARGET_NS {
 // 57/54 -> 65/62 (measured into L1 on Zen 5; into L2 on Zen 4: prefetch_plan.h, v_into_l1).
 // One f32 row (MHA) has its own lead, the core's (prefetch_plan.h).
 constexpr std::int64_t kVLead = 32;
-// V bytes of each head prefetched ahead of P . V in a multi-head item (into L2): bench
+// V bytes of each head prefetched ahead of P . V in a multi-head item (into L2; AVX2: none,
+// DirectKv::head_chunk): bench
 // --decode, BLHD Hkv=32 Lk=4096/16384, 1 thread, GB/s: bf16 8 KiB (32 keys) 25.6-26.5, 4 KiB
 // 22.4-26.8, none 19.6-21.2; f32 8 KiB (16 keys) 24.2-26.4, 16 KiB 21.4-25.0, none 24.4-26.2.
 constexpr std::int64_t kHeadVAhead = 8192;
@@ -71,8 +72,9 @@ struct DirectKv : DirectKvScores {
   // bf16 p16 74/74/56 -> 79/87/59, f16 p16 75/66/76 -> 83/83/63. GQA BLHD (Hkv=8) within the
   // noise either way (f32 59/55/47 without the prefetch, 44/48/58 with).
   ATTNCORE_TARGET static std::int64_t head_chunk(DType dtype, std::int64_t rows) {
-    if (kLanes == 8 && rows == 1) return dtype == DType::f32 ? 4 : 8;
-    return dtype == DType::f32 && rows == 1 ? 4 : 16;
+    if (rows > 1) return 16;
+    if (dtype == DType::f32) return 4;
+    return kLanes == 8 ? 8 : 16;
   }
 
   // V rows c < count of one head (at v + v_at[c]) into L2: the next chunk of P . V with
@@ -186,9 +188,6 @@ struct DirectKv : DirectKvScores {
       // bf16 92/85 -> 89/80, f16 86/83 -> 78/76, and 24 or 48 keys of V lead, or V 96 keys on
       // into L2, did not recover that. (With this dispatch in a second lambda, GCC 12 ran
       // AVX-512 GQA 1.4x slower.)
-      using F32 = std::integral_constant<DType, DType::f32>;
-      using F16 = std::integral_constant<DType, DType::f16>;
-      using Bf16 = std::integral_constant<DType, DType::bf16>;
       const bool whole = vectors == kVectors && e0 + kCols <= dv;
       if constexpr (sizeof(T) == 4) {
         if (whole) {
@@ -299,7 +298,8 @@ struct DirectKv : DirectKvScores {
                                               const float* alpha, float* out) {
     const std::int64_t* at = v_rows.at + begin;
     const std::int64_t ahead = v_rows.count - begin;
-    // The next chunk's rows of this head (several heads), into L2; AVX2: none (head_chunk).
+    // The next chunk's rows of this head (several heads), into L2; AVX2: none, for one row per
+    // head or a group's rows alike (head_chunk).
     const std::int64_t prefetched =
         kLanes == 8 ? 0 : std::clamp<std::int64_t>(ahead - keys, 0, next);
     // One head per item, nothing prefetched for the next chunk (V one sequential stream): V rows

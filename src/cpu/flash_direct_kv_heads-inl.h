@@ -1,11 +1,13 @@
 // DirectKv's scores of one row per head across several kv heads, for one SIMD target: MHA
-// decode where a key's row holds every head ([B, L, Hkv, D], pages), K read key by key in
-// address order (flash_direct_kv_scores-inl.h holds the rest of the scores).
+// decode where a key's row holds every head ([B, L, Hkv, D], pages), K read in address order,
+// key by key (AVX2: a few keys at a time) (flash_direct_kv_scores-inl.h holds the rest of the
+// scores).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "core/params.h"
 #include "cpu/flash_simd-inl.h"
@@ -13,7 +15,13 @@
 
 namespace attncore::detail::ATTNCORE_TARGET_NS {
 
-// 16-bit K scored key by key across heads (score_heads_by_key below): the rows this many keys
+// A dtype as a constant, for load_part's `known` argument: no test per load.
+using F32 = std::integral_constant<DType, DType::f32>;
+using F16 = std::integral_constant<DType, DType::f16>;
+using Bf16 = std::integral_constant<DType, DType::bf16>;
+
+// 16-bit K scored key by key across heads (score_heads_by_key and, on AVX2,
+// score_heads_key_groups below): the rows this many keys
 // on prefetched into L2, line by line as the products read theirs: bench --decode MHA Hkv=32, 1
 // thread, % of the probe, Lk=4096/16384, 7 interleaved passes: bf16 [B, L, Hkv, D] 69/70 ->
 // 74/74, p16 69/59 -> 79/65; f16 66/64 -> 67/65, p16 61/54 -> 64/58 (8 and 32 keys within
@@ -93,9 +101,9 @@ struct DirectKvHeads {
     if constexpr (sizeof(T) == 4) sum_parts(parts, heads, head_floats, s);
   }
 
-  // score_heads_by_key on AVX2 (any dtype: kDtype): kKeys keys of the block at once, one head
-  // after another, each step of a head's row multiplied with kKeys keys' rows (one query load,
-  // kKeys multiply-add chains: one key's chain alone left each step waiting on its latency),
+  // score_heads_by_key on AVX2 (any dtype, `known` a constant): kKeys keys of the block at once,
+  // one head after another, each step of a head's row multiplied with kKeys keys' rows (one query
+  // load, kKeys multiply-add chains: one key's chain alone left each step waiting on its latency),
   // so that K is read as kKeys streams in address order; each (key, head) lane sum formed as
   // score_keys forms it, into `parts` ([heads][kLanes keys][kLanes]) and summed by sum_parts
   // (the same bits). With `lead` > 0, each line read prefetches the same line of the key
@@ -106,13 +114,13 @@ struct DirectKvHeads {
   // 4, 2 lower for f32: 62-64 against 68-72); kLanes heads' chains interleaved instead, each
   // step of the rows for every head in turn (K no longer read in address order): lower, f32
   // BLHD 56/64 -> 47/49, p16 61/61 -> 48/43.
-  template <DType kDtype, class T>
-  ATTNCORE_TARGET static void score_heads_keys(const T* k, const std::int64_t* at,
-                                               std::int64_t block, std::int64_t d,
-                                               std::int64_t heads, std::int64_t k_step,
-                                               std::int64_t head_floats, const float* q, float* s,
-                                               float* parts, std::int64_t lead,
-                                               std::int64_t ahead) {
+  template <class T, class Known>
+  ATTNCORE_TARGET static void score_heads_key_groups(const T* k, const std::int64_t* at,
+                                                     std::int64_t block, Known known,
+                                                     std::int64_t d, std::int64_t heads,
+                                                     std::int64_t k_step, std::int64_t head_floats,
+                                                     const float* q, float* s, float* parts,
+                                                     std::int64_t lead, std::int64_t ahead) {
     constexpr int kKeys = kLanes < 4 ? kLanes : 4;
     static_assert(kLanes % kKeys == 0, "whole groups of keys in a block");
     for (int j0 = 0; j0 < kLanes; j0 += kKeys) {
@@ -123,7 +131,7 @@ struct DirectKvHeads {
         row[j] = j0 + j < block ? k + at[j0 + j] : block > 0 ? k + at[0] : nullptr;
         next[j] = lead > 0 && j0 + j + lead < ahead ? k + at[j0 + j + lead] : nullptr;
       }
-      const bool any = row[0] != nullptr;
+      const bool any = j0 < block;  // (a group wholly past the block: scores 0, nothing read)
       for (std::int64_t x = 0; x < heads; ++x) {
         Vec acc[kKeys];
 #pragma GCC unroll 8
@@ -140,7 +148,7 @@ struct DirectKvHeads {
           const Vec qv = load(qx + e0);
 #pragma GCC unroll 8
           for (int j = 0; j < kKeys; ++j) {
-            acc[j] = fmadd(qv, load_part(row[j] + off + e0, kLanes, kDtype), acc[j]);
+            acc[j] = fmadd(qv, load_part(row[j] + off + e0, kLanes, known), acc[j]);
           }
         }
 #pragma GCC unroll 8

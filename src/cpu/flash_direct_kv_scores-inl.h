@@ -83,8 +83,9 @@ struct DirectKvScores : DirectKvHeads {
   // f32 rows of whole vectors (D a multiple of kLanes) test nothing per load: MHA decode [B, Hkv,
   // L, D] 1 thread, % of the probe, Lk=4096/16384: f32 80/78 against 73/74 with the test; 16-bit
   // rows ran slower that way on AVX-512 (bf16 72/71 against 79/81), and faster on AVX2, where
-  // they are widened as their known dtype (Zen 3: part of 49b7def's gains, bf16 MHA from L3 about
-  // 13 -> 15 GB/s).
+  // they are widened as their known dtype (Zen 3: bf16 MHA from L3 about 13 -> 15 GB/s). (On
+  // AVX2, MHA [B, Hkv, L, D]'s whole tiles go through score_tile_streams instead: here only its
+  // last tile.)
   template <bool kFull, class T>
   ATTNCORE_TARGET __attribute__((noinline)) static void score_keys(const T* k, std::int64_t ldk,
                                                                    DType dtype, std::int64_t d,
@@ -92,17 +93,14 @@ struct DirectKvScores : DirectKvHeads {
                                                                    const float* q, float* s) {
     using Whole = std::true_type;
     if (d % kLanes == 0 && sizeof(T) == 4) {
-      return score_keys_as<kFull, Whole>(k, ldk, std::integral_constant<DType, DType::f32>{}, d,
-                                         block, q, s);
+      return score_keys_as<kFull, Whole>(k, ldk, F32{}, d, block, q, s);
     }
     if constexpr (sizeof(T) == 2 && kLanes == 8) {
       if (d % kLanes == 0 && dtype == DType::f16) {
-        return score_keys_as<kFull, Whole>(k, ldk, std::integral_constant<DType, DType::f16>{}, d,
-                                           block, q, s);
+        return score_keys_as<kFull, Whole>(k, ldk, F16{}, d, block, q, s);
       }
       if (d % kLanes == 0) {
-        return score_keys_as<kFull, Whole>(k, ldk, std::integral_constant<DType, DType::bf16>{}, d,
-                                           block, q, s);
+        return score_keys_as<kFull, Whole>(k, ldk, Bf16{}, d, block, q, s);
       }
     }
     score_keys_as<kFull, std::false_type>(k, ldk, dtype, d, block, q, s);
@@ -231,9 +229,6 @@ struct DirectKvScores : DirectKvHeads {
       }
     };
     auto with_known = [&](auto whole) ATTNCORE_TARGET {
-      using F16 = std::integral_constant<DType, DType::f16>;
-      using Bf16 = std::integral_constant<DType, DType::bf16>;
-      using F32 = std::integral_constant<DType, DType::f32>;
       if constexpr (sizeof(T) == 2) {
         if (dtype == DType::f16) return keys(whole, F16{});
         return keys(whole, Bf16{});
@@ -353,8 +348,9 @@ struct DirectKvScores : DirectKvHeads {
   // never past the sequence). Block by block, each block of kLanes keys for every head before
   // the next block: with the heads inside a key's row ([B, L, Hkv, D], pages) memory is read in
   // order. Streams from memory, so that the product does not wait on it: K rows `lead` keys on
-  // (the next tile's too). One head's V rows, one sequential stream, are not prefetched here
-  // (prefetched as their K rows were read, [B, Hkv, L, D] MHA decode ran slower: bench
+  // (the next tile's too; AVX2's whole tiles of one row: none, score_tile_streams). One head's V
+  // rows, one sequential stream, are not prefetched here (prefetched as their K rows were read, [B,
+  // Hkv, L, D] MHA decode ran slower: bench
   // --decode, Lk=4096/16384, 1 thread, % of the probe: f32 73/71 against 80/80 without, bf16
   // 68/62 against 71/74, f16 66/60 against 70/73): P . V prefetches them (16-bit kVLead keys
   // ahead, f32 as the core's prefetch plan says); several heads prefetch V chunk by chunk
@@ -376,6 +372,19 @@ struct DirectKvScores : DirectKvHeads {
                                      std::int64_t head_floats, const float* q, std::int64_t rows,
                                      [[maybe_unused]] bool pairs, float* s, float* widened) {
     const std::int64_t d = p.head_dim;
+    // AVX2, one row of one head over a whole tile of rows that lie together ([B, Hkv, L, D]):
+    // score_tile_streams, with no prefetch.
+    if (kLanes == 8 && heads == 1 && rows == 1 && d % kLanes == 0 && keys == kKeyTile &&
+        k_at[1] - k_at[0] == d) {
+      if constexpr (sizeof(T) == 4) {
+        score_tile_streams(k, k_at, d, F32{}, q, s, widened);
+      } else if (dtype == DType::f16) {
+        score_tile_streams(k, k_at, d, F16{}, q, s, widened);
+      } else {
+        score_tile_streams(k, k_at, d, Bf16{}, q, s, widened);
+      }
+      return;
+    }
     // K rows prefetched this far ahead (AVX2's whole tiles of one row: not at all, below): one
     // head, 6 KiB of rows (12 f32 keys at D = 128, 24 16-bit), at most kRowLead (bench --decode,
     // [B, Hkv, L, D], 1 thread, % of the probe, Lk=4096/16384, 7 interleaved passes, against 16 KiB
@@ -415,22 +424,7 @@ struct DirectKvScores : DirectKvHeads {
     // interleaved passes: 1 thread BLHD 65/63 -> 68/65, p16 59/55 -> 65/57, p256 67/63 ->
     // 68/65; 2 threads (% of the 2-thread probe) BLHD 76/64 -> 86/78, p16 71/60 -> 89/73, p256
     // 73/64 -> 87/76. Pairs need D a multiple of 2 * kLanes and the queries as pairs, after
-    // the partial sums in `widened`. AVX2: score_heads_keys, several keys at once.
-    // AVX2, one row of one head over a whole tile of rows that lie together: score_tile_streams.
-    if (kLanes == 8 && rows == 1 && near && d % kLanes == 0 && keys == kKeyTile &&
-        cols == kKeyTile) {
-      using F32 = std::integral_constant<DType, DType::f32>;
-      using F16 = std::integral_constant<DType, DType::f16>;
-      using Bf16 = std::integral_constant<DType, DType::bf16>;
-      if constexpr (sizeof(T) == 4) {
-        score_tile_streams(k, k_at, d, F32{}, q, s, widened);
-      } else if (dtype == DType::f16) {
-        score_tile_streams(k, k_at, d, F16{}, q, s, widened);
-      } else {
-        score_tile_streams(k, k_at, d, Bf16{}, q, s, widened);
-      }
-      return;
-    }
+    // the partial sums in `widened`. AVX2: score_heads_key_groups, 4 keys at a time.
     const bool by_key = heads > 1 && rows == 1 && d % kLanes == 0 &&
                         (sizeof(T) == 4 || !pairs || d % (2 * kLanes) == 0) &&
                         heads * kLanes * kLanes + heads * d / 2 <= d * kKeyTile;
@@ -450,16 +444,16 @@ struct DirectKvScores : DirectKvHeads {
 #endif
       for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
         const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
-        if constexpr (kLanes == 8) {  // AVX2 (the dtype a constant: no test per load)
-          if (sizeof(T) == 4) {
-            score_heads_keys<DType::f32>(k, k_at + c0, block, d, heads, k_step, head_floats, q,
-                                         s + c0, widened, 0, ahead - c0);
+        if constexpr (kLanes == 8) {  // AVX2: score_heads_key_groups
+          if constexpr (sizeof(T) == 4) {
+            score_heads_key_groups(k, k_at + c0, block, F32{}, d, heads, k_step, head_floats, q,
+                                   s + c0, widened, 0, ahead - c0);
           } else if (dtype == DType::f16) {
-            score_heads_keys<DType::f16>(k, k_at + c0, block, d, heads, k_step, head_floats, q,
-                                         s + c0, widened, kByKeyLead, ahead - c0);
+            score_heads_key_groups(k, k_at + c0, block, F16{}, d, heads, k_step, head_floats, q,
+                                   s + c0, widened, kByKeyLead, ahead - c0);
           } else {
-            score_heads_keys<DType::bf16>(k, k_at + c0, block, d, heads, k_step, head_floats, q,
-                                          s + c0, widened, kByKeyLead, ahead - c0);
+            score_heads_key_groups(k, k_at + c0, block, Bf16{}, d, heads, k_step, head_floats, q,
+                                   s + c0, widened, kByKeyLead, ahead - c0);
           }
         } else {
           if constexpr (sizeof(T) == 2) {
