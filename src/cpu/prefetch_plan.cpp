@@ -15,8 +15,10 @@ const PrefetchPlan kPlans[] = {
     // Zen 4 (AMD family 0x19, which also holds Zen 3), and every CPU not named below (not
     // measured). On Zen 3 (AVX2, probe 18-20 GB/s) the plans tried (this one, zen5's, no near
     // K, no V leads, near K into L1) read within the run-to-run noise of each other (5-10
-    // points), bound by the AVX2 kernels' instructions as much as by memory: it keeps this one. Near K rows into L2, f32 rows also 12 KiB ahead; an f32
-    // row's V 8 keys ahead; every one-head item's V also 64 keys ahead into L2; no V into L1.
+    // points), bound by the AVX2 kernels' instructions as much as by memory: it keeps this
+    // one; the AVX2 kernels' whole tiles of one row and multi-head items prefetch less anyway
+    // (flash_direct_kv*-inl.h). Near K rows into L2, f32 rows also 12 KiB ahead; an f32 row's V
+    // 8 keys ahead; every one-head item's V also 64 keys ahead into L2; no V into L1.
     // Built up in steps, each against the step before:
     // - Against the zen5 plan, 5 passes, near K into L2 once and an f32 row's V 8 keys ahead
     //   into L1: MHA [B, Hkv, L, D] f32 47/45 -> 57/58, bf16 60/59 -> 78/78, f16 55/55 ->
