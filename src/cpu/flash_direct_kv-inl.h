@@ -38,6 +38,44 @@ struct VLead {
   bool into_l1;
 };
 
+// One row's P . V over a tile's keys c < keys, run a few keys at a time between the next tile's
+// scores (score_tile_streams: K and V then read as concurrent streams): out [dv] += P . V, out
+// already scaled by the tile's alpha. Each key's whole row at once, through memory (two halves
+// of 4 keys each, as accumulate<T, 1> takes a tile's, ran slower: run_block_with's `overlap`
+// has the figures). Each output element is alpha out
+// plus its keys' products in key order as accumulate<T, 1> forms it (a store rounds nothing):
+// the same bits. Dv a multiple of kLanes.
+template <class T, class Known>
+struct RowProduct {
+  const T* v;                // V rows: key c at v + at[c]
+  const std::int64_t* at;
+  std::int64_t keys;
+  const float* probs;        // [keys]: P
+  float* out;                // [dv]
+  std::int64_t dv;
+  ATTNCORE_TARGET __attribute__((always_inline)) void operator()(std::int64_t c0,
+                                                                 std::int64_t n) const {
+    const std::int64_t end = std::min(c0 + n, keys);
+    for (std::int64_t c = c0; c < end; ++c) {
+      const Vec weight = splat(probs[c]);
+      const T* row = v + at[c];
+#pragma GCC unroll 16
+      for (std::int64_t e = 0; e < dv; e += kLanes) {
+        store(out + e, fmadd(weight, load_part(row + e, kLanes, Known{}), load(out + e)));
+      }
+    }
+  }
+};
+
+// A tile's P . V for one row left to run with the next tile's scores (DirectKv::tile_scores):
+// its V rows, keys, P and alpha.
+struct PendingProduct {
+  const TileRows* v_rows = nullptr;  // none pending
+  std::int64_t keys;
+  const float* probs;
+  float alpha;
+};
+
 // Decode-shaped items (one per kv group, at most kTileRows query rows) read K and V where they
 // lie, in f32, instead of packing each tile first: packing is most of such an item's work. The
 // scores are DirectKvScores' (flash_direct_kv_scores-inl.h); P . V is here.
@@ -273,12 +311,43 @@ struct DirectKv : DirectKvScores {
   // the input's dtype, for `heads` heads (scores: DirectKvScores::scores); the product, for the
   // head whose V rows lie v_shift elements after them, covers keys [begin, begin + keys) of the
   // tile and prefetches the `next` keys after them.
+  // A pending product (one row, one head: PendingProduct) runs with the scores where
+  // score_tile_streams scores the tile, else before them; either way it is no longer pending.
   ATTNCORE_TARGET static void tile_scores(const Params& p, const ForwardArgs& a,
                                           const TileRows& k_rows, std::int64_t heads,
                                           std::int64_t head_floats, std::int64_t keys,
                                           std::int64_t cols, const float* q, std::int64_t rows,
-                                          float* s, float* widened) {
+                                          float* s, float* widened, PendingProduct& pending,
+                                          std::int64_t dv_pad, float* out) {
     const std::int64_t k_step = a.k.stride[1];
+    if (pending.v_rows != nullptr) {
+      const PendingProduct run = pending;
+      pending.v_rows = nullptr;
+      if (!tile_streams(p.head_dim, keys, heads, rows, k_rows.at)) {
+        tile_accumulate(p, a, *run.v_rows, 0, 0, run.keys, 0, 1, run.probs, dv_pad, &run.alpha,
+                        out);
+      } else if constexpr (kLanes == 8) {  // (tile_streams: AVX2 only)
+        for (std::int64_t e = 0; e < dv_pad; e += kLanes) {
+          store(out + e, load(out + e) * splat(run.alpha));
+        }
+        auto with = [&](auto k, auto v, auto known) ATTNCORE_TARGET {
+          using T = std::remove_const_t<std::remove_pointer_t<decltype(v)>>;
+          const RowProduct<T, decltype(known)> product{v, run.v_rows->at, run.keys, run.probs,
+                                                       out, p.head_dim_v};
+          score_tile_streams(k, k_rows.at, p.head_dim, known, q, s, widened, product);
+        };
+        if (a.k.dtype == DType::f32) {
+          with(static_cast<const float*>(a.k.data), static_cast<const float*>(a.v.data), F32{});
+        } else if (a.k.dtype == DType::f16) {
+          with(static_cast<const std::uint16_t*>(a.k.data),
+               static_cast<const std::uint16_t*>(a.v.data), F16{});
+        } else {
+          with(static_cast<const std::uint16_t*>(a.k.data),
+               static_cast<const std::uint16_t*>(a.v.data), Bf16{});
+        }
+        return;
+      }
+    }
     if (a.k.dtype == DType::f32) {
       scores(p, static_cast<const float*>(a.k.data), k_rows.at, k_rows.count, a.k.dtype, keys, cols,
              heads, k_step, head_floats, q, rows, false, s, widened);

@@ -16,6 +16,11 @@
 
 namespace attncore::detail::ATTNCORE_TARGET_NS {
 
+// Nothing to run between score_tile_streams' groups of keys.
+struct NoWork {
+  ATTNCORE_TARGET void operator()(std::int64_t, std::int64_t) const {}
+};
+
 // The scores of DirectKv items (flash_direct_kv-inl.h): one row, a group's rows, or one row per
 // head across several heads, against a block of kLanes keys or a key tile.
 struct DirectKvScores : DirectKvHeads {
@@ -31,6 +36,14 @@ struct DirectKvScores : DirectKvHeads {
     return rows <= 4 && kTileRows > 4 ? 4 : kTileRows;
   }
 
+  // Whether score_tile_streams scores this tile: AVX2, one row of one head, a whole tile of
+  // rows that lie together ([B, Hkv, L, D]), D a multiple of kLanes.
+  ATTNCORE_TARGET static bool tile_streams(std::int64_t d, std::int64_t keys, std::int64_t heads,
+                                           std::int64_t rows, const std::int64_t* k_at) {
+    return kLanes == 8 && heads == 1 && rows == 1 && d % kLanes == 0 && keys == kKeyTile &&
+           k_at[1] - k_at[0] == d;
+  }
+
   // The scores of one row against a whole key tile of one head (s[0 .. kKeyTile)), the keys at k
   // + k_at[c], kStreams keys kKeyTile / kStreams apart at a time: each of their rows read in
   // order with one query load for all of them, so that K is read as kStreams sequential
@@ -42,10 +55,13 @@ struct DirectKvScores : DirectKvHeads {
   // ahead: 74, 75, 78, 71 -> 83, 82, 80, 83 (2 streams 74-84, 8 streams 81-83); bf16 63, 61, 66,
   // 64 -> 67, 64, 67, 62, f16 66, 66, 66, 65 -> 73, 66, 66, 66; score_keys without its
   // prefetches 53. (GQA f32, each row's scores so: 49-57 -> 45-54.)
-  template <class T, class Known>
+  // With `between`, between(kStreams * j, kStreams) runs after the j-th group of keys (the
+  // previous tile's P . V: DirectKv::RowProduct), so that V is read as K is.
+  template <class T, class Known, class Between = NoWork>
   ATTNCORE_TARGET static void score_tile_streams(const T* k, const std::int64_t* k_at,
                                                  std::int64_t d, Known dtype, const float* q,
-                                                 float* s, float* parts) {
+                                                 float* s, float* parts,
+                                                 const Between& between = {}) {
     constexpr int kStreams = 4;
     constexpr int kSpan = kKeyTile / kStreams;
     for (int j = 0; j < kSpan; ++j) {
@@ -65,6 +81,7 @@ struct DirectKvScores : DirectKvHeads {
       }
 #pragma GCC unroll 8
       for (int i = 0; i < kStreams; ++i) store(parts + (j + i * kSpan) * kLanes, acc[i]);
+      between(kStreams * j, kStreams);
     }
     for (int c0 = 0; c0 < kKeyTile; c0 += kLanes) {
       Vec t[kLanes];
@@ -374,8 +391,7 @@ struct DirectKvScores : DirectKvHeads {
     const std::int64_t d = p.head_dim;
     // AVX2, one row of one head over a whole tile of rows that lie together ([B, Hkv, L, D]):
     // score_tile_streams, with no prefetch.
-    if (kLanes == 8 && heads == 1 && rows == 1 && d % kLanes == 0 && keys == kKeyTile &&
-        k_at[1] - k_at[0] == d) {
+    if (tile_streams(d, keys, heads, rows, k_at)) {
       if constexpr (sizeof(T) == 4) {
         score_tile_streams(k, k_at, d, F32{}, q, s, widened);
       } else if (dtype == DType::f16) {
