@@ -42,21 +42,28 @@ struct VLead {
 // scores (score_tile_streams: K and V then read as concurrent streams): out [dv] += P . V, out
 // already scaled by the tile's alpha. Each key's whole row at once, through memory (two halves
 // of 4 keys each, as accumulate<T, 1> takes a tile's, ran slower: run_block_with's `overlap`
-// has the figures). Each output element is alpha out
-// plus its keys' products in key order as accumulate<T, 1> forms it (a store rounds nothing):
-// the same bits. Dv a multiple of kLanes.
+// has the figures). Each output element is alpha out plus its keys' products in key order as
+// accumulate<T, 1> forms it (a store rounds nothing): the same bits. Dv a multiple of kLanes.
 template <class T, class Known>
 struct RowProduct {
-  const T* v;                // V rows: key c at v + at[c]
+  const T* v;  // V rows: key c at v + at[c]
   const std::int64_t* at;
   std::int64_t keys;
-  const float* probs;        // [keys]: P
-  float* out;                // [dv]
+  const float* probs;  // [keys]: P
+  float* out;          // [dv]
   std::int64_t dv;
+  std::int64_t ahead;  // rows known: at[c] for c < ahead (TileRows::count)
+  // V rows prefetched this many keys ahead, into L1: Zen 3, 1 thread, % of the probe,
+  // Lk=16384, five runs of 5 interleaved passes (scratch harness), none / 8 / 16 keys: f32
+  // 88-102 / 90-101 / 91-100, bf16 70-85 / 76-95 / 77-89, f16 72-85 / 81-96 / 79-90 (means:
+  // bf16 77 / 86 / 83, f16 80 / 87 / 84; into L2, one run of 3 passes: 32 keys bf16 73-86,
+  // f16 79-85, 64 keys 79-93, 82-98).
+  static constexpr std::int64_t kLead = 8;
   ATTNCORE_TARGET __attribute__((always_inline)) void operator()(std::int64_t c0,
                                                                  std::int64_t n) const {
     const std::int64_t end = std::min(c0 + n, keys);
     for (std::int64_t c = c0; c < end; ++c) {
+      if (c + kLead < ahead) prefetch_lines<3>(v + at[c + kLead], dv);
       const Vec weight = splat(probs[c]);
       const T* row = v + at[c];
 #pragma GCC unroll 16
@@ -333,7 +340,7 @@ struct DirectKv : DirectKvScores {
         auto with = [&](auto k, auto v, auto known) ATTNCORE_TARGET {
           using T = std::remove_const_t<std::remove_pointer_t<decltype(v)>>;
           const RowProduct<T, decltype(known)> product{v, run.v_rows->at, run.keys, run.probs,
-                                                       out, p.head_dim_v};
+                                                       out, p.head_dim_v, run.v_rows->count};
           score_tile_streams(k, k_rows.at, p.head_dim, known, q, s, widened, product);
         };
         if (a.k.dtype == DType::f32) {
