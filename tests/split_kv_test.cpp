@@ -316,6 +316,19 @@ TEST(SplitKv, DenseCacheEveryVariantAndDtype) {
        .lq = 3,
        .seqlens = {700, 300},
        .causal = Causal::lower_right},
+      // MHA with D a multiple of 8: over [B, Hkv, L, D] one row per kv head reads whole tiles
+      // in streams, each tile's P . V run with the next tile's scores (AVX2), its bits checked
+      // against [B, L, Hkv, D]'s; a window cuts the first tiles (P . V at once), then not.
+      {.name = "mha d128 bf16", .dtype = DType::bf16, .hkv = 4, .dim = 128, .dim_v = 128,
+       .seqlens = {1100, 300}},
+      {.name = "mha window f16",
+       .dtype = DType::f16,
+       .hq = 2,
+       .dim = 128,
+       .dim_v = 64,
+       .seqlens = {1200, 520},
+       .causal = Causal::lower_right,
+       .window_left = 700},
       {.name = "softcap alibi leftpad f32",
        .hkv = 4,
        .dim = 40,

@@ -56,7 +56,8 @@ struct DirectKvScores : DirectKvHeads {
   // 64 -> 67, 64, 67, 62, f16 66, 66, 66, 65 -> 73, 66, 66, 66; score_keys without its
   // prefetches 53. (GQA f32, each row's scores so: 49-57 -> 45-54.)
   // With `between`, between(kStreams * j, kStreams) runs after the j-th group of keys (the
-  // previous tile's P . V: DirectKv::RowProduct), so that V is read as K is.
+  // previous tile's P . V: DirectKv::RowProduct), so that V is read as K is; s is written after
+  // the last group, so `between` may read the previous tile's P from it.
   template <class T, class Known, class Between = NoWork>
   ATTNCORE_TARGET static void score_tile_streams(const T* k, const std::int64_t* k_at,
                                                  std::int64_t d, Known dtype, const float* q,

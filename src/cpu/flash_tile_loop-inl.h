@@ -140,19 +140,19 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   const KeyRange span = seen.span();
   const std::int64_t first_key = std::max(span.begin, item.key_begin);
   const std::int64_t end_key = std::min(span.end, item.key_end);
-  // AVX2, one row of one kv head read in place: each tile's P . V (no key left out) waits for
-  // the next tile's scores and runs with them (DirectKv::tile_scores), so that K and V are read
-  // as concurrent streams, each tile's V rows and S in one of two halves (S: rows 0 and 1 of
-  // the scratch's, one row computed). MHA [B, Hkv, L, D], Zen 3, 1 thread, % of the probe,
-  // Lk=16384, three runs of 3 interleaved passes (scratch harness, huge pages) against P . V
-  // after each tile's scores: f32 85/82/81 -> 99/86/93, bf16 75/73/68 -> 81/76/81, f16
-  // 78/80/71 -> 89/78/75 (the scores' 4 keys adjacent instead of 32 apart: f32 60/61/61,
-  // 16-bit within noise of the base; P . V in two halves of the row per 4 keys, as
-  // accumulate<T, 1> runs: f32 70-75, 16-bit 76-80). Not kept, 3 runs of 3 passes each: items
-  // of several kv heads ([B, L, Hkv, D], pages) with each head's 4 keys of V after its 4 scored
-  // keys (f32 BLHD 91-101 -> 78-93, 16-bit within noise or lower) or every head's after each
-  // group of 4 keys (within noise); GQA rows with each 8-key block's P . V after it is scored
-  // (f32 46-59 -> 44-55, 16-bit within noise), also without the GQA product's V prefetches.
+  // AVX2, one row of one kv head read in place: each tile's P . V (no key left out) waits for the
+  // next tile's scores and runs with them (DirectKv::tile_scores), so that K and V are read as
+  // concurrent streams, each tile's V rows in one of two buffers (its P stays in S, which
+  // score_tile_streams writes after its last group). MHA [B, Hkv, L, D], Zen 3, 1 thread, % of the
+  // probe, Lk=16384, three runs of 3 interleaved passes (scratch harness, huge pages) against P . V
+  // after each tile's scores: f32 85/82/81 -> 99/86/93, bf16 75/73/68 -> 81/76/81, f16 78/80/71 ->
+  // 89/78/75 (the scores' 4 keys adjacent instead of 32 apart: f32 60/61/61, 16-bit within noise of
+  // the base; P . V in two halves of the row per 4 keys, as accumulate<T, 1> runs: f32 70-75,
+  // 16-bit 76-80). Not kept, 3 runs of 3 passes each: items of several kv heads ([B, L, Hkv, D],
+  // pages) with each head's 4 keys of V after its 4 scored keys (f32 BLHD 91-101 -> 78-93, 16-bit
+  // within noise or lower) or every head's after each group of 4 keys (within noise); GQA rows with
+  // each 8-key block's P . V after it is scored (f32 46-59 -> 44-55, 16-bit within noise), also
+  // without the GQA product's V prefetches.
   const bool overlap = direct && kLanes == 8 && heads == 1 && rows == 1 &&
                        p.head_dim_v % kLanes == 0 && a.k.dtype == a.v.dtype;
   TileRows tile_rows[3];
@@ -171,16 +171,15 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
     const float* k_tile = w.k_tile;
     const float* v_tile = w.v_tile;
     // In place: the tile's rows of the first kv head, pages resolved once (V in turns with
-    // `overlap`), and where the tile's S lies.
+    // `overlap`).
     TileRows& k_rows = tile_rows[2];
     TileRows& v_rows = tile_rows[overlap ? t & 1 : 0];
-    const std::int64_t s_shift = overlap && t % 2 == 1 ? kKeyTile : 0;
     if (direct) {
       resolve_rows(p, a.k, b, item.kv_head, j0, k_rows);
       resolve_rows(p, a.v, b, item.kv_head, j0, v_rows);
       const FlashScratch w0 = scratch_of(0);
       DirectKv::tile_scores(p, a, k_rows, heads, w.head_floats, keys, cols, w0.q, rows,
-                            w0.scores + s_shift, w.k_tile, pending, dv_pad, w0.out);
+                            w0.scores, w.k_tile, pending, dv_pad, w0.out);
     } else if (panel.k_tiles != nullptr) {
       k_tile = panel.k_tiles + t * d * kKeyTile;
       v_tile = panel.v_rows + j0 * dv_pad;
@@ -196,8 +195,7 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
     const std::int64_t pv_cols = std::min(cols, tile_cols(span.end - j0));
     const std::int64_t pv_keys = std::min(keys, pv_cols);
     for (std::int64_t x = 0; x < heads; ++x) {
-      FlashScratch wx = scratch_of(x);
-      wx.scores += s_shift;
+      const FlashScratch wx = scratch_of(x);
       const std::int64_t kv_head = item.kv_head + x;
       std::int64_t hx[kBlockRows];
       heads_of(x, hx);
