@@ -320,7 +320,7 @@ TEST(SplitKv, DenseCacheEveryVariantAndDtype) {
       // in streams, each tile's P . V run with the next tile's scores (AVX2), its bits checked
       // against [B, L, Hkv, D]'s; a window cuts the first tiles (P . V at once), then not.
       {.name = "mha d128 bf16", .dtype = DType::bf16, .hkv = 4, .dim = 128, .dim_v = 128,
-       .seqlens = {1100, 300}},
+       .seqlens = {1024, 300}},
       {.name = "mha window f16",
        .dtype = DType::f16,
        .hq = 2,
@@ -348,24 +348,35 @@ TEST(SplitKv, PagedCacheEveryPageSize) {
                     .seqlens = {600, 129, 0},
                     .leftpad = {0, 3, 0},
                     .causal = Causal::lower_right};
-  for (std::int64_t page_size : {1, 3, 16, 256}) check_cache_case(c, page_size);
+  // One kv head and one query head: each page's rows lie together, and whole tiles that
+  // start with two rows of one page are read as streams across the pages (AVX2).
+  const CacheCase one_head{
+      .name = "paged one head", .dtype = DType::f16, .hq = 1, .hkv = 1, .seqlens = {768, 200}};
+  for (std::int64_t page_size : {1, 3, 16, 256}) {
+    check_cache_case(c, page_size);
+    check_cache_case(one_head, page_size);
+  }
 }
 
 // An f32 query over bf16 and f16 caches (K/V widened in registers), dense and paged.
 TEST(SplitKv, F32QueryOver16BitCaches) {
   for (DType kv : {DType::bf16, DType::f16}) {
-    CacheCase c{.name = "f32 query, 16-bit cache",
-                .seqlens = {1400, 90},
-                .leftpad = {2, 0},
-                .causal = Causal::lower_right};
-    c.kv_dtype = kv;
-    for (std::int64_t page_size : {0, 16}) check_cache_case(c, page_size);
+    for (std::int64_t hq : {4, 2}) {  // rows of two query heads per kv head, and MHA
+      CacheCase c{.name = "f32 query, 16-bit cache",
+                  .hq = hq,
+                  .seqlens = {1400, 90},
+                  .leftpad = {2, 0},
+                  .causal = Causal::lower_right};
+      c.kv_dtype = kv;
+      for (std::int64_t page_size : {0, 16}) check_cache_case(c, page_size);
+    }
   }
 }
 
 // Dense decode calls (no cache) that read K/V in place take the same split path.
 TEST(SplitKv, DenseDecodeCalls) {
-  for (const Dims& dims : {Dims{2, 4, 1, 1, 1100, 64, 64}, Dims{1, 32, 1, 1, 700, 64, 64}}) {
+  for (const Dims& dims : {Dims{2, 4, 1, 1, 1100, 64, 64}, Dims{1, 32, 1, 1, 700, 64, 64},
+                           Dims{1, 2, 2, 1, 1100, 64, 64}}) {
     for (Variant variant : {Variant::plain, Variant::window, Variant::alibi_heads,
                             Variant::bool_mask, Variant::additive_full, Variant::dropout}) {
       SCOPED_TRACE(name_of_variant(variant));

@@ -40,9 +40,9 @@ struct VLead {
 
 // One row's P . V over a tile's keys c < keys, run a few keys at a time between the next tile's
 // scores (score_tile_streams: K and V then read as concurrent streams): out [dv] += P . V, out
-// already scaled by the tile's alpha. Each key's whole row at once, through memory (two halves
-// of 4 keys each, as accumulate<T, 1> takes a tile's, ran slower: run_block_with's `overlap`
-// has the figures). Each output element is alpha out plus its keys' products in key order as
+// already scaled by the tile's alpha. Each key's whole row at once, through memory (the row in
+// two halves per 4 keys, as accumulate<T, 1> takes a tile's, ran slower: run_block_with's
+// `overlap` has the figures). Each output element is alpha out plus its keys' products in key order as
 // accumulate<T, 1> forms it (a store rounds nothing): the same bits. Dv a multiple of kLanes.
 template <class T, class Known>
 struct RowProduct {
@@ -314,6 +314,37 @@ struct DirectKv : DirectKvScores {
     }
   }
 
+  // A tile's scores by score_tile_streams (AVX2: tile_streams) with the pending product of the
+  // tile before it (RowProduct; out scaled by its alpha first, as accumulate<T, 1> scales it).
+  // A template, so that the targets without tile_streams instantiate none of it.
+  template <bool kStreams = kLanes == 8>
+  ATTNCORE_TARGET static void streams_with_product(const Params& p, const ForwardArgs& a,
+                                                   const TileRows& k_rows,
+                                                   const PendingProduct& run, const float* q,
+                                                   float* s, float* widened, std::int64_t dv_pad,
+                                                   float* out) {
+    if constexpr (kStreams) {
+      for (std::int64_t e = 0; e < dv_pad; e += kLanes) {
+        store(out + e, load(out + e) * splat(run.alpha));
+      }
+      auto with = [&](auto k, auto v, auto known) ATTNCORE_TARGET {
+        using T = std::remove_const_t<std::remove_pointer_t<decltype(v)>>;
+        const RowProduct<T, decltype(known)> product{v, run.v_rows->at, run.keys, run.probs,
+                                                     out, p.head_dim_v, run.v_rows->count};
+        score_tile_streams(k, k_rows.at, p.head_dim, known, q, s, widened, product);
+      };
+      if (a.k.dtype == DType::f32) {
+        with(static_cast<const float*>(a.k.data), static_cast<const float*>(a.v.data), F32{});
+      } else if (a.k.dtype == DType::f16) {
+        with(static_cast<const std::uint16_t*>(a.k.data),
+             static_cast<const std::uint16_t*>(a.v.data), F16{});
+      } else {
+        with(static_cast<const std::uint16_t*>(a.k.data),
+             static_cast<const std::uint16_t*>(a.v.data), Bf16{});
+      }
+    }
+  }
+
   // Both for a key tile of K and V rows resolved (TileRows) of the item's first kv head, in
   // the input's dtype, for `heads` heads (scores: DirectKvScores::scores); the product, for the
   // head whose V rows lie v_shift elements after them, covers keys [begin, begin + keys) of the
@@ -330,30 +361,10 @@ struct DirectKv : DirectKvScores {
     if (pending.v_rows != nullptr) {
       const PendingProduct run = pending;
       pending.v_rows = nullptr;
-      if (!tile_streams(p.head_dim, keys, heads, rows, k_rows.at)) {
-        tile_accumulate(p, a, *run.v_rows, 0, 0, run.keys, 0, 1, run.probs, dv_pad, &run.alpha,
-                        out);
-      } else if constexpr (kLanes == 8) {  // (tile_streams: AVX2 only)
-        for (std::int64_t e = 0; e < dv_pad; e += kLanes) {
-          store(out + e, load(out + e) * splat(run.alpha));
-        }
-        auto with = [&](auto k, auto v, auto known) ATTNCORE_TARGET {
-          using T = std::remove_const_t<std::remove_pointer_t<decltype(v)>>;
-          const RowProduct<T, decltype(known)> product{v, run.v_rows->at, run.keys, run.probs,
-                                                       out, p.head_dim_v, run.v_rows->count};
-          score_tile_streams(k, k_rows.at, p.head_dim, known, q, s, widened, product);
-        };
-        if (a.k.dtype == DType::f32) {
-          with(static_cast<const float*>(a.k.data), static_cast<const float*>(a.v.data), F32{});
-        } else if (a.k.dtype == DType::f16) {
-          with(static_cast<const std::uint16_t*>(a.k.data),
-               static_cast<const std::uint16_t*>(a.v.data), F16{});
-        } else {
-          with(static_cast<const std::uint16_t*>(a.k.data),
-               static_cast<const std::uint16_t*>(a.v.data), Bf16{});
-        }
-        return;
+      if (tile_streams(p.head_dim, keys, heads, rows, k_rows.at)) {
+        return streams_with_product(p, a, k_rows, run, q, s, widened, dv_pad, out);
       }
+      tile_accumulate(p, a, *run.v_rows, 0, 0, run.keys, 0, 1, run.probs, dv_pad, &run.alpha, out);
     }
     if (a.k.dtype == DType::f32) {
       scores(p, static_cast<const float*>(a.k.data), k_rows.at, k_rows.count, a.k.dtype, keys, cols,

@@ -153,8 +153,11 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   // within noise or lower) or every head's after each group of 4 keys (within noise); GQA rows with
   // each 8-key block's P . V after it is scored (f32 46-59 -> 44-55, 16-bit within noise), also
   // without the GQA product's V prefetches.
+  // (Where the next tile is not scored by score_tile_streams, as over [B, L, Hkv, D] or the
+  // last tile, the product runs before its scores: the same work, later.)
   const bool overlap = direct && kLanes == 8 && heads == 1 && rows == 1 &&
-                       p.head_dim_v % kLanes == 0 && a.k.dtype == a.v.dtype;
+                       p.head_dim % kLanes == 0 && p.head_dim_v % kLanes == 0 &&
+                       a.k.dtype == a.v.dtype;
   TileRows tile_rows[3];
   PendingProduct pending;
   const std::int64_t tile_begin = first_key / kKeyTile;
