@@ -42,8 +42,9 @@ struct VLead {
 // scores (score_tile_streams: K and V then read as concurrent streams): out [dv] += P . V, out
 // already scaled by the tile's alpha. Each key's whole row at once, through memory (the row in
 // two halves per 4 keys, as accumulate<T, 1> takes a tile's, ran slower: run_block_with's
-// `overlap` has the figures). Each output element is alpha out plus its keys' products in key order as
-// accumulate<T, 1> forms it (a store rounds nothing): the same bits. Dv a multiple of kLanes.
+// `overlap` has the figures). Each output element is alpha out plus its keys' products in key
+// order as accumulate<T, 1> forms it (a store rounds nothing): the same bits. Dv a multiple of
+// kLanes.
 template <class T, class Known>
 struct RowProduct {
   const T* v;  // V rows: key c at v + at[c]
@@ -314,6 +315,13 @@ struct DirectKv : DirectKvScores {
     }
   }
 
+  // A pending product run on its own: the tile's P . V, as tile_accumulate runs any.
+  ATTNCORE_TARGET static void run_pending(const Params& p, const ForwardArgs& a,
+                                          const PendingProduct& run, std::int64_t dv_pad,
+                                          float* out) {
+    tile_accumulate(p, a, *run.v_rows, 0, 0, run.keys, 0, 1, run.probs, dv_pad, &run.alpha, out);
+  }
+
   // A tile's scores by score_tile_streams (AVX2: tile_streams) with the pending product of the
   // tile before it (RowProduct; out scaled by its alpha first, as accumulate<T, 1> scales it).
   // A template, so that the targets without tile_streams instantiate none of it.
@@ -364,7 +372,7 @@ struct DirectKv : DirectKvScores {
       if (tile_streams(p.head_dim, keys, heads, rows, k_rows.at)) {
         return streams_with_product(p, a, k_rows, run, q, s, widened, dv_pad, out);
       }
-      tile_accumulate(p, a, *run.v_rows, 0, 0, run.keys, 0, 1, run.probs, dv_pad, &run.alpha, out);
+      run_pending(p, a, run, dv_pad, out);
     }
     if (a.k.dtype == DType::f32) {
       scores(p, static_cast<const float*>(a.k.data), k_rows.at, k_rows.count, a.k.dtype, keys, cols,

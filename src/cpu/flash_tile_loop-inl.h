@@ -330,8 +330,7 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   }
 
   if (pending.v_rows != nullptr) {  // the last tile's P . V
-    DirectKv::tile_accumulate(p, a, *pending.v_rows, 0, 0, pending.keys, 0, 1, pending.probs,
-                              dv_pad, &pending.alpha, scratch_of(0).out);
+    DirectKv::run_pending(p, a, pending, dv_pad, scratch_of(0).out);
   }
 
   // out = O / l, lse = m ln 2 + log l; rows with no visible key: exactly 0 (even where V holds
