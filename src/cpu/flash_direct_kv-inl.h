@@ -110,7 +110,8 @@ struct DirectKv : DirectKvScores {
   // 69/71 with 16 keys, 67/78 with 4, 67/66 with 2; p16 66/65 -> 78/74, p256 71/70 -> 77/77;
   // bf16 BLHD 73/69 -> 52/51 and f16 66/61 -> 50/48 with 4 (also with each row prefetched
   // once: 70/71, 64/67); GQA f32 BLHD 59/53 -> 53/50. AVX2 prefetches no next chunk (the
-  // hardware prefetcher streams the chunks' rows, read in address order: tile_accumulate) and
+  // hardware prefetcher streams the chunks' rows, read in address order; but a group's 16-bit
+  // rows prefetch their head's next chunk in accumulate: tile_accumulate) and
   // takes one row's 16-bit V 8 keys at a time: Zen 3, 1 thread, % of the probe, Lk=16384, 3
   // runs of 3 interleaved passes: f32 (4 keys) BLHD 64/74/62 -> 88/96/98, p16 57/73/67 ->
   // 95/87/83; bf16 BLHD 55/55/48 with 16 keys and the prefetch -> 59/72/73 with 4 keys, none,
@@ -179,8 +180,8 @@ struct DirectKv : DirectKvScores {
                        : 0;
       }
       // AVX2, several rows (GQA): no prefetch in the key loop. Each column slice first
-      // prefetches its share of the rows lead.l1 keys on (a one-head item's next chunk; none for
-      // a multi-head item, whose lead.l1 is `ahead`), and nothing lead.l2 keys on. With a
+      // prefetches its share of the rows lead.l1 keys on (the next chunk's of this head, or none
+      // where lead.l1 is `ahead`: tile_accumulate), and nothing lead.l2 keys on. With a
       // prefetch of the slice's lines 16 keys on, the row lead.l1 keys on and the one lead.l2
       // (64) keys on in the loop, the loop's branches and prefetches took a third of P . V:
       // Zen 3, GQA 4 rows over one kv head [B, Hkv, L, D] Lk=8192 from L3, TSC ticks per key,
@@ -428,8 +429,15 @@ struct DirectKv : DirectKvScores {
     // as far as the plan says), and into L2 as far as the plan says (prefetch_plan.h; 0: not).
     const PrefetchPlan& plan = prefetch_plan();
     auto keys_or_none = [&](int n) { return n > 0 ? std::int64_t{n} : ahead; };
+    // Several heads: on AVX2, a group's 16-bit rows (GQA) prefetch their head's next chunk as
+    // they go (accumulate's sliced lead), f32 rows and one row per head nothing (GQA Hq=32
+    // Hkv=8 Lk=16384, Zen 3, 1 thread, TSC ticks per key and head, 15 rounds of both in turn in
+    // one process, median/best: f16 [B, L, Hkv, D] 204/161 -> 184/142, p16 237/190 -> 202/154;
+    // bf16 BLHD 202/161 -> 173/142, p16 242/233 -> 204/186; f32 BLHD 246/212 -> 256/229 and
+    // 238/210 -> 248/215, p16 (Lk=4096) 250/203 -> 251/211).
+    const bool group_lead = kLanes == 8 && rows > 2 && a.v.dtype != DType::f32;
     const VLead lead =
-        next > 0 ? VLead{ahead, ahead, false, plan.v_into_l1}
+        next > 0 ? VLead{group_lead ? keys : ahead, ahead, false, plan.v_into_l1}
                  : VLead{rows > 1 || a.v.dtype != DType::f32 ? kVLead
                                                              : keys_or_none(plan.f32_row_v_lead),
                          keys_or_none(plan.v_far), true, plan.v_into_l1};
