@@ -298,22 +298,22 @@ struct DirectKv : DirectKvScores {
   // accumulate<R> for the item's rows. With several column slices (GQA), keys in chunks of 32
   // so that a chunk's V rows stay in L1 from one slice to the next (a 128-key f32 tile does
   // not fit: GQA f32 decode read 14-16 GB/s against 19-24 for 8 rows in 4 slices); the
-  // accumulator is rescaled by the first chunk only (the same bits as one pass). AVX2, one
-  // head's f32 rows: chunks of 8 keys (a slice of 2 vectors reads one line of each row; 8 rows'
-  // lines per slice from memory ran near the memory's pace where 32 did not): Zen 3, 4 rows, P
-  // . V alone over 64 MiB of V, TSC ticks per key (V at the probe: 68), 11 rounds in turn,
-  // median: 32 keys 120, 16 keys 112, 8 keys 85-88 (the sliced lead 8 to 32 keys alike); f16
-  // (two slices a line) 48 at 32 keys, 46-50 at 16, 88-90 at 8. Whole decode, GQA Hq=32 Hkv=8
-  // Lk=16384 [B, Hkv, L, D], median/best of 15 rounds: 318/288 -> 280/248, 275/246 -> 226/211
-  // in another run of 11 ([B, L, Hkv, D] and pages, whose chunks are a head's 16 keys: 8 within
-  // noise, and kept at 16).
+  // accumulator is rescaled by the first chunk only (the same bits as one pass). AVX2, a
+  // group's f32 rows over one head: chunks of 8 keys (a slice of 2 vectors reads one line of
+  // each row; 8 rows' lines per slice from memory ran near the memory's pace where 32 did not):
+  // Zen 3, 4 rows, P . V alone over 64 MiB of V, TSC ticks per key (V at the probe: 68), 11
+  // rounds in turn, median: 32 keys 120, 16 keys 112, 8 keys 85-88 (the sliced lead 8 to 32
+  // keys alike); f16 (two slices a line) 48 at 32 keys, 46-50 at 16, 88-90 at 8. Whole decode,
+  // GQA Hq=32 Hkv=8 Lk=16384 [B, Hkv, L, D], median/best of 15 rounds: 318/288 -> 280/248,
+  // 275/246 -> 226/211 in another run of 11 ([B, L, Hkv, D] and pages, whose chunks are a
+  // head's 16 keys: 8 within noise, and kept at 16).
   template <class T, int R>
   ATTNCORE_TARGET static void accumulate_chunks(const Params& p, const T* v,
                                                 const std::int64_t* v_at, std::int64_t ahead,
                                                 VLead lead, DType dtype, std::int64_t keys,
                                                 const float* probs, std::int64_t dv_pad,
                                                 const float* alpha, float* out) {
-    const std::int64_t kChunk = kLanes == 8 && sizeof(T) == 4 && lead.one_head ? 8 : 32;
+    const std::int64_t kChunk = kLanes == 8 && sizeof(T) == 4 && R > 2 && lead.one_head ? 8 : 32;
     if (slice_vectors(R) * kLanes >= dv_pad || keys <= kChunk) {
       return accumulate<T, R>(p, v, v_at, ahead, lead, dtype, keys, probs, dv_pad, alpha, out);
     }
