@@ -180,16 +180,15 @@ struct DirectKv : DirectKvScores {
                        : 0;
       }
       // AVX2, several rows (GQA): no prefetch in the key loop. Each column slice first
-      // prefetches its share of the rows lead.l1 keys on (the next chunk's of this head, or none
-      // where lead.l1 is `ahead`: tile_accumulate), and nothing lead.l2 keys on. With a
-      // prefetch of the slice's lines 16 keys on, the row lead.l1 keys on and the one lead.l2
-      // (64) keys on in the loop, the loop's branches and prefetches took a third of P . V:
-      // Zen 3, GQA 4 rows over one kv head [B, Hkv, L, D] Lk=8192 from L3, TSC ticks per key,
-      // best of 2000 calls: f16 123 -> 103, f32 157 -> 133; from memory (Hq=32 Hkv=8
-      // Lk=16384, 25 rounds of the variants in turn in one process, median/best): f16 242/164
-      // -> 171/136 (with the lead.l2 prefetch too 187/134), f32 (15 rounds) 357/286 -> 306/273
-      // (285/247); [B, L, Hkv, D] within noise (f16 178 -> 183, f32 246 -> 275/234, mins
-      // 215-220 alike).
+      // prefetches its share of the chunk's `keys` rows lead.l1 keys on (one head: 32 keys on;
+      // several heads: the head's next chunk, or none where lead.l1 is `ahead`:
+      // tile_accumulate), and nothing lead.l2 keys on. With a prefetch of the slice's lines 16
+      // keys on, the row lead.l1 keys on and the one lead.l2 (64) keys on in the loop, the
+      // loop's branches and prefetches took a third of P . V: Zen 3, GQA 4 rows over one kv head
+      // [B, Hkv, L, D] Lk=8192 from L3, TSC ticks per key, best of 2000 calls: f16 123 -> 103,
+      // f32 157 -> 133; from memory (Hq=32 Hkv=8 Lk=16384, the variants in turn in one process,
+      // median/best): f16 (25 rounds) 242/164 -> 171/136 (with the lead.l2 prefetch too:
+      // 201/134), f32 (15 rounds) 357/286 -> 306/273 (316/296).
       constexpr bool kSlicedLead = kLanes == 8 && R > 2;
       if constexpr (kSlicedLead) {
         const std::int64_t slices = (dv_pad + kCols - 1) / kCols;
