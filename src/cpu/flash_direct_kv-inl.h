@@ -29,9 +29,10 @@ constexpr std::int64_t kVLead = 32;
 constexpr std::int64_t kHeadVAhead = 8192;
 
 // How far ahead of P . V the V rows of a one-head item are prefetched, in keys: into L1 and
-// into L2 (`ahead`, the rows known, for none); whether the item is one head's (its V one
-// sequential stream); and whether the prefetches `l1` names (and GQA's column slices') go into
-// L1, or into L2 instead where the core's prefetch plan says so (v_into_l1).
+// into L2 (`ahead`, the rows known, for none; on AVX2 a group's rows use `l1` only, also over
+// several heads: DirectKv::accumulate); whether the item is one head's (its V one sequential
+// stream); and whether the prefetches `l1` names (and, on AVX-512, GQA's column slices') go
+// into L1, or into L2 instead where the core's prefetch plan says so (v_into_l1).
 struct VLead {
   std::int64_t l1, l2;
   bool one_head;
@@ -117,7 +118,8 @@ struct DirectKv : DirectKvScores {
   // 95/87/83; bf16 BLHD 55/55/48 with 16 keys and the prefetch -> 59/72/73 with 4 keys, none,
   // and against that 82/94/62 with 8, 75/72/59 with 16; f16 BLHD 75/79/64 (4) -> 84/88/66 (8),
   // bf16 p16 74/74/56 -> 79/87/59, f16 p16 75/66/76 -> 83/83/63. GQA BLHD (Hkv=8) within the
-  // noise either way (f32 59/55/47 without the prefetch, 44/48/58 with).
+  // noise either way with that prefetch (f32 59/55/47 without it, 44/48/58 with); a 16-bit
+  // group's rows now prefetch their head's next chunk in accumulate instead (tile_accumulate).
   ATTNCORE_TARGET static std::int64_t head_chunk(DType dtype, std::int64_t rows) {
     if (rows > 1) return 16;
     if (dtype == DType::f32) return 4;
@@ -188,13 +190,15 @@ struct DirectKv : DirectKvScores {
       // [B, Hkv, L, D] Lk=8192 from L3, TSC ticks per key, best of 2000 calls: f16 123 -> 103,
       // f32 157 -> 133; from memory (Hq=32 Hkv=8 Lk=16384, the variants in turn in one process,
       // median/best): f16 (25 rounds) 242/164 -> 171/136 (with the lead.l2 prefetch too:
-      // 201/134), f32 (15 rounds) 357/286 -> 306/273 (316/296).
+      // 201/134), f32 (15 rounds) 357/286 -> 306/273 (316/296). Groups of 6 rows (Hq=48 Hkv=8,
+      // R = kTileRows) with this and the 8-key f32 chunks below, against the version before, 3
+      // runs each, best of 3: f32 345-355 -> 286-291, f16 190-255 -> 149-200.
       constexpr bool kSlicedLead = kLanes == 8 && R > 2;
       if constexpr (kSlicedLead) {
         const std::int64_t slices = (dv_pad + kCols - 1) / kCols;
         const std::int64_t per = (keys + slices - 1) / slices;
         const std::int64_t from = lead.l1 + e0 / kCols * per;
-        for (std::int64_t c = from; c < std::min(from + per, ahead); ++c) {
+        for (std::int64_t c = from; c < std::min({from + per, lead.l1 + keys, ahead}); ++c) {
           if (lead.into_l1) {
             prefetch_lines<3>(v + v_at[c], dv);
           } else {
@@ -305,7 +309,8 @@ struct DirectKv : DirectKvScores {
   // keys alike); f16 (two slices a line) 48 at 32 keys, 46-50 at 16, 88-90 at 8. Whole decode,
   // GQA Hq=32 Hkv=8 Lk=16384 [B, Hkv, L, D], median/best of 15 rounds: 318/288 -> 280/248,
   // 275/246 -> 226/211 in another run of 11 ([B, L, Hkv, D] and pages, whose chunks are a
-  // head's 16 keys: 8 within noise, and kept at 16).
+  // head's 16 keys: 8 within noise, and kept at 16; their cut tiles, run head by head with
+  // lead.one_head set, take 8).
   template <class T, int R>
   ATTNCORE_TARGET static void accumulate_chunks(const Params& p, const T* v,
                                                 const std::int64_t* v_at, std::int64_t ahead,
@@ -427,8 +432,9 @@ struct DirectKv : DirectKvScores {
                                               const float* alpha, float* out) {
     const std::int64_t* at = v_rows.at + begin;
     const std::int64_t ahead = v_rows.count - begin;
-    // The next chunk's rows of this head (several heads), into L2; AVX2: none, for one row per
-    // head or a group's rows alike (head_chunk).
+    // The next chunk's rows of this head (several heads), into L2, here; AVX2: none here, for
+    // one row per head or a group's rows alike (head_chunk; a 16-bit group's rows prefetch it
+    // in accumulate: group_lead below).
     const std::int64_t prefetched =
         kLanes == 8 ? 0 : std::clamp<std::int64_t>(ahead - keys, 0, next);
     // One head per item, nothing prefetched for the next chunk (V one sequential stream): V rows

@@ -310,8 +310,8 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
     if (direct && !cut && !overlap) {
       // In place, no key left out: P . V in chunks of head_chunk keys, each for every head
       // (V read in order with the heads inside a key's row), the next chunk's rows of the
-      // head prefetched (but not on AVX2: DirectKv::tile_accumulate); each head's accumulator
-      // rescaled by its first chunk only.
+      // head prefetched (on AVX2 only a 16-bit group's: DirectKv::tile_accumulate); each
+      // head's accumulator rescaled by its first chunk only.
       float ones[kTileRows];
       std::fill_n(ones, kTileRows, 1.0f);
       const std::int64_t v_ahead =

@@ -21,10 +21,10 @@ struct PrefetchPlan {
   // flash_direct_kv-inl.h).
   int f32_row_v_lead;
   // V rows of any one-head item ([B, Hkv, L, D]) also prefetched this many keys ahead into L2
-  // (0: not).
+  // (0: not; on AVX2 not for a GQA group's rows: flash_direct_kv-inl.h).
   int v_far;
-  // V rows prefetched f32_row_v_lead or kVLead keys ahead (GQA: also each column slice's 16
-  // keys ahead) into L1, else into L2.
+  // V rows prefetched f32_row_v_lead or kVLead keys ahead (GQA on AVX-512: also each column
+  // slice's 16 keys ahead) into L1, else into L2.
   bool v_into_l1;
 };
 
