@@ -317,14 +317,14 @@ struct DirectKv : DirectKvScores {
                                                 VLead lead, DType dtype, std::int64_t keys,
                                                 const float* probs, std::int64_t dv_pad,
                                                 const float* alpha, float* out) {
-    const std::int64_t kChunk = kLanes == 8 && sizeof(T) == 4 && R > 2 && lead.one_head ? 8 : 32;
-    if (slice_vectors(R) * kLanes >= dv_pad || keys <= kChunk) {
+    const std::int64_t chunk = kLanes == 8 && sizeof(T) == 4 && R > 2 && lead.one_head ? 8 : 32;
+    if (slice_vectors(R) * kLanes >= dv_pad || keys <= chunk) {
       return accumulate<T, R>(p, v, v_at, ahead, lead, dtype, keys, probs, dv_pad, alpha, out);
     }
     float ones[R];
     std::fill_n(ones, R, 1.0f);
-    for (std::int64_t c = 0; c < keys; c += kChunk) {
-      accumulate<T, R>(p, v, v_at + c, ahead - c, lead, dtype, std::min(kChunk, keys - c),
+    for (std::int64_t c = 0; c < keys; c += chunk) {
+      accumulate<T, R>(p, v, v_at + c, ahead - c, lead, dtype, std::min(chunk, keys - c),
                        probs + c, dv_pad, c == 0 ? alpha : ones, out);
     }
   }
