@@ -4,10 +4,14 @@
 // with the ceiling that binds first: reading K/V at the probe's bandwidth or computing at the
 // peak (GQA reads each K/V byte for several query heads). Each pass measures the probe (1 and 2
 // threads) and the 1-thread peak, and then every point
-// once (flash on 1 and 2 threads, math on 1), best of --repeat calls each; a point's figures
-// are the medians over the passes, so that the machine's drift (other load, clock changes)
-// hits the probe and the kernels alike.
+// once (flash on 1 and 2 threads, math on 1), best of --repeat calls each, every call after a
+// read that evicts K and V from the caches (decode reads each layer's cache once per token, with
+// the other layers' between); a point's figures are the medians over the passes, so that the
+// machine's drift (other load, clock changes) hits the probe and the kernels alike. A pass times
+// a (dtype, Hkv, B, Lk)'s layouts one after another, and the paged points are also given against
+// their dense [B, L, Hkv, D] twin as the median of each pass's ratio of the two.
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -83,19 +87,37 @@ bool timed(const BenchConfig& bc, const Timed& how) {
   return bc.run.threads == 0 || (how.backend == Backend::flash && how.threads == bc.run.threads);
 }
 
+// Bytes read between timed calls to evict K and V from the caches: four times the last-level
+// cache the C library reports, at least 64 MiB (a point's K/V smaller than the cache, such as
+// GQA Hkv = 8 16-bit at Lk = 4096, 16.8 MB, would otherwise be read from it by every call after
+// the first).
+std::int64_t eviction_bytes() {
+  std::int64_t cache = 0;
+#ifdef _SC_LEVEL3_CACHE_SIZE
+  cache = std::max<std::int64_t>(0, sysconf(_SC_LEVEL3_CACHE_SIZE));
+#endif
+  return std::max<std::int64_t>(std::int64_t{64} << 20, 4 * cache);
+}
+
 // Memory for the largest point's K and V, 2 MiB aligned with the huge-page hint the probe's
 // buffer gets too (the kernels and the probe see the same kind of pages), filled once with
 // 16-bit halves that are moderate normal numbers read as f16 (1 to 2), as bf16 (2^-7 to 1) and,
-// in pairs, as f32 (2^-7 to 1): every dtype's view of the bytes is finite.
+// in pairs, as f32 (2^-7 to 1): every dtype's view of the bytes is finite. And the buffer whose
+// read evicts them (evict_caches).
 struct CacheMemory {
   struct Free {
     void operator()(void* p) const { std::free(p); }
   };
   std::unique_ptr<void, Free> data;
+  std::vector<std::uint64_t> eviction;
   explicit CacheMemory(double bytes) {
     constexpr std::size_t kAlign = 2u << 20;
     const std::size_t size = (static_cast<std::size_t>(bytes) + kAlign - 1) / kAlign * kAlign;
-    require_memory("bench --decode", "the caches of the largest point (--max-kv-gib)", bytes);
+    const std::int64_t evicting = eviction_bytes();
+    require_memory("bench --decode",
+                   "the caches of the largest point (--max-kv-gib) and the buffer that evicts them",
+                   bytes + static_cast<double>(evicting));
+    eviction.assign(static_cast<std::size_t>(evicting) / sizeof(std::uint64_t), 1);
     data.reset(std::aligned_alloc(kAlign, std::max(size, kAlign)));
     if (!data) throw attncore::OutOfMemory("bench --decode: cannot allocate the caches");
     madvise(data.get(), size, MADV_HUGEPAGE);
@@ -106,10 +128,20 @@ struct CacheMemory {
       halves[i] = static_cast<std::uint16_t>(0x3C00u | ((state >> 8) & 0x83FFu));
     }
   }
+  // Reads the eviction buffer (its sum kept, so that the read is not optimized away).
+  void evict_caches() const {
+    std::uint64_t sum = 0;
+    for (const std::uint64_t word : eviction) sum += word;
+    sink = sum;
+  }
+  mutable volatile std::uint64_t sink = 0;
 };
 
-// The point's views over the memory and the call, timed: best of `repeat` calls, in seconds.
-double time_point(const DecodePoint& pt, void* kv, const Timed& how, int repeat) {
+// The point's views over the memory and the call, timed: best of `repeat` calls, each after
+// evict_caches, in seconds.
+double time_point(const DecodePoint& pt, const CacheMemory& memory, const Timed& how,
+                  int repeat) {
+  void* const kv = memory.data.get();
   const std::int64_t b = pt.batch, hkv = pt.heads_kv, l = pt.seqlen_k;
   const std::int64_t hq = DecodePoint::kHeadsQ, d = DecodePoint::kHeadDim;
   const std::int64_t elements = b * hkv * l * d;
@@ -151,6 +183,7 @@ double time_point(const DecodePoint& pt, void* kv, const Timed& how, int repeat)
   if (lq > 1) options.causal = attncore::Causal::lower_right;
   double best = 1e30;
   for (int n = 0; n < repeat; ++n) {
+    memory.evict_caches();
     const auto t0 = std::chrono::steady_clock::now();
     attncore::forward_kvcache_into(q.view(), cache(k_data), cache(v_data), seqs, out.view(),
                                    std::nullopt, options, how.backend);
@@ -184,6 +217,9 @@ bool kept(const std::string& points, const DecodePoint& pt) {
   }
   return false;
 }
+
+// The sweep's order of dtypes: f32, bf16, f16.
+int dtype_rank(DType dtype) { return dtype == DType::f32 ? 0 : dtype == DType::bf16 ? 1 : 2; }
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -240,6 +276,17 @@ int bench_decode(const BenchConfig& bc) {
   std::sort(page_bytes.begin(), page_bytes.end());
   std::vector<std::vector<double>> pieces(page_bytes.size());
   std::vector<std::vector<double>> seconds(points.size() * std::size(kTimed));
+  // Each pass times a (dtype, Hkv, B, Lk)'s layouts one after another (the table lists them
+  // layout by layout), so that a paged point and its dense twin see the machine alike.
+  std::vector<std::size_t> order(points.size());
+  for (std::size_t n = 0; n < order.size(); ++n) order[n] = n;
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) {
+    const DecodePoint &a = points[x], &b = points[y];
+    if (a.heads_kv != b.heads_kv) return a.heads_kv > b.heads_kv;
+    if (a.dtype != b.dtype) return dtype_rank(a.dtype) < dtype_rank(b.dtype);
+    if (a.batch != b.batch) return a.batch < b.batch;
+    return a.seqlen_k < b.seqlen_k;
+  });
   for (int pass = 0; pass < passes; ++pass) {
     progress.showf("pass %d/%d: read bandwidth probe ...", pass + 1, passes);
     probe1.push_back(attncore::measure_read_bandwidth_gbs(1));
@@ -248,12 +295,13 @@ int bench_decode(const BenchConfig& bc) {
     for (std::size_t n = 0; n < page_bytes.size(); ++n) {
       pieces[n].push_back(attncore::measure_read_bandwidth_gbs(1, page_bytes[n]));
     }
-    for (std::size_t n = 0; n < points.size(); ++n) {
-      progress.showf("pass %d/%d: point %zu/%zu ...", pass + 1, passes, n + 1, points.size());
+    for (std::size_t i = 0; i < points.size(); ++i) {
+      const std::size_t n = order[i];
+      progress.showf("pass %d/%d: point %zu/%zu ...", pass + 1, passes, i + 1, points.size());
       for (std::size_t t = 0; t < std::size(kTimed); ++t) {
         if (!timed(bc, kTimed[t])) continue;
         seconds[n * std::size(kTimed) + t].push_back(
-            time_point(points[n], memory.data.get(), kTimed[t], bc.run.repeat));
+            time_point(points[n], memory, kTimed[t], bc.run.repeat));
       }
     }
   }
@@ -331,6 +379,56 @@ int bench_decode(const BenchConfig& bc) {
       items.push_back(j.str());
     }
   }
+  // Paged decode against its dense twin ([B, L, Hkv, D], same dtype, Hkv, B and Lk, timed next
+  // to it in every pass): the median over the passes of dense time / paged time, flash on each
+  // thread count timed.
+  bool titled = false;
+  for (std::size_t n = 0; n < points.size(); ++n) {
+    const DecodePoint& pt = points[n];
+    if (pt.page_size == 0) continue;
+    std::size_t twin = points.size();
+    for (std::size_t m = 0; m < points.size(); ++m) {
+      const DecodePoint& o = points[m];
+      if (o.page_size == 0 && o.layout == Layout::blhd && o.dtype == pt.dtype &&
+          o.heads_kv == pt.heads_kv && o.batch == pt.batch && o.seqlen_k == pt.seqlen_k) {
+        twin = m;
+      }
+    }
+    if (twin == points.size()) continue;  // (--points left the dense twin out)
+    double ratio[2] = {0.0, 0.0};         // flash 1T, 2T (0: not timed)
+    for (std::size_t t = 0; t < 2; ++t) {
+      const std::vector<double>& paged = seconds[n * std::size(kTimed) + t];
+      const std::vector<double>& dense = seconds[twin * std::size(kTimed) + t];
+      std::vector<double> per_pass;
+      for (std::size_t i = 0; i < paged.size() && i < dense.size(); ++i) {
+        per_pass.push_back(dense[i] / paged[i]);
+      }
+      ratio[t] = median(per_pass);
+    }
+    if (!titled) {
+      std::fprintf(table,
+                   "\npaged decode against dense [B, L, Hkv, D] (same dtype, Hkv, B, Lk; timed "
+                   "one after the other in each pass): median of the passes' dense time / paged "
+                   "time\n%-5s %-5s %3s %3s %6s %12s %12s\n",
+                   "dtype", "pages", "Hkv", "B", "Lk", "flash 1T", "flash 2T");
+      titled = true;
+    }
+    auto cell = [](double r) { return r > 0.0 ? format("%11.2fx", r) : std::string(11, ' ') + "-"; };
+    std::fprintf(table, "%-5s %-5lld %3lld %3lld %6lld %s %s\n",
+                 std::string(attncore::name_of(pt.dtype)).c_str(),
+                 static_cast<long long>(pt.page_size), static_cast<long long>(pt.heads_kv),
+                 static_cast<long long>(pt.batch), static_cast<long long>(pt.seqlen_k),
+                 cell(ratio[0]).c_str(), cell(ratio[1]).c_str());
+    JsonObject j;
+    j.add("dtype", attncore::name_of(pt.dtype));
+    j.add("decode_page_size", pt.page_size);
+    j.add("heads_kv", pt.heads_kv);
+    j.add("batch", pt.batch);
+    j.add("seqlen_k", pt.seqlen_k);
+    j.add("paged_over_dense_1t", ratio[0]);
+    j.add("paged_over_dense_2t", ratio[1]);
+    items.push_back(j.str());
+  }
   // Chunked prefill over pages against the dense cache, flash on 1 thread, interleaved (not
   // with --points).
   if (bc.sweep.points.empty()) {
@@ -348,8 +446,8 @@ int bench_decode(const BenchConfig& bc) {
         paged.page_size = page_size;
         std::vector<double> dense_s, paged_s;
         for (int pass = 0; pass < passes; ++pass) {
-          dense_s.push_back(time_point(dense, memory.data.get(), kTimed[0], bc.run.repeat));
-          paged_s.push_back(time_point(paged, memory.data.get(), kTimed[0], bc.run.repeat));
+          dense_s.push_back(time_point(dense, memory, kTimed[0], bc.run.repeat));
+          paged_s.push_back(time_point(paged, memory, kTimed[0], bc.run.repeat));
         }
         std::fprintf(table, "%-5s %-5lld %10.3f %10.3f %12.2fx\n",
                      std::string(attncore::name_of(dtype)).c_str(),
