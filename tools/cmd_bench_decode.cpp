@@ -8,8 +8,9 @@
 // read that evicts K and V from the caches (decode reads each layer's cache once per token, with
 // the other layers' between); a point's figures are the medians over the passes, so that the
 // machine's drift (other load, clock changes) hits the probe and the kernels alike. A pass times
-// a (dtype, Hkv, B, Lk)'s layouts one after another, and the paged points are also given against
-// their dense [B, L, Hkv, D] twin as the median of each pass's ratio of the two.
+// a (dtype, Hkv, B, Lk)'s layouts one after another on each backend and thread count, and the
+// paged points are also given against their dense [B, L, Hkv, D] twin as the median of each
+// pass's ratio of the two.
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -21,6 +22,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -87,16 +89,17 @@ bool timed(const BenchConfig& bc, const Timed& how) {
   return bc.run.threads == 0 || (how.backend == Backend::flash && how.threads == bc.run.threads);
 }
 
-// Bytes read between timed calls to evict K and V from the caches: four times the last-level
-// cache the C library reports, at least 64 MiB (a point's K/V smaller than the cache, such as
+// Bytes read between timed calls to evict K and V from the caches: the last-level cache the C
+// library reports (on AMD EPYC the whole socket's, 256 MiB on the Zen 3 of the README, where a
+// core's own is its CCD's 32 MiB), 64 to 256 MiB. (A point's K/V smaller than the cache, such as
 // GQA Hkv = 8 16-bit at Lk = 4096, 16.8 MB, would otherwise be read from it by every call after
-// the first).
+// the first.)
 std::int64_t eviction_bytes() {
   std::int64_t cache = 0;
 #ifdef _SC_LEVEL3_CACHE_SIZE
   cache = std::max<std::int64_t>(0, sysconf(_SC_LEVEL3_CACHE_SIZE));
 #endif
-  return std::max<std::int64_t>(std::int64_t{64} << 20, 4 * cache);
+  return std::clamp<std::int64_t>(cache, std::int64_t{64} << 20, std::int64_t{256} << 20);
 }
 
 // Memory for the largest point's K and V, 2 MiB aligned with the huge-page hint the probe's
@@ -276,16 +279,16 @@ int bench_decode(const BenchConfig& bc) {
   std::sort(page_bytes.begin(), page_bytes.end());
   std::vector<std::vector<double>> pieces(page_bytes.size());
   std::vector<std::vector<double>> seconds(points.size() * std::size(kTimed));
-  // Each pass times a (dtype, Hkv, B, Lk)'s layouts one after another (the table lists them
-  // layout by layout), so that a paged point and its dense twin see the machine alike.
+  // Each pass times a (dtype, Hkv, B, Lk)'s layouts one after another on each backend and
+  // thread count (the table lists them layout by layout), so that a paged point and its dense
+  // twin see the machine alike.
+  auto group = [](const DecodePoint& a) {
+    return std::make_tuple(-a.heads_kv, dtype_rank(a.dtype), a.batch, a.seqlen_k);
+  };
   std::vector<std::size_t> order(points.size());
   for (std::size_t n = 0; n < order.size(); ++n) order[n] = n;
   std::stable_sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) {
-    const DecodePoint &a = points[x], &b = points[y];
-    if (a.heads_kv != b.heads_kv) return a.heads_kv > b.heads_kv;
-    if (a.dtype != b.dtype) return dtype_rank(a.dtype) < dtype_rank(b.dtype);
-    if (a.batch != b.batch) return a.batch < b.batch;
-    return a.seqlen_k < b.seqlen_k;
+    return group(points[x]) < group(points[y]);
   });
   for (int pass = 0; pass < passes; ++pass) {
     progress.showf("pass %d/%d: read bandwidth probe ...", pass + 1, passes);
@@ -295,13 +298,18 @@ int bench_decode(const BenchConfig& bc) {
     for (std::size_t n = 0; n < page_bytes.size(); ++n) {
       pieces[n].push_back(attncore::measure_read_bandwidth_gbs(1, page_bytes[n]));
     }
-    for (std::size_t i = 0; i < points.size(); ++i) {
-      const std::size_t n = order[i];
-      progress.showf("pass %d/%d: point %zu/%zu ...", pass + 1, passes, i + 1, points.size());
+    for (std::size_t first = 0, end = 0; first < order.size(); first = end) {
+      end = first + 1;
+      while (end < order.size() && group(points[order[end]]) == group(points[order[first]])) ++end;
+      progress.showf("pass %d/%d: points %zu-%zu/%zu ...", pass + 1, passes, first + 1, end,
+                     points.size());
       for (std::size_t t = 0; t < std::size(kTimed); ++t) {
         if (!timed(bc, kTimed[t])) continue;
-        seconds[n * std::size(kTimed) + t].push_back(
-            time_point(points[n], memory, kTimed[t], bc.run.repeat));
+        for (std::size_t i = first; i < end; ++i) {
+          const std::size_t n = order[i];
+          seconds[n * std::size(kTimed) + t].push_back(
+              time_point(points[n], memory, kTimed[t], bc.run.repeat));
+        }
       }
     }
   }
