@@ -5,12 +5,12 @@
 // peak (GQA reads each K/V byte for several query heads). Each pass measures the probe (1 and 2
 // threads) and the 1-thread peak, and then every point
 // once (flash on 1 and 2 threads, math on 1), best of --repeat calls each, every call after a
-// read that evicts K and V from the caches (decode reads each layer's cache once per token, with
-// the other layers' between); a point's figures are the medians over the passes, so that the
-// machine's drift (other load, clock changes) hits the probe and the kernels alike. A pass times
-// a (dtype, Hkv, B, Lk)'s layouts one after another on each backend and thread count, and the
-// paged points are also given against their dense [B, L, Hkv, D] twin as the median of each
-// pass's ratio of the two.
+// read, on as many threads, that evicts K and V from the caches (decode reads each layer's cache
+// once per token, with the other layers' between); a point's figures are the medians over the
+// passes, so that the machine's drift (other load, clock changes) hits the probe and the kernels
+// alike. A pass times the layouts of a shape (dtype, Hkv, B, Lk) one after another on each
+// backend and thread count, and each paged point is also given against its dense
+// [B, L, Hkv, D] twin as the median of the passes' ratios of the two.
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -22,7 +22,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
-#include <tuple>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -89,17 +89,16 @@ bool timed(const BenchConfig& bc, const Timed& how) {
   return bc.run.threads == 0 || (how.backend == Backend::flash && how.threads == bc.run.threads);
 }
 
-// Bytes read between timed calls to evict K and V from the caches: the last-level cache the C
-// library reports (on AMD EPYC the whole socket's, 256 MiB on the Zen 3 of the README, where a
-// core's own is its CCD's 32 MiB), 64 to 256 MiB. (A point's K/V smaller than the cache, such as
-// GQA Hkv = 8 16-bit at Lk = 4096, 16.8 MB, would otherwise be read from it by every call after
-// the first.)
+// Bytes read between timed calls to evict K and V from the caches: twice the L3 that sysconf
+// reports (on AMD EPYC the whole socket's, 256 MiB on the Zen 3 of the README, where a core's own
+// is its CCD's 32 MiB), 64 to 256 MiB. (A point's K/V smaller than the cache, such as GQA Hkv = 8
+// 16-bit at Lk = 4096, 16.8 MB, could otherwise be served from it to every call after the first.)
 std::int64_t eviction_bytes() {
   std::int64_t cache = 0;
 #ifdef _SC_LEVEL3_CACHE_SIZE
   cache = std::max<std::int64_t>(0, sysconf(_SC_LEVEL3_CACHE_SIZE));
 #endif
-  return std::clamp<std::int64_t>(cache, std::int64_t{64} << 20, std::int64_t{256} << 20);
+  return std::clamp<std::int64_t>(2 * cache, std::int64_t{64} << 20, std::int64_t{256} << 20);
 }
 
 // Memory for the largest point's K and V, 2 MiB aligned with the huge-page hint the probe's
@@ -131,17 +130,25 @@ struct CacheMemory {
       halves[i] = static_cast<std::uint16_t>(0x3C00u | ((state >> 8) & 0x83FFu));
     }
   }
-  // Reads the eviction buffer (its sum kept, so that the read is not optimized away).
-  void evict_caches() const {
-    std::uint64_t sum = 0;
-    for (const std::uint64_t word : eviction) sum += word;
-    sink = sum;
+  // Reads the eviction buffer on `threads` threads, each all of it (the calls that follow run on
+  // as many, whose cores' own caches it must reach; each sum kept, so that no read is optimized
+  // away).
+  void evict_caches(int threads) const {
+    auto read = [this] {
+      std::uint64_t sum = 0;
+      for (const std::uint64_t word : eviction) sum += word;
+      sink = sum;
+    };
+    std::vector<std::thread> others;
+    for (int t = 1; t < threads; ++t) others.emplace_back(read);
+    read();
+    for (std::thread& other : others) other.join();
   }
   mutable volatile std::uint64_t sink = 0;
 };
 
 // The point's views over the memory and the call, timed: best of `repeat` calls, each after
-// evict_caches, in seconds.
+// evict_caches on the call's thread count, in seconds.
 double time_point(const DecodePoint& pt, const CacheMemory& memory, const Timed& how,
                   int repeat) {
   void* const kv = memory.data.get();
@@ -186,7 +193,7 @@ double time_point(const DecodePoint& pt, const CacheMemory& memory, const Timed&
   if (lq > 1) options.causal = attncore::Causal::lower_right;
   double best = 1e30;
   for (int n = 0; n < repeat; ++n) {
-    memory.evict_caches();
+    memory.evict_caches(how.threads);
     const auto t0 = std::chrono::steady_clock::now();
     attncore::forward_kvcache_into(q.view(), cache(k_data), cache(v_data), seqs, out.view(),
                                    std::nullopt, options, how.backend);
@@ -221,8 +228,11 @@ bool kept(const std::string& points, const DecodePoint& pt) {
   return false;
 }
 
-// The sweep's order of dtypes: f32, bf16, f16.
-int dtype_rank(DType dtype) { return dtype == DType::f32 ? 0 : dtype == DType::bf16 ? 1 : 2; }
+// Whether two points have one shape: dtype, Hkv, B and Lk (their layouts may differ).
+bool same_shape(const DecodePoint& a, const DecodePoint& b) {
+  return a.dtype == b.dtype && a.heads_kv == b.heads_kv && a.batch == b.batch &&
+         a.seqlen_k == b.seqlen_k;
+}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -279,17 +289,17 @@ int bench_decode(const BenchConfig& bc) {
   std::sort(page_bytes.begin(), page_bytes.end());
   std::vector<std::vector<double>> pieces(page_bytes.size());
   std::vector<std::vector<double>> seconds(points.size() * std::size(kTimed));
-  // Each pass times a (dtype, Hkv, B, Lk)'s layouts one after another on each backend and
-  // thread count (the table lists them layout by layout), so that a paged point and its dense
-  // twin see the machine alike.
-  auto group = [](const DecodePoint& a) {
-    return std::make_tuple(-a.heads_kv, dtype_rank(a.dtype), a.batch, a.seqlen_k);
-  };
-  std::vector<std::size_t> order(points.size());
-  for (std::size_t n = 0; n < order.size(); ++n) order[n] = n;
-  std::stable_sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) {
-    return group(points[x]) < group(points[y]);
-  });
+  // Each pass times the layouts of a shape one after another on each backend and thread count
+  // (the table lists them layout by layout), so that a paged point and its dense twin see the
+  // machine alike: the points in the order of their shapes' first points in the sweep.
+  std::vector<std::size_t> first_of(points.size()), order(points.size());
+  for (std::size_t n = 0; n < points.size(); ++n) {
+    first_of[n] = n;
+    while (!same_shape(points[first_of[n]], points[n])) ++first_of[n];
+    order[n] = n;
+  }
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t x, std::size_t y) { return first_of[x] < first_of[y]; });
   for (int pass = 0; pass < passes; ++pass) {
     progress.showf("pass %d/%d: read bandwidth probe ...", pass + 1, passes);
     probe1.push_back(attncore::measure_read_bandwidth_gbs(1));
@@ -300,7 +310,7 @@ int bench_decode(const BenchConfig& bc) {
     }
     for (std::size_t first = 0, end = 0; first < order.size(); first = end) {
       end = first + 1;
-      while (end < order.size() && group(points[order[end]]) == group(points[order[first]])) ++end;
+      while (end < order.size() && first_of[order[end]] == first_of[order[first]]) ++end;
       progress.showf("pass %d/%d: points %zu-%zu/%zu ...", pass + 1, passes, first + 1, end,
                      points.size());
       for (std::size_t t = 0; t < std::size(kTimed); ++t) {
@@ -387,9 +397,9 @@ int bench_decode(const BenchConfig& bc) {
       items.push_back(j.str());
     }
   }
-  // Paged decode against its dense twin ([B, L, Hkv, D], same dtype, Hkv, B and Lk, timed next
-  // to it in every pass): the median over the passes of dense time / paged time, flash on each
-  // thread count timed.
+  // Paged decode against its dense twin ([B, L, Hkv, D] of the same shape, timed with it in each
+  // pass): the median over the passes of dense time / paged time, flash on each thread count
+  // timed.
   bool titled = false;
   for (std::size_t n = 0; n < points.size(); ++n) {
     const DecodePoint& pt = points[n];
@@ -397,10 +407,7 @@ int bench_decode(const BenchConfig& bc) {
     std::size_t twin = points.size();
     for (std::size_t m = 0; m < points.size(); ++m) {
       const DecodePoint& o = points[m];
-      if (o.page_size == 0 && o.layout == Layout::blhd && o.dtype == pt.dtype &&
-          o.heads_kv == pt.heads_kv && o.batch == pt.batch && o.seqlen_k == pt.seqlen_k) {
-        twin = m;
-      }
+      if (o.page_size == 0 && o.layout == Layout::blhd && same_shape(o, pt)) twin = m;
     }
     if (twin == points.size()) continue;  // (--points left the dense twin out)
     double ratio[2] = {0.0, 0.0};         // flash 1T, 2T (0: not timed)
@@ -416,12 +423,14 @@ int bench_decode(const BenchConfig& bc) {
     if (!titled) {
       std::fprintf(table,
                    "\npaged decode against dense [B, L, Hkv, D] (same dtype, Hkv, B, Lk; timed "
-                   "one after the other in each pass): median of the passes' dense time / paged "
+                   "in the same group of each pass): median of the passes' dense time / paged "
                    "time\n%-5s %-5s %3s %3s %6s %12s %12s\n",
                    "dtype", "pages", "Hkv", "B", "Lk", "flash 1T", "flash 2T");
       titled = true;
     }
-    auto cell = [](double r) { return r > 0.0 ? format("%11.2fx", r) : std::string(11, ' ') + "-"; };
+    auto cell = [](double r) {
+      return r > 0.0 ? format("%11.2fx", r) : std::string(11, ' ') + "-";
+    };
     std::fprintf(table, "%-5s %-5lld %3lld %3lld %6lld %s %s\n",
                  std::string(attncore::name_of(pt.dtype)).c_str(),
                  static_cast<long long>(pt.page_size), static_cast<long long>(pt.heads_kv),
