@@ -131,20 +131,20 @@ struct CacheMemory {
     }
   }
   // Reads the eviction buffer on `threads` threads, each all of it (the calls that follow run on
-  // as many, whose cores' own caches it must reach; each sum kept, so that no read is optimized
-  // away).
+  // as many, whose cores' own caches it must reach; each thread's sum kept in a volatile of its
+  // own, so that no read is optimized away).
   void evict_caches(int threads) const {
     auto read = [this] {
       std::uint64_t sum = 0;
       for (const std::uint64_t word : eviction) sum += word;
-      sink = sum;
+      const volatile std::uint64_t kept = sum;
+      static_cast<void>(kept);
     };
     std::vector<std::thread> others;
     for (int t = 1; t < threads; ++t) others.emplace_back(read);
     read();
     for (std::thread& other : others) other.join();
   }
-  mutable volatile std::uint64_t sink = 0;
 };
 
 // The point's views over the memory and the call, timed: best of `repeat` calls, each after
