@@ -23,9 +23,6 @@
 #include <thread>
 #include <vector>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -34,6 +31,7 @@
 #include "attncore/info.h"
 #include "attncore/options.h"
 #include "core/cpu_info.h"
+#include "core/large_memory.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
 // GCC 12 warns, wrongly, that its own _mm512_undefined_* placeholders may be read
@@ -130,7 +128,7 @@ double measure_read_bandwidth_gbs(int threads, std::int64_t piece_bytes) {
   }
   const double bytes = std::min(kProbeBytes, memory_limit().bytes / 8);
   // Each thread's part: whole 512-byte blocks, 2 MiB aligned (huge pages where the OS gives them).
-  constexpr std::size_t kAlign = 2u << 20, kBlockFloats = 128;
+  constexpr std::size_t kAlign = detail::kLargeBytes, kBlockFloats = 128;
   const auto per_thread =
       static_cast<std::size_t>(bytes / 4 / threads) / kBlockFloats * kBlockFloats;
   if (per_thread == 0) {
@@ -158,15 +156,11 @@ double measure_read_bandwidth_gbs(int threads, std::int64_t piece_bytes) {
   const std::size_t read_per_thread = order.size() * piece;
   const std::size_t total = per_thread * static_cast<std::size_t>(threads);
   const std::size_t alloc_bytes = (total * sizeof(float) + kAlign - 1) / kAlign * kAlign;
-  std::unique_ptr<float, FreeFloats> buffer(
-      static_cast<float*>(std::aligned_alloc(kAlign, alloc_bytes)));
+  std::unique_ptr<float, FreeFloats> buffer(static_cast<float*>(detail::allocate_streamed(alloc_bytes)));
   if (!buffer) {
     throw OutOfMemory("measure_read_bandwidth_gbs: cannot allocate the probe's buffer (bytes=" +
                       std::to_string(alloc_bytes) + ", expected that much free memory)");
   }
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  madvise(buffer.get(), alloc_bytes, MADV_HUGEPAGE);  // a hint; fewer TLB misses where granted
-#endif
   const SumFn sum = pick_sum();
   using Clock = std::chrono::steady_clock;
   std::vector<Clock::time_point> start(static_cast<std::size_t>(threads));

@@ -9,6 +9,7 @@
 
 #include "attncore/error.h"
 #include "attncore/options.h"
+#include "core/large_memory.h"
 
 namespace attncore {
 
@@ -108,10 +109,11 @@ Tensor::Tensor(DType dtype, const std::int64_t* shape, int rank) {
         "Tensor: shape " + view_.shape_string() +
         " has too many elements (expected numel * element size to fit in memory)");
   }
-  // 64-byte aligned and rounded up to a whole cache line, as aligned_alloc requires.
+  // Rounded up to a whole cache line; large tensors (K/V caches) on huge pages where the OS
+  // offers them (allocate_streamed).
   const std::size_t bytes = (static_cast<std::size_t>(n) * size_of(dtype) + 63) & ~std::size_t{63};
   if (bytes > 0) {
-    void* p = std::aligned_alloc(64, bytes);
+    void* p = detail::allocate_streamed(bytes);
     if (p == nullptr) {
       throw Error("Tensor: allocation failed (bytes=" + std::to_string(bytes) + ")");
     }
