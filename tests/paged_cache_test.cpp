@@ -12,6 +12,7 @@
 
 #include "attncore/attncore.h"
 #include "attncore/paged.h"
+#include "core/large_memory.h"
 #include "testing/random.h"
 #include "testing/tensors.h"
 
@@ -171,6 +172,28 @@ TEST(PagedCache, ForkSharesPagesAndCopiesOnWrite) {
   c.erase(1);
   EXPECT_EQ(c.free_pages(), 6);
   for (std::int64_t p = 0; p < 6; ++p) EXPECT_EQ(c.references(p), 0);
+}
+
+// The pools are zeroed, all writable, and (of 2 MiB or more, where StreamedMemory maps them)
+// start on a huge-page boundary.
+TEST(PagedCache, PoolsAreZeroedAndLargeOnesStartOnHugePageBoundaries) {
+  for (const std::int64_t pages : {1, 64, 160}) {  // 16 KiB, 2 MiB and 5 MiB per pool
+    attncore::PagedKvCache cache(pages, 16, 8, 64, 64, attncore::DType::f32, 2);
+    for (const attncore::TensorView* pool : {&cache.k_pages(), &cache.v_pages()}) {
+      const std::size_t bytes = static_cast<std::size_t>(pool->numel()) * 4;
+      const bool huge = attncore::detail::kStreamedOnHugePages &&
+                        bytes >= attncore::detail::kHugePageBytes;
+      EXPECT_EQ(reinterpret_cast<std::uintptr_t>(pool->data) %
+                    (huge ? attncore::detail::kHugePageBytes : 64),
+                0u)
+          << pages << " pages";
+      const auto* at = static_cast<const unsigned char*>(pool->data);
+      std::size_t nonzero = 0;
+      for (std::size_t i = 0; i < bytes; ++i) nonzero += at[i] != 0;
+      EXPECT_EQ(nonzero, 0u) << pages << " pages";
+      std::memset(pool->data, 0x5a, bytes);  // all of it writable (ASan: the heap's bounds)
+    }
+  }
 }
 
 TEST(PagedCache, OutOfPages) {

@@ -137,18 +137,6 @@ TEST(Tensor, IsAlignedZeroedAndContiguous) {
   }
 }
 
-// Tensors of 2 MiB and more (K/V caches) start on a 2 MiB boundary, where huge pages can back
-// them (core/large_memory.h); smaller ones keep 64-byte alignment.
-TEST(Tensor, LargeTensorsStartOnHugePageBoundaries) {
-  constexpr std::uintptr_t kHuge = std::uintptr_t{2} << 20;
-  for (std::int64_t mib : {2, 3, 9}) {
-    const Tensor t(DType::bf16, {mib, 512, 1024});  // [mib, 512, 1024]: mib MiB
-    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(t.data()) % kHuge, 0u) << mib << " MiB";
-    EXPECT_EQ(t.data_as<std::uint16_t>()[t.numel() - 1], 0u);
-    std::memset(t.data(), 0x5a, static_cast<std::size_t>(t.numel()) * 2);  // all of it writable
-  }
-}
-
 TEST(Tensor, ZeroInitialisedAfterEarlierAllocationsWereDirtied) {
   for (int round = 0; round < 4; ++round) {
     Tensor dirty(DType::f32, {4096});  // [4096]

@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <latch>
 #include <memory>
+#include <new>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -103,10 +104,6 @@ SumFn pick_sum() {
 
 std::atomic<float> g_bandwidth_sink{0.0f};
 
-struct FreeFloats {
-  void operator()(float* p) const { std::free(p); }
-};
-
 }  // namespace
 
 double measure_read_bandwidth_gbs(int threads, std::int64_t piece_bytes) {
@@ -127,8 +124,9 @@ double measure_read_bandwidth_gbs(int threads, std::int64_t piece_bytes) {
         std::to_string(piece_bytes) + ", expected 0 or a positive multiple of 512)");
   }
   const double bytes = std::min(kProbeBytes, memory_limit().bytes / 8);
-  // Each thread's part: whole 512-byte blocks, 2 MiB aligned (huge pages where the OS gives them).
-  constexpr std::size_t kAlign = detail::kLargeBytes, kBlockFloats = 128;
+  // Each thread's part: whole 512-byte blocks of one buffer (StreamedMemory: on huge pages where
+  // the OS gives them).
+  constexpr std::size_t kBlockFloats = 128;
   const auto per_thread =
       static_cast<std::size_t>(bytes / 4 / threads) / kBlockFloats * kBlockFloats;
   if (per_thread == 0) {
@@ -155,12 +153,15 @@ double measure_read_bandwidth_gbs(int threads, std::int64_t piece_bytes) {
   }
   const std::size_t read_per_thread = order.size() * piece;
   const std::size_t total = per_thread * static_cast<std::size_t>(threads);
-  const std::size_t alloc_bytes = (total * sizeof(float) + kAlign - 1) / kAlign * kAlign;
-  std::unique_ptr<float, FreeFloats> buffer(static_cast<float*>(detail::allocate_streamed(alloc_bytes)));
-  if (!buffer) {
+  const std::size_t alloc_bytes = total * sizeof(float);
+  detail::StreamedMemory memory;
+  try {
+    memory = detail::StreamedMemory(alloc_bytes);
+  } catch (const std::bad_alloc&) {
     throw OutOfMemory("measure_read_bandwidth_gbs: cannot allocate the probe's buffer (bytes=" +
                       std::to_string(alloc_bytes) + ", expected that much free memory)");
   }
+  float* const buffer = static_cast<float*>(memory.data());
   const SumFn sum = pick_sum();
   using Clock = std::chrono::steady_clock;
   std::vector<Clock::time_point> start(static_cast<std::size_t>(threads));
@@ -177,7 +178,7 @@ double measure_read_bandwidth_gbs(int threads, std::int64_t piece_bytes) {
   auto body = [&](int t) {
     go.wait();
     if (abort.load()) return;
-    float* part = buffer.get() + static_cast<std::size_t>(t) * per_thread;
+    float* part = buffer + static_cast<std::size_t>(t) * per_thread;
     std::fill_n(part, per_thread, 1.0f);  // first touch by the thread that reads it
     const auto slot = static_cast<std::size_t>(t);
     start[slot] = stop[slot] = Clock::now();

@@ -103,14 +103,12 @@ std::atomic<float> g_measure_sink{0.0f};
 
 // One thread reading a 48 MiB buffer (1.5x the 32 MiB L3 of the measuring machine, more
 // than most CPUs' last-level cache), written first so that its pages exist: the better of 2
-// passes (allocate_streamed: huge pages, where the OS offers them, make the first touch cheap).
+// passes (StreamedMemory: huge pages, where the OS offers them, make the first touch cheap).
 double measure_memory_gbps() {
   constexpr std::size_t kBytes = std::size_t{48} << 20;
   constexpr std::size_t kCount = kBytes / sizeof(float);
-  std::unique_ptr<float, decltype(&std::free)> buffer(
-      static_cast<float*>(allocate_streamed(kBytes)), &std::free);
-  if (!buffer) throw std::bad_alloc();
-  float* data = buffer.get();
+  const StreamedMemory buffer(kBytes);
+  float* data = static_cast<float*>(buffer.data());
   std::memset(data, 0, kBytes);
   double best = 0;
   float sink = 0;

@@ -9,7 +9,6 @@
 
 #include "attncore/error.h"
 #include "attncore/options.h"
-#include "core/large_memory.h"
 
 namespace attncore {
 
@@ -109,13 +108,13 @@ Tensor::Tensor(DType dtype, const std::int64_t* shape, int rank) {
         "Tensor: shape " + view_.shape_string() +
         " has too many elements (expected numel * element size to fit in memory)");
   }
-  // Rounded up to a whole cache line; large tensors (K/V caches) on huge pages where the OS
-  // offers them (allocate_streamed).
+  // 64-byte aligned and rounded up to a whole cache line, as aligned_alloc requires.
   const std::size_t bytes = (static_cast<std::size_t>(n) * size_of(dtype) + 63) & ~std::size_t{63};
   if (bytes > 0) {
-    void* p = detail::allocate_streamed(bytes);
+    void* p = std::aligned_alloc(64, bytes);
     if (p == nullptr) {
-      throw Error("Tensor: allocation failed (bytes=" + std::to_string(bytes) + ")");
+      throw OutOfMemory("Tensor: cannot allocate the storage (bytes=" + std::to_string(bytes) +
+                        ", expected that much free memory)");
     }
     std::memset(p, 0, bytes);
     storage_.reset(p);

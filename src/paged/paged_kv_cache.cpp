@@ -12,13 +12,37 @@
 #include "attncore/paged.h"
 #include "core/convert.h"
 #include "core/cpu_info.h"
+#include "core/large_memory.h"
 #include "core/validate_checks.h"
 
 namespace attncore {
 
+namespace {
+
+// The pages of K or V: zeroed memory of their own (StreamedMemory: huge pages where the OS
+// offers them, for decode's streaming) seen as [num_pages, page_size, Hkv, D].
+class Pool {
+ public:
+  Pool() = default;
+  Pool(DType dtype, std::int64_t num_pages, std::int64_t page_size, std::int64_t heads,
+       std::int64_t dim)
+      : memory_(static_cast<std::size_t>(num_pages * page_size * heads * dim) * size_of(dtype)),
+        pages_(TensorView::contiguous(memory_.data(), dtype, {num_pages, page_size, heads, dim})) {}
+  const TensorView& view() const { return pages_; }
+  DType dtype() const { return pages_.dtype; }
+  void* data() const { return pages_.data; }
+  std::int64_t size(int d) const { return pages_.size(d); }
+
+ private:
+  detail::StreamedMemory memory_;
+  TensorView pages_;
+};
+
+}  // namespace
+
 struct PagedKvCache::State {
   std::int64_t num_pages, page_size, heads_kv, head_dim, head_dim_v, max_batch, per_seq;
-  Tensor k, v;     // [num_pages, page_size, Hkv, D], [num_pages, page_size, Hkv, Dv]
+  Pool k, v;       // [num_pages, page_size, Hkv, D], [num_pages, page_size, Hkv, Dv]
   Tensor table;    // i32 [max_batch, per_seq], -1 unmapped: the view callers read
   Tensor lengths;  // i32 [max_batch]
   // [max_batch * per_seq]: the page table as the cache keeps it, copied into `table` after each
@@ -42,10 +66,10 @@ struct PagedKvCache::State {
     return i;
   }
   // The bytes of one page of K or V.
-  std::size_t page_bytes(const Tensor& t) const {
+  std::size_t page_bytes(const Pool& t) const {
     return static_cast<std::size_t>(page_size * heads_kv * t.size(3)) * size_of(t.dtype());
   }
-  char* page(const Tensor& t, std::int64_t p) const {
+  char* page(const Pool& t, std::int64_t p) const {
     return static_cast<char*>(t.data()) + static_cast<std::size_t>(p) * page_bytes(t);
   }
 };
@@ -139,8 +163,8 @@ PagedKvCache::PagedKvCache(std::int64_t num_pages, std::int64_t page_size, std::
   s.max_batch = max_batch;
   s.per_seq = max_pages_per_seq;
   try {
-    s.k = Tensor(dtype, {num_pages, page_size, heads_kv, head_dim});
-    s.v = Tensor(dtype, {num_pages, page_size, heads_kv, head_dim_v});
+    s.k = Pool(dtype, num_pages, page_size, heads_kv, head_dim);
+    s.v = Pool(dtype, num_pages, page_size, heads_kv, head_dim_v);
     s.table = Tensor(DType::i32, {max_batch, max_pages_per_seq});
     s.lengths = Tensor(DType::i32, {max_batch});
     s.pages.assign(static_cast<std::size_t>(max_batch * max_pages_per_seq), -1);
