@@ -197,12 +197,12 @@ struct DirectKvScores : DirectKvHeads {
   // a time with each row's q loaded per product: f16 [B, Hkv, L, D] 61/58 -> 64/62, [B, L, Hkv,
   // D] 43/54 -> 51/58, p16 53/49 -> 57/53; f32 from cache (Lk=1024) 54-56 -> 58-59 GB/s, from
   // memory within noise.
+  // With lead > 0, each group of keys first prefetches (into L2) the rows `lead` keys on, of
+  // those known (at[c] for c < ahead).
   template <int R, class T>
-  ATTNCORE_TARGET __attribute__((noinline)) static void score_rows(const T* k,
-                                                                   const std::int64_t* at,
-                                                                   std::int64_t block, DType dtype,
-                                                                   std::int64_t d, const float* q,
-                                                                   float* s, float* parts) {
+  ATTNCORE_TARGET __attribute__((noinline)) static void score_rows(
+      const T* k, const std::int64_t* at, std::int64_t block, DType dtype, std::int64_t d,
+      const float* q, float* s, float* parts, std::int64_t lead, std::int64_t ahead) {
     constexpr int kKeys = kLanes / R > 0 ? kLanes / R : 1;
     static_assert(kLanes % kKeys == 0, "whole groups of keys in a block");
     // Whole vectors (D a multiple of kLanes) test nothing per load, and 16-bit K is widened as
@@ -211,13 +211,16 @@ struct DirectKvScores : DirectKvHeads {
     // Lk=4096/16384, 7 interleaved passes: [B, Hkv, L, D] 63/63 against 68/67, [B, L, Hkv, D]
     // 58/58 against 62/62, p16 57/52 against 62/54).
     auto keys = [&](auto whole, auto known) ATTNCORE_TARGET {
-      const std::int64_t dd = d;
+      const std::int64_t dd = d, lead_keys = lead, known_keys = ahead;
       const float* qq = q;
       for (int j0 = 0; j0 < kLanes; j0 += kKeys) {
         const T* row[kKeys];
 #pragma GCC unroll 16
         for (int j = 0; j < kKeys; ++j) {
           row[j] = j0 + j < block ? k + at[j0 + j] : block > 0 ? k + at[0] : k;
+        }
+        for (int j = 0; lead_keys > 0 && j < kKeys; ++j) {
+          if (j0 + j + lead_keys < known_keys) prefetch_lines<2>(k + at[j0 + j + lead_keys], dd);
         }
         Vec acc[R][kKeys];
 #pragma GCC unroll 16
@@ -320,13 +323,15 @@ struct DirectKvScores : DirectKvHeads {
                 0.0f);
     }
   }
-  // score_rows (score_rows_pairs with q_pairs) for the rows the products compute.
+  // score_rows (score_rows_pairs with q_pairs) for the rows the products compute; score_rows
+  // prefetches `lead` keys on with lead > 0 (rows at[c] known for c < ahead).
   template <class T>
   ATTNCORE_TARGET static void score_block_rows(const T* k, const std::int64_t* at,
                                                std::int64_t block, DType dtype, std::int64_t d,
                                                const float* q,
                                                [[maybe_unused]] const float* q_pairs,
-                                               std::int64_t rows, float* s, float* parts) {
+                                               std::int64_t rows, float* s, float* parts,
+                                               std::int64_t lead, std::int64_t ahead) {
 #if ATTNCORE_BF16_DOT
     if constexpr (sizeof(T) == 2) {
       if (q_pairs != nullptr) {
@@ -343,11 +348,11 @@ struct DirectKvScores : DirectKvHeads {
       }
     }
 #endif
-    if (rows <= 2) return score_rows<2>(k, at, block, dtype, d, q, s, parts);
+    if (rows <= 2) return score_rows<2>(k, at, block, dtype, d, q, s, parts, lead, ahead);
     if constexpr (kTileRows > 4) {
-      if (rows <= 4) return score_rows<4>(k, at, block, dtype, d, q, s, parts);
+      if (rows <= 4) return score_rows<4>(k, at, block, dtype, d, q, s, parts, lead, ahead);
     }
-    score_rows<kTileRows>(k, at, block, dtype, d, q, s, parts);
+    score_rows<kTileRows>(k, at, block, dtype, d, q, s, parts, lead, ahead);
   }
   template <class T>
   ATTNCORE_TARGET static void score_block(const T* k, std::int64_t ldk, DType dtype, std::int64_t d,
@@ -560,17 +565,24 @@ struct DirectKvScores : DirectKvHeads {
         // A/B (median speed ratio of 11 rounds, two runs): 1.03, 1.07 (only the 12 KiB ones
         // spread so: 1.05; also 24 KiB ahead: 1.04; 16-bit rows' prefetches spread over
         // score_rows' pairs of keys: 0.98-1.02).
+        // AVX2, several rows over several heads (GQA [B, L, Hkv, D], pages): score_rows issues
+        // the same prefetches, each group of keys its own before it (Zen 3, 1 thread, Lk=16384,
+        // in-process A/B, median speed ratio of 11 rounds: f32 [B, L, Hkv, D] 1.03 and 1.05, p16
+        // 1.03; bf16 1.03, p16 1.01; f16 p16 1.05).
+        const bool by_rows = rows > 1 && (!pairs || rows_pairs != nullptr) &&
+                             (sizeof(T) == 2 || !near) &&
+                             kTileRows * kLanes * kLanes <= d * kKeyTile;
+        const bool in_rows = kLanes == 8 && heads > 1 && by_rows && also == 0;
         const bool spread = kLanes == 8 && sizeof(T) == 4 && near && rows > 1 && ldk != 0;
-        if (!spread) {
+        if (!spread && !in_rows) {
           prefetch_block(kx, k_at, c0, 0, kLanes, lead, also, interleaved, near_l1, ahead, d);
         }
         const float* qx = q + x * head_floats;
         float* sx = s + x * head_floats + c0;
-        if (rows > 1 && (!pairs || rows_pairs != nullptr) && (sizeof(T) == 2 || !near) &&
-            kTileRows * kLanes * kLanes <= d * kKeyTile) {
+        if (by_rows) {
           score_block_rows(kx, k_at + c0, block, dtype, d, qx,
                            rows_pairs != nullptr ? rows_pairs + x * pair_rows * (d / 2) : nullptr,
-                           rows, sx, widened);
+                           rows, sx, widened, in_rows ? lead : 0, ahead - c0);
           continue;
         }
 #if ATTNCORE_BF16_DOT
