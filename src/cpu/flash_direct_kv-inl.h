@@ -364,7 +364,7 @@ struct DirectKv : DirectKvScores {
 
   // P . V of one row per head for every head of a multi-head item, over keys [begin, begin +
   // keys) of the tile (keys <= kMaxChunk): head x's out [dv] (out + x * head_floats) = its
-  // alpha (alpha + x * head_floats, with `rescale`; else 1) times out plus its P (probs + x *
+  // alpha (alpha + x * head_floats; with alpha null, 1) times out plus its P (probs + x *
   // head_floats) times its V rows (v_rows of the item's first head, x * a.v.stride[1]
   // elements on), each element's products in key order, as accumulate<T, 1> forms them (the
   // same bits; a rescale by 1 is left out, which changes no bit). The keys' rows are found once

@@ -388,43 +388,6 @@ struct DirectKvScores : DirectKvHeads {
   // Otherwise a block of keys not evenly spaced (a page boundary inside it), or 16-bit with
   // several rows, is first copied (widened) into `widened` ([kLanes][d rounded up to kLanes]
   // floats) and read from there by every row (the same values, so the same scores).
-  // The prefetches of keys c0 + j (from <= j < to) of a block's head (rows at kx + k_at[..]):
-  // the row `lead` keys on, and the plan's `also` keys on (0: none), each just before the
-  // first (interleaved) or all of them before the others; into L1 or L2 (near_l1); never a
-  // key at or past `ahead`. (Written out: through a lambda, GCC 12 ran every decode 2x slower.)
-  // (f32 rows far apart prefetched twice, into L2: within noise.)
-  template <class T>
-  ATTNCORE_TARGET __attribute__((always_inline)) static inline void prefetch_block(
-      const T* kx, const std::int64_t* k_at, std::int64_t c0, std::int64_t from, std::int64_t to,
-      std::int64_t lead, std::int64_t also, bool interleaved, bool near_l1, std::int64_t ahead,
-      std::int64_t d) {
-    for (std::int64_t j = from; also > 0 && !interleaved && j < to; ++j) {
-      if (c0 + also + j < ahead) {
-        if (near_l1) {
-          prefetch_lines<3>(kx + k_at[c0 + also + j], d);
-        } else {
-          prefetch_lines<2>(kx + k_at[c0 + also + j], d);
-        }
-      }
-    }
-    for (std::int64_t j = from; j < to; ++j) {
-      if (also > 0 && interleaved && c0 + also + j < ahead) {
-        if (near_l1) {
-          prefetch_lines<3>(kx + k_at[c0 + also + j], d);
-        } else {
-          prefetch_lines<2>(kx + k_at[c0 + also + j], d);
-        }
-      }
-      if (c0 + lead + j < ahead) {
-        if (near_l1) {
-          prefetch_lines<3>(kx + k_at[c0 + lead + j], d);
-        } else {
-          prefetch_lines<2>(kx + k_at[c0 + lead + j], d);
-        }
-      }
-    }
-  }
-
   template <class T>
   ATTNCORE_TARGET static void scores(const Params& p, const T* k, const std::int64_t* k_at,
                                      std::int64_t ahead, DType dtype, std::int64_t keys,
@@ -563,8 +526,8 @@ struct DirectKvScores : DirectKvHeads {
         // block's K prefetches spread over its rows' score_keys calls below (each row's share of
         // the keys before it), not all before the first: Zen 3, 1 thread, Lk=16384, in-process
         // A/B (median speed ratio of 11 rounds, two runs): 1.03, 1.07 (only the 12 KiB ones
-        // spread so: 1.05; also 24 KiB ahead: 1.04; 16-bit rows' prefetches spread over
-        // score_rows' pairs of keys: 0.98-1.02).
+        // spread so: 1.05; also 24 KiB ahead: 1.04; 16-bit rows of one head, their prefetches
+        // spread over score_rows' pairs of keys: 0.98-1.02).
         // AVX2, several rows over several heads (GQA [B, L, Hkv, D], pages): score_rows issues
         // the same prefetches, each group of keys its own before it (Zen 3, 1 thread, Lk=16384,
         // in-process A/B, median speed ratio of 11 rounds: f32 [B, L, Hkv, D] 1.03 and 1.05, p16

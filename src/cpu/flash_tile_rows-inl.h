@@ -1,7 +1,7 @@
 // TileRows, for one SIMD target: where the K or V rows of one key tile lie, resolved once per
 // tile from a plain view or a paged cache's pages (docs/design.md section 1, KV cache), so that
 // the products and the packing read rows through offsets and never see a page; and the
-// prefetch of a row's cache lines (prefetch_lines).
+// prefetch of a row's cache lines (prefetch_lines) and of a block's rows ahead (prefetch_block).
 #pragma once
 
 #include <algorithm>
@@ -33,6 +33,43 @@ ATTNCORE_TARGET inline void prefetch_slice_lines(const T* p, std::int64_t n, boo
 template <int kLocality, class T>
 ATTNCORE_TARGET inline void prefetch_lines(const T* p, std::int64_t n) {
   prefetch_slice_lines<kLocality>(p, n, true);
+}
+
+// The prefetches of keys c0 + j (from <= j < to) of a block's head (rows at kx + k_at[..]):
+// the row `lead` keys on, and the plan's `also` keys on (0: none), each just before the
+// first (interleaved) or all of them before the others; into L1 or L2 (near_l1); never a
+// key at or past `ahead`. (Written out: through a lambda, GCC 12 ran every decode 2x slower.)
+// (f32 rows far apart prefetched twice, into L2: within noise.)
+template <class T>
+ATTNCORE_TARGET __attribute__((always_inline)) inline void prefetch_block(
+    const T* kx, const std::int64_t* k_at, std::int64_t c0, std::int64_t from, std::int64_t to,
+    std::int64_t lead, std::int64_t also, bool interleaved, bool near_l1, std::int64_t ahead,
+    std::int64_t d) {
+  for (std::int64_t j = from; also > 0 && !interleaved && j < to; ++j) {
+    if (c0 + also + j < ahead) {
+      if (near_l1) {
+        prefetch_lines<3>(kx + k_at[c0 + also + j], d);
+      } else {
+        prefetch_lines<2>(kx + k_at[c0 + also + j], d);
+      }
+    }
+  }
+  for (std::int64_t j = from; j < to; ++j) {
+    if (also > 0 && interleaved && c0 + also + j < ahead) {
+      if (near_l1) {
+        prefetch_lines<3>(kx + k_at[c0 + also + j], d);
+      } else {
+        prefetch_lines<2>(kx + k_at[c0 + also + j], d);
+      }
+    }
+    if (c0 + lead + j < ahead) {
+      if (near_l1) {
+        prefetch_lines<3>(kx + k_at[c0 + lead + j], d);
+      } else {
+        prefetch_lines<2>(kx + k_at[c0 + lead + j], d);
+      }
+    }
+  }
 }
 
 // at[c]: the element offset into the view's data of key j0 + c of (b, kv head h), for
