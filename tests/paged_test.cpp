@@ -478,7 +478,8 @@ TEST(Paged, AppendsRefuseSlotsWrittenTwice) {
 // heads of D = 64, where one row per head is scored key by key across the heads on every SIMD
 // target (AVX-512: f32, bf16 pairs, widened f16 and bf16, 20 heads a full and a partial group
 // of the widened path's 16; AVX2: several keys at once, every dtype, and over [B, Hkv, L, D]
-// each whole tile's keys as 4 streams).
+// each whole tile's keys as 4 streams), and Dv = 128 (AVX2: P . V of every head in one pass,
+// two column slices).
 TEST(Paged, ItemsOfSeveralKvHeadsEqualOneHeadItemsBitwise) {
   struct Shape {
     std::int64_t hkv, dim, dim_v;
@@ -486,7 +487,7 @@ TEST(Paged, ItemsOfSeveralKvHeadsEqualOneHeadItemsBitwise) {
   const std::int64_t batch = 2, capacity = 300;
   const std::vector<int> seqlens = {300, 197}, pads = {17, 2}, none = {0, 0};
   const Tensor seqlens_t = i32({batch}, seqlens);
-  for (const Shape& shape : {Shape{5, 40, 24}, Shape{20, 64, 64}}) {
+  for (const Shape& shape : {Shape{5, 40, 24}, Shape{20, 64, 128}}) {
     const std::int64_t hkv = shape.hkv, dim = shape.dim, dim_v = shape.dim_v;
     // [B, capacity, H, width] -> the same values as [B, H, capacity, width], contiguous.
     auto heads_outer = [&](const Tensor& t) {

@@ -355,11 +355,17 @@ struct DirectKv : DirectKvScores {
   }
 
   // Whether a multi-head item's P . V takes a chunk of keys for all its heads in one pass
-  // (accumulate_heads): AVX2, one row per head (MHA), Dv a whole number of 8-vector slices.
-  ATTNCORE_TARGET static bool heads_in_one_pass(const Params& p, std::int64_t heads,
-                                                std::int64_t rows, std::int64_t dv_pad) {
+  // (accumulate_heads): AVX2, one row per head (MHA), Dv a whole number of 8-vector slices, its
+  // chunks within kMaxChunk and a head's V row within kHeadVAhead (wider rows, which
+  // tile_accumulate prefetches as one head's, keep that path).
+  static constexpr std::int64_t kMaxChunk = 16;
+  ATTNCORE_TARGET static bool heads_in_one_pass(const Params& p, DType v_dtype,
+                                                std::int64_t heads, std::int64_t rows,
+                                                std::int64_t dv_pad) {
     return kLanes == 8 && heads > 1 && rows_computed(rows) == 1 && p.head_dim_v == dv_pad &&
-           dv_pad % (slice_vectors(1) * kLanes) == 0;
+           dv_pad % (slice_vectors(1) * kLanes) == 0 &&
+           head_chunk(v_dtype, rows) <= kMaxChunk &&
+           dv_pad * static_cast<std::int64_t>(size_of(v_dtype)) <= kHeadVAhead;
   }
 
   // P . V of one row per head for every head of a multi-head item, over keys [begin, begin +
@@ -373,7 +379,6 @@ struct DirectKv : DirectKvScores {
   // = 32, ticks per key and head, 8 / 16 / 32 keys per call: 31.5 / 24.8 / 20.4, 18 of them the
   // products), a third of P . V's time; in one pass 17.7-18.4 (8 keys), from memory (64 MiB)
   // 37.5/35.2 against 50.8/46.7 (best of 5, two runs; V at the probe's pace: 34.8).
-  static constexpr std::int64_t kMaxChunk = 16;
   template <class T, class Known>
   ATTNCORE_TARGET static void accumulate_heads(const T* v, const std::int64_t* v_at,
                                                std::int64_t keys, std::int64_t heads,
@@ -411,25 +416,30 @@ struct DirectKv : DirectKvScores {
     }
   }
   // accumulate_heads for the input's dtype (heads_in_one_pass): probs, out and alpha those of
-  // the item's first head, each head's head_floats floats after the one before.
+  // the item's first head, each head's head_floats floats after the one before. A template, so
+  // that the targets without the one pass instantiate none of it.
+  template <bool kOnePass = kLanes == 8>
   ATTNCORE_TARGET static void tile_accumulate_heads(const Params& p, const ForwardArgs& a,
                                                     const TileRows& v_rows, std::int64_t begin,
                                                     std::int64_t keys, std::int64_t heads,
                                                     const float* probs, float* out,
                                                     const float* alpha,
                                                     std::int64_t head_floats) {
-    const std::int64_t* at = v_rows.at + begin;
-    const std::int64_t v_step = a.v.stride[1], dv = p.head_dim_v;
-    if (a.v.dtype == DType::f32) {
-      accumulate_heads<float, F32>(static_cast<const float*>(a.v.data), at, keys, heads, v_step,
-                                   dv, probs, out, alpha, head_floats);
-    } else if (a.v.dtype == DType::f16) {
-      accumulate_heads<std::uint16_t, F16>(static_cast<const std::uint16_t*>(a.v.data), at, keys,
-                                           heads, v_step, dv, probs, out, alpha, head_floats);
-    } else {
-      accumulate_heads<std::uint16_t, Bf16>(static_cast<const std::uint16_t*>(a.v.data), at,
-                                            keys, heads, v_step, dv, probs, out, alpha,
-                                            head_floats);
+    if constexpr (kOnePass) {
+      const std::int64_t* at = v_rows.at + begin;
+      const std::int64_t v_step = a.v.stride[1], dv = p.head_dim_v;
+      if (a.v.dtype == DType::f32) {
+        accumulate_heads<float, F32>(static_cast<const float*>(a.v.data), at, keys, heads,
+                                     v_step, dv, probs, out, alpha, head_floats);
+      } else if (a.v.dtype == DType::f16) {
+        accumulate_heads<std::uint16_t, F16>(static_cast<const std::uint16_t*>(a.v.data), at,
+                                             keys, heads, v_step, dv, probs, out, alpha,
+                                             head_floats);
+      } else {
+        accumulate_heads<std::uint16_t, Bf16>(static_cast<const std::uint16_t*>(a.v.data), at,
+                                              keys, heads, v_step, dv, probs, out, alpha,
+                                              head_floats);
+      }
     }
   }
 

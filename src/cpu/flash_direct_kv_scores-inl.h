@@ -522,20 +522,22 @@ struct DirectKvScores : DirectKvHeads {
       const std::int64_t ldk = block >= 2 ? even_stride(k_at + c0, block) : d;
       for (std::int64_t x = 0; x < heads; ++x) {
         const T* kx = k + x * k_step;
-        // AVX2, f32 rows of one head lying evenly apart, several rows (GQA [B, Hkv, L, D]): the
+        // AVX2, f32 rows of one head lying together, the block's evenly apart, several rows
+        // (GQA [B, Hkv, L, D]): the
         // block's K prefetches spread over its rows' score_keys calls below (each row's share of
         // the keys before it), not all before the first: Zen 3, 1 thread, Lk=16384, in-process
         // A/B (median speed ratio of 11 rounds, two runs): 1.03, 1.07 (only the 12 KiB ones
         // spread so: 1.05; also 24 KiB ahead: 1.04; 16-bit rows of one head, their prefetches
         // spread over score_rows' pairs of keys: 0.98-1.02).
         // AVX2, several rows over several heads (GQA [B, L, Hkv, D], pages): score_rows issues
-        // the same prefetches, each group of keys its own before it (Zen 3, 1 thread, Lk=16384,
+        // the same prefetches, each group of keys (two for 3-4 rows) its own before it (Zen 3,
+        // 1 thread, Lk=16384,
         // in-process A/B, median speed ratio of 11 rounds: f32 [B, L, Hkv, D] 1.03 and 1.05, p16
         // 1.03; bf16 1.03, p16 1.01; f16 p16 1.05).
         const bool by_rows = rows > 1 && (!pairs || rows_pairs != nullptr) &&
                              (sizeof(T) == 2 || !near) &&
                              kTileRows * kLanes * kLanes <= d * kKeyTile;
-        const bool in_rows = kLanes == 8 && heads > 1 && by_rows && also == 0;
+        const bool in_rows = kLanes == 8 && heads > 1 && by_rows;  // (also: one head only)
         const bool spread = kLanes == 8 && sizeof(T) == 4 && near && rows > 1 && ldk != 0;
         if (!spread && !in_rows) {
           prefetch_block(kx, k_at, c0, 0, kLanes, lead, also, interleaved, near_l1, ahead, d);

@@ -309,16 +309,17 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
     }
     if (direct && !cut && !overlap) {
       // In place, no key left out: P . V in chunks of head_chunk keys, each for every head
-      // (V read in order with the heads inside a key's row; on AVX2 one row per head takes a
-      // chunk for all the heads in one pass: DirectKv::accumulate_heads), the next chunk's rows
-      // of the head prefetched (on AVX2 only a 16-bit group's: DirectKv::tile_accumulate); each
-      // head's accumulator rescaled by its first chunk only.
+      // (V read in order with the heads inside a key's row; on AVX2 one row per head with Dv a
+      // multiple of 64 takes a chunk for all the heads in one pass: DirectKv::accumulate_heads,
+      // heads_in_one_pass), the next chunk's rows of the head prefetched (on AVX2 only a 16-bit
+      // group's: DirectKv::tile_accumulate); each head's accumulator rescaled by its first chunk
+      // only.
       float ones[kTileRows];
       std::fill_n(ones, kTileRows, 1.0f);
       const std::int64_t v_ahead =
           kHeadVAhead / (p.head_dim_v * static_cast<std::int64_t>(size_of(a.v.dtype)));
       const std::int64_t step = heads > 1 ? DirectKv::head_chunk(a.v.dtype, rows) : kKeyTile;
-      const bool one_pass = DirectKv::heads_in_one_pass(p, heads, rows, dv_pad);
+      const bool one_pass = DirectKv::heads_in_one_pass(p, a.v.dtype, heads, rows, dv_pad);
       for (std::int64_t c = 0; c == 0 || c < pv_keys; c += step) {
         const std::int64_t chunk = std::min(step, pv_keys - c);
         if (one_pass) {
