@@ -188,8 +188,8 @@ struct DirectKvScores : DirectKvHeads {
 #endif
 
   // The scores of R rows (q rows d apart; rows past the item's are zero) against the block's
-  // keys c < block, at k + at[c], into s[r * kKeyTile + c] for c < kLanes (0 past block):
-  // kLanes / R keys at a time, each K vector loaded (widened) once for the R rows, every (row,
+  // keys c < block, at k + at[c], into s[r * kKeyTile + c] for c < kLanes (0 past block): a
+  // group of keys at a time, each K vector loaded (widened) once for the R rows, every (row,
   // key) lane sum in its own register, formed in score_keys' order and summed across lanes by
   // reduce_sums (sum_parts over `parts`, R * kLanes * kLanes floats): the same bits. Keys past
   // block read key c0's row (or k's first) and their scores are then set to 0. GQA Hq=32 Hkv=8
@@ -197,56 +197,71 @@ struct DirectKvScores : DirectKvHeads {
   // a time with each row's q loaded per product: f16 [B, Hkv, L, D] 61/58 -> 64/62, [B, L, Hkv,
   // D] 43/54 -> 51/58, p16 53/49 -> 57/53; f32 from cache (Lk=1024) 54-56 -> 58-59 GB/s, from
   // memory within noise.
+  // A group is kLanes / R keys (kLanes accumulators), but 3 keys for 4 rows on AVX2 (groups of
+  // 3, 3 and 2): 12 chains of multiply-adds in flight instead of 8, where 8 barely cover the
+  // FMA's latency at two a cycle. Zen 3, a standalone copy of the loop, 4 rows' f32 scores from
+  // L1, TSC ticks per key: 39-51 -> 23-27 (64 multiply-adds at two a cycle: ~25); whole decode,
+  // Hq=32 Hkv=8, 1 thread, the two alternating call by call in one process, median speed ratio
+  // of 9-11 rounds, Lk=16384 (4096 for pages): bf16 [B, Hkv, L, D] 1.04, [B, L, Hkv, D] 1.05,
+  // p16 1.07; f16 [B, Hkv, L, D] 1.04, p16 1.06; f32 [B, L, Hkv, D] 1.02, p16 1.06.
   // With lead > 0, each group of keys first prefetches (into L2) the rows `lead` keys on, of
   // those known (at[c] for c < ahead).
   template <int R, class T>
   ATTNCORE_TARGET __attribute__((noinline)) static void score_rows(
       const T* k, const std::int64_t* at, std::int64_t block, DType dtype, std::int64_t d,
       const float* q, float* s, float* parts, std::int64_t lead, std::int64_t ahead) {
-    constexpr int kKeys = kLanes / R > 0 ? kLanes / R : 1;
-    static_assert(kLanes % kKeys == 0, "whole groups of keys in a block");
+    constexpr int kKeys = kLanes == 8 && R == 4 ? 3 : kLanes / R > 0 ? kLanes / R : 1;
+    constexpr int kLast = kLanes % kKeys;  // keys of a last, smaller group (0: none)
     // Whole vectors (D a multiple of kLanes) test nothing per load, and 16-bit K is widened as
     // its known dtype, with d and q in registers (with the dtype tested per load and both read
     // from the lambda's captures in the loop, GQA f16 decode, 1 thread, % of the probe,
     // Lk=4096/16384, 7 interleaved passes: [B, Hkv, L, D] 63/63 against 68/67, [B, L, Hkv, D]
     // 58/58 against 62/62, p16 57/52 against 62/54).
-    auto keys = [&](auto whole, auto known) ATTNCORE_TARGET {
+    // The G keys from key j0 on.
+    auto group = [&](auto keys_in_group, int j0, auto whole, auto known) ATTNCORE_TARGET {
+      constexpr int G = decltype(keys_in_group)::value;
       const std::int64_t dd = d, lead_keys = lead, known_keys = ahead;
       const float* qq = q;
-      for (int j0 = 0; j0 < kLanes; j0 += kKeys) {
-        const T* row[kKeys];
+      const T* row[G];
 #pragma GCC unroll 16
-        for (int j = 0; j < kKeys; ++j) {
-          row[j] = j0 + j < block ? k + at[j0 + j] : block > 0 ? k + at[0] : k;
+      for (int j = 0; j < G; ++j) {
+        row[j] = j0 + j < block ? k + at[j0 + j] : block > 0 ? k + at[0] : k;
+      }
+      for (int j = 0; lead_keys > 0 && j < G; ++j) {
+        if (j0 + j + lead_keys < known_keys) prefetch_lines<2>(k + at[j0 + j + lead_keys], dd);
+      }
+      Vec acc[R][G];
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+        for (int j = 0; j < G; ++j) acc[r][j] = Vec{};
+      }
+      for (std::int64_t e0 = 0; e0 < dd; e0 += kLanes) {
+        const int n = decltype(whole)::value
+                          ? kLanes
+                          : static_cast<int>(std::min<std::int64_t>(kLanes, dd - e0));
+        Vec qv[R];
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) qv[r] = load_part(qq + r * dd + e0, n);
+#pragma GCC unroll 16
+        for (int j = 0; j < G; ++j) {
+          const Vec kv = load_part(row[j] + e0, n, decltype(known)::value);
+#pragma GCC unroll 16
+          for (int r = 0; r < R; ++r) acc[r][j] = fmadd(qv[r], kv, acc[r][j]);
         }
-        for (int j = 0; lead_keys > 0 && j < kKeys; ++j) {
-          if (j0 + j + lead_keys < known_keys) prefetch_lines<2>(k + at[j0 + j + lead_keys], dd);
-        }
-        Vec acc[R][kKeys];
+      }
 #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
+      for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 16
-          for (int j = 0; j < kKeys; ++j) acc[r][j] = Vec{};
-        }
-        for (std::int64_t e0 = 0; e0 < dd; e0 += kLanes) {
-          const int n = decltype(whole)::value
-                            ? kLanes
-                            : static_cast<int>(std::min<std::int64_t>(kLanes, dd - e0));
-          Vec qv[R];
-#pragma GCC unroll 16
-          for (int r = 0; r < R; ++r) qv[r] = load_part(qq + r * dd + e0, n);
-#pragma GCC unroll 16
-          for (int j = 0; j < kKeys; ++j) {
-            const Vec kv = load_part(row[j] + e0, n, decltype(known)::value);
-#pragma GCC unroll 16
-            for (int r = 0; r < R; ++r) acc[r][j] = fmadd(qv[r], kv, acc[r][j]);
-          }
-        }
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 16
-          for (int j = 0; j < kKeys; ++j) store(parts + (r * kLanes + j0 + j) * kLanes, acc[r][j]);
-        }
+        for (int j = 0; j < G; ++j) store(parts + (r * kLanes + j0 + j) * kLanes, acc[r][j]);
+      }
+    };
+    auto keys = [&](auto whole, auto known) ATTNCORE_TARGET {
+      for (int j0 = 0; j0 + kKeys <= kLanes; j0 += kKeys) {
+        group(std::integral_constant<int, kKeys>{}, j0, whole, known);
+      }
+      if constexpr (kLast > 0) {
+        group(std::integral_constant<int, kLast>{}, kLanes - kLast, whole, known);
       }
     };
     auto with_known = [&](auto whole) ATTNCORE_TARGET {
@@ -528,9 +543,9 @@ struct DirectKvScores : DirectKvHeads {
         // the keys before it), not all before the first: Zen 3, 1 thread, Lk=16384, in-process
         // A/B (median speed ratio of 11 rounds, two runs): 1.03, 1.07 (only the 12 KiB ones
         // spread so: 1.05; also 24 KiB ahead: 1.04; 16-bit rows of one head, their prefetches
-        // spread over score_rows' pairs of keys: 0.98-1.02).
+        // spread over score_rows' groups of keys, then pairs: 0.98-1.02).
         // AVX2, several rows over several heads (GQA [B, L, Hkv, D], pages): score_rows issues
-        // the same prefetches, each group of keys (two for 3-4 rows) its own before it (Zen 3,
+        // the same prefetches, each group of keys (then two for 3-4 rows) its own before it (Zen 3,
         // 1 thread, Lk=16384,
         // in-process A/B, median speed ratio of 11 rounds: f32 [B, L, Hkv, D] 1.03 and 1.05, p16
         // 1.03; bf16 1.03, p16 1.01; f16 p16 1.05).
