@@ -93,7 +93,8 @@ int cmd_info(const std::vector<std::string>& args) {
   const double bw_all = threads > 1 ? attncore::measure_read_bandwidth_gbs(threads) : bw1;
   std::printf(
       "read bw:   %.1f GB/s with 1 thread, %.1f GB/s with %d threads (512 MiB, 8 vector "
-      "accumulators per thread, median of 5; measured now)\n",
+      "accumulators per thread, one stream or two at once, the faster's median of 5; measured "
+      "now)\n",
       bw1, bw_all, threads);
   print_constants(attncore::cost_constants(), attncore::measured_cost_constants());
   return kExitOk;

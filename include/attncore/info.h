@@ -49,13 +49,15 @@ ATTNCORE_API double measure_fma_peak_gflops(int threads);
 
 // Measured read bandwidth of `threads` threads (<= 0: default_num_threads()) in GB/s (10^9
 // bytes/s): each thread sums its own part of a 512 MiB buffer (far beyond the caches; less
-// where the process may use under 4 GiB) with 8 vector accumulators, the median of 5 runs of 2
-// passes (~0.3 s with the buffer's first touch). What a memory-bound call (decode over a long
-// KV cache) can at best stream; `attncore info` and `attncore bench --decode` report it.
+// where the process may use under 4 GiB) with 8 vector accumulators, as one stream and as two
+// at once (the part's halves, as decode reads K and V), the faster pattern's median of 5 runs
+// of 2 passes each (0.3-0.6 s with the first touch). What a memory-bound call (decode over
+// a long KV cache) can at best stream; `attncore info` and `attncore bench --decode` report it.
 // piece_bytes > 0 (a multiple of 512, at most a thread's part): each thread reads its part in
-// pieces of that size in a fixed shuffled order, as decode reads a paged cache whose pages lie
-// anywhere in their pool (what such a decode can at best stream; pieces of 128 KiB read about a
-// tenth less than the whole part on the measuring machine).
+// pieces of that size in a fixed shuffled order (two streams: two pieces at once), as decode
+// reads a paged cache whose pages lie anywhere in their pool (what such a decode can at best
+// stream; pieces of 128 KiB read about a tenth less than the whole part on the measuring
+// machine).
 ATTNCORE_API double measure_read_bandwidth_gbs(int threads, std::int64_t piece_bytes = 0);
 
 // SIMD targets of the fused kernels compiled into this build, best first ("avx512", "avx2",
