@@ -363,6 +363,65 @@ TEST(KvCache, AppendChecksEverythingBeforeWriting) {
     for (double x : read_view(c->view())) ASSERT_EQ(x, 0.0);
 }
 
+// An index array inside a cache it appends to would change under the append, which then writes
+// where it no longer checked (an out-of-bounds write): refused before anything is written, in
+// either cache, dense or paged.
+TEST(KvCache, AppendRefusesIndexArraysInsideTheCache) {
+  const Tensor q(DType::f32, {2, 1, 1, 4});
+  const Tensor k_new = make_tensor(DType::f32, {2, 1, 1, 4}, std::vector<double>(8, 1e30));
+  const KvAppend a{k_new, k_new, std::nullopt, std::nullopt, false};
+  const Tensor lens = int_tensor({0, 0}), rows = int_tensor({0, 1});
+  Tensor table(DType::i32, {2, 2});  // [B, pages per sequence]
+  for (int i = 0; i < 4; ++i) static_cast<std::int32_t*>(table.data())[i] = i;
+  for (const bool paged : {false, true}) {
+    // dense [B=2, L=8, Hkv=1, D=4] (as [B, Hkv, L, D] views), or 4 pages of 2 slots
+    const Tensor k_cache(DType::f32, {paged ? 4 : 2, paged ? 2 : 8, 1, 4});
+    const Tensor v_cache(DType::f32, {paged ? 4 : 2, paged ? 2 : 8, 1, 4});
+    const TensorView kc = k_cache.view().transposed(1, 2), vc = v_cache.view().transposed(1, 2);
+    for (const Tensor* host : {&k_cache, &v_cache}) {
+      auto* words = static_cast<std::int32_t*>(host->data());
+      for (const std::string which : {"cache_seqlens", "cache_batch_idx", "cache_leftpad",
+                                      "block_table"}) {
+        if (paged != (which == "block_table") && which != "cache_seqlens") continue;
+        for (const Tensor* c : {&k_cache, &v_cache}) {
+          std::fill_n(static_cast<float*>(c->data()), 32, 0.0f);
+        }
+        KvCacheSeqs s;
+        s.cache_seqlens = lens.view();
+        if (paged) s.block_table = table.view();
+        // the array's values, copied into the cache's first words and read from there
+        const Tensor& source =
+            which == "block_table" ? table : which == "cache_batch_idx" ? rows : lens;
+        const int count = which == "block_table" ? 4 : 2;
+        std::copy_n(static_cast<const std::int32_t*>(source.data()), count, words);
+        const TensorView inside =
+            which == "block_table" ? TensorView::contiguous(words, DType::i32, {2, 2})
+                                   : TensorView::contiguous(words, DType::i32, {2});
+        if (which == "cache_seqlens") s.cache_seqlens = inside;
+        if (which == "cache_batch_idx") s.cache_batch_idx = inside;
+        if (which == "cache_leftpad") s.cache_leftpad = inside;
+        if (which == "block_table") s.block_table = inside;
+        std::string message;
+        try {
+          forward_kvcache(q, kc, vc, s, a);
+        } catch (const InvalidArgument& e) {
+          message = e.what();
+        }
+        const std::string cache = host == &k_cache ? "k_cache" : "v_cache";
+        EXPECT_EQ(message.rfind("forward: " + cache + " overlaps " + which + " (", 0), 0u)
+            << which << (paged ? " paged: " : " dense: ") << message;
+        // nothing written: the array's words are intact, the rest zero
+        for (int i = 0; i < count; ++i) {
+          ASSERT_EQ(words[i], static_cast<const std::int32_t*>(source.data())[i]) << which;
+        }
+        std::fill_n(words, count, 0);
+        for (const Tensor* c : {&k_cache, &v_cache})
+          for (double x : read_view(c->view())) ASSERT_EQ(x, 0.0) << which;
+      }
+    }
+  }
+}
+
 TEST(KvCache, AppendKeepsF64Exact) {
   // An f64 cache takes the new rows without rounding through f32.
   const Tensor q(DType::f64, {1, 1, 1, 4});

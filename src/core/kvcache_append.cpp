@@ -103,8 +103,8 @@ void check_append_slots(const Checker& check, const Params& p, std::int64_t num_
 // lengths after the append.
 std::vector<std::int32_t> validate_append(const Checker& check, const Params& p,
                                           const TensorView& q, const TensorView& k_cache,
-                                          const TensorView& v_cache, const KvAppend& a,
-                                          const Options& o, Rotary* rotary) {
+                                          const TensorView& v_cache, const KvCacheSeqs& seqs,
+                                          const KvAppend& a, const Options& o, Rotary* rotary) {
   check.view(a.k_new, "k_new", 4, "[B, Hkv, L_new, D]");
   check.view(a.v_new, "v_new", 4, "[B, Hkv, L_new, Dv]");
   const std::int64_t l_new = a.k_new.size(2);
@@ -153,11 +153,19 @@ std::vector<std::int32_t> validate_append(const Checker& check, const Params& p,
                ", expected both or neither)");
   }
   // The caches are written: neither may share a byte with the other (the values would
-  // overwrite the keys) or with an array the append reads.
+  // overwrite the keys) or with an array the call reads (an index array inside a cache would
+  // change under the append, which then writes where it no longer checked).
   check.separate({{&k_cache, "k_cache"}, {&v_cache, "v_cache"}},
-                 {{&q, "query"}, {&a.k_new, "k_new"}, {&a.v_new, "v_new"},
+                 {{&q, "query"},
+                  {&a.k_new, "k_new"},
+                  {&a.v_new, "v_new"},
                   {a.rotary_cos ? &*a.rotary_cos : nullptr, "rotary_cos"},
-                  {a.rotary_sin ? &*a.rotary_sin : nullptr, "rotary_sin"}});
+                  {a.rotary_sin ? &*a.rotary_sin : nullptr, "rotary_sin"},
+                  detail::alibi_view(o),
+                  {&seqs.cache_seqlens, "cache_seqlens"},
+                  {seqs.cache_batch_idx ? &*seqs.cache_batch_idx : nullptr, "cache_batch_idx"},
+                  {seqs.cache_leftpad ? &*seqs.cache_leftpad : nullptr, "cache_leftpad"},
+                  {seqs.block_table ? &*seqs.block_table : nullptr, "block_table"}});
   if (seq.paged()) check_append_slots(check, p, k_cache.size(0), l_new);
   if (!a.rotary_cos.has_value()) return lengths;
   const TensorView& cos = *a.rotary_cos;
@@ -239,7 +247,7 @@ ForwardResult forward_kvcache(const TensorView& q, const TensorView& k_cache,
   const Params p = detail::validate_kvcache_forward(args, seqs, options, backend, false);
   Rotary rotary;
   std::vector<std::int32_t> lengths =
-      validate_append(check, p, q, k_cache, v_cache, append, options, &rotary);
+      validate_append(check, p, q, k_cache, v_cache, seqs, append, options, &rotary);
   const bool aligned =
       options.causal != Causal::none || options.window_left >= 0 || options.window_right >= 0;
   const Tensor lengths_t(DType::i32, {p.batch});
