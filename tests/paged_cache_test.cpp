@@ -217,6 +217,29 @@ TEST(PagedCache, OutOfPages) {
   EXPECT_THROW(big.reserve(0, 3 * 16 + 1), OutOfMemory);
 }
 
+// A cache moved from answers every method with InvalidArgument (it held a null state: a null
+// dereference), and works again once a cache is assigned to it.
+TEST(PagedCache, MovedFromThrowsUntilAssigned) {
+  PagedKvCache c(4, 16, 1, 4, 4, DType::f32, 2);
+  c.reserve(0, 20);
+  PagedKvCache d(std::move(c));
+  EXPECT_EQ(d.capacity(0), 32);
+  EXPECT_EQ(error_message([&] { (void)c.free_pages(); }),
+            "PagedKvCache::free_pages: this cache was moved from (expected a PagedKvCache that "
+            "holds its pages; assign one to it first)");
+  EXPECT_THROW((void)c.num_pages(), InvalidArgument);
+  EXPECT_THROW((void)c.page_table(), InvalidArgument);
+  EXPECT_THROW((void)c.capacity(0), InvalidArgument);
+  EXPECT_THROW((void)c.references(0), InvalidArgument);
+  EXPECT_THROW(c.reserve(0, 1), InvalidArgument);
+  EXPECT_THROW(c.erase(0), InvalidArgument);
+  EXPECT_THROW(c.fork(0, 1, 0), InvalidArgument);
+  const Tensor kv(DType::f32, {1, 1, 4});
+  EXPECT_THROW(c.assign(0, positions_of({0}), kv, kv), InvalidArgument);
+  c = PagedKvCache(2, 16, 1, 4, 4, DType::f32, 1);
+  EXPECT_EQ(c.free_pages(), 2);
+}
+
 TEST(PagedCache, CopyOnWriteOutOfPages) {
   PagedKvCache c(2, 4, 1, 4, 4, DType::f32, 2);
   const Tensor kv(DType::f32, {1, 1, 4});

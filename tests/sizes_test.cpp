@@ -97,12 +97,33 @@ TEST(Sizes, AllocatedOutputsPast64BitsAreInvalid) {
 
 // A view whose last byte would lie past the end of the address space.
 TEST(Sizes, ViewsThatWrapTheAddressSpaceAreInvalid) {
-  void* top = reinterpret_cast<void*>(~std::uintptr_t{0} - 100);
+  void* top = reinterpret_cast<void*>(~std::uintptr_t{0} - 103);  // (a multiple of 4)
   const TensorView q = TensorView::contiguous(top, DType::f32, {1, 1, 1, 64});
   const Tensor kv(DType::f32, {1, 1, 4, 64});
   const std::string message = invalid_argument_message([&] { (void)forward(q, kv, kv); });
   EXPECT_EQ(message.rfind("forward: query spans past the end of the address space", 0), 0u)
       << message;
+}
+
+// A view whose data is not at a multiple of its element size (a numpy view at an odd byte
+// offset): refused, where the checks and kernels would read it as misaligned floats or ints.
+TEST(Sizes, MisalignedViewsAreInvalid) {
+  alignas(64) static unsigned char bytes[4096] = {};
+  const TensorView q = TensorView::contiguous(bytes + 1, DType::f32, {1, 1, 1, 64});
+  const Tensor kv(DType::f32, {1, 1, 4, 64});
+  EXPECT_EQ(invalid_argument_message([&] { (void)forward(q, kv, kv); }),
+            "forward: query is not aligned to its element size (address % 4=1, expected 0); "
+            "copy it to an aligned buffer");
+  const Tensor q_ok(DType::f32, {1, 1, 1, 64});
+  KvCacheSeqs seqs;
+  seqs.cache_seqlens = TensorView::contiguous(bytes + 2, DType::i32, {1});
+  EXPECT_EQ(invalid_argument_message([&] { (void)forward_kvcache(q_ok, kv, kv, seqs); }),
+            "forward: cache_seqlens is not aligned to its element size (address % 4=2, "
+            "expected 0); copy it to an aligned buffer");
+  const TensorView half = TensorView::contiguous(bytes + 3, DType::bf16, {1, 1, 1, 64});
+  EXPECT_EQ(invalid_argument_message([&] { (void)forward(half, half, half); }).rfind(
+                "forward: query is not aligned to its element size (address % 2=1", 0),
+            0u);
 }
 
 }  // namespace

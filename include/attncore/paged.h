@@ -59,6 +59,8 @@ class ATTNCORE_API PagedKvCache {
                std::int64_t head_dim, std::int64_t head_dim_v, DType dtype,
                std::int64_t max_batch, std::int64_t max_pages_per_seq = 0);
   ~PagedKvCache();
+  // Movable; a cache moved from throws InvalidArgument from every method until one is assigned
+  // to it.
   PagedKvCache(PagedKvCache&&) noexcept;
   PagedKvCache& operator=(PagedKvCache&&) noexcept;
   PagedKvCache(const PagedKvCache&) = delete;
@@ -94,6 +96,8 @@ class ATTNCORE_API PagedKvCache {
 
  private:
   struct State;
+  // The state, or InvalidArgument naming `method` when this cache was moved from.
+  State& live(const char* method) const;
   std::unique_ptr<State> s_;
 };
 

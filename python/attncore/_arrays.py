@@ -47,6 +47,20 @@ def check_new_arrays(op, *specs):
                           "reduce the sizes")
 
 
+def check_copy(op, name, shape, dtype_name):
+    """Refuses (MemoryError) a copy of an input of this shape that exceeds the memory this
+    process may use, before it is made: an input attncore cannot read in place (a last stride
+    other than 1, a broadcast view) is copied, and a broadcast view can stand for far more
+    elements than its memory holds."""
+    size = math.prod(shape) * _ITEM_BYTES.get(dtype_name, 8)
+    limit, limit_name = _core.memory_limit()
+    if size > limit:
+        raise MemoryError(f"{op}: {name} needs a contiguous copy larger than the memory this "
+                          f"process may use (shape={list(shape)}, copy={size:.4g} bytes, "
+                          f"expected <= {limit:.4g} bytes, {limit_name}); pass it with a last "
+                          "stride of 1")
+
+
 def _type_name(x):
     return type(x).__name__
 
@@ -178,12 +192,15 @@ class _Numpy:
         return tuple(s // x.itemsize for s in x.strides)
 
     @staticmethod
-    def unit_last_stride(x):
+    def unit_last_stride(x, op, name):
         """x, or a contiguous copy where attncore cannot read it in place: a last stride other
-        than 1, negative strides or strides that are not whole elements."""
+        than 1, negative strides or strides that are not whole elements (check_copy first)."""
         ok = all(s >= 0 and s % x.itemsize == 0 for s in x.strides) and (
             x.ndim == 0 or x.shape[-1] <= 1 or x.strides[-1] == x.itemsize)
-        return x if ok else np.ascontiguousarray(x)
+        if ok:
+            return x
+        check_copy(op, name, x.shape, x.dtype.name)
+        return np.ascontiguousarray(x)
 
     @staticmethod
     def reshape(x, shape):
@@ -257,9 +274,12 @@ class _Torch:
         return x.stride()
 
     @staticmethod
-    def unit_last_stride(x):
+    def unit_last_stride(x, op, name):
         ok = x.dim() == 0 or x.shape[-1] <= 1 or x.stride(-1) == 1
-        return x if ok else x.contiguous()
+        if ok:
+            return x
+        check_copy(op, name, tuple(x.shape), str(x.dtype).removeprefix("torch."))
+        return x.contiguous()
 
     @staticmethod
     def reshape(x, shape):

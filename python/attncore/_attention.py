@@ -100,7 +100,8 @@ class _Form:
         self.batch_size = math.prod(self.batch)
         self.heads_q, self.seqlen_q = q.shape[-3], q.shape[-2]
         self.seqlen_k = k.shape[-2]
-        self.q4, self.k4, self.v4 = self._fold(q), self._fold(k), self._fold(v)
+        self.q4, self.k4, self.v4 = (self._fold(q, "query"), self._fold(k, "key"),
+                                      self._fold(v, "value"))
 
     def _bhld(self, x, name):
         """x as [..., H, L, D]."""
@@ -132,10 +133,10 @@ class _Form:
         padded = (1,) * (len(self.batch) - len(batch)) + batch
         return self.lib.reshape(self.lib.sum_to(grad, padded + rest), batch + rest)
 
-    def _fold(self, x):
+    def _fold(self, x, name):
         """[..., H, L, D] -> [B, H, L, D], unit last stride."""
         x = self.lib.reshape(x, (self.batch_size,) + tuple(x.shape[-3:]))
-        return self.lib.unit_last_stride(x)
+        return self.lib.unit_last_stride(x, self.op, name)
 
     def from_caller(self, x, name):
         """An array shaped like the output (dout, out) -> [B, Hq, Lq, Dv]."""
@@ -143,7 +144,7 @@ class _Form:
         if tuple(x.shape[:-3]) != self.batch:
             raise ValueError(f"{self.op}: {name} has leading dims {list(x.shape[:-3])}, expected "
                              f"query's {list(self.batch)} (the same batch dims)")
-        return self._fold(x)
+        return self._fold(x, name)
 
     def to_caller(self, x4):
         """[B, H, L, D] -> the caller's layout."""
@@ -328,7 +329,9 @@ def _adopt_sources(op, sources, forward=True):
     if forward:
         _arrays.refuse_lost_gradients(lib, op, rest)
     arrays = (first,) + tuple(lib.asarray(s, op, name) for name, s in rest)
-    return lib, give_back, tuple(lib.unit_last_stride(s) for s in arrays)
+    names = (first_name,) + tuple(name for name, _ in rest)
+    return lib, give_back, tuple(lib.unit_last_stride(s, op, name)
+                                 for name, s in zip(names, arrays))
 
 
 def _run(lib, kernel, split, sources):
@@ -435,8 +438,8 @@ def attention_varlen_backward(dout, query, key, value, out, softmax_lse, cu_seql
     mask = None if attn_mask is None else lib.asarray(attn_mask, op, "attn_mask")
     alibi = None if alibi_slopes is None else lib.asarray(alibi_slopes, op, "alibi_slopes")
     kernel = VarlenKernel(seqs, alibi, call, mask)
-    grads = kernel.backward(lib, lib.unit_last_stride(lib.asarray(dout, op, "dout")), query, key,
-                            value, lib.asarray(out, op, "out"),
+    dout = lib.unit_last_stride(lib.asarray(dout, op, "dout"), op, "dout")
+    grads = kernel.backward(lib, dout, query, key, value, lib.asarray(out, op, "out"),
                             lib.asarray(softmax_lse, op, "softmax_lse"))
     return tuple(give_back(g) for g in grads)
 

@@ -40,8 +40,9 @@ class AttentionFunction(_torch.autograd.Function):
         query, key, value, mask, alibi_slopes, out, lse = ctx.saved_tensors
         lib = _arrays.TORCH
         want_dbias = ctx.needs_input_grad[3]
-        dq, dk, dv, dbias = backward4(lib, lib.unit_last_stride(dout), query, key, value, out,
-                                      lse, mask, alibi_slopes, ctx.call, want_dbias)
+        dout = lib.unit_last_stride(dout, "backward", "dout")
+        dq, dk, dv, dbias = backward4(lib, dout, query, key, value, out, lse, mask,
+                                      alibi_slopes, ctx.call, want_dbias)
         return dq, dk, dv, dbias, None, None
 
 
@@ -68,8 +69,8 @@ class PackedAttentionFunction(_torch.autograd.Function):
         lib = _arrays.TORCH
         grads = [_arrays.empty_in_order_of(lib, s, tuple(s.shape), lib.dtype_name(s))
                  for s in sources]
-        ctx.kernel.backward_into(lib, lib.unit_last_stride(dout), *ctx.split(*sources), out, lse,
-                                 *ctx.split(*grads))
+        dout = lib.unit_last_stride(dout, "backward", "dout")
+        ctx.kernel.backward_into(lib, dout, *ctx.split(*sources), out, lse, *ctx.split(*grads))
         needed = ctx.needs_input_grad[2:]
         return (None, None) + tuple(g if need else None for g, need in zip(grads, needed))
 
@@ -96,7 +97,8 @@ class FastAttentionFunction(_torch.autograd.Function):
         query, key, value, mask, out, lse = ctx.saved_tensors
         lib = _arrays.TORCH
         four = (lambda x: x.transpose(1, 2)) if ctx.blhd else (lambda x: x)
-        dq, dk, dv, dbias = backward4(lib, lib.unit_last_stride(four(dout)), four(query),
+        dout = lib.unit_last_stride(four(dout), "backward", "dout")
+        dq, dk, dv, dbias = backward4(lib, dout, four(query),
                                       four(key), four(value), four(out), lse, mask, None,
                                       ctx.call, ctx.needs_input_grad[3])
         return four(dq), four(dk), four(dv), dbias, None, None, None, None

@@ -136,7 +136,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     else:
         k_lib, kc, _ = _arrays.adopt(k_cache, op, "k_cache")
         v_lib, vc, _ = _arrays.adopt(v_cache, op, "v_cache")
-        kc, vc = k_lib.unit_last_stride(kc), v_lib.unit_last_stride(vc)
+        kc = k_lib.unit_last_stride(kc, op, "k_cache")
+        vc = v_lib.unit_last_stride(vc, op, "v_cache")
     call = _resolve_call(op, scale=softmax_scale,
                          causal="lower-right" if causal else None, window_size=window_size,
                          softcap=max(real_option(op, "softcap", softcap), 0.0), dropout_p=0.0,
@@ -162,12 +163,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         for i, (name, x) in enumerate((("k", k), ("v", v))):
             _rank4(op, name, x, "[B, L_new, Hkv, D]")
             x_lib, arr, _ = _arrays.adopt(x, op, name)
-            new[i] = x_lib.to_core(x_lib.unit_last_stride(arr).swapaxes(1, 2))
+            new[i] = x_lib.to_core(x_lib.unit_last_stride(arr, op, name).swapaxes(1, 2))
     tables = [None, None]
     for i, (name, x) in enumerate((("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin))):
         if x is not None:
             t_lib, arr, _ = _arrays.adopt(x, op, name)
-            tables[i] = t_lib.to_core(t_lib.unit_last_stride(_float32(t_lib, arr)))
+            tables[i] = t_lib.to_core(t_lib.unit_last_stride(_float32(t_lib, arr), op, name))
     alibi = None
     if alibi_slopes is not None:
         a_lib, alibi, _ = _arrays.adopt(alibi_slopes, op, "alibi_slopes")
@@ -177,7 +178,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                              ((batch, heads_q, seqlen_q), lse_dtype(dtype)))
     out = lib.empty((batch, seqlen_q, heads_q, dim_v), dtype)
     lse = lib.empty((batch, heads_q, seqlen_q), lse_dtype(dtype))
-    q4 = times(lib.unit_last_stride(q_arr), call.q_factor).swapaxes(1, 2)
+    q4 = times(lib.unit_last_stride(q_arr, op, "q"), call.q_factor).swapaxes(1, 2)
     _core.forward_kvcache(lib.to_core(q4), k_lib.to_core(kc.swapaxes(1, 2)),
                           v_lib.to_core(vc.swapaxes(1, 2)), seqlens, batch_idx, leftpad, table,
                           new[0], new[1], tables[0], tables[1], bool(rotary_interleaved), lib.to_core(out.swapaxes(1, 2)),

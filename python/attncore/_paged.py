@@ -160,7 +160,7 @@ class PagedKVCache:
         arrays = []
         for name, x in (("k_val", k_val), ("v_val", v_val)):
             lib, arr, _ = _arrays.adopt(x, op, name)
-            arrays.append(lib.to_core(lib.unit_last_stride(arr)))
+            arrays.append(lib.to_core(lib.unit_last_stride(arr, op, name)))
         self._core.assign(b, _positions(op, input_pos), *arrays)
 
     def fork(self, src, dst, prefix_len):
@@ -191,6 +191,15 @@ def _host_index(op, name, x):
     dtype = str(array.dtype).removeprefix("torch.")
     if dtype != "int32":
         raise ValueError(f"{op}: {name} has the wrong dtype (dtype={dtype}, expected int32)")
+    # Refused before the copy, as the library would refuse it: a broadcast table can stand for
+    # far more entries than its memory holds.
+    shape = tuple(array.shape)
+    strides = (array.stride() if hasattr(array, "detach")
+               else tuple(st // array.itemsize for st in array.strides))
+    if shape and shape[-1] > 1 and strides[-1] != 1:
+        raise ValueError(f"{op}: {name} has a non-unit last stride (stride[{len(shape) - 1}]="
+                         f"{strides[-1]}, expected 1); pass it contiguous")
+    _arrays.check_copy(op, name, shape, "int64")
     return np.array(array.numpy() if hasattr(array, "detach") else array, np.int64)
 
 
@@ -277,10 +286,16 @@ def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     lse = lib.empty((heads_q, total_q), "float64" if dtype == "float64" else "float32")
     lse[...] = -np.inf
     slopes = alibi_slopes
+    per_sequence = False
+    if alibi_slopes is not None:  # checked whole: each call below sees one sequence's row
+        a_shape = list(_arrays.shape_of(alibi_slopes, op, "alibi_slopes"))
+        if a_shape not in ([heads_q], [batch, heads_q]):
+            raise ValueError(f"{op}: alibi_slopes has shape {a_shape}, expected [{heads_q}] or "
+                             f"[{batch}, {heads_q}] ([Hq] or [B, Hq])")
+        per_sequence = len(a_shape) == 2
     for b in range(batch):
         q0, q1 = int(cu_q[b]), int(cu_q[b + 1])
-        if alibi_slopes is not None and len(_arrays.shape_of(alibi_slopes, op,
-                                                             "alibi_slopes")) == 2:
+        if per_sequence:
             slopes = alibi_slopes[b:b + 1]
         try:
             o_b, lse_b = flash_attn_with_kvcache(

@@ -42,6 +42,32 @@ def _floating(op, name, x, rank, layout):
     return x
 
 
+def _span(x):
+    """The bytes a strided tensor can touch: [first, end)."""
+    reach = sum((n - 1) * st for n, st in zip(x.shape, x.stride()) if n > 0)
+    return x.data_ptr(), x.data_ptr() + (reach + 1) * x.element_size()
+
+
+def _writable(op, name, x, others):
+    """x is written: each element at its own address (no zero stride on a dim of size > 1),
+    and no byte in common with the tensors `others` ((name, tensor) pairs; by their spans,
+    so interleaved views of one buffer are refused too)."""
+    if x.numel() == 0:
+        return
+    for d, (n, st) in enumerate(zip(x.shape, x.stride())):
+        if n > 1 and st == 0:
+            raise ValueError(f"{op}: {name} is an output with a zero stride (stride[{d}]=0, "
+                             "expected > 0 on dims of size > 1)")
+    first, end = _span(x)
+    for other_name, other in others:
+        if other.numel() == 0:
+            continue
+        other_first, other_end = _span(other)
+        if first < other_end and other_first < end:
+            raise ValueError(f"{op}: {name} overlaps {other_name} (expected no byte in common); "
+                             "an output may share memory with no other output and no input")
+
+
 class PagedAttention:
     """torch.nn.attention.experimental._paged_attention.PagedAttention (torch >= 2.5) on
     attncore: the same constructor and methods over the same state (page_table int64
@@ -71,6 +97,14 @@ class PagedAttention:
                             ("max_batch_size", max_batch_size)):
             if value < 1:
                 raise ValueError(f"{op}: {name} is out of range ({name}={value}, expected >= 1)")
+        if self.n_pages * self.page_size > INT32_MAX:
+            raise ValueError(f"{op}: n_pages * page_size is too large (n_pages={self.n_pages}, "
+                             f"page_size={self.page_size}, expected n_pages * page_size <= "
+                             f"{INT32_MAX}: positions are int32)")
+        # page_table and physical_to_logical (int64), and the free list (a list of ints)
+        _arrays.check_new_arrays(op, ((max_batch_size, self.n_pages), "int64"),
+                                 ((max_batch_size, self.n_pages), "int64"),
+                                 ((self.n_pages, 4), "int64"))
         self.page_table = -_torch.ones((max_batch_size, self.n_pages), dtype=_torch.int64)
         self.capacity = _torch.zeros(max_batch_size, dtype=_torch.int64)
         self.empty_pages = list(range(self.n_pages - 1, -1, -1))
@@ -120,7 +154,8 @@ class PagedAttention:
         """k_val, v_val [B, H, S, D] into k_cache, v_cache [1, H, n_pages * page_size, D] at
         input_pos [B, S] of the sequences batch_idx [B]."""
         op = "PagedAttention.assign"
-        refuse_grad(op, (("k_val", k_val), ("v_val", v_val)))
+        refuse_grad(op, (("k_val", k_val), ("v_val", v_val), ("k_cache", k_cache),
+                         ("v_cache", v_cache)))
         k_val = _floating(op, "k_val", k_val, 4, "[B, H, S, D]")
         v_val = _floating(op, "v_val", v_val, 4, "[B, H, S, Dv]")
         k_cache = _floating(op, "k_cache", k_cache, 4, "[1, H, n_pages * page_size, D]")
@@ -137,6 +172,9 @@ class PagedAttention:
             if want != got[:len(want)]:
                 raise ValueError(f"{op}: {name} has shape {list(got)}, expected "
                                  f"{list(want)}{'' if len(want) == 4 else ' + [Dv]'} ({layout})")
+        _writable(op, "k_cache", k_cache, (("k_val", k_val), ("v_val", v_val)))
+        _writable(op, "v_cache", v_cache, (("k_cache", k_cache), ("k_val", k_val),
+                                           ("v_val", v_val)))
         rows = _torch.stack([self.capacity[self._batch(op, b)] for b in batch_idx.tolist()]) \
             if B else _torch.zeros(0, dtype=_torch.int64)
         bad = (input_pos < 0) | (input_pos >= rows[:, None])
@@ -150,6 +188,8 @@ class PagedAttention:
         addr = (physical * self.page_size + input_pos % self.page_size).reshape(-1)
         if addr.unique().numel() != addr.numel():
             raise ValueError(f"{op}: input_pos writes one slot twice (expected distinct slots)")
+        if addr.numel() == 0:
+            return
         k_cache[0, :, addr, :] = k_val.permute(1, 0, 2, 3).reshape(H, B * S, -1).to(k_cache.dtype)
         v_cache[0, :, addr, :] = v_val.permute(1, 0, 2, 3).reshape(H, B * S, -1).to(v_cache.dtype)
 

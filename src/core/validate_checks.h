@@ -123,8 +123,16 @@ class Checker {
       fail(std::string(name) + " has null data with non-zero size (shape=" + t.shape_string() +
            ", expected a valid pointer)");
     }
-    // Its last byte's address must not wrap around the address space.
+    // Elements at addresses that are multiples of their size: the checks and kernels read them
+    // as their type (a misaligned float read is undefined behaviour).
     const auto first = reinterpret_cast<std::uintptr_t>(t.data);
+    const auto item = static_cast<std::uintptr_t>(size_of(t.dtype));
+    if (first % item != 0) {
+      fail(std::string(name) + " is not aligned to its element size (address % " +
+           std::to_string(item) + "=" + std::to_string(first % item) +
+           ", expected 0); copy it to an aligned buffer");
+    }
+    // Its last byte's address must not wrap around the address space.
     const auto bytes =
         static_cast<std::uintptr_t>((extent + 1) * static_cast<std::int64_t>(size_of(t.dtype)));
     if (first + bytes < first) {

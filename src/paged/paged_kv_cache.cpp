@@ -183,41 +183,59 @@ PagedKvCache::PagedKvCache(std::int64_t num_pages, std::int64_t page_size, std::
 }
 
 PagedKvCache::~PagedKvCache() = default;
+
 PagedKvCache::PagedKvCache(PagedKvCache&&) noexcept = default;
 PagedKvCache& PagedKvCache::operator=(PagedKvCache&&) noexcept = default;
 
-std::int64_t PagedKvCache::num_pages() const { return s_->num_pages; }
-std::int64_t PagedKvCache::page_size() const { return s_->page_size; }
-std::int64_t PagedKvCache::heads_kv() const { return s_->heads_kv; }
-std::int64_t PagedKvCache::head_dim() const { return s_->head_dim; }
-std::int64_t PagedKvCache::head_dim_v() const { return s_->head_dim_v; }
-DType PagedKvCache::dtype() const { return s_->k.dtype(); }
-std::int64_t PagedKvCache::max_batch() const { return s_->max_batch; }
-std::int64_t PagedKvCache::max_pages_per_seq() const { return s_->per_seq; }
-const TensorView& PagedKvCache::k_pages() const { return s_->k.view(); }
-const TensorView& PagedKvCache::v_pages() const { return s_->v.view(); }
-const TensorView& PagedKvCache::page_table() const { return s_->table.view(); }
-const TensorView& PagedKvCache::seqlens() const { return s_->lengths.view(); }
-std::int64_t PagedKvCache::free_pages() const { return static_cast<std::int64_t>(s_->free.size()); }
+PagedKvCache::State& PagedKvCache::live(const char* method) const {
+  if (s_ == nullptr) {
+    throw InvalidArgument(std::string("PagedKvCache::") + method +
+                          ": this cache was moved from (expected a PagedKvCache that holds its "
+                          "pages; assign one to it first)");
+  }
+  return *s_;
+}
+
+std::int64_t PagedKvCache::num_pages() const { return live("num_pages").num_pages; }
+std::int64_t PagedKvCache::page_size() const { return live("page_size").page_size; }
+std::int64_t PagedKvCache::heads_kv() const { return live("heads_kv").heads_kv; }
+std::int64_t PagedKvCache::head_dim() const { return live("head_dim").head_dim; }
+std::int64_t PagedKvCache::head_dim_v() const { return live("head_dim_v").head_dim_v; }
+DType PagedKvCache::dtype() const { return live("dtype").k.dtype(); }
+std::int64_t PagedKvCache::max_batch() const { return live("max_batch").max_batch; }
+std::int64_t PagedKvCache::max_pages_per_seq() const {
+  return live("max_pages_per_seq").per_seq;
+}
+const TensorView& PagedKvCache::k_pages() const { return live("k_pages").k.view(); }
+const TensorView& PagedKvCache::v_pages() const { return live("v_pages").v.view(); }
+const TensorView& PagedKvCache::page_table() const {
+  return live("page_table").table.view();
+}
+const TensorView& PagedKvCache::seqlens() const { return live("seqlens").lengths.view(); }
+std::int64_t PagedKvCache::free_pages() const {
+  return static_cast<std::int64_t>(live("free_pages").free.size());
+}
 
 std::int64_t PagedKvCache::capacity(std::int64_t batch_idx) const {
-  check_batch_idx(Checker("PagedKvCache::capacity"), "batch_idx", batch_idx, s_->max_batch);
-  return s_->mapped(batch_idx) * s_->page_size;
+  const State& s = live("capacity");
+  check_batch_idx(Checker("PagedKvCache::capacity"), "batch_idx", batch_idx, s.max_batch);
+  return s.mapped(batch_idx) * s.page_size;
 }
 
 std::int64_t PagedKvCache::references(std::int64_t page) const {
-  if (page < 0 || page >= s_->num_pages) {
+  const State& s = live("references");
+  if (page < 0 || page >= s.num_pages) {
     Checker("PagedKvCache::references")
         .fail("page is out of range (page=" + std::to_string(page) +
-              ", expected 0 <= page < num_pages=" + std::to_string(s_->num_pages) + ")");
+              ", expected 0 <= page < num_pages=" + std::to_string(s.num_pages) + ")");
   }
-  return s_->refs[static_cast<std::size_t>(page)];
+  return s.refs[static_cast<std::size_t>(page)];
 }
 
 void PagedKvCache::reserve(std::int64_t batch_idx, std::int64_t seq_len) {
   constexpr const char* op = "PagedKvCache::reserve";
   const Checker check(op);
-  State& s = *s_;
+  State& s = live("reserve");
   check_batch_idx(check, "batch_idx", batch_idx, s.max_batch);
   if (seq_len < 0 || seq_len > s.per_seq * s.page_size) {
     check.fail("seq_len is out of range (seq_len=" + std::to_string(seq_len) +
@@ -245,7 +263,7 @@ void PagedKvCache::reserve(std::int64_t batch_idx, std::int64_t seq_len) {
 }
 
 void PagedKvCache::erase(std::int64_t batch_idx) {
-  State& s = *s_;
+  State& s = live("erase");
   check_batch_idx(Checker("PagedKvCache::erase"), "batch_idx", batch_idx, s.max_batch);
   std::int32_t* row = s.row(batch_idx);
   const std::int64_t pages = s.mapped(batch_idx);
@@ -261,7 +279,7 @@ void PagedKvCache::assign(std::int64_t batch_idx, const TensorView& positions, c
                           const TensorView& v) {
   constexpr const char* op = "PagedKvCache::assign";
   const Checker check(op);
-  State& s = *s_;
+  State& s = live("assign");
   check_batch_idx(check, "batch_idx", batch_idx, s.max_batch);
   check.view(positions, "positions", 1, "[S]");
   check.dtype(positions, "positions", DType::i32, "");
@@ -352,7 +370,7 @@ void PagedKvCache::assign(std::int64_t batch_idx, const TensorView& positions, c
 
 void PagedKvCache::fork(std::int64_t src, std::int64_t dst, std::int64_t prefix_len) {
   const Checker check("PagedKvCache::fork");
-  State& s = *s_;
+  State& s = live("fork");
   check_batch_idx(check, "src", src, s.max_batch);
   check_batch_idx(check, "dst", dst, s.max_batch);
   if (src == dst) {

@@ -236,3 +236,92 @@ def test_paged_attention_forward_is_right_after_the_checks():
         want = oracle(q[i].transpose(0, 1), k[b, :, :n].transpose(0, 1).repeat_interleave(2, 1),
                       v[b, :, :n].transpose(0, 1).repeat_interleave(2, 1))
         np.testing.assert_allclose(out[i].transpose(0, 1).numpy(), want, atol=1e-5)
+
+
+# Index arrays inside the cache an append writes (an out-of-bounds write once the append changed
+# them), and inputs whose copy would not fit: refused before anything is written or copied.
+
+def test_append_refuses_index_arrays_inside_the_cache():
+    q = np.ones((2, 1, 1, 4), np.float32)
+    k = np.full((2, 1, 1, 4), 1e30, np.float32)
+    kc, vc = np.zeros((2, 8, 1, 4), np.float32), np.zeros((2, 8, 1, 4), np.float32)
+    inside = kc.reshape(-1).view(np.int32)[:2]  # k_cache[0, 0, 0, :2], values 0
+    raises(ValueError, lambda: attncore.flash_attn_with_kvcache(q, kc, vc, k=k, v=k,
+                                                                cache_seqlens=inside),
+           "k_cache overlaps cache_seqlens")
+    assert not kc.any() and not vc.any()
+    rows = vc.reshape(-1).view(np.int32)[:2]
+    rows[:] = [0, 1]
+    raises(ValueError, lambda: attncore.flash_attn_with_kvcache(
+        q, kc, vc, k=k, v=k, cache_seqlens=np.zeros(2, np.int32), cache_batch_idx=rows),
+           "v_cache overlaps cache_batch_idx")
+    assert not kc.any() and rows.tolist() == [0, 1] and not vc.reshape(-1)[2:].any()
+    pages_k, pages_v = np.zeros((4, 2, 1, 4), np.float32), np.zeros((4, 2, 1, 4), np.float32)
+    table = pages_v.reshape(-1).view(np.int32)[:4].reshape(2, 2)
+    table[:] = [[0, 1], [2, 3]]
+    raises(ValueError, lambda: attncore.flash_attn_with_kvcache(
+        q, pages_k, pages_v, k=k, v=k, cache_seqlens=np.zeros(2, np.int32), block_table=table),
+           "v_cache overlaps block_table")
+    assert not pages_k.any() and table.tolist() == [[0, 1], [2, 3]]
+
+
+def test_inputs_whose_copy_would_not_fit_are_refused_before_the_copy():
+    limit = attncore._core.memory_limit()[0]
+    length = 2 ** 20
+    heads = max(8, int(limit // (64 * length * 128 * 4)) + 8)  # a copy past the limit
+    q = torch.zeros(64, 1, heads, 128)
+    kc = torch.zeros(1, 1, 1, 1).expand(64, length, heads, 128)  # last stride 0: copied
+    raises(MemoryError, lambda: attncore.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=1),
+           "k_cache needs a contiguous copy larger than the memory this process may use")
+    rows = int(limit // (1024 * 4)) + 1
+    out = torch.zeros(1, 1).expand(rows, 1024)
+    lse = torch.zeros(1).expand(rows)
+    raises(MemoryError, lambda: attncore.merge_attention_states(out, lse, out, lse),
+           "out_a needs a contiguous copy")
+    table = np.broadcast_to(np.zeros((1, 1), np.int32), (2, 2 ** 40))
+    kp = np.zeros((4, 4, 2, 8), np.float32)
+    cu = np.array([0, 2, 5], np.int32)
+    raises(ValueError, lambda: attncore.flash_attn_varlen_func(
+        np.zeros((5, 2, 8), np.float32), kp, kp, cu, cu, 3, 3, block_table=table),
+           "block_table has a non-unit last stride")
+
+
+def test_paged_attention_assign_refuses_caches_it_would_write_wrongly():
+    attn = attncore.torch.PagedAttention(4, 4, 1)
+    attn.reserve(0, 4)
+    one = torch.ones(1, 1, 1, 2)
+    cache = torch.zeros(1, 1, 16, 2)
+    raises(ValueError, lambda: attn.assign([0], [[0]], one, one * 7, cache, cache),
+           "v_cache overlaps k_cache")
+    expanded = torch.zeros(1, 1, 1, 2).expand(1, 2, 16, 2)
+    raises(ValueError, lambda: attn.assign([0], [[0]], torch.ones(1, 2, 1, 2),
+                                           torch.ones(1, 2, 1, 2), expanded, expanded.clone()),
+           "k_cache is an output with a zero stride")
+    assert not cache.any()
+    raises(NotImplementedError, lambda: attn.assign(
+        [0], [[0]], one, one, torch.zeros(1, 1, 16, 2, requires_grad=True), cache),
+           "k_cache requires grad")
+    attn.assign(torch.zeros(0, dtype=torch.int64), torch.zeros(0, 1, dtype=torch.int64),
+                torch.ones(0, 1, 1, 2), torch.ones(0, 1, 1, 2), cache, cache.clone())
+    assert not cache.any()
+
+
+def test_paged_attention_refuses_sizes_past_what_it_can_hold():
+    raises(ValueError, lambda: attncore.torch.PagedAttention(8, 2 ** 62, 3),
+           "n_pages * page_size is too large")
+    raises(ValueError, lambda: attncore.torch.PagedAttention(2 ** 40, 4, 3),
+           "n_pages * page_size is too large")
+    raises(MemoryError, lambda: attncore.torch.PagedAttention(2 ** 29, 2, 2 ** 40),
+           "exceed the memory this process may use")
+
+
+def test_varlen_paged_checks_alibi_slopes_whole():
+    kp = np.zeros((4, 4, 2, 8), np.float32)
+    cu = np.array([0, 2, 5], np.int32)
+    q = np.zeros((5, 2, 8), np.float32)
+    table = np.array([[0, 1], [2, 3]], np.int32)
+    for shape in ((3, 2), (1, 2), (3,)):
+        raises(ValueError, lambda: attncore.flash_attn_varlen_func(
+            q, kp, kp, cu, cu, 3, 3, block_table=table,
+            alibi_slopes=np.ones(shape, np.float32)),
+               f"alibi_slopes has shape {list(shape)}, expected [2] or [2, 2]")
