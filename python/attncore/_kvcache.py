@@ -154,6 +154,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
         length = int_option(op, "cache_seqlens", cache_seqlens, -INT32_MAX - 1, INT32_MAX)
         seqlens = np.full((batch,), length, np.int32)
+    elif isinstance(cache_seqlens, (float, bool, np.floating, np.bool_)):
+        raise TypeError(f"{op}: cache_seqlens is not an integer (type="
+                        f"{type(cache_seqlens).__name__}, expected an int or an int32 array)")
     else:
         seqlens = index_array(op, "cache_seqlens", cache_seqlens)
     batch_idx = index_array(op, "cache_batch_idx", cache_batch_idx)

@@ -24,14 +24,26 @@ def index_array(op, name, x):
         return None
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
-        return _arrays.TORCH.asarray(x, op, name).detach()
+        return _int32(op, name, _arrays.TORCH.asarray(x, op, name).detach())
     if isinstance(x, (list, tuple)):
         array = _arrays.NUMPY.asarray(x, op, name)
         if array.dtype.kind in "iu" and (array.size == 0 or (array.min() >= -2 ** 31 and
                                                               array.max() < 2 ** 31)):
             return array.astype(np.int32)
-        return array  # floats, or ints past int32: refused by _core or the library
-    return _arrays.adopt(x, op, name)[1]
+        if array.dtype.kind in "iu":
+            raise ValueError(f"{op}: {name} holds values past int32 (min={array.min()}, "
+                             f"max={array.max()}, expected -2^31 <= value < 2^31)")
+        return array  # floats: refused by the library
+    return _int32(op, name, _arrays.adopt(x, op, name)[1])
+
+
+def _int32(op, name, array):
+    """array, or ValueError for an integer dtype other than int32 (the library has no other
+    integer dtype; floats go on to its own refusal)."""
+    dtype = str(array.dtype).removeprefix("torch.")
+    if dtype != "int32" and dtype.startswith(("int", "uint")):
+        raise ValueError(f"{op}: {name} has the wrong dtype (dtype={dtype}, expected int32)")
+    return array
 
 
 def max_seqlen(op, name, value):

@@ -145,7 +145,8 @@ def test_paged_errors():
     bad[1, 1] = -1
     with pytest.raises(ValueError, match=r"block_table\[1\]\[1\]=-1"):
         attncore.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lens, block_table=bad)
-    with pytest.raises(ValueError, match="block_table has an unsupported element type"):
+    with pytest.raises(ValueError, match=r"block_table has the wrong dtype \(dtype=int64, "
+                                         r"expected int32\)"):
         attncore.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lens,
                                          block_table=table.long())
     with pytest.raises(ValueError, match="cache_seqlens is out of range"):

@@ -325,3 +325,20 @@ def test_varlen_paged_checks_alibi_slopes_whole():
             q, kp, kp, cu, cu, 3, 3, block_table=table,
             alibi_slopes=np.ones(shape, np.float32)),
                f"alibi_slopes has shape {list(shape)}, expected [2] or [2, 2]")
+
+
+def test_index_arrays_of_another_integer_dtype_or_python_type_are_named():
+    q = np.ones((2, 1, 1, 4), np.float32)
+    kc = np.zeros((2, 8, 1, 4), np.float32)
+    raises(ValueError, lambda: attncore.flash_attn_with_kvcache(
+        q, kc, kc, cache_seqlens=np.array([1, 2], np.int64)),
+           "cache_seqlens has the wrong dtype (dtype=int64, expected int32)")
+    raises(ValueError, lambda: attncore.flash_attn_with_kvcache(
+        q, kc, kc, cache_seqlens=torch.tensor([1, 2])),
+           "cache_seqlens has the wrong dtype (dtype=int64, expected int32)")
+    raises(ValueError, lambda: attncore.flash_attn_with_kvcache(
+        q, kc, kc, cache_seqlens=[1, 2 ** 40]), "cache_seqlens holds values past int32")
+    for value in (3.0, float("nan"), True):
+        raises(TypeError, lambda: attncore.flash_attn_with_kvcache(q, kc, kc,
+                                                                   cache_seqlens=value),
+               "cache_seqlens is not an integer")

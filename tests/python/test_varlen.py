@@ -610,7 +610,7 @@ INVALID = {
     "float-list-cu-seqlens": (_varlen(cu_seqlens_k=[0.0, 3.0, 7.0]),
                               r"^forward: cu_seqlens_k has the wrong dtype \(dtype=f64, "),
     "int64-cu-seqlens": (_varlen(cu_seqlens_q=np.array([0, 3, 7])),
-                         r"cu_seqlens_q has an unsupported element type \(format='l', itemsize=8"),
+                         r"cu_seqlens_q has the wrong dtype \(dtype=int64, expected int32\)"),
     "wrong-length": (_varlen(cu_seqlens_k=np.array([0, 7], np.int32)),
                      r"^forward: cu_seqlens_k has shape \[2\], expected \[3\] \(\[B \+ 1\] like "
                      r"cu_seqlens_q\)"),
