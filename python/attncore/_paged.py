@@ -66,7 +66,11 @@ def _positions(op, x):
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
         x = _arrays.adopt(x, op, "input_pos")[1].detach().numpy()
-    array = np.asarray(x)
+    try:
+        array = np.asarray(x)
+    except ValueError:  # a ragged sequence
+        raise ValueError(f"{op}: input_pos is not a flat sequence of integers (type="
+                         f"{type(x).__name__}, expected [S] positions)") from None
     if array.dtype.kind not in "iu":
         raise TypeError(f"{op}: input_pos is not an integer array (dtype={array.dtype}, expected "
                         "int32 or int64)")

@@ -42,7 +42,7 @@ def int_option(op, name, value, low=-INT64_MAX - 1, high=INT64_MAX, meaning=""):
     and float included), ValueError outside the range. The default range is what the library's
     int64 options hold; the library checks their values (`meaning` ends the message)."""
     try:
-        number = None if isinstance(value, bool) else operator.index(value)
+        number = None if isinstance(value, (bool, np.bool_)) else operator.index(value)
     except TypeError:
         number = None
     if number is None:

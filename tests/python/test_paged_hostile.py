@@ -342,3 +342,12 @@ def test_index_arrays_of_another_integer_dtype_or_python_type_are_named():
         raises(TypeError, lambda: attncore.flash_attn_with_kvcache(q, kc, kc,
                                                                    cache_seqlens=value),
                "cache_seqlens is not an integer")
+
+
+def test_paged_cache_names_a_ragged_input_pos_and_a_numpy_bool():
+    cache = attncore.PagedKVCache(4, 2, 1, 4, 1)
+    raises(TypeError, lambda: cache.reserve(np.bool_(False), 2), "batch_idx is not an integer")
+    cache.reserve(0, 2)
+    rows = np.ones((2, 1, 4), np.float32)
+    raises(ValueError, lambda: cache.assign(0, [[0], [1, 2]], rows, rows),
+           "input_pos is not a flat sequence of integers")
