@@ -62,24 +62,17 @@ constexpr int kPasses = 2;  // passes over the buffer per run
 // 19.9-20.0, of 64 KiB 18.9-19.6.
 constexpr std::size_t kPairFloats = std::size_t{1} << 18;
 
+// Each sum reads two runs of 4 vectors per step, p + i and q + i, into 8 accumulators, for i =
+// 0, step, 2 step, ... below n: one stream is q = p + 4 vectors with a step of 8 (8 adjacent
+// vectors a step), two streams are p and q with a step of 4. n and step are multiples of the
+// 4 vectors' floats.
 #if defined(__x86_64__)
-// Sums n floats (n a multiple of 128) with 8 zmm accumulators: 512 bytes per iteration.
-__attribute__((target("avx512f"))) float sum_zmm(const float* p, std::size_t n) {
+// 16 floats a vector.
+__attribute__((target("avx512f"))) float sum_zmm(const float* p, const float* q, std::size_t n,
+                                                 std::size_t step) {
   __m512 acc[8];
   for (__m512& a : acc) a = _mm512_setzero_ps();
-  for (std::size_t i = 0; i < n; i += 128) {
-#pragma GCC unroll 8
-    for (int k = 0; k < 8; ++k) acc[k] = _mm512_add_ps(acc[k], _mm512_load_ps(p + i + 16 * k));
-  }
-  for (int k = 1; k < 8; ++k) acc[0] = _mm512_add_ps(acc[0], acc[k]);
-  return _mm512_reduce_add_ps(acc[0]);
-}
-
-// Two streams at once, p and q (n floats each, a multiple of 64): 4 zmm accumulators each.
-__attribute__((target("avx512f"))) float sum2_zmm(const float* p, const float* q, std::size_t n) {
-  __m512 acc[8];
-  for (__m512& a : acc) a = _mm512_setzero_ps();
-  for (std::size_t i = 0; i < n; i += 64) {
+  for (std::size_t i = 0; i < n; i += step) {
 #pragma GCC unroll 4
     for (int k = 0; k < 4; ++k) {
       acc[k] = _mm512_add_ps(acc[k], _mm512_load_ps(p + i + 16 * k));
@@ -90,31 +83,12 @@ __attribute__((target("avx512f"))) float sum2_zmm(const float* p, const float* q
   return _mm512_reduce_add_ps(acc[0]);
 }
 
-__attribute__((target("avx2"))) float sum_lanes(__m256 v) {
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, v);
-  float s = 0;
-  for (float x : lanes) s += x;
-  return s;
-}
-
-// The same with 8 ymm accumulators: 256 bytes per iteration.
-__attribute__((target("avx2"))) float sum_ymm(const float* p, std::size_t n) {
+// 8 floats a vector.
+__attribute__((target("avx2"))) float sum_ymm(const float* p, const float* q, std::size_t n,
+                                              std::size_t step) {
   __m256 acc[8];
   for (__m256& a : acc) a = _mm256_setzero_ps();
-  for (std::size_t i = 0; i < n; i += 64) {
-#pragma GCC unroll 8
-    for (int k = 0; k < 8; ++k) acc[k] = _mm256_add_ps(acc[k], _mm256_load_ps(p + i + 8 * k));
-  }
-  for (int k = 1; k < 8; ++k) acc[0] = _mm256_add_ps(acc[0], acc[k]);
-  return sum_lanes(acc[0]);
-}
-
-// Two streams at once, p and q (n floats each, a multiple of 32): 4 ymm accumulators each.
-__attribute__((target("avx2"))) float sum2_ymm(const float* p, const float* q, std::size_t n) {
-  __m256 acc[8];
-  for (__m256& a : acc) a = _mm256_setzero_ps();
-  for (std::size_t i = 0; i < n; i += 32) {
+  for (std::size_t i = 0; i < n; i += step) {
 #pragma GCC unroll 4
     for (int k = 0; k < 4; ++k) {
       acc[k] = _mm256_add_ps(acc[k], _mm256_load_ps(p + i + 8 * k));
@@ -122,50 +96,44 @@ __attribute__((target("avx2"))) float sum2_ymm(const float* p, const float* q, s
     }
   }
   for (int k = 1; k < 8; ++k) acc[0] = _mm256_add_ps(acc[0], acc[k]);
-  return sum_lanes(acc[0]);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc[0]);
+  float sum = 0;
+  for (float x : lanes) sum += x;
+  return sum;
 }
 #endif
 
-// Portable: 32 scalar accumulators (vectorised by the compiler where it can).
-float sum_scalar(const float* p, std::size_t n) {
+// Portable: 4 floats a vector, 32 scalar accumulators (vectorised by the compiler where it can).
+float sum_scalar(const float* p, const float* q, std::size_t n, std::size_t step) {
   float acc[32] = {};
-  for (std::size_t i = 0; i < n; i += 32) {
-    for (int k = 0; k < 32; ++k) acc[k] += p[i + static_cast<std::size_t>(k)];
-  }
-  float s = 0;
-  for (float x : acc) s += x;
-  return s;
-}
-
-// Two streams at once (n floats each, a multiple of 32): 16 scalar accumulators each.
-float sum2_scalar(const float* p, const float* q, std::size_t n) {
-  float acc[32] = {};
-  for (std::size_t i = 0; i < n; i += 16) {
+  for (std::size_t i = 0; i < n; i += step) {
     for (int k = 0; k < 16; ++k) {
       acc[k] += p[i + static_cast<std::size_t>(k)];
       acc[k + 16] += q[i + static_cast<std::size_t>(k)];
     }
   }
-  float s = 0;
-  for (float x : acc) s += x;
-  return s;
+  float sum = 0;
+  for (float x : acc) sum += x;
+  return sum;
 }
 
-using SumFn = float (*)(const float*, std::size_t);
-using Sum2Fn = float (*)(const float*, const float*, std::size_t);
-
-struct Sums {
-  SumFn one;
-  Sum2Fn two;
+struct Sum {
+  float (*fn)(const float*, const float*, std::size_t, std::size_t);
+  std::size_t run;  // floats in 4 vectors
+  // n floats from p (a multiple of 2 runs), as one stream
+  float one(const float* p, std::size_t n) const { return fn(p, p + run, n, 2 * run); }
+  // n floats from each of p and q (a multiple of a run), at once
+  float two(const float* p, const float* q, std::size_t n) const { return fn(p, q, n, run); }
 };
 
-Sums pick_sums() {
+Sum pick_sum() {
 #if defined(__x86_64__)
   const CpuInfo info = cpu_info();
-  if (info.has("avx512f")) return {sum_zmm, sum2_zmm};
-  if (info.has("avx2")) return {sum_ymm, sum2_ymm};
+  if (info.has("avx512f")) return {sum_zmm, 64};
+  if (info.has("avx2")) return {sum_ymm, 32};
 #endif
-  return {sum_scalar, sum2_scalar};
+  return {sum_scalar, 16};
 }
 
 std::atomic<float> g_bandwidth_sink{0.0f};
@@ -228,7 +196,7 @@ double measure_read_bandwidth_gbs(int threads, std::int64_t piece_bytes) {
                       std::to_string(alloc_bytes) + ", expected that much free memory)");
   }
   float* const buffer = static_cast<float*>(memory.data());
-  const Sums sums = pick_sums();
+  const Sum sum = pick_sum();
   using Clock = std::chrono::steady_clock;
   std::vector<Clock::time_point> start(static_cast<std::size_t>(threads));
   std::vector<Clock::time_point> stop(static_cast<std::size_t>(threads));
@@ -259,18 +227,18 @@ double measure_read_bandwidth_gbs(int threads, std::int64_t piece_bytes) {
       float s = 0;
       for (int pass = 0; pass < kPasses; ++pass) {
         if (run % 2 == 0) {  // one stream: the pieces one after another
-          for (std::size_t n : order) s += sums.one(part + n * piece, piece);
+          for (std::size_t n : order) s += sum.one(part + n * piece, piece);
         } else if (order.size() == 1) {  // two: adjacent blocks two at a time, in order
           std::size_t i = 0;
           for (; i + 2 * kPairFloats <= piece; i += 2 * kPairFloats) {
-            s += sums.two(part + i, part + i + kPairFloats, kPairFloats);
+            s += sum.two(part + i, part + i + kPairFloats, kPairFloats);
           }
-          if (i < piece) s += sums.one(part + i, piece - i);
+          if (i < piece) s += sum.one(part + i, piece - i);
         } else {  // two: the pieces two at a time (a last odd one alone)
           for (std::size_t i = 0; i + 1 < order.size(); i += 2) {
-            s += sums.two(part + order[i] * piece, part + order[i + 1] * piece, piece);
+            s += sum.two(part + order[i] * piece, part + order[i + 1] * piece, piece);
           }
-          if (order.size() % 2 == 1) s += sums.one(part + order.back() * piece, piece);
+          if (order.size() % 2 == 1) s += sum.one(part + order.back() * piece, piece);
         }
       }
       stop[slot] = Clock::now();
