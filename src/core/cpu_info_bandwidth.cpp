@@ -1,20 +1,20 @@
-// The machine's read bandwidth, measured: what a memory-bound kernel (decode over a long KV
-// cache) can at best stream from memory, and the baseline `attncore bench --decode` reports
-// its K/V rates against.
+// The machine's read bandwidth, measured: what a memory-bound kernel (decode over a long KV cache)
+// can at best stream from memory, and the baseline `attncore bench --decode` reports its K/V rates
+// against.
 //
 // Each thread sums its own contiguous part of one buffer far larger than the caches, with 8
-// independent vector accumulators. One accumulator would measure the latency of the add chain
-// (a probe summing into one double measured 7 GB/s on a machine that streams 25-40), not the
-// memory. Two patterns, in alternate runs: one stream (the part from start to end) and two at
-// once (4 accumulators each, as decode reads K and V: kPairFloats); the result is the faster
-// pattern's median. On Zen 3 (1 thread, 512 MiB, three runs of a scratch loop, medians of 7
-// alternating rounds) two streams (the part's halves) read 21.7-22.9 GB/s where one read
-// 19.6-20.4, four 20.7-21.2, eight 19.9-21.3, and one with software prefetches 1 or 4 KiB ahead
-// 14-16: a one-stream probe was beaten by decode itself (f32 MHA at 106-115% of it). Each thread writes its part first
-// (first touch: the pages are its own, resident, and not the shared zero page), then every run
-// is timed from the first thread's start to the last one's end. With piece_bytes, each thread
-// reads its part in pieces of that size in a fixed shuffled order, as decode reads a paged KV
-// cache (two streams: two pieces at once, as K's page and V's).
+// independent vector accumulators. One accumulator would measure the latency of the add chain (a
+// probe summing into one double measured 7 GB/s on a machine that streams 25-40), not the memory.
+// Two patterns, in alternate runs: one stream (the part from start to end) and two at once (4
+// accumulators each, as decode reads K and V: kPairFloats); the result is the faster pattern's
+// median. On Zen 3 (1 thread, 512 MiB, three runs of a scratch loop, medians of 7 alternating
+// rounds) two streams (the part's halves) read 21.7-22.9 GB/s where one read 19.6-20.4, four
+// 20.7-21.2, eight 19.9-21.3, and one with software prefetches 1 or 4 KiB ahead 14-16: a
+// one-stream probe was beaten by decode itself (f32 MHA at 106-115% of it). Each thread writes its
+// part first (first touch: the pages are its own, resident, and not the shared zero page), then
+// every run is timed from the first thread's start to the last one's end. With piece_bytes, each
+// thread reads its part in pieces of that size in a fixed shuffled order, as decode reads a paged
+// KV cache (two streams: two pieces at once, as K's page and V's).
 #include <algorithm>
 #include <atomic>
 #include <barrier>
