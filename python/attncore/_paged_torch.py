@@ -255,6 +255,11 @@ class PagedAttention:
         if batch and (int(lengths.min()) < 0 or int(lengths.max()) > INT32_MAX):
             raise ValueError(f"{op}: kv_len is out of range (kv_len={lengths.tolist()[:8]}, "
                              "expected 0 <= kv_len[b] <= the sequence's capacity)")
+        for i, (b, n) in enumerate(zip(batch_idx.tolist(), lengths.tolist())):
+            if n > int(self.capacity[b]):
+                raise ValueError(f"{op}: kv_len is past what the sequence reserved (kv_len[{i}]="
+                                 f"{n}, batch_idx[{i}]={b}, expected <= its capacity="
+                                 f"{int(self.capacity[b])}); reserve first")
         table = self.page_table[batch_idx].to(_torch.int32)
         pools = [c[0].unflatten(1, (self.n_pages, self.page_size)).permute(1, 2, 0, 3)
                  for c in caches]  # [n_pages, page_size, H, D] views, no copy

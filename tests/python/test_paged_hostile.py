@@ -351,3 +351,11 @@ def test_paged_cache_names_a_ragged_input_pos_and_a_numpy_bool():
     rows = np.ones((2, 1, 4), np.float32)
     raises(ValueError, lambda: cache.assign(0, [[0], [1, 2]], rows, rows),
            "input_pos is not a flat sequence of integers")
+
+
+def test_paged_attention_forward_names_kv_len_past_the_reservation():
+    attn, k_cache, v_cache = paged_attention()
+    q = torch.randn(2, 4, 1, 8)
+    raises(ValueError, lambda: attn.forward(q, k_cache, v_cache, torch.tensor([7, 9])),
+           "kv_len is past what the sequence reserved (kv_len[1]=9, batch_idx[1]=1, "
+           "expected <= its capacity=8)")
