@@ -83,7 +83,7 @@ int bench_select(const BenchConfig& bc) {
       c.backward = bc.run.backward;
       c.finish();
       PreparedCall p = prepare_call(c, "bench");
-      static char no_data;
+      static double no_data;  // (explain reads no data; aligned for every dtype)
       const CallViews w = c.views(&no_data);
       const Backend chosen =
           c.backward

@@ -32,8 +32,9 @@ int cmd_explain(const std::vector<std::string>& args) {
                      "--cache-len` reports the backend that ran)"};
   }
   attncore::set_simd_target(c.simd);
-  // The views point at one byte: explain validates shapes and strides and reads no data.
-  static char no_data;
+  // The views point at one element of the widest dtype (so aligned for every dtype): explain
+  // validates shapes and strides and reads no data.
+  static double no_data;
   const CallViews w = c.views(&no_data);
   const attncore::Options options = c.options(w.alibi, w.mask);
   std::optional<attncore::BackendScope> only;  // --backend B: B alone is considered

@@ -102,7 +102,7 @@ struct RunConfig {
   // configuration asks for them).
   attncore::Options options(const attncore::TensorView& alibi,
                             const attncore::TensorView& mask) const;
-  // Contiguous views of the call's tensors, all over `data`: `attncore explain` passes one byte
+  // Contiguous views of the call's tensors, all over `data`: `attncore explain` passes one f64
   // (it validates shapes and reads no data), prepare_call takes the shapes of its tensors.
   CallViews views(void* data) const;
 
