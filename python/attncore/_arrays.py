@@ -33,18 +33,26 @@ _ITEM_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "bool": 
                "int32": 4, "int64": 8}
 
 
+def _refuse_past_memory(op, what, count, size, remedy):
+    """MemoryError where `size` bytes exceed the memory this process may use (memory_limit of
+    attncore/info.h: the smallest of physical memory, the cgroup limit and RLIMIT_AS)."""
+    limit, limit_name = _core.memory_limit()
+    if size > limit:
+        raise MemoryError(f"{op}: {what} the memory this process may use ({count}={size:.4g} "
+                          f"bytes, expected <= {limit:.4g} bytes, {limit_name}); {remedy}")
+
+
+def _bytes(shape, dtype_name):
+    # (A dtype no call takes counts 8 bytes an element: the library refuses it after this.)
+    return math.prod(shape) * _ITEM_BYTES.get(dtype_name, 8)
+
+
 def check_new_arrays(op, *specs):
     """Refuses (MemoryError, docs/design.md section 4) new arrays of these (shape, dtype name)
-    specs that together exceed the memory this process may use (memory_limit of
-    attncore/info.h: the smallest of physical memory, the cgroup limit and RLIMIT_AS), before
-    any is allocated: a call's outputs are checked here, its workspace by the library."""
-    # (A dtype no call takes counts 8 bytes an element: the library refuses it after this.)
-    total = sum(math.prod(shape) * _ITEM_BYTES.get(dtype, 8) for shape, dtype in specs)
-    limit, name = _core.memory_limit()
-    if total > limit:
-        raise MemoryError(f"{op}: the outputs exceed the memory this process may use "
-                          f"(outputs={total:.4g} bytes, expected <= {limit:.4g} bytes, {name}); "
-                          "reduce the sizes")
+    specs that together exceed the memory this process may use, before any is allocated: a
+    call's outputs are checked here, its workspace by the library."""
+    _refuse_past_memory(op, "the outputs exceed", "outputs",
+                        sum(_bytes(shape, dtype) for shape, dtype in specs), "reduce the sizes")
 
 
 def check_copy(op, name, shape, dtype_name):
@@ -52,13 +60,9 @@ def check_copy(op, name, shape, dtype_name):
     process may use, before it is made: an input attncore cannot read in place (a last stride
     other than 1, a broadcast view) is copied, and a broadcast view can stand for far more
     elements than its memory holds."""
-    size = math.prod(shape) * _ITEM_BYTES.get(dtype_name, 8)
-    limit, limit_name = _core.memory_limit()
-    if size > limit:
-        raise MemoryError(f"{op}: {name} needs a contiguous copy larger than the memory this "
-                          f"process may use (shape={list(shape)}, copy={size:.4g} bytes, "
-                          f"expected <= {limit:.4g} bytes, {limit_name}); pass it with a last "
-                          "stride of 1")
+    _refuse_past_memory(op, f"{name} needs a contiguous copy larger than",
+                        f"shape={list(shape)}, copy", _bytes(shape, dtype_name),
+                        "pass it with a last stride of 1")
 
 
 def _type_name(x):
