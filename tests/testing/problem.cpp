@@ -154,6 +154,20 @@ std::vector<Variant> deterministic_variants() {
           Variant::combo};
 }
 
+std::vector<Variant> backward_variants() {
+  std::vector<Variant> v = deterministic_variants();
+  v.push_back(Variant::dropout);
+  v.push_back(Variant::dropout_combo);
+  return v;
+}
+
+bool is_additive(const Problem& p) { return p.spec.mask.has_value() && !p.spec.mask->is_bool; }
+
+Options forward_options(Options o) {
+  o.compute_dbias = false;
+  return o;
+}
+
 Problem make_problem(const Dims& dims, const ProblemConfig& config) {
   Problem p;
   p.dims = dims;

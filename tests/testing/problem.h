@@ -46,6 +46,9 @@ std::string name_of_variant(Variant v);
 // Every variant without dropout.
 std::vector<Variant> deterministic_variants();
 
+// Every variant without dropout, and both dropout variants: the backward's grid.
+std::vector<Variant> backward_variants();
+
 // Forces a SIMD target of the fused kernels for its scope ("" = the automatic choice).
 class ScopedTarget {
  public:
@@ -77,6 +80,13 @@ struct ProblemConfig {
 };
 
 Problem make_problem(const Dims& dims, const ProblemConfig& config);
+
+// Whether a problem has an additive (float) mask, whose gradient is dbias.
+bool is_additive(const Problem& p);
+
+// The options of the forward call that precedes a backward with `o`: compute_dbias is a
+// backward-only option, which forward rejects.
+Options forward_options(Options o);
 
 // q, k, v (and dout) of a problem, drawn uniform in [-1, 1) and rounded to `dtype`.
 struct Operands {
