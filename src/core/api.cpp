@@ -1,6 +1,7 @@
 // The public entry points: validate, allocate what the caller did not provide, pick the
 // backend (core/select.h), run it through the backend table.
 #include <cstdio>
+#include <functional>
 #include <new>
 #include <string>
 
@@ -142,6 +143,26 @@ double dense_rows(const Params& p, std::int64_t length) {
   return static_cast<double>(p.batch) * static_cast<double>(length);
 }
 
+// A dense-shaped forward (dense, KV cache) that allocates its outputs, out [B, Hq, Lq, Dv] and
+// lse [B, Hq, Lq], once the backend is chosen and the memory checked (prepare); `before_run`,
+// when set, runs just before the backend does.
+ForwardResult forward_allocating(const Params& p, ForwardArgs args, const Options& options,
+                                 Backend backend, const std::function<void()>& before_run = {}) {
+  const Launch launch = launch_of(options, "forward");
+  const detail::BackendEntry& entry =
+      prepare(Pass::forward, p, launch, backend, forward_output_bytes(p, dense_rows(p, p.seq.lq)));
+  ForwardResult r;
+  guarded("forward", "allocating out and lse", [&] {
+    r.out = Tensor(p.dtype, {p.batch, p.heads_q, p.seq.lq, p.head_dim_v});
+    r.lse = Tensor(lse_dtype(p), {p.batch, p.heads_q, p.seq.lq});
+  });
+  args.out = r.out;
+  args.lse = r.lse;
+  if (before_run) before_run();
+  run_forward(entry, p, launch, args);
+  return r;
+}
+
 }  // namespace
 
 void forward_into(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -156,18 +177,7 @@ ForwardResult forward(const TensorView& q, const TensorView& k, const TensorView
                       const Options& options, Backend backend) {
   ForwardArgs args{q, k, v, {}, {}};
   const Params p = detail::validate_forward(args, options, backend, /*check_outputs=*/false);
-  const Launch launch = launch_of(options, "forward");
-  const detail::BackendEntry& entry =
-      prepare(Pass::forward, p, launch, backend, forward_output_bytes(p, dense_rows(p, p.seq.lq)));
-  ForwardResult r;
-  guarded("forward", "allocating out and lse", [&] {
-    r.out = Tensor(p.dtype, {p.batch, p.heads_q, p.seq.lq, p.head_dim_v});
-    r.lse = Tensor(lse_dtype(p), {p.batch, p.heads_q, p.seq.lq});
-  });
-  args.out = r.out;
-  args.lse = r.lse;
-  run_forward(entry, p, launch, args);
-  return r;
+  return forward_allocating(p, args, options, backend);
 }
 
 void backward_into(const TensorView& dout, const TensorView& q, const TensorView& k,
@@ -278,19 +288,7 @@ ForwardResult detail::forward_kvcache_with(const TensorView& q, const TensorView
                                            const std::function<void()>& before_run) {
   ForwardArgs args{q, k_cache, v_cache, {}, {}};
   const Params p = detail::validate_kvcache_forward(args, seqs, options, backend, false);
-  const Launch launch = launch_of(options, "forward");
-  const detail::BackendEntry& entry =
-      prepare(Pass::forward, p, launch, backend, forward_output_bytes(p, dense_rows(p, p.seq.lq)));
-  ForwardResult r;
-  guarded("forward", "allocating out and lse", [&] {
-    r.out = Tensor(p.dtype, {p.batch, p.heads_q, p.seq.lq, p.head_dim_v});
-    r.lse = Tensor(lse_dtype(p), {p.batch, p.heads_q, p.seq.lq});
-  });
-  args.out = r.out;
-  args.lse = r.lse;
-  if (before_run) before_run();
-  run_forward(entry, p, launch, args);
-  return r;
+  return forward_allocating(p, args, options, backend, before_run);
 }
 
 }  // namespace attncore
