@@ -203,7 +203,14 @@ void Borrowed::CallDeleter::operator()(DLManagedTensor* t) const {
 }
 
 bool Borrowed::from_buffer(py::handle obj, const std::string& what, bool writable, bool refuse) {
-  buffer_ = py::reinterpret_borrow<py::buffer>(obj).request(writable);
+  try {
+    buffer_ = py::reinterpret_borrow<py::buffer>(obj).request(writable);
+  } catch (const py::error_already_set&) {
+    // Some arrays cannot be exported as a buffer (numpy's dates): the plain path leaves them to
+    // the general one, which names them in attncore's form.
+    if (refuse) throw;
+    return false;
+  }
   const py::buffer_info& b = *buffer_;
   if (b.ndim > attncore::kMaxRank) {
     if (!refuse) return false;

@@ -92,15 +92,33 @@ def _checked_tensor(x, op, name):
 
 def _checked_ndarray(x, op, name):
     """A numpy array as a plain ndarray (np.matrix and other subclasses viewed as ndarray;
-    masked arrays refused), copied where its strides are negative or not whole elements."""
+    masked arrays and arrays of no numbers refused), copied where its strides are negative or
+    not whole elements."""
     if isinstance(x, np.ma.MaskedArray):
         raise TypeError(f"{op}: {name} is a masked array (type={_type_name(x)}, expected a plain "
                         f"array); pass {name}.filled() or {name}.data")
+    _refuse_no_numbers(x.dtype, op, name)
     if type(x) is not np.ndarray:
         x = x.view(np.ndarray)
     if any(s < 0 or s % x.itemsize for s in x.strides):
         x = np.ascontiguousarray(x)
     return x
+
+
+def _refuse_no_numbers(dtype, op, name):
+    """TypeError for a numpy dtype whose elements are no numbers: records (structured dtypes),
+    Python objects, strings, bytes, dates. Numbers attncore does not take (int64, complex) are
+    the library's ValueError."""
+    if dtype.kind in _NUMBER_KINDS:
+        return
+    if dtype.fields is not None:
+        remedy = f"; pass one field, such as {name}[{dtype.names[0]!r}]"
+    elif dtype.kind == "O":
+        remedy = f"; convert it with {name}.astype(dtype)"
+    else:
+        remedy = ""
+    raise TypeError(f"{op}: {name} is not an array of numbers (dtype={dtype}, expected a numeric "
+                    f"dtype){remedy}")
 
 
 def _from_sequence(x, op, name):

@@ -258,6 +258,7 @@ def attention(query, key, value, *, layout="bhld", scale=None, causal=None, wind
     torch tensors go through attncore.torch.AttentionFunction, so gradients flow to query, key,
     value and a float attn_mask that requires grad.
     """
+    return_lse = bool_option(_op, "return_lse", return_lse)
     p = _prepare(_op, query, key, value, layout=layout, attn_mask=attn_mask,
                  alibi_slopes=alibi_slopes, draw_seed=True, scale=scale, causal=causal,
                  window_size=window_size, softcap=softcap, dropout_p=dropout_p, seed=seed,
@@ -402,6 +403,7 @@ def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     other arrays takes B * Hq * max_seqlen_q * max_seqlen_k positions of attncore's generator.
     torch tensors are differentiable (query, key, value).
     """
+    return_lse = bool_option(_op, "return_lse", return_lse)
     r = varlen_packed(_op, {"query": query, "key": key, "value": value}, separate,
                       cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       seqused_k=seqused_k, attn_mask=attn_mask,

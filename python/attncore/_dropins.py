@@ -10,7 +10,7 @@ import numpy as np
 
 from . import _arrays, _core, _nested
 from ._attention import attention, dense_packed, separate, varlen_packed
-from ._rank4 import Call, DenseKernel, forward4, real_option
+from ._rank4 import Call, DenseKernel, bool_option, forward4, real_option
 from ._merge import refuse_grad
 from ._paged import varlen_paged
 from ._varlen import VarlenKernel
@@ -32,13 +32,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     no attn_mask and no autograd.
     backend (not in torch): None (automatic), "reference", "math", "flash" or an SDPBackend.
     """
-    causal = "upper-left" if is_causal else "none"
-    if attn_mask is None or not is_causal:
-        out = _fast(query, key, value, attn_mask, False, causal, scale, None, 0.0, dropout_p,
-                    enable_gqa, backend)
+    if is_causal is False or (is_causal is True and attn_mask is None):
+        out = _fast(query, key, value, attn_mask, False, "upper-left" if is_causal else "none",
+                    scale, None, 0.0, dropout_p, enable_gqa, backend)
         if out is not None:
             return out
     op = "scaled_dot_product_attention"
+    is_causal = bool_option(op, "is_causal", is_causal)
+    causal = "upper-left" if is_causal else "none"
     if any(getattr(x, "is_nested", False) for x in (query, key, value)):
         return _nested.scaled_dot_product_attention(
             op, query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
@@ -78,6 +79,15 @@ def _fast(query, key, value, mask, blhd, causal, scale, window_size, softcap, dr
                 softcap=max(softcap, 0.0), enable_gqa=True,
                 backend="auto" if backend is None else backend)
     return FastAttentionFunction.apply(query, key, value, mask, r[0], r[1], call, blhd)
+
+
+def _flash_flags(op, causal, deterministic, return_attn_probs):
+    """causal and return_attn_probs of a flash-attn call as bools, deterministic checked (it has
+    no effect): TypeError for anything but a bool, as flash-attn's own ops raise (a string such
+    as causal='false' would otherwise read as True)."""
+    bool_option(op, "deterministic", deterministic)
+    return bool_option(op, "causal", causal), bool_option(op, "return_attn_probs",
+                                                          return_attn_probs)
 
 
 def _flash_options(op, softmax_scale, causal, window_size, softcap, dropout_p, backend):
@@ -243,12 +253,14 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     for torch tensors, else from attncore's (attncore.manual_seed). backend (not in
     flash-attn): as for attention().
     """
-    if alibi_slopes is None and not return_attn_probs:
+    if (alibi_slopes is None and return_attn_probs is False and (causal is True or causal is False)
+            and (deterministic is False or deterministic is True)):
         out = _fast(q, k, v, None, True, "lower-right" if causal else "none", softmax_scale,
                     window_size, softcap, dropout_p, True, backend)
         if out is not None:
             return out
     op = "flash_attn_func"
+    causal, return_attn_probs = _flash_flags(op, causal, deterministic, return_attn_probs)
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         _check_shape(op, name, x, "[B, L, H, D]", 4)
     r = dense_packed(op, {"q": q, "k": k, "v": v}, _dense_separate, alibi_slopes=alibi_slopes,
@@ -267,6 +279,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     flash_attn_func's.
     """
     op = "flash_attn_qkvpacked_func"
+    causal, return_attn_probs = _flash_flags(op, causal, deterministic, return_attn_probs)
     _check_shape(op, "qkv", qkv, "[B, L, 3, H, D]", 5, 2, 3)
     r = dense_packed(op, {"qkv": qkv}, _dense_qkv, alibi_slopes=alibi_slopes,
                      **_flash_options(op, softmax_scale, causal, window_size, softcap, dropout_p,
@@ -284,6 +297,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     gradient is one tensor shaped like kv. Options as flash_attn_func's.
     """
     op = "flash_attn_kvpacked_func"
+    causal, return_attn_probs = _flash_flags(op, causal, deterministic, return_attn_probs)
     _check_shape(op, "q", q, "[B, L, H, D]", 4)
     _check_shape(op, "kv", kv, "[B, L, 2, H, D]", 5, 2, 2)
     r = dense_packed(op, {"q": q, "kv": kv}, _dense_q_kv, alibi_slopes=alibi_slopes,
@@ -313,6 +327,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     slots of its pages; dropout is refused with it. Other options as flash_attn_func's.
     """
     op = "flash_attn_varlen_func"
+    causal, return_attn_probs = _flash_flags(op, causal, deterministic, return_attn_probs)
     if block_table is not None:
         return _varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                              max_seqlen_k, seqused_k, block_table, alibi_slopes, dropout_p,
@@ -353,6 +368,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     flash_attn_varlen_func's.
     """
     op = "flash_attn_varlen_qkvpacked_func"
+    causal, return_attn_probs = _flash_flags(op, causal, deterministic, return_attn_probs)
     _check_shape(op, "qkv", qkv, "[total, 3, H, D]", 4, 1, 3)
     r = varlen_packed(op, {"qkv": qkv}, _varlen_qkv, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                       seqused_k=seqused_k, attn_mask=None, alibi_slopes=alibi_slopes,
@@ -373,6 +389,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     like kv. Options as flash_attn_varlen_func's.
     """
     op = "flash_attn_varlen_kvpacked_func"
+    causal, return_attn_probs = _flash_flags(op, causal, deterministic, return_attn_probs)
     _check_shape(op, "q", q, "[total, H, D]", 3)
     _check_shape(op, "kv", kv, "[total, 2, H, D]", 4, 1, 2)
     r = varlen_packed(op, {"q": q, "kv": kv}, _varlen_q_kv, cu_seqlens_q, cu_seqlens_k,

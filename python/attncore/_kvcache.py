@@ -16,7 +16,7 @@ import numpy as np
 from . import _arrays, _core
 from ._attention import _resolve_call
 from ._merge import refuse_grad
-from ._rank4 import INT32_MAX, int_option, lse_dtype, real_option, times
+from ._rank4 import INT32_MAX, bool_option, int_option, lse_dtype, real_option, times
 from ._varlen import index_array
 
 
@@ -111,6 +111,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     [B, Hq, Lq] float32).
     """
     op = "flash_attn_with_kvcache"
+    causal = bool_option(op, "causal", causal)
+    rotary_interleaved = bool_option(op, "rotary_interleaved", rotary_interleaved)
+    return_softmax_lse = bool_option(op, "return_softmax_lse", return_softmax_lse)
     num_splits = int_option(op, "num_splits", num_splits, -INT32_MAX - 1, INT32_MAX)
     refuse_grad(op, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
                      ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),

@@ -10,7 +10,7 @@ from . import _arrays
 from ._kvcache import flash_attn_with_kvcache
 from ._merge import refuse_grad
 from ._paged import _index
-from ._rank4 import INT32_MAX, int_option
+from ._rank4 import INT32_MAX, bool_option, int_option, real_option
 
 
 def _integers(op, name, x, shape, layout):
@@ -25,6 +25,39 @@ def _integers(op, name, x, shape, layout):
         raise ValueError(f"{op}: {name} has shape {list(t.shape)}, expected {list(shape)} "
                          f"({layout})")
     return t.long()
+
+
+def _index_tensor(op, name, x, size, size_name):
+    """An int or integer tensor of indices into a dim of `size` as a tensor: TypeError for other
+    dtypes, IndexError (as indexing raises, in attncore's form) for an index outside
+    [0, size), negative ones included (they would wrap to another sequence or slot). Not
+    checked where the values cannot be read, as under vmap."""
+    t = _arrays.TORCH.asarray(x, op, name)
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == _torch.bool:
+        raise TypeError(f"{op}: {name} is not an integer tensor (dtype={t.dtype}, expected "
+                        "int32 or int64)")
+    bad = (t < 0) | (t >= size)
+    try:
+        outside = bool(bad.any())
+    except RuntimeError:  # a batched tensor (vmap): no data-dependent check
+        return t
+    if outside:
+        raise IndexError(f"{op}: {name} is out of range ({name}={int(t[bad][0])}, expected "
+                         f"0 <= {name} < {size_name}={size})")
+    return t
+
+
+def _lengths(op, kv_len):
+    """kv_len [B] of get_mask_mod and get_score_mod as an integer tensor (or None)."""
+    if kv_len is None:
+        return None
+    t = _arrays.TORCH.asarray(kv_len, op, "kv_len")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == _torch.bool:
+        raise TypeError(f"{op}: kv_len is not an integer tensor (dtype={t.dtype}, expected "
+                        "int32 or int64)")
+    if t.dim() != 1:
+        raise ValueError(f"{op}: kv_len has the wrong rank (rank={t.dim()}, expected 1: [B])")
+    return t
 
 
 def _floating(op, name, x, rank, layout):
@@ -200,28 +233,39 @@ class PagedAttention:
                                   "or flash_attn_with_kvcache with block_table)")
 
     def get_mask_mod(self, mask_mod, kv_len=None):
-        """mask_mod over logical positions as one over physical slots, as torch's."""
+        """mask_mod over logical positions as one over physical slots, as torch's. The result
+        raises IndexError for a b or physical_kv_idx outside the cache (negative ones too)."""
+        op = "PagedAttention.get_mask_mod"
+        kv_len = _lengths(op, kv_len)
         mask_mod = mask_mod or (lambda b, h, q_idx, kv_idx:
                                 _torch.ones_like(kv_idx, dtype=_torch.bool))
 
         def new_mask_mod(b, h, q_idx, physical_kv_idx):
-            logical = self._logical(b, physical_kv_idx, kv_len)
+            logical = self._logical(op, b, physical_kv_idx, kv_len)
             return _torch.where(logical >= 0, mask_mod(b, h, q_idx, logical.clamp(min=0)), False)
         return new_mask_mod
 
     def get_score_mod(self, score_mod, kv_len=None):
-        """score_mod over logical positions as one over physical slots (-inf off the pages)."""
+        """score_mod over logical positions as one over physical slots (-inf off the pages);
+        IndexError for indices outside the cache, as get_mask_mod's."""
+        op = "PagedAttention.get_score_mod"
+        kv_len = _lengths(op, kv_len)
         score_mod = score_mod or (lambda score, b, h, q_idx, kv_idx: score)
 
         def new_score_mod(score, b, h, q_idx, physical_kv_idx):
-            logical = self._logical(b, physical_kv_idx, kv_len)
+            logical = self._logical(op, b, physical_kv_idx, kv_len)
             return _torch.where(logical >= 0,
                                score_mod(score, b, h, q_idx, logical.clamp(min=0)),
                                float("-inf"))
         return new_score_mod
 
-    def _logical(self, b, physical_kv_idx, kv_len):
+    def _logical(self, op, b, physical_kv_idx, kv_len):
         """The logical position of a physical slot of sequence b, -1 where it has none."""
+        b = _index_tensor(op, "b", b, self.page_table.shape[0], "max_batch_size")
+        physical_kv_idx = _index_tensor(op, "physical_kv_idx", physical_kv_idx,
+                                        self.n_pages * self.page_size, "n_pages * page_size")
+        if kv_len is not None:
+            _index_tensor(op, "b", b, kv_len.shape[0], "len(kv_len)")
         block = self.physical_to_logical[b, physical_kv_idx // self.page_size]
         logical = block * self.page_size + physical_kv_idx % self.page_size
         valid = block >= 0
@@ -233,11 +277,17 @@ class PagedAttention:
                 scale=None, **options):
         """Attention of query [B, Hq, Lq, D] (torch's layout) over the first kv_len[b] logical
         positions of sequences batch_idx (default 0..B-1) held in k_cache, v_cache
-        [1, H, n_pages * page_size, D]; causal is lower-right. Returns [B, Hq, Lq, Dv]. Other
-        options as flash_attn_with_kvcache's. Forward only."""
+        [1, H, n_pages * page_size, D]; causal is lower-right. Returns [B, Hq, Lq, Dv] (with
+        return_softmax_lse, also lse [B, Hq, Lq]). Other options as flash_attn_with_kvcache's
+        (new rows k, v in its layout [B, L_new, H, D], appended at slots kv_len[b] of what
+        reserve gave); block_mask=None is taken, a flex_attention BlockMask is not. Forward
+        only."""
         op = "PagedAttention.forward"
+        causal = bool_option(op, "causal", causal)
+        options = _options(op, options)
         refuse_grad(op, (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)))
         query = _floating(op, "query", query, 4, "[B, Hq, Lq, D]")
+        scale = None if scale is None else real_option(op, "scale", scale)
         batch = query.shape[0]
         slots = self.n_pages * self.page_size
         caches = [_floating(op, name, c, 4, f"[1, H, n_pages * page_size={slots}, D]")
@@ -247,6 +297,18 @@ class PagedAttention:
                 raise ValueError(f"{op}: {name} has shape {list(c.shape)}, expected [1, "
                                  f"{c.shape[1]}, {slots}, {c.shape[3]}] ([1, H, n_pages * "
                                  "page_size, D])")
+        # The pools' shapes are the library's to check, but its messages would name the pools
+        # (views of the caches) instead of the caller's caches and query.
+        heads_q, dim = query.shape[1], query.shape[3]
+        heads = caches[0].shape[1]
+        if caches[0].shape[3] != dim or not heads or heads_q % heads:
+            raise ValueError(f"{op}: k_cache has shape {list(caches[0].shape)}, expected [1, H, "
+                             f"{slots}, {dim}] with Hq % H == 0 (Hq={heads_q}, H={heads}; "
+                             "query [B, Hq, Lq, D])")
+        if caches[1].shape[1] != heads:
+            raise ValueError(f"{op}: v_cache has shape {list(caches[1].shape)}, expected [1, "
+                             f"{heads}, {slots}, Dv] ([1, H, n_pages * page_size, Dv] with "
+                             "k_cache's H)")
         batch_idx = (_torch.arange(batch) if batch_idx is None
                      else _integers(op, "batch_idx", batch_idx, (batch,), "[B] like query"))
         for b in batch_idx.tolist():
@@ -255,11 +317,14 @@ class PagedAttention:
         if batch and (int(lengths.min()) < 0 or int(lengths.max()) > INT32_MAX):
             raise ValueError(f"{op}: kv_len is out of range (kv_len={lengths.tolist()[:8]}, "
                              "expected 0 <= kv_len[b] <= the sequence's capacity)")
+        new = _new_rows(op, options, batch, heads, dim, caches[1].shape[3])
         for i, (b, n) in enumerate(zip(batch_idx.tolist(), lengths.tolist())):
-            if n > int(self.capacity[b]):
-                raise ValueError(f"{op}: kv_len is past what the sequence reserved (kv_len[{i}]="
-                                 f"{n}, batch_idx[{i}]={b}, expected <= its capacity="
-                                 f"{int(self.capacity[b])}); reserve first")
+            if n + new > int(self.capacity[b]):
+                what = f"kv_len[{i}]={n}" if not new else f"kv_len[{i}] + L_new={n + new}"
+                raise ValueError(f"{op}: kv_len{' with the new rows' if new else ''} is past "
+                                 f"what the sequence reserved ({what}, batch_idx[{i}]={b}, "
+                                 f"expected <= its capacity={int(self.capacity[b])}); reserve "
+                                 "first")
         table = self.page_table[batch_idx].to(_torch.int32)
         pools = [c[0].unflatten(1, (self.n_pages, self.page_size)).permute(1, 2, 0, 3)
                  for c in caches]  # [n_pages, page_size, H, D] views, no copy
@@ -267,4 +332,52 @@ class PagedAttention:
             query.transpose(1, 2), pools[0], pools[1],
             cache_seqlens=lengths.to(_torch.int32), block_table=table,
             softmax_scale=scale, causal=causal, **options)
+        if options.get("return_softmax_lse"):
+            return out[0].transpose(1, 2), out[1]
         return out.transpose(1, 2)
+
+
+# flash_attn_with_kvcache's options PagedAttention.forward passes on, and those it sets from its
+# own arguments (with what the caller passes instead).
+_OPTIONS = ("k", "v", "rotary_cos", "rotary_sin", "rotary_interleaved", "cache_leftpad",
+            "window_size", "softcap", "alibi_slopes", "num_splits", "return_softmax_lse",
+            "backend")
+_OWN_OPTIONS = {"q": "query", "cache_seqlens": "kv_len", "block_table": "batch_idx",
+                "cache_batch_idx": "batch_idx", "softmax_scale": "scale"}
+
+
+def _options(op, options):
+    """PagedAttention.forward's **options for flash_attn_with_kvcache: TypeError for a name
+    forward sets itself or that function lacks, NotImplementedError for a block_mask other than
+    None (flex_attention's BlockMask)."""
+    options = dict(options)
+    block_mask = options.pop("block_mask", None)
+    if block_mask is not None:
+        raise NotImplementedError(f"{op}: block_mask is not supported (type="
+                                  f"{type(block_mask).__name__}, expected None); "
+                                  "flex_attention's BlockMask is not: pass causal=True or "
+                                  "window_size=(left, right)")
+    for name, value in options.items():
+        if name in _OWN_OPTIONS:
+            raise TypeError(f"{op}: {name} is set from forward's own arguments (type="
+                            f"{type(value).__name__}, expected {_OWN_OPTIONS[name]} instead)")
+        if name not in _OPTIONS:
+            raise TypeError(f"{op}: {name} is not an option (type={type(value).__name__}, "
+                            f"expected one of {', '.join(_OPTIONS)})")
+    return options
+
+
+def _new_rows(op, options, batch, heads, dim, dim_v):
+    """L_new of the rows k, v [B, L_new, H, D] that options append (0 without them), checked
+    against the caller's query and caches."""
+    if options.get("k") is None or options.get("v") is None:
+        return 0  # none, or one without the other: flash_attn_with_kvcache refuses it
+    shapes = [tuple(_arrays.shape_of(options[name], op, name)) for name in ("k", "v")]
+    for name, shape, d in zip(("k", "v"), shapes, (dim, dim_v)):
+        if len(shape) != 4 or shape[0] != batch or shape[1] != shapes[0][1] or \
+                shape[2] != heads or shape[3] != d:
+            raise ValueError(f"{op}: {name} has shape {list(shape)}, expected [{batch}, L_new, "
+                             f"{heads}, {d}] ([B, L_new, H, {'D' if name == 'k' else 'Dv'}], "
+                             "flash_attn_with_kvcache's layout, with query's B and the caches' "
+                             "H)")
+    return shapes[0][1]

@@ -25,6 +25,12 @@ q, k, v = bhld(2, 4, 5, 8), bhld(2, 4, 6, 8), bhld(2, 4, 6, 8)
 fq, fk = bhld(2, 5, 4, 8), bhld(2, 6, 4, 8)  # [B, L, H, D]
 lse = np.zeros((2, 4, 5), np.float32)
 
+
+def records(*shape):
+    """A numpy array of records (a structured dtype): an array, but not of numbers."""
+    return np.zeros(shape, [("a", np.float32), ("b", np.float32)])
+
+
 INVALID = {
     # torch-SDPA's own rules
     "mask-and-causal": (lambda: SDPA(q, k, v, attn_mask=bhld(5, 6), is_causal=True),
@@ -181,6 +187,56 @@ WRONG_TYPE = {
                            r"^manual_seed: seed is not an integer \(type=str"),
     "rng-state-int": (lambda: attncore.set_rng_state(5),
                       r"^set_rng_state: state is not a pair \(type=int"),
+    # numpy arrays whose elements are no numbers: named with their dtype, not numpy's error
+    "query-structured": (lambda: SDPA(records(2, 4, 5, 8), k, v),
+                         r"^scaled_dot_product_attention: query is not an array of numbers "
+                         r"\(dtype=\[\('a', '<f4'\), \('b', '<f4'\)\], expected a numeric "
+                         r"dtype\); pass one field, such as query\['a'\]"),
+    "key-object": (lambda: SDPA(q, k.astype(object), v),
+                   r"^scaled_dot_product_attention: key is not an array of numbers "
+                   r"\(dtype=object, expected a numeric dtype\); convert it with key.astype"),
+    "query-datetime": (lambda: SDPA(q.astype("datetime64[s]"), k, v),
+                       r"^scaled_dot_product_attention: query is not an array of numbers "
+                       r"\(dtype=datetime64\[s\]"),
+    "flash-value-structured": (lambda: FLASH(fq, fk, records(2, 6, 4, 8)),
+                               r"^flash_attn_func: v is not an array of numbers"),
+    "flash-query-strings": (lambda: FLASH(fq.astype(str), fk, fk),
+                            r"^flash_attn_func: q is not an array of numbers \(dtype=<U32"),
+    "kvcache-query-structured": (lambda: attncore.flash_attn_with_kvcache(
+        records(2, 1, 4, 8), fk, fk), r"^flash_attn_with_kvcache: q is not an array of numbers"),
+    "kvcache-cache-object": (lambda: attncore.flash_attn_with_kvcache(
+        fq, fk.astype(object), fk), r"^flash_attn_with_kvcache: k_cache is not an array of "
+                                    r"numbers \(dtype=object"),
+    # flags: a string such as 'no' would read as True
+    "is-causal-string": (lambda: SDPA(q, k, v, is_causal="no"),
+                         r"^scaled_dot_product_attention: is_causal is not a bool \(type=str"),
+    "is-causal-int-with-mask": (lambda: SDPA(q, k, v, attn_mask=np.ones((5, 6), bool),
+                                             is_causal=0),
+                                r"^scaled_dot_product_attention: is_causal is not a bool "
+                                r"\(type=int"),
+    "flash-causal-string": (lambda: FLASH(fq, fk, fk, causal="false"),
+                            r"^flash_attn_func: causal is not a bool \(type=str"),
+    "flash-deterministic-string": (lambda: FLASH(fq, fk, fk, deterministic="yes"),
+                                   r"^flash_attn_func: deterministic is not a bool"),
+    "flash-probs-int": (lambda: FLASH(fq, fk, fk, return_attn_probs=1),
+                        r"^flash_attn_func: return_attn_probs is not a bool \(type=int"),
+    "qkvpacked-causal-none": (lambda: attncore.flash_attn_qkvpacked_func(
+        np.ones((2, 4, 3, 2, 8), np.float32), causal=None),
+        r"^flash_attn_qkvpacked_func: causal is not a bool \(type=NoneType"),
+    "varlen-causal-string": (lambda: attncore.flash_attn_varlen_func(
+        np.ones((5, 4, 8), np.float32), np.ones((5, 4, 8), np.float32),
+        np.ones((5, 4, 8), np.float32), [0, 5], [0, 5], 5, 5, causal="no"),
+        r"^flash_attn_varlen_func: causal is not a bool"),
+    "kvcache-causal-string": (lambda: attncore.flash_attn_with_kvcache(fq, fk, fk, causal="no"),
+                              r"^flash_attn_with_kvcache: causal is not a bool \(type=str"),
+    "kvcache-interleaved-string": (lambda: attncore.flash_attn_with_kvcache(
+        fq, fk, fk, rotary_interleaved="no"),
+        r"^flash_attn_with_kvcache: rotary_interleaved is not a bool"),
+    "kvcache-lse-string": (lambda: attncore.flash_attn_with_kvcache(
+        fq, fk, fk, return_softmax_lse="no"),
+        r"^flash_attn_with_kvcache: return_softmax_lse is not a bool"),
+    "attention-return-lse-string": (lambda: attncore.attention(q, k, v, return_lse="no"),
+                                    r"^attention: return_lse is not a bool \(type=str"),
 }
 
 
@@ -190,6 +246,16 @@ def test_arguments_of_the_wrong_type_raise_type_error(case):
     with pytest.raises(TypeError, match=message) as error:
         call()
     assert type(error.value) is TypeError and FORM.match(str(error.value)), str(error.value)
+
+
+def test_numpy_bools_are_flags():
+    """Flags take numpy's bools as Python's (the results of comparisons often are)."""
+    np.testing.assert_array_equal(FLASH(fq, fk, fk, causal=np.True_), FLASH(fq, fk, fk, causal=True))
+    np.testing.assert_array_equal(SDPA(q, k, v, is_causal=np.bool_(True)),
+                                  SDPA(q, k, v, is_causal=True))
+    out, lse = attncore.flash_attn_with_kvcache(fq, fk, fk, causal=np.False_,
+                                                return_softmax_lse=np.True_)
+    np.testing.assert_array_equal(out, attncore.flash_attn_with_kvcache(fq, fk, fk))
 
 
 def test_gradients_a_numpy_query_would_drop_are_refused():

@@ -1,6 +1,7 @@
 """Variable-length batches from Python: attention_varlen / attention_varlen_backward, flash-attn's
-varlen and packed drop-ins, and nested tensors through scaled_dot_product_attention, against the
-torch oracle in float64 run on each sequence alone (reference.attention), outputs and gradients.
+varlen drop-in and nested tensors through scaled_dot_product_attention, against the torch oracle
+in float64 run on each sequence alone (reference.attention), outputs and gradients; their
+errors. The packed drop-ins and dropout are in test_varlen_packed.py, with the helpers here.
 """
 
 import math
@@ -14,7 +15,7 @@ import attncore
 import attncore.torch
 import reference
 from attncore import _core
-from conftest import assert_close, next_torch_seed, randn
+from conftest import assert_close, randn
 from test_arrays import DlpackOnly
 
 # torch 1.13 warns on every nested tensor it builds.
@@ -91,7 +92,7 @@ VARIANTS = {
 }
 
 
-def _case(variant, heads_q=4, dim=40):
+def make_case(variant, heads_q=4, dim=40):
     """(inputs dict, flash-attn options, oracle options) of one variant."""
     options = dict(VARIANTS[variant])
     heads_kv, dim_v = options.pop("heads_kv", heads_q), options.pop("dim_v", dim)
@@ -116,7 +117,7 @@ def _case(variant, heads_q=4, dim=40):
     return inputs, options, ref
 
 
-def _check_grads(named, dtype, what=""):
+def check_grads(named, dtype, what=""):
     for name, got, want in named:
         assert_close(got, want, dtype, f"{what}d{name}")
 
@@ -124,7 +125,7 @@ def _check_grads(named, dtype, what=""):
 @pytest.mark.parametrize("dtype,backend", BACKENDS, ids=str)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_flash_attn_varlen_func(variant, dtype, backend):
-    x, options, ref = _case(variant)
+    x, options, ref = make_case(variant)
     ins = [x[n].to(dtype).requires_grad_() for n in "qkv"]
     out, lse, probs = attncore.torch.flash_attn_varlen_func(
         *ins, x["cu_q"], x["cu_k"], x["max_q"], x["max_k"], alibi_slopes=x["alibi"],
@@ -141,7 +142,7 @@ def test_flash_attn_varlen_func(variant, dtype, backend):
     (out * dout.to(dtype)).sum().backward()
     (expected * dout).sum().backward()
     # Keys never read (NaN there) get zero gradients in both.
-    _check_grads(zip("qkv", (t.grad for t in ins),
+    check_grads(zip("qkv", (t.grad for t in ins),
                      (torch.nan_to_num(t.grad) for t in ref_ins)), dtype)
     for t in ins:
         assert not t.grad.isnan().any()
@@ -151,7 +152,7 @@ def test_flash_attn_varlen_func(variant, dtype, backend):
 def test_unused_rows(variant):
     """Query rows past cu_seqlens_q[-1] (NaN in them) give out 0, lse -inf and dq 0; key rows
     that belong to no used key (NaN) give dk = dv = 0."""
-    x, options, _ = _case(variant)
+    x, options, _ = make_case(variant)
     ins = [x[n].requires_grad_() for n in "qkv"]
     out, lse, _ = attncore.torch.flash_attn_varlen_func(
         *ins, x["cu_q"], x["cu_k"], x["max_q"], x["max_k"], alibi_slopes=x["alibi"],
@@ -171,7 +172,7 @@ def test_unused_rows(variant):
 def test_attention_varlen_both_alignments(causal, dtype, backend):
     """attncore's own function names the alignment: upper-left (j <= i) and lower-right
     (j <= i + Lk - Lq) per sequence, on sequences with Lq above and below Lk."""
-    x, _, _ = _case("plain")
+    x, _, _ = make_case("plain")
     ins = [x[n].to(dtype).requires_grad_() for n in "qkv"]
     out, lse = attncore.attention_varlen(*ins, x["cu_q"], x["cu_k"], x["max_q"], x["max_k"],
                                          causal=causal, backend=backend, return_lse=True)
@@ -182,13 +183,13 @@ def test_attention_varlen_both_alignments(causal, dtype, backend):
     dout = randn(*out.shape, seed=9)
     (out * dout.to(dtype)).sum().backward()
     (expected * dout).sum().backward()
-    _check_grads(zip("qkv", (t.grad for t in ins), (t.grad for t in ref_ins)), dtype)
+    check_grads(zip("qkv", (t.grad for t in ins), (t.grad for t in ref_ins)), dtype)
 
 
 def test_upper_left_and_lower_right_differ():
     """The two alignments agree where Lq == Lk and differ elsewhere (the test above would not
     notice an option that is ignored)."""
-    x, _, _ = _case("plain")
+    x, _, _ = make_case("plain")
     args = (x["q"], x["k"], x["v"], x["cu_q"], x["cu_k"], x["max_q"], x["max_k"])
     upper = attncore.attention_varlen(*args, causal="upper-left")
     lower = attncore.attention_varlen(*args, causal="lower-right")
@@ -201,7 +202,7 @@ def test_upper_left_and_lower_right_differ():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_reduced_precision(dtype):
-    x, options, ref = _case("gqa-softcap-window")
+    x, options, ref = make_case("gqa-softcap-window")
     ins = [x[n].to(dtype) for n in "qkv"]
     out = attncore.flash_attn_varlen_func(*ins, x["cu_q"], x["cu_k"], x["max_q"], x["max_k"],
                                           **options)
@@ -215,7 +216,7 @@ def test_reduced_precision(dtype):
 def test_numpy_forward_and_backward(variant):
     """numpy in (int32 numpy index arrays), numpy out; attention_varlen_backward with the
     forward's options gives the oracle's gradients."""
-    x, options, ref = _case(variant)
+    x, options, ref = make_case(variant)
     qn, kn, vn = (x[n].float().numpy() for n in "qkv")
     cu_q, cu_k = x["cu_q"].numpy(), x["cu_k"].numpy()
     used = None if x["used"] is None else x["used"].numpy()
@@ -239,14 +240,14 @@ def test_numpy_forward_and_backward(variant):
     assert len(grads) == 3
     for got, t in zip(grads, (qn, kn, vn)):
         assert isinstance(got, np.ndarray) and got.shape == t.shape and got.dtype == np.float32
-    _check_grads(zip("qkv", grads, (torch.nan_to_num(t.grad) for t in ref_ins)),
+    check_grads(zip("qkv", grads, (torch.nan_to_num(t.grad) for t in ref_ins)),
                  torch.float32)
 
 
 def test_index_arrays_from_any_library():
     """Index arrays as torch int32 (DLPack), numpy int32 (buffer protocol) and lists of ints
     give the same result; the float tensors may come from another library."""
-    x, _, _ = _case("causal")
+    x, _, _ = make_case("causal")
     args = (x["max_q"], x["max_k"])
     results = [
         attncore.attention_varlen(x["q"], x["k"], x["v"], cu_q, cu_k, *args, causal="lower-right")
@@ -258,7 +259,7 @@ def test_index_arrays_from_any_library():
 def test_dlpack_producers():
     """Float tensors and int32 index arrays from a library attncore does not know (DLPack
     only): read in place; float32 results come back as numpy."""
-    x, _, _ = _case("causal")
+    x, _, _ = make_case("causal")
     q, k, v = (x[n].float() for n in "qkv")
     out = attncore.flash_attn_varlen_func(*(DlpackOnly(t) for t in (q, k, v)),
                                           DlpackOnly(x["cu_q"]), DlpackOnly(x["cu_k"]),
@@ -315,278 +316,6 @@ def test_gradcheck_varlen():
     cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
     assert gradcheck(lambda q, k, v: attncore.torch.flash_attn_varlen_func(
         q, k, v, cu_q, cu_k, 3, 3, causal=True, softcap=3.0, softmax_scale=-0.7), (q, k, v))
-
-
-# --- packed inputs ---------------------------------------------------------------------------
-
-def _address(x):
-    return x.data_ptr() if isinstance(x, torch.Tensor) else x.__array_interface__["data"][0]
-
-
-@pytest.mark.parametrize("dtype,backend", BACKENDS[:2], ids=str)
-@pytest.mark.parametrize("options", [{}, dict(causal=True, softmax_scale=-0.3),
-                                     dict(window_size=(2, 1), alibi=True)],
-                         ids=["plain", "causal-negative-scale", "window-alibi"])
-def test_flash_attn_varlen_qkvpacked_func(options, dtype, backend):
-    """One qkv [total, 3, H, D] with shared cu_seqlens: read in place, the gradient is one
-    tensor shaped like qkv."""
-    options = dict(options)
-    lens = (5, 0, 9, 1, 12)
-    heads = 3
-    alibi = alibi_slopes("heads", len(lens), heads) if options.pop("alibi", False) else None
-    qkv = randn(sum(lens) + 2, 3, heads, 32, seed=1).to(dtype).requires_grad_()
-    cu = cu_seqlens(lens)
-    out, lse, _ = attncore.torch.flash_attn_varlen_qkvpacked_func(
-        qkv, cu, max(lens), alibi_slopes=alibi, return_attn_probs=True, backend=backend,
-        **options)
-    addresses = _core._last_call_addresses()
-    assert [addresses[n] for n in ("key", "value")] == [qkv[:, i].data_ptr() for i in (1, 2)]
-    if "softmax_scale" not in options:  # a negative scale is applied to a copy of q
-        assert addresses["query"] == qkv.data_ptr()
-    ref_qkv = qkv.detach().double().requires_grad_()
-    expected, expected_lse = oracle(
-        ref_qkv[:, 0], ref_qkv[:, 1], ref_qkv[:, 2], cu, cu, alibi=alibi,
-        causal="lower-right" if options.get("causal") else None,
-        window=options.get("window_size", (-1, -1)), scale=options.get("softmax_scale"))
-    assert_close(out.detach(), expected, dtype, "out")
-    assert_close(lse, expected_lse, dtype, "lse")
-    dout = randn(*out.shape, seed=9)
-    (out * dout.to(dtype)).sum().backward()
-    (expected * dout).sum().backward()
-    assert qkv.grad.shape == qkv.shape and qkv.grad.dtype == dtype
-    assert_close(qkv.grad, ref_qkv.grad, dtype, "dqkv")
-
-
-@pytest.mark.parametrize("dtype,backend", BACKENDS[:2], ids=str)
-def test_flash_attn_varlen_kvpacked_func(dtype, backend):
-    """q and one kv [total_k, 2, Hkv, D] (GQA), seqused_k and padded kv rows: kv read in
-    place, its gradient one tensor shaped like kv."""
-    heads_q, heads_kv = 4, 2
-    q = packed(LENS_Q, heads_q, 24, seed=1).to(dtype).requires_grad_()
-    kv = randn(sum(LENS_K) + 3, 2, heads_kv, 24, seed=2).to(dtype).requires_grad_()
-    used = torch.tensor([max(n - 1, 0) for n in LENS_K], dtype=torch.int32)
-    cu_q, cu_k = cu_seqlens(LENS_Q), cu_seqlens(LENS_K)
-    out = attncore.torch.flash_attn_varlen_kvpacked_func(
-        q, kv, cu_q, cu_k, max(LENS_Q), max(LENS_K), causal=True, seqused_k=used,
-        backend=backend)
-    addresses = _core._last_call_addresses()
-    assert addresses["key"] == kv.data_ptr() and addresses["value"] == kv[:, 1].data_ptr()
-    assert addresses["query"] == q.data_ptr()
-    ref_q, ref_kv = (t.detach().double().requires_grad_() for t in (q, kv))
-    expected, _ = oracle(ref_q, ref_kv[:, 0], ref_kv[:, 1], cu_q, cu_k, seqused_k=used,
-                         causal="lower-right")
-    assert_close(out.detach(), expected, dtype, "out")
-    dout = randn(*out.shape, seed=9)
-    (out * dout.to(dtype)).sum().backward()
-    (expected * dout).sum().backward()
-    assert kv.grad.shape == kv.shape
-    _check_grads([("q", q.grad, ref_q.grad), ("kv", kv.grad, ref_kv.grad)], dtype)
-
-
-def _dense_oracle(q, k, v, **options):
-    """The oracle on [B, L, H, D] inputs, out back in [B, L, H, D]."""
-    out, lse = reference.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                   **options)
-    return out.transpose(1, 2), lse
-
-
-@pytest.mark.parametrize("dtype,backend", BACKENDS[:2], ids=str)
-@pytest.mark.parametrize("lengths", [(6, 6), (1, 1), (0, 0)], ids=str)
-def test_flash_attn_qkvpacked_func(lengths, dtype, backend):
-    """qkv [B, L, 3, H, D]: read in place, out [B, L, H, D] contiguous, one gradient."""
-    seqlen = lengths[0]
-    qkv = randn(2, seqlen, 3, 4, 40, seed=1).to(dtype).requires_grad_()
-    alibi = alibi_slopes("batch-heads", 2, 4)
-    out, lse, probs = attncore.torch.flash_attn_qkvpacked_func(
-        qkv, causal=True, softcap=3.0, alibi_slopes=alibi, return_attn_probs=True,
-        backend=backend)
-    if seqlen:
-        assert _core._last_call_addresses()["key"] == qkv[:, :, 1].data_ptr()
-    assert out.shape == (2, seqlen, 4, 40) and out.is_contiguous()
-    assert lse.shape == (2, 4, seqlen) and probs.shape == (0,)
-    ref = qkv.detach().double().requires_grad_()
-    expected, expected_lse = _dense_oracle(ref[:, :, 0], ref[:, :, 1], ref[:, :, 2],
-                                           causal="lower-right", softcap=3.0, alibi=alibi)
-    assert_close(out.detach(), expected, dtype, "out")
-    assert_close(lse, expected_lse, dtype, "lse")
-    dout = randn(*out.shape, seed=9)
-    (out * dout.to(dtype)).sum().backward()
-    (expected * dout).sum().backward()
-    assert qkv.grad.shape == qkv.shape
-    assert_close(qkv.grad, ref.grad, dtype, "dqkv")
-
-
-@pytest.mark.parametrize("dtype,backend", BACKENDS[:2], ids=str)
-def test_flash_attn_kvpacked_func(dtype, backend):
-    """q [B, Lq, Hq, D] and kv [B, Lk, 2, Hkv, D] with GQA and Lq < Lk (lower-right)."""
-    q = randn(2, 5, 6, 32, seed=1).to(dtype).requires_grad_()
-    kv = randn(2, 11, 2, 2, 32, seed=2).to(dtype).requires_grad_()
-    out = attncore.torch.flash_attn_kvpacked_func(q, kv, causal=True, window_size=(3, -1),
-                                                  backend=backend)
-    ref_q, ref_kv = (t.detach().double().requires_grad_() for t in (q, kv))
-    expected, _ = _dense_oracle(ref_q, ref_kv[:, :, 0], ref_kv[:, :, 1], causal="lower-right",
-                                window=(3, -1))
-    assert_close(out.detach(), expected, dtype, "out")
-    dout = randn(*out.shape, seed=9)
-    (out * dout.to(dtype)).sum().backward()
-    (expected * dout).sum().backward()
-    assert kv.grad.shape == kv.shape
-    _check_grads([("q", q.grad, ref_q.grad), ("kv", kv.grad, ref_kv.grad)], dtype)
-
-
-def test_packed_numpy():
-    """numpy packed inputs are read in place too, and the results are numpy arrays."""
-    qkv = randn(2, 7, 3, 2, 16, seed=1).float().numpy()
-    out = attncore.flash_attn_qkvpacked_func(qkv)
-    assert _core._last_call_addresses()["value"] == _address(qkv[:, :, 2])
-    expected = attncore.flash_attn_func(*(np.ascontiguousarray(qkv[:, :, i]) for i in range(3)))
-    assert isinstance(out, np.ndarray) and (out == expected).all()
-    lens = (3, 4)
-    qkv = randn(7, 3, 2, 16, seed=2).float().numpy()
-    out = attncore.flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens(lens).numpy(), 4)
-    assert _core._last_call_addresses()["key"] == _address(qkv[:, 1])
-    kv = np.ascontiguousarray(qkv[:, 1:])
-    also = attncore.flash_attn_varlen_kvpacked_func(qkv[:, 0], kv, cu_seqlens(lens).numpy(),
-                                                    cu_seqlens(lens).numpy(), 4, 4)
-    assert isinstance(out, np.ndarray) and (out == also).all()
-
-
-def test_gradcheck_packed():
-    qkv = randn(5, 3, 2, 4, seed=1, requires_grad=True)
-    cu = cu_seqlens((2, 3))
-    assert gradcheck(lambda t: attncore.torch.flash_attn_varlen_qkvpacked_func(
-        t, cu, 3, causal=True), (qkv,))
-    qkv = randn(2, 3, 3, 2, 4, seed=2, requires_grad=True)
-    assert gradcheck(lambda t: attncore.torch.flash_attn_qkvpacked_func(t, causal=True), (qkv,))
-
-
-def test_softcap_zero_or_negative_is_off():
-    x, _, _ = _case("plain")
-    args = (x["q"], x["k"], x["v"], x["cu_q"], x["cu_k"], x["max_q"], x["max_k"])
-    plain = attncore.flash_attn_varlen_func(*args)
-    assert torch.equal(plain, attncore.flash_attn_varlen_func(*args, softcap=0.0))
-    assert torch.equal(plain, attncore.flash_attn_varlen_func(*args, softcap=-1.0))
-    assert not torch.equal(plain, attncore.flash_attn_varlen_func(*args, softcap=1.0))
-
-
-# --- dropout ---------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("backend", ["reference", "math", "flash"])
-def test_dropout_packed_equals_padded_dense(backend):
-    """A packed batch draws the mask of the same batch right-padded to (max_seqlen_q,
-    max_seqlen_k) and run dense with a key-padding bool mask, with the same (seed, offset)."""
-    dtype = torch.float32 if backend == "flash" else torch.float64
-    lens_q, lens_k = (5, 0, 7, 3, 6), (6, 2, 0, 9, 6)
-    max_q, max_k = 8, 11  # above the real maxima
-    heads, dim = 3, 16
-    q, k, v = (packed(lens, heads, dim, seed=s).to(dtype)
-               for lens, s in ((lens_q, 1), (lens_k, 2), (lens_k, 3)))
-    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
-    torch.manual_seed(123)
-    seed, offset = next_torch_seed(), 0
-    out = attncore.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.3,
-                                          backend=backend)
-    batch = len(lens_q)
-
-    def pad(x, lengths, cu, rows):
-        y = torch.zeros(batch, heads, rows, x.shape[2], dtype=dtype)
-        for b, n in enumerate(lengths):
-            y[b, :, :n] = x[cu[b]:cu[b] + n].transpose(0, 1)
-        return y
-
-    key_padding = torch.arange(max_k)[None, :] < torch.tensor(lens_k)[:, None]  # [B, max_k]
-    dense = attncore.attention(pad(q, lens_q, cu_q, max_q), pad(k, lens_k, cu_k, max_k),
-                               pad(v, lens_k, cu_k, max_k), attn_mask=key_padding[:, None, None],
-                               dropout_p=0.3, seed=seed, offset=offset, backend=backend)
-    for b, n in enumerate(lens_q):
-        assert_close(out[cu_q[b]:cu_q[b] + n].transpose(0, 1), dense[b, :, :n].double(), dtype,
-                     f"sequence {b}")
-    without = attncore.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
-                                              backend=backend)
-    assert not torch.equal(out, without)
-
-
-@pytest.mark.parametrize("dtype,backend", BACKENDS[:2], ids=str)
-def test_dropout_s_dmask_and_gradients(dtype, backend):
-    """With dropout, S_dmask [B, Hq, max_q, max_k] holds the probabilities with the dropped
-    ones negated: the oracle given its keep mask reproduces out and the gradients through
-    autograd, and |S_dmask| is the oracle's softmax."""
-    p = 0.2
-    x, options, ref = _case("gqa-softcap-window")
-    ins = [x[n].to(dtype).requires_grad_() for n in "qkv"]
-    out, lse, s_dmask = attncore.torch.flash_attn_varlen_func(
-        *ins, x["cu_q"], x["cu_k"], x["max_q"], x["max_k"], dropout_p=p,
-        return_attn_probs=True, backend=backend, **options)
-    batch, heads_q = len(LENS_Q), x["q"].shape[1]
-    assert s_dmask.shape == (batch, heads_q, x["max_q"], x["max_k"])
-    assert s_dmask.dtype == dtype and not s_dmask.requires_grad
-    keep = s_dmask > 0
-    ref_ins = [t.detach().double().requires_grad_() for t in ins]
-    expected, expected_lse = oracle(*ref_ins, x["cu_q"], x["cu_k"], keep=keep, dropout_p=p,
-                                    **ref)
-    assert_close(out.detach(), expected, dtype, "out")
-    assert_close(lse, expected_lse, dtype, "lse")  # before dropout
-    dout = randn(*out.shape, seed=9)
-    (out * dout.to(dtype)).sum().backward()
-    (expected * dout).sum().backward()
-    _check_grads(zip("qkv", (t.grad for t in ins), (t.grad for t in ref_ins)), dtype)
-    # The probabilities: the oracle with v = the identity, per sequence.
-    cu_q, cu_k = x["cu_q"].tolist(), x["cu_k"].tolist()
-    for b in range(batch):
-        lq, lk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
-        qb = x["q"][cu_q[b]:cu_q[b + 1]].to(dtype).transpose(0, 1)
-        kb = x["k"][cu_k[b]:cu_k[b + 1]].to(dtype).transpose(0, 1)
-        eye = torch.eye(lk, dtype=torch.float64).expand(kb.shape[0], lk, lk)
-        probs, _ = reference.attention(qb, kb, eye, causal="lower-right", window=ref["window"],
-                                       softcap=ref["softcap"])
-        assert_close(s_dmask[b, :, :lq, :lk].abs(), probs, dtype, f"probabilities {b}")
-        assert (s_dmask[b, :, lq:] == 0).all() and (s_dmask[b, :, :, lk:] == 0).all()
-    kept = keep[s_dmask != 0].double().mean().item()
-    assert abs(kept - (1 - p)) < 0.05
-
-
-def test_dropout_s_dmask_dense():
-    """flash_attn_func and the dense packed forms return the same S_dmask shape [B, H, Lq, Lk],
-    and their outputs follow its keep mask."""
-    p = 0.25
-    q, k, v = (randn(2, 6, 3, 16, seed=s) for s in (1, 2, 3))
-    out, _, s_dmask = attncore.flash_attn_func(q, k, v, dropout_p=p, causal=True,
-                                               return_attn_probs=True)
-    assert s_dmask.shape == (2, 3, 6, 6)
-    expected, _ = _dense_oracle(q, k, v, causal="lower-right", keep=s_dmask > 0, dropout_p=p)
-    assert_close(out, expected, torch.float64)
-    qkv = torch.stack([q, k, v], dim=2)
-    torch.manual_seed(5)
-    out, _, s_dmask = attncore.flash_attn_qkvpacked_func(qkv, dropout_p=p,
-                                                         return_attn_probs=True)
-    expected, _ = _dense_oracle(q, k, v, keep=s_dmask > 0, dropout_p=p)
-    assert_close(out, expected, torch.float64)
-    torch.manual_seed(5)
-    again = attncore.flash_attn_kvpacked_func(q, qkv[:, :, 1:], dropout_p=p)
-    assert torch.equal(out, again)
-
-
-def test_attention_varlen_backward_replays_dropout():
-    """numpy: attention_varlen_backward with the forward's (seed, offset) gives the gradients
-    autograd gives through attncore.torch."""
-    p = 0.3
-    x, _, _ = _case("causal")
-    ins = [x[n].requires_grad_() for n in "qkv"]
-    args = (x["cu_q"], x["cu_k"], x["max_q"], x["max_k"])
-    state = (next_torch_seed(), 0)
-    out, lse = attncore.attention_varlen(*ins, *args, causal="lower-right", dropout_p=p,
-                                         return_lse=True)
-    dout = randn(*out.shape, seed=9)
-    (out * dout).sum().backward()
-    arrays = [t.detach().numpy() for t in ins]
-    grads = attncore.attention_varlen_backward(
-        dout.numpy(), *arrays, out.detach().numpy(), lse.numpy(), *(a.numpy() for a in args[:2]),
-        *args[2:], causal="lower-right", dropout_p=p, seed=state[0], offset=state[1])
-    for got, t in zip(grads, ins):
-        assert (got == t.grad.numpy()).all()
-    with pytest.raises(ValueError, match="dropout needs the forward call's seed"):
-        attncore.attention_varlen_backward(dout.numpy(), *arrays, out.detach().numpy(),
-                                           lse.numpy(), *args, dropout_p=p)
 
 
 # --- errors ----------------------------------------------------------------------------------
