@@ -126,5 +126,33 @@ TEST(Sizes, MisalignedViewsAreInvalid) {
             0u);
 }
 
+// Lengths near 2^62 that the pair count lets through (an empty batch takes any lengths; one
+// query row takes 2^62 keys), with windows as wide: the window arithmetic stays in range (the
+// sanitizer builds would stop on an overflow), an empty batch runs without a workspace, and
+// the cost model prices the one row.
+TEST(Sizes, LengthsNear63BitsKeepTheWindowArithmeticInRange) {
+  float one = 0.5f;
+  const std::int64_t huge = std::int64_t{1} << 62;
+  const TensorView empty_q = TensorView::strided(&one, DType::f32, {0, 1, huge, 1}, {0, 0, 0, 1});
+  const TensorView long_k = TensorView::strided(&one, DType::f32, {0, 1, huge, 1}, {0, 0, 0, 1});
+  for (const std::int64_t window : {std::int64_t{-1}, std::int64_t{0}, huge, INT64_MAX}) {
+    Options o;
+    o.window_left = o.window_right = window;
+    for (Backend backend : {Backend::automatic, Backend::flash}) {
+      ForwardResult r;
+      ASSERT_NO_THROW(r = forward(empty_q, long_k, long_k, o, backend)) << window;
+      EXPECT_EQ(r.out.numel(), 0);
+    }
+  }
+  const TensorView q = TensorView::strided(&one, DType::f32, {1, 1, 1, 1}, {0, 0, 0, 1});
+  const TensorView k = TensorView::strided(&one, DType::f32, {1, 1, huge, 1}, {0, 0, 0, 1});
+  for (const std::int64_t window : {huge - 1, huge, huge + 1, INT64_MAX}) {
+    Options o;
+    o.window_right = window;
+    o.window_left = window;
+    EXPECT_NO_THROW((void)explain_forward(q, k, k, o)) << window;
+  }
+}
+
 }  // namespace
 }  // namespace attncore

@@ -1,5 +1,5 @@
 // TensorView (contiguous / strided / transposed views, numel and its overflow) and Tensor
-// (64-byte aligned, zero-initialised, contiguous storage).
+// (64-byte aligned, zero-initialised, contiguous storage; bad arguments refused).
 #include "attncore/tensor.h"
 
 #include <gtest/gtest.h>
@@ -7,7 +7,11 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <utility>
+
+#include "attncore/error.h"
+#include "testing/tensors.h"
 
 namespace attncore {
 namespace {
@@ -161,6 +165,31 @@ TEST(Tensor, EmptyShapesAreLegal) {
   EXPECT_TRUE(t.defined());
   EXPECT_EQ(t.numel(), 0);
   EXPECT_EQ(t.size(1), 0);
+}
+
+// Bad arguments are refused with attncore's errors before anything is allocated: a dtype
+// outside the enum, a rank outside 0..4, a negative size, and storage past the memory this
+// process may use (the allocator never sees such a size).
+TEST(Tensor, BadArgumentsAreRefused) {
+  const std::string dtype = test::invalid_argument_message(
+      [] { const Tensor t(static_cast<DType>(50), {4}); });
+  EXPECT_EQ(dtype, "Tensor: dtype is invalid (dtype=50, expected a DType value)");
+  const std::int64_t shape[1] = {4};
+  EXPECT_EQ(test::invalid_argument_message([&] { const Tensor t(DType::f32, shape, -1); }),
+            "Tensor: rank is invalid (rank=-1, expected 0 to 4)");
+  EXPECT_EQ(test::invalid_argument_message([] { const Tensor t(DType::f32, {-1, 4}); }),
+            "Tensor: shape [-1, 4] has a negative size (shape[0]=-1, expected >= 0)");
+  try {
+    const Tensor t(DType::f32, {std::int64_t{1} << 40, std::int64_t{1} << 10});  // 4 PiB
+    ADD_FAILURE() << "no exception";
+  } catch (const OutOfMemory& e) {
+    const std::string message = e.what();
+    EXPECT_EQ(message.rfind("Tensor: shape [1099511627776, 1024] needs more memory than this "
+                            "process may use (bytes=4.504e+15, expected <= ",
+                            0),
+              0u)
+        << message;
+  }
 }
 
 TEST(Tensor, MoveKeepsStorage) {

@@ -96,7 +96,12 @@ TEST(Threads, EnvironmentVariable) {
     const EnvThreads env(std::string(""));  // empty: as unset
     EXPECT_GE(default_num_threads(), 1);
   }
-  for (const char* bad : {"1025", "100000", "0", "-2", "abc", "4x", "99999999999999999999"}) {
+  for (const char* blanks : {" 2", "2 ", " 2\n"}) {  // blanks around the number, as shells leave
+    const EnvThreads env(std::string{blanks});
+    EXPECT_EQ(default_num_threads(), 2) << '"' << blanks << '"';
+  }
+  for (const char* bad :
+       {"1025", "100000", "0", "-2", "abc", "4x", "99999999999999999999", " ", "2 x"}) {
     const EnvThreads env(std::string{bad});
     const std::string message =
         invalid_argument_message([&] { (void)forward(s.q, s.k, s.v, {}, Backend::reference); });

@@ -208,6 +208,13 @@ std::vector<BadInput> bad_inputs() {
   add("softcap_negative", Op::forward, {"softcap=-1"}, [](Call& c) { c.options.softcap = -1.0; });
   add("softcap_nan", Op::forward, {"softcap=nan"}, [](Call& c) { c.options.softcap = kNaN; });
   add("softcap_inf", Op::forward, {"softcap=inf"}, [](Call& c) { c.options.softcap = kInf; });
+  // f32 calls compute in f32: a cap below its normal range, a scale past it.
+  add("softcap_below_f32", Op::forward, {"softcap is too small for f32 arithmetic", "softcap=1e-40"},
+      [](Call& c) { c.options.softcap = 1e-40; });
+  add("backward_softcap_below_f32", Op::backward, {"softcap=1e-50"},
+      [](Call& c) { c.options.softcap = 1e-50; });
+  add("scale_past_f32", Op::forward, {"scale is too large for f32 arithmetic", "scale=1e+39"},
+      [](Call& c) { c.options.scale = 1e39; });
   add("num_threads", Op::forward, {"num_threads=-1"}, [](Call& c) { c.options.num_threads = -1; });
   add("num_threads_too_large", Op::forward, {"num_threads=1025", "<= 1024"},
       [](Call& c) { c.options.num_threads = kMaxThreads + 1; });
@@ -402,6 +409,23 @@ TEST(ValidateBaseline, ValidCallSucceeds) {
     with_bool.options.mask = with_bool.view(DType::b8, {kB, 1, 1, kLk});
     with_bool.options.alibi_slopes = with_bool.view(DType::f32, {kB, kHq});
     EXPECT_NO_THROW(run(Op::forward, with_bool, backend));
+  }
+}
+
+// f64 calls compute in f64: a softcap or scale outside f32's range is theirs to take, and the
+// backends agree on it.
+TEST(ValidateBaseline, F64TakesScalarsPastF32sRange) {
+  const Tensor q(DType::f64, {1, 2, 3, 8});  // [B, Hq, Lq, D]
+  for (const auto& [scale, softcap] : {std::pair{1e-3, 1e-40}, std::pair{1e39, 0.0}}) {
+    Options o;
+    o.scale = scale;
+    o.softcap = softcap;
+    const ForwardResult want = forward(q, q, q, o, Backend::reference);
+    for (Backend backend : {Backend::math, Backend::automatic}) {
+      ForwardResult got;
+      ASSERT_NO_THROW(got = forward(q, q, q, o, backend)) << name_of(backend);
+      EXPECT_EQ(got.out.numel(), want.out.numel());
+    }
   }
 }
 

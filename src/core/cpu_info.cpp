@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -311,8 +312,12 @@ int default_threads(const char* op) {
   if (const char* env = std::getenv("ATTNCORE_NUM_THREADS"); env != nullptr && *env != '\0') {
     char* end = nullptr;
     errno = 0;
-    const long n = std::strtol(env, &end, 10);
-    if (errno == 0 && *end == '\0' && n >= 1 && n <= kMaxThreads) return static_cast<int>(n);
+    const long n = std::strtol(env, &end, 10);  // (leading blanks skipped; trailing ones too)
+    const bool read = end != env;
+    while (std::isspace(static_cast<unsigned char>(*end))) ++end;
+    if (errno == 0 && read && *end == '\0' && n >= 1 && n <= kMaxThreads) {
+      return static_cast<int>(n);
+    }
     std::string value(env);
     if (value.size() > 40) value = value.substr(0, 40) + "...";
     throw InvalidArgument(std::string(op) +

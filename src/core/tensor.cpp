@@ -1,6 +1,7 @@
 // TensorView helpers, Tensor storage, and the names of the public enums.
 #include "attncore/tensor.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -8,6 +9,7 @@
 #include <string_view>
 
 #include "attncore/error.h"
+#include "attncore/info.h"
 #include "attncore/options.h"
 
 namespace attncore {
@@ -101,7 +103,22 @@ Tensor::Tensor(DType dtype, std::initializer_list<std::int64_t> shape)
     : Tensor(dtype, shape.begin(), static_cast<int>(shape.size())) {}
 
 Tensor::Tensor(DType dtype, const std::int64_t* shape, int rank) {
+  if (size_of(dtype) == 0) {
+    throw InvalidArgument("Tensor: dtype is invalid (dtype=" +
+                          std::to_string(static_cast<int>(dtype)) + ", expected a DType value)");
+  }
+  if (rank < 0 || rank > kMaxRank) {
+    throw InvalidArgument("Tensor: rank is invalid (rank=" + std::to_string(rank) +
+                          ", expected 0 to " + std::to_string(kMaxRank) + ")");
+  }
   view_ = make_view(nullptr, dtype, shape, nullptr, static_cast<std::size_t>(rank));
+  for (int d = 0; d < rank; ++d) {
+    if (shape[d] < 0) {
+      throw InvalidArgument("Tensor: shape " + view_.shape_string() + " has a negative size (shape[" +
+                            std::to_string(d) + "]=" + std::to_string(shape[d]) +
+                            ", expected >= 0)");
+    }
+  }
   const std::int64_t n = view_.numel();
   if (n < 0 || static_cast<std::uint64_t>(n) > (UINT64_MAX >> 4) / size_of(dtype)) {
     throw InvalidArgument(
@@ -110,6 +127,14 @@ Tensor::Tensor(DType dtype, const std::int64_t* shape, int rank) {
   }
   // 64-byte aligned and rounded up to a whole cache line, as aligned_alloc requires.
   const std::size_t bytes = (static_cast<std::size_t>(n) * size_of(dtype) + 63) & ~std::size_t{63};
+  // Refused before the allocator sees it, as the calls' memory checks refuse theirs.
+  if (const MemoryLimit limit = memory_limit(); static_cast<double>(bytes) > limit.bytes) {
+    char text[160];
+    std::snprintf(text, sizeof text, "(bytes=%.4g, expected <= %.4g bytes, %s)",
+                  static_cast<double>(bytes), limit.bytes, limit.name);
+    throw OutOfMemory("Tensor: shape " + view_.shape_string() +
+                      " needs more memory than this process may use " + text);
+  }
   if (bytes > 0) {
     void* p = std::aligned_alloc(64, bytes);
     if (p == nullptr) {

@@ -3,6 +3,7 @@
 #include "core/validate.h"
 
 #include <cmath>
+#include <limits>
 #include <sstream>
 #include <string>
 
@@ -65,6 +66,12 @@ void resolve_variant(const Checker& check, const Options& o, Params& p) {
       check.fail("scale is invalid (scale=" + fmt_double(*o.scale) +
                  ", expected a finite value > 0)");
     }
+    // f32, bf16 and f16 calls compute in f32: a scale past its range would be infinite.
+    if (p.dtype != DType::f64 && *o.scale > std::numeric_limits<float>::max()) {
+      check.fail("scale is too large for f32 arithmetic (scale=" + fmt_double(*o.scale) +
+                 ", expected <= " + fmt_double(std::numeric_limits<float>::max()) +
+                 " with " + std::string(name_of(p.dtype)) + " inputs)");
+    }
     p.scale = *o.scale;
   } else {
     p.scale = 1.0 / std::sqrt(static_cast<double>(p.head_dim));
@@ -83,12 +90,22 @@ void resolve_variant(const Checker& check, const Options& o, Params& p) {
                ", expected >= -1; -1 = unbounded)");
   }
   // A window wider than any |i + Lk - Lq - j| is no window; this also keeps index math small.
-  const std::int64_t widest = p.seq.max_q() + p.seq.max_k();
+  // (Saturated: an empty batch takes any lengths.)
+  const std::int64_t widest = p.seq.max_q() > INT64_MAX - p.seq.max_k()
+                                  ? INT64_MAX
+                                  : p.seq.max_q() + p.seq.max_k();
   p.window_left = o.window_left > widest ? -1 : o.window_left;
   p.window_right = o.window_right > widest ? -1 : o.window_right;
   if (!std::isfinite(o.softcap) || o.softcap < 0.0) {
     check.fail("softcap is invalid (softcap=" + fmt_double(o.softcap) +
                ", expected a finite value >= 0; 0 = off)");
+  }
+  // A cap below f32's normal range would be 0 or have no f32 inverse (softcap's s / cap).
+  if (p.dtype != DType::f64 && o.softcap > 0.0 &&
+      o.softcap < std::numeric_limits<float>::min()) {
+    check.fail("softcap is too small for f32 arithmetic (softcap=" + fmt_double(o.softcap) +
+               ", expected 0 or >= " + fmt_double(std::numeric_limits<float>::min()) +
+               " with " + std::string(name_of(p.dtype)) + " inputs)");
   }
   p.softcap = o.softcap;
   if (!(o.dropout_p >= 0.0 && o.dropout_p < 1.0)) {

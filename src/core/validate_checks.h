@@ -119,6 +119,9 @@ class Checker {
       fail(std::string(name) + " spans too much memory (extent=" + std::to_string(extent) +
            " elements, expected < 2^60)");
     }
+    if (t.data == nullptr && t.rank == 0) {  // a default TensorView: nothing was passed
+      fail(std::string(name) + " is not given (rank=0 with null data, expected a tensor)");
+    }
     if (t.data == nullptr) {
       fail(std::string(name) + " has null data with non-zero size (shape=" + t.shape_string() +
            ", expected a valid pointer)");

@@ -29,13 +29,18 @@ class CausalWindowMask {
         window_left_(p.window_left),
         window_right_(p.window_right) {}
 
+  // (Every sum below stays in range for any sizes validation takes: a window edge is applied
+  // only where it lies inside [0, Lk], which a window as wide as a sequence's lengths never does.)
   KeyRange row(std::int64_t i) const {
-    const std::int64_t diag = i + seqlen_k_ - seqlen_q_;  // the lower-right diagonal of row i
+    // The lower-right diagonal of row i, i + Lk - Lq, in [Lk - Lq, Lk - 1].
+    const std::int64_t diag = seqlen_k_ - (seqlen_q_ - i);
     std::int64_t begin = 0, end = seqlen_k_;
     if (causal_ == Causal::upper_left) end = std::min(end, i + 1);
     if (causal_ == Causal::lower_right) end = std::min(end, diag + 1);
-    if (window_left_ >= 0) begin = std::max(begin, diag - window_left_);
-    if (window_right_ >= 0) end = std::min(end, diag + window_right_ + 1);
+    if (window_left_ >= 0 && window_left_ < diag) begin = diag - window_left_;
+    if (window_right_ >= 0 && window_right_ < seqlen_q_ - 1 - i) {
+      end = std::min(end, diag + window_right_ + 1);  // < Lk
+    }
     return {begin, std::max(begin, end)};
   }
 
