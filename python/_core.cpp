@@ -204,6 +204,11 @@ py::object attend(py::handle q, py::handle k, py::handle v, py::handle mask, boo
   if (cq.rank != 4 || ck.rank != 4 || cv.rank != 4 || !float_dtype || ck.size(0) != cq.size(0) ||
       cv.size(0) != cq.size(0) || !unit_last(cq) || !unit_last(ck) || !unit_last(cv))
     return general;
+  // flash-attn's layout with shapes that do not fit together: the general path names them in
+  // that layout (the library would name its [B, H, L, D] views).
+  if (blhd && (ck.size(3) != cq.size(3) || ck.size(2) == 0 || cq.size(2) % ck.size(2) != 0 ||
+               cv.size(1) != ck.size(1) || cv.size(2) != ck.size(2)))
+    return general;
   if (bmask) {  // bhld: the scores are [B, Hq, Lq, Lk]
     const TensorView& m = bmask->view();
     const std::int64_t scores[4] = {cq.size(0), cq.size(1), cq.size(2), ck.size(2)};

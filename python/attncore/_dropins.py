@@ -10,7 +10,7 @@ import numpy as np
 
 from . import _arrays, _core, _nested
 from ._attention import attention, dense_packed, separate, varlen_packed
-from ._rank4 import Call, DenseKernel, bool_option, forward4, real_option
+from ._rank4 import Call, DenseKernel, bool_option, check_blhd, forward4, real_option
 from ._merge import refuse_grad
 from ._paged import varlen_paged
 from ._varlen import VarlenKernel
@@ -263,6 +263,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     causal, return_attn_probs = _flash_flags(op, causal, deterministic, return_attn_probs)
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         _check_shape(op, name, x, "[B, L, H, D]", 4)
+    check_blhd(op, *((name, _arrays.shape_of(x, op, name)) for x, name in
+                     ((q, "q"), (k, "k"), (v, "v"))), "[B, Lk, Hkv, D]")
     r = dense_packed(op, {"q": q, "k": k, "v": v}, _dense_separate, alibi_slopes=alibi_slopes,
                      **_flash_options(op, softmax_scale, causal, window_size, softcap, dropout_p,
                                       backend))
@@ -300,6 +302,8 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     causal, return_attn_probs = _flash_flags(op, causal, deterministic, return_attn_probs)
     _check_shape(op, "q", q, "[B, L, H, D]", 4)
     _check_shape(op, "kv", kv, "[B, L, 2, H, D]", 5, 2, 2)
+    check_blhd(op, ("q", _arrays.shape_of(q, op, "q")), ("kv", _arrays.shape_of(kv, op, "kv")),
+               None, "[B, Lk, 2, Hkv, D]")
     r = dense_packed(op, {"q": q, "kv": kv}, _dense_q_kv, alibi_slopes=alibi_slopes,
                      **_flash_options(op, softmax_scale, causal, window_size, softcap, dropout_p,
                                       backend))

@@ -16,7 +16,8 @@ import numpy as np
 from . import _arrays, _core
 from ._attention import _resolve_call
 from ._merge import refuse_grad
-from ._rank4 import INT32_MAX, bool_option, int_option, lse_dtype, real_option, times
+from ._rank4 import (INT32_MAX, bool_option, check_blhd, int_option, lse_dtype, real_option,
+                     times)
 from ._varlen import index_array
 
 
@@ -132,6 +133,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
            else "[B_cache, capacity, Hkv, D]")
     _rank4(op, "v_cache", v_cache, "[num_pages, page_size, Hkv, Dv]" if paged
            else "[B_cache, capacity, Hkv, Dv]")
+    q_shape = ("q", _arrays.shape_of(q, op, "q"))
+    check_blhd(op, q_shape, ("k_cache", _arrays.shape_of(k_cache, op, "k_cache")),
+               ("v_cache", _arrays.shape_of(v_cache, op, "v_cache")),
+               "[num_pages, page_size, Hkv, D]" if paged else "[B_cache, capacity, Hkv, D]",
+               same_batch=False)
+    if appending:
+        for name, x in (("k", k), ("v", v)):
+            _rank4(op, name, x, "[B, L_new, Hkv, D]")
+        new_k = _arrays.shape_of(k, op, "k")
+        check_blhd(op, q_shape, ("k", new_k), ("v", _arrays.shape_of(v, op, "v")),
+                   "[B, L_new, Hkv, D]")
+        cache_heads = _arrays.shape_of(k_cache, op, "k_cache")[2]
+        if new_k[2] != cache_heads:
+            raise ValueError(f"{op}: k has shape {list(new_k)}, expected [{new_k[0]}, "
+                             f"{new_k[1]}, {cache_heads}, {new_k[3]}] ([B, L_new, Hkv, D] with "
+                             "k_cache's Hkv)")
     lib, q_arr, give_back = _arrays.adopt(q, op, "q")
     if appending:
         k_lib, kc = _writable_cache(op, "k_cache", k_cache)
@@ -167,7 +184,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     new = [None, None]
     if appending:
         for i, (name, x) in enumerate((("k", k), ("v", v))):
-            _rank4(op, name, x, "[B, L_new, Hkv, D]")
             x_lib, arr, _ = _arrays.adopt(x, op, name)
             new[i] = x_lib.to_core(x_lib.unit_last_stride(arr, op, name).swapaxes(1, 2))
     tables = [None, None]
@@ -187,6 +203,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     q4 = times(lib.unit_last_stride(q_arr, op, "q"), call.q_factor).swapaxes(1, 2)
     _core.forward_kvcache(lib.to_core(q4), k_lib.to_core(kc.swapaxes(1, 2)),
                           v_lib.to_core(vc.swapaxes(1, 2)), seqlens, batch_idx, leftpad, table,
-                          new[0], new[1], tables[0], tables[1], bool(rotary_interleaved), lib.to_core(out.swapaxes(1, 2)),
-                          lib.to_core(lse), alibi, call.core_options())
+                          new[0], new[1], tables[0], tables[1], rotary_interleaved,
+                          lib.to_core(out.swapaxes(1, 2)), lib.to_core(lse), alibi,
+                          call.core_options())
     return (give_back(out), give_back(lse)) if return_softmax_lse else give_back(out)

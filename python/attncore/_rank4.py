@@ -67,6 +67,27 @@ def bool_option(op, name, value):
                     "or False)")
 
 
+def check_blhd(op, query, keys, values, layout, same_batch=True):
+    """Shapes in flash-attn's layout, named as the caller passed them (the library is handed
+    [B, H, L, D] views, whose shapes it would name): query (name, shape [B, Lq, Hq, D]),
+    keys (name, shape) laid out as `layout` ("[B, Lk, Hkv, D]", "[B_cache, capacity, Hkv, D]",
+    "[B, Lk, 2, Hkv, D]", ...: Hkv next to last) with Hkv dividing Hq, the query's D and, with
+    same_batch, its B; values (name, shape) like keys but for the last dim (None: packed with
+    the keys). Ranks are checked before. ValueError in attncore's form."""
+    (_, (batch, _, heads_q, dim)), (k_name, ks) = query, keys
+    heads = ks[-2]
+    if (same_batch and ks[0] != batch) or ks[-1] != dim or heads == 0 or heads_q % heads:
+        fields = layout.strip("[]").split(", ")
+        want = [str(batch) if same_batch else fields[0], *fields[1:-1], str(dim)]
+        raise ValueError(f"{op}: {k_name} has shape {list(ks)}, expected [{', '.join(want)}] "
+                         f"({layout}) with Hq % Hkv == 0 (Hq={heads_q}, Hkv={heads})")
+    if values is not None and tuple(values[1][:-1]) != tuple(ks[:-1]):
+        v_name, vs = values
+        want = ", ".join(str(n) for n in ks[:-1])
+        raise ValueError(f"{op}: {v_name} has shape {list(vs)}, expected [{want}, Dv] "
+                         f"({layout[:-2]}Dv] like {k_name})")
+
+
 @dataclasses.dataclass(frozen=True)
 class Call:
     """One call's options, everything but its arrays: what a backward replays."""

@@ -69,6 +69,41 @@ INVALID = {
     "scale-nan": (lambda: SDPA(q, k, v, scale=float("nan")), r"scale is invalid \(scale=nan"),
     "scale-inf": (lambda: SDPA(q, k, v, scale=-float("inf")), r"scale is invalid"),
     "value-batch": (lambda: SDPA(q, k, bhld(2, 4, 7, 8)), r"^forward: value has shape"),
+    # flash-attn's layout: shapes named as passed, [B, L, H, D]
+    "flash-head-dim": (lambda: FLASH(fq, bhld(2, 6, 4, 7), bhld(2, 6, 4, 7)),
+                       r"^flash_attn_func: k has shape \[2, 6, 4, 7\], expected \[2, Lk, Hkv, 8\] "
+                       r"\(\[B, Lk, Hkv, D\]\) with Hq % Hkv == 0 \(Hq=4, Hkv=4\)$"),
+    "flash-heads-not-dividing": (lambda: FLASH(fq, bhld(2, 6, 3, 8), bhld(2, 6, 3, 8)),
+                                 r"^flash_attn_func: k has shape \[2, 6, 3, 8\].*\(Hq=4, Hkv=3\)$"),
+    "flash-value-length": (lambda: FLASH(fq, fk, bhld(2, 7, 4, 8)),
+                           r"^flash_attn_func: v has shape \[2, 7, 4, 8\], expected \[2, 6, 4, "
+                           r"Dv\] \(\[B, Lk, Hkv, Dv\] like k\)$"),
+    "flash-torch-batch": (lambda: FLASH(torch.ones(2, 5, 4, 8), torch.ones(3, 6, 4, 8),
+                                        torch.ones(3, 6, 4, 8)),
+                          r"^flash_attn_func: k has shape \[3, 6, 4, 8\], expected \[2, Lk, Hkv, "
+                          r"8\]"),
+    "kvpacked-head-dim": (lambda: attncore.flash_attn_kvpacked_func(fq, bhld(2, 6, 2, 4, 7)),
+                          r"^flash_attn_kvpacked_func: kv has shape \[2, 6, 2, 4, 7\], expected "
+                          r"\[2, Lk, 2, Hkv, 8\] \(\[B, Lk, 2, Hkv, D\]\)"),
+    "kvcache-head-dim": (lambda: attncore.flash_attn_with_kvcache(
+        bhld(2, 1, 4, 7), bhld(2, 16, 2, 8), bhld(2, 16, 2, 8)),
+        r"^flash_attn_with_kvcache: k_cache has shape \[2, 16, 2, 8\], expected \[B_cache, "
+        r"capacity, Hkv, 7\] \(\[B_cache, capacity, Hkv, D\]\) with Hq % Hkv == 0 "
+        r"\(Hq=4, Hkv=2\)$"),
+    "kvcache-value-heads": (lambda: attncore.flash_attn_with_kvcache(
+        bhld(2, 1, 4, 8), bhld(2, 16, 2, 8), bhld(2, 16, 1, 8)),
+        r"^flash_attn_with_kvcache: v_cache has shape \[2, 16, 1, 8\], expected \[2, 16, 2, "
+        r"Dv\]"),
+    "kvcache-new-heads": (lambda: attncore.flash_attn_with_kvcache(
+        bhld(2, 1, 4, 8), bhld(2, 16, 2, 8), bhld(2, 16, 2, 8), k=bhld(2, 1, 1, 8),
+        v=bhld(2, 1, 1, 8)),
+        r"^flash_attn_with_kvcache: k has shape \[2, 1, 1, 8\], expected \[2, 1, 2, 8\] "
+        r"\(\[B, L_new, Hkv, D\] with k_cache's Hkv\)$"),
+    "kvcache-new-length": (lambda: attncore.flash_attn_with_kvcache(
+        bhld(2, 1, 4, 8), bhld(2, 16, 2, 8), bhld(2, 16, 2, 8), k=bhld(2, 1, 2, 8),
+        v=bhld(2, 3, 2, 8)),
+        r"^flash_attn_with_kvcache: v has shape \[2, 3, 2, 8\], expected \[2, 1, 2, Dv\] "
+        r"\(\[B, L_new, Hkv, Dv\] like k\)$"),
     # flash-attn's options
     "flash-rank": (lambda: FLASH(bhld(5, 4, 8), fk, fk), r"q has the wrong rank \(rank=3"),
     "window-negative": (lambda: FLASH(fq, fk, fk, window_size=(-2, 0)),
