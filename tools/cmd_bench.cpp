@@ -2,10 +2,14 @@
 // JSON and a PNG chart); bench --select: auto's choice against every backend over a fixed
 // sweep of shapes; bench --varlen: a ragged batch packed against dense and padded batches.
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "attncore/attncore.h"
@@ -129,9 +133,35 @@ int bench_select(const BenchConfig& bc) {
   return kExitOk;
 }
 
+// An output file (--csv, --json, --png) that cannot be written, `error` the errno value (0:
+// unknown). Exit code 1, as a library error's: the command line is well formed, the system
+// refuses the file.
+std::runtime_error cannot_write(const char* flag, const std::string& file, int error) {
+  return std::runtime_error("bench: " + std::string(flag) + " file cannot be written (" + flag +
+                            "=" + file + ", expected a file this process may create or write" +
+                            (error != 0 ? std::string(": ") + std::strerror(error) : "") + ")");
+}
+
+// `file` opened with `mode`: "w" to write it, "a" to check it before a sweep (its contents kept;
+// created empty where there is none).
+std::FILE* open_output(const char* flag, const std::string& file, const char* mode) {
+  std::FILE* f = std::fopen(file.c_str(), mode);
+  if (f == nullptr) throw cannot_write(flag, file, errno);
+  return f;
+}
+
+// Refuses, before anything is measured, an output file the command could not write at its end.
+void check_outputs(const BenchSweep& s) {
+  const std::pair<const char*, const std::string*> outputs[] = {
+      {"--csv", &s.csv}, {"--json", &s.json}, {"--png", &s.png}};
+  for (const auto& [flag, file] : outputs) {
+    if (file->empty() || (file == &s.json && *file == "-")) continue;
+    std::fclose(open_output(flag, *file, "a"));
+  }
+}
+
 void write_csv(const BenchConfig& bc, const std::vector<BenchRow>& rows, int threads, double peak) {
-  std::FILE* f = std::fopen(bc.sweep.csv.c_str(), "w");
-  if (f == nullptr) throw UsageError{"--csv: cannot write '" + bc.sweep.csv + "'"};
+  std::FILE* f = open_output("--csv", bc.sweep.csv, "w");
   std::fprintf(
       f,
       "seqlen,batch,heads_q,heads_kv,head_dim,dtype,causal,backend,pass,threads,seconds,gflops,"
@@ -145,18 +175,6 @@ void write_csv(const BenchConfig& bc, const std::vector<BenchRow>& rows, int thr
                  r.pass, threads, r.seconds, r.gflops, peak > 0 ? 100 * r.gflops / peak : 0.0,
                  r.speedup);
   }
-  std::fclose(f);
-}
-
-// One JSON object into `file`; "-": standard output.
-void write_json_object(const std::string& file, const JsonObject& j) {
-  if (file == "-") {
-    std::printf("%s\n", j.str().c_str());
-    return;
-  }
-  std::FILE* f = std::fopen(file.c_str(), "w");
-  if (f == nullptr) throw UsageError{"--json: cannot write '" + file + "'"};
-  std::fprintf(f, "%s\n", j.str().c_str());
   std::fclose(f);
 }
 
@@ -215,9 +233,7 @@ void write_png(const BenchConfig& bc, const std::vector<BenchRow>& rows,
       }
     }
   }
-  if (!write_line_chart(chart, bc.sweep.png)) {
-    throw UsageError{"--png: cannot write '" + bc.sweep.png + "'"};
-  }
+  if (!write_line_chart(chart, bc.sweep.png)) throw cannot_write("--png", bc.sweep.png, 0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -267,7 +283,7 @@ int bench_varlen(const BenchConfig& bc) {
   const int threads = bc.run.resolved_threads();
   Progress progress;
   progress.show("measuring the FMA peak ...");
-  const double peak = attncore::measure_fma_peak_gflops(threads);
+  const double peak = fma_peak_gflops(threads);
   progress.clear();
   std::string list;
   for (const std::int64_t l : lengths) list += (list.empty() ? "" : ",") + std::to_string(l);
@@ -426,12 +442,20 @@ int bench_varlen(const BenchConfig& bc) {
 
 }  // namespace
 
+void write_json_object(const std::string& file, const JsonObject& j) {
+  if (file == "-") return print_json_object(j);
+  std::FILE* f = open_output("--json", file, "w");
+  std::fprintf(f, "%s\n", j.str().c_str());
+  std::fclose(f);
+}
+
 int cmd_bench(const std::vector<std::string>& args) {
   if (asks_for_help(args)) {
     std::fputs(bench_usage_text().c_str(), stdout);
     return kExitOk;
   }
   const BenchConfig bc = parse_bench_flags(args);
+  check_outputs(bc.sweep);
   attncore::set_simd_target(bc.run.simd);
   if (bc.sweep.select) return bench_select(bc);
   if (bc.sweep.varlen) return bench_varlen(bc);
@@ -441,7 +465,7 @@ int cmd_bench(const std::vector<std::string>& args) {
   const int threads = bc.run.resolved_threads();
   Progress progress;
   progress.show("measuring the FMA peak ...");
-  const double peak = attncore::measure_fma_peak_gflops(threads);
+  const double peak = fma_peak_gflops(threads);
   progress.clear();
   const std::vector<Backend> backends = {Backend::math, Backend::flash};
   const std::size_t total =

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -29,6 +30,7 @@
 #include "attncore/attncore.h"
 #include "attncore/kvcache.h"
 #include "commands.h"
+#include "flags.h"
 #include "inputs.h"
 #include "json.h"
 #include "progress.h"
@@ -203,29 +205,85 @@ double time_point(const DecodePoint& pt, const CacheMemory& memory, const Timed&
   return best;
 }
 
-// Whether --points keeps a point: a comma-separated list of dtype:layout:Hkv (layout BHLD,
-// BLHD or pN; * matches anything), "" keeps all.
-bool kept(const std::string& points, const DecodePoint& pt) {
-  if (points.empty()) return true;
-  const std::string kind = pt.layout_name();
-  const std::string fields[] = {std::string(attncore::name_of(pt.dtype)), kind,
-                                std::to_string(pt.heads_kv)};
-  std::size_t at = 0;
-  while (at <= points.size()) {
-    const std::size_t end = std::min(points.find(',', at), points.size());
-    const std::string spec = points.substr(at, end - at);
-    bool match = true;
-    std::size_t from = 0;
-    for (const std::string& field : fields) {
-      const std::size_t colon = std::min(spec.find(':', from), spec.size());
-      const std::string want = from <= spec.size() ? spec.substr(from, colon - from) : "*";
-      if (want != "*" && !want.empty() && want != field) match = false;
-      from = colon + 1;
+// The points of the sweep, in the order of its table: Hkv 32 and 8; f32, bf16, f16; dense in
+// both layouts, then paged (BLHD rows) at page sizes 16 and 256; B; Lk. quick: B = 1 and Lk
+// 4096 and 16384 only.
+std::vector<DecodePoint> sweep_points(bool quick) {
+  const std::vector<std::int64_t> batches =
+      quick ? std::vector<std::int64_t>{1} : std::vector<std::int64_t>{1, 4, 16, 64};
+  const std::vector<std::int64_t> lengths =
+      quick ? std::vector<std::int64_t>{4096, 16384}
+            : std::vector<std::int64_t>{1024, 4096, 16384, 32768};
+  const std::pair<Layout, std::int64_t> kinds[] = {
+      {Layout::bhld, 0}, {Layout::blhd, 0}, {Layout::blhd, 16}, {Layout::blhd, 256}};
+  std::vector<DecodePoint> points;
+  for (std::int64_t hkv : {std::int64_t{32}, std::int64_t{8}}) {
+    for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+      for (const auto& [layout, page_size] : kinds) {
+        for (std::int64_t b : batches) {
+          for (std::int64_t l : lengths) points.push_back({b, hkv, l, dtype, layout, page_size});
+        }
+      }
     }
-    if (match) return true;
-    at = end + 1;
   }
-  return false;
+  return points;
+}
+
+// A point's fields as --points names them: dtype, layout (BHLD, BLHD or pN) and Hkv; an item of
+// --points holds one value or * (any) for each.
+using PointFields = std::array<std::string, 3>;
+constexpr const char* kPointFieldNames[] = {"dtype", "layout", "Hkv"};
+PointFields fields_of(const DecodePoint& pt) {
+  return {std::string(attncore::name_of(pt.dtype)), pt.layout_name(), std::to_string(pt.heads_kv)};
+}
+
+// --points: comma-separated dtype:layout:Hkv items, each field a value some point of the sweep
+// has, or *. Bad usage names the first bad item.
+std::vector<PointFields> parse_points(const std::string& points) {
+  std::vector<std::string> values[3];  // each field's values over the sweep, in its order
+  for (const DecodePoint& pt : sweep_points(false)) {
+    const PointFields f = fields_of(pt);
+    for (std::size_t n = 0; n < 3; ++n) {
+      if (std::find(values[n].begin(), values[n].end(), f[n]) == values[n].end()) {
+        values[n].push_back(f[n]);
+      }
+    }
+  }
+  std::vector<PointFields> items;
+  for (const std::string_view item : split(points, ',')) {
+    const std::vector<std::string_view> fields = split(item, ':');
+    const std::string quoted = "'" + std::string(item) + "'";
+    if (fields.size() != 3) {
+      throw UsageError{"--points: item " + quoted + " is not dtype:layout:Hkv (fields=" +
+                       std::to_string(fields.size()) + ", expected 3)"};
+    }
+    PointFields f;
+    for (std::size_t n = 0; n < 3; ++n) {
+      f[n] = fields[n];
+      if (f[n] == "*" || std::find(values[n].begin(), values[n].end(), f[n]) != values[n].end()) {
+        continue;
+      }
+      std::string choices;
+      for (const std::string& v : values[n]) choices += v + ", ";
+      throw UsageError{"--points: item " + quoted + " has an unknown " + kPointFieldNames[n] +
+                       " (" + kPointFieldNames[n] + "='" + f[n] + "', expected one of " + choices +
+                       "or *)"};
+    }
+    items.push_back(f);
+  }
+  return items;
+}
+
+// Whether the items of --points keep a point (no items: all are kept).
+bool kept(const std::vector<PointFields>& items, const DecodePoint& pt) {
+  const PointFields f = fields_of(pt);
+  auto matches = [&](const PointFields& item) {
+    for (std::size_t n = 0; n < 3; ++n) {
+      if (item[n] != "*" && item[n] != f[n]) return false;
+    }
+    return true;
+  };
+  return items.empty() || std::any_of(items.begin(), items.end(), matches);
 }
 
 // Whether two points have one shape: dtype, Hkv, B and Lk (their layouts may differ).
@@ -241,31 +299,16 @@ double median(std::vector<double> v) {
 
 }  // namespace
 
+void check_decode_points(const std::string& points) { parse_points(points); }
+
 int bench_decode(const BenchConfig& bc) {
   if (bc.run.threads > 2) throw UsageError{"bench --decode: --threads takes 1 or 2"};
-  const bool quick = bc.sweep.quick;
-  const std::vector<std::int64_t> batches =
-      quick ? std::vector<std::int64_t>{1} : std::vector<std::int64_t>{1, 4, 16, 64};
-  const std::vector<std::int64_t> lengths =
-      quick ? std::vector<std::int64_t>{4096, 16384}
-            : std::vector<std::int64_t>{1024, 4096, 16384, 32768};
+  const std::vector<PointFields> wanted =
+      bc.sweep.points.empty() ? std::vector<PointFields>{} : parse_points(bc.sweep.points);
   const double max_bytes = bc.sweep.max_kv_gib * 1024.0 * 1024.0 * 1024.0;
   std::vector<DecodePoint> points, skipped;
-  for (std::int64_t hkv : {std::int64_t{32}, std::int64_t{8}}) {
-    for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
-      // Dense in both layouts, then paged (BLHD rows) at page sizes 16 and 256.
-      const std::pair<Layout, std::int64_t> kinds[] = {
-          {Layout::bhld, 0}, {Layout::blhd, 0}, {Layout::blhd, 16}, {Layout::blhd, 256}};
-      for (const auto& [layout, page_size] : kinds) {
-        for (std::int64_t b : batches) {
-          for (std::int64_t l : lengths) {
-            const DecodePoint pt{b, hkv, l, dtype, layout, page_size};
-            if (!kept(bc.sweep.points, pt)) continue;
-            (pt.kv_bytes() > max_bytes ? skipped : points).push_back(pt);
-          }
-        }
-      }
-    }
+  for (const DecodePoint& pt : sweep_points(bc.sweep.quick)) {
+    if (kept(wanted, pt)) (pt.kv_bytes() > max_bytes ? skipped : points).push_back(pt);
   }
   // (At least the chunked prefill's cache, f32 B=1 Hkv=8 Lk=4096, and its queries.)
   double largest = 2.0 * 8 * 4096 * 128 * 4;
@@ -505,10 +548,7 @@ int bench_decode(const BenchConfig& bc) {
     top.add("fma_peak_1t_gflops", fma1);
     top.add("skipped", static_cast<std::int64_t>(skipped.size()));
     top.add_json("rows", json_array(items));
-    std::FILE* f = json_to_stdout ? stdout : std::fopen(bc.sweep.json.c_str(), "w");
-    if (f == nullptr) throw UsageError{"--json: cannot write '" + bc.sweep.json + "'"};
-    std::fprintf(f, "%s\n", top.str().c_str());
-    if (f != stdout) std::fclose(f);
+    write_json_object(bc.sweep.json, top);
   }
   return kExitOk;
 }

@@ -57,7 +57,7 @@ int cmd_default() {
   const int threads = attncore::default_num_threads();
   Progress progress;
   progress.show("measuring the FMA peak ...");
-  const double peak = attncore::measure_fma_peak_gflops(threads);
+  const double peak = fma_peak_gflops(threads);
   progress.clear();
   std::printf(
       "attncore %s: forward and backward, B=1 Hq=Hkv=%lld, Lq=Lk, Dv=D, checked against the "

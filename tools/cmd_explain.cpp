@@ -80,7 +80,7 @@ int cmd_explain(const std::vector<std::string>& args) {
     j.add_json("verdicts", json_array(verdicts));
     j.add_json("constants", constants_json(k));
     j.add_json("measured_constants", constants_json(measured));
-    std::printf("%s\n", j.str().c_str());
+    print_json_object(j);
     return kExitOk;
   }
 

@@ -9,6 +9,7 @@
 #include "commands.h"
 #include "constants.h"
 #include "json.h"
+#include "measure.h"
 
 namespace attncore_tools {
 namespace {
@@ -42,7 +43,7 @@ int cmd_info(const std::vector<std::string>& args) {
   const int threads = attncore::default_num_threads();
   if (json) {
     const double peak1 = attncore::measure_fma_peak_gflops(1);
-    const double peak_all = threads > 1 ? attncore::measure_fma_peak_gflops(threads) : peak1;
+    const double peak_all = threads > 1 ? fma_peak_gflops(threads) : peak1;
     JsonObject j;
     j.add("version", attncore::version());
     j.add("cpu_vendor", cpu.vendor);
@@ -63,7 +64,7 @@ int cmd_info(const std::vector<std::string>& args) {
     j.add("read_bandwidth_gbs", threads > 1 ? attncore::measure_read_bandwidth_gbs(threads) : bw1);
     j.add_json("cost_constants", constants_json(attncore::cost_constants()));
     j.add_json("measured_constants", constants_json(attncore::measured_cost_constants()));
-    std::printf("%s\n", j.str().c_str());
+    print_json_object(j);
     return kExitOk;
   }
   const std::string features = join(cpu.features);
@@ -84,7 +85,7 @@ int cmd_info(const std::vector<std::string>& args) {
       threads, attncore::kMaxThreads);
   std::fflush(stdout);
   const double peak1 = attncore::measure_fma_peak_gflops(1);
-  const double peak_all = threads > 1 ? attncore::measure_fma_peak_gflops(threads) : peak1;
+  const double peak_all = threads > 1 ? fma_peak_gflops(threads) : peak1;
   std::printf(
       "fma peak:  %.1f GFLOP/s f32 with 1 thread, %.1f GFLOP/s with %d threads (measured now)\n",
       peak1, peak_all, threads);

@@ -30,9 +30,14 @@ int cmd_info(const std::vector<std::string>& args);
 int cmd_run(const std::vector<std::string>& args);
 int cmd_explain(const std::vector<std::string>& args);
 int cmd_bench(const std::vector<std::string>& args);
-// bench --decode (cmd_bench_decode.cpp).
+// bench --decode (cmd_bench_decode.cpp), and the check of its --points at parse time (bad
+// usage names the first bad item).
 struct BenchConfig;
 int bench_decode(const BenchConfig& bc);
+void check_decode_points(const std::string& points);
+// bench's JSON object into `file` ("-": standard output, print_json_object), cmd_bench.cpp.
+class JsonObject;
+void write_json_object(const std::string& file, const JsonObject& j);
 
 // One number through a printf format ("%.0e").
 inline std::string format(const char* fmt, double x) {

@@ -12,6 +12,10 @@
 
 namespace attncore_tools {
 
+namespace {
+constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
+}  // namespace
+
 bool given(const GivenFlags& flags, std::string_view name) {
   return std::find(flags.begin(), flags.end(), name) != flags.end();
 }
@@ -23,11 +27,12 @@ void check_varlen_flags(const RunConfig& c, const GivenFlags& flags) {
     }
   }
   if (!c.is_varlen()) return;
-  for (const char* name : {"--seqlen-q", "--seqlen-k"}) {
+  for (const char* name : {"--seqlen-q", "--seqlen-k", "--batch"}) {
     if (given(flags, name)) {
-      throw UsageError{std::string(name) +
-                       " does not go with --varlen (the lengths come from --varlen and "
-                       "--varlen-k)"};
+      throw UsageError{std::string(name) + " does not go with --varlen (" +
+                       (std::string(name) == "--batch"
+                            ? "B is the number of --varlen lengths)"
+                            : "the lengths come from --varlen and --varlen-k)")};
     }
   }
   const std::size_t n = c.varlen.size();
@@ -40,15 +45,22 @@ void check_varlen_flags(const RunConfig& c, const GivenFlags& flags) {
   };
   same_count("--varlen-k", c.varlen_k);
   same_count("--seqused-k", c.seqused_k);
-  // cu_seqlens are int32: the packed rows must fit.
+  // cu_seqlens are int32: the packed rows must fit. Each length is bounded before it is added,
+  // so that the sum stays far from int64 overflow.
   auto fits = [](const char* name, const std::vector<std::int64_t>& lengths) {
     std::int64_t total = 0;
-    for (const std::int64_t x : lengths) {
+    for (std::size_t b = 0; b < lengths.size(); ++b) {
+      const std::int64_t x = lengths[b];
+      if (x > kInt32Max) {
+        throw UsageError{std::string(name) + ": a length is too large (" + name + "[" +
+                         std::to_string(b) + "]=" + std::to_string(x) +
+                         ", expected <= " + std::to_string(kInt32Max) + ": cu_seqlens are int32)"};
+      }
       total += x;
-      if (x > std::numeric_limits<std::int32_t>::max() ||
-          total > std::numeric_limits<std::int32_t>::max()) {
-        throw UsageError{std::string(name) +
-                         ": the lengths add up past 2^31 - 1 (cu_seqlens are int32)"};
+      if (total > kInt32Max) {
+        throw UsageError{std::string(name) + ": the lengths add up past 2^31 - 1 (sum of " + name +
+                         "[0.." + std::to_string(b) + "]=" + std::to_string(total) +
+                         ", expected <= " + std::to_string(kInt32Max) + ": cu_seqlens are int32)"};
       }
     }
   };
@@ -75,15 +87,16 @@ void check_cache_flags(const RunConfig& c, const GivenFlags& flags) {
                             : "the lengths come from --cache-len and --new-tokens)")};
     }
   }
-  if (c.cache_len + c.new_tokens > std::numeric_limits<std::int32_t>::max()) {
-    throw UsageError{
-        "--cache-len: cache_len + new_tokens passes 2^31 - 1 (cache_seqlens are "
-        "int32)"};
+  // Both are >= 0 (the flag table's minimum); each is bounded before their sum is formed.
+  if (c.cache_len > kInt32Max || c.new_tokens > kInt32Max - c.cache_len) {
+    throw UsageError{"--cache-len: cache_len + new_tokens is too large (cache_len=" +
+                     std::to_string(c.cache_len) + ", new_tokens=" + std::to_string(c.new_tokens) +
+                     ", expected cache_len + new_tokens <= " + std::to_string(kInt32Max) +
+                     ": cache_seqlens are int32)"};
   }
   // Page numbers (the batch's pages) are int32 too; page_size up to 2^63 - 1 must not overflow.
   const std::int64_t pages = pages_per_sequence(c.cache_len + c.new_tokens, c.page_size);
-  if (static_cast<double>(c.batch) * static_cast<double>(pages) >
-      std::numeric_limits<std::int32_t>::max()) {
+  if (static_cast<double>(c.batch) * static_cast<double>(pages) > kInt32Max) {
     throw UsageError{
         "--page-size: the pages of the batch pass 2^31 - 1 (block_table entries are "
         "int32)"};

@@ -62,12 +62,29 @@ Enum parse_enum(std::string_view flag, std::string_view text) {
                    "' (expected one of " + choices + ")"};
 }
 
-std::int64_t parse_int(std::string_view flag, std::string_view text, std::int64_t min_value) {
-  std::int64_t v = 0;
+// Reads all of `text` as a T (from_chars); throws "is out of range (expected <range>)" for a
+// number past T's range and "is not <kind>" for anything else.
+template <class T>
+T parse_number(std::string_view flag, std::string_view text, const char* kind,
+               const std::string& range) {
+  T v{};
   const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (ec != std::errc() || end != text.data() + text.size() || text.empty()) {
-    throw UsageError{std::string(flag) + ": '" + std::string(text) + "' is not an integer"};
+  const bool whole = !text.empty() && end == text.data() + text.size();
+  if (whole && ec == std::errc::result_out_of_range) {
+    throw UsageError{std::string(flag) + ": '" + std::string(text) +
+                     "' is out of range (expected " + range + ")"};
   }
+  if (!whole || ec != std::errc()) {
+    throw UsageError{std::string(flag) + ": '" + std::string(text) + "' is not " + kind};
+  }
+  return v;
+}
+
+std::int64_t parse_int(std::string_view flag, std::string_view text, std::int64_t min_value) {
+  const std::int64_t v =
+      parse_number<std::int64_t>(flag, text, "an integer",
+                                 "an integer from " + std::to_string(min_value) + " to " +
+                                     std::to_string(std::numeric_limits<std::int64_t>::max()));
   if (v < min_value) {
     throw UsageError{std::string(flag) + ": " + std::string(text) + " is below the minimum " +
                      std::to_string(min_value)};
@@ -76,22 +93,14 @@ std::int64_t parse_int(std::string_view flag, std::string_view text, std::int64_
 }
 
 std::uint64_t parse_uint(std::string_view flag, std::string_view text) {
-  std::uint64_t v = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (ec != std::errc() || end != text.data() + text.size() || text.empty()) {
-    throw UsageError{std::string(flag) + ": '" + std::string(text) +
-                     "' is not a non-negative integer"};
-  }
-  return v;
+  return parse_number<std::uint64_t>(
+      flag, text, "a non-negative integer",
+      "an integer from 0 to " + std::to_string(std::numeric_limits<std::uint64_t>::max()));
 }
 
 double parse_double(std::string_view flag, std::string_view text) {
-  double v = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (ec != std::errc() || end != text.data() + text.size() || text.empty()) {
-    throw UsageError{std::string(flag) + ": '" + std::string(text) + "' is not a number"};
-  }
-  return v;
+  return parse_number<double>(flag, text, "a number",
+                              "0 or a magnitude from 4.9e-324 to 1.8e308, a double's range");
 }
 
 int parse_count(std::string_view flag, std::string_view text, std::int64_t min_value) {
@@ -113,16 +122,6 @@ Window parse_window(std::string_view flag, std::string_view text) {
   w.left = parse_int(flag, text.substr(0, comma), kAny);
   w.right = parse_int(flag, text.substr(comma + 1), kAny);
   return w;
-}
-
-std::vector<std::string_view> split_commas(std::string_view text) {
-  std::vector<std::string_view> parts;
-  for (std::size_t at = 0;;) {
-    const std::size_t comma = text.find(',', at);
-    parts.push_back(text.substr(at, comma == std::string_view::npos ? comma : comma - at));
-    if (comma == std::string_view::npos) return parts;
-    at = comma + 1;
-  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -232,9 +231,9 @@ constexpr Flag kFlags[] = {
      "flash on 1 and 2 threads and math\non 1, medians of --passes interleaved passes"},
     {"--quick", "", kBench, &BenchSweep::quick, "with --decode: B = 1 and Lk 4096, 16384 only"},
     {"--points", "D:L:H,...", kBench, &BenchSweep::points,
-     "with --decode: only these points, e.g. f32:BLHD:32,bf16:p16:8 (dtype,\nBHLD, BLHD or pN, "
-     "Hkv; "
-     "* = any), no chunked prefill; with --threads N:\nflash on N threads only",
+     "with --decode: only these points, dtype:layout:Hkv items, e.g.\nf32:BLHD:32,bf16:p16:8 "
+     "(f32, bf16, f16; BHLD, BLHD, p16, p256; 32, 8;\n* = any), no chunked prefill; with "
+     "--threads N: flash on N threads\nonly",
      "all"},
     {"--max-kv-gib", "N", kBench, &BenchSweep::max_kv_gib,
      "with --decode: points with more K/V are skipped (listed)", "", 1},
@@ -291,7 +290,7 @@ T parse_value(const Flag& f, FlagSet command, std::string_view text) {
     return parse_window(f.name, text);
   } else if constexpr (IsVector<T>::value) {
     T values;
-    for (std::string_view part : split_commas(text)) {
+    for (std::string_view part : split(text, ',')) {
       values.push_back(parse_value<typename T::value_type>(f, command, part));
     }
     return values;
@@ -454,6 +453,16 @@ run flags (defaults in brackets):
 
 }  // namespace
 
+std::vector<std::string_view> split(std::string_view text, char separator) {
+  std::vector<std::string_view> parts;
+  for (std::size_t at = 0;;) {
+    const std::size_t end = text.find(separator, at);
+    parts.push_back(text.substr(at, end == std::string_view::npos ? end : end - at));
+    if (end == std::string_view::npos) return parts;
+    at = end + 1;
+  }
+}
+
 bool asks_for_help(const std::vector<std::string>& args) {
   for (const std::string& a : args) {
     if (a == "--help" || a == "-h") return true;
@@ -482,6 +491,7 @@ BenchConfig parse_bench_flags(const std::vector<std::string>& args) {
     }
   }
   check_bench_mode_flags(flags);
+  if (given(flags, "--points")) check_decode_points(c.sweep.points);
   if (c.sweep.varlen) {
     // One thread unless asked: the comparison is of kernels, not of thread scheduling.
     if (!given(flags, "--threads")) c.run.threads = 1;

@@ -3,11 +3,15 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "run_config.h"
 
 namespace attncore_tools {
+
+// The parts of `text` between the separators: "a,,b" gives "a", "", "b"; "" gives "".
+std::vector<std::string_view> split(std::string_view text, char separator);
 
 // Whether the arguments ask for the command's usage text (--help or -h anywhere).
 bool asks_for_help(const std::vector<std::string>& args);

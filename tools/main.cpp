@@ -13,8 +13,10 @@
 //                         against every backend over a sweep of shapes
 //
 // Exit codes (docs/design.md section 7): 0 success, 1 library error (its message on stderr,
-// after "attncore: "), 2 bad usage. With --json, stdout holds exactly one JSON object; diagnostics
-// go to stderr.
+// after "attncore: "; also a failed check and an output file that cannot be written), 2 bad
+// usage. When a command's output is JSON on stdout (run, explain and info --json, bench --json
+// -), stdout holds exactly one JSON object, also when the command fails (then with an `error`
+// field); diagnostics go to stderr.
 #include <cstdio>
 #include <exception>
 #include <new>
@@ -24,9 +26,12 @@
 #include "attncore/attncore.h"
 #include "commands.h"
 #include "flags.h"
+#include "json.h"
 
 namespace attncore_tools {
 namespace {
+
+bool json_printed = false;  // print_json_object has run
 
 int dispatch(const std::vector<std::string>& args) {
   if (args.empty()) return cmd_default();
@@ -48,28 +53,62 @@ int dispatch(const std::vector<std::string>& args) {
   throw UsageError{"unknown command '" + cmd + "'"};
 }
 
+// Whether the command's output is one JSON object on standard output: run, explain and info
+// with --json, bench with --json - (read from the raw arguments, so that a command line that
+// does not parse gets its JSON object too). Values never start with "--", so a "--json" among
+// the arguments is the flag.
+bool json_on_stdout(const std::vector<std::string>& args) {
+  if (args.empty()) return false;
+  const std::string& cmd = args[0];
+  for (std::size_t i = 1; i < args.size(); ++i) {
+    if (cmd == "bench") {
+      if (args[i] == "--json=-" ||
+          (args[i] == "--json" && i + 1 < args.size() && args[i + 1] == "-"))
+        return true;
+    } else if ((cmd == "run" || cmd == "explain" || cmd == "info") && args[i] == "--json") {
+      return true;
+    }
+  }
+  return false;
+}
+
+// A failed command: its message on stderr (bad usage: with the usage text) and, when its output
+// is JSON on stdout and it printed no object, one with the version and an `error` field.
+int fail(int code, const std::string& message, bool json) {
+  std::fprintf(stderr, "attncore: %s\n", message.c_str());
+  if (code == kExitUsage) std::fprintf(stderr, "\n%s", usage_text().c_str());
+  if (json && !json_printed) {
+    JsonObject j;
+    j.add("version", attncore::version());
+    j.add("error", message);
+    print_json_object(j);
+  }
+  return code;
+}
+
 }  // namespace
+
+void print_json_object(const JsonObject& j) {
+  std::printf("%s\n", j.str().c_str());
+  std::fflush(stdout);
+  json_printed = true;
+}
+
 }  // namespace attncore_tools
 
 int main(int argc, char** argv) {
   using namespace attncore_tools;
   const std::vector<std::string> args(argv + 1, argv + argc);
+  const bool json = json_on_stdout(args);
   try {
     return dispatch(args);
   } catch (const UsageError& e) {
-    std::fprintf(stderr, "attncore: %s\n\n%s", e.message.c_str(), usage_text().c_str());
-    return kExitUsage;
-  } catch (const attncore::Error& e) {
-    std::fprintf(stderr, "attncore: %s\n", e.what());
-    return kExitLibraryError;
+    return fail(kExitUsage, e.message, json);
   } catch (const CheckFailed& e) {
-    std::fprintf(stderr, "attncore: %s\n", e.message.c_str());
-    return kExitLibraryError;
+    return fail(kExitLibraryError, e.message, json);
   } catch (const std::bad_alloc&) {
-    std::fprintf(stderr, "attncore: out of memory\n");
-    return kExitLibraryError;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "attncore: %s\n", e.what());
-    return kExitLibraryError;
+    return fail(kExitLibraryError, "out of memory", json);
+  } catch (const std::exception& e) {  // attncore::Error and the rest
+    return fail(kExitLibraryError, e.what(), json);
   }
 }

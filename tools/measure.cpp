@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <limits>
+#include <thread>
 
 namespace attncore_tools {
 
@@ -13,19 +14,34 @@ using attncore::Tensor;
 
 namespace {
 
-// (query, key) pairs of one sequence and head that causal and window masks leave visible.
+// Integers past int64 without overflow: sequence lengths and windows come from flags (up to
+// 2^63 - 1 each), and counts of pairs reach their product.
+__extension__ typedef __int128 Wide;
+
+// Pairs (i, j), 0 <= i < lq, 0 <= j < lk, with j - i <= d. Row i holds clamp(i + d + 1, 0, lk)
+// of them: none before row `first`, all lk from row `full` on, i + d + 1 in between.
+Wide pairs_up_to_diagonal(Wide lq, Wide lk, Wide d) {
+  const Wide first = std::clamp(-d, Wide{0}, lq);
+  const Wide full = std::clamp(lk - 1 - d, first, lq);
+  // Rows [first, full): an arithmetic series from first + d + 1 to full + d.
+  const Wide between = (full - first) * ((first + d + 1) + (full + d)) / 2;
+  return between + (lq - full) * lk;
+}
+
+// (query, key) pairs of one sequence and head that causal and window masks leave visible: row i
+// sees the keys j with lo <= j - i <= hi (the windows are aligned to the bottom-right diagonal
+// j - i = lk - lq, as in the library), counted in closed form.
 double sequence_pairs(const RunConfig& c, std::int64_t lq, std::int64_t lk) {
-  const std::int64_t shift = lk - lq;
-  double pairs = 0;
-  for (std::int64_t i = 0; i < lq; ++i) {
-    std::int64_t lo = 0, hi = lk - 1;  // inclusive
-    if (c.causal == Causal::upper_left) hi = std::min(hi, i);
-    if (c.causal == Causal::lower_right) hi = std::min(hi, i + shift);
-    if (c.window.left >= 0) lo = std::max(lo, i + shift - c.window.left);
-    if (c.window.right >= 0) hi = std::min(hi, i + shift + c.window.right);
-    if (hi >= lo) pairs += static_cast<double>(hi - lo + 1);
-  }
-  return pairs;
+  if (lq <= 0 || lk <= 0) return 0;
+  const Wide shift = Wide{lk} - lq;
+  Wide lo = -Wide{lq}, hi = lk;  // no bound: every key of every row
+  if (c.causal == Causal::upper_left) hi = std::min(hi, Wide{0});
+  if (c.causal == Causal::lower_right) hi = std::min(hi, shift);
+  if (c.window.left >= 0) lo = std::max(lo, shift - c.window.left);
+  if (c.window.right >= 0) hi = std::min(hi, shift + c.window.right);
+  if (hi < lo) return 0;
+  return static_cast<double>(pairs_up_to_diagonal(lq, lk, hi) -
+                             pairs_up_to_diagonal(lq, lk, lo - 1));
 }
 
 }  // namespace
@@ -47,6 +63,11 @@ double forward_flops(const RunConfig& c) {
 
 double gflops(double flops, double seconds) {
   return flops > 0 && seconds > 0 ? flops / seconds * 1e-9 : 0.0;
+}
+
+double fma_peak_gflops(int threads) {
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());  // 0: unknown
+  return attncore::measure_fma_peak_gflops(cores > 0 ? std::min(threads, cores) : threads);
 }
 
 RunResult run_once(const PreparedCall& p) {

@@ -27,6 +27,12 @@ constexpr double kBackwardFlopFactor = 2.5;  // docs/design.md section 5
 // FLOPs over seconds in GFLOP/s; 0 when either is 0.
 double gflops(double flops, double seconds);
 
+// The f32 FMA peak (attncore::measure_fma_peak_gflops) of `threads` threads, measured on at
+// most as many threads as the machine has logical cores: more threads than cores share them
+// and reach no higher peak, and each one only lengthens the measurement (1024 threads on 2
+// cores took minutes).
+double fma_peak_gflops(int threads);
+
 // The shortest of `repeat` timed calls of f, in seconds.
 template <class F>
 double best_seconds(int repeat, F&& f) {
