@@ -391,5 +391,13 @@ def empty_in_order_of(lib, like, shape, dtype_name):
     strides = lib.strides(like)
     rank = len(shape)
     order = sorted(range(rank - 1), key=lambda d: -strides[d]) + ([rank - 1] if rank else [])
+    if lib.is_torch:
+        # A tensor of its own, not a view of one laid out in order (autograd refuses in-place
+        # operations on views that a custom Function returns, as attncore.torch's outputs).
+        placed, running = [0] * rank, 1
+        for d in reversed(order):
+            placed[d], running = running, running * max(shape[d], 1)
+        torch = _torch()
+        return torch.empty_strided(tuple(shape), tuple(placed), dtype=getattr(torch, dtype_name))
     buffer = lib.empty(tuple(shape[d] for d in order), dtype_name)
     return lib.permute(buffer, tuple(order.index(d) for d in range(len(shape))))

@@ -2,15 +2,56 @@
 PackedAttentionFunction: the same for calls whose q, k, v are views of packed tensors (or of
 three separate ones), dense or variable-length.
 
+Their gradients are first-order only (first_order): under create_graph=True, differentiating
+them again raises NotImplementedError.
+
 _attention imports this module when it meets torch tensors (numpy callers need not have torch);
 the public name is attncore.torch.AttentionFunction.
 """
 
+import functools
+
 import torch as _torch
-from torch.autograd.function import once_differentiable as _once_differentiable
 
 from . import _arrays
 from ._rank4 import backward4, forward4
+
+
+class _SecondDerivative(_torch.autograd.Function):
+    """Marks gradients that a backward made with create_graph=True: the same values, but a
+    derivative of them (a double backward through attention) raises NotImplementedError."""
+
+    @staticmethod
+    def forward(ctx, *grads):
+        return grads
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise NotImplementedError(
+            "backward: a second derivative is not supported (create_graph=True and a gradient "
+            "of attncore's gradients, expected first-order gradients only); take higher-order "
+            "derivatives through torch's own attention")
+
+
+def first_order(backward):
+    """A backward that computes without a graph (as once_differentiable), whose gradients, under
+    create_graph=True, raise NotImplementedError when differentiated again. (once_differentiable
+    marks them only where dout requires grad: gradients of a loss such as out.sum() came back
+    as constants of q, k and v, and second derivatives were silently 0.)"""
+
+    @functools.wraps(backward)
+    def wrapped(ctx, *args):
+        with _torch.no_grad():
+            grads = backward(ctx, *args)
+        if not _torch.is_grad_enabled():  # create_graph=False
+            return grads
+        given = [g for g in grads if isinstance(g, _torch.Tensor)]
+        if not given:
+            return grads
+        marked = _SecondDerivative.apply(*(g.detach().requires_grad_() for g in given))
+        marked = iter(marked if isinstance(marked, tuple) else (marked,))
+        return tuple(next(marked) if isinstance(g, _torch.Tensor) else g for g in grads)
+    return wrapped
 
 
 class AttentionFunction(_torch.autograd.Function):
@@ -35,7 +76,7 @@ class AttentionFunction(_torch.autograd.Function):
         return (out.to(query.dtype) if sixteen_bit else out), lse
 
     @staticmethod
-    @_once_differentiable
+    @first_order
     def backward(ctx, dout, _dlse):
         query, key, value, mask, alibi_slopes, out, lse = ctx.saved_tensors
         lib = _arrays.TORCH
@@ -63,7 +104,7 @@ class PackedAttentionFunction(_torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @_once_differentiable
+    @first_order
     def backward(ctx, dout, _dlse):
         *sources, out, lse = ctx.saved_tensors
         lib = _arrays.TORCH
@@ -89,10 +130,12 @@ class FastAttentionFunction(_torch.autograd.Function):
     def forward(ctx, query, key, value, mask, out, lse, call, blhd):
         ctx.save_for_backward(query, key, value, mask, out, lse)
         ctx.call, ctx.blhd = call, blhd
-        return out
+        # (Not out itself: autograd would take an input returned as is for a view, on which
+        # it refuses in-place operations.)
+        return out.detach()
 
     @staticmethod
-    @_once_differentiable
+    @first_order
     def backward(ctx, dout):
         query, key, value, mask, out, lse = ctx.saved_tensors
         lib = _arrays.TORCH

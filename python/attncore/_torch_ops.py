@@ -19,6 +19,7 @@ import torch as _torch
 from torch import library as _registry
 
 from ._attention import attention, attention_backward
+from ._autograd import first_order
 from ._random import _torch_seed
 
 _ARGS = ("Tensor? attn_mask=None, float dropout_p=0.0, bool is_causal=False, "
@@ -67,9 +68,12 @@ class _Sdpa(_torch.autograd.Function):
                                                     is_causal, scale, enable_gqa, seed)
         ctx.save_for_backward(query, key, value, attn_mask, out, lse)
         ctx.options = (dropout_p, is_causal, scale, enable_gqa, seed)
-        return out
+        # (out is a view, laid out like query; autograd refuses in-place operations on a view
+        # made inside a custom Function, so the caller gets a tensor that is none.)
+        return out.detach()
 
     @staticmethod
+    @first_order
     def backward(ctx, dout):
         query, key, value, attn_mask, out, lse = ctx.saved_tensors
         dq, dk, dv = _torch.ops.attncore.sdpa_backward(dout.contiguous(), query, key, value, out,

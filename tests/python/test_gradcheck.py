@@ -84,3 +84,48 @@ def test_loss_backward_reaches_leaves_through_views():
     out = attncore.torch.scaled_dot_product_attention(q, k, v, is_causal=True)
     out.square().sum().backward()
     assert x.grad is not None and x.grad.shape == x.shape and torch.isfinite(x.grad).all()
+
+
+# The calls torch users differentiate: the fast path (sdpa, flash_attn_func), the general path
+# (a mask; attention in flash-attn's layout), packed sources and the registered operator.
+def _calls():
+    mask = torch.ones(3, 3, dtype=torch.bool)
+    return {
+        "sdpa": lambda q, k, v: attncore.torch.scaled_dot_product_attention(q, k, v),
+        "sdpa-mask": lambda q, k, v: attncore.torch.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask),
+        "flash": lambda q, k, v: attncore.torch.flash_attn_func(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)),
+        "attention-blhd": lambda q, k, v: attncore.attention(q, k, v, layout="blhd"),
+        "kvpacked": lambda q, k, v: attncore.flash_attn_kvpacked_func(q, torch.stack((k, v), 2)),
+        "operator": lambda q, k, v: torch.ops.attncore.scaled_dot_product_attention(q, k, v),
+    }
+
+
+@pytest.mark.parametrize("name", list(_calls()))
+def test_second_derivatives_raise_instead_of_reading_zero(name):
+    """Gradients taken with create_graph=True keep their values, but differentiating them again
+    raises NotImplementedError: they were constants of q, k and v, so a gradient penalty's
+    share of the next gradient was silently 0."""
+    call = _calls()[name]
+    q, k, v = (randn(1, 2, 3, 4, seed=s, requires_grad=True) for s in range(3))
+    (gq,) = torch.autograd.grad(call(q, k, v).sum(), q, create_graph=True)
+    (plain,) = torch.autograd.grad(call(q, k, v).sum(), q)
+    assert torch.equal(gq.detach(), plain)
+    with pytest.raises(NotImplementedError, match=r"^backward: a second derivative is not "
+                                                  r"supported \(create_graph=True"):
+        gq.pow(2).sum().backward()
+
+
+@pytest.mark.parametrize("name", list(_calls()))
+def test_outputs_take_in_place_operations(name):
+    """As torch's own function's: an in-place operation on the output runs (it was refused as
+    one on a view made inside a custom Function), and a backward after it is refused by
+    torch's version check, since the backward reads the output."""
+    call = _calls()[name]
+    q, k, v = (randn(1, 2, 3, 4, dtype=torch.float32, seed=s, requires_grad=True)
+               for s in range(3))
+    out = call(q, k, v)
+    out.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
