@@ -67,6 +67,17 @@ def bool_option(op, name, value):
                     "or False)")
 
 
+def check_sdpa_mask(op, is_causal, mask_dtype, query_dtype):
+    """torch's scaled_dot_product_attention's rules for a given attn_mask (dtypes by name): not
+    with is_causal, and bool, float32 or the query's dtype. ValueError in attncore's form."""
+    if is_causal:
+        raise ValueError(f"{op}: attn_mask is set with is_causal=True (expected at most one of "
+                         "them)")
+    if mask_dtype not in ("bool", "float32", query_dtype):
+        raise ValueError(f"{op}: attn_mask has the wrong dtype (dtype={mask_dtype}, expected "
+                         f"bool, float32 or query's {query_dtype})")
+
+
 def check_blhd(op, query, keys, values, layout, same_batch=True):
     """Shapes in flash-attn's layout, named as the caller passed them (the library is handed
     [B, H, L, D] views, whose shapes it would name): query (name, shape [B, Lq, Hq, D]),

@@ -18,9 +18,11 @@ plain Python functions do not go through these operators (their fast path is che
 import torch as _torch
 from torch import library as _registry
 
+from . import _arrays
 from ._attention import attention, attention_backward
 from ._autograd import first_order
 from ._random import _torch_seed
+from ._rank4 import check_sdpa_mask
 
 _ARGS = ("Tensor? attn_mask=None, float dropout_p=0.0, bool is_causal=False, "
          "float? scale=None, bool enable_gqa=False")
@@ -89,8 +91,16 @@ def _seed(dropout_p):
     return seed - _U64 if seed >= _U64 // 2 else seed
 
 
+def _check_mask(query, attn_mask, is_causal):
+    """The public operator takes attn_mask as torch's function does (_rank4.check_sdpa_mask)."""
+    if attn_mask is not None:
+        check_sdpa_mask("scaled_dot_product_attention", is_causal,
+                        _arrays.TORCH.dtype_name(attn_mask), _arrays.TORCH.dtype_name(query))
+
+
 def _sdpa_autograd(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                    scale=None, enable_gqa=False):
+    _check_mask(query, attn_mask, is_causal)
     if attn_mask is not None and attn_mask.requires_grad:
         raise NotImplementedError(
             "attncore.scaled_dot_product_attention (torch operator): a float attn_mask that "
@@ -102,6 +112,7 @@ def _sdpa_autograd(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
 
 def _sdpa_inference(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                     scale=None, enable_gqa=False):
+    _check_mask(query, attn_mask, is_causal)
     return _sdpa_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                          _seed(dropout_p))[0]
 

@@ -103,3 +103,18 @@ def test_inference_mode_runs_the_cpu_kernel():
     with torch.inference_mode():
         out = attend(q, k, v)
     assert torch.equal(out, attend(q, k, v))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_masks_follow_torchs_rules(grad):
+    """As torch's function (and attncore's): no attn_mask with is_causal=True (the two were
+    combined), and a mask of bool, float32 or the query's dtype (a float64 mask was taken)."""
+    q = randn(1, 2, 3, 4, dtype=torch.float32, requires_grad=grad)
+    op = torch.ops.attncore.scaled_dot_product_attention
+    with pytest.raises(ValueError, match=r"^scaled_dot_product_attention: attn_mask is set with "
+                                         r"is_causal=True"):
+        op(q, q, q, attn_mask=torch.ones(3, 3, dtype=torch.bool), is_causal=True)
+    with pytest.raises(ValueError, match=r"attn_mask has the wrong dtype \(dtype=float64, "
+                                         r"expected bool, float32 or query's float32\)"):
+        op(q, q, q, attn_mask=torch.ones(3, 3, dtype=torch.float64))
+    assert op(q, q, q, attn_mask=torch.ones(3, 3, dtype=torch.bool)).shape == (1, 2, 3, 4)
