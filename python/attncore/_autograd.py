@@ -14,7 +14,7 @@ import functools
 import torch as _torch
 
 from . import _arrays
-from ._rank4 import backward4, forward4
+from ._rank4 import Call, backward4, forward4
 
 
 class _SecondDerivative(_torch.autograd.Function):
@@ -61,6 +61,15 @@ class AttentionFunction(_torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, mask, alibi_slopes, call):
+        op = "AttentionFunction"
+        if not isinstance(call, Call):
+            raise TypeError(f"{op}: call is not an attncore call (type={type(call).__name__}, "
+                            "expected the Call that attncore.attention makes); call "
+                            "attncore.torch.scaled_dot_product_attention or attncore.attention")
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(x, _torch.Tensor) or x.dim() != 4:
+                raise ValueError(f"{op}: {name} has the wrong rank (rank="
+                                 f"{getattr(x, 'ndim', None)}, expected 4: [B, H, L, D])")
         # 16-bit inputs: the kernel writes an f32 out, kept for the backward's
         # Delta = rowsum(dO * O), and the caller gets it rounded to the inputs' dtype. From the
         # rounded out, dQ and dK err up to 2-4x more in FlashAttention's

@@ -129,3 +129,16 @@ def test_outputs_take_in_place_operations(name):
     out.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+def test_attention_function_checks_its_arguments():
+    """attncore.torch.AttentionFunction.apply, a public name, names what it was given."""
+    q = randn(1, 2, 3, 4, requires_grad=True)
+    call = attncore.torch.AttentionFunction.apply
+    with pytest.raises(TypeError, match=r"^AttentionFunction: call is not an attncore call "
+                                        r"\(type=NoneType"):
+        call(q, q, q, None, None, None)
+    from attncore._rank4 import Call
+    with pytest.raises(ValueError, match=r"^AttentionFunction: key has the wrong rank \(rank=3, "
+                                         r"expected 4"):
+        call(q, q[0], q, None, None, Call())
