@@ -55,14 +55,13 @@ def check_new_arrays(op, *specs):
                         sum(_bytes(shape, dtype) for shape, dtype in specs), "reduce the sizes")
 
 
-def check_copy(op, name, shape, dtype_name):
+def check_copy(op, name, shape, dtype_name, remedy="pass it with a last stride of 1"):
     """Refuses (MemoryError) a copy of an input of this shape that exceeds the memory this
     process may use, before it is made: an input attncore cannot read in place (a last stride
-    other than 1, a broadcast view) is copied, and a broadcast view can stand for far more
-    elements than its memory holds."""
+    other than 1, negative strides, a broadcast view) is copied, and a broadcast view can stand
+    for far more elements than its memory holds."""
     _refuse_past_memory(op, f"{name} needs a contiguous copy larger than",
-                        f"shape={list(shape)}, copy", _bytes(shape, dtype_name),
-                        "pass it with a last stride of 1")
+                        f"shape={list(shape)}, copy", _bytes(shape, dtype_name), remedy)
 
 
 def _type_name(x):
@@ -93,7 +92,7 @@ def _checked_tensor(x, op, name):
 def _checked_ndarray(x, op, name):
     """A numpy array as a plain ndarray (np.matrix and other subclasses viewed as ndarray;
     masked arrays and arrays of no numbers refused), copied where its strides are negative or
-    not whole elements."""
+    not whole elements (check_copy first)."""
     if isinstance(x, np.ma.MaskedArray):
         raise TypeError(f"{op}: {name} is a masked array (type={_type_name(x)}, expected a plain "
                         f"array); pass {name}.filled() or {name}.data")
@@ -101,6 +100,8 @@ def _checked_ndarray(x, op, name):
     if type(x) is not np.ndarray:
         x = x.view(np.ndarray)
     if any(s < 0 or s % x.itemsize for s in x.strides):
+        check_copy(op, name, x.shape, x.dtype.name,
+                   "pass it with non-negative strides of whole elements")
         x = np.ascontiguousarray(x)
     return x
 
@@ -267,11 +268,15 @@ class _Torch:
         if hasattr(x, "__dlpack__"):
             _dlpack_on_cpu(x, op, name)
             try:
-                return torch.utils.dlpack.from_dlpack(x)
+                # torch asks a producer for __dlpack_device__; one without it is read through
+                # its capsule, which names the device (checked below).
+                source = x if hasattr(x, "__dlpack_device__") else x.__dlpack__()
+                tensor = torch.utils.dlpack.from_dlpack(source)
             except (BufferError, TypeError, RuntimeError, ValueError) as e:
                 raise ValueError(f"{op}: {name} cannot be read through DLPack "
                                  f"(type={_type_name(x)}, error={str(e)!r}, expected a "
                                  "strided CPU array)") from None
+            return _checked_tensor(tensor, op, name)
         try:
             return torch.as_tensor(x)
         except (TypeError, ValueError, RuntimeError):
@@ -376,7 +381,17 @@ def _same(result):
 
 
 def _back_through_dlpack(cls):
-    root = importlib.import_module(cls.__module__.split(".")[0])
+    """The function that gives a result back in the library of a producer of class `cls`: the
+    from_dlpack of its top-level module (the one already imported, else imported here);
+    results stay as they are where there is none or that module cannot be imported."""
+    module = getattr(cls, "__module__", None)
+    root_name = module.split(".")[0] if isinstance(module, str) else ""
+    root = sys.modules.get(root_name)
+    if root is None and root_name:
+        try:
+            root = importlib.import_module(root_name)
+        except ImportError:
+            pass
     from_dlpack = getattr(root, "from_dlpack", None)
     if from_dlpack is None:
         return _same

@@ -17,8 +17,8 @@ import typing
 import numpy as np
 
 from . import _arrays, _core, _random
-from ._rank4 import (INT32_MAX, Call, DenseKernel, backward4, bool_option,
-                     core_or_none, forward4, int_option, lse_dtype, real_option, times)
+from ._rank4 import (INT32_MAX, Call, DenseKernel, alibi_array, backward4, bool_option,
+                     core_or_none, forward4, int_option, lse_dtype, pair, real_option, times)
 from ._varlen import Seqs, VarlenKernel
 from .backends import backend_name, explanation_from_core
 
@@ -29,16 +29,9 @@ CAUSAL = ("none", "upper-left", "lower-right")
 def _window(op, window_size):
     """(left, right) of window_size: TypeError unless a pair of ints, ValueError outside what
     the library takes (-1 = unbounded)."""
-    try:
-        pair = tuple(window_size)
-    except TypeError:
-        raise TypeError(f"{op}: window_size is not a pair (type={type(window_size).__name__}, "
-                        "expected (left, right); -1 = unbounded)") from None
-    if len(pair) != 2:
-        raise ValueError(f"{op}: window_size is invalid (window_size={window_size!r}, "
-                         "expected (left, right); -1 = unbounded)")
+    left_right = pair(op, "window_size", window_size, "(left, right); -1 = unbounded")
     return tuple(int_option(op, name, w, meaning="; -1 = unbounded")
-                 for name, w in zip(("window_left", "window_right"), pair))
+                 for name, w in zip(("window_left", "window_right"), left_right))
 
 
 def _resolve_call(op, *, scale, causal, window_size, softcap, dropout_p, seed, offset,
@@ -58,6 +51,8 @@ def _resolve_call(op, *, scale, causal, window_size, softcap, dropout_p, seed, o
     backend = backend_name(op, backend)
     num_threads = int_option(op, "num_threads", num_threads, -INT32_MAX - 1, INT32_MAX,
                              "; 0 = default")
+    seed = None if seed is None else _random.check_u64(op, "seed", seed)
+    offset = None if offset is None else _random.check_u64(op, "offset", offset)
     if dropout_p == 0.0:
         seed, offset = 0, 0
     elif seed is None:
@@ -65,9 +60,8 @@ def _resolve_call(op, *, scale, causal, window_size, softcap, dropout_p, seed, o
             raise ValueError(f"{op}: dropout needs the forward call's seed (seed=None, expected "
                              "the (seed, offset) attncore.get_rng_state() gave before it)")
         offset = None
-    else:
-        seed = _random.check_u64(op, "seed", seed)
-        offset = _random.check_u64(op, "offset", 0 if offset is None else offset)
+    elif offset is None:
+        offset = 0
     return Call(scale=scale, causal=causal, window_size=window, softcap=softcap,
                 dropout_p=dropout_p, seed=seed, offset=offset, enable_gqa=enable_gqa,
                 backend=backend, num_threads=num_threads)
@@ -229,8 +223,8 @@ def _prepare(op, query, key, value, *, layout, attn_mask, alibi_slopes, draw_see
     call = _resolve_call(op, draw_seed=draw_seed, **options)
     mask = None if attn_mask is None else lib.asarray(attn_mask, op, "attn_mask")
     mask4 = None if mask is None else form.mask4(mask)
-    alibi = (None if alibi_slopes is None
-             else form.alibi(lib.asarray(alibi_slopes, op, "alibi_slopes")))
+    alibi = alibi_array(lib, op, alibi_slopes)
+    alibi = None if alibi is None else form.alibi(alibi)
     return _Prepared(lib, give_back, form, call, mask, mask4, alibi)
 
 
@@ -314,6 +308,7 @@ class Packed(typing.NamedTuple):
     give_back: object
     kernel: object  # DenseKernel or VarlenKernel: its call, slopes and sequences
     views: tuple  # (q, k, v) as the kernel took them
+    op: str  # the call's name, for errors of work done after it (S_dmask)
 
 
 def separate(query, key, value):
@@ -353,11 +348,11 @@ def dense_packed(op, sources, split, *, alibi_slopes, **options):
     q4, k4, _ = views = split(*sources)
     batch, heads_q, seqlen_q, _ = q4.shape
     call = _resolve_call(op, draw_seed=True, **options)
-    alibi = None if alibi_slopes is None else lib.asarray(alibi_slopes, op, "alibi_slopes")
+    alibi = alibi_array(lib, op, alibi_slopes)
     with _random.seeded(call, batch * heads_q * seqlen_q * k4.shape[2], lib.is_torch) as call:
         kernel = DenseKernel(alibi, call)
         out, lse = _run(lib, kernel, split, sources)
-    return Packed(out, lse, lib, give_back, kernel, views)
+    return Packed(out, lse, lib, give_back, kernel, views, op)
 
 
 def varlen_packed(op, sources, split, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -373,11 +368,11 @@ def varlen_packed(op, sources, split, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
                  max(seqs.max_seqlen_k, 0))
     call = _resolve_call(op, draw_seed=True, **options)
     mask = None if attn_mask is None else lib.asarray(attn_mask, op, "attn_mask")
-    alibi = None if alibi_slopes is None else lib.asarray(alibi_slopes, op, "alibi_slopes")
+    alibi = alibi_array(lib, op, alibi_slopes)
     with _random.seeded(call, positions, lib.is_torch) as call:
         kernel = VarlenKernel(seqs, alibi, call, mask)
         out, lse = _run(lib, kernel, split, sources)
-    return Packed(out, lse, lib, give_back, kernel, views)
+    return Packed(out, lse, lib, give_back, kernel, views, op)
 
 
 def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -438,7 +433,7 @@ def attention_varlen_backward(dout, query, key, value, out, softmax_lse, cu_seql
                          seed=seed, offset=offset, enable_gqa=enable_gqa, backend=backend,
                          num_threads=num_threads)
     mask = None if attn_mask is None else lib.asarray(attn_mask, op, "attn_mask")
-    alibi = None if alibi_slopes is None else lib.asarray(alibi_slopes, op, "alibi_slopes")
+    alibi = alibi_array(lib, op, alibi_slopes)
     kernel = VarlenKernel(seqs, alibi, call, mask)
     dout = lib.unit_last_stride(lib.asarray(dout, op, "dout"), op, "dout")
     grads = kernel.backward(lib, dout, query, key, value, lib.asarray(out, op, "out"),
@@ -454,21 +449,26 @@ def explain(query, key, value, *, backward=False, layout="bhld", scale=None, cau
     backend's verdict (enabled, the reasons it cannot run the call, the cost model's estimate)
     and the backend chosen (None when none can run it). The arrays are validated like the
     call's; nothing is computed."""
+    backward = bool_option("explain", "backward", backward)
     p = _prepare("explain", query, key, value, layout=layout, attn_mask=attn_mask,
                  alibi_slopes=alibi_slopes, draw_seed=False, scale=scale, causal=causal,
                  window_size=window_size, softcap=softcap, dropout_p=dropout_p, seed=0, offset=0,
                  enable_gqa=enable_gqa, backend=None, num_threads=num_threads)
     lib, form, options = p.lib, p.form, p.call.core_options()
-    q4 = times(form.q4, p.call.q_factor)
+    # The query as given: the call negates or zeroes it for a scale <= 0 (a copy), which
+    # changes no verdict.
+    q4 = form.q4
     mask4, alibi = core_or_none(lib, p.mask4), core_or_none(lib, p.alibi)
     if not backward:
         raw = _core.explain_forward(lib.to_core(q4), lib.to_core(form.k4), lib.to_core(form.v4),
                                     mask4, alibi, options)
-    else:  # out and dout shaped as the call's output, lse as its LSE (never read)
+    else:  # out and dout shaped as the call's output, lse as its LSE: stride-0 views of one
+        # zero each (never read), so that nothing of the call's size is allocated
         batch, heads_q, seqlen_q, _ = q4.shape
         dtype = lib.dtype_name(q4)
-        out = lib.empty((batch, heads_q, seqlen_q, form.v4.shape[-1]), dtype)
-        lse = lib.empty((batch, heads_q, seqlen_q), lse_dtype(dtype))
+        out = lib.broadcast_to(lib.zeros((1, 1, 1, form.v4.shape[-1]), dtype),
+                               (batch, heads_q, seqlen_q, form.v4.shape[-1]))
+        lse = lib.broadcast_to(lib.zeros((1, 1, 1), lse_dtype(dtype)), (batch, heads_q, seqlen_q))
         want_dbias = p.mask is not None and lib.dtype_name(p.mask) != "bool"
         raw = _core.explain_backward(lib.to_core(out), lib.to_core(q4), lib.to_core(form.k4),
                                      lib.to_core(form.v4), lib.to_core(out), lib.to_core(lse),

@@ -10,7 +10,8 @@ import numpy as np
 
 from . import _arrays, _core, _nested
 from ._attention import attention, dense_packed, separate, varlen_packed
-from ._rank4 import Call, DenseKernel, bool_option, check_blhd, forward4, real_option
+from ._rank4 import (Call, DenseKernel, bool_option, check_blhd, check_sdpa_mask, forward4,
+                     real_option)
 from ._merge import refuse_grad
 from ._paged import varlen_paged
 from ._varlen import VarlenKernel
@@ -45,15 +46,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             op, query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, backend=backend)
     if attn_mask is not None:
-        if is_causal:
-            raise ValueError(f"{op}: attn_mask is set with is_causal=True (expected at most one "
-                             "of them)")
         mask_lib, mask, _ = _arrays.adopt(attn_mask, op, "attn_mask")
         query_lib, query, _ = _arrays.adopt(query, op, "query")
-        mask_dtype, query_dtype = mask_lib.dtype_name(mask), query_lib.dtype_name(query)
-        if mask_dtype not in ("bool", "float32", query_dtype):
-            raise ValueError(f"{op}: attn_mask has the wrong dtype (dtype={mask_dtype}, "
-                             f"expected bool, float32 or query's {query_dtype})")
+        check_sdpa_mask(op, is_causal, mask_lib.dtype_name(mask), query_lib.dtype_name(query))
     heads_kv = {s[-3] if len(s) >= 3 else 1 for s in (_arrays.shape_of(key, op, "key"),
                                                         _arrays.shape_of(value, op, "value"))}
     return attention(query, key, value, layout="bhld", scale=scale, causal=causal,
@@ -155,12 +150,13 @@ def _s_dmask(r, probs):
     probabilities [B, Hq, Lq, Lk] (varlen: [B, Hq, max_seqlen_q, max_seqlen_k], sequence b in
     the top-left corner of entry b, zeros elsewhere) with the dropped entries negated. Computed
     by extra calls (v = the identity gives the probabilities; q = k = 0 the keep mask), so
-    meant for tests, not for speed."""
+    meant for tests, not for speed; the identity matrices, unit rows and outputs they allocate
+    are checked first against the memory this process may use (MemoryError)."""
     lib = r.lib
     if probs is None:
         return lib.empty((0,), lib.dtype_name(r.out))
     p = probs(r)
-    keep = _keep_mask(lib, r.kernel.call, *p.shape)
+    keep = _keep_mask(r.op, lib, r.kernel.call, *p.shape)
     if lib.is_torch:
         return _arrays._torch().where(keep, p, -p)
     return np.where(keep, p, -p)
@@ -177,12 +173,13 @@ def _without_dropout(call):
     return dataclasses.replace(call, dropout_p=0.0, seed=0, offset=0)
 
 
-def _keep_mask(lib, call, batch, heads, seqlen_q, seqlen_k):
+def _keep_mask(op, lib, call, batch, heads, seqlen_q, seqlen_k):
     """The dropout keep mask [B, H, Lq, Lk] of call's (dropout_p, seed, offset) for a dense
     batch of these sizes: with q = k = 0 every row attends uniformly, and v = the identity
     makes out[b, h, i, j] = keep_ij / (Lk (1 - p)), exactly 0 where dropped."""
     if seqlen_k == 0:
         return lib.zeros((batch, heads, seqlen_q, 0), "bool")
+    _arrays.check_new_arrays(op, ((seqlen_k, seqlen_k), "float32"))
     zero = lib.zeros((1, 1, 1, 1), "float32")
     q = lib.broadcast_to(zero, (batch, heads, seqlen_q, 1))
     k = lib.broadcast_to(zero, (batch, heads, seqlen_k, 1))
@@ -202,7 +199,7 @@ def _probs_dense(r):
     dtype = lib.dtype_name(q4)
     if seqlen_k == 0:
         return lib.zeros((batch, heads_q, seqlen_q, 0), dtype)
-    _arrays.check_new_arrays("flash_attn_func", ((seqlen_k, seqlen_k), dtype),
+    _arrays.check_new_arrays(r.op, ((seqlen_k, seqlen_k), dtype),
                              ((batch, heads_q, seqlen_q, seqlen_k), dtype))
     v = lib.broadcast_to(_eye(lib, seqlen_k, dtype), (batch, heads_kv, seqlen_k, seqlen_k))
     kernel = DenseKernel(r.kernel.alibi, _without_dropout(r.kernel.call))
@@ -217,17 +214,16 @@ def _probs_varlen(r):
     cu_q, cu_k, used = seqs.lengths()
     batch, heads_q, heads_kv = len(cu_q) - 1, q.shape[1], k.shape[1]
     dtype = lib.dtype_name(q)
-    _arrays.check_new_arrays("flash_attn_varlen_func",
-                             ((batch, heads_q, seqs.max_seqlen_q, seqs.max_seqlen_k), dtype))
+    _arrays.check_new_arrays(r.op,
+                             ((batch, heads_q, seqs.max_seqlen_q, seqs.max_seqlen_k), dtype),
+                             ((k.shape[0], 1, seqs.max_seqlen_k), dtype))
     probs = lib.zeros((batch, heads_q, seqs.max_seqlen_q, seqs.max_seqlen_k), dtype)
     if seqs.max_seqlen_k == 0:
         return probs
-    unit = np.zeros((k.shape[0], 1, seqs.max_seqlen_k), np.float32)
+    unit = lib.zeros((k.shape[0], 1, seqs.max_seqlen_k), dtype)
     for b in range(batch):
         n = used[b] if used is not None else cu_k[b + 1] - cu_k[b]
         unit[cu_k[b] + np.arange(n), 0, np.arange(n)] = 1.0
-    unit = (_arrays._torch().from_numpy(unit).to(q.dtype) if lib.is_torch
-            else unit.astype(dtype))
     v = lib.broadcast_to(unit, (k.shape[0], heads_kv, seqs.max_seqlen_k))
     kernel = VarlenKernel(seqs, r.kernel.alibi, _without_dropout(r.kernel.call))
     rows = kernel.forward(lib, q, k, v)[0]  # [total_q, Hq, max_seqlen_k]

@@ -16,8 +16,8 @@ import numpy as np
 from . import _arrays, _core
 from ._attention import _resolve_call
 from ._merge import refuse_grad
-from ._rank4 import (INT32_MAX, bool_option, check_blhd, int_option, lse_dtype, real_option,
-                     times)
+from ._rank4 import (INT32_MAX, alibi_array, bool_option, check_blhd, int_option, lse_dtype,
+                     real_option, times)
 from ._varlen import index_array
 
 
@@ -192,7 +192,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             t_lib, arr, _ = _arrays.adopt(x, op, name)
             tables[i] = t_lib.to_core(t_lib.unit_last_stride(_float32(t_lib, arr), op, name))
     alibi = None
-    if alibi_slopes is not None:
+    if isinstance(alibi_slopes, (list, tuple)):
+        alibi = alibi_array(_arrays.NUMPY, op, alibi_slopes)
+    elif alibi_slopes is not None:
         a_lib, alibi, _ = _arrays.adopt(alibi_slopes, op, "alibi_slopes")
         alibi = a_lib.to_core(alibi)
     dtype = lib.dtype_name(q_arr)

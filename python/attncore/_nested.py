@@ -35,6 +35,22 @@ def _components(op, name, x):
     return parts
 
 
+def _check_heads(op, query, key, value):
+    """Query's, key's and value's components ([H, L_b, D] each, one shape but L_b per tensor)
+    fit together, named as the caller passed them (the library would name the packed
+    [total, H, D] tensors): key [Hkv, *, E] with Hkv dividing query's Hq and query's E, value
+    [Hkv, *, Ev]."""
+    (heads_q, _, dim), key_shape, value_shape = (list(x[0].shape) for x in (query, key, value))
+    heads = key_shape[0]
+    if key_shape[2] != dim or heads == 0 or heads_q % heads:
+        raise ValueError(f"{op}: key has components of shape {key_shape}, expected [Hkv, *, "
+                         f"{dim}] ([B, Hkv, *, E] nested) with Hq % Hkv == 0 (Hq={heads_q}, "
+                         f"Hkv={heads})")
+    if value_shape[0] != heads:
+        raise ValueError(f"{op}: value has components of shape {value_shape}, expected "
+                         f"[{heads}, *, Ev] ([B, Hkv, *, Ev] nested, like key)")
+
+
 def _packed(parts):
     """([total, H, D] tensor, int32 cu_seqlens [B + 1], max length) of [H, L_b, D] parts."""
     torch = _torch()
@@ -71,6 +87,7 @@ def scaled_dot_product_attention(op, query, key, value, *, attn_mask, dropout_p,
                              f"query's {batch})")
     if batch == 0:
         return torch.nested.nested_tensor([], dtype=query.dtype)
+    _check_heads(op, *parts)
     (q, cu_q, max_q), (k, cu_k, max_k) = _packed(parts[0]), _packed(parts[1])
     v, cu_v, _ = _packed(parts[2])
     if not torch.equal(cu_k, cu_v):

@@ -12,7 +12,7 @@ from . import _arrays, _core
 from ._kvcache import flash_attn_with_kvcache
 from ._merge import refuse_grad
 from ._rank4 import INT32_MAX, int_option
-from ._varlen import index_array
+from ._varlen import cu_seqlens_array, index_array
 
 _CORE_DTYPES = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16"}
 
@@ -256,8 +256,9 @@ def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     sequence, below 2^31); errors of the per-sequence calls name `op`. Returns (out, lse [Hq,
     total_q])."""
     lib, q_arr, give_back = _arrays.adopt(q, op, "q")
-    cu_q, cu_k, used = (_host_index(op, name, x) for name, x in (
-        ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k)))
+    cu_q, cu_k = (_host_index(op, name, cu_seqlens_array(op, name, x)) for name, x in (
+        ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)))
+    used = _host_index(op, "seqused_k", seqused_k)
     if cu_q.ndim != 1 or cu_k.shape != cu_q.shape or len(cu_q) < 1:
         raise ValueError(f"{op}: cu_seqlens_q and cu_seqlens_k have shapes {list(cu_q.shape)} "
                          f"and {list(cu_k.shape)} (expected [B + 1] both)")

@@ -19,6 +19,8 @@ import operator
 import sys
 import threading
 
+from ._rank4 import pair
+
 # torch's default CPU seed, so that an unseeded process is reproducible as torch's is.
 DEFAULT_SEED = 67280421310721
 _U64 = 1 << 64
@@ -61,11 +63,7 @@ class Generator:
 
     def set_state(self, state):
         op = "set_rng_state"
-        try:
-            seed, offset = state
-        except (TypeError, ValueError):
-            raise TypeError(f"{op}: state is not a pair (type={type(state).__name__}, expected "
-                            "(seed, offset) as get_rng_state() returns it)") from None
+        seed, offset = pair(op, "state", state, "(seed, offset) as get_rng_state() returns it")
         seed, offset = check_u64(op, "seed", seed), check_u64(op, "offset", offset)
         with self._lock:
             self._seed, self._offset = seed, offset

@@ -6,6 +6,7 @@ Below both _attention (which brings the caller's arrays to these views) and _aut
 AttentionFunction runs them for torch tensors).
 """
 
+import collections.abc
 import dataclasses
 import math
 import numbers
@@ -78,6 +79,24 @@ def check_sdpa_mask(op, is_causal, mask_dtype, query_dtype):
                          f"bool, float32 or query's {query_dtype})")
 
 
+def pair(op, name, value, expected):
+    """value's two items as a tuple: TypeError for what is no sequence (a number; a string, a
+    dict or a set, whose characters, keys or order would be taken), ValueError for a sequence
+    of another length. expected: how the message describes a pair, such as "(left, right)"."""
+    items = None
+    if not isinstance(value, (str, bytes, collections.abc.Mapping, collections.abc.Set)):
+        try:
+            items = tuple(value)
+        except TypeError:
+            pass
+    if items is None:
+        raise TypeError(f"{op}: {name} is not a pair (type={type(value).__name__}, expected "
+                        f"{expected})")
+    if len(items) != 2:
+        raise ValueError(f"{op}: {name} is invalid ({name}={value!r}, expected {expected})")
+    return items
+
+
 def check_blhd(op, query, keys, values, layout, same_batch=True):
     """Shapes in flash-attn's layout, named as the caller passed them (the library is handed
     [B, H, L, D] views, whose shapes it would name): query (name, shape [B, Lq, Hq, D]),
@@ -137,6 +156,20 @@ class Call:
 
 def lse_dtype(dtype_name):
     return "float64" if dtype_name == "float64" else "float32"
+
+
+def alibi_array(lib, op, slopes):
+    """ALiBi slopes in library `lib` (None stays None): a list or tuple of numbers becomes
+    float32, the slopes' dtype (as a list of ints becomes int32 for an index array); arrays
+    are taken as they are, their dtype the library's to check."""
+    if slopes is None:
+        return None
+    if isinstance(slopes, (list, tuple)):
+        array = _arrays.NUMPY.asarray(slopes, op, "alibi_slopes")
+        if array.dtype.kind in "iuf":
+            array = array.astype(np.float32)
+        return lib.asarray(array, op, "alibi_slopes")
+    return lib.asarray(slopes, op, "alibi_slopes")
 
 
 def core_or_none(lib, x):

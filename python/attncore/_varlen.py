@@ -4,9 +4,10 @@ k [total_k, Hkv, D], v [total_k, Hkv, Dv]; out [total_q, Hq, Dv], lse [Hq, total
 
 Index arrays (cu_seqlens_q, cu_seqlens_k [B + 1], seqused_k [B]) are int32 arrays of any
 library the package takes, read in place; a list or tuple of ints becomes an int32 numpy array.
-Their dtype, shape and values are checked by the library.
+Their ranks and integer dtypes are checked here, the rest by the library.
 """
 
+import numbers
 import sys
 import typing
 
@@ -16,25 +17,51 @@ from . import _arrays, _core
 from ._rank4 import core_or_none, int_option, lse_dtype, times
 
 
-def index_array(op, name, x):
+def index_array(op, name, x, rank=None, layout=""):
     """An index array as _core reads it: numpy arrays and torch tensors as they are (numpy
     arrays with negative strides copied), other DLPack producers through numpy (else torch),
-    lists and tuples of ints as int32 numpy."""
+    lists and tuples of ints (and empty ones) as int32 numpy. With `rank`, ValueError for
+    another rank (layout, such as "[B + 1]", ends the message) before the dtype is checked."""
     if x is None:
         return None
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
-        return _int32(op, name, _arrays.TORCH.asarray(x, op, name).detach())
-    if isinstance(x, (list, tuple)):
-        array = _arrays.NUMPY.asarray(x, op, name)
-        if array.dtype.kind in "iu" and (array.size == 0 or (array.min() >= -2 ** 31 and
-                                                              array.max() < 2 ** 31)):
-            return array.astype(np.int32)
-        if array.dtype.kind in "iu":
-            raise ValueError(f"{op}: {name} holds values past int32 (min={array.min()}, "
-                             f"max={array.max()}, expected -2^31 <= value < 2^31)")
-        return array  # floats: refused by the library
-    return _int32(op, name, _arrays.adopt(x, op, name)[1])
+        array = _arrays.TORCH.asarray(x, op, name).detach()
+    elif isinstance(x, (list, tuple)):
+        array = _int_sequence(op, name, x)
+    else:
+        array = _arrays.adopt(x, op, name)[1]
+    if rank is not None and len(array.shape) != rank:
+        raise ValueError(f"{op}: {name} has the wrong rank (rank={len(array.shape)}, expected "
+                         f"{rank}: {layout})")
+    return _int32(op, name, array)
+
+
+def _int_sequence(op, name, x):
+    """A list or tuple as a numpy array: ints as int32 (ValueError past int32, Python ints of
+    any size included), an empty one as int32 [0], floats and bools as they are (refused by
+    the library)."""
+    flat_ints = all(isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+                    for v in x)
+    array = np.array(x, dtype=object) if flat_ints else _arrays.NUMPY.asarray(x, op, name)
+    if array.size == 0:
+        return array.astype(np.int32)
+    if array.dtype.kind not in "iuO":
+        return array
+    low, high = array.min(), array.max()
+    if low < -2 ** 31 or high >= 2 ** 31:
+        raise ValueError(f"{op}: {name} holds values past int32 (min={low}, max={high}, "
+                         "expected -2^31 <= value < 2^31)")
+    return array.astype(np.int32)
+
+
+def cu_seqlens_array(op, name, x):
+    """cu_seqlens (int32 [B + 1]) as index_array gives it: TypeError for None, ValueError for
+    another rank."""
+    if x is None:
+        raise TypeError(f"{op}: {name} is not an array (type=NoneType, expected an int32 "
+                        "array [B + 1])")
+    return index_array(op, name, x, 1, "[B + 1]")
 
 
 def _int32(op, name, array):
@@ -65,9 +92,9 @@ class Seqs(typing.NamedTuple):
     @classmethod
     def of(cls, op, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None):
         """The sequences of call `op` (named in errors)."""
-        return cls(index_array(op, "cu_seqlens_q", cu_seqlens_q),
-                   index_array(op, "cu_seqlens_k", cu_seqlens_k),
-                   index_array(op, "seqused_k", seqused_k),
+        return cls(cu_seqlens_array(op, "cu_seqlens_q", cu_seqlens_q),
+                   cu_seqlens_array(op, "cu_seqlens_k", cu_seqlens_k),
+                   index_array(op, "seqused_k", seqused_k, 1, "[B]"),
                    max_seqlen(op, "max_seqlen_q", max_seqlen_q),
                    max_seqlen(op, "max_seqlen_k", max_seqlen_k))
 

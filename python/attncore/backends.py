@@ -8,6 +8,7 @@ import enum
 from typing import Optional
 
 from . import _core
+from ._rank4 import bool_option
 
 
 class SDPBackend(enum.Enum):
@@ -113,6 +114,7 @@ def sdpa_kernel(backends, set_priority=False):
         raise TypeError(f"sdpa_kernel: backends is not a backend or a list of them "
                         f"(type={type(backends).__name__}, expected an SDPBackend, a name or a "
                         "list of them)") from None
+    set_priority = bool_option("sdpa_kernel", "set_priority", set_priority)
     names = list(dict.fromkeys(backend_names("sdpa_kernel", backends)))  # torch's two -> flash
     if not set_priority:
         order = [b.value for b in SDPBackend]
@@ -160,12 +162,22 @@ class Explanation:
                        "'reference', 'math', 'flash' or an attncore.SDPBackend)")
 
 
+# The library's pointer to its C++ scope in the reasons of a backend that is not enabled, and
+# Python's name for that scope.
+_CPP_SCOPE, _PYTHON_SCOPE = "see BackendScope or set_enabled_backends", "see attncore.sdpa_kernel"
+
+
 def explanation_from_core(raw):
     """Explanation from _core.explain_forward / explain_backward's
-    ([(name, enabled, reasons, estimated_seconds)], chosen name or None, summary)."""
+    ([(name, enabled, reasons, estimated_seconds)], chosen name or None, summary), the C++
+    scope the reasons name replaced by sdpa_kernel."""
     verdicts, chosen, summary = raw
+
+    def python_terms(text):
+        return text.replace(_CPP_SCOPE, _PYTHON_SCOPE)
     return Explanation(
-        verdicts=tuple(BackendVerdict(SDPBackend(name), enabled, tuple(reasons),
+        verdicts=tuple(BackendVerdict(SDPBackend(name), enabled,
+                                      tuple(python_terms(r) for r in reasons),
                                       seconds if seconds >= 0 else None)
                        for name, enabled, reasons, seconds in verdicts),
-        chosen=None if chosen is None else SDPBackend(chosen), summary=summary)
+        chosen=None if chosen is None else SDPBackend(chosen), summary=python_terms(summary))

@@ -8,27 +8,119 @@ variable-length functions take, and back. All are differentiable through torch's
         -> (packed [total, ...], indices [total], cu_seqlens int32 [B + 1], max_seqlen,
             seqused int32 [B])
     pad_input(packed, indices, batch, seqlen) -> [batch, seqlen, ...], zeros where padded
+
+Like flash-attn's, they take torch tensors only (TypeError for anything else) and run on any
+device. Unlike flash-attn's, they check their arguments in attncore's message form: masks
+[B, L] matching hidden_states, indices 1-D integer tensors (int32 taken as int64) inside the
+rows they address, one per row given (distinct where rows are written), batch and seqlen
+non-negative ints; new tensors past the memory this process may use raise MemoryError.
 """
 
 import torch
 
+from . import _arrays
+from ._rank4 import int_option
+
+
+def _tensor(op, name, x, rank, layout):
+    """x, a dense torch tensor of rank >= `rank`: TypeError for anything else,
+    NotImplementedError for a nested or sparse tensor, ValueError for a lower rank (the message
+    shows the expected shape as `layout`, such as "[B, L, ...]")."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: {name} is not a torch tensor (type={type(x).__name__}, expected "
+                        f"torch.Tensor); pass torch.as_tensor({name})")
+    if getattr(x, "is_nested", False) or x.layout != torch.strided:
+        raise NotImplementedError(f"{op}: {name} is not a dense tensor (layout="
+                                  f"{'nested' if x.is_nested else x.layout}, expected "
+                                  "torch.strided)")
+    if x.dim() < rank:
+        raise ValueError(f"{op}: {name} has the wrong rank (rank={x.dim()}, expected >= {rank}: "
+                         f"{layout})")
+    return x
+
+
+def _dtype_name(x):
+    return str(x.dtype).removeprefix("torch.")
+
+
+def _on_device_of(op, name, x, like, like_name):
+    if x.device != like.device:
+        raise ValueError(f"{op}: {name} is on another device (device={x.device}, expected "
+                         f"{like_name}'s {like.device})")
+
+
+def _mask(op, name, mask, hidden_states):
+    """A [B, L] mask of hidden_states [B, L, ...] as bool (nonzero: True)."""
+    mask = _tensor(op, name, mask, 0, "[B, L]")
+    expected = list(hidden_states.shape[:2])
+    if list(mask.shape) != expected:
+        raise ValueError(f"{op}: {name} has shape {list(mask.shape)}, expected {expected} "
+                         "([B, L] of hidden_states)")
+    _on_device_of(op, name, mask, hidden_states, "hidden_states")
+    return mask.bool()
+
+
+def _indices(op, indices, values, values_name, rows, rows_text, distinct=False):
+    """indices as int64 [n], each in [0, rows) (rows_text names that bound); n = the rows of
+    values [n, ...] (values_name) unless values is None; distinct: no index repeats."""
+    indices = _tensor(op, "indices", indices, 1, "[n]")
+    if indices.dim() != 1:
+        raise ValueError(f"{op}: indices has the wrong rank (rank={indices.dim()}, expected 1: "
+                         "[n])")
+    if indices.dtype == torch.bool or indices.is_floating_point() or indices.is_complex():
+        raise ValueError(f"{op}: indices has the wrong dtype (dtype={_dtype_name(indices)}, "
+                         "expected int64 or int32)")
+    if values is not None and indices.shape[0] != values.shape[0]:
+        raise ValueError(f"{op}: indices has the wrong length (len={indices.shape[0]}, expected "
+                         f"{values.shape[0]}: one per row of {values_name})")
+    indices = indices.long()
+    if indices.numel():
+        low, high = int(indices.min()), int(indices.max())
+        if low < 0 or high >= rows:
+            raise ValueError(f"{op}: indices is out of range (min={low}, max={high}, expected "
+                             f"0 <= index < {rows_text}={rows})")
+    if distinct and indices.numel():
+        unique = torch.unique(indices).numel()
+        if unique != indices.numel():
+            raise ValueError(f"{op}: indices has repeated entries (distinct={unique}, "
+                             f"len={indices.numel()}, expected all distinct)")
+    return indices
+
 
 def index_first_axis(input, indices):
-    """The rows `indices` (int64 [n]) of input [N, ...] along its first dim: [n, ...]. The
+    """The rows `indices` (integer [n]) of input [N, ...] along its first dim: [n, ...]. The
     gradient is scattered back to those rows (summed where an index repeats)."""
+    op = "index_first_axis"
+    input = _tensor(op, "input", input, 1, "[N, ...]")
+    indices = _indices(op, indices, None, "input", input.shape[0], "N")
+    _on_device_of(op, "indices", indices, input, "input")
+    _arrays.check_new_arrays(op, ((indices.shape[0],) + tuple(input.shape[1:]),
+                                  _dtype_name(input)))
     return input.index_select(0, indices)
 
 
+def _put_rows(op, values, values_name, indices, rows, rows_text):
+    """A tensor [rows, ...] (rows: an int >= 0) of zeros whose rows `indices` hold values
+    [n, ...]; errors name `op`, values as values_name and rows as rows_text."""
+    values = _tensor(op, values_name, values, 1, "[total, ...]")
+    shape = (rows,) + tuple(values.shape[1:])
+    _arrays.check_new_arrays(op, (shape, _dtype_name(values)))
+    indices = _indices(op, indices, values, values_name, rows, rows_text, distinct=True)
+    _on_device_of(op, "indices", indices, values, values_name)
+    return values.new_zeros(shape).index_copy(0, indices, values)
+
+
 def index_put_first_axis(values, indices, first_axis_dim):
-    """A tensor [first_axis_dim, ...] of zeros whose rows `indices` (int64 [n], distinct) hold
-    values [n, ...]."""
-    out = values.new_zeros((first_axis_dim,) + tuple(values.shape[1:]))
-    return out.index_copy(0, indices, values)
+    """A tensor [first_axis_dim, ...] of zeros whose rows `indices` (integer [n], distinct)
+    hold values [n, ...]."""
+    op = "index_put_first_axis"
+    first_axis_dim = int_option(op, "first_axis_dim", first_axis_dim, low=0)
+    return _put_rows(op, values, "values", indices, first_axis_dim, "first_axis_dim")
 
 
 def unpad_input(hidden_states, attention_mask, unused_mask=None):
     """The tokens of a padded batch, packed. hidden_states [B, L, ...]; attention_mask [B, L]
-    (bool or 0/1 ints; nonzero: a real token); unused_mask [B, L] or None: slots that are
+    (bool or 0/1 numbers; nonzero: a real token); unused_mask [B, L] or None: slots that are
     allocated but unused, kept in the packed rows (after each sequence's real tokens, as
     flash-attn expects) without counting as used.
 
@@ -36,24 +128,37 @@ def unpad_input(hidden_states, attention_mask, unused_mask=None):
     [B * L] batch, in order), cu_seqlens int32 [B + 1] (from 0; sequence b owns packed rows
     cu_seqlens[b]:cu_seqlens[b + 1]), max_seqlen (a Python int), seqused int32 [B] (the real
     tokens of each sequence: the varlen functions' seqused_k))."""
-    kept = attention_mask.bool()
+    op = "unpad_input"
+    hidden_states = _tensor(op, "hidden_states", hidden_states, 2, "[B, L, ...]")
+    batch, seqlen = hidden_states.shape[:2]
+    _arrays.check_new_arrays(op, ((batch, seqlen), "bool"))
+    used = _mask(op, "attention_mask", attention_mask, hidden_states)
+    kept = used
     if unused_mask is not None:
-        kept = kept | unused_mask.bool()
+        kept = used | _mask(op, "unused_mask", unused_mask, hidden_states)
     lengths = kept.sum(dim=-1, dtype=torch.int32)
-    seqused = attention_mask.bool().sum(dim=-1, dtype=torch.int32)
-    indices = torch.nonzero(kept.flatten()).flatten()
-    cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
+    seqused = used.sum(dim=-1, dtype=torch.int32)
+    cu_seqlens = torch.zeros(batch + 1, dtype=torch.int32, device=lengths.device)
     torch.cumsum(lengths, dim=0, dtype=torch.int32, out=cu_seqlens[1:])
     max_seqlen = int(lengths.max().item()) if lengths.numel() else 0
+    total = int(cu_seqlens[-1])
+    _arrays.check_new_arrays(op, ((total,), "int64"),
+                             ((total,) + tuple(hidden_states.shape[2:]),
+                              _dtype_name(hidden_states)))
+    indices = torch.nonzero(kept.flatten()).flatten()
     flat = hidden_states.reshape((-1,) + tuple(hidden_states.shape[2:]))
-    return index_first_axis(flat, indices), indices, cu_seqlens, max_seqlen, seqused
+    return flat.index_select(0, indices), indices, cu_seqlens, max_seqlen, seqused
 
 
 def pad_input(hidden_states, indices, batch, seqlen):
-    """unpad_input's inverse: packed rows [total, ...] put back at `indices` of a [batch, seqlen,
-    ...] batch, zeros elsewhere."""
-    out = index_put_first_axis(hidden_states, indices, batch * seqlen)
-    return out.reshape((batch, seqlen) + tuple(hidden_states.shape[1:]))
+    """unpad_input's inverse: packed rows [total, ...] put back at `indices` (integer [total],
+    distinct, in [0, batch * seqlen)) of a [batch, seqlen, ...] batch, zeros elsewhere."""
+    op = "pad_input"
+    batch = int_option(op, "batch", batch, low=0)
+    seqlen = int_option(op, "seqlen", seqlen, low=0)
+    out = _put_rows(op, hidden_states, "hidden_states", indices, batch * seqlen,
+                    "batch * seqlen")
+    return out.reshape((batch, seqlen) + tuple(out.shape[1:]))
 
 
 __all__ = ["index_first_axis", "index_put_first_axis", "pad_input", "unpad_input"]

@@ -268,6 +268,38 @@ def test_other_dlpack_producers(dtype):
     assert_close(torch.as_tensor(out), expected, dtype)
 
 
+class CapsuleOnly:
+    """A producer of the older protocol: __dlpack__ without __dlpack_device__."""
+
+    def __init__(self, tensor):
+        self._tensor = tensor
+
+    def __dlpack__(self, stream=None):
+        return self._tensor.__dlpack__()
+
+
+def test_dlpack_producers_without_a_device_or_an_importable_module():
+    """torch reads a producer without __dlpack_device__ through its capsule (a key of a torch
+    query, a bfloat16 query); a producer whose class names a module that cannot be imported
+    gets its results as numpy arrays."""
+    q, k, v = (_bhld(s, dtype=torch.float32) for s in (1, 2, 3))
+    expected, _ = reference.attention(q, k, v)
+    out = attncore.scaled_dot_product_attention(q, CapsuleOnly(k), CapsuleOnly(v))
+    assert isinstance(out, torch.Tensor)
+    assert_close(out, expected, torch.float32)
+    bf16 = [x.to(torch.bfloat16) for x in (q, k, v)]
+    out = attncore.scaled_dot_product_attention(*(CapsuleOnly(x) for x in bf16))
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+    assert_close(out, reference.attention(*bf16)[0], torch.bfloat16)
+
+    class Elsewhere(DlpackOnly):
+        pass
+    Elsewhere.__module__ = "no_such_module_of_attncore_tests.arrays"
+    out = attncore.scaled_dot_product_attention(*(Elsewhere(x) for x in (q, k, v)))
+    assert isinstance(out, np.ndarray)
+    assert_close(torch.from_numpy(out), expected, torch.float32)
+
+
 def test_mixed_libraries_follow_the_query():
     q, k, v = (_bhld(s) for s in (1, 2, 3))
     out = attncore.scaled_dot_product_attention(q, k.numpy(), v.numpy())

@@ -103,6 +103,26 @@ def test_explain_verdicts():
         assert any("not enabled" in r for r in e[SDPBackend.MATH].reasons)
 
 
+def test_explain_names_pythons_scope():
+    """A backend left out by sdpa_kernel is explained in Python's terms, not the C++ scope's."""
+    q, k, v = qkv()
+    with sdpa_kernel(SDPBackend.MATH):
+        e = attncore.explain(q, k, v)
+    assert e[SDPBackend.FLASH].reasons == (
+        "flash: backend is not enabled on this thread (enabled=[math], expected flash among "
+        "them); see attncore.sdpa_kernel",)
+    assert "BackendScope" not in str(e) and str(e).count("see attncore.sdpa_kernel") == 2
+
+
+def test_explain_backward_allocates_nothing_of_the_calls_size():
+    """The backward's out, dout and LSE that explain hands the library are stride-0 views: a
+    broadcast query of 2^36 rows (out 2^41 bytes) is explained, not allocated."""
+    row = np.ones((1, 2, 1, 8), np.float32)
+    q = np.broadcast_to(row, (1, 2, 2**36, 8))
+    e = attncore.explain(q, row, row, backward=True, scale=-0.5)
+    assert len(e.verdicts) == 3
+
+
 def test_explain_torch_and_masks():
     q, k, v = (torch.from_numpy(x).to(torch.bfloat16) for x in qkv())
     mask = torch.zeros(64, 64, dtype=torch.bfloat16)

@@ -156,6 +156,9 @@ INVALID = {
     "call-seed": (lambda: attncore.attention(q, k, v, dropout_p=0.1, seed=2 ** 64),
                   r"seed is invalid"),
     "rng-state": (lambda: attncore.set_rng_state((1, 2 ** 64)), r"offset is invalid"),
+    "rng-state-length": (lambda: attncore.set_rng_state((1, 2, 3)),
+                         r"^set_rng_state: state is invalid \(state=\(1, 2, 3\), expected "
+                         r"\(seed, offset\)"),
 }
 
 # `<op>: <what> ...`: every message names the call first.
@@ -168,6 +171,12 @@ def test_invalid_arguments_raise_value_error(case):
     with pytest.raises(ValueError, match=message) as error:
         call()
     assert type(error.value) is ValueError and FORM.match(str(error.value)), str(error.value)
+
+
+def _enter(context):
+    """Enters and leaves a context manager (where entering it raises, nothing changes)."""
+    with context:
+        pass
 
 
 WRONG_TYPE = {
@@ -272,6 +281,24 @@ WRONG_TYPE = {
         r"^flash_attn_with_kvcache: return_softmax_lse is not a bool"),
     "attention-return-lse-string": (lambda: attncore.attention(q, k, v, return_lse="no"),
                                     r"^attention: return_lse is not a bool \(type=str"),
+    "explain-backward-string": (lambda: attncore.explain(q, k, v, backward="yes"),
+                                r"^explain: backward is not a bool \(type=str"),
+    "sdpa-kernel-priority-string": (lambda: _enter(attncore.sdpa_kernel("math",
+                                                                        set_priority="yes")),
+                                    r"^sdpa_kernel: set_priority is not a bool \(type=str"),
+    # pairs: a dict or a set would give its keys, a string its characters
+    "rng-state-dict": (lambda: attncore.set_rng_state({1: 2, 3: 4}),
+                       r"^set_rng_state: state is not a pair \(type=dict"),
+    "rng-state-set": (lambda: attncore.set_rng_state({1, 2}),
+                      r"^set_rng_state: state is not a pair \(type=set"),
+    "window-dict": (lambda: attncore.attention(q, k, v, window_size={-1: 0, 0: 1}),
+                    r"^attention: window_size is not a pair \(type=dict"),
+    # a seed is checked whenever given, with dropout or without
+    "seed-string-without-dropout": (lambda: attncore.attention(q, k, v, seed="x"),
+                                    r"^attention: seed is not an integer \(type=str"),
+    "offset-string-without-dropout": (lambda: attncore.attention_varlen(
+        q[0].swapaxes(0, 1), k[0].swapaxes(0, 1), v[0].swapaxes(0, 1), [0, 5], [0, 6], 5, 6,
+        offset="x"), r"^attention_varlen: offset is not an integer \(type=str"),
 }
 
 
@@ -444,6 +471,17 @@ def test_workspace_past_the_machine_is_memory_error():
     for backend in ("flash", "reference"):
         with pytest.raises(MemoryError, match=r"^forward: the \w+ backend's workspace exceeds"):
             attncore.attention(q, k, k, backend=backend)
+
+
+def test_copies_of_negative_strides_past_the_machine_are_refused():
+    # A reversed broadcast view stands for 2^46 bytes: its copy is refused up front.
+    row = np.ones((1, 1, 1, 64), np.float32)
+    huge = np.broadcast_to(row, (2**24, 2**12, 4, 64))[..., ::-1]
+    with pytest.raises(MemoryError, match=r"^attention: query needs a contiguous copy larger "
+                                          r"than the memory this process may use \(shape="
+                                          r"\[16777216, 4096, 4, 64\], copy=7.037e\+13 bytes, "
+                                          r".*; pass it with non-negative strides"):
+        attncore.attention(huge, row, row)
 
 
 def test_outputs_past_the_machine_are_refused_before_allocation():

@@ -5,6 +5,7 @@ float64 (outputs and gradients)."""
 
 import copy
 import importlib.metadata
+import importlib.util
 import inspect
 import subprocess
 import sys
@@ -181,6 +182,132 @@ def test_unpad_and_pad_input():
     assert torch.equal(x.grad, kept[..., None, None].expand_as(x).double())
     assert torch.equal(index_put_first_axis(torch.ones(2, 3), torch.tensor([3, 0]), 4),
                        torch.tensor([[1.0] * 3, [0.0] * 3, [0.0] * 3, [1.0] * 3]))
+
+
+def test_the_alias_package_has_a_module_spec():
+    """importlib finds the alias (libraries probe for flash-attn with find_spec), also after a
+    reload; its submodules are attncore's own modules, found with their specs."""
+    package = attncore.install_flash_attn_alias()
+    spec = importlib.util.find_spec("flash_attn")
+    assert spec is package.__spec__ and spec.name == "flash_attn"
+    assert spec.submodule_search_locations == [] and package.__path__ == []
+    for name in ("bert_padding", "flash_attn_interface"):
+        module = getattr(attncore, name)
+        assert importlib.util.find_spec(f"flash_attn.{name}") is module.__spec__
+    assert importlib.reload(package) is package
+    assert importlib.util.find_spec("flash_attn").name == "flash_attn"
+    assert package.flash_attn_func is attncore.flash_attn_func
+
+
+def _padded(batch=2, seqlen=4, width=3):
+    hidden = torch.arange(batch * seqlen * width, dtype=torch.float32).reshape(batch, seqlen,
+                                                                              width)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
+    return hidden, mask
+
+
+def _bert_padding_case(name):
+    """One refused call of attncore.bert_padding: (call, error type, message pattern)."""
+    from attncore import bert_padding as bp
+    hidden, mask = _padded()
+    rows, indices, _, _, _ = bp.unpad_input(hidden, mask)
+    cases = {
+        # masks [B, L] of hidden_states [B, L, ...]: another shape packed the wrong rows
+        "mask-shorter": (lambda: bp.unpad_input(hidden, mask[:, :3]), ValueError,
+                         r"^unpad_input: attention_mask has shape \[2, 3\], expected \[2, 4\] "
+                         r"\(\[B, L\] of hidden_states\)$"),
+        "mask-one-row": (lambda: bp.unpad_input(hidden, mask[:1]), ValueError,
+                         r"attention_mask has shape \[1, 4\], expected \[2, 4\]"),
+        "mask-rank-1": (lambda: bp.unpad_input(hidden, mask[0]), ValueError,
+                        r"attention_mask has shape \[4\]"),
+        "mask-rank-3": (lambda: bp.unpad_input(hidden, mask[None]), ValueError,
+                        r"attention_mask has shape \[1, 2, 4\]"),
+        "unused-mask-shape": (lambda: bp.unpad_input(hidden, mask, mask[:1]), ValueError,
+                              r"^unpad_input: unused_mask has shape \[1, 4\], expected \[2, 4\]"),
+        "mask-numpy": (lambda: bp.unpad_input(hidden, mask.numpy()), TypeError,
+                       r"^unpad_input: attention_mask is not a torch tensor \(type=ndarray, "
+                       r"expected torch.Tensor\); pass torch.as_tensor\(attention_mask\)$"),
+        "mask-list": (lambda: bp.unpad_input(hidden, mask.tolist()), TypeError,
+                      r"attention_mask is not a torch tensor \(type=list"),
+        "mask-none": (lambda: bp.unpad_input(hidden, None), TypeError,
+                      r"attention_mask is not a torch tensor \(type=NoneType"),
+        "hidden-numpy": (lambda: bp.unpad_input(hidden.numpy(), mask), TypeError,
+                         r"^unpad_input: hidden_states is not a torch tensor"),
+        "hidden-rank-1": (lambda: bp.unpad_input(hidden[0, 0], mask), ValueError,
+                          r"^unpad_input: hidden_states has the wrong rank \(rank=1, expected "
+                          r">= 2: \[B, L, ...\]\)$"),
+        "hidden-rank-0": (lambda: bp.unpad_input(hidden[0, 0, 0], mask), ValueError,
+                          r"hidden_states has the wrong rank \(rank=0"),
+        # pad_input: indices inside [0, batch * seqlen), one per row, distinct
+        "pad-batch-too-small": (lambda: bp.pad_input(rows, indices, 1, 4), ValueError,
+                                r"^pad_input: indices is out of range \(min=0, max=6, expected "
+                                r"0 <= index < batch \* seqlen=4\)$"),
+        "pad-seqlen-too-small": (lambda: bp.pad_input(rows, indices, 2, 2), ValueError,
+                                 r"indices is out of range"),
+        "pad-negative-indices": (lambda: bp.pad_input(rows, -indices - 1, 2, 4), ValueError,
+                                 r"indices is out of range \(min=-7"),
+        "pad-too-few-indices": (lambda: bp.pad_input(rows, indices[:3], 2, 4), ValueError,
+                                r"^pad_input: indices has the wrong length \(len=3, expected 5: "
+                                r"one per row of hidden_states\)$"),
+        "pad-float-indices": (lambda: bp.pad_input(rows, indices.float(), 2, 4), ValueError,
+                              r"^pad_input: indices has the wrong dtype \(dtype=float32"),
+        "pad-indices-rank-2": (lambda: bp.pad_input(rows, indices[None], 2, 4), ValueError,
+                               r"indices has the wrong rank \(rank=2, expected 1"),
+        "pad-repeated-indices": (lambda: bp.pad_input(rows, torch.zeros_like(indices), 2, 4),
+                                 ValueError, r"indices has repeated entries \(distinct=1, len=5"),
+        "pad-negative-batch": (lambda: bp.pad_input(rows, indices, -1, 4), ValueError,
+                               r"^pad_input: batch is out of range \(batch=-1, expected "
+                               r"batch >= 0\)$"),
+        "pad-float-seqlen": (lambda: bp.pad_input(rows, indices, 2, 4.0), TypeError,
+                             r"^pad_input: seqlen is not an integer \(type=float"),
+        "pad-indices-numpy": (lambda: bp.pad_input(rows, indices.numpy(), 2, 4), TypeError,
+                              r"^pad_input: indices is not a torch tensor"),
+        "pad-rows-rank-0": (lambda: bp.pad_input(rows[0, 0], indices[:1], 2, 4), ValueError,
+                            r"hidden_states has the wrong rank \(rank=0, expected >= 1"),
+        "index-first-axis-out-of-range": (
+            lambda: bp.index_first_axis(rows, torch.tensor([5])), ValueError,
+            r"^index_first_axis: indices is out of range \(min=5, max=5, expected "
+            r"0 <= index < N=5\)$"),
+        "index-first-axis-list": (lambda: bp.index_first_axis(rows, [0, 1]), TypeError,
+                                  r"^index_first_axis: indices is not a torch tensor"),
+        "index-put-out-of-range": (
+            lambda: bp.index_put_first_axis(rows, indices + 4, 8), ValueError,
+            r"^index_put_first_axis: indices is out of range \(min=4, max=10, expected "
+            r"0 <= index < first_axis_dim=8\)$"),
+        "nested-hidden": (lambda: bp.unpad_input(torch.nested.nested_tensor(list(hidden)), mask),
+                          NotImplementedError, r"^unpad_input: hidden_states is not a dense "
+                                               r"tensor \(layout=nested"),
+    }
+    return cases[name]
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("case", [
+    "mask-shorter", "mask-one-row", "mask-rank-1", "mask-rank-3", "unused-mask-shape",
+    "mask-numpy", "mask-list", "mask-none", "hidden-numpy", "hidden-rank-1", "hidden-rank-0",
+    "pad-batch-too-small", "pad-seqlen-too-small", "pad-negative-indices",
+    "pad-too-few-indices", "pad-float-indices", "pad-indices-rank-2", "pad-repeated-indices",
+    "pad-negative-batch", "pad-float-seqlen", "pad-indices-numpy", "pad-rows-rank-0",
+    "index-first-axis-out-of-range", "index-first-axis-list", "index-put-out-of-range",
+    "nested-hidden"])
+def test_bert_padding_refuses_bad_arguments(case):
+    """Each refused in attncore's form (the helpers would pack the wrong rows, or fail inside
+    torch)."""
+    call, error, message = _bert_padding_case(case)
+    with pytest.raises(error, match=message) as raised:
+        call()
+    assert type(raised.value) is error
+
+
+def test_bert_padding_int32_indices_and_sizes_checked_before_allocating():
+    from attncore.bert_padding import pad_input, unpad_input
+    hidden, mask = _padded()
+    rows, indices, _, _, _ = unpad_input(hidden, mask)
+    assert torch.equal(pad_input(rows, indices.int(), 2, 4), pad_input(rows, indices, 2, 4))
+    # 2^40 rows of 3 float32: refused with attncore's MemoryError before any allocation.
+    with pytest.raises(MemoryError, match=r"^pad_input: the outputs exceed the memory this "
+                                          r"process may use \(outputs=1.319e\+13 bytes"):
+        pad_input(rows, indices, 2 ** 20, 2 ** 20)
 
 
 def test_softcap_at_or_below_zero_is_off():

@@ -344,7 +344,8 @@ INVALID = {
                      r"^forward: cu_seqlens_k has shape \[2\], expected \[3\] \(\[B \+ 1\] like "
                      r"cu_seqlens_q\)"),
     "rank": (_varlen(cu_seqlens_q=np.array([[0, 3, 7]], np.int32)),
-             r"^forward: cu_seqlens_q has the wrong rank \(rank=2, expected 1"),
+             r"^flash_attn_varlen_func: cu_seqlens_q has the wrong rank \(rank=2, expected 1: "
+             r"\[B \+ 1\]\)"),
     "decreasing": (_varlen(cu_seqlens_q=np.array([0, 5, 3], np.int32)),
                    r"^forward: cu_seqlens_q is decreasing \(cu_seqlens_q\[2\]=3 < "
                    r"cu_seqlens_q\[1\]=5"),
@@ -382,6 +383,18 @@ INVALID = {
                                                                           np.float32)),
                        r"^flash_attn_qkvpacked_func: qkv has the wrong rank \(rank=4, expected "
                        r"5"),
+    # lists: an empty one is a shape problem, a scalar a rank problem, big ints a range one
+    "empty-list-cu-seqlens": (_varlen(cu_seqlens_q=[]),
+                              r"^forward: cu_seqlens_q has shape \[0\], expected \[1\] "),
+    "scalar-cu-seqlens": (_varlen(cu_seqlens_q=8),
+                          r"^flash_attn_varlen_func: cu_seqlens_q has the wrong rank \(rank=0, "
+                          r"expected 1: \[B \+ 1\]\)$"),
+    "past-int64-cu-seqlens": (_varlen(cu_seqlens_k=[0, 3, 10 ** 30]),
+                              r"^flash_attn_varlen_func: cu_seqlens_k holds values past int32 "
+                              r"\(min=0, max=1000000000000000000000000000000, "),
+    "seqused-k-rank": (_varlen(seqused_k=3),
+                       r"^flash_attn_varlen_func: seqused_k has the wrong rank \(rank=0, "
+                       r"expected 1: \[B\]\)$"),
     "backward-lse-shape": (lambda: attncore.attention_varlen_backward(
         *(_bad_inputs()[0],) * 5, np.zeros((2, 6), np.float32), *(_bad_inputs()[1],) * 2, 4, 4),
         r"^backward: lse has shape \[2, 6\], expected \[2, 7\] \(\[Hq, total_q\]\)"),
@@ -393,6 +406,55 @@ def test_invalid_arguments_raise_value_error(case):
     call, message = INVALID[case]
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_missing_cu_seqlens_are_type_errors():
+    """cu_seqlens None: a TypeError naming the call and the argument, in every varlen call
+    (the paged form included)."""
+    q, cu = _bad_inputs()
+    qkv, kv = np.ones((7, 3, 2, 8), np.float32), np.ones((7, 2, 2, 8), np.float32)
+    pages, table = np.ones((2, 4, 2, 8), np.float32), np.array([[0], [1]], np.int32)
+    calls = {
+        "flash_attn_varlen_func": lambda: attncore.flash_attn_varlen_func(q, q, q, None, cu,
+                                                                          4, 4),
+        "flash_attn_varlen_qkvpacked_func": lambda: attncore.flash_attn_varlen_qkvpacked_func(
+            qkv, None, 4),
+        "flash_attn_varlen_kvpacked_func": lambda: attncore.flash_attn_varlen_kvpacked_func(
+            q, kv, None, cu, 4, 4),
+        "attention_varlen": lambda: attncore.attention_varlen(q, q, q, None, cu, 4, 4),
+        "attention_varlen_backward": lambda: attncore.attention_varlen_backward(
+            q, q, q, q, q, np.zeros((2, 7), np.float32), None, cu, 4, 4),
+    }
+    for op, call in calls.items():
+        with pytest.raises(TypeError, match=rf"^{op}: cu_seqlens_q is not an array "
+                                            r"\(type=NoneType, expected an int32 array "
+                                            r"\[B \+ 1\]\)$"):
+            call()
+    with pytest.raises(TypeError, match=r"^flash_attn_varlen_func: cu_seqlens_k is not an "
+                                        r"array \(type=NoneType"):
+        attncore.flash_attn_varlen_func(q, pages, pages, cu, None, 4, 4, block_table=table)
+    with pytest.raises(TypeError, match=r"^flash_attn_varlen_func: cu_seqlens_q is not an "
+                                        r"array \(type=NoneType"):
+        attncore.flash_attn_varlen_func(q, pages, pages, None, cu, 4, 4, block_table=table)
+
+
+def test_alibi_slopes_as_lists_are_float32():
+    """A list of slopes is taken as float32 (as a list of ints is int32 for an index array),
+    for numpy calls as for torch ones."""
+    q, cu = _bad_inputs()
+    slopes = np.array([0.5, 0.25], np.float32)
+    expected = attncore.attention_varlen(q, q, q, cu, cu, 4, 4, alibi_slopes=slopes)
+    for given in ([0.5, 0.25], (0.5, 0.25), [[0.5, 0.25], [0.5, 0.25]]):
+        got = attncore.attention_varlen(q, q, q, cu, cu, 4, 4, alibi_slopes=given)
+        assert np.array_equal(got, expected)
+    assert np.array_equal(attncore.flash_attn_func(q[None], q[None], q[None],
+                                                   alibi_slopes=[0.5, 0.25]),
+                          attncore.flash_attn_func(q[None], q[None], q[None],
+                                                   alibi_slopes=slopes))
+    cache = np.ones((1, 7, 2, 8), np.float32)
+    assert np.array_equal(
+        attncore.flash_attn_with_kvcache(q[None, :1], cache, cache, alibi_slopes=[0.5, 0.25]),
+        attncore.flash_attn_with_kvcache(q[None, :1], cache, cache, alibi_slopes=slopes))
 
 
 def test_max_seqlen_must_be_an_integer():
@@ -475,6 +537,22 @@ def test_nested_refusals():
     with pytest.raises(ValueError, match=r"key has a different batch size \(B=1, expected "
                                          r"query's 2\)"):
         attncore.scaled_dot_product_attention(q, k, k)
+    # Components that do not fit together are named as passed, [H, L_b, D] of [B, H, *, D].
+    k, _ = _nested((3, 4), 2, 4, 2)
+    with pytest.raises(ValueError, match=r"^scaled_dot_product_attention: key has components "
+                                         r"of shape \[2, 3, 4\], expected \[Hkv, \*, 8\] "
+                                         r"\(\[B, Hkv, \*, E\] nested\) with Hq % Hkv == 0 "
+                                         r"\(Hq=2, Hkv=2\)$"):
+        attncore.scaled_dot_product_attention(q, k, k)
+    k3, _ = _nested((3, 4), 3, 8, 2)
+    with pytest.raises(ValueError, match=r"key has components of shape \[3, 3, 8\].*\(Hq=2, "
+                                         r"Hkv=3\)$"):
+        attncore.scaled_dot_product_attention(q, k3, k3, enable_gqa=True)
+    k, _ = _nested((3, 4), 2, 8, 2)
+    with pytest.raises(ValueError, match=r"^scaled_dot_product_attention: value has components "
+                                         r"of shape \[3, 3, 8\], expected \[2, \*, Ev\] "
+                                         r"\(\[B, Hkv, \*, Ev\] nested, like key\)$"):
+        attncore.scaled_dot_product_attention(q, k, k3)
 
 
 def test_public_names():
