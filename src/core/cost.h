@@ -32,8 +32,10 @@ inline double visible_pairs(const Params& p) {
   constexpr std::int64_t kSamples = 64;
   if (p.seq.lq <= kSamples) return static_cast<double>(mask.visible_pairs());
   double sum = 0;
+  // Row (2s + 1) Lq / 128, formed without the product (Lq may be near 2^63 in an empty batch).
+  const std::int64_t whole = p.seq.lq / (2 * kSamples), rest = p.seq.lq % (2 * kSamples);
   for (std::int64_t s = 0; s < kSamples; ++s) {
-    const KeyRange r = mask.row((2 * s + 1) * p.seq.lq / (2 * kSamples));
+    const KeyRange r = mask.row((2 * s + 1) * whole + (2 * s + 1) * rest / (2 * kSamples));
     sum += static_cast<double>(r.end - r.begin);
   }
   return sum * static_cast<double>(p.seq.lq) / kSamples;
