@@ -171,13 +171,15 @@ TEST(Tensor, EmptyShapesAreLegal) {
 // outside the enum, a rank outside 0..4, a negative size, and storage past the memory this
 // process may use (the allocator never sees such a size).
 TEST(Tensor, BadArgumentsAreRefused) {
-  const std::string dtype = test::invalid_argument_message(
-      [] { const Tensor t(static_cast<DType>(50), {4}); });
+  const std::string dtype =
+      test::invalid_argument_message([] { const Tensor t(static_cast<DType>(50), {4}); });
   EXPECT_EQ(dtype, "Tensor: dtype is invalid (dtype=50, expected a DType value)");
   const std::int64_t shape[1] = {4};
   EXPECT_EQ(test::invalid_argument_message([&] { const Tensor t(DType::f32, shape, -1); }),
             "Tensor: rank is invalid (rank=-1, expected 0 to 4)");
-  EXPECT_EQ(test::invalid_argument_message([] { const Tensor t(DType::f32, {-1, 4}); }),
+  EXPECT_EQ(test::invalid_argument_message([] {
+              const Tensor t(DType::f32, {-1, 4});
+            }),
             "Tensor: shape [-1, 4] has a negative size (shape[0]=-1, expected >= 0)");
   try {
     const Tensor t(DType::f32, {std::int64_t{1} << 40, std::int64_t{1} << 10});  // 4 PiB

@@ -209,7 +209,8 @@ std::vector<BadInput> bad_inputs() {
   add("softcap_nan", Op::forward, {"softcap=nan"}, [](Call& c) { c.options.softcap = kNaN; });
   add("softcap_inf", Op::forward, {"softcap=inf"}, [](Call& c) { c.options.softcap = kInf; });
   // f32 calls compute in f32: a cap below its normal range, a scale past it.
-  add("softcap_below_f32", Op::forward, {"softcap is too small for f32 arithmetic", "softcap=1e-40"},
+  add("softcap_below_f32", Op::forward,
+      {"softcap is too small for f32 arithmetic", "softcap=1e-40"},
       [](Call& c) { c.options.softcap = 1e-40; });
   add("backward_softcap_below_f32", Op::backward, {"softcap=1e-50"},
       [](Call& c) { c.options.softcap = 1e-50; });

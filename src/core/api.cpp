@@ -1,12 +1,13 @@
 // The public entry points: validate, allocate what the caller did not provide, pick the
 // backend (core/select.h), run it through the backend table.
+#include "core/api.h"
+
 #include <cstdio>
 #include <functional>
 #include <new>
 #include <string>
 
 #include "attncore/attncore.h"
-#include "core/api.h"
 #include "core/cpu_info.h"
 #include "core/exit_guard.h"
 #include "core/select.h"

@@ -114,9 +114,9 @@ Tensor::Tensor(DType dtype, const std::int64_t* shape, int rank) {
   view_ = make_view(nullptr, dtype, shape, nullptr, static_cast<std::size_t>(rank));
   for (int d = 0; d < rank; ++d) {
     if (shape[d] < 0) {
-      throw InvalidArgument("Tensor: shape " + view_.shape_string() + " has a negative size (shape[" +
-                            std::to_string(d) + "]=" + std::to_string(shape[d]) +
-                            ", expected >= 0)");
+      throw InvalidArgument("Tensor: shape " + view_.shape_string() +
+                            " has a negative size (shape[" + std::to_string(d) +
+                            "]=" + std::to_string(shape[d]) + ", expected >= 0)");
     }
   }
   const std::int64_t n = view_.numel();

@@ -69,8 +69,8 @@ void resolve_variant(const Checker& check, const Options& o, Params& p) {
     // f32, bf16 and f16 calls compute in f32: a scale past its range would be infinite.
     if (p.dtype != DType::f64 && *o.scale > std::numeric_limits<float>::max()) {
       check.fail("scale is too large for f32 arithmetic (scale=" + fmt_double(*o.scale) +
-                 ", expected <= " + fmt_double(std::numeric_limits<float>::max()) +
-                 " with " + std::string(name_of(p.dtype)) + " inputs)");
+                 ", expected <= " + fmt_double(std::numeric_limits<float>::max()) + " with " +
+                 std::string(name_of(p.dtype)) + " inputs)");
     }
     p.scale = *o.scale;
   } else {
@@ -91,9 +91,8 @@ void resolve_variant(const Checker& check, const Options& o, Params& p) {
   }
   // A window wider than any |i + Lk - Lq - j| is no window; this also keeps index math small.
   // (Saturated: an empty batch takes any lengths.)
-  const std::int64_t widest = p.seq.max_q() > INT64_MAX - p.seq.max_k()
-                                  ? INT64_MAX
-                                  : p.seq.max_q() + p.seq.max_k();
+  const std::int64_t widest =
+      p.seq.max_q() > INT64_MAX - p.seq.max_k() ? INT64_MAX : p.seq.max_q() + p.seq.max_k();
   p.window_left = o.window_left > widest ? -1 : o.window_left;
   p.window_right = o.window_right > widest ? -1 : o.window_right;
   if (!std::isfinite(o.softcap) || o.softcap < 0.0) {
@@ -101,11 +100,10 @@ void resolve_variant(const Checker& check, const Options& o, Params& p) {
                ", expected a finite value >= 0; 0 = off)");
   }
   // A cap below f32's normal range would be 0 or have no f32 inverse (softcap's s / cap).
-  if (p.dtype != DType::f64 && o.softcap > 0.0 &&
-      o.softcap < std::numeric_limits<float>::min()) {
+  if (p.dtype != DType::f64 && o.softcap > 0.0 && o.softcap < std::numeric_limits<float>::min()) {
     check.fail("softcap is too small for f32 arithmetic (softcap=" + fmt_double(o.softcap) +
-               ", expected 0 or >= " + fmt_double(std::numeric_limits<float>::min()) +
-               " with " + std::string(name_of(p.dtype)) + " inputs)");
+               ", expected 0 or >= " + fmt_double(std::numeric_limits<float>::min()) + " with " +
+               std::string(name_of(p.dtype)) + " inputs)");
   }
   p.softcap = o.softcap;
   if (!(o.dropout_p >= 0.0 && o.dropout_p < 1.0)) {
