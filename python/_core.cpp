@@ -341,18 +341,32 @@ std::vector<std::string> names_of(const std::vector<attncore::Backend>& backends
   return names;
 }
 
+// The library's messages in Python's terms: a backend left out points to the C++ scope
+// (BackendScope, set_enabled_backends: src/core/select.cpp), which Python sets through
+// attncore.sdpa_kernel.
+std::string python_terms(std::string text) {
+  static const std::string cpp = "see BackendScope or set_enabled_backends";
+  static const std::string python = "see attncore.sdpa_kernel";
+  for (std::size_t at = text.find(cpp); at != std::string::npos; at = text.find(cpp, at)) {
+    text.replace(at, cpp.size(), python);
+  }
+  return text;
+}
+
 // An Explanation as ([(name, enabled, reasons, estimated_seconds)], chosen name or None,
 // summary).
 py::tuple explanation_tuple(const attncore::Explanation& e) {
   py::list verdicts;
   for (const attncore::BackendVerdict& v : e.verdicts) {
-    verdicts.append(py::make_tuple(std::string(attncore::name_of(v.backend)), v.enabled, v.reasons,
+    std::vector<std::string> reasons;
+    for (const std::string& r : v.reasons) reasons.push_back(python_terms(r));
+    verdicts.append(py::make_tuple(std::string(attncore::name_of(v.backend)), v.enabled, reasons,
                                    v.estimated_seconds));
   }
   py::object chosen = py::none();
   if (e.chosen != attncore::Backend::automatic)
     chosen = py::str(std::string(attncore::name_of(e.chosen)));
-  return py::make_tuple(verdicts, chosen, e.summary());
+  return py::make_tuple(verdicts, chosen, python_terms(e.summary()));
 }
 
 // What automatic selection does with forward's call (the same arguments, nothing written).
@@ -555,7 +569,7 @@ PYBIND11_MODULE(_core, m) {
     } catch (const attncore::InvalidArgument& e) {
       PyErr_SetString(PyExc_ValueError, e.what());
     } catch (const attncore::Unsupported& e) {
-      PyErr_SetString(PyExc_NotImplementedError, e.what());
+      PyErr_SetString(PyExc_NotImplementedError, python_terms(e.what()).c_str());
     } catch (const attncore::OutOfMemory& e) {
       PyErr_SetString(PyExc_MemoryError, e.what());
     } catch (const attncore::Cancelled& e) {

@@ -162,22 +162,13 @@ class Explanation:
                        "'reference', 'math', 'flash' or an attncore.SDPBackend)")
 
 
-# The library's pointer to its C++ scope in the reasons of a backend that is not enabled, and
-# Python's name for that scope.
-_CPP_SCOPE, _PYTHON_SCOPE = "see BackendScope or set_enabled_backends", "see attncore.sdpa_kernel"
-
-
 def explanation_from_core(raw):
     """Explanation from _core.explain_forward / explain_backward's
-    ([(name, enabled, reasons, estimated_seconds)], chosen name or None, summary), the C++
-    scope the reasons name replaced by sdpa_kernel."""
+    ([(name, enabled, reasons, estimated_seconds)], chosen name or None, summary; the module
+    names sdpa_kernel where the library names its C++ scope)."""
     verdicts, chosen, summary = raw
-
-    def python_terms(text):
-        return text.replace(_CPP_SCOPE, _PYTHON_SCOPE)
     return Explanation(
-        verdicts=tuple(BackendVerdict(SDPBackend(name), enabled,
-                                      tuple(python_terms(r) for r in reasons),
+        verdicts=tuple(BackendVerdict(SDPBackend(name), enabled, tuple(reasons),
                                       seconds if seconds >= 0 else None)
                        for name, enabled, reasons, seconds in verdicts),
-        chosen=None if chosen is None else SDPBackend(chosen), summary=python_terms(summary))
+        chosen=None if chosen is None else SDPBackend(chosen), summary=summary)

@@ -114,6 +114,18 @@ def test_explain_names_pythons_scope():
     assert "BackendScope" not in str(e) and str(e).count("see attncore.sdpa_kernel") == 2
 
 
+def test_errors_name_pythons_scope():
+    """An automatic call no enabled backend can run (flash takes no float64) is refused in
+    Python's terms too: the backends sdpa_kernel left out point to it."""
+    q, k, v = qkv(np.float64)
+    with sdpa_kernel(SDPBackend.FLASH):
+        with pytest.raises(NotImplementedError) as error:
+            attncore.attention(q, k, v)
+    assert "math: backend is not enabled on this thread" in str(error.value), str(error.value)
+    assert "see attncore.sdpa_kernel" in str(error.value), str(error.value)
+    assert "BackendScope" not in str(error.value)
+
+
 def test_explain_backward_allocates_nothing_of_the_calls_size():
     """The backward's out, dout and LSE that explain hands the library are stride-0 views: a
     broadcast query of 2^36 rows (out 2^41 bytes) is explained, not allocated."""
