@@ -19,8 +19,8 @@ namespace attncore::detail::ATTNCORE_TARGET_NS {
 // rows at D = 128): bench --decode, [B, Hkv, L, D], 1 thread, % of the probe, Lk=4096/16384:
 // MHA bf16 71/76 without, 83/85 at 32 keys, 89/82 at 48, 84/81 at 64; f16 70/74 without, 86/81
 // at 32; GQA (Hkv=8) f32 62/54 without, 77/57 at 32, 76/56 at 64; bf16 66/60 -> 74/71; f16
-// 57/54 -> 65/62 (measured into L1 on Zen 5; into L2 on Zen 4: prefetch_plan.h, v_into_l1).
-// One f32 row (MHA) has its own lead, the core's (prefetch_plan.h).
+// 57/54 -> 65/62 (measured into L1 on Zen 5; into L2 on Zen 4: decode_plan.h, v_into_l1).
+// One f32 row (MHA) has its own lead, the core's (decode_plan.h).
 constexpr std::int64_t kVLead = 32;
 // V bytes of each head prefetched ahead of P . V in a multi-head item (into L2; AVX2: none,
 // DirectKv::head_chunk): bench
@@ -32,7 +32,7 @@ constexpr std::int64_t kHeadVAhead = 8192;
 // into L2 (`ahead`, the rows known, for none; on AVX2 a group's rows use `l1` only, also over
 // several heads: DirectKv::accumulate); whether the item is one head's (its V one sequential
 // stream); and whether the prefetches `l1` names (and, on AVX-512, GQA's column slices') go
-// into L1, or into L2 instead where the core's prefetch plan says so (v_into_l1).
+// into L1, or into L2 instead where the core's decode plan says so (v_into_l1).
 struct VLead {
   std::int64_t l1, l2;
   bool one_head;
@@ -355,14 +355,16 @@ struct DirectKv : DirectKvScores {
   }
 
   // Whether a multi-head item's P . V takes a chunk of keys for all its heads in one pass
-  // (accumulate_heads): AVX2, one row per head (MHA), Dv a whole number of 8-vector slices, its
+  // (accumulate_heads): AVX2 (AVX-512 where the decode plan says: heads_one_pass), one row per
+  // head (MHA), Dv a whole number of 8-vector slices, its
   // chunks within kMaxChunk and a head's V row within kHeadVAhead (wider rows, which
   // tile_accumulate prefetches as one head's, keep that path).
   static constexpr std::int64_t kMaxChunk = 16;
   ATTNCORE_TARGET static bool heads_in_one_pass(const Params& p, DType v_dtype,
                                                 std::int64_t heads, std::int64_t rows,
                                                 std::int64_t dv_pad) {
-    return kLanes == 8 && heads > 1 && rows_computed(rows) == 1 && p.head_dim_v == dv_pad &&
+    return (kLanes == 8 || decode_plan().heads_one_pass) && heads > 1 &&
+           rows_computed(rows) == 1 && p.head_dim_v == dv_pad &&
            dv_pad % (slice_vectors(1) * kLanes) == 0 &&
            head_chunk(v_dtype, rows) <= kMaxChunk &&
            dv_pad * static_cast<std::int64_t>(size_of(v_dtype)) <= kHeadVAhead;
@@ -416,30 +418,26 @@ struct DirectKv : DirectKvScores {
     }
   }
   // accumulate_heads for the input's dtype (heads_in_one_pass): probs, out and alpha those of
-  // the item's first head, each head's head_floats floats after the one before. A template, so
-  // that the targets without the one pass instantiate none of it.
-  template <bool kOnePass = kLanes == 8>
+  // the item's first head, each head's head_floats floats after the one before.
   ATTNCORE_TARGET static void tile_accumulate_heads(const Params& p, const ForwardArgs& a,
                                                     const TileRows& v_rows, std::int64_t begin,
                                                     std::int64_t keys, std::int64_t heads,
                                                     const float* probs, float* out,
                                                     const float* alpha,
                                                     std::int64_t head_floats) {
-    if constexpr (kOnePass) {
-      const std::int64_t* at = v_rows.at + begin;
-      const std::int64_t v_step = a.v.stride[1], dv = p.head_dim_v;
-      if (a.v.dtype == DType::f32) {
-        accumulate_heads<float, F32>(static_cast<const float*>(a.v.data), at, keys, heads,
-                                     v_step, dv, probs, out, alpha, head_floats);
-      } else if (a.v.dtype == DType::f16) {
-        accumulate_heads<std::uint16_t, F16>(static_cast<const std::uint16_t*>(a.v.data), at,
-                                             keys, heads, v_step, dv, probs, out, alpha,
-                                             head_floats);
-      } else {
-        accumulate_heads<std::uint16_t, Bf16>(static_cast<const std::uint16_t*>(a.v.data), at,
-                                              keys, heads, v_step, dv, probs, out, alpha,
-                                              head_floats);
-      }
+    const std::int64_t* at = v_rows.at + begin;
+    const std::int64_t v_step = a.v.stride[1], dv = p.head_dim_v;
+    if (a.v.dtype == DType::f32) {
+      accumulate_heads<float, F32>(static_cast<const float*>(a.v.data), at, keys, heads,
+                                   v_step, dv, probs, out, alpha, head_floats);
+    } else if (a.v.dtype == DType::f16) {
+      accumulate_heads<std::uint16_t, F16>(static_cast<const std::uint16_t*>(a.v.data), at,
+                                           keys, heads, v_step, dv, probs, out, alpha,
+                                           head_floats);
+    } else {
+      accumulate_heads<std::uint16_t, Bf16>(static_cast<const std::uint16_t*>(a.v.data), at,
+                                            keys, heads, v_step, dv, probs, out, alpha,
+                                            head_floats);
     }
   }
 
@@ -450,34 +448,30 @@ struct DirectKv : DirectKvScores {
     tile_accumulate(p, a, *run.v_rows, 0, 0, run.keys, 0, 1, run.probs, dv_pad, &run.alpha, out);
   }
 
-  // A tile's scores by score_tile_streams (AVX2: tile_streams) with the pending product of the
-  // tile before it (RowProduct; out scaled by its alpha first, as accumulate<T, 1> scales it).
-  // A template, so that the targets without tile_streams instantiate none of it.
-  template <bool kStreams = kLanes == 8>
+  // A tile's scores by score_tile_streams (tile_streams) with the pending product of the tile
+  // before it (RowProduct; out scaled by its alpha first, as accumulate<T, 1> scales it).
   ATTNCORE_TARGET static void streams_with_product(const Params& p, const ForwardArgs& a,
                                                    const TileRows& k_rows,
                                                    const PendingProduct& run, const float* q,
                                                    float* s, float* widened, std::int64_t dv_pad,
                                                    float* out) {
-    if constexpr (kStreams) {
-      for (std::int64_t e = 0; e < dv_pad; e += kLanes) {
-        store(out + e, load(out + e) * splat(run.alpha));
-      }
-      auto with = [&](auto k, auto v, auto known) ATTNCORE_TARGET {
-        using T = std::remove_const_t<std::remove_pointer_t<decltype(v)>>;
-        const RowProduct<T, decltype(known)> product{v, run.v_rows->at, run.keys, run.probs,
-                                                     out, p.head_dim_v, run.v_rows->count};
-        score_tile_streams(k, k_rows.at, p.head_dim, known, q, s, widened, product);
-      };
-      if (a.k.dtype == DType::f32) {
-        with(static_cast<const float*>(a.k.data), static_cast<const float*>(a.v.data), F32{});
-      } else if (a.k.dtype == DType::f16) {
-        with(static_cast<const std::uint16_t*>(a.k.data),
-             static_cast<const std::uint16_t*>(a.v.data), F16{});
-      } else {
-        with(static_cast<const std::uint16_t*>(a.k.data),
-             static_cast<const std::uint16_t*>(a.v.data), Bf16{});
-      }
+    for (std::int64_t e = 0; e < dv_pad; e += kLanes) {
+      store(out + e, load(out + e) * splat(run.alpha));
+    }
+    auto with = [&](auto k, auto v, auto known) ATTNCORE_TARGET {
+      using T = std::remove_const_t<std::remove_pointer_t<decltype(v)>>;
+      const RowProduct<T, decltype(known)> product{v, run.v_rows->at, run.keys, run.probs,
+                                                   out, p.head_dim_v, run.v_rows->count};
+      score_tile_streams(k, k_rows.at, p.head_dim, known, q, s, widened, product);
+    };
+    if (a.k.dtype == DType::f32) {
+      with(static_cast<const float*>(a.k.data), static_cast<const float*>(a.v.data), F32{});
+    } else if (a.k.dtype == DType::f16) {
+      with(static_cast<const std::uint16_t*>(a.k.data),
+           static_cast<const std::uint16_t*>(a.v.data), F16{});
+    } else {
+      with(static_cast<const std::uint16_t*>(a.k.data),
+           static_cast<const std::uint16_t*>(a.v.data), Bf16{});
     }
   }
 
@@ -494,10 +488,13 @@ struct DirectKv : DirectKvScores {
                                           float* s, float* widened, PendingProduct& pending,
                                           std::int64_t dv_pad, float* out) {
     const std::int64_t k_step = a.k.stride[1];
+    // bf16 query and K on native bf16 dots (an f32 query keeps the f32 path: its bits are those
+    // of the same call over an f32 cache).
+    const bool pairs = ATTNCORE_BF16_DOT && a.k.dtype == DType::bf16 && a.q.dtype == DType::bf16;
     if (pending.v_rows != nullptr) {
       const PendingProduct run = pending;
       pending.v_rows = nullptr;
-      if (tile_streams(p.head_dim, keys, heads, rows, k_rows.at)) {
+      if (tile_streams(p.head_dim, keys, heads, rows, pairs, k_rows.at)) {
         return streams_with_product(p, a, k_rows, run, q, s, widened, dv_pad, out);
       }
       run_pending(p, a, run, dv_pad, out);
@@ -506,9 +503,6 @@ struct DirectKv : DirectKvScores {
       scores(p, static_cast<const float*>(a.k.data), k_rows.at, k_rows.count, a.k.dtype, keys, cols,
              heads, k_step, head_floats, q, rows, false, s, widened);
     } else {
-      // bf16 query and K on native bf16 dots (an f32 query keeps the f32 path: its bits are
-      // those of the same call over an f32 cache).
-      const bool pairs = ATTNCORE_BF16_DOT && a.k.dtype == DType::bf16 && a.q.dtype == DType::bf16;
       scores(p, static_cast<const std::uint16_t*>(a.k.data), k_rows.at, k_rows.count, a.k.dtype,
              keys, cols, heads, k_step, head_floats, q, rows, pairs, s, widened);
     }
@@ -527,9 +521,9 @@ struct DirectKv : DirectKvScores {
     const std::int64_t prefetched =
         kLanes == 8 ? 0 : std::clamp<std::int64_t>(ahead - keys, 0, next);
     // One head per item, nothing prefetched for the next chunk (V one sequential stream): V rows
-    // kVLead keys on, into L1 (or L2: the core's prefetch plan), as P . V runs (one f32 row, MHA:
-    // as far as the plan says), and into L2 as far as the plan says (prefetch_plan.h; 0: not).
-    const PrefetchPlan& plan = prefetch_plan();
+    // kVLead keys on, into L1 (or L2: the core's decode plan), as P . V runs (one f32 row, MHA:
+    // as far as the plan says), and into L2 as far as the plan says (decode_plan.h; 0: not).
+    const DecodePlan& plan = decode_plan();
     auto keys_or_none = [&](int n) { return n > 0 ? std::int64_t{n} : ahead; };
     // Several heads: on AVX2, a group's 16-bit rows (GQA) prefetch their head's next chunk as
     // they go (accumulate's sliced lead), f32 rows and one row per head nothing (GQA Hq=32

@@ -12,7 +12,7 @@
 #include "cpu/flash_direct_kv_heads-inl.h"
 #include "cpu/flash_simd-inl.h"
 #include "cpu/flash_tile_rows-inl.h"
-#include "cpu/prefetch_plan.h"
+#include "cpu/decode_plan.h"
 
 namespace attncore::detail::ATTNCORE_TARGET_NS {
 
@@ -36,11 +36,15 @@ struct DirectKvScores : DirectKvHeads {
     return rows <= 4 && kTileRows > 4 ? 4 : kTileRows;
   }
 
-  // Whether score_tile_streams scores this tile: AVX2, one row of one head, a whole tile of
+  // Whether score_tile_streams scores this tile: AVX2, or AVX-512 where the decode plan says
+  // (one_row_streams) and the scores are not on bf16 pairs; one row of one head, a whole tile of
   // rows that lie together ([B, Hkv, L, D]), D a multiple of kLanes.
   ATTNCORE_TARGET static bool tile_streams(std::int64_t d, std::int64_t keys, std::int64_t heads,
-                                           std::int64_t rows, const std::int64_t* k_at) {
-    return kLanes == 8 && heads == 1 && rows == 1 && d % kLanes == 0 && keys == kKeyTile &&
+                                           std::int64_t rows, bool pairs,
+                                           const std::int64_t* k_at) {
+    return (kLanes == 8 || (!pairs && decode_plan().one_row_streams)) && heads == 1 &&
+           rows == 1 &&
+           d % kLanes == 0 && keys == kKeyTile &&
            k_at[1] - k_at[0] == d;
   }
 
@@ -391,7 +395,7 @@ struct DirectKvScores : DirectKvHeads {
   // Hkv, L, D] MHA decode ran slower: bench
   // --decode, Lk=4096/16384, 1 thread, % of the probe: f32 73/71 against 80/80 without, bf16
   // 68/62 against 71/74, f16 66/60 against 70/73): P . V prefetches them (16-bit kVLead keys
-  // ahead, f32 as the core's prefetch plan says); several heads prefetch V chunk by chunk
+  // ahead, f32 as the core's decode plan says); several heads prefetch V chunk by chunk
   // in P . V (a whole tile's V of every head is more than L2). Several rows (GQA) go through
   // score_rows (score_rows_pairs for a bf16 query over bf16 K, its rows as pairs made once per
   // tile), each K vector loaded (widened) once in registers for every row, the partial sums
@@ -410,9 +414,9 @@ struct DirectKvScores : DirectKvHeads {
                                      std::int64_t head_floats, const float* q, std::int64_t rows,
                                      [[maybe_unused]] bool pairs, float* s, float* widened) {
     const std::int64_t d = p.head_dim;
-    // AVX2, one row of one head over a whole tile of rows that lie together ([B, Hkv, L, D]):
-    // score_tile_streams, with no prefetch.
-    if (tile_streams(d, keys, heads, rows, k_at)) {
+    // One row of one head over a whole tile of rows that lie together ([B, Hkv, L, D]), on AVX2
+    // or where the decode plan says (tile_streams): score_tile_streams, with no prefetch.
+    if (tile_streams(d, keys, heads, rows, pairs, k_at)) {
       if constexpr (sizeof(T) == 4) {
         score_tile_streams(k, k_at, d, F32{}, q, s, widened);
       } else if (dtype == DType::f16) {
@@ -435,13 +439,13 @@ struct DirectKvScores : DirectKvHeads {
             ? std::clamp<std::int64_t>(4096 / static_cast<std::int64_t>(sizeof(T) * d), 1, kRowLead)
             : std::clamp<std::int64_t>((6144 / static_cast<std::int64_t>(sizeof(T)) + d - 1) / d, 1,
                                        kRowLead);
-    // Contiguous rows ([B, Hkv, L, D]) as the core's prefetch plan says (prefetch_plan.h: into
+    // Contiguous rows ([B, Hkv, L, D]) as the core's decode plan says (decode_plan.h: into
     // L1 or L2, f32 rows also `also` keys ahead). Rows far apart ([B, L, Hkv, D]: 16 KiB at 32 f32
     // heads) share L1 sets, where the rows a block reads evict the ones prefetched: into L2 (bench
     // --decode, 1 thread: f32 [B, L, Hkv, D] 12.5 GB/s either way, bf16 8.3-10.7 into L2 against
     // 6.2-6.7 into L1).
     const bool near = heads == 1 && (ahead < 2 || k_at[1] - k_at[0] == d);
-    const PrefetchPlan& plan = prefetch_plan();
+    const DecodePlan& plan = decode_plan();
     const bool near_l1 = near && plan.near_k_into_l1;
     const std::int64_t also_keys =
         sizeof(T) == 4 && near && plan.near_k_f32_also_bytes > 0
@@ -461,7 +465,8 @@ struct DirectKvScores : DirectKvHeads {
     // interleaved passes: 1 thread BLHD 65/63 -> 68/65, p16 59/55 -> 65/57, p256 67/63 ->
     // 68/65; 2 threads (% of the 2-thread probe) BLHD 76/64 -> 86/78, p16 71/60 -> 89/73, p256
     // 73/64 -> 87/76. Pairs need D a multiple of 2 * kLanes and the queries as pairs, after
-    // the partial sums in `widened`. AVX2: score_heads_key_groups, 4 keys at a time.
+    // the partial sums in `widened`. AVX2, and AVX-512 where the decode plan says
+    // (heads_key_groups) and not on pairs: score_heads_key_groups, 4 keys at a time.
     const bool by_key = heads > 1 && rows == 1 && d % kLanes == 0 &&
                         (sizeof(T) == 4 || !pairs || d % (2 * kLanes) == 0) &&
                         heads * kLanes * kLanes + heads * d / 2 <= d * kKeyTile;
@@ -481,7 +486,7 @@ struct DirectKvScores : DirectKvHeads {
 #endif
       for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
         const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
-        if constexpr (kLanes == 8) {  // AVX2: score_heads_key_groups
+        if (kLanes == 8 || (q_pairs == nullptr && plan.heads_key_groups)) {
           if constexpr (sizeof(T) == 4) {
             score_heads_key_groups(k, k_at + c0, block, F32{}, d, heads, k_step, head_floats, q,
                                    s + c0, widened, 0, ahead - c0);

@@ -140,9 +140,9 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   const KeyRange span = seen.span();
   const std::int64_t first_key = std::max(span.begin, item.key_begin);
   const std::int64_t end_key = std::min(span.end, item.key_end);
-  // AVX2, one row of one kv head read in place: each tile's P . V (no key left out) waits for the
-  // next tile's scores and runs with them (DirectKv::tile_scores), so that K and V are read as
-  // concurrent streams, each tile's V rows in one of two buffers (its P stays in S, which
+  // AVX2 (and AVX-512 where the decode plan says: one_row_streams), one row of one kv head read
+  // in place: each tile's P . V (no key left out) waits for the next tile's scores and runs with
+  // them (DirectKv::tile_scores), so that K and V are read as concurrent streams, each tile's V rows in one of two buffers (its P stays in S, which
   // score_tile_streams writes after its last group). MHA [B, Hkv, L, D], Zen 3, 1 thread, % of the
   // probe, Lk=16384, three runs of 3 interleaved passes (scratch harness, huge pages) against P . V
   // after each tile's scores: f32 85/82/81 -> 99/86/93, bf16 75/73/68 -> 81/76/81, f16 78/80/71 ->
@@ -155,7 +155,8 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   // without the GQA product's V prefetches.
   // (Where the next tile is not scored by score_tile_streams, as over [B, L, Hkv, D] or the
   // last tile, the product runs before its scores: the same work, later.)
-  const bool overlap = direct && kLanes == 8 && heads == 1 && rows == 1 &&
+  const bool overlap = direct && (kLanes == 8 || decode_plan().one_row_streams) &&
+                       heads == 1 && rows == 1 &&
                        p.head_dim % kLanes == 0 && p.head_dim_v % kLanes == 0 &&
                        a.k.dtype == a.v.dtype;
   TileRows tile_rows[3];

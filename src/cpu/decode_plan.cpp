@@ -1,4 +1,4 @@
-#include "cpu/prefetch_plan.h"
+#include "cpu/decode_plan.h"
 
 #include <atomic>
 #include <iterator>
@@ -10,10 +10,11 @@ namespace attncore::detail {
 namespace {
 
 // Each plan as measured on its core: bench --decode, 1 thread, % of the read probe, Lk =
-// 4096/16384, B = 1, interleaved passes of the two plans on the same machine.
-const PrefetchPlan kPlans[] = {
+// 4096/16384, B = 1, interleaved passes of the two plans on the same machine (Intel: in one
+// process, the plans' calls in turn).
+const DecodePlan kPlans[] = {
     // Zen 4 (AMD family 0x19, which also holds Zen 3), and every CPU not named below (not
-    // measured). On Zen 3 (AVX2, probe 18-20 GB/s) the plans tried (this one, zen5's, no near
+    // measured). AVX-512 runs none of AVX2's schemes here (not measured on Zen 4 or Zen 5). On Zen 3 (AVX2, probe 18-20 GB/s) the plans tried (this one, zen5's, no near
     // K, no V leads, near K into L1) read within the run-to-run noise of each other (5-10
     // points), bound by the AVX2 kernels' instructions as much as by memory: it keeps this
     // one; the AVX2 kernels' whole tiles of one row and multi-head items prefetch less anyway
@@ -44,40 +45,58 @@ const PrefetchPlan kPlans[] = {
     //   f16 74/74 -> 84/85, 78/79 -> 75/83, 79/76 -> 82/76. One f32 row's (8 keys ahead), 9 and
     //   11 passes: 73/74 -> 81/83, 71/71 -> 78/80 (4 or 16 keys into L2 as 8; earlier kernels
     //   had read no more with it in L2).
-    {"zen4", false, 12288, true, 8, 64, false},
+    {"zen4", false, 12288, true, 8, 64, false, false, false, false},
     // Zen 5 (AMD family 0x1A and later). Near K rows into L1, f32 rows also 3 KiB ahead, a
     // block's first (MHA f32 82/81 -> 88/86, GQA f32 76/65 -> 80/72 and 68/62 -> 78/73 in two
     // runs of 9 passes against once; 16-bit rows ran slower twice: bf16 97/92 -> 89/88); no V
     // prefetch for an f32 row (80/79 against 78/76 at 8 keys); other V into L1 (as measured
     // there before the plans).
-    {"zen5", true, 3072, false, 0, 0, true},
+    {"zen5", true, 3072, false, 0, 0, true, false, false, false},
+    // Intel (GenuineIntel; measured on one Xeon with AVX512-FP16 and AMX, family 6 model 0xA7
+    // as its hypervisor reports it, probe 16 GB/s on 1 thread). Zen 4's prefetches: no placement
+    // moved decode there (the zen5 plan and none at all within 0.93-1.04 of them, MHA and GQA,
+    // both layouts), and the three schemes AVX2 runs. Hq = 32, Lk = 16384, 1 thread, 7 rounds of
+    // the calls in turn in one process with 1 GiB read before each call, median speed ratio:
+    // - The three against none (the zen4 plan, each on the target this CPU now runs, avx512, and
+    //   on the one it ran before, avx512bf16): MHA f32 [B, Hkv, L, D] 1.16, [B, L, Hkv, D] 1.19,
+    //   p16 1.17; bf16 1.18, 1.04, 1.07; f16 1.22, 1.12, 1.14. GQA (Hkv = 8), which none of them
+    //   reads differently: 0.98-1.06.
+    // - One row's streams alone, [B, Hkv, L, D]: f32 1.15-1.16, bf16 1.13-1.15, f16 1.13-1.17
+    //   (its V 4 to 32 keys ahead into L1 or L2, or not prefetched: 0.97-1.03). A bf16 query over
+    //   a bf16 cache on bf16 pair dots (the avx512bf16 target) keeps its own scores.
+    // - Several heads, [B, L, Hkv, D], avx512: key groups alone f32 1.09, bf16 1.06, f16 1.07;
+    //   the one pass alone 1.12, 1.07, 1.08; both 1.20, 1.12, 1.17 (then 16-bit with P . V in
+    //   chunks of 8 or 32 keys instead of 16, K prefetched 32 keys on or not at all: 1.01-1.05,
+    //   within the noise).
+    {"intel", false, 12288, true, 8, 64, false, true, true, true},
 };
 
-std::atomic<const PrefetchPlan*> scoped{nullptr};
+std::atomic<const DecodePlan*> scoped{nullptr};
 
 }  // namespace
 
-const PrefetchPlan& prefetch_plan_for(const std::string& vendor, int family) {
+const DecodePlan& decode_plan_for(const std::string& vendor, int family) {
   if (vendor == "AuthenticAMD" && family >= 0x1A) return kPlans[1];
+  if (vendor == "GenuineIntel") return kPlans[2];
   return kPlans[0];
 }
 
-const PrefetchPlan& prefetch_plan() {
-  if (const PrefetchPlan* plan = scoped.load(std::memory_order_relaxed)) return *plan;
-  static const PrefetchPlan* const machine = [] {
+const DecodePlan& decode_plan() {
+  if (const DecodePlan* plan = scoped.load(std::memory_order_relaxed)) return *plan;
+  static const DecodePlan* const machine = [] {
     const CpuInfo cpu = cpu_info();
-    return &prefetch_plan_for(cpu.vendor, cpu.family);
+    return &decode_plan_for(cpu.vendor, cpu.family);
   }();
   return *machine;
 }
 
-const PrefetchPlan* prefetch_plans(int* count) {
+const DecodePlan* decode_plans(int* count) {
   *count = static_cast<int>(std::size(kPlans));
   return kPlans;
 }
 
-ScopedPrefetchPlan::ScopedPrefetchPlan(const PrefetchPlan& plan)
+ScopedDecodePlan::ScopedDecodePlan(const DecodePlan& plan)
     : previous_(scoped.exchange(&plan)) {}
-ScopedPrefetchPlan::~ScopedPrefetchPlan() { scoped.store(previous_); }
+ScopedDecodePlan::~ScopedDecodePlan() { scoped.store(previous_); }
 
 }  // namespace attncore::detail

@@ -1,7 +1,7 @@
-// The decode kernels' prefetch plans (src/cpu/prefetch_plan.h): chosen by the core, and every
+// The decode kernels' plans (src/cpu/decode_plan.h): chosen by the core, and every
 // plan giving the same bits (a prefetch changes no value; the plans' other branches also run
 // here, under the sanitizers, on a machine that would never choose them).
-#include "cpu/prefetch_plan.h"
+#include "cpu/decode_plan.h"
 
 #include <gtest/gtest.h>
 
@@ -18,38 +18,29 @@
 namespace attncore::test {
 namespace {
 
-using detail::PrefetchPlan;
+using detail::DecodePlan;
 
-TEST(PrefetchPlan, ChosenByTheCore) {
-  EXPECT_STREQ(detail::prefetch_plan_for("AuthenticAMD", 0x19).name, "zen4");
-  EXPECT_STREQ(detail::prefetch_plan_for("AuthenticAMD", 0x1A).name, "zen5");
-  EXPECT_STREQ(detail::prefetch_plan_for("GenuineIntel", 6).name, "zen4");  // the default
-  EXPECT_STREQ(detail::prefetch_plan_for("", 0).name, "zen4");
+TEST(DecodePlan, ChosenByTheCore) {
+  EXPECT_STREQ(detail::decode_plan_for("AuthenticAMD", 0x19).name, "zen4");
+  EXPECT_STREQ(detail::decode_plan_for("AuthenticAMD", 0x1A).name, "zen5");
+  EXPECT_STREQ(detail::decode_plan_for("GenuineIntel", 6).name, "intel");
+  EXPECT_STREQ(detail::decode_plan_for("", 0).name, "zen4");  // the default
   int count = 0;
-  const PrefetchPlan* plans = detail::prefetch_plans(&count);
-  ASSERT_EQ(count, 2);
+  const DecodePlan* plans = detail::decode_plans(&count);
+  ASSERT_EQ(count, 3);
   const CpuInfo cpu = cpu_info();
-  EXPECT_EQ(&detail::prefetch_plan(), &detail::prefetch_plan_for(cpu.vendor, cpu.family));
+  EXPECT_EQ(&detail::decode_plan(), &detail::decode_plan_for(cpu.vendor, cpu.family));
   {
-    const detail::ScopedPrefetchPlan scope(plans[1]);
-    EXPECT_EQ(&detail::prefetch_plan(), &plans[1]);
+    const detail::ScopedDecodePlan scope(plans[1]);
+    EXPECT_EQ(&detail::decode_plan(), &plans[1]);
   }
-  EXPECT_EQ(&detail::prefetch_plan(), &detail::prefetch_plan_for(cpu.vendor, cpu.family));
+  EXPECT_EQ(&detail::decode_plan(), &detail::decode_plan_for(cpu.vendor, cpu.family));
 }
 
-// Decode and a 3-row chunk over a cache whose one head's keys lie together ([B, Hkv, L, D]:
-// the plans differ there) and with a key's heads together ([B, L, Hkv, D]); MHA and GQA, f32,
-// bf16, f16 and an f32 query over a bf16 cache; Lk not a multiple of a block or a tile. Besides
-// the machines' plans, plans whose distances reach far past a tile's rows: a prefetch address
-// taken from past the rows a tile resolved would read past them (the sanitizers' builds).
-TEST(PrefetchPlan, EveryPlanGivesTheSameBits) {
-  int machines = 0;
-  const PrefetchPlan* known = detail::prefetch_plans(&machines);
-  std::vector<PrefetchPlan> plans(known, known + machines);
-  plans.push_back({"far", true, 1 << 30, true, 1000, 100000, true});
-  plans.push_back({"far_l2", false, 1 << 30, false, 100000, 1000, false});  // (V: past kVLead too)
+// Each plan of `plans` against the first, on every SIMD target this CPU runs, heads of `dim`.
+void expect_same_bits(const std::vector<DecodePlan>& plans, std::int64_t dim) {
   const int count = static_cast<int>(plans.size());
-  const std::int64_t batch = 2, hkv = 2, capacity = 301, dim = 64;
+  const std::int64_t batch = 2, hkv = 2, capacity = 301;
   const std::vector<int> lens = {301, 170};
   Tensor seqlens(DType::i32, {batch});
   for (std::int64_t b = 0; b < batch; ++b) seqlens.data_as<std::int32_t>()[b] = lens[b];
@@ -85,7 +76,7 @@ TEST(PrefetchPlan, EveryPlanGivesTheSameBits) {
           const ScopedTarget scope(target);
           std::vector<double> want;
           for (int n = 0; n < count; ++n) {
-            const detail::ScopedPrefetchPlan plan(plans[n]);
+            const detail::ScopedDecodePlan plan(plans[n]);
             for (bool inner : {false, true}) {
               SCOPED_TRACE(std::string(name_of(types.q)) + " over " +
                            std::string(name_of(types.kv)) + " " + target + " plan " +
@@ -107,6 +98,24 @@ TEST(PrefetchPlan, EveryPlanGivesTheSameBits) {
         }
       }
     }
+  }
+}
+
+// Decode and a 3-row chunk over a cache whose one head's keys lie together ([B, Hkv, L, D]) and
+// with a key's heads together ([B, L, Hkv, D]), the plans' prefetches and schemes differing in
+// both (one row's streams, several heads' key groups and one pass); MHA and GQA, f32,
+// bf16, f16 and an f32 query over a bf16 cache; Lk not a multiple of a block or a tile. Besides
+// the machines' plans, plans whose distances reach far past a tile's rows: a prefetch address
+// taken from past the rows a tile resolved would read past them (the sanitizers' builds).
+TEST(DecodePlan, EveryPlanGivesTheSameBits) {
+  int machines = 0;
+  const DecodePlan* known = detail::decode_plans(&machines);
+  std::vector<DecodePlan> plans(known, known + machines);
+  plans.push_back({"far", true, 1 << 30, true, 1000, 100000, true, true, true, true});
+  plans.push_back({"far_l2", false, 1 << 30, false, 100000, 1000, false, false, false, false});
+  // D = 128: a whole 8-vector column slice on AVX-512 (the heads' one pass, heads_one_pass).
+  for (const std::int64_t dim : {64, 128}) {
+    expect_same_bits(plans, dim);
   }
 }
 

@@ -1,0 +1,66 @@
+// Where and how far ahead the in-place decode kernels (DirectKv, flash_direct_kv*-inl.h)
+// prefetch the K and V rows they stream, and in which order they read them (the schemes AVX2
+// always runs, which AVX-512 runs where the plan says): a property of the core's design, chosen
+// once from the CPU. A prefetch changes no value, and each scheme forms every score and output
+// element as the others do, so every plan gives the same bits.
+#pragma once
+
+#include <string>
+
+namespace attncore::detail {
+
+struct DecodePlan {
+  const char* name;
+  // K rows of one head lying together ([B, Hkv, L, D]), prefetched 6 KiB ahead into L1 (else
+  // L2); f32 rows also this many bytes ahead, into the same level (0: not), those prefetches
+  // either each just before the one of the row 6 KiB ahead (interleaved) or all of a block of
+  // keys before them.
+  bool near_k_into_l1;
+  int near_k_f32_also_bytes;
+  bool near_k_f32_also_interleaved;
+  // V rows of one f32 query row over one head (MHA [B, Hkv, L, D]) prefetched this many keys
+  // ahead of P . V, into L1 or L2 as v_into_l1 says (0: not; other one-head items: kVLead,
+  // flash_direct_kv-inl.h).
+  int f32_row_v_lead;
+  // V rows of any one-head item ([B, Hkv, L, D]) also prefetched this many keys ahead into L2
+  // (0: not; on AVX2 not for a GQA group's rows: flash_direct_kv-inl.h).
+  int v_far;
+  // V rows prefetched f32_row_v_lead or kVLead keys ahead (GQA on AVX-512: also each column
+  // slice's 16 keys ahead) into L1, else into L2.
+  bool v_into_l1;
+  // One query row over one head whose rows lie together (MHA [B, Hkv, L, D]) scores each whole
+  // key tile as 4 sequential streams with the tile before it's P . V between them (K and V read
+  // at once: DirectKvScores::score_tile_streams); AVX2 always does.
+  bool one_row_streams;
+  // One query row per head over several heads (MHA [B, L, Hkv, D], pages): scores 4 keys at a
+  // time head after head (DirectKvHeads::score_heads_key_groups), and P . V of a chunk of keys
+  // for every head in one pass (DirectKv::accumulate_heads); AVX2 always does both.
+  bool heads_key_groups;
+  bool heads_one_pass;
+};
+
+// The plan for a CPU: `vendor` as cpuid gives it ("AuthenticAMD", ...) and its x86 family
+// (CpuInfo::family).
+const DecodePlan& decode_plan_for(const std::string& vendor, int family);
+
+// This machine's plan (decode_plan_for of attncore::cpu_info(), looked up once), or the one
+// a ScopedDecodePlan holds.
+const DecodePlan& decode_plan();
+
+// The plans there are (for tests: every plan must give the same bits).
+const DecodePlan* decode_plans(int* count);
+
+// Makes `plan` (a plan of decode_plans() or any other) the one decode_plan() returns while
+// in scope: tests. (A call running meanwhile may mix plans, which changes no value.)
+class ScopedDecodePlan {
+ public:
+  explicit ScopedDecodePlan(const DecodePlan& plan);
+  ~ScopedDecodePlan();
+  ScopedDecodePlan(const ScopedDecodePlan&) = delete;
+  ScopedDecodePlan& operator=(const ScopedDecodePlan&) = delete;
+
+ private:
+  const DecodePlan* previous_;
+};
+
+}  // namespace attncore::detail
