@@ -14,7 +14,8 @@ namespace {
 // process, the plans' calls in turn).
 const DecodePlan kPlans[] = {
     // Zen 4 (AMD family 0x19, which also holds Zen 3), and every CPU not named below (not
-    // measured). AVX-512 runs none of AVX2's schemes here (not measured on Zen 4 or Zen 5). On Zen 3 (AVX2, probe 18-20 GB/s) the plans tried (this one, zen5's, no near
+    // measured). AVX-512 runs none of AVX2's schemes here (not measured on Zen 4 or Zen 5). On Zen
+    // 3 (AVX2, probe 18-20 GB/s) the plans tried (this one, zen5's, no near
     // K, no V leads, near K into L1) read within the run-to-run noise of each other (5-10
     // points), bound by the AVX2 kernels' instructions as much as by memory: it keeps this
     // one; the AVX2 kernels' whole tiles of one row and multi-head items prefetch less anyway
@@ -95,8 +96,7 @@ const DecodePlan* decode_plans(int* count) {
   return kPlans;
 }
 
-ScopedDecodePlan::ScopedDecodePlan(const DecodePlan& plan)
-    : previous_(scoped.exchange(&plan)) {}
+ScopedDecodePlan::ScopedDecodePlan(const DecodePlan& plan) : previous_(scoped.exchange(&plan)) {}
 ScopedDecodePlan::~ScopedDecodePlan() { scoped.store(previous_); }
 
 }  // namespace attncore::detail

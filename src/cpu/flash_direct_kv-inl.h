@@ -363,9 +363,8 @@ struct DirectKv : DirectKvScores {
   ATTNCORE_TARGET static bool heads_in_one_pass(const Params& p, DType v_dtype,
                                                 std::int64_t heads, std::int64_t rows,
                                                 std::int64_t dv_pad) {
-    return (kLanes == 8 || decode_plan().heads_one_pass) && heads > 1 &&
-           rows_computed(rows) == 1 && p.head_dim_v == dv_pad &&
-           dv_pad % (slice_vectors(1) * kLanes) == 0 &&
+    return (kLanes == 8 || decode_plan().heads_one_pass) && heads > 1 && rows_computed(rows) == 1 &&
+           p.head_dim_v == dv_pad && dv_pad % (slice_vectors(1) * kLanes) == 0 &&
            head_chunk(v_dtype, rows) <= kMaxChunk &&
            dv_pad * static_cast<std::int64_t>(size_of(v_dtype)) <= kHeadVAhead;
   }
@@ -428,16 +427,14 @@ struct DirectKv : DirectKvScores {
     const std::int64_t* at = v_rows.at + begin;
     const std::int64_t v_step = a.v.stride[1], dv = p.head_dim_v;
     if (a.v.dtype == DType::f32) {
-      accumulate_heads<float, F32>(static_cast<const float*>(a.v.data), at, keys, heads,
-                                   v_step, dv, probs, out, alpha, head_floats);
+      accumulate_heads<float, F32>(static_cast<const float*>(a.v.data), at, keys, heads, v_step, dv,
+                                   probs, out, alpha, head_floats);
     } else if (a.v.dtype == DType::f16) {
-      accumulate_heads<std::uint16_t, F16>(static_cast<const std::uint16_t*>(a.v.data), at,
-                                           keys, heads, v_step, dv, probs, out, alpha,
-                                           head_floats);
+      accumulate_heads<std::uint16_t, F16>(static_cast<const std::uint16_t*>(a.v.data), at, keys,
+                                           heads, v_step, dv, probs, out, alpha, head_floats);
     } else {
-      accumulate_heads<std::uint16_t, Bf16>(static_cast<const std::uint16_t*>(a.v.data), at,
-                                            keys, heads, v_step, dv, probs, out, alpha,
-                                            head_floats);
+      accumulate_heads<std::uint16_t, Bf16>(static_cast<const std::uint16_t*>(a.v.data), at, keys,
+                                            heads, v_step, dv, probs, out, alpha, head_floats);
     }
   }
 
@@ -460,18 +457,18 @@ struct DirectKv : DirectKvScores {
     }
     auto with = [&](auto k, auto v, auto known) ATTNCORE_TARGET {
       using T = std::remove_const_t<std::remove_pointer_t<decltype(v)>>;
-      const RowProduct<T, decltype(known)> product{v, run.v_rows->at, run.keys, run.probs,
-                                                   out, p.head_dim_v, run.v_rows->count};
+      const RowProduct<T, decltype(known)> product{v,   run.v_rows->at, run.keys,         run.probs,
+                                                   out, p.head_dim_v,   run.v_rows->count};
       score_tile_streams(k, k_rows.at, p.head_dim, known, q, s, widened, product);
     };
     if (a.k.dtype == DType::f32) {
       with(static_cast<const float*>(a.k.data), static_cast<const float*>(a.v.data), F32{});
     } else if (a.k.dtype == DType::f16) {
-      with(static_cast<const std::uint16_t*>(a.k.data),
-           static_cast<const std::uint16_t*>(a.v.data), F16{});
+      with(static_cast<const std::uint16_t*>(a.k.data), static_cast<const std::uint16_t*>(a.v.data),
+           F16{});
     } else {
-      with(static_cast<const std::uint16_t*>(a.k.data),
-           static_cast<const std::uint16_t*>(a.v.data), Bf16{});
+      with(static_cast<const std::uint16_t*>(a.k.data), static_cast<const std::uint16_t*>(a.v.data),
+           Bf16{});
     }
   }
 

@@ -9,10 +9,10 @@
 #include <type_traits>
 
 #include "core/params.h"
+#include "cpu/decode_plan.h"
 #include "cpu/flash_direct_kv_heads-inl.h"
 #include "cpu/flash_simd-inl.h"
 #include "cpu/flash_tile_rows-inl.h"
-#include "cpu/decode_plan.h"
 
 namespace attncore::detail::ATTNCORE_TARGET_NS {
 
@@ -42,10 +42,8 @@ struct DirectKvScores : DirectKvHeads {
   ATTNCORE_TARGET static bool tile_streams(std::int64_t d, std::int64_t keys, std::int64_t heads,
                                            std::int64_t rows, bool pairs,
                                            const std::int64_t* k_at) {
-    return (kLanes == 8 || (!pairs && decode_plan().one_row_streams)) && heads == 1 &&
-           rows == 1 &&
-           d % kLanes == 0 && keys == kKeyTile &&
-           k_at[1] - k_at[0] == d;
+    return (kLanes == 8 || (!pairs && decode_plan().one_row_streams)) && heads == 1 && rows == 1 &&
+           d % kLanes == 0 && keys == kKeyTile && k_at[1] - k_at[0] == d;
   }
 
   // The scores of one row against a whole key tile of one head (s[0 .. kKeyTile)), the keys at k

@@ -142,22 +142,21 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   const std::int64_t end_key = std::min(span.end, item.key_end);
   // AVX2 (and AVX-512 where the decode plan says: one_row_streams), one row of one kv head read
   // in place: each tile's P . V (no key left out) waits for the next tile's scores and runs with
-  // them (DirectKv::tile_scores), so that K and V are read as concurrent streams, each tile's V rows in one of two buffers (its P stays in S, which
-  // score_tile_streams writes after its last group). MHA [B, Hkv, L, D], Zen 3, 1 thread, % of the
-  // probe, Lk=16384, three runs of 3 interleaved passes (scratch harness, huge pages) against P . V
-  // after each tile's scores: f32 85/82/81 -> 99/86/93, bf16 75/73/68 -> 81/76/81, f16 78/80/71 ->
-  // 89/78/75 (the scores' 4 keys adjacent instead of 32 apart: f32 60/61/61, 16-bit within noise of
-  // the base; P . V in two halves of the row per 4 keys, as accumulate<T, 1> runs: f32 70-75,
-  // 16-bit 76-80). Not kept, 3 runs of 3 passes each: items of several kv heads ([B, L, Hkv, D],
-  // pages) with each head's 4 keys of V after its 4 scored keys (f32 BLHD 91-101 -> 78-93, 16-bit
-  // within noise or lower) or every head's after each group of 4 keys (within noise); GQA rows with
-  // each 8-key block's P . V after it is scored (f32 46-59 -> 44-55, 16-bit within noise), also
-  // without the GQA product's V prefetches.
-  // (Where the next tile is not scored by score_tile_streams, as over [B, L, Hkv, D] or the
-  // last tile, the product runs before its scores: the same work, later.)
-  const bool overlap = direct && (kLanes == 8 || decode_plan().one_row_streams) &&
-                       heads == 1 && rows == 1 &&
-                       p.head_dim % kLanes == 0 && p.head_dim_v % kLanes == 0 &&
+  // them (DirectKv::tile_scores), so that K and V are read as concurrent streams, each tile's V
+  // rows in one of two buffers (its P stays in S, which score_tile_streams writes after its last
+  // group). MHA [B, Hkv, L, D], Zen 3, 1 thread, % of the probe, Lk=16384, three runs of 3
+  // interleaved passes (scratch harness, huge pages) against P . V after each tile's scores: f32
+  // 85/82/81 -> 99/86/93, bf16 75/73/68 -> 81/76/81, f16 78/80/71 -> 89/78/75 (the scores' 4 keys
+  // adjacent instead of 32 apart: f32 60/61/61, 16-bit within noise of the base; P . V in two
+  // halves of the row per 4 keys, as accumulate<T, 1> runs: f32 70-75, 16-bit 76-80). Not kept, 3
+  // runs of 3 passes each: items of several kv heads ([B, L, Hkv, D], pages) with each head's 4
+  // keys of V after its 4 scored keys (f32 BLHD 91-101 -> 78-93, 16-bit within noise or lower) or
+  // every head's after each group of 4 keys (within noise); GQA rows with each 8-key block's P . V
+  // after it is scored (f32 46-59 -> 44-55, 16-bit within noise), also without the GQA product's V
+  // prefetches. (Where the next tile is not scored by score_tile_streams, as over [B, L, Hkv, D] or
+  // the last tile, the product runs before its scores: the same work, later.)
+  const bool overlap = direct && (kLanes == 8 || decode_plan().one_row_streams) && heads == 1 &&
+                       rows == 1 && p.head_dim % kLanes == 0 && p.head_dim_v % kLanes == 0 &&
                        a.k.dtype == a.v.dtype;
   TileRows tile_rows[3];
   PendingProduct pending;
