@@ -37,6 +37,10 @@ struct DecodePlan {
   // for every head in one pass (DirectKv::accumulate_heads); AVX2 always does both.
   bool heads_key_groups;
   bool heads_one_pass;
+  // A group's 2 to 4 query rows over one head whose rows lie together (GQA [B, Hkv, L, D]) score
+  // each whole key tile as 4 sequential streams, as one row's streams do
+  // (DirectKvScores::score_tile_rows_streams).
+  bool rows_streams;
 };
 
 // The plan for a CPU: `vendor` as cpuid gives it ("AuthenticAMD", ...) and its x86 family

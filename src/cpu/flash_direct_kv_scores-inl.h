@@ -94,6 +94,68 @@ struct DirectKvScores : DirectKvHeads {
     }
   }
 
+  // Whether score_tile_rows_streams scores this tile: R = rows_computed(rows) rows, 2 to 4, of
+  // one head whose rows lie together, a whole tile, D a multiple of kLanes and at least R
+  // kLanes (the scratch the lane sums take), not on bf16 pairs, where the decode plan says
+  // (rows_streams).
+  ATTNCORE_TARGET static bool tile_rows_streams(std::int64_t d, std::int64_t keys,
+                                                std::int64_t heads, std::int64_t rows, bool pairs,
+                                                const std::int64_t* k_at) {
+    const int r = rows_computed(rows);
+    return rows > 1 && r <= 4 && heads == 1 && !pairs && decode_plan().rows_streams &&
+           d % kLanes == 0 && d >= r * kLanes && keys == kKeyTile && k_at[1] - k_at[0] == d;
+  }
+
+  // The scores of R rows (q [R][d]) against a whole key tile of one head (s [R][kKeyTile]), 4
+  // keys kKeyTile / 4 apart at a time, as score_tile_streams reads them for one row (K as 4
+  // sequential streams, nothing prefetched), each K vector loaded once for the R rows. Each
+  // (row, key) lane sum is formed as score_rows forms it, in `parts` (R * kKeyTile * kLanes
+  // floats), then summed across lanes by reduce_sums a block of kLanes keys at a time: the same
+  // bits.
+  template <int R, class T, class Known>
+  ATTNCORE_TARGET static void score_tile_rows_streams(const T* k, const std::int64_t* k_at,
+                                                      std::int64_t d, Known dtype, const float* q,
+                                                      float* s, float* parts) {
+    constexpr int kStreams = 4;
+    constexpr int kSpan = kKeyTile / kStreams;
+    for (int j = 0; j < kSpan; ++j) {
+      const T* row[kStreams];
+      Vec acc[R][kStreams];
+#pragma GCC unroll 8
+      for (int i = 0; i < kStreams; ++i) {
+        row[i] = k + k_at[j + i * kSpan];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) acc[r][i] = Vec{};
+      }
+      for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
+        Vec qv[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) qv[r] = load(q + r * d + e0);
+#pragma GCC unroll 8
+        for (int i = 0; i < kStreams; ++i) {
+          const Vec kv = load_part(row[i] + e0, kLanes, dtype);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) acc[r][i] = fmadd(qv[r], kv, acc[r][i]);
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+        for (int i = 0; i < kStreams; ++i) {
+          store(parts + (r * kKeyTile + j + i * kSpan) * kLanes, acc[r][i]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int c0 = 0; c0 < kKeyTile; c0 += kLanes) {
+        Vec t[kLanes];
+#pragma GCC unroll 16
+        for (int j = 0; j < kLanes; ++j) t[j] = load(parts + (r * kKeyTile + c0 + j) * kLanes);
+        store(s + r * kKeyTile + c0, reduce_sums(t));
+      }
+    }
+  }
+
   // The scores of one row against keys c0 .. c0 + block - 1 (block <= kLanes) of `k` (rows ldk
   // apart) into s[0 .. kLanes): one accumulator per key, in registers, summed across lanes by
   // reduce_sums (0 for keys past block; a transpose and a sum instead ran bf16 decode at 63-66%
@@ -421,6 +483,24 @@ struct DirectKvScores : DirectKvHeads {
         score_tile_streams(k, k_at, d, F16{}, q, s, widened);
       } else {
         score_tile_streams(k, k_at, d, Bf16{}, q, s, widened);
+      }
+      return;
+    }
+    // A group's rows so, where the decode plan says (tile_rows_streams).
+    if (tile_rows_streams(d, keys, heads, rows, pairs, k_at)) {
+      auto with = [&](auto rows_constant, auto known) ATTNCORE_TARGET {
+        score_tile_rows_streams<decltype(rows_constant)::value>(k, k_at, d, known, q, s, widened);
+      };
+      auto with_rows = [&](auto known) ATTNCORE_TARGET {
+        if (rows_computed(rows) == 2) return with(std::integral_constant<int, 2>{}, known);
+        with(std::integral_constant<int, 4>{}, known);
+      };
+      if constexpr (sizeof(T) == 4) {
+        with_rows(F32{});
+      } else if (dtype == DType::f16) {
+        with_rows(F16{});
+      } else {
+        with_rows(Bf16{});
       }
       return;
     }
