@@ -41,6 +41,9 @@ struct DecodePlan {
   // each whole key tile as 4 sequential streams, as one row's streams do
   // (DirectKvScores::score_tile_rows_streams).
   bool rows_streams;
+  // Those rows' P . V of each tile run with the next tile's scores, as one row's do with its
+  // streams (K and V read at once: DirectKv::RowsProduct).
+  bool rows_overlap;
 };
 
 // The plan for a CPU: `vendor` as cpuid gives it ("AuthenticAMD", ...) and its x86 family

@@ -76,13 +76,59 @@ struct RowProduct {
   }
 };
 
-// A tile's P . V for one row left to run with the next tile's scores (DirectKv::tile_scores):
-// its V rows, keys, P and alpha.
+// RowProduct for a group's R rows (2 to 4) between score_tile_rows_streams' groups of keys: out
+// [R][out_stride] += P [R][kKeyTile] . V, out already scaled by each row's alpha. Each group of
+// keys' V vectors are loaded (and widened) once for the R rows, and each row's output vector
+// takes the group's keys in order through one register: the products of accumulate<T, R> in
+// the same order, the same bits. Dv a multiple of kLanes.
+template <class T, class Known, int R>
+struct RowsProduct {
+  const T* v;  // V rows: key c at v + at[c]
+  const std::int64_t* at;
+  std::int64_t keys;
+  const float* probs;  // [R][kKeyTile]: P
+  float* out;          // [R][out_stride]
+  std::int64_t dv, out_stride;
+  std::int64_t ahead;  // rows known: at[c] for c < ahead (TileRows::count)
+  static constexpr std::int64_t kLead = RowProduct<T, Known>::kLead;
+  static constexpr int kMaxKeys = 4;  // keys per call (score_tile_rows_streams' groups)
+  ATTNCORE_TARGET __attribute__((always_inline)) void operator()(std::int64_t c0,
+                                                                 std::int64_t n) const {
+    const std::int64_t count =
+        std::clamp<std::int64_t>(keys - c0, 0, std::min<std::int64_t>(n, kMaxKeys));
+    const T* row[kMaxKeys] = {};
+    for (std::int64_t c = 0; c < count; ++c) {
+      if (c0 + c + kLead < ahead) prefetch_lines<3>(v + at[c0 + c + kLead], dv);
+      row[c] = v + at[c0 + c];
+    }
+    for (std::int64_t e = 0; e < dv; e += kLanes) {
+      Vec vv[kMaxKeys];
+#pragma GCC unroll 4
+      for (int c = 0; c < kMaxKeys; ++c) {
+        if (c < count) vv[c] = load_part(row[c] + e, kLanes, Known{});
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        Vec acc = load(out + r * out_stride + e);
+#pragma GCC unroll 4
+        for (int c = 0; c < kMaxKeys; ++c) {
+          if (c < count) acc = fmadd(splat(probs[r * kKeyTile + c0 + c]), vv[c], acc);
+        }
+        store(out + r * out_stride + e, acc);
+      }
+    }
+  }
+};
+
+// A tile's P . V for one row, or a group's rows, left to run with the next tile's scores
+// (DirectKv::tile_scores): its V rows, keys, rows, P ([rows][kKeyTile]) and each row's alpha
+// (the rows' scratch, which holds them until the next tile's softmax).
 struct PendingProduct {
   const TileRows* v_rows = nullptr;  // none pending
   std::int64_t keys;
+  std::int64_t rows;
   const float* probs;
-  float alpha;
+  const float* alpha;
 };
 
 // Decode-shaped items (one per kv group, at most kTileRows query rows) read K and V where they
@@ -442,24 +488,39 @@ struct DirectKv : DirectKvScores {
   ATTNCORE_TARGET static void run_pending(const Params& p, const ForwardArgs& a,
                                           const PendingProduct& run, std::int64_t dv_pad,
                                           float* out) {
-    tile_accumulate(p, a, *run.v_rows, 0, 0, run.keys, 0, 1, run.probs, dv_pad, &run.alpha, out);
+    tile_accumulate(p, a, *run.v_rows, 0, 0, run.keys, 0, run.rows, run.probs, dv_pad, run.alpha,
+                    out);
   }
 
-  // A tile's scores by score_tile_streams (tile_streams) with the pending product of the tile
-  // before it (RowProduct; out scaled by its alpha first, as accumulate<T, 1> scales it).
+  // A tile's scores by score_tile_streams (tile_streams), or a group's by
+  // score_tile_rows_streams (tile_rows_streams), with the pending product of the tile before it
+  // (RowProduct, RowsProduct; out scaled by each row's alpha first, as accumulate scales it).
   ATTNCORE_TARGET static void streams_with_product(const Params& p, const ForwardArgs& a,
                                                    const TileRows& k_rows,
                                                    const PendingProduct& run, const float* q,
-                                                   float* s, float* widened, std::int64_t dv_pad,
-                                                   float* out) {
-    for (std::int64_t e = 0; e < dv_pad; e += kLanes) {
-      store(out + e, load(out + e) * splat(run.alpha));
+                                                   std::int64_t rows, float* s, float* widened,
+                                                   std::int64_t dv_pad, float* out) {
+    const int computed = rows_computed(rows);
+    for (int r = 0; r < computed; ++r) {
+      for (std::int64_t e = 0; e < dv_pad; e += kLanes) {
+        store(out + r * dv_pad + e, load(out + r * dv_pad + e) * splat(run.alpha[r]));
+      }
     }
     auto with = [&](auto k, auto v, auto known) ATTNCORE_TARGET {
       using T = std::remove_const_t<std::remove_pointer_t<decltype(v)>>;
-      const RowProduct<T, decltype(known)> product{v,   run.v_rows->at, run.keys,         run.probs,
-                                                   out, p.head_dim_v,   run.v_rows->count};
-      score_tile_streams(k, k_rows.at, p.head_dim, known, q, s, widened, product);
+      using Known = decltype(known);
+      const std::int64_t dv = p.head_dim_v, ahead = run.v_rows->count, d = p.head_dim;
+      const std::int64_t* at = run.v_rows->at;
+      if (computed == 1) {
+        const RowProduct<T, Known> product{v, at, run.keys, run.probs, out, dv, ahead};
+        return score_tile_streams(k, k_rows.at, d, known, q, s, widened, product);
+      }
+      if (computed == 2) {
+        const RowsProduct<T, Known, 2> product{v, at, run.keys, run.probs, out, dv, dv_pad, ahead};
+        return score_tile_rows_streams<2>(k, k_rows.at, d, known, q, s, widened, product);
+      }
+      const RowsProduct<T, Known, 4> product{v, at, run.keys, run.probs, out, dv, dv_pad, ahead};
+      score_tile_rows_streams<4>(k, k_rows.at, d, known, q, s, widened, product);
     };
     if (a.k.dtype == DType::f32) {
       with(static_cast<const float*>(a.k.data), static_cast<const float*>(a.v.data), F32{});
@@ -491,8 +552,9 @@ struct DirectKv : DirectKvScores {
     if (pending.v_rows != nullptr) {
       const PendingProduct run = pending;
       pending.v_rows = nullptr;
-      if (tile_streams(p.head_dim, keys, heads, rows, pairs, k_rows.at)) {
-        return streams_with_product(p, a, k_rows, run, q, s, widened, dv_pad, out);
+      if (tile_streams(p.head_dim, keys, heads, rows, pairs, k_rows.at) ||
+          tile_rows_streams(p.head_dim, keys, heads, rows, pairs, k_rows.at)) {
+        return streams_with_product(p, a, k_rows, run, q, rows, s, widened, dv_pad, out);
       }
       run_pending(p, a, run, dv_pad, out);
     }

@@ -112,10 +112,13 @@ struct DirectKvScores : DirectKvHeads {
   // (row, key) lane sum is formed as score_rows forms it, in `parts` (R * kKeyTile * kLanes
   // floats), then summed across lanes by reduce_sums a block of kLanes keys at a time: the same
   // bits.
-  template <int R, class T, class Known>
+  // With `between`, between(kStreams * j, kStreams) runs after the j-th group of keys (the
+  // previous tile's P . V: DirectKv::RowsProduct), as in score_tile_streams.
+  template <int R, class T, class Known, class Between = NoWork>
   ATTNCORE_TARGET static void score_tile_rows_streams(const T* k, const std::int64_t* k_at,
                                                       std::int64_t d, Known dtype, const float* q,
-                                                      float* s, float* parts) {
+                                                      float* s, float* parts,
+                                                      const Between& between = {}) {
     constexpr int kStreams = 4;
     constexpr int kSpan = kKeyTile / kStreams;
     for (int j = 0; j < kSpan; ++j) {
@@ -145,6 +148,7 @@ struct DirectKvScores : DirectKvHeads {
           store(parts + (r * kKeyTile + j + i * kSpan) * kLanes, acc[r][i]);
         }
       }
+      between(kStreams * j, kStreams);
     }
     for (int r = 0; r < R; ++r) {
       for (int c0 = 0; c0 < kKeyTile; c0 += kLanes) {

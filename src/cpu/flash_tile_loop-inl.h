@@ -155,9 +155,13 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   // after it is scored (f32 46-59 -> 44-55, 16-bit within noise), also without the GQA product's V
   // prefetches. (Where the next tile is not scored by score_tile_streams, as over [B, L, Hkv, D] or
   // the last tile, the product runs before its scores: the same work, later.)
-  const bool overlap = direct && (kLanes == 8 || decode_plan().one_row_streams) && heads == 1 &&
-                       rows == 1 && p.head_dim % kLanes == 0 && p.head_dim_v % kLanes == 0 &&
-                       a.k.dtype == a.v.dtype;
+  // A group's 2 to 4 rows likewise where the decode plan says (rows_overlap; their scores by
+  // score_tile_rows_streams, RowsProduct between them).
+  const DecodePlan& plan = decode_plan();
+  const bool overlap_rows = rows == 1 ? kLanes == 8 || plan.one_row_streams
+                                      : DirectKv::rows_computed(rows) <= 4 && plan.rows_overlap;
+  const bool overlap = direct && overlap_rows && heads == 1 && p.head_dim % kLanes == 0 &&
+                       p.head_dim_v % kLanes == 0 && a.k.dtype == a.v.dtype;
   TileRows tile_rows[3];
   PendingProduct pending;
   const std::int64_t tile_begin = first_key / kKeyTile;
@@ -269,7 +273,7 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
         }
       }
       if (direct && !cut && overlap) {  // P . V with the next tile's scores, or after the loop
-        pending = PendingProduct{&v_rows, pv_keys, wx.scores, wx.alpha[0]};
+        pending = PendingProduct{&v_rows, pv_keys, rows, wx.scores, wx.alpha};
         continue;
       }
       if (direct && !cut) continue;  // P . V below, chunk by chunk across the heads
