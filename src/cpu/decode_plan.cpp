@@ -56,8 +56,9 @@ const DecodePlan kPlans[] = {
     // Intel (GenuineIntel; measured on one Xeon with AVX512-FP16 and AMX, family 6 model 0xA7
     // as its hypervisor reports it, probe 16 GB/s on 1 thread). Zen 4's prefetches: no placement
     // moved decode there (the zen5 plan and none at all within 0.93-1.04 of them, MHA and GQA,
-    // both layouts), and the three schemes AVX2 runs. Hq = 32, Lk = 16384, 1 thread, 7 rounds of
-    // the calls in turn in one process with 1 GiB read before each call, median speed ratio:
+    // both layouts), the three schemes AVX2 runs for MHA, and a group's rows read likewise. Hq =
+    // 32, Lk = 16384 unless said, 1 thread, 7-9 rounds of the calls in turn in one process with 1
+    // GiB read before each call, median speed ratio:
     // - The three against none (the zen4 plan, each on the target this CPU now runs, avx512, and
     //   on the one it ran before, avx512bf16): MHA f32 [B, Hkv, L, D] 1.16, [B, L, Hkv, D] 1.19,
     //   p16 1.17; bf16 1.18, 1.04, 1.07; f16 1.22, 1.12, 1.14. GQA (Hkv = 8), which none of them
@@ -68,7 +69,12 @@ const DecodePlan kPlans[] = {
     // - Several heads, [B, L, Hkv, D], avx512: key groups alone f32 1.09, bf16 1.06, f16 1.07;
     //   the one pass alone 1.12, 1.07, 1.08; both 1.20, 1.12, 1.17 (then 16-bit with P . V in
     //   chunks of 8 or 32 keys instead of 16, K prefetched 32 keys on or not at all: 1.01-1.05,
-    //   within the noise).
+    //   within the noise). Several heads' one pass run chunk by chunk with the next tile's
+    //   scores of each 16-key block: 0.98-1.04, not kept.
+    // - A GQA group's rows (Hkv = 8, [B, Hkv, L, D], avx512), their K as 4 streams: f32 1.07,
+    //   bf16 1.13, f16 1.15 (from L2, Hq = 4 Hkv = 1 Lk = 512-1024 in a loop: bf16 1.10, f32
+    //   1.25); then their P . V with the next tile's streams, Lk = 4096/16384: f32 1.07/1.00,
+    //   bf16 1.14/1.07, f16 1.07/1.08 (from L2 bf16 0.93: more work, read at once).
     {"intel", false, 12288, true, 8, 64, false, true, true, true, true, true},
 };
 

@@ -102,7 +102,7 @@ struct RowsProduct {
       row[c] = v + at[c0 + c];
     }
     for (std::int64_t e = 0; e < dv; e += kLanes) {
-      Vec vv[kMaxKeys];
+      Vec vv[kMaxKeys] = {};
 #pragma GCC unroll 4
       for (int c = 0; c < kMaxKeys; ++c) {
         if (c < count) vv[c] = load_part(row[c] + e, kLanes, Known{});
