@@ -39,7 +39,7 @@ struct DecodePlan {
   bool heads_one_pass;
   // A group's 2 to 4 query rows over one head whose rows lie together (GQA [B, Hkv, L, D]) score
   // each whole key tile as 4 sequential streams, as one row's streams do
-  // (DirectKvScores::score_tile_rows_streams).
+  // (DirectKvScores::score_tile_streams<R>).
   bool rows_streams;
   // Those rows' P . V of each tile run with the next tile's scores, as one row's do with its
   // streams (K and V read at once: DirectKv::RowsProduct).

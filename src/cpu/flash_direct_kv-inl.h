@@ -76,7 +76,7 @@ struct RowProduct {
   }
 };
 
-// RowProduct for a group's R rows (2 to 4) between score_tile_rows_streams' groups of keys: out
+// RowProduct for a group's R rows (2 to 4) between score_tile_streams' groups of keys: out
 // [R][out_stride] += P [R][kKeyTile] . V, out already scaled by each row's alpha. Each group of
 // keys' V vectors are loaded (and widened) once for the R rows, and each row's output vector
 // takes the group's keys in order through one register: the products of accumulate<T, R> in
@@ -91,7 +91,7 @@ struct RowsProduct {
   std::int64_t dv, out_stride;
   std::int64_t ahead;  // rows known: at[c] for c < ahead (TileRows::count)
   static constexpr std::int64_t kLead = RowProduct<T, Known>::kLead;
-  static constexpr int kMaxKeys = 4;  // keys per call (score_tile_rows_streams' groups)
+  static constexpr int kMaxKeys = 4;  // keys per call (score_tile_streams' groups)
   ATTNCORE_TARGET __attribute__((always_inline)) void operator()(std::int64_t c0,
                                                                  std::int64_t n) const {
     const std::int64_t count =
@@ -493,7 +493,7 @@ struct DirectKv : DirectKvScores {
   }
 
   // A tile's scores by score_tile_streams (tile_streams), or a group's by
-  // score_tile_rows_streams (tile_rows_streams), with the pending product of the tile before it
+  // score_tile_streams<R> (tile_rows_streams), with the pending product of the tile before it
   // (RowProduct, RowsProduct; out scaled by each row's alpha first, as accumulate scales it).
   ATTNCORE_TARGET static void streams_with_product(const Params& p, const ForwardArgs& a,
                                                    const TileRows& k_rows,
@@ -513,14 +513,14 @@ struct DirectKv : DirectKvScores {
       const std::int64_t* at = run.v_rows->at;
       if (computed == 1) {
         const RowProduct<T, Known> product{v, at, run.keys, run.probs, out, dv, ahead};
-        return score_tile_streams(k, k_rows.at, d, known, q, s, widened, product);
+        return score_tile_streams<1>(k, k_rows.at, d, known, q, s, widened, product);
       }
       if (computed == 2) {
         const RowsProduct<T, Known, 2> product{v, at, run.keys, run.probs, out, dv, dv_pad, ahead};
-        return score_tile_rows_streams<2>(k, k_rows.at, d, known, q, s, widened, product);
+        return score_tile_streams<2>(k, k_rows.at, d, known, q, s, widened, product);
       }
       const RowsProduct<T, Known, 4> product{v, at, run.keys, run.probs, out, dv, dv_pad, ahead};
-      score_tile_rows_streams<4>(k, k_rows.at, d, known, q, s, widened, product);
+      score_tile_streams<4>(k, k_rows.at, d, known, q, s, widened, product);
     };
     if (a.k.dtype == DType::f32) {
       with(static_cast<const float*>(a.k.data), static_cast<const float*>(a.v.data), F32{});

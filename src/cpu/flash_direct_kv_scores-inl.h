@@ -46,55 +46,7 @@ struct DirectKvScores : DirectKvHeads {
            d % kLanes == 0 && keys == kKeyTile && k_at[1] - k_at[0] == d;
   }
 
-  // The scores of one row against a whole key tile of one head (s[0 .. kKeyTile)), the keys at k
-  // + k_at[c], kStreams keys kKeyTile / kStreams apart at a time: each of their rows read in
-  // order with one query load for all of them, so that K is read as kStreams sequential
-  // streams, which the hardware prefetcher follows with no software prefetch (rows of one head
-  // lying together, [B, Hkv, L, D]). Each score is score_keys' (one accumulator per key over its
-  // vectors in order, then reduce_sums over `parts`, kKeyTile * kLanes floats): the same bits.
-  // AVX2, MHA f32 decode, Zen 3, 1 thread, % of the probe, Lk=16384, four runs of 3 interleaved
-  // passes against score_keys' blocks of kLanes adjacent keys with K prefetched 6 and 12 KiB
-  // ahead: 74, 75, 78, 71 -> 83, 82, 80, 83 (2 streams 74-84, 8 streams 81-83); bf16 63, 61, 66,
-  // 64 -> 67, 64, 67, 62, f16 66, 66, 66, 65 -> 73, 66, 66, 66; score_keys without its
-  // prefetches 53. (GQA f32, each row's scores so: 49-57 -> 45-54.)
-  // With `between`, between(kStreams * j, kStreams) runs after the j-th group of keys (the
-  // previous tile's P . V: DirectKv::RowProduct), so that V is read as K is; s is written after
-  // the last group, so `between` may read the previous tile's P from it.
-  template <class T, class Known, class Between = NoWork>
-  ATTNCORE_TARGET static void score_tile_streams(const T* k, const std::int64_t* k_at,
-                                                 std::int64_t d, Known dtype, const float* q,
-                                                 float* s, float* parts,
-                                                 const Between& between = {}) {
-    constexpr int kStreams = 4;
-    constexpr int kSpan = kKeyTile / kStreams;
-    for (int j = 0; j < kSpan; ++j) {
-      const T* row[kStreams];
-      Vec acc[kStreams];
-#pragma GCC unroll 8
-      for (int i = 0; i < kStreams; ++i) {
-        row[i] = k + k_at[j + i * kSpan];
-        acc[i] = Vec{};
-      }
-      for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
-        const Vec qv = load(q + e0);
-#pragma GCC unroll 8
-        for (int i = 0; i < kStreams; ++i) {
-          acc[i] = fmadd(qv, load_part(row[i] + e0, kLanes, dtype), acc[i]);
-        }
-      }
-#pragma GCC unroll 8
-      for (int i = 0; i < kStreams; ++i) store(parts + (j + i * kSpan) * kLanes, acc[i]);
-      between(kStreams * j, kStreams);
-    }
-    for (int c0 = 0; c0 < kKeyTile; c0 += kLanes) {
-      Vec t[kLanes];
-#pragma GCC unroll 16
-      for (int j = 0; j < kLanes; ++j) t[j] = load(parts + (c0 + j) * kLanes);
-      store(s + c0, reduce_sums(t));
-    }
-  }
-
-  // Whether score_tile_rows_streams scores this tile: R = rows_computed(rows) rows, 2 to 4, of
+  // Whether score_tile_streams<R> scores this tile: R = rows_computed(rows) rows, 2 to 4, of
   // one head whose rows lie together, a whole tile, D a multiple of kLanes and at least R
   // kLanes (the scratch the lane sums take), not on bf16 pairs, where the decode plan says
   // (rows_streams).
@@ -106,19 +58,28 @@ struct DirectKvScores : DirectKvHeads {
            d % kLanes == 0 && d >= r * kLanes && keys == kKeyTile && k_at[1] - k_at[0] == d;
   }
 
-  // The scores of R rows (q [R][d]) against a whole key tile of one head (s [R][kKeyTile]), 4
-  // keys kKeyTile / 4 apart at a time, as score_tile_streams reads them for one row (K as 4
-  // sequential streams, nothing prefetched), each K vector loaded once for the R rows. Each
-  // (row, key) lane sum is formed as score_rows forms it, in `parts` (R * kKeyTile * kLanes
-  // floats), then summed across lanes by reduce_sums a block of kLanes keys at a time: the same
-  // bits.
+  // The scores of R rows (q [R][d]: one row, or a GQA group's) against a whole key tile of one
+  // head (s [R][kKeyTile]), the keys at k + k_at[c], kStreams keys kKeyTile / kStreams apart at
+  // a time: each of their rows read in order with one query load per row for all of them (each
+  // K vector loaded once for the R rows), so that K is read as kStreams sequential streams,
+  // which the hardware prefetcher follows with no software prefetch (rows of one head lying
+  // together, [B, Hkv, L, D]). Each (row, key) lane sum is formed as score_keys and score_rows
+  // form it (one accumulator per key over its vectors in order), then summed by reduce_sums over
+  // `parts` (R * kKeyTile * kLanes floats): the same bits.
+  // One row, AVX2, MHA f32 decode, Zen 3, 1 thread, % of the probe, Lk=16384, four runs of 3
+  // interleaved passes against score_keys' blocks of kLanes adjacent keys with K prefetched 6
+  // and 12 KiB ahead: 74, 75, 78, 71 -> 83, 82, 80, 83 (2 streams 74-84, 8 streams 81-83);
+  // bf16 63, 61, 66, 64 -> 67, 64, 67, 62, f16 66, 66, 66, 65 -> 73, 66, 66, 66; score_keys
+  // without its prefetches 53. (GQA f32 there, each row's scores so: 49-57 -> 45-54; a group's
+  // at once, on the Intel Xeon: decode_plan.cpp.)
   // With `between`, between(kStreams * j, kStreams) runs after the j-th group of keys (the
-  // previous tile's P . V: DirectKv::RowsProduct), as in score_tile_streams.
+  // previous tile's P . V: DirectKv::RowProduct, RowsProduct), so that V is read as K is; s is
+  // written after the last group, so `between` may read the previous tile's P from it.
   template <int R, class T, class Known, class Between = NoWork>
-  ATTNCORE_TARGET static void score_tile_rows_streams(const T* k, const std::int64_t* k_at,
-                                                      std::int64_t d, Known dtype, const float* q,
-                                                      float* s, float* parts,
-                                                      const Between& between = {}) {
+  ATTNCORE_TARGET static void score_tile_streams(const T* k, const std::int64_t* k_at,
+                                                 std::int64_t d, Known dtype, const float* q,
+                                                 float* s, float* parts,
+                                                 const Between& between = {}) {
     constexpr int kStreams = 4;
     constexpr int kSpan = kKeyTile / kStreams;
     for (int j = 0; j < kSpan; ++j) {
@@ -482,18 +443,18 @@ struct DirectKvScores : DirectKvHeads {
     // or where the decode plan says (tile_streams): score_tile_streams, with no prefetch.
     if (tile_streams(d, keys, heads, rows, pairs, k_at)) {
       if constexpr (sizeof(T) == 4) {
-        score_tile_streams(k, k_at, d, F32{}, q, s, widened);
+        score_tile_streams<1>(k, k_at, d, F32{}, q, s, widened);
       } else if (dtype == DType::f16) {
-        score_tile_streams(k, k_at, d, F16{}, q, s, widened);
+        score_tile_streams<1>(k, k_at, d, F16{}, q, s, widened);
       } else {
-        score_tile_streams(k, k_at, d, Bf16{}, q, s, widened);
+        score_tile_streams<1>(k, k_at, d, Bf16{}, q, s, widened);
       }
       return;
     }
     // A group's rows so, where the decode plan says (tile_rows_streams).
     if (tile_rows_streams(d, keys, heads, rows, pairs, k_at)) {
       auto with = [&](auto rows_constant, auto known) ATTNCORE_TARGET {
-        score_tile_rows_streams<decltype(rows_constant)::value>(k, k_at, d, known, q, s, widened);
+        score_tile_streams<decltype(rows_constant)::value>(k, k_at, d, known, q, s, widened);
       };
       auto with_rows = [&](auto known) ATTNCORE_TARGET {
         if (rows_computed(rows) == 2) return with(std::integral_constant<int, 2>{}, known);

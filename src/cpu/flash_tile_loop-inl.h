@@ -156,7 +156,7 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   // prefetches. (Where the next tile is not scored by score_tile_streams, as over [B, L, Hkv, D] or
   // the last tile, the product runs before its scores: the same work, later.)
   // A group's 2 to 4 rows likewise where the decode plan says (rows_overlap; their scores by
-  // score_tile_rows_streams, RowsProduct between them).
+  // score_tile_streams<R>, RowsProduct between them).
   const DecodePlan& plan = decode_plan();
   const bool overlap_rows = rows == 1 ? kLanes == 8 || plan.one_row_streams
                                       : DirectKv::rows_computed(rows) <= 4 && plan.rows_overlap;
