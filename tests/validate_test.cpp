@@ -4,6 +4,7 @@
 // forward_into, backward and backward_into and every backend. Nothing is written on failure.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -499,6 +500,28 @@ TEST(ValidateUnsupported, SimdTargetNames) {
   }
   EXPECT_EQ(set_simd_target(""), "");
   EXPECT_EQ(simd_target(), simd_targets_supported().front());
+}
+
+// The supported targets, best first for this CPU: avx512bf16 before avx512 on AMD's cores,
+// after it on Intel's (README, "SIMD targets"); the compiled ones in their fixed order.
+TEST(ValidateUnsupported, SimdTargetsRankedForTheVendor) {
+  const std::vector<std::string> compiled = simd_targets_compiled();
+  ASSERT_FALSE(compiled.empty());
+  EXPECT_EQ(compiled.back(), "generic");
+  const std::vector<std::string> supported = simd_targets_supported();
+  const auto at = [&](const std::string& name) {
+    return std::find(supported.begin(), supported.end(), name) - supported.begin();
+  };
+  const auto bf16 = at("avx512bf16"), plain = at("avx512");
+  if (bf16 == static_cast<std::ptrdiff_t>(supported.size()) ||
+      plain == static_cast<std::ptrdiff_t>(supported.size())) {
+    GTEST_SKIP() << "this CPU does not run both avx512bf16 and avx512";
+  }
+  if (cpu_info().vendor == "GenuineIntel") {
+    EXPECT_LT(plain, bf16);
+  } else {
+    EXPECT_LT(bf16, plain);
+  }
 }
 
 // The math backend hands sizes to BLAS as 32-bit ints: Lq * Lk >= 2^31 is valid input that it

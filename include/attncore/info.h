@@ -60,12 +60,15 @@ ATTNCORE_API double measure_fma_peak_gflops(int threads);
 // machine).
 ATTNCORE_API double measure_read_bandwidth_gbs(int threads, std::int64_t piece_bytes = 0);
 
-// SIMD targets of the fused kernels compiled into this build, best first ("avx512", "avx2",
-// "generic"), and those this CPU can run.
+// SIMD targets of the fused kernels compiled into this build ("avx512bf16", "avx512", "avx2",
+// "generic"), and those this CPU can run, best first for this CPU: avx512 before avx512bf16 on
+// Intel's cores, where bf16 pair dot products run at half the FMA's rate (README, "SIMD
+// targets").
 ATTNCORE_API std::vector<std::string> simd_targets_compiled();
 ATTNCORE_API std::vector<std::string> simd_targets_supported();
 
-// The target the fused kernels use now: the best supported one unless set_simd_target chose.
+// The target the fused kernels use now: the first of simd_targets_supported() unless
+// set_simd_target chose.
 ATTNCORE_API std::string simd_target();
 
 // Makes every later call use `name` ("" = automatic); returns the previous setting. Throws
