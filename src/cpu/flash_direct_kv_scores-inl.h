@@ -1,6 +1,7 @@
 // DirectKv's scores, for one SIMD target: S = q . K^T for decode-shaped items, K read where it
 // lies (dense rows or pages) and widened in registers; the prefetching of K that goes with it.
-// (One row per head across several heads: DirectKvHeads, flash_direct_kv_heads-inl.h.)
+// (One row per head across several heads: DirectKvHeads, flash_direct_kv_heads-inl.h; whole
+// tiles of one head read as streams: DirectKvStreams, flash_direct_kv_streams-inl.h.)
 #pragma once
 
 #include <algorithm>
@@ -10,117 +11,15 @@
 
 #include "core/params.h"
 #include "cpu/decode_plan.h"
-#include "cpu/flash_direct_kv_heads-inl.h"
+#include "cpu/flash_direct_kv_streams-inl.h"
 #include "cpu/flash_simd-inl.h"
 #include "cpu/flash_tile_rows-inl.h"
 
 namespace attncore::detail::ATTNCORE_TARGET_NS {
 
-// Nothing to run between score_tile_streams' groups of keys.
-struct NoWork {
-  ATTNCORE_TARGET void operator()(std::int64_t, std::int64_t) const {}
-};
-
 // The scores of DirectKv items (flash_direct_kv-inl.h): one row, a group's rows, or one row per
 // head across several heads, against a block of kLanes keys or a key tile.
-struct DirectKvScores : DirectKvHeads {
-  // The rows the in-place products compute for an item of `rows` rows: 1, 2, 4 or kTileRows
-  // (the rows past `rows` have P = 0 and alpha = 1). Decode items have one row per query head
-  // of the group: computing kTileRows rows for MHA's one row made P . V 8x the work it is. GQA
-  // groups of 3-4 rows: 4 (GQA Hq=32 Hkv=8 Lk=16384, 1 thread, GB/s: bf16 17-18 with 4 against
-  // 14 with 8; f32, once each slice's V lines were all prefetched, % of the probe, Lk=4096/16384,
-  // interleaved: [B, Hkv, L, D] 78/60 with 8 against 89/66 with 4 in one run of 5 passes, 59/56
-  // against 63/60 in one of 3; [B, L, Hkv, D] and pages within 3 points either way).
-  ATTNCORE_TARGET static int rows_computed(std::int64_t rows) {
-    if (rows <= 2) return rows <= 1 ? 1 : 2;
-    return rows <= 4 && kTileRows > 4 ? 4 : kTileRows;
-  }
-
-  // Whether score_tile_streams scores this tile: AVX2, or AVX-512 where the decode plan says
-  // (one_row_streams) and the scores are not on bf16 pairs; one row of one head, a whole tile of
-  // rows that lie together ([B, Hkv, L, D]), D a multiple of kLanes.
-  ATTNCORE_TARGET static bool tile_streams(std::int64_t d, std::int64_t keys, std::int64_t heads,
-                                           std::int64_t rows, bool pairs,
-                                           const std::int64_t* k_at) {
-    return (kLanes == 8 || (!pairs && decode_plan().one_row_streams)) && heads == 1 && rows == 1 &&
-           d % kLanes == 0 && keys == kKeyTile && k_at[1] - k_at[0] == d;
-  }
-
-  // Whether score_tile_streams<R> scores this tile: R = rows_computed(rows) rows, 2 to 4, of
-  // one head whose rows lie together, a whole tile, D a multiple of kLanes and at least R
-  // kLanes (the scratch the lane sums take), not on bf16 pairs, where the decode plan says
-  // (rows_streams).
-  ATTNCORE_TARGET static bool tile_rows_streams(std::int64_t d, std::int64_t keys,
-                                                std::int64_t heads, std::int64_t rows, bool pairs,
-                                                const std::int64_t* k_at) {
-    const int r = rows_computed(rows);
-    return rows > 1 && r <= 4 && heads == 1 && !pairs && decode_plan().rows_streams &&
-           d % kLanes == 0 && d >= r * kLanes && keys == kKeyTile && k_at[1] - k_at[0] == d;
-  }
-
-  // The scores of R rows (q [R][d]: one row, or a GQA group's) against a whole key tile of one
-  // head (s [R][kKeyTile]), the keys at k + k_at[c], kStreams keys kKeyTile / kStreams apart at
-  // a time: each of their rows read in order with one query load per row for all of them (each
-  // K vector loaded once for the R rows), so that K is read as kStreams sequential streams,
-  // which the hardware prefetcher follows with no software prefetch (rows of one head lying
-  // together, [B, Hkv, L, D]). Each (row, key) lane sum is formed as score_keys and score_rows
-  // form it (one accumulator per key over its vectors in order), then summed by reduce_sums over
-  // `parts` (R * kKeyTile * kLanes floats): the same bits.
-  // One row, AVX2, MHA f32 decode, Zen 3, 1 thread, % of the probe, Lk=16384, four runs of 3
-  // interleaved passes against score_keys' blocks of kLanes adjacent keys with K prefetched 6
-  // and 12 KiB ahead: 74, 75, 78, 71 -> 83, 82, 80, 83 (2 streams 74-84, 8 streams 81-83);
-  // bf16 63, 61, 66, 64 -> 67, 64, 67, 62, f16 66, 66, 66, 65 -> 73, 66, 66, 66; score_keys
-  // without its prefetches 53. (GQA f32 there, each row's scores so: 49-57 -> 45-54; a group's
-  // at once, on the Intel Xeon: decode_plan.cpp.)
-  // With `between`, between(kStreams * j, kStreams) runs after the j-th group of keys (the
-  // previous tile's P . V: DirectKv::RowProduct, RowsProduct), so that V is read as K is; s is
-  // written after the last group, so `between` may read the previous tile's P from it.
-  template <int R, class T, class Known, class Between = NoWork>
-  ATTNCORE_TARGET static void score_tile_streams(const T* k, const std::int64_t* k_at,
-                                                 std::int64_t d, Known dtype, const float* q,
-                                                 float* s, float* parts,
-                                                 const Between& between = {}) {
-    constexpr int kStreams = 4;
-    constexpr int kSpan = kKeyTile / kStreams;
-    for (int j = 0; j < kSpan; ++j) {
-      const T* row[kStreams];
-      Vec acc[R][kStreams];
-#pragma GCC unroll 8
-      for (int i = 0; i < kStreams; ++i) {
-        row[i] = k + k_at[j + i * kSpan];
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) acc[r][i] = Vec{};
-      }
-      for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
-        Vec qv[R];
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) qv[r] = load(q + r * d + e0);
-#pragma GCC unroll 8
-        for (int i = 0; i < kStreams; ++i) {
-          const Vec kv = load_part(row[i] + e0, kLanes, dtype);
-#pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) acc[r][i] = fmadd(qv[r], kv, acc[r][i]);
-        }
-      }
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 8
-        for (int i = 0; i < kStreams; ++i) {
-          store(parts + (r * kKeyTile + j + i * kSpan) * kLanes, acc[r][i]);
-        }
-      }
-      between(kStreams * j, kStreams);
-    }
-    for (int r = 0; r < R; ++r) {
-      for (int c0 = 0; c0 < kKeyTile; c0 += kLanes) {
-        Vec t[kLanes];
-#pragma GCC unroll 16
-        for (int j = 0; j < kLanes; ++j) t[j] = load(parts + (r * kKeyTile + c0 + j) * kLanes);
-        store(s + r * kKeyTile + c0, reduce_sums(t));
-      }
-    }
-  }
-
+struct DirectKvScores : DirectKvStreams {
   // The scores of one row against keys c0 .. c0 + block - 1 (block <= kLanes) of `k` (rows ldk
   // apart) into s[0 .. kLanes): one accumulator per key, in registers, summed across lanes by
   // reduce_sums (0 for keys past block; a transpose and a sum instead ran bf16 decode at 63-66%

@@ -1,0 +1,205 @@
+// DirectKv's whole key tiles of one head read as 4 sequential K streams, for one SIMD target:
+// the scores of one row or a GQA group's rows (score_tile_streams), and the previous tile's
+// P . V run between their groups of keys (RowProduct, RowsProduct), so that K and V are read
+// at once. AVX2 reads one row so always; AVX-512 where the core's decode plan says
+// (decode_plan.h). (The rest of the scores: flash_direct_kv_scores-inl.h.)
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "cpu/decode_plan.h"
+#include "cpu/flash_direct_kv_heads-inl.h"
+#include "cpu/flash_simd-inl.h"
+#include "cpu/flash_tile_rows-inl.h"
+
+namespace attncore::detail::ATTNCORE_TARGET_NS {
+
+// Nothing to run between score_tile_streams' groups of keys.
+struct NoWork {
+  ATTNCORE_TARGET void operator()(std::int64_t, std::int64_t) const {}
+};
+
+// Which tiles are read as streams, and their scores (DirectKvScores derives from it).
+struct DirectKvStreams : DirectKvHeads {
+  // The rows the in-place products compute for an item of `rows` rows: 1, 2, 4 or kTileRows
+  // (the rows past `rows` have P = 0 and alpha = 1). Decode items have one row per query head
+  // of the group: computing kTileRows rows for MHA's one row made P . V 8x the work it is. GQA
+  // groups of 3-4 rows: 4 (GQA Hq=32 Hkv=8 Lk=16384, 1 thread, GB/s: bf16 17-18 with 4 against
+  // 14 with 8; f32, once each slice's V lines were all prefetched, % of the probe, Lk=4096/16384,
+  // interleaved: [B, Hkv, L, D] 78/60 with 8 against 89/66 with 4 in one run of 5 passes, 59/56
+  // against 63/60 in one of 3; [B, L, Hkv, D] and pages within 3 points either way).
+  ATTNCORE_TARGET static int rows_computed(std::int64_t rows) {
+    if (rows <= 2) return rows <= 1 ? 1 : 2;
+    return rows <= 4 && kTileRows > 4 ? 4 : kTileRows;
+  }
+
+  // Whether score_tile_streams scores this tile: AVX2, or AVX-512 where the decode plan says
+  // (one_row_streams) and the scores are not on bf16 pairs; one row of one head, a whole tile of
+  // rows that lie together ([B, Hkv, L, D]), D a multiple of kLanes.
+  ATTNCORE_TARGET static bool tile_streams(std::int64_t d, std::int64_t keys, std::int64_t heads,
+                                           std::int64_t rows, bool pairs,
+                                           const std::int64_t* k_at) {
+    return (kLanes == 8 || (!pairs && decode_plan().one_row_streams)) && heads == 1 && rows == 1 &&
+           d % kLanes == 0 && keys == kKeyTile && k_at[1] - k_at[0] == d;
+  }
+
+  // Whether score_tile_streams<R> scores this tile: R = rows_computed(rows) rows, 2 to 4, of
+  // one head whose rows lie together, a whole tile, D a multiple of kLanes and at least R
+  // kLanes (the scratch the lane sums take), not on bf16 pairs, where the decode plan says
+  // (rows_streams).
+  ATTNCORE_TARGET static bool tile_rows_streams(std::int64_t d, std::int64_t keys,
+                                                std::int64_t heads, std::int64_t rows, bool pairs,
+                                                const std::int64_t* k_at) {
+    const int r = rows_computed(rows);
+    return rows > 1 && r <= 4 && heads == 1 && !pairs && decode_plan().rows_streams &&
+           d % kLanes == 0 && d >= r * kLanes && keys == kKeyTile && k_at[1] - k_at[0] == d;
+  }
+
+  // The scores of R rows (q [R][d]: one row, or a GQA group's) against a whole key tile of one
+  // head (s [R][kKeyTile]), the keys at k + k_at[c], kStreams keys kKeyTile / kStreams apart at
+  // a time: each of their rows read in order with one query load per row for all of them (each
+  // K vector loaded once for the R rows), so that K is read as kStreams sequential streams,
+  // which the hardware prefetcher follows with no software prefetch (rows of one head lying
+  // together, [B, Hkv, L, D]). Each (row, key) lane sum is formed as score_keys and score_rows
+  // form it (one accumulator per key over its vectors in order), then summed by reduce_sums over
+  // `parts` (R * kKeyTile * kLanes floats): the same bits.
+  // One row, AVX2, MHA f32 decode, Zen 3, 1 thread, % of the probe, Lk=16384, four runs of 3
+  // interleaved passes against score_keys' blocks of kLanes adjacent keys with K prefetched 6
+  // and 12 KiB ahead: 74, 75, 78, 71 -> 83, 82, 80, 83 (2 streams 74-84, 8 streams 81-83);
+  // bf16 63, 61, 66, 64 -> 67, 64, 67, 62, f16 66, 66, 66, 65 -> 73, 66, 66, 66; score_keys
+  // without its prefetches 53. (GQA f32 there, each row's scores so: 49-57 -> 45-54; a group's
+  // at once, on the Intel Xeon: decode_plan.cpp.)
+  // With `between`, between(kStreams * j, kStreams) runs after the j-th group of keys (the
+  // previous tile's P . V: DirectKv::RowProduct, RowsProduct), so that V is read as K is; s is
+  // written after the last group, so `between` may read the previous tile's P from it.
+  template <int R, class T, class Known, class Between = NoWork>
+  ATTNCORE_TARGET static void score_tile_streams(const T* k, const std::int64_t* k_at,
+                                                 std::int64_t d, Known dtype, const float* q,
+                                                 float* s, float* parts,
+                                                 const Between& between = {}) {
+    constexpr int kStreams = 4;
+    constexpr int kSpan = kKeyTile / kStreams;
+    for (int j = 0; j < kSpan; ++j) {
+      const T* row[kStreams];
+      Vec acc[R][kStreams];
+#pragma GCC unroll 8
+      for (int i = 0; i < kStreams; ++i) {
+        row[i] = k + k_at[j + i * kSpan];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) acc[r][i] = Vec{};
+      }
+      for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
+        Vec qv[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) qv[r] = load(q + r * d + e0);
+#pragma GCC unroll 8
+        for (int i = 0; i < kStreams; ++i) {
+          const Vec kv = load_part(row[i] + e0, kLanes, dtype);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) acc[r][i] = fmadd(qv[r], kv, acc[r][i]);
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+        for (int i = 0; i < kStreams; ++i) {
+          store(parts + (r * kKeyTile + j + i * kSpan) * kLanes, acc[r][i]);
+        }
+      }
+      between(kStreams * j, kStreams);
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int c0 = 0; c0 < kKeyTile; c0 += kLanes) {
+        Vec t[kLanes];
+#pragma GCC unroll 16
+        for (int j = 0; j < kLanes; ++j) t[j] = load(parts + (r * kKeyTile + c0 + j) * kLanes);
+        store(s + r * kKeyTile + c0, reduce_sums(t));
+      }
+    }
+  }
+};
+
+// One row's P . V over a tile's keys c < keys, run a few keys at a time between the next tile's
+// scores (score_tile_streams: K and V then read as concurrent streams): out [dv] += P . V, out
+// already scaled by the tile's alpha. Each key's whole row at once, through memory (the row in
+// two halves per 4 keys, as accumulate<T, 1> takes a tile's, ran slower: run_block_with's
+// `overlap` has the figures). Each output element is alpha out plus its keys' products in key
+// order as accumulate<T, 1> forms it (a store rounds nothing): the same bits. Dv a multiple of
+// kLanes.
+template <class T, class Known>
+struct RowProduct {
+  const T* v;  // V rows: key c at v + at[c]
+  const std::int64_t* at;
+  std::int64_t keys;
+  const float* probs;  // [keys]: P
+  float* out;          // [dv]
+  std::int64_t dv;
+  std::int64_t ahead;  // rows known: at[c] for c < ahead (TileRows::count)
+  // V rows prefetched this many keys ahead, into L1: Zen 3, 1 thread, % of the probe,
+  // Lk=16384, five runs of 5 interleaved passes (scratch harness), none / 8 / 16 keys: f32
+  // 88-102 / 90-101 / 91-100, bf16 70-85 / 76-95 / 77-89, f16 72-85 / 81-96 / 79-90 (means:
+  // bf16 77 / 86 / 83, f16 80 / 87 / 84; into L2, one run of 3 passes: 32 keys bf16 73-86,
+  // f16 79-85, 64 keys 79-93, 82-98).
+  static constexpr std::int64_t kLead = 8;
+  ATTNCORE_TARGET __attribute__((always_inline)) void operator()(std::int64_t c0,
+                                                                 std::int64_t n) const {
+    const std::int64_t end = std::min(c0 + n, keys);
+    for (std::int64_t c = c0; c < end; ++c) {
+      if (c + kLead < ahead) prefetch_lines<3>(v + at[c + kLead], dv);
+      const Vec weight = splat(probs[c]);
+      const T* row = v + at[c];
+#pragma GCC unroll 16
+      for (std::int64_t e = 0; e < dv; e += kLanes) {
+        store(out + e, fmadd(weight, load_part(row + e, kLanes, Known{}), load(out + e)));
+      }
+    }
+  }
+};
+
+// RowProduct for a group's R rows (2 to 4) between score_tile_streams' groups of keys: out
+// [R][out_stride] += P [R][kKeyTile] . V, out already scaled by each row's alpha. Each group of
+// keys' V vectors are loaded (and widened) once for the R rows, and each row's output vector
+// takes the group's keys in order through one register: the products of accumulate<T, R> in
+// the same order, the same bits. Dv a multiple of kLanes.
+template <class T, class Known, int R>
+struct RowsProduct {
+  const T* v;  // V rows: key c at v + at[c]
+  const std::int64_t* at;
+  std::int64_t keys;
+  const float* probs;  // [R][kKeyTile]: P
+  float* out;          // [R][out_stride]
+  std::int64_t dv, out_stride;
+  std::int64_t ahead;  // rows known: at[c] for c < ahead (TileRows::count)
+  static constexpr std::int64_t kLead = RowProduct<T, Known>::kLead;
+  static constexpr int kMaxKeys = 4;  // keys per call (score_tile_streams' groups)
+  ATTNCORE_TARGET __attribute__((always_inline)) void operator()(std::int64_t c0,
+                                                                 std::int64_t n) const {
+    const std::int64_t count =
+        std::clamp<std::int64_t>(keys - c0, 0, std::min<std::int64_t>(n, kMaxKeys));
+    const T* row[kMaxKeys] = {};
+    for (std::int64_t c = 0; c < count; ++c) {
+      if (c0 + c + kLead < ahead) prefetch_lines<3>(v + at[c0 + c + kLead], dv);
+      row[c] = v + at[c0 + c];
+    }
+    for (std::int64_t e = 0; e < dv; e += kLanes) {
+      Vec vv[kMaxKeys] = {};
+#pragma GCC unroll 4
+      for (int c = 0; c < kMaxKeys; ++c) {
+        if (c < count) vv[c] = load_part(row[c] + e, kLanes, Known{});
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        Vec acc = load(out + r * out_stride + e);
+#pragma GCC unroll 4
+        for (int c = 0; c < kMaxKeys; ++c) {
+          if (c < count) acc = fmadd(splat(probs[r * kKeyTile + c0 + c]), vv[c], acc);
+        }
+        store(out + r * out_stride + e, acc);
+      }
+    }
+  }
+};
+
+}  // namespace attncore::detail::ATTNCORE_TARGET_NS
