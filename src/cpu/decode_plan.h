@@ -29,8 +29,8 @@ struct DecodePlan {
   // slice's 16 keys ahead) into L1, else into L2.
   bool v_into_l1;
   // One query row over one head whose rows lie together (MHA [B, Hkv, L, D]) scores each whole
-  // key tile as 4 sequential streams with the tile before it's P . V between them (K and V read
-  // at once: DirectKvScores::score_tile_streams); AVX2 always does.
+  // key tile as 4 sequential streams, with the P . V of the tile before it run between them (K
+  // and V read at once: DirectKvStreams::score_tile_streams); AVX2 always does.
   bool one_row_streams;
   // One query row per head over several heads (MHA [B, L, Hkv, D], pages): scores 4 keys at a
   // time head after head (DirectKvHeads::score_heads_key_groups), and P . V of a chunk of keys
@@ -39,7 +39,7 @@ struct DecodePlan {
   bool heads_one_pass;
   // A group's 2 to 4 query rows over one head whose rows lie together (GQA [B, Hkv, L, D]) score
   // each whole key tile as 4 sequential streams, as one row's streams do
-  // (DirectKvScores::score_tile_streams<R>).
+  // (DirectKvStreams::score_tile_streams<R>).
   bool rows_streams;
   // Those rows' P . V of each tile run with the next tile's scores, as one row's do with its
   // streams (K and V read at once: DirectKv::RowsProduct).

@@ -321,9 +321,9 @@ struct DirectKv : DirectKvScores {
 
   // Whether a multi-head item's P . V takes a chunk of keys for all its heads in one pass
   // (accumulate_heads): AVX2 (AVX-512 where the decode plan says: heads_one_pass), one row per
-  // head (MHA), Dv a whole number of 8-vector slices, its
-  // chunks within kMaxChunk and a head's V row within kHeadVAhead (wider rows, which
-  // tile_accumulate prefetches as one head's, keep that path).
+  // head (MHA), Dv a whole number of 8-vector slices, its chunks within kMaxChunk and a head's V
+  // row within kHeadVAhead (wider rows, which tile_accumulate prefetches as one head's, keep
+  // that path).
   static constexpr std::int64_t kMaxChunk = 16;
   ATTNCORE_TARGET static bool heads_in_one_pass(const Params& p, DType v_dtype,
                                                 std::int64_t heads, std::int64_t rows,
