@@ -74,7 +74,9 @@ const DecodePlan kPlans[] = {
     // - A GQA group's rows (Hkv = 8, [B, Hkv, L, D], avx512), their K as 4 streams: f32 1.07,
     //   bf16 1.13, f16 1.15 (from L2, Hq = 4 Hkv = 1 Lk = 512-1024 in a loop: bf16 1.10, f32
     //   1.25); then their P . V with the next tile's streams, Lk = 4096/16384: f32 1.07/1.00,
-    //   bf16 1.14/1.07, f16 1.07/1.08 (from L2 bf16 0.93: more work, read at once).
+    //   bf16 1.14/1.07, f16 1.07/1.08 (from L2 bf16 0.93: more work, read at once); with
+    //   RowsProduct's weights and fields in locals and whole groups tested once, Lk = 16384:
+    //   f32 1.06, bf16 1.18, f16 1.17 (from L2 bf16 1.13-1.25x what it was).
     {"intel", false, 12288, true, 8, 64, false, true, true, true, true, true},
 };
 

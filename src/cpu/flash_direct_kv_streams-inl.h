@@ -178,12 +178,28 @@ struct RowsProduct {
                                                                  std::int64_t n) const {
     const std::int64_t count =
         std::clamp<std::int64_t>(keys - c0, 0, std::min<std::int64_t>(n, kMaxKeys));
+    if (count == kMaxKeys) return products(c0, std::integral_constant<int, kMaxKeys>{});
+    products(c0, count);
+  }
+  // The products of keys c0 .. c0 + count - 1 (count a constant for whole groups: no test per
+  // key), the fields and weights read into locals first (the stores to out would otherwise
+  // make the compiler read them again after each).
+  template <class Count>
+  ATTNCORE_TARGET __attribute__((always_inline)) void products(std::int64_t c0, Count count) const {
+    const std::int64_t d = dv, stride = out_stride;
+    float* const o = out;
     const T* row[kMaxKeys] = {};
-    for (std::int64_t c = 0; c < count; ++c) {
-      if (c0 + c + kLead < ahead) prefetch_lines<3>(v + at[c0 + c + kLead], dv);
-      row[c] = v + at[c0 + c];
+    float w[R][kMaxKeys] = {};
+#pragma GCC unroll 4
+    for (int c = 0; c < kMaxKeys; ++c) {
+      if (c < count) {
+        if (c0 + c + kLead < ahead) prefetch_lines<3>(v + at[c0 + c + kLead], d);
+        row[c] = v + at[c0 + c];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) w[r][c] = probs[r * kKeyTile + c0 + c];
+      }
     }
-    for (std::int64_t e = 0; e < dv; e += kLanes) {
+    for (std::int64_t e = 0; e < d; e += kLanes) {
       Vec vv[kMaxKeys] = {};
 #pragma GCC unroll 4
       for (int c = 0; c < kMaxKeys; ++c) {
@@ -191,12 +207,12 @@ struct RowsProduct {
       }
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        Vec acc = load(out + r * out_stride + e);
+        Vec acc = load(o + r * stride + e);
 #pragma GCC unroll 4
         for (int c = 0; c < kMaxKeys; ++c) {
-          if (c < count) acc = fmadd(splat(probs[r * kKeyTile + c0 + c]), vv[c], acc);
+          if (c < count) acc = fmadd(splat(w[r][c]), vv[c], acc);
         }
-        store(out + r * out_stride + e, acc);
+        store(o + r * stride + e, acc);
       }
     }
   }
