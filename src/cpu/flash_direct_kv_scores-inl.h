@@ -339,25 +339,17 @@ struct DirectKvScores : DirectKvStreams {
                                      [[maybe_unused]] bool pairs, float* s, float* widened) {
     const std::int64_t d = p.head_dim;
     // One row of one head over a whole tile of rows that lie together ([B, Hkv, L, D]), on AVX2
-    // or where the decode plan says (tile_streams): score_tile_streams, with no prefetch.
-    if (tile_streams(d, keys, heads, rows, pairs, k_at)) {
-      if constexpr (sizeof(T) == 4) {
-        score_tile_streams<1>(k, k_at, d, F32{}, q, s, widened);
-      } else if (dtype == DType::f16) {
-        score_tile_streams<1>(k, k_at, d, F16{}, q, s, widened);
-      } else {
-        score_tile_streams<1>(k, k_at, d, Bf16{}, q, s, widened);
-      }
-      return;
-    }
-    // A group's rows so, where the decode plan says (tile_rows_streams).
-    if (tile_rows_streams(d, keys, heads, rows, pairs, k_at)) {
-      auto with = [&](auto rows_constant, auto known) ATTNCORE_TARGET {
-        score_tile_streams<decltype(rows_constant)::value>(k, k_at, d, known, q, s, widened);
-      };
+    // or where the decode plan says (tile_streams), or a group's rows where it says so
+    // (tile_rows_streams): score_tile_streams, with no prefetch.
+    const int streamed = tile_streams(d, keys, heads, rows, pairs, k_at) ? 1
+                         : tile_rows_streams(d, keys, heads, rows, pairs, k_at)
+                             ? rows_computed(rows)
+                             : 0;
+    if (streamed > 0) {
       auto with_rows = [&](auto known) ATTNCORE_TARGET {
-        if (rows_computed(rows) == 2) return with(std::integral_constant<int, 2>{}, known);
-        with(std::integral_constant<int, 4>{}, known);
+        if (streamed == 1) return score_tile_streams<1>(k, k_at, d, known, q, s, widened);
+        if (streamed == 2) return score_tile_streams<2>(k, k_at, d, known, q, s, widened);
+        score_tile_streams<4>(k, k_at, d, known, q, s, widened);
       };
       if constexpr (sizeof(T) == 4) {
         with_rows(F32{});
