@@ -46,13 +46,13 @@ const DecodePlan kPlans[] = {
     //   f16 74/74 -> 84/85, 78/79 -> 75/83, 79/76 -> 82/76. One f32 row's (8 keys ahead), 9 and
     //   11 passes: 73/74 -> 81/83, 71/71 -> 78/80 (4 or 16 keys into L2 as 8; earlier kernels
     //   had read no more with it in L2).
-    {"zen4", false, 12288, true, 8, 64, false, false, false, false, false, false},
+    {"zen4", false, 12288, true, 8, 64, false, false, false, false, false, false, false},
     // Zen 5 (AMD family 0x1A and later). Near K rows into L1, f32 rows also 3 KiB ahead, a
     // block's first (MHA f32 82/81 -> 88/86, GQA f32 76/65 -> 80/72 and 68/62 -> 78/73 in two
     // runs of 9 passes against once; 16-bit rows ran slower twice: bf16 97/92 -> 89/88); no V
     // prefetch for an f32 row (80/79 against 78/76 at 8 keys); other V into L1 (as measured
     // there before the plans).
-    {"zen5", true, 3072, false, 0, 0, true, false, false, false, false, false},
+    {"zen5", true, 3072, false, 0, 0, true, false, false, false, false, false, false},
     // Intel (GenuineIntel; measured on one Xeon with AVX512-FP16 and AMX, family 6 model 0xA7
     // as its hypervisor reports it, probe 16 GB/s on 1 thread). Zen 4's prefetches: no placement
     // moved decode there (the zen5 plan and none at all within 0.93-1.04 of them, MHA and GQA,
@@ -77,7 +77,12 @@ const DecodePlan kPlans[] = {
     //   bf16 1.14/1.07, f16 1.07/1.08 (from L2 bf16 0.93: more work, read at once); with
     //   RowsProduct's weights and fields in locals and whole groups tested once, Lk = 16384:
     //   f32 1.06, bf16 1.18, f16 1.17 (from L2 bf16 1.13-1.25x what it was).
-    {"intel", false, 12288, true, 8, 64, false, true, true, true, true, true},
+    // - Several heads' P . V run with the next tile's scores head by head, each head's 4 keys
+    //   after its 4 scored keys (heads_overlap; K and V then read at once, as 4 streams each),
+    //   against the one pass after the scores, [B, L, Hkv, D] and p16: f32 1.07, 1.06; bf16
+    //   1.13, 1.15; f16 1.11, 1.18 (on Zen 3 the same order, with AVX2's kernels, read f32 BLHD
+    //   at 78-93% of the probe against 91-101: docs/decode.md).
+    {"intel", false, 12288, true, 8, 64, false, true, true, true, true, true, true},
 };
 
 std::atomic<const DecodePlan*> scoped{nullptr};

@@ -44,6 +44,10 @@ struct DecodePlan {
   // Those rows' P . V of each tile run with the next tile's scores, as one row's do with its
   // streams (K and V read at once: DirectKv::RowsProduct).
   bool rows_overlap;
+  // One query row per head over several heads (MHA [B, L, Hkv, D], pages, AVX-512): each tile's
+  // P . V run with the next tile's scores, head by head, 4 keys at a time (K and V read at once:
+  // DirectKv::heads_with_product); with heads_key_groups and heads_one_pass.
+  bool heads_overlap;
 };
 
 // The plan for a CPU: `vendor` as cpuid gives it ("AuthenticAMD", ...) and its x86 family

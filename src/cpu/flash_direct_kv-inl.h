@@ -48,6 +48,10 @@ struct PendingProduct {
   std::int64_t rows;
   const float* probs;
   const float* alpha;
+  // One row per head over several heads (MHA [B, L, Hkv, D], pages): each head's P, alpha and
+  // out head_floats floats after the one before (DirectKv::heads_with_product).
+  std::int64_t heads = 1;
+  std::int64_t head_floats = 0;
 };
 
 // Decode-shaped items (one per kv group, at most kTileRows query rows) read K and V where they
@@ -407,6 +411,13 @@ struct DirectKv : DirectKvScores {
   ATTNCORE_TARGET static void run_pending(const Params& p, const ForwardArgs& a,
                                           const PendingProduct& run, std::int64_t dv_pad,
                                           float* out) {
+    if (run.heads > 1) {
+      for (std::int64_t c = 0; c < run.keys; c += kMaxChunk) {
+        tile_accumulate_heads(p, a, *run.v_rows, c, std::min(kMaxChunk, run.keys - c), run.heads,
+                              run.probs + c, out, c == 0 ? run.alpha : nullptr, run.head_floats);
+      }
+      return;
+    }
     tile_accumulate(p, a, *run.v_rows, 0, 0, run.keys, 0, run.rows, run.probs, dv_pad, run.alpha,
                     out);
   }
@@ -452,6 +463,54 @@ struct DirectKv : DirectKvScores {
     }
   }
 
+  // Whether score_heads_key_groups scores a tile of one row per head over several heads with
+  // the previous tile's P . V between its groups of keys (HeadsProduct): AVX-512 where the decode
+  // plan says (heads_overlap; and heads_key_groups), not on bf16 pairs, D a multiple of kLanes,
+  // the partial sums within the scratch (as DirectKvScores::scores takes them).
+  ATTNCORE_TARGET static bool heads_key_groups_overlap(std::int64_t d, std::int64_t heads,
+                                                       std::int64_t rows, bool pairs) {
+    const DecodePlan& plan = decode_plan();
+    return kLanes == 16 && plan.heads_overlap && plan.heads_key_groups && heads > 1 && rows == 1 &&
+           !pairs && d % kLanes == 0 && heads * kLanes * kLanes + heads * d / 2 <= d * kKeyTile;
+  }
+
+  // A tile's scores over several heads by score_heads_key_groups (heads_key_groups_overlap),
+  // each head's previous tile's P . V run after its scores of each group of keys (HeadsProduct;
+  // out scaled by each head's alpha first, as accumulate_heads scales it).
+  ATTNCORE_TARGET static void heads_with_product(const Params& p, const ForwardArgs& a,
+                                                 const TileRows& k_rows, const PendingProduct& run,
+                                                 std::int64_t keys, std::int64_t cols,
+                                                 const float* q, float* s, float* parts,
+                                                 float* out) {
+    const std::int64_t hf = run.head_floats, heads = run.heads, dv = p.head_dim_v;
+    for (std::int64_t x = 0; x < heads; ++x) {
+      float* o = out + x * hf;
+      const Vec scale = splat(run.alpha[x * hf]);
+      for (std::int64_t e = 0; e < dv; e += kLanes) store(o + e, load(o + e) * scale);
+    }
+    auto with = [&](auto k, auto v, auto known, std::int64_t lead) ATTNCORE_TARGET {
+      using T = std::remove_const_t<std::remove_pointer_t<decltype(v)>>;
+      const HeadsProduct<T, decltype(known)> product{v,  run.v_rows->at, run.keys, run.probs, out,
+                                                     dv, a.v.stride[1],  hf};
+      for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
+        const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
+        const auto between = [&](std::int64_t x, std::int64_t j, std::int64_t n)
+                                 ATTNCORE_TARGET { product(x, c0 + j, n); };
+        score_heads_key_groups(k, k_rows.at + c0, block, known, p.head_dim, heads, a.k.stride[1],
+                               hf, q, s + c0, parts, lead, k_rows.count - c0, between);
+      }
+    };
+    if (a.k.dtype == DType::f32) {
+      with(static_cast<const float*>(a.k.data), static_cast<const float*>(a.v.data), F32{}, 0);
+    } else if (a.k.dtype == DType::f16) {
+      with(static_cast<const std::uint16_t*>(a.k.data), static_cast<const std::uint16_t*>(a.v.data),
+           F16{}, kByKeyLead);
+    } else {
+      with(static_cast<const std::uint16_t*>(a.k.data), static_cast<const std::uint16_t*>(a.v.data),
+           Bf16{}, kByKeyLead);
+    }
+  }
+
   // Both for a key tile of K and V rows resolved (TileRows) of the item's first kv head, in
   // the input's dtype, for `heads` heads (scores: DirectKvScores::scores); the product, for the
   // head whose V rows lie v_shift elements after them, covers keys [begin, begin + keys) of the
@@ -471,6 +530,10 @@ struct DirectKv : DirectKvScores {
     if (pending.v_rows != nullptr) {
       const PendingProduct run = pending;
       pending.v_rows = nullptr;
+      if (run.heads > 1 && heads_key_groups_overlap(p.head_dim, heads, rows, pairs) &&
+          cols >= run.keys) {
+        return heads_with_product(p, a, k_rows, run, keys, cols, q, s, widened, out);
+      }
       if (tile_streams(p.head_dim, keys, heads, rows, pairs, k_rows.at) ||
           tile_rows_streams(p.head_dim, keys, heads, rows, pairs, k_rows.at)) {
         return streams_with_product(p, a, k_rows, run, q, rows, s, widened, dv_pad, out);

@@ -28,6 +28,12 @@ using Bf16 = std::integral_constant<DType, DType::bf16>;
 // noise of 16; f32 rows ran 2-4 points slower with it, and have none).
 constexpr std::int64_t kByKeyLead = 16;
 
+// Nothing to run between the groups of keys of score_tile_streams or score_heads_key_groups.
+struct NoWork {
+  template <class... Args>
+  ATTNCORE_TARGET void operator()(Args...) const {}
+};
+
 // The scores of one row per head: a base of DirectKvScores (flash_direct_kv_scores-inl.h).
 struct DirectKvHeads {
   // The scores of `count` rows from their partial sums: parts [count][kLanes keys][kLanes]
@@ -114,13 +120,11 @@ struct DirectKvHeads {
   // 4, 2 lower for f32: 62-64 against 68-72); kLanes heads' chains interleaved instead, each
   // step of the rows for every head in turn (K no longer read in address order): lower, f32
   // BLHD 56/64 -> 47/49, p16 61/61 -> 48/43.
-  template <class T, class Known>
-  ATTNCORE_TARGET static void score_heads_key_groups(const T* k, const std::int64_t* at,
-                                                     std::int64_t block, Known known,
-                                                     std::int64_t d, std::int64_t heads,
-                                                     std::int64_t k_step, std::int64_t head_floats,
-                                                     const float* q, float* s, float* parts,
-                                                     std::int64_t lead, std::int64_t ahead) {
+  template <class T, class Known, class Between = NoWork>
+  ATTNCORE_TARGET static void score_heads_key_groups(
+      const T* k, const std::int64_t* at, std::int64_t block, Known known, std::int64_t d,
+      std::int64_t heads, std::int64_t k_step, std::int64_t head_floats, const float* q, float* s,
+      float* parts, std::int64_t lead, std::int64_t ahead, const Between& between = {}) {
     constexpr int kKeys = kLanes < 4 ? kLanes : 4;
     static_assert(kLanes % kKeys == 0, "whole groups of keys in a block");
     for (int j0 = 0; j0 < kLanes; j0 += kKeys) {
@@ -155,6 +159,7 @@ struct DirectKvHeads {
         for (int j = 0; j < kKeys; ++j) {
           store(parts + (x * kLanes + j0 + j) * kLanes, j0 + j < block ? acc[j] : Vec{});
         }
+        between(x, j0, kKeys);
       }
     }
     sum_parts(parts, heads, head_floats, s);

@@ -16,11 +16,6 @@
 
 namespace attncore::detail::ATTNCORE_TARGET_NS {
 
-// Nothing to run between score_tile_streams' groups of keys.
-struct NoWork {
-  ATTNCORE_TARGET void operator()(std::int64_t, std::int64_t) const {}
-};
-
 // Which tiles are read as streams, and their scores (DirectKvScores derives from it).
 struct DirectKvStreams : DirectKvHeads {
   // The rows the in-place products compute for an item of `rows` rows: 1, 2, 4 or kTileRows
@@ -214,6 +209,64 @@ struct RowsProduct {
         }
         store(o + r * stride + e, acc);
       }
+    }
+  }
+};
+
+// One row per head's P . V over several heads ([B, L, Hkv, D], pages: MHA), keys c < keys of a
+// tile, run head by head a few keys at a time between the next tile's scores
+// (score_heads_key_groups), so that V is read as K is: head x's out [dv] (out + x *
+// head_floats, already scaled by its alpha) += its P (probs + x * head_floats) times its V rows
+// (x * v_step elements after the first head's at v + at[c]). Each output element is alpha out
+// plus its keys' products in key order, as accumulate_heads forms it: the same bits. Dv a
+// multiple of kVectors * kLanes.
+template <class T, class Known>
+struct HeadsProduct {
+  const T* v;
+  const std::int64_t* at;
+  std::int64_t keys;
+  const float* probs;
+  float* out;
+  std::int64_t dv, v_step, head_floats;
+  static constexpr int kMaxKeys = 4;  // keys per call (score_heads_key_groups' groups)
+  static constexpr int kVectors = 8;  // a slice of the columns: its accumulators in registers
+  ATTNCORE_TARGET __attribute__((always_inline)) void operator()(std::int64_t x, std::int64_t c0,
+                                                                 std::int64_t n) const {
+    const std::int64_t count =
+        std::clamp<std::int64_t>(keys - c0, 0, std::min<std::int64_t>(n, kMaxKeys));
+    if (count == kMaxKeys) return products(x, c0, std::integral_constant<int, kMaxKeys>{});
+    if (count > 0) products(x, c0, count);
+  }
+  template <class Count>
+  ATTNCORE_TARGET __attribute__((always_inline)) void products(std::int64_t x, std::int64_t c0,
+                                                               Count count) const {
+    const std::int64_t d = dv;
+    float* const o = out + x * head_floats;
+    const T* row[kMaxKeys] = {};
+    float w[kMaxKeys] = {};
+#pragma GCC unroll 4
+    for (int c = 0; c < kMaxKeys; ++c) {
+      if (c < count) {
+        row[c] = v + at[c0 + c] + x * v_step;
+        w[c] = probs[x * head_floats + c0 + c];
+      }
+    }
+    for (std::int64_t e0 = 0; e0 < d; e0 += kVectors * kLanes) {
+      Vec acc[kVectors];
+#pragma GCC unroll 8
+      for (int i = 0; i < kVectors; ++i) acc[i] = load(o + e0 + i * kLanes);
+#pragma GCC unroll 4
+      for (int c = 0; c < kMaxKeys; ++c) {
+        if (c < count) {
+          const Vec weight = splat(w[c]);
+#pragma GCC unroll 8
+          for (int i = 0; i < kVectors; ++i) {
+            acc[i] = fmadd(weight, load_part(row[c] + e0 + i * kLanes, kLanes, Known{}), acc[i]);
+          }
+        }
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < kVectors; ++i) store(o + e0 + i * kLanes, acc[i]);
     }
   }
 };

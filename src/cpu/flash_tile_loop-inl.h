@@ -162,6 +162,11 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
                                       : DirectKv::rows_computed(rows) <= 4 && plan.rows_overlap;
   const bool overlap = direct && overlap_rows && heads == 1 && p.head_dim % kLanes == 0 &&
                        p.head_dim_v % kLanes == 0 && a.k.dtype == a.v.dtype;
+  // One row per head over several heads likewise where the decode plan says (heads_overlap;
+  // their scores by score_heads_key_groups, HeadsProduct between them).
+  const bool overlap_heads =
+      direct && kLanes == 16 && plan.heads_overlap && heads > 1 && !bool_mask &&
+      DirectKv::heads_in_one_pass(p, a.v.dtype, heads, rows, dv_pad) && a.k.dtype == a.v.dtype;
   TileRows tile_rows[3];
   PendingProduct pending;
   const std::int64_t tile_begin = first_key / kKeyTile;
@@ -180,7 +185,7 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
     // In place: the tile's rows of the first kv head, pages resolved once (V in turns with
     // `overlap`).
     TileRows& k_rows = tile_rows[2];
-    TileRows& v_rows = tile_rows[overlap ? t & 1 : 0];
+    TileRows& v_rows = tile_rows[overlap || overlap_heads ? t & 1 : 0];
     if (direct) {
       resolve_rows(p, a.k, b, item.kv_head, j0, k_rows);
       resolve_rows(p, a.v, b, item.kv_head, j0, v_rows);
@@ -311,7 +316,10 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
                      p.head_dim_v, wx.out, dv_pad);
       }
     }
-    if (direct && !cut && !overlap) {
+    if (direct && !cut && overlap_heads) {  // P . V with the next tile's scores, or after the loop
+      const FlashScratch w0 = scratch_of(0);
+      pending = PendingProduct{&v_rows, pv_keys, rows, w0.scores, w0.alpha, heads, w.head_floats};
+    } else if (direct && !cut && !overlap) {
       // In place, no key left out: P . V in chunks of head_chunk keys, each for every head
       // (V read in order with the heads inside a key's row; on AVX2 one row per head with Dv a
       // multiple of 64 takes a chunk for all the heads in one pass: DirectKv::accumulate_heads,
