@@ -81,7 +81,10 @@ const DecodePlan kPlans[] = {
     //   after its 4 scored keys (heads_overlap; K and V then read at once, as 4 streams each),
     //   against the one pass after the scores, [B, L, Hkv, D] and p16: f32 1.07, 1.06; bf16
     //   1.13, 1.15; f16 1.11, 1.18 (on Zen 3 the same order, with AVX2's kernels, read f32 BLHD
-    //   at 78-93% of the probe against 91-101: docs/decode.md).
+    //   at 78-93% of the probe against 91-101: docs/decode.md). Half an hour later, while the
+    //   same decode read 57-77% of the probe instead of 66-88 (the probe the same, 16 GB/s), the
+    //   two ran equal: 0.96-1.04 in 4 runs of 5 rounds. A GQA group's rows read so (4 rows per
+    //   head): 0.81-0.96, not kept.
     {"intel", false, 12288, true, 8, 64, false, true, true, true, true, true, true},
 };
 

@@ -412,9 +412,10 @@ struct DirectKv : DirectKvScores {
                                           const PendingProduct& run, std::int64_t dv_pad,
                                           float* out) {
     if (run.heads > 1) {
-      for (std::int64_t c = 0; c < run.keys; c += kMaxChunk) {
-        tile_accumulate_heads(p, a, *run.v_rows, c, std::min(kMaxChunk, run.keys - c), run.heads,
-                              run.probs + c, out, c == 0 ? run.alpha : nullptr, run.head_floats);
+      for (std::int64_t x = 0; x < run.heads; ++x) {
+        const std::int64_t at = x * run.head_floats;
+        tile_accumulate(p, a, *run.v_rows, x * a.v.stride[1], 0, run.keys, 0, run.rows,
+                        run.probs + at, dv_pad, run.alpha + at, out + at);
       }
       return;
     }
@@ -463,25 +464,15 @@ struct DirectKv : DirectKvScores {
     }
   }
 
-  // Whether score_heads_key_groups scores a tile of one row per head over several heads with
-  // the previous tile's P . V between its groups of keys (HeadsProduct): AVX-512 where the decode
-  // plan says (heads_overlap; and heads_key_groups), not on bf16 pairs, D a multiple of kLanes,
-  // the partial sums within the scratch (as DirectKvScores::scores takes them).
-  ATTNCORE_TARGET static bool heads_key_groups_overlap(std::int64_t d, std::int64_t heads,
-                                                       std::int64_t rows, bool pairs) {
-    const DecodePlan& plan = decode_plan();
-    return kLanes == 16 && plan.heads_overlap && plan.heads_key_groups && heads > 1 && rows == 1 &&
-           !pairs && d % kLanes == 0 && heads * kLanes * kLanes + heads * d / 2 <= d * kKeyTile;
-  }
-
   // A tile's scores over several heads by score_heads_key_groups (heads_key_groups_overlap),
-  // each head's previous tile's P . V run after its scores of each group of keys (HeadsProduct;
-  // out scaled by each head's alpha first, as accumulate_heads scales it).
+  // each head's P . V of the previous tile run after its scores of each group of keys
+  // (RowsProduct over that head's row; out scaled by each head's alpha first, as
+  // accumulate_heads scales it).
   ATTNCORE_TARGET static void heads_with_product(const Params& p, const ForwardArgs& a,
                                                  const TileRows& k_rows, const PendingProduct& run,
                                                  std::int64_t keys, std::int64_t cols,
                                                  const float* q, float* s, float* parts,
-                                                 float* out) {
+                                                 std::int64_t dv_pad, float* out) {
     const std::int64_t hf = run.head_floats, heads = run.heads, dv = p.head_dim_v;
     for (std::int64_t x = 0; x < heads; ++x) {
       float* o = out + x * hf;
@@ -490,12 +481,16 @@ struct DirectKv : DirectKvScores {
     }
     auto with = [&](auto k, auto v, auto known, std::int64_t lead) ATTNCORE_TARGET {
       using T = std::remove_const_t<std::remove_pointer_t<decltype(v)>>;
-      const HeadsProduct<T, decltype(known)> product{v,  run.v_rows->at, run.keys, run.probs, out,
-                                                     dv, a.v.stride[1],  hf};
+      const std::int64_t v_step = a.v.stride[1];
+      const std::int64_t* at = run.v_rows->at;
       for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
         const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
-        const auto between = [&](std::int64_t x, std::int64_t j, std::int64_t n)
-                                 ATTNCORE_TARGET { product(x, c0 + j, n); };
+        // Head x's V rows x * v_step elements after the first head's; no V prefetch.
+        const auto between = [&](std::int64_t x, std::int64_t j, std::int64_t n) ATTNCORE_TARGET {
+          const RowsProduct<T, decltype(known), 1> product{
+              v + x * v_step, at, run.keys, run.probs + x * hf, out + x * hf, dv, dv_pad, 0};
+          product(c0 + j, n);
+        };
         score_heads_key_groups(k, k_rows.at + c0, block, known, p.head_dim, heads, a.k.stride[1],
                                hf, q, s + c0, parts, lead, k_rows.count - c0, between);
       }
@@ -511,6 +506,12 @@ struct DirectKv : DirectKvScores {
     }
   }
 
+  // Whether a bf16 query's scores against bf16 K run on native bf16 dots (an f32 query keeps
+  // the f32 path: its bits are those of the same call over an f32 cache).
+  ATTNCORE_TARGET static bool on_pairs(const ForwardArgs& a) {
+    return ATTNCORE_BF16_DOT && a.k.dtype == DType::bf16 && a.q.dtype == DType::bf16;
+  }
+
   // Both for a key tile of K and V rows resolved (TileRows) of the item's first kv head, in
   // the input's dtype, for `heads` heads (scores: DirectKvScores::scores); the product, for the
   // head whose V rows lie v_shift elements after them, covers keys [begin, begin + keys) of the
@@ -524,15 +525,13 @@ struct DirectKv : DirectKvScores {
                                           float* s, float* widened, PendingProduct& pending,
                                           std::int64_t dv_pad, float* out) {
     const std::int64_t k_step = a.k.stride[1];
-    // bf16 query and K on native bf16 dots (an f32 query keeps the f32 path: its bits are those
-    // of the same call over an f32 cache).
-    const bool pairs = ATTNCORE_BF16_DOT && a.k.dtype == DType::bf16 && a.q.dtype == DType::bf16;
+    const bool pairs = on_pairs(a);
     if (pending.v_rows != nullptr) {
       const PendingProduct run = pending;
       pending.v_rows = nullptr;
-      if (run.heads > 1 && heads_key_groups_overlap(p.head_dim, heads, rows, pairs) &&
-          cols >= run.keys) {
-        return heads_with_product(p, a, k_rows, run, keys, cols, q, s, widened, out);
+      if (run.heads > 1 && cols >= run.keys &&
+          heads_key_groups_overlap(p.head_dim, heads, rows, pairs)) {
+        return heads_with_product(p, a, k_rows, run, keys, cols, q, s, widened, dv_pad, out);
       }
       if (tile_streams(p.head_dim, keys, heads, rows, pairs, k_rows.at) ||
           tile_rows_streams(p.head_dim, keys, heads, rows, pairs, k_rows.at)) {

@@ -52,6 +52,18 @@ struct DirectKvStreams : DirectKvHeads {
            d % kLanes == 0 && d >= r * kLanes && keys == kKeyTile && k_at[1] - k_at[0] == d;
   }
 
+  // Whether score_heads_key_groups scores a tile of one row per head over several heads
+  // ([B, L, Hkv, D], pages: MHA) with the previous tile's P . V between its groups of keys
+  // (DirectKv::heads_with_product): AVX-512 where the decode plan says (heads_overlap, with
+  // heads_key_groups), not on bf16 pairs, D a multiple of kLanes, the partial sums within the
+  // scratch (as DirectKvScores::scores takes them).
+  ATTNCORE_TARGET static bool heads_key_groups_overlap(std::int64_t d, std::int64_t heads,
+                                                       std::int64_t rows, bool pairs) {
+    const DecodePlan& plan = decode_plan();
+    return kLanes == 16 && plan.heads_overlap && plan.heads_key_groups && heads > 1 && rows == 1 &&
+           !pairs && d % kLanes == 0 && heads * kLanes * kLanes + heads * d / 2 <= d * kKeyTile;
+  }
+
   // The scores of R rows (q [R][d]: one row, or a GQA group's) against a whole key tile of one
   // head (s [R][kKeyTile]), the keys at k + k_at[c], kStreams keys kKeyTile / kStreams apart at
   // a time: each of their rows read in order with one query load per row for all of them (each
@@ -153,7 +165,8 @@ struct RowProduct {
   }
 };
 
-// RowProduct for a group's R rows (2 to 4) between score_tile_streams' groups of keys: out
+// RowProduct for a group's R rows (2 to 4) between score_tile_streams' groups of keys, or for
+// one row per head of several heads between score_heads_key_groups' (R = 1): out
 // [R][out_stride] += P [R][kKeyTile] . V, out already scaled by each row's alpha. Each group of
 // keys' V vectors are loaded (and widened) once for the R rows, and each row's output vector
 // takes the group's keys in order through one register: the products of accumulate<T, R> in
@@ -209,64 +222,6 @@ struct RowsProduct {
         }
         store(o + r * stride + e, acc);
       }
-    }
-  }
-};
-
-// One row per head's P . V over several heads ([B, L, Hkv, D], pages: MHA), keys c < keys of a
-// tile, run head by head a few keys at a time between the next tile's scores
-// (score_heads_key_groups), so that V is read as K is: head x's out [dv] (out + x *
-// head_floats, already scaled by its alpha) += its P (probs + x * head_floats) times its V rows
-// (x * v_step elements after the first head's at v + at[c]). Each output element is alpha out
-// plus its keys' products in key order, as accumulate_heads forms it: the same bits. Dv a
-// multiple of kVectors * kLanes.
-template <class T, class Known>
-struct HeadsProduct {
-  const T* v;
-  const std::int64_t* at;
-  std::int64_t keys;
-  const float* probs;
-  float* out;
-  std::int64_t dv, v_step, head_floats;
-  static constexpr int kMaxKeys = 4;  // keys per call (score_heads_key_groups' groups)
-  static constexpr int kVectors = 8;  // a slice of the columns: its accumulators in registers
-  ATTNCORE_TARGET __attribute__((always_inline)) void operator()(std::int64_t x, std::int64_t c0,
-                                                                 std::int64_t n) const {
-    const std::int64_t count =
-        std::clamp<std::int64_t>(keys - c0, 0, std::min<std::int64_t>(n, kMaxKeys));
-    if (count == kMaxKeys) return products(x, c0, std::integral_constant<int, kMaxKeys>{});
-    if (count > 0) products(x, c0, count);
-  }
-  template <class Count>
-  ATTNCORE_TARGET __attribute__((always_inline)) void products(std::int64_t x, std::int64_t c0,
-                                                               Count count) const {
-    const std::int64_t d = dv;
-    float* const o = out + x * head_floats;
-    const T* row[kMaxKeys] = {};
-    float w[kMaxKeys] = {};
-#pragma GCC unroll 4
-    for (int c = 0; c < kMaxKeys; ++c) {
-      if (c < count) {
-        row[c] = v + at[c0 + c] + x * v_step;
-        w[c] = probs[x * head_floats + c0 + c];
-      }
-    }
-    for (std::int64_t e0 = 0; e0 < d; e0 += kVectors * kLanes) {
-      Vec acc[kVectors];
-#pragma GCC unroll 8
-      for (int i = 0; i < kVectors; ++i) acc[i] = load(o + e0 + i * kLanes);
-#pragma GCC unroll 4
-      for (int c = 0; c < kMaxKeys; ++c) {
-        if (c < count) {
-          const Vec weight = splat(w[c]);
-#pragma GCC unroll 8
-          for (int i = 0; i < kVectors; ++i) {
-            acc[i] = fmadd(weight, load_part(row[c] + e0 + i * kLanes, kLanes, Known{}), acc[i]);
-          }
-        }
-      }
-#pragma GCC unroll 8
-      for (int i = 0; i < kVectors; ++i) store(o + e0 + i * kLanes, acc[i]);
     }
   }
 };

@@ -163,10 +163,11 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   const bool overlap = direct && overlap_rows && heads == 1 && p.head_dim % kLanes == 0 &&
                        p.head_dim_v % kLanes == 0 && a.k.dtype == a.v.dtype;
   // One row per head over several heads likewise where the decode plan says (heads_overlap;
-  // their scores by score_heads_key_groups, HeadsProduct between them).
+  // their scores by score_heads_key_groups, each head's RowsProduct between them).
   const bool overlap_heads =
-      direct && kLanes == 16 && plan.heads_overlap && heads > 1 && !bool_mask &&
-      DirectKv::heads_in_one_pass(p, a.v.dtype, heads, rows, dv_pad) && a.k.dtype == a.v.dtype;
+      direct && heads > 1 && !bool_mask &&
+      DirectKv::heads_key_groups_overlap(p.head_dim, heads, rows, DirectKv::on_pairs(a)) &&
+      p.head_dim_v % kLanes == 0 && a.k.dtype == a.v.dtype;
   TileRows tile_rows[3];
   PendingProduct pending;
   const std::int64_t tile_begin = first_key / kKeyTile;
