@@ -425,7 +425,7 @@ struct DirectKv : DirectKvScores {
 
   // A tile's scores by score_tile_streams (tile_streams), or a group's by
   // score_tile_streams<R> (tile_rows_streams), with the pending product of the tile before it
-  // (RowProduct, RowsProduct; out scaled by each row's alpha first, as accumulate scales it).
+  // (RowsProduct; out scaled by each row's alpha first, as accumulate scales it).
   ATTNCORE_TARGET static void streams_with_product(const Params& p, const ForwardArgs& a,
                                                    const TileRows& k_rows,
                                                    const PendingProduct& run, const float* q,
@@ -443,7 +443,7 @@ struct DirectKv : DirectKvScores {
       const std::int64_t dv = p.head_dim_v, ahead = run.v_rows->count, d = p.head_dim;
       const std::int64_t* at = run.v_rows->at;
       if (computed == 1) {
-        const RowProduct<T, Known> product{v, at, run.keys, run.probs, out, dv, ahead};
+        const RowsProduct<T, Known, 1> product{v, at, run.keys, run.probs, out, dv, dv_pad, ahead};
         return score_tile_streams<1>(k, k_rows.at, d, known, q, s, widened, product);
       }
       if (computed == 2) {

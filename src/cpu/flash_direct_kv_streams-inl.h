@@ -1,7 +1,8 @@
 // DirectKv's whole key tiles of one head read as 4 sequential K streams, for one SIMD target:
 // the scores of one row or a GQA group's rows (score_tile_streams), and the previous tile's
-// P . V run between their groups of keys (RowProduct, RowsProduct), so that K and V are read
-// at once. AVX2 reads one row so always; AVX-512 where the core's decode plan says
+// P . V run between their groups of keys (RowsProduct, which also runs between the groups of
+// keys of several heads' scores: DirectKv::heads_with_product), so that K and V are read at
+// once. AVX2 reads one row so always; AVX-512 where the core's decode plan says
 // (decode_plan.h). (The rest of the scores: flash_direct_kv_scores-inl.h.)
 #pragma once
 
@@ -79,7 +80,7 @@ struct DirectKvStreams : DirectKvHeads {
   // without its prefetches 53. (GQA f32 there, each row's scores so: 49-57 -> 45-54; a group's
   // at once, on the Intel Xeon: decode_plan.cpp.)
   // With `between`, between(kStreams * j, kStreams) runs after the j-th group of keys (the
-  // previous tile's P . V: DirectKv::RowProduct, RowsProduct), so that V is read as K is; s is
+  // previous tile's P . V: RowsProduct), so that V is read as K is; s is
   // written after the last group, so `between` may read the previous tile's P from it.
   template <int R, class T, class Known, class Between = NoWork>
   ATTNCORE_TARGET static void score_tile_streams(const T* k, const std::int64_t* k_at,
@@ -128,49 +129,16 @@ struct DirectKvStreams : DirectKvHeads {
   }
 };
 
-// One row's P . V over a tile's keys c < keys, run a few keys at a time between the next tile's
-// scores (score_tile_streams: K and V then read as concurrent streams): out [dv] += P . V, out
-// already scaled by the tile's alpha. Each key's whole row at once, through memory (the row in
-// two halves per 4 keys, as accumulate<T, 1> takes a tile's, ran slower: run_block_with's
-// `overlap` has the figures). Each output element is alpha out plus its keys' products in key
-// order as accumulate<T, 1> forms it (a store rounds nothing): the same bits. Dv a multiple of
-// kLanes.
-template <class T, class Known>
-struct RowProduct {
-  const T* v;  // V rows: key c at v + at[c]
-  const std::int64_t* at;
-  std::int64_t keys;
-  const float* probs;  // [keys]: P
-  float* out;          // [dv]
-  std::int64_t dv;
-  std::int64_t ahead;  // rows known: at[c] for c < ahead (TileRows::count)
-  // V rows prefetched this many keys ahead, into L1: Zen 3, 1 thread, % of the probe,
-  // Lk=16384, five runs of 5 interleaved passes (scratch harness), none / 8 / 16 keys: f32
-  // 88-102 / 90-101 / 91-100, bf16 70-85 / 76-95 / 77-89, f16 72-85 / 81-96 / 79-90 (means:
-  // bf16 77 / 86 / 83, f16 80 / 87 / 84; into L2, one run of 3 passes: 32 keys bf16 73-86,
-  // f16 79-85, 64 keys 79-93, 82-98).
-  static constexpr std::int64_t kLead = 8;
-  ATTNCORE_TARGET __attribute__((always_inline)) void operator()(std::int64_t c0,
-                                                                 std::int64_t n) const {
-    const std::int64_t end = std::min(c0 + n, keys);
-    for (std::int64_t c = c0; c < end; ++c) {
-      if (c + kLead < ahead) prefetch_lines<3>(v + at[c + kLead], dv);
-      const Vec weight = splat(probs[c]);
-      const T* row = v + at[c];
-#pragma GCC unroll 16
-      for (std::int64_t e = 0; e < dv; e += kLanes) {
-        store(out + e, fmadd(weight, load_part(row + e, kLanes, Known{}), load(out + e)));
-      }
-    }
-  }
-};
-
-// RowProduct for a group's R rows (2 to 4) between score_tile_streams' groups of keys, or for
-// one row per head of several heads between score_heads_key_groups' (R = 1): out
+// The P . V of R rows (1, 2 or 4: one row, a GQA group's rows, or one head's row of several
+// heads) over a tile's keys c < keys, run a few keys at a time between the next tile's scores
+// (score_tile_streams, score_heads_key_groups: K and V then read as concurrent streams): out
 // [R][out_stride] += P [R][kKeyTile] . V, out already scaled by each row's alpha. Each group of
 // keys' V vectors are loaded (and widened) once for the R rows, and each row's output vector
 // takes the group's keys in order through one register: the products of accumulate<T, R> in
-// the same order, the same bits. Dv a multiple of kLanes.
+// the same order, the same bits. Dv a multiple of kLanes. (One row's through memory key by key
+// instead, as a separate kernel did: from L2, Hq = Hkv = 4, Lk = 512, on the Intel Xeon, bf16
+// took 1.13-1.15x the time on avx512 and avx2, f16 1.07-1.17x, f32 the same; from memory, MHA
+// [B, Hkv, L, D], Lk = 16384, in-process A/B: 0.97-1.04 on either target.)
 template <class T, class Known, int R>
 struct RowsProduct {
   const T* v;  // V rows: key c at v + at[c]
@@ -180,7 +148,12 @@ struct RowsProduct {
   float* out;          // [R][out_stride]
   std::int64_t dv, out_stride;
   std::int64_t ahead;  // rows known: at[c] for c < ahead (TileRows::count)
-  static constexpr std::int64_t kLead = RowProduct<T, Known>::kLead;
+  // V rows prefetched this many keys ahead, into L1 (where `ahead` allows): one row, Zen 3, 1
+  // thread, % of the probe, Lk=16384, five runs of 5 interleaved passes (scratch harness), none
+  // / 8 / 16 keys: f32 88-102 / 90-101 / 91-100, bf16 70-85 / 76-95 / 77-89, f16 72-85 / 81-96
+  // / 79-90 (means: bf16 77 / 86 / 83, f16 80 / 87 / 84; into L2, one run of 3 passes: 32 keys
+  // bf16 73-86, f16 79-85, 64 keys 79-93, 82-98).
+  static constexpr std::int64_t kLead = 8;
   static constexpr int kMaxKeys = 4;  // keys per call (score_tile_streams' groups)
   ATTNCORE_TARGET __attribute__((always_inline)) void operator()(std::int64_t c0,
                                                                  std::int64_t n) const {
