@@ -42,9 +42,10 @@ foreach(obj IN LISTS OBJECTS)
   string(REPLACE "[" "(" listing "${listing}")
   string(REPLACE "]" ")" listing "${listing}")
   string(REPLACE "\n" ";" lines "${listing}")
-  # Mangled names: N8attncore6detail<length><target> opens the namespace (ZN: a lambda's scope).
+  # Mangled names: N8attncore6detail<length><target> opens the namespace (ZN: a lambda's scope,
+  # ZZN: the scope of a lambda within a lambda, and so on).
   string(LENGTH "${target}" length)
-  set(namespace "^_ZZ?NK?8attncore6detail${length}${target}[0-9]")
+  set(namespace "^_Z+NK?8attncore6detail${length}${target}[0-9]")
   set(function "")
   set(outside OFF)
   set(functions 0)            # in the namespace (none: the file is for another architecture)
