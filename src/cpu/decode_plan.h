@@ -46,7 +46,7 @@ struct DecodePlan {
   bool rows_overlap;
   // One query row per head over several heads (MHA [B, L, Hkv, D], pages, AVX-512): each tile's
   // P . V run with the next tile's scores, head by head, 4 keys at a time (K and V read at once:
-  // DirectKv::heads_with_product); with heads_key_groups and heads_one_pass.
+  // DirectKv::heads_with_product); only with heads_key_groups (the order of those scores).
   bool heads_overlap;
 };
 
