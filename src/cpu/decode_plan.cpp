@@ -46,13 +46,13 @@ const DecodePlan kPlans[] = {
     //   f16 74/74 -> 84/85, 78/79 -> 75/83, 79/76 -> 82/76. One f32 row's (8 keys ahead), 9 and
     //   11 passes: 73/74 -> 81/83, 71/71 -> 78/80 (4 or 16 keys into L2 as 8; earlier kernels
     //   had read no more with it in L2).
-    {"zen4", false, 12288, true, 8, 64, false, false, false, false, false, false, false},
+    {"zen4", false, 12288, true, 8, 64, false, false, false, false, false, false, false, true},
     // Zen 5 (AMD family 0x1A and later). Near K rows into L1, f32 rows also 3 KiB ahead, a
     // block's first (MHA f32 82/81 -> 88/86, GQA f32 76/65 -> 80/72 and 68/62 -> 78/73 in two
     // runs of 9 passes against once; 16-bit rows ran slower twice: bf16 97/92 -> 89/88); no V
     // prefetch for an f32 row (80/79 against 78/76 at 8 keys); other V into L1 (as measured
     // there before the plans).
-    {"zen5", true, 3072, false, 0, 0, true, false, false, false, false, false, false},
+    {"zen5", true, 3072, false, 0, 0, true, false, false, false, false, false, false, true},
     // Intel (GenuineIntel; measured on one Xeon with AVX512-FP16 and AMX, family 6 model 0xA7
     // as its hypervisor reports it, probe 16 GB/s on 1 thread). Zen 4's prefetches: no placement
     // moved decode there (the zen5 plan and none at all within 0.93-1.04 of them, MHA and GQA,
@@ -85,7 +85,11 @@ const DecodePlan kPlans[] = {
     //   same decode read 57-77% of the probe instead of 66-88 (the probe the same, 16 GB/s), the
     //   two ran equal: 0.96-1.04 in 4 runs of 5 rounds. A GQA group's rows read so (4 rows per
     //   head): 0.81-0.96, not kept.
-    {"intel", false, 12288, true, 8, 64, false, true, true, true, true, true, true},
+    // - A GQA group's P . V over several heads ([B, L, Hkv, D], pages; Hkv = 8, 7 and 5 rounds)
+    //   without its head's next chunk of V prefetched (each column slice's lines 16 keys on
+    //   still are): bf16 1.07-1.11, f16 1.09-1.12, f32 0.995-1.007; without the slices' instead
+    //   bf16 1.00-1.01, f16 1.00-1.02, f32 0.93-0.94; without both 0.74-0.77 (16-bit), 0.90-0.91.
+    {"intel", false, 12288, true, 8, 64, false, true, true, true, true, true, true, false},
 };
 
 std::atomic<const DecodePlan*> scoped{nullptr};

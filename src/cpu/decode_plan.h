@@ -48,6 +48,10 @@ struct DecodePlan {
   // P . V run with the next tile's scores, head by head, 4 keys at a time (K and V read at once:
   // DirectKv::heads_with_product); only with heads_key_groups (the order of those scores).
   bool heads_overlap;
+  // A GQA group's 3 or more rows over several heads (GQA [B, L, Hkv, D], pages, AVX-512): each
+  // chunk of P . V also prefetches its head's next chunk of V rows (kHeadVAhead bytes, into L2:
+  // DirectKv::tile_accumulate), besides each column slice's lines 16 keys on.
+  bool group_v_next_chunk;
 };
 
 // The plan for a CPU: `vendor` as cpuid gives it ("AuthenticAMD", ...) and its x86 family

@@ -555,15 +555,18 @@ struct DirectKv : DirectKvScores {
                                               const float* alpha, float* out) {
     const std::int64_t* at = v_rows.at + begin;
     const std::int64_t ahead = v_rows.count - begin;
-    // The next chunk's rows of this head (several heads), into L2, here; AVX2: none here, for
-    // one row per head or a group's rows alike (head_chunk; a 16-bit group's rows prefetch it
-    // in accumulate: group_lead below).
-    const std::int64_t prefetched =
-        kLanes == 8 ? 0 : std::clamp<std::int64_t>(ahead - keys, 0, next);
+    // The next chunk's rows of this head (several heads), into L2, here, except for a group's 3
+    // or more rows where the core's decode plan says not (group_v_next_chunk; accumulate's
+    // column slices prefetch their lines 16 keys on anyway); AVX2: none here, for one row per
+    // head or a group's rows alike (head_chunk; a 16-bit group's rows prefetch it in
+    // accumulate: group_lead below).
+    const DecodePlan& plan = decode_plan();
+    const std::int64_t prefetched = kLanes == 8 || (rows > 2 && !plan.group_v_next_chunk)
+                                        ? 0
+                                        : std::clamp<std::int64_t>(ahead - keys, 0, next);
     // One head per item, nothing prefetched for the next chunk (V one sequential stream): V rows
     // kVLead keys on, into L1 (or L2: the core's decode plan), as P . V runs (one f32 row, MHA:
     // as far as the plan says), and into L2 as far as the plan says (decode_plan.h; 0: not).
-    const DecodePlan& plan = decode_plan();
     auto keys_or_none = [&](int n) { return n > 0 ? std::int64_t{n} : ahead; };
     // Several heads: on AVX2, a group's 16-bit rows (GQA) prefetch their head's next chunk as
     // they go (accumulate's sliced lead), f32 rows and one row per head nothing (GQA Hq=32
