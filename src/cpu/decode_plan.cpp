@@ -46,13 +46,14 @@ const DecodePlan kPlans[] = {
     //   f16 74/74 -> 84/85, 78/79 -> 75/83, 79/76 -> 82/76. One f32 row's (8 keys ahead), 9 and
     //   11 passes: 73/74 -> 81/83, 71/71 -> 78/80 (4 or 16 keys into L2 as 8; earlier kernels
     //   had read no more with it in L2).
-    {"zen4", false, 12288, true, 8, 64, false, false, false, false, false, false, false, true},
+    {"zen4", false, 12288, true, 8, 64, false, false, false, false, false, false, false, true,
+     4096},
     // Zen 5 (AMD family 0x1A and later). Near K rows into L1, f32 rows also 3 KiB ahead, a
     // block's first (MHA f32 82/81 -> 88/86, GQA f32 76/65 -> 80/72 and 68/62 -> 78/73 in two
     // runs of 9 passes against once; 16-bit rows ran slower twice: bf16 97/92 -> 89/88); no V
     // prefetch for an f32 row (80/79 against 78/76 at 8 keys); other V into L1 (as measured
     // there before the plans).
-    {"zen5", true, 3072, false, 0, 0, true, false, false, false, false, false, false, true},
+    {"zen5", true, 3072, false, 0, 0, true, false, false, false, false, false, false, true, 4096},
     // Intel (GenuineIntel; measured on one Xeon with AVX512-FP16 and AMX, family 6 model 0xA7
     // as its hypervisor reports it, probe 16 GB/s on 1 thread). Zen 4's prefetches: no placement
     // moved decode there (the zen5 plan and none at all within 0.93-1.04 of them, MHA and GQA,
@@ -89,7 +90,11 @@ const DecodePlan kPlans[] = {
     //   without its head's next chunk of V prefetched (each column slice's lines 16 keys on
     //   still are): bf16 1.07-1.11, f16 1.09-1.12, f32 0.995-1.007; without the slices' instead
     //   bf16 1.00-1.01, f16 1.00-1.02, f32 0.93-0.94; without both 0.74-0.77 (16-bit), 0.90-0.91.
-    {"intel", false, 12288, true, 8, 64, false, true, true, true, true, true, true, false},
+    //   Then its K prefetched 2 KiB of each head ahead instead of 4 (two runs of 5 rounds): bf16
+    //   1.02-1.04, f16 1.01-1.05, f32 1.01-1.03 (1 KiB and 3 KiB within 2% of 2; 8 KiB 0.92-0.99,
+    //   none 0.77-0.79 and 0.93-0.94; the slices' V 8 keys on instead of 16 0.86 and 1.00, 32
+    //   keys 0.97-1.00).
+    {"intel", false, 12288, true, 8, 64, false, true, true, true, true, true, true, false, 2048},
 };
 
 std::atomic<const DecodePlan*> scoped{nullptr};

@@ -52,6 +52,9 @@ struct DecodePlan {
   // chunk of P . V also prefetches its head's next chunk of V rows (kHeadVAhead bytes, into L2:
   // DirectKv::tile_accumulate), besides each column slice's lines 16 keys on.
   bool group_v_next_chunk;
+  // A GQA group's K rows over several heads prefetched this many bytes of each head ahead, into
+  // L2 (DirectKvScores::scores).
+  int group_k_ahead_bytes;
 };
 
 // The plan for a CPU: `vendor` as cpuid gives it ("AuthenticAMD", ...) and its x86 family

@@ -365,12 +365,15 @@ struct DirectKvScores : DirectKvStreams {
     // [B, Hkv, L, D], 1 thread, % of the probe, Lk=4096/16384, 7 interleaved passes, against 16 KiB
     // and at least 32 keys: MHA f32 75/76 -> 83/82, bf16 88/86 -> 97/94, f16 80/81 -> 88/85, GQA
     // f32 63/58 -> 65/60, bf16 67/66 -> 68/69; 4, 5 and 8 KiB within 3 points of 6, 12 KiB between
-    // 6 and 16). Several heads (memory read in order): 4 KiB of each head's rows, into L2 (bench
+    // 6 and 16). Several heads (memory read in order): as many bytes of each head's rows as the
+    // core's decode plan says (group_k_ahead_bytes: 4 KiB on Zen, 2 on Intel), into L2 (bench
     // --decode, BLHD Hkv=32 Lk=4096/16384, 1 thread, GB/s: f32 8 keys 26.0-26.4, 32 keys 24.7-25.5,
     // none 25.2-26.2, 32 keys into L1 21.3-23.3; bf16 16 keys 22.4-26.1, 8 keys 21.7-22.7).
+    const DecodePlan& plan = decode_plan();
     const std::int64_t lead =
         heads > 1
-            ? std::clamp<std::int64_t>(4096 / static_cast<std::int64_t>(sizeof(T) * d), 1, kRowLead)
+            ? std::clamp<std::int64_t>(
+                  plan.group_k_ahead_bytes / static_cast<std::int64_t>(sizeof(T) * d), 1, kRowLead)
             : std::clamp<std::int64_t>((6144 / static_cast<std::int64_t>(sizeof(T)) + d - 1) / d, 1,
                                        kRowLead);
     // Contiguous rows ([B, Hkv, L, D]) as the core's decode plan says (decode_plan.h: into
@@ -379,7 +382,6 @@ struct DirectKvScores : DirectKvStreams {
     // --decode, 1 thread: f32 [B, L, Hkv, D] 12.5 GB/s either way, bf16 8.3-10.7 into L2 against
     // 6.2-6.7 into L1).
     const bool near = heads == 1 && (ahead < 2 || k_at[1] - k_at[0] == d);
-    const DecodePlan& plan = decode_plan();
     const bool near_l1 = near && plan.near_k_into_l1;
     const std::int64_t also_keys =
         sizeof(T) == 4 && near && plan.near_k_f32_also_bytes > 0
