@@ -423,6 +423,28 @@ struct DirectKv : DirectKvScores {
                     out);
   }
 
+  // out [n] *= alpha: a pending product's rows, scaled before their keys are added (as
+  // accumulate scales them).
+  ATTNCORE_TARGET static void rescale(float* out, std::int64_t n, float alpha) {
+    const Vec scale = splat(alpha);
+    for (std::int64_t e = 0; e < n; e += kLanes) store(out + e, load(out + e) * scale);
+  }
+
+  // f(k, v, known) with K and V (one dtype) as typed pointers and the dtype as a constant (F32,
+  // F16, Bf16): the products run between the scores.
+  template <class F>
+  ATTNCORE_TARGET static void with_kv(const ForwardArgs& a, F&& f) {
+    if (a.k.dtype == DType::f32) {
+      f(static_cast<const float*>(a.k.data), static_cast<const float*>(a.v.data), F32{});
+    } else if (a.k.dtype == DType::f16) {
+      f(static_cast<const std::uint16_t*>(a.k.data), static_cast<const std::uint16_t*>(a.v.data),
+        F16{});
+    } else {
+      f(static_cast<const std::uint16_t*>(a.k.data), static_cast<const std::uint16_t*>(a.v.data),
+        Bf16{});
+    }
+  }
+
   // A tile's scores by score_tile_streams (tile_streams), or a group's by
   // score_tile_streams<R> (tile_rows_streams), with the pending product of the tile before it
   // (RowsProduct; out scaled by each row's alpha first, as accumulate scales it).
@@ -432,12 +454,8 @@ struct DirectKv : DirectKvScores {
                                                    std::int64_t rows, float* s, float* widened,
                                                    std::int64_t dv_pad, float* out) {
     const int computed = rows_computed(rows);
-    for (int r = 0; r < computed; ++r) {
-      for (std::int64_t e = 0; e < dv_pad; e += kLanes) {
-        store(out + r * dv_pad + e, load(out + r * dv_pad + e) * splat(run.alpha[r]));
-      }
-    }
-    auto with = [&](auto k, auto v, auto known) ATTNCORE_TARGET {
+    for (int r = 0; r < computed; ++r) rescale(out + r * dv_pad, dv_pad, run.alpha[r]);
+    with_kv(a, [&](auto k, auto v, auto known) ATTNCORE_TARGET {
       using T = std::remove_const_t<std::remove_pointer_t<decltype(v)>>;
       using Known = decltype(known);
       const std::int64_t dv = p.head_dim_v, ahead = run.v_rows->count, d = p.head_dim;
@@ -452,16 +470,7 @@ struct DirectKv : DirectKvScores {
       }
       const RowsProduct<T, Known, 4> product{v, at, run.keys, run.probs, out, dv, dv_pad, ahead};
       score_tile_streams<4>(k, k_rows.at, d, known, q, s, widened, product);
-    };
-    if (a.k.dtype == DType::f32) {
-      with(static_cast<const float*>(a.k.data), static_cast<const float*>(a.v.data), F32{});
-    } else if (a.k.dtype == DType::f16) {
-      with(static_cast<const std::uint16_t*>(a.k.data), static_cast<const std::uint16_t*>(a.v.data),
-           F16{});
-    } else {
-      with(static_cast<const std::uint16_t*>(a.k.data), static_cast<const std::uint16_t*>(a.v.data),
-           Bf16{});
-    }
+    });
   }
 
   // A tile's scores over several heads by score_heads_key_groups (heads_key_groups_overlap),
@@ -474,13 +483,10 @@ struct DirectKv : DirectKvScores {
                                                  const float* q, float* s, float* parts,
                                                  std::int64_t dv_pad, float* out) {
     const std::int64_t hf = run.head_floats, heads = run.heads, dv = p.head_dim_v;
-    for (std::int64_t x = 0; x < heads; ++x) {
-      float* o = out + x * hf;
-      const Vec scale = splat(run.alpha[x * hf]);
-      for (std::int64_t e = 0; e < dv; e += kLanes) store(o + e, load(o + e) * scale);
-    }
-    auto with = [&](auto k, auto v, auto known, std::int64_t lead) ATTNCORE_TARGET {
+    for (std::int64_t x = 0; x < heads; ++x) rescale(out + x * hf, dv, run.alpha[x * hf]);
+    with_kv(a, [&](auto k, auto v, auto known) ATTNCORE_TARGET {
       using T = std::remove_const_t<std::remove_pointer_t<decltype(v)>>;
+      const std::int64_t lead = sizeof(T) == 2 ? kByKeyLead : 0;  // (as scores leads K)
       const std::int64_t v_step = a.v.stride[1];
       const std::int64_t* at = run.v_rows->at;
       for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
@@ -494,16 +500,7 @@ struct DirectKv : DirectKvScores {
         score_heads_key_groups(k, k_rows.at + c0, block, known, p.head_dim, heads, a.k.stride[1],
                                hf, q, s + c0, parts, lead, k_rows.count - c0, between);
       }
-    };
-    if (a.k.dtype == DType::f32) {
-      with(static_cast<const float*>(a.k.data), static_cast<const float*>(a.v.data), F32{}, 0);
-    } else if (a.k.dtype == DType::f16) {
-      with(static_cast<const std::uint16_t*>(a.k.data), static_cast<const std::uint16_t*>(a.v.data),
-           F16{}, kByKeyLead);
-    } else {
-      with(static_cast<const std::uint16_t*>(a.k.data), static_cast<const std::uint16_t*>(a.v.data),
-           Bf16{}, kByKeyLead);
-    }
+    });
   }
 
   // Whether a bf16 query's scores against bf16 K run on native bf16 dots (an f32 query keeps
