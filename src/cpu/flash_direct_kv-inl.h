@@ -476,7 +476,22 @@ struct DirectKv : DirectKvScores {
   // A tile's scores over several heads by score_heads_key_groups (heads_key_groups_overlap),
   // each head's P . V of the previous tile run after its scores of each group of keys
   // (RowsProduct over that head's row; out scaled by each head's alpha first, as
-  // accumulate_heads scales it).
+  // accumulate_heads scales it). 16-bit K rows prefetched kHeadsOverlapLead keys ahead (each
+  // line as the products read the same line of their key's row), and V rows as many keys
+  // ahead, into L2; f32 rows neither.
+  // On the Intel Xeon (the core whose plan overlaps: decode_plan.cpp), MHA Hq = Hkv = 32, Lk =
+  // 16384, 1 thread, K/V on huge pages, in-process A/B (the calls in turn, 1 GiB read before
+  // each), median speed ratio of 5 rounds, against K 16 keys ahead (kByKeyLead, as scores leads
+  // it) and V not prefetched: bf16 [B, L, Hkv, D] 1.05 and 1.05, p16 1.06; f16 1.05, p16 1.06
+  // (K 4 keys, V 2-4: 1.04-1.05; K 1-3, V 1-3 within 1% of 2 and 2; V alone 0.99-1.00, K 4
+  // keys alone 1.01-1.02). f32, which prefetches neither: V 2 or 4 keys ahead 0.99, K and V 4
+  // keys 0.98. bench --decode against the commit before, separate processes in turn, 3 rounds,
+  // median ratio, Lk = 4096/16384: bf16 BLHD 1.06/1.06, f16 p16 1.05/1.06, f32 BLHD and p16
+  // 1.00-1.01 (with f32's V rows passed as known but not prefetched, f32 read 0.97: its products
+  // then tested the lead per key). (A plain read with the FMAs of such a kernel after each 256-byte
+  // row reached 16-17 GB/s with each line of both prefetched 4 keys ahead into L2, 14 with K's
+  // alone: the core keeps too few misses in flight for the loads the products wait on.)
+  static constexpr std::int64_t kHeadsOverlapLead = 2;
   ATTNCORE_TARGET static void heads_with_product(const Params& p, const ForwardArgs& a,
                                                  const TileRows& k_rows, const PendingProduct& run,
                                                  std::int64_t keys, std::int64_t cols,
@@ -486,15 +501,16 @@ struct DirectKv : DirectKvScores {
     for (std::int64_t x = 0; x < heads; ++x) rescale(out + x * hf, dv, run.alpha[x * hf]);
     with_kv(a, [&](auto k, auto v, auto known) ATTNCORE_TARGET {
       using T = std::remove_const_t<std::remove_pointer_t<decltype(v)>>;
-      const std::int64_t lead = sizeof(T) == 2 ? kByKeyLead : 0;  // (as scores leads K)
-      const std::int64_t v_step = a.v.stride[1];
+      const std::int64_t lead = sizeof(T) == 2 ? kHeadsOverlapLead : 0;
+      const std::int64_t v_step = a.v.stride[1], ahead = lead > 0 ? run.v_rows->count : 0;
       const std::int64_t* at = run.v_rows->at;
       for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
         const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
-        // Head x's V rows x * v_step elements after the first head's; no V prefetch.
+        // Head x's V rows x * v_step elements after the first head's.
         const auto between = [&](std::int64_t x, std::int64_t j, std::int64_t n) ATTNCORE_TARGET {
           const RowsProduct<T, decltype(known), 1> product{
-              v + x * v_step, at, run.keys, run.probs + x * hf, out + x * hf, dv, dv_pad, 0};
+              v + x * v_step, at,   run.keys, run.probs + x * hf, out + x * hf, dv, dv_pad,
+              ahead,          lead, false};
           product(c0 + j, n);
         };
         score_heads_key_groups(k, k_rows.at + c0, block, known, p.head_dim, heads, a.k.stride[1],

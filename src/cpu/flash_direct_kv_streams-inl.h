@@ -148,11 +148,15 @@ struct RowsProduct {
   float* out;          // [R][out_stride]
   std::int64_t dv, out_stride;
   std::int64_t ahead;  // rows known: at[c] for c < ahead (TileRows::count)
-  // V rows prefetched this many keys ahead, into L1 (where `ahead` allows): one row, Zen 3, 1
-  // thread, % of the probe, Lk=16384, five runs of 5 interleaved passes (scratch harness), none
-  // / 8 / 16 keys: f32 88-102 / 90-101 / 91-100, bf16 70-85 / 76-95 / 77-89, f16 72-85 / 81-96
-  // / 79-90 (means: bf16 77 / 86 / 83, f16 80 / 87 / 84; into L2, one run of 3 passes: 32 keys
-  // bf16 73-86, f16 79-85, 64 keys 79-93, 82-98).
+  // V rows prefetched `lead` keys ahead (where `ahead` allows: none with `ahead` 0), into L1 or
+  // L2: one head's rows (one row, a GQA group's), kLead keys into L1; several heads' 16-bit rows,
+  // DirectKv::kHeadsOverlapLead keys into L2.
+  std::int64_t lead = kLead;
+  bool into_l1 = true;
+  // One row, Zen 3, 1 thread, % of the probe, Lk=16384, five runs of 5 interleaved passes
+  // (scratch harness), none / 8 / 16 keys: f32 88-102 / 90-101 / 91-100, bf16 70-85 / 76-95 /
+  // 77-89, f16 72-85 / 81-96 / 79-90 (means: bf16 77 / 86 / 83, f16 80 / 87 / 84; into L2, one
+  // run of 3 passes: 32 keys bf16 73-86, f16 79-85, 64 keys 79-93, 82-98).
   static constexpr std::int64_t kLead = 8;
   static constexpr int kMaxKeys = 4;  // keys per call (score_tile_streams' groups)
   ATTNCORE_TARGET __attribute__((always_inline)) void operator()(std::int64_t c0,
@@ -174,7 +178,13 @@ struct RowsProduct {
 #pragma GCC unroll 4
     for (int c = 0; c < kMaxKeys; ++c) {
       if (c < count) {
-        if (c0 + c + kLead < ahead) prefetch_lines<3>(v + at[c0 + c + kLead], d);
+        if (c0 + c + lead < ahead) {
+          if (into_l1) {
+            prefetch_lines<3>(v + at[c0 + c + lead], d);
+          } else {
+            prefetch_lines<2>(v + at[c0 + c + lead], d);
+          }
+        }
         row[c] = v + at[c0 + c];
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) w[r][c] = probs[r * kKeyTile + c0 + c];
