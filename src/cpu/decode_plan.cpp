@@ -46,14 +46,15 @@ const DecodePlan kPlans[] = {
     //   f16 74/74 -> 84/85, 78/79 -> 75/83, 79/76 -> 82/76. One f32 row's (8 keys ahead), 9 and
     //   11 passes: 73/74 -> 81/83, 71/71 -> 78/80 (4 or 16 keys into L2 as 8; earlier kernels
     //   had read no more with it in L2).
-    {"zen4", false, 12288, true, 8, 64, false, false, false, false, false, false, false, true,
-     4096},
+    {"zen4", false, 12288, true, 8, 64, false, false, false, false, false, false, false, true, 4096,
+     false},
     // Zen 5 (AMD family 0x1A and later). Near K rows into L1, f32 rows also 3 KiB ahead, a
     // block's first (MHA f32 82/81 -> 88/86, GQA f32 76/65 -> 80/72 and 68/62 -> 78/73 in two
     // runs of 9 passes against once; 16-bit rows ran slower twice: bf16 97/92 -> 89/88); no V
     // prefetch for an f32 row (80/79 against 78/76 at 8 keys); other V into L1 (as measured
     // there before the plans).
-    {"zen5", true, 3072, false, 0, 0, true, false, false, false, false, false, false, true, 4096},
+    {"zen5", true, 3072, false, 0, 0, true, false, false, false, false, false, false, true, 4096,
+     false},
     // Intel (GenuineIntel; measured on one Xeon with AVX512-FP16 and AMX, family 6 model 0xA7
     // as its hypervisor reports it, probe 16 GB/s on 1 thread). Zen 4's prefetches: no placement
     // moved decode there (the zen5 plan and none at all within 0.93-1.04 of them, MHA and GQA,
@@ -94,7 +95,17 @@ const DecodePlan kPlans[] = {
     //   1.02-1.04, f16 1.01-1.05, f32 1.01-1.03 (1 KiB and 3 KiB within 2% of 2; 8 KiB 0.92-0.99,
     //   none 0.77-0.79 and 0.93-0.94; the slices' V 8 keys on instead of 16 0.86 and 1.00, 32
     //   keys 0.97-1.00).
-    {"intel", false, 12288, true, 8, 64, false, true, true, true, true, true, true, false, 2048},
+    // - That K (K/V on huge pages from here on, as bench --decode takes them) prefetched line by
+    //   line through the products (group_k_spread) 4 KiB of each head ahead (16 keys of 16-bit
+    //   rows, 8 of f32), against each block's rows 2 KiB ahead before its scores, two runs of 5
+    //   rounds: bf16 [B, L, Hkv, D] 1.065, 1.063; f16 p16 1.034; f32 BLHD 1.013 (spread 3 KiB
+    //   ahead 1.044, 6 KiB 1.05, 8 KiB 1.053 and f32 0.99, 12 KiB f32 0.98; 1 KiB 0.94, 0.5 KiB
+    //   0.85; a burst per group of 4 keys before it, as AVX2 prefetches, 2 KiB ahead 1.00-1.01).
+    //   bench --decode against the commit before, separate processes in turn, 4 rounds, median
+    //   ratio, Lk = 4096/16384: bf16 BLHD 1.02/1.05, p16 1.04/1.04; f16 BLHD 1.06/1.07, p16
+    //   1.05/1.03; f32 BLHD 1.01/1.01, p16 0.98/1.00.
+    {"intel", false, 12288, true, 8, 64, false, true, true, true, true, true, true, false, 4096,
+     true},
 };
 
 std::atomic<const DecodePlan*> scoped{nullptr};

@@ -53,8 +53,11 @@ struct DecodePlan {
   // DirectKv::tile_accumulate), besides each column slice's lines 16 keys on.
   bool group_v_next_chunk;
   // A GQA group's K rows over several heads prefetched this many bytes of each head ahead, into
-  // L2 (DirectKvScores::scores).
+  // L2 (DirectKvScores::scores): each block's rows before its scores, or, with
+  // group_k_spread (AVX-512), each line as the products read the same line of their key's row
+  // (DirectKvScores::score_rows; AVX2 always prefetches a group's rows before its products).
   int group_k_ahead_bytes;
+  bool group_k_spread;
 };
 
 // The plan for a CPU: `vendor` as cpuid gives it ("AuthenticAMD", ...) and its x86 family

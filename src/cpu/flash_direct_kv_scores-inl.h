@@ -132,8 +132,9 @@ struct DirectKvScores : DirectKvStreams {
   // Hq=32 Hkv=8, 1 thread, the two alternating call by call in one process, median speed ratio
   // of 9-11 rounds, Lk=16384 (4096 for pages): bf16 [B, Hkv, L, D] 1.04, [B, L, Hkv, D] 1.05,
   // p16 1.07; f16 [B, Hkv, L, D] 1.04, p16 1.06; f32 [B, L, Hkv, D] 1.02, p16 1.06.
-  // With lead > 0, each group of keys first prefetches (into L2) the rows `lead` keys on, of
-  // those known (at[c] for c < ahead).
+  // With lead > 0, the rows `lead` keys on, of those known (at[c] for c < ahead), are
+  // prefetched into L2: on AVX2 each group of keys' before it, on AVX-512 each line as the
+  // products read the same line of their key's row (DecodePlan::group_k_spread).
   template <int R, class T>
   ATTNCORE_TARGET __attribute__((noinline)) static void score_rows(
       const T* k, const std::int64_t* at, std::int64_t block, DType dtype, std::int64_t d,
@@ -151,12 +152,15 @@ struct DirectKvScores : DirectKvStreams {
       const std::int64_t dd = d, lead_keys = lead, known_keys = ahead;
       const float* qq = q;
       const T* row[G];
+      const T* next[G];  // (AVX-512) the rows lead_keys on, or null
 #pragma GCC unroll 16
       for (int j = 0; j < G; ++j) {
         row[j] = j0 + j < block ? k + at[j0 + j] : block > 0 ? k + at[0] : k;
+        next[j] =
+            lead_keys > 0 && j0 + j + lead_keys < known_keys ? k + at[j0 + j + lead_keys] : nullptr;
       }
-      for (int j = 0; lead_keys > 0 && j < G; ++j) {
-        if (j0 + j + lead_keys < known_keys) prefetch_lines<2>(k + at[j0 + j + lead_keys], dd);
+      for (int j = 0; kLanes == 8 && j < G; ++j) {
+        if (next[j] != nullptr) prefetch_lines<2>(next[j], dd);
       }
       Vec acc[R][G];
 #pragma GCC unroll 16
@@ -171,6 +175,12 @@ struct DirectKvScores : DirectKvStreams {
         Vec qv[R];
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) qv[r] = load_part(qq + r * dd + e0, n);
+        if (kLanes == 16 && (e0 * static_cast<std::int64_t>(sizeof(T))) % 64 == 0) {
+#pragma GCC unroll 16
+          for (int j = 0; j < G; ++j) {
+            if (next[j] != nullptr) __builtin_prefetch(next[j] + e0, 0, 2);
+          }
+        }
 #pragma GCC unroll 16
         for (int j = 0; j < G; ++j) {
           const Vec kv = load_part(row[j] + e0, n, decltype(known)::value);
@@ -366,7 +376,8 @@ struct DirectKvScores : DirectKvStreams {
     // and at least 32 keys: MHA f32 75/76 -> 83/82, bf16 88/86 -> 97/94, f16 80/81 -> 88/85, GQA
     // f32 63/58 -> 65/60, bf16 67/66 -> 68/69; 4, 5 and 8 KiB within 3 points of 6, 12 KiB between
     // 6 and 16). Several heads (memory read in order): as many bytes of each head's rows as the
-    // core's decode plan says (group_k_ahead_bytes: 4 KiB on Zen, 2 on Intel), into L2 (bench
+    // core's decode plan says (group_k_ahead_bytes: 4 KiB; GQA's on Intel line by line through
+    // the products, group_k_spread), into L2 (bench
     // --decode, BLHD Hkv=32 Lk=4096/16384, 1 thread, GB/s: f32 8 keys 26.0-26.4, 32 keys 24.7-25.5,
     // none 25.2-26.2, 32 keys into L1 21.3-23.3; bf16 16 keys 22.4-26.1, 8 keys 21.7-22.7).
     const DecodePlan& plan = decode_plan();
@@ -493,7 +504,10 @@ struct DirectKvScores : DirectKvStreams {
         const bool by_rows = rows > 1 && (!pairs || rows_pairs != nullptr) &&
                              (sizeof(T) == 2 || !near) &&
                              kTileRows * kLanes * kLanes <= d * kKeyTile;
-        const bool in_rows = kLanes == 8 && heads > 1 && by_rows;  // (also: one head only)
+        // AVX2, and AVX-512 where the decode plan says (group_k_spread, not on bf16 pairs), a
+        // group's rows over several heads: score_rows prefetches their K (also: one head only).
+        const bool in_rows =
+            heads > 1 && by_rows && (kLanes == 8 || (plan.group_k_spread && rows_pairs == nullptr));
         const bool spread = kLanes == 8 && sizeof(T) == 4 && near && rows > 1 && ldk != 0;
         if (!spread && !in_rows) {
           prefetch_block(kx, k_at, c0, 0, kLanes, lead, also, interleaved, near_l1, ahead, d);
