@@ -20,10 +20,10 @@ struct DecodePlan {
   bool near_k_f32_also_interleaved;
   // V rows of one f32 query row over one head (MHA [B, Hkv, L, D]) prefetched this many keys
   // ahead of P . V, into L1 or L2 as v_into_l1 says (0: not; other one-head items: kVLead,
-  // flash_direct_kv-inl.h).
+  // flash_direct_kv_products-inl.h).
   int f32_row_v_lead;
   // V rows of any one-head item ([B, Hkv, L, D]) also prefetched this many keys ahead into L2
-  // (0: not; on AVX2 not for a GQA group's rows: flash_direct_kv-inl.h).
+  // (0: not; on AVX2 not for a GQA group's rows: flash_direct_kv_products-inl.h).
   int v_far;
   // V rows prefetched f32_row_v_lead or kVLead keys ahead (GQA on AVX-512: also each column
   // slice's 16 keys ahead) into L1, else into L2.

@@ -321,33 +321,12 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
       const FlashScratch w0 = scratch_of(0);
       pending = PendingProduct{&v_rows, pv_keys, rows, w0.scores, w0.alpha, heads, w.head_floats};
     } else if (direct && !cut && !overlap) {
-      // In place, no key left out: P . V in chunks of head_chunk keys, each for every head
-      // (V read in order with the heads inside a key's row; on AVX2 one row per head with Dv a
-      // multiple of 64 takes a chunk for all the heads in one pass: DirectKv::accumulate_heads,
-      // heads_in_one_pass), the next chunk's rows of the head prefetched (on AVX2 only a 16-bit
-      // group's: DirectKv::tile_accumulate); each head's accumulator rescaled by its first chunk
-      // only.
-      float ones[kTileRows];
-      std::fill_n(ones, kTileRows, 1.0f);
-      const std::int64_t v_ahead =
-          kHeadVAhead / (p.head_dim_v * static_cast<std::int64_t>(size_of(a.v.dtype)));
-      const std::int64_t step = heads > 1 ? DirectKv::head_chunk(a.v.dtype, rows) : kKeyTile;
-      const bool one_pass = DirectKv::heads_in_one_pass(p, a.v.dtype, heads, rows, dv_pad);
-      for (std::int64_t c = 0; c == 0 || c < pv_keys; c += step) {
-        const std::int64_t chunk = std::min(step, pv_keys - c);
-        if (one_pass) {
-          const FlashScratch w0 = scratch_of(0);
-          DirectKv::tile_accumulate_heads(p, a, v_rows, c, chunk, heads, w0.scores + c, w0.out,
-                                          c == 0 ? w0.alpha : nullptr, w.head_floats);
-          continue;
-        }
-        for (std::int64_t x = 0; x < heads; ++x) {
-          const FlashScratch wx = scratch_of(x);
-          DirectKv::tile_accumulate(p, a, v_rows, x * a.v.stride[1], c, chunk,
-                                    heads > 1 ? v_ahead : 0, rows, wx.scores + c, dv_pad,
-                                    c == 0 ? wx.alpha : ones, wx.out);
-        }
-      }
+      // In place, no key left out: P . V in chunks of keys across the heads (on AVX2 one row per
+      // head with Dv a multiple of 64 takes a chunk for all the heads in one pass; on AVX2 only
+      // a 16-bit group's rows prefetch their head's next chunk: DirectKv::tile_accumulate).
+      const FlashScratch w0 = scratch_of(0);
+      DirectKv::tile_accumulate_chunks(p, a, v_rows, pv_keys, heads, rows, w0.scores, dv_pad,
+                                       w0.alpha, w0.out, w.head_floats);
     }
   }
 
