@@ -321,9 +321,7 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
       const FlashScratch w0 = scratch_of(0);
       pending = PendingProduct{&v_rows, pv_keys, rows, w0.scores, w0.alpha, heads, w.head_floats};
     } else if (direct && !cut && !overlap) {
-      // In place, no key left out: P . V in chunks of keys across the heads (on AVX2 one row per
-      // head with Dv a multiple of 64 takes a chunk for all the heads in one pass; on AVX2 only
-      // a 16-bit group's rows prefetch their head's next chunk: DirectKv::tile_accumulate).
+      // In place, no key left out: P . V in chunks of keys across the heads.
       const FlashScratch w0 = scratch_of(0);
       DirectKv::tile_accumulate_chunks(p, a, v_rows, pv_keys, heads, rows, w0.scores, dv_pad,
                                        w0.alpha, w0.out, w.head_floats);
