@@ -6,30 +6,26 @@
 // module takes (rank 4 for dense calls, the packed rank-3 views for variable-length ones),
 // except on the fast path (attend), which takes the caller's arrays and makes the output. int32
 // arrays become DType::i32 views, which the library takes as index arrays (cu_seqlens, seqused_k)
-// and refuses elsewhere.
+// and refuses elsewhere. The KV-cache calls and PagedKvCache: kvcache.cpp.
 #include <dlpack/dlpack.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <array>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <exception>
-#include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "attncore/attncore.h"
-#include "attncore/kvcache.h"
-#include "attncore/merge.h"
-#include "attncore/paged.h"
 #include "attncore/varlen.h"
 #include "borrowed.h"
+#include "call_options.h"
 #include "calls.h"
+#include "kvcache.h"
 
 namespace py = pybind11;
 
@@ -40,65 +36,16 @@ using attncore::InvalidArgument;
 using attncore::TensorView;
 using attncore::Unsupported;
 using attncore_python::ArrayKind;
+using attncore_python::backend_from_name;
 using attncore_python::borrow_optional;
 using attncore_python::Borrowed;
 using attncore_python::call_work;
+using attncore_python::CallOptions;
+using attncore_python::causal_from_name;
 using attncore_python::GilReleased;
 using attncore_python::last_call_addresses;
 using attncore_python::run_call;
 using attncore_python::view_of;
-
-attncore::Causal causal_from_name(const char* op, const std::string& name) {
-  for (auto c :
-       {attncore::Causal::none, attncore::Causal::upper_left, attncore::Causal::lower_right}) {
-    if (attncore::name_of(c) == name) return c;
-  }
-  throw InvalidArgument(std::string(op) + ": causal is invalid (causal='" + name +
-                        "', expected 'none', 'upper-left' or 'lower-right')");
-}
-
-// The library's backend_from_name, with the package's message.
-attncore::Backend backend_from_name(const char* op, const std::string& name) {
-  try {
-    return attncore::backend_from_name(name);
-  } catch (const InvalidArgument&) {
-    throw InvalidArgument(std::string(op) + ": backend is invalid (backend='" + name +
-                          "', expected 'auto', 'reference', 'math' or 'flash')");
-  }
-}
-
-// The options of one call, as the package passes them (keyword arguments of both functions).
-struct CallOptions {
-  std::optional<double> scale;
-  std::string causal;
-  std::int64_t window_left, window_right;
-  double softcap, dropout_p;
-  std::uint64_t seed, offset;
-  bool enable_gqa;
-  int num_threads;
-  std::string backend;
-  int num_splits = 0;  // flash's split-KV decode (attncore::Options::num_splits)
-
-  attncore::Options options(const char* op, const std::optional<Borrowed>& mask,
-                            const std::optional<Borrowed>& alibi, bool compute_dbias) const {
-    attncore::Options o;
-    o.scale = scale;
-    o.causal = causal_from_name(op, causal);
-    o.window_left = window_left;
-    o.window_right = window_right;
-    o.softcap = softcap;
-    o.alibi_slopes = view_of(alibi);
-    o.mask = view_of(mask);
-    o.compute_dbias = compute_dbias;
-    o.dropout_p = dropout_p;
-    o.seed = seed;
-    o.offset = offset;
-    o.enable_gqa = enable_gqa;
-    o.num_threads = num_threads;
-    o.num_splits = num_splits;
-    return o;
-  }
-};
 
 // q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv]; writes out [B, Hq, Lq, Dv] and, when
 // given, lse [B, Hq, Lq]. mask: rank 2 or 4; alibi_slopes: [Hq] or [B, Hq].
@@ -394,166 +341,6 @@ py::tuple explain_backward(py::handle dout, py::handle q, py::handle k, py::hand
                                                       call.options(op, bmask, balibi, want_dbias)));
 }
 
-// Copies src into dst element by element (same shape and dtype, any strides; rank <= 4).
-void copy_view(const TensorView& src, const TensorView& dst) {
-  const std::size_t item = attncore::size_of(src.dtype);
-  std::array<std::int64_t, attncore::kMaxRank> n{1, 1, 1, 1}, ss{}, ds{};
-  const int shift = attncore::kMaxRank - src.rank;
-  for (int d = 0; d < src.rank; ++d) {
-    n[static_cast<std::size_t>(d + shift)] = src.size(d);
-    ss[static_cast<std::size_t>(d + shift)] = src.stride_of(d);
-    ds[static_cast<std::size_t>(d + shift)] = dst.stride_of(d);
-  }
-  const auto* s = static_cast<const char*>(src.data);
-  auto* t = static_cast<char*>(dst.data);
-  for (std::int64_t a = 0; a < n[0]; ++a)
-    for (std::int64_t b = 0; b < n[1]; ++b)
-      for (std::int64_t c = 0; c < n[2]; ++c)
-        for (std::int64_t e = 0; e < n[3]; ++e) {
-          const std::int64_t so = a * ss[0] + b * ss[1] + c * ss[2] + e * ss[3];
-          const std::int64_t to = a * ds[0] + b * ds[1] + c * ds[2] + e * ds[3];
-          std::memcpy(t + to * static_cast<std::int64_t>(item),
-                      s + so * static_cast<std::int64_t>(item), item);
-        }
-}
-
-// Attention over a KV cache: q [B, Hq, Lq, D], k_cache [B_cache, Hkv, capacity, D], v_cache
-// [B_cache, Hkv, capacity, Dv] (the flash layout's transposed(1, 2) views), int32 cache_seqlens
-// [B] and optional cache_batch_idx, cache_leftpad [B]; with an int32 block_table
-// [B, max_pages_per_seq] the caches are page pools [num_pages, Hkv, page_size, D]. With k_new /
-// v_new [B, Hkv, L_new, D] the new rows are written into the caches in place first (rotated with
-// f32 rotary_cos, rotary_sin [positions, rotary_dim / 2] when given). Writes out [B, Hq, Lq, Dv]
-// and, when given, lse [B, Hq, Lq].
-void forward_kvcache(py::handle q, py::handle k_cache, py::handle v_cache, py::handle cache_seqlens,
-                     py::handle cache_batch_idx, py::handle cache_leftpad, py::handle block_table,
-                     py::handle k_new, py::handle v_new, py::handle rotary_cos,
-                     py::handle rotary_sin, bool rotary_interleaved, py::handle out, py::handle lse,
-                     py::handle alibi_slopes, const CallOptions& call) {
-  constexpr const char* op = "forward_kvcache";  // the library's name of the call, in messages
-  last_call_addresses().clear();
-  const Borrowed bq(q, op, "query", false);
-  const bool appending = !k_new.is_none();  // the caches are written only by an append
-  const Borrowed bk(k_cache, op, "k_cache", appending), bv(v_cache, op, "v_cache", appending);
-  const Borrowed blens(cache_seqlens, op, "cache_seqlens", false);
-  const auto bidx = borrow_optional(cache_batch_idx, op, "cache_batch_idx", false);
-  const auto bpad = borrow_optional(cache_leftpad, op, "cache_leftpad", false);
-  const auto btable = borrow_optional(block_table, op, "block_table", false);
-  const auto bknew = borrow_optional(k_new, op, "k", false);
-  const auto bvnew = borrow_optional(v_new, op, "v", false);
-  const auto bcos = borrow_optional(rotary_cos, op, "rotary_cos", false);
-  const auto bsin = borrow_optional(rotary_sin, op, "rotary_sin", false);
-  const Borrowed bout(out, op, "out", true);
-  const auto blse = borrow_optional(lse, op, "lse", true);
-  const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
-  const attncore::Options options = call.options(op, std::nullopt, balibi, false);
-  const attncore::Backend backend = backend_from_name(op, call.backend);
-  const attncore::KvCacheSeqs seqs{blens.view(), view_of(bidx), view_of(bpad), view_of(btable)};
-  if (bknew.has_value() != bvnew.has_value())
-    throw InvalidArgument(std::string(op) + ": k and v must be given together (k is " +
-                          (bknew ? "set" : "None") + ", v is " + (bvnew ? "set" : "None") + ")");
-  if (!bknew) {
-    run_call(options, call_work(bq.view(), bk.view(), bv.view()), [&](const attncore::Options& o) {
-      attncore::forward_kvcache_into(bq.view(), bk.view(), bv.view(), seqs, bout.view(),
-                                     view_of(blse), o, backend);
-    });
-    return;
-  }
-  attncore::KvAppend append;
-  append.k_new = bknew->view();
-  append.v_new = bvnew->view();
-  append.rotary_cos = view_of(bcos);
-  append.rotary_sin = view_of(bsin);
-  append.rotary_interleaved = rotary_interleaved;
-  run_call(options, call_work(bq.view(), bk.view(), bv.view()), [&](const attncore::Options& o) {
-    const attncore::ForwardResult r =
-        attncore::forward_kvcache(bq.view(), bk.view(), bv.view(), seqs, append, o, backend);
-    copy_view(r.out.view(), bout.view());
-    if (blse) copy_view(r.lse.view(), blse->view());
-  });
-}
-
-// Merges two attention results over disjoint key sets into out and lse (which may be the very
-// arrays out_a / lse_a or out_b / lse_b).
-void merge_states(py::handle out_a, py::handle lse_a, py::handle out_b, py::handle lse_b,
-                  py::handle out, py::handle lse, int num_threads) {
-  constexpr const char* op = "merge_attention_states";
-  last_call_addresses().clear();
-  const Borrowed boa(out_a, op, "out_a", false), bla(lse_a, op, "lse_a", false);
-  const Borrowed bob(out_b, op, "out_b", false), blb(lse_b, op, "lse_b", false);
-  const Borrowed bout(out, op, "out", true), blse(lse, op, "lse", true);
-  // Work for run_call (Ctrl-C on the main thread): a merged element costs about what 8
-  // multiply-adds of attention do (2^22 rows of Dv = 128 took ~3 s on one thread).
-  double elements = 1.0;
-  for (int d = 0; d < boa.view().rank; ++d) elements *= static_cast<double>(boa.view().size(d));
-  attncore::Options options;
-  options.num_threads = num_threads;
-  run_call(options, 8.0 * elements, [&](const attncore::Options& o) {
-    attncore::merge_attention_states_into(boa.view(), bla.view(), bob.view(), blb.view(),
-                                          bout.view(), blse.view(), o.num_threads, o.cancel);
-  });
-}
-
-// A PagedKvCache's array as a numpy array over the cache's own memory, which the array keeps
-// alive (through `owner`, the Python object of the cache); bf16 as int16 (numpy has no
-// bfloat16: attncore.PagedKVCache views it as torch.bfloat16).
-py::array paged_array(py::object owner, const TensorView& t) {
-  static const std::map<DType, const char*> names = {{DType::f32, "float32"},
-                                                     {DType::f64, "float64"},
-                                                     {DType::f16, "float16"},
-                                                     {DType::bf16, "int16"},
-                                                     {DType::i32, "int32"}};
-  std::vector<py::ssize_t> shape, strides;
-  for (int d = 0; d < t.rank; ++d) {
-    shape.push_back(t.size(d));
-    strides.push_back(t.stride_of(d) * static_cast<py::ssize_t>(attncore::size_of(t.dtype)));
-  }
-  return py::array(py::dtype(names.at(t.dtype)), shape, strides, t.data, owner);
-}
-
-DType cache_dtype(const std::string& name) {
-  for (DType d : {DType::f32, DType::f64, DType::f16, DType::bf16}) {
-    if (name == attncore::name_of(d)) return d;
-  }
-  throw InvalidArgument("PagedKVCache: dtype is not a cache dtype (dtype=" + name +
-                        ", expected f32, bf16, f16 or f64)");
-}
-
-void bind_paged_cache(py::module_& m) {
-  using attncore::PagedKvCache;
-  py::class_<PagedKvCache>(m, "PagedKvCache")
-      .def(py::init([](std::int64_t num_pages, std::int64_t page_size, std::int64_t heads_kv,
-                       std::int64_t head_dim, std::int64_t head_dim_v, const std::string& dtype,
-                       std::int64_t max_batch, std::int64_t max_pages_per_seq) {
-             return PagedKvCache(num_pages, page_size, heads_kv, head_dim, head_dim_v,
-                                 cache_dtype(dtype), max_batch, max_pages_per_seq);
-           }),
-           py::arg("num_pages"), py::arg("page_size"), py::arg("heads_kv"), py::arg("head_dim"),
-           py::arg("head_dim_v"), py::arg("dtype"), py::arg("max_batch"),
-           py::arg("max_pages_per_seq"))
-      .def("reserve", &PagedKvCache::reserve, py::arg("batch_idx"), py::arg("seq_len"))
-      .def("erase", &PagedKvCache::erase, py::arg("batch_idx"))
-      .def("fork", &PagedKvCache::fork, py::arg("src"), py::arg("dst"), py::arg("prefix_len"))
-      .def("free_pages", &PagedKvCache::free_pages)
-      .def("capacity", &PagedKvCache::capacity, py::arg("batch_idx"))
-      .def("references", &PagedKvCache::references, py::arg("page"))
-      .def(
-          "assign",
-          [](PagedKvCache& c, std::int64_t b, py::handle positions, py::handle k, py::handle v) {
-            constexpr const char* op = "PagedKVCache.assign";
-            const Borrowed bp(positions, op, "input_pos", false), bk(k, op, "k_val", false),
-                bv(v, op, "v_val", false);
-            c.assign(b, bp.view(), bk.view(), bv.view());
-          },
-          py::arg("batch_idx"), py::arg("positions"), py::arg("k"), py::arg("v"))
-      .def("array", [](py::object self, const std::string& which) {
-        const PagedKvCache& c = self.cast<const PagedKvCache&>();
-        if (which == "k") return paged_array(self, c.k_pages());
-        if (which == "v") return paged_array(self, c.v_pages());
-        if (which == "page_table") return paged_array(self, c.page_table());
-        return paged_array(self, c.seqlens());
-      });
-}
-
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -580,19 +367,27 @@ PYBIND11_MODULE(_core, m) {
   });
 
   py::class_<CallOptions>(m, "CallOptions")
-      .def(
-          py::init([](std::optional<double> scale, std::string causal, std::int64_t window_left,
-                      std::int64_t window_right, double softcap, double dropout_p,
-                      std::uint64_t seed, std::uint64_t offset, bool enable_gqa, int num_threads,
-                      std::string backend, int num_splits) {
-            return CallOptions{scale,      std::move(causal),  window_left, window_right,
-                               softcap,    dropout_p,          seed,        offset,
-                               enable_gqa, num_threads,        std::move(backend), num_splits};
-          }),
-          py::kw_only(), py::arg("scale"), py::arg("causal"), py::arg("window_left"),
-          py::arg("window_right"), py::arg("softcap"), py::arg("dropout_p"), py::arg("seed"),
-          py::arg("offset"), py::arg("enable_gqa"), py::arg("num_threads"), py::arg("backend"),
-          py::arg("num_splits") = 0);
+      .def(py::init([](std::optional<double> scale, std::string causal, std::int64_t window_left,
+                       std::int64_t window_right, double softcap, double dropout_p,
+                       std::uint64_t seed, std::uint64_t offset, bool enable_gqa, int num_threads,
+                       std::string backend, int num_splits) {
+             return CallOptions{scale,
+                                std::move(causal),
+                                window_left,
+                                window_right,
+                                softcap,
+                                dropout_p,
+                                seed,
+                                offset,
+                                enable_gqa,
+                                num_threads,
+                                std::move(backend),
+                                num_splits};
+           }),
+           py::kw_only(), py::arg("scale"), py::arg("causal"), py::arg("window_left"),
+           py::arg("window_right"), py::arg("softcap"), py::arg("dropout_p"), py::arg("seed"),
+           py::arg("offset"), py::arg("enable_gqa"), py::arg("num_threads"), py::arg("backend"),
+           py::arg("num_splits") = 0);
 
   m.def("forward", &forward, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("out"),
         py::arg("lse").none(true), py::arg("mask").none(true), py::arg("alibi_slopes").none(true),
@@ -643,18 +438,9 @@ PYBIND11_MODULE(_core, m) {
         return py::make_tuple(limit.bytes, limit.name);
       },
       "(bytes, name): the memory this process may use and which limit sets it");
-  bind_paged_cache(m);
+  attncore_python::bind_kvcache(m);
   m.def("simd_target", &attncore::simd_target);
   m.def(
       "_last_call_addresses", [] { return last_call_addresses(); },
       "The data address of each array of this thread's last call, by name");
-  m.def("forward_kvcache", &forward_kvcache, py::arg("query"), py::arg("k_cache"),
-        py::arg("v_cache"), py::arg("cache_seqlens"), py::arg("cache_batch_idx").none(true),
-        py::arg("cache_leftpad").none(true), py::arg("block_table").none(true),
-        py::arg("k").none(true), py::arg("v").none(true), py::arg("rotary_cos").none(true),
-        py::arg("rotary_sin").none(true), py::arg("rotary_interleaved"), py::arg("out"),
-        py::arg("lse").none(true), py::arg("alibi_slopes").none(true), py::arg("options"));
-  m.def("merge_attention_states", &merge_states, py::arg("out_a"), py::arg("lse_a"),
-        py::arg("out_b"), py::arg("lse_b"), py::arg("out"), py::arg("lse"),
-        py::arg("num_threads") = 0);
 }

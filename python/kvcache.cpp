@@ -1,0 +1,206 @@
+#include "kvcache.h"
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "attncore/attncore.h"
+#include "attncore/kvcache.h"
+#include "attncore/merge.h"
+#include "attncore/paged.h"
+#include "borrowed.h"
+#include "call_options.h"
+#include "calls.h"
+
+namespace py = pybind11;
+
+namespace attncore_python {
+namespace {
+
+using attncore::DType;
+using attncore::InvalidArgument;
+using attncore::TensorView;
+
+// Copies src into dst element by element (same shape and dtype, any strides; rank <= 4).
+void copy_view(const TensorView& src, const TensorView& dst) {
+  const std::size_t item = attncore::size_of(src.dtype);
+  std::array<std::int64_t, attncore::kMaxRank> n{1, 1, 1, 1}, ss{}, ds{};
+  const int shift = attncore::kMaxRank - src.rank;
+  for (int d = 0; d < src.rank; ++d) {
+    n[static_cast<std::size_t>(d + shift)] = src.size(d);
+    ss[static_cast<std::size_t>(d + shift)] = src.stride_of(d);
+    ds[static_cast<std::size_t>(d + shift)] = dst.stride_of(d);
+  }
+  const auto* s = static_cast<const char*>(src.data);
+  auto* t = static_cast<char*>(dst.data);
+  for (std::int64_t a = 0; a < n[0]; ++a)
+    for (std::int64_t b = 0; b < n[1]; ++b)
+      for (std::int64_t c = 0; c < n[2]; ++c)
+        for (std::int64_t e = 0; e < n[3]; ++e) {
+          const std::int64_t so = a * ss[0] + b * ss[1] + c * ss[2] + e * ss[3];
+          const std::int64_t to = a * ds[0] + b * ds[1] + c * ds[2] + e * ds[3];
+          std::memcpy(t + to * static_cast<std::int64_t>(item),
+                      s + so * static_cast<std::int64_t>(item), item);
+        }
+}
+
+// Attention over a KV cache: q [B, Hq, Lq, D], k_cache [B_cache, Hkv, capacity, D], v_cache
+// [B_cache, Hkv, capacity, Dv] (the flash layout's transposed(1, 2) views), int32 cache_seqlens
+// [B] and optional cache_batch_idx, cache_leftpad [B]; with an int32 block_table
+// [B, max_pages_per_seq] the caches are page pools [num_pages, Hkv, page_size, D]. With k_new /
+// v_new [B, Hkv, L_new, D] the new rows are written into the caches in place first (rotated with
+// f32 rotary_cos, rotary_sin [positions, rotary_dim / 2] when given). Writes out [B, Hq, Lq, Dv]
+// and, when given, lse [B, Hq, Lq].
+void forward_kvcache(py::handle q, py::handle k_cache, py::handle v_cache, py::handle cache_seqlens,
+                     py::handle cache_batch_idx, py::handle cache_leftpad, py::handle block_table,
+                     py::handle k_new, py::handle v_new, py::handle rotary_cos,
+                     py::handle rotary_sin, bool rotary_interleaved, py::handle out, py::handle lse,
+                     py::handle alibi_slopes, const CallOptions& call) {
+  constexpr const char* op = "forward_kvcache";  // the library's name of the call, in messages
+  last_call_addresses().clear();
+  const Borrowed bq(q, op, "query", false);
+  const bool appending = !k_new.is_none();  // the caches are written only by an append
+  const Borrowed bk(k_cache, op, "k_cache", appending), bv(v_cache, op, "v_cache", appending);
+  const Borrowed blens(cache_seqlens, op, "cache_seqlens", false);
+  const auto bidx = borrow_optional(cache_batch_idx, op, "cache_batch_idx", false);
+  const auto bpad = borrow_optional(cache_leftpad, op, "cache_leftpad", false);
+  const auto btable = borrow_optional(block_table, op, "block_table", false);
+  const auto bknew = borrow_optional(k_new, op, "k", false);
+  const auto bvnew = borrow_optional(v_new, op, "v", false);
+  const auto bcos = borrow_optional(rotary_cos, op, "rotary_cos", false);
+  const auto bsin = borrow_optional(rotary_sin, op, "rotary_sin", false);
+  const Borrowed bout(out, op, "out", true);
+  const auto blse = borrow_optional(lse, op, "lse", true);
+  const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
+  const attncore::Options options = call.options(op, std::nullopt, balibi, false);
+  const attncore::Backend backend = backend_from_name(op, call.backend);
+  const attncore::KvCacheSeqs seqs{blens.view(), view_of(bidx), view_of(bpad), view_of(btable)};
+  if (bknew.has_value() != bvnew.has_value())
+    throw InvalidArgument(std::string(op) + ": k and v must be given together (k is " +
+                          (bknew ? "set" : "None") + ", v is " + (bvnew ? "set" : "None") + ")");
+  if (!bknew) {
+    run_call(options, call_work(bq.view(), bk.view(), bv.view()), [&](const attncore::Options& o) {
+      attncore::forward_kvcache_into(bq.view(), bk.view(), bv.view(), seqs, bout.view(),
+                                     view_of(blse), o, backend);
+    });
+    return;
+  }
+  attncore::KvAppend append;
+  append.k_new = bknew->view();
+  append.v_new = bvnew->view();
+  append.rotary_cos = view_of(bcos);
+  append.rotary_sin = view_of(bsin);
+  append.rotary_interleaved = rotary_interleaved;
+  run_call(options, call_work(bq.view(), bk.view(), bv.view()), [&](const attncore::Options& o) {
+    const attncore::ForwardResult r =
+        attncore::forward_kvcache(bq.view(), bk.view(), bv.view(), seqs, append, o, backend);
+    copy_view(r.out.view(), bout.view());
+    if (blse) copy_view(r.lse.view(), blse->view());
+  });
+}
+
+// Merges two attention results over disjoint key sets into out and lse (which may be the very
+// arrays out_a / lse_a or out_b / lse_b).
+void merge_states(py::handle out_a, py::handle lse_a, py::handle out_b, py::handle lse_b,
+                  py::handle out, py::handle lse, int num_threads) {
+  constexpr const char* op = "merge_attention_states";
+  last_call_addresses().clear();
+  const Borrowed boa(out_a, op, "out_a", false), bla(lse_a, op, "lse_a", false);
+  const Borrowed bob(out_b, op, "out_b", false), blb(lse_b, op, "lse_b", false);
+  const Borrowed bout(out, op, "out", true), blse(lse, op, "lse", true);
+  // Work for run_call (Ctrl-C on the main thread): a merged element costs about what 8
+  // multiply-adds of attention do (2^22 rows of Dv = 128 took ~3 s on one thread).
+  double elements = 1.0;
+  for (int d = 0; d < boa.view().rank; ++d) elements *= static_cast<double>(boa.view().size(d));
+  attncore::Options options;
+  options.num_threads = num_threads;
+  run_call(options, 8.0 * elements, [&](const attncore::Options& o) {
+    attncore::merge_attention_states_into(boa.view(), bla.view(), bob.view(), blb.view(),
+                                          bout.view(), blse.view(), o.num_threads, o.cancel);
+  });
+}
+
+// A PagedKvCache's array as a numpy array over the cache's own memory, which the array keeps
+// alive (through `owner`, the Python object of the cache); bf16 as int16 (numpy has no
+// bfloat16: attncore.PagedKVCache views it as torch.bfloat16).
+py::array paged_array(py::object owner, const TensorView& t) {
+  static const std::map<DType, const char*> names = {{DType::f32, "float32"},
+                                                     {DType::f64, "float64"},
+                                                     {DType::f16, "float16"},
+                                                     {DType::bf16, "int16"},
+                                                     {DType::i32, "int32"}};
+  std::vector<py::ssize_t> shape, strides;
+  for (int d = 0; d < t.rank; ++d) {
+    shape.push_back(t.size(d));
+    strides.push_back(t.stride_of(d) * static_cast<py::ssize_t>(attncore::size_of(t.dtype)));
+  }
+  return py::array(py::dtype(names.at(t.dtype)), shape, strides, t.data, owner);
+}
+
+DType cache_dtype(const std::string& name) {
+  for (DType d : {DType::f32, DType::f64, DType::f16, DType::bf16}) {
+    if (name == attncore::name_of(d)) return d;
+  }
+  throw InvalidArgument("PagedKVCache: dtype is not a cache dtype (dtype=" + name +
+                        ", expected f32, bf16, f16 or f64)");
+}
+
+void bind_paged_cache(py::module_& m) {
+  using attncore::PagedKvCache;
+  py::class_<PagedKvCache>(m, "PagedKvCache")
+      .def(py::init([](std::int64_t num_pages, std::int64_t page_size, std::int64_t heads_kv,
+                       std::int64_t head_dim, std::int64_t head_dim_v, const std::string& dtype,
+                       std::int64_t max_batch, std::int64_t max_pages_per_seq) {
+             return PagedKvCache(num_pages, page_size, heads_kv, head_dim, head_dim_v,
+                                 cache_dtype(dtype), max_batch, max_pages_per_seq);
+           }),
+           py::arg("num_pages"), py::arg("page_size"), py::arg("heads_kv"), py::arg("head_dim"),
+           py::arg("head_dim_v"), py::arg("dtype"), py::arg("max_batch"),
+           py::arg("max_pages_per_seq"))
+      .def("reserve", &PagedKvCache::reserve, py::arg("batch_idx"), py::arg("seq_len"))
+      .def("erase", &PagedKvCache::erase, py::arg("batch_idx"))
+      .def("fork", &PagedKvCache::fork, py::arg("src"), py::arg("dst"), py::arg("prefix_len"))
+      .def("free_pages", &PagedKvCache::free_pages)
+      .def("capacity", &PagedKvCache::capacity, py::arg("batch_idx"))
+      .def("references", &PagedKvCache::references, py::arg("page"))
+      .def(
+          "assign",
+          [](PagedKvCache& c, std::int64_t b, py::handle positions, py::handle k, py::handle v) {
+            constexpr const char* op = "PagedKVCache.assign";
+            const Borrowed bp(positions, op, "input_pos", false), bk(k, op, "k_val", false),
+                bv(v, op, "v_val", false);
+            c.assign(b, bp.view(), bk.view(), bv.view());
+          },
+          py::arg("batch_idx"), py::arg("positions"), py::arg("k"), py::arg("v"))
+      .def("array", [](py::object self, const std::string& which) {
+        const PagedKvCache& c = self.cast<const PagedKvCache&>();
+        if (which == "k") return paged_array(self, c.k_pages());
+        if (which == "v") return paged_array(self, c.v_pages());
+        if (which == "page_table") return paged_array(self, c.page_table());
+        return paged_array(self, c.seqlens());
+      });
+}
+
+}  // namespace
+
+void bind_kvcache(py::module_& m) {
+  bind_paged_cache(m);
+  m.def("forward_kvcache", &forward_kvcache, py::arg("query"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("cache_seqlens"), py::arg("cache_batch_idx").none(true),
+        py::arg("cache_leftpad").none(true), py::arg("block_table").none(true),
+        py::arg("k").none(true), py::arg("v").none(true), py::arg("rotary_cos").none(true),
+        py::arg("rotary_sin").none(true), py::arg("rotary_interleaved"), py::arg("out"),
+        py::arg("lse").none(true), py::arg("alibi_slopes").none(true), py::arg("options"));
+  m.def("merge_attention_states", &merge_states, py::arg("out_a"), py::arg("lse_a"),
+        py::arg("out_b"), py::arg("lse_b"), py::arg("out"), py::arg("lse"),
+        py::arg("num_threads") = 0);
+}
+
+}  // namespace attncore_python
