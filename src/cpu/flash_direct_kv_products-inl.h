@@ -67,8 +67,10 @@ struct DirectKvProducts : DirectKvScores {
   // V rows c < count of one head (at v + v_at[c]) into L2: the next chunk of P . V with
   // several heads.
   template <class T>
-  ATTNCORE_TARGET static void prefetch_rows(const Params& p, const T* v, const std::int64_t* v_at,
-                                            std::int64_t count) {
+  ATTNCORE_TARGET __attribute__((always_inline)) static void prefetch_rows(const Params& p,
+                                                                           const T* v,
+                                                                           const std::int64_t* v_at,
+                                                                           std::int64_t count) {
     for (std::int64_t c = 0; c < count; ++c) prefetch_lines<2>(v + v_at[c], p.head_dim_v);
   }
 
