@@ -148,9 +148,9 @@ struct DirectKv : DirectKvProducts {
         const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
         // Head x's V rows x * v_step elements after the first head's.
         const auto between = [&](std::int64_t x, std::int64_t j, std::int64_t n) ATTNCORE_TARGET {
-          const RowsProduct<T, decltype(known), 1> product{
-              v + x * v_step, at,   run.keys, run.probs + x * hf, out + x * hf, dv, dv_pad,
-              ahead,          lead, false};
+          const RowsProduct<T, decltype(known), 1, 2> product{
+              v + x * v_step, at,    run.keys, run.probs + x * hf, out + x * hf, dv,
+              dv_pad,         ahead, lead};
           product(c0 + j, n);
         };
         score_heads_key_groups(k, k_rows.at + c0, block, known, p.head_dim, heads, a.k.stride[1],

@@ -139,7 +139,7 @@ struct DirectKvStreams : DirectKvHeads {
 // instead, as a separate kernel did: from L2, Hq = Hkv = 4, Lk = 512, on the Intel Xeon, bf16
 // took 1.13-1.15x the time on avx512 and avx2, f16 1.07-1.17x, f32 the same; from memory, MHA
 // [B, Hkv, L, D], Lk = 16384, in-process A/B: 0.97-1.04 on either target.)
-template <class T, class Known, int R>
+template <class T, class Known, int R, int kLocality = 3>
 struct RowsProduct {
   const T* v;  // V rows: key c at v + at[c]
   const std::int64_t* at;
@@ -148,11 +148,11 @@ struct RowsProduct {
   float* out;          // [R][out_stride]
   std::int64_t dv, out_stride;
   std::int64_t ahead;  // rows known: at[c] for c < ahead (TileRows::count)
-  // V rows prefetched `lead` keys ahead (where `ahead` allows: none with `ahead` 0), into L1 or
-  // L2: one head's rows (one row, a GQA group's), kLead keys into L1; several heads' 16-bit rows,
-  // DirectKv::kHeadsOverlapLead keys into L2.
+  // V rows prefetched `lead` keys ahead (where `ahead` allows: none with `ahead` 0), into L1
+  // (kLocality 3) or L2 (2): one head's rows (one row, a GQA group's), kLead keys into L1;
+  // several heads' 16-bit rows, DirectKv::kHeadsOverlapLead keys into L2. (The level a constant:
+  // as a field, tested per key, MHA 16-bit [B, Hkv, L, D] decode read 0.97 of it on the Xeon.)
   std::int64_t lead = kLead;
-  bool into_l1 = true;
   // One row, Zen 3, 1 thread, % of the probe, Lk=16384, five runs of 5 interleaved passes
   // (scratch harness), none / 8 / 16 keys: f32 88-102 / 90-101 / 91-100, bf16 70-85 / 76-95 /
   // 77-89, f16 72-85 / 81-96 / 79-90 (means: bf16 77 / 86 / 83, f16 80 / 87 / 84; into L2, one
@@ -178,13 +178,7 @@ struct RowsProduct {
 #pragma GCC unroll 4
     for (int c = 0; c < kMaxKeys; ++c) {
       if (c < count) {
-        if (c0 + c + lead < ahead) {
-          if (into_l1) {
-            prefetch_lines<3>(v + at[c0 + c + lead], d);
-          } else {
-            prefetch_lines<2>(v + at[c0 + c + lead], d);
-          }
-        }
+        if (c0 + c + lead < ahead) prefetch_lines<kLocality>(v + at[c0 + c + lead], d);
         row[c] = v + at[c0 + c];
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) w[r][c] = probs[r * kKeyTile + c0 + c];
