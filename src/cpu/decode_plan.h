@@ -44,9 +44,10 @@ struct DecodePlan {
   // Those rows' P . V of each tile run with the next tile's scores, as one row's do with its
   // streams (K and V read at once: DirectKv::RowsProduct).
   bool rows_overlap;
-  // One query row per head over several heads (MHA [B, L, Hkv, D], pages, AVX-512): each tile's
-  // P . V run with the next tile's scores, head by head, 4 keys at a time (K and V read at once:
-  // DirectKv::heads_with_product); only with heads_key_groups (the order of those scores).
+  // One query row per head over several heads (MHA [B, L, Hkv, D], pages, AVX-512), and a GQA
+  // group's 16-bit rows likewise: each tile's P . V run with the next tile's scores, head by
+  // head, 4 keys at a time (K and V read at once: DirectKv::heads_with_product); only with
+  // heads_key_groups (the order of those scores).
   bool heads_overlap;
   // A GQA group's 3 or more rows over several heads (GQA [B, L, Hkv, D], pages, AVX-512): each
   // chunk of P . V also prefetches its head's next chunk of V rows (kHeadVAhead bytes, into L2:

@@ -116,7 +116,7 @@ struct DirectKv : DirectKvProducts {
   // A tile's scores over several heads by score_heads_key_groups (heads_key_groups_overlap),
   // each head's P . V of the previous tile run after its scores of each group of keys
   // (RowsProduct over that head's row; out scaled by each head's alpha first, as
-  // accumulate_heads scales it). 16-bit K rows prefetched kHeadsOverlapLead keys ahead (each
+  // accumulate_heads scales it). 16-bit K rows prefetched heads_overlap_lead keys ahead (each
   // line as the products read the same line of their key's row), and V rows as many keys
   // ahead, into L2; f32 rows neither.
   // On the Intel Xeon (the core whose plan overlaps: decode_plan.cpp), MHA Hq = Hkv = 32, Lk =
@@ -131,30 +131,62 @@ struct DirectKv : DirectKvProducts {
   // then tested the lead per key). (A plain read with the FMAs of such a kernel after each 256-byte
   // row reached 16-17 GB/s with each line of both prefetched 4 keys ahead into L2, 14 with K's
   // alone: the core keeps too few misses in flight for the loads the products wait on.)
-  static constexpr std::int64_t kHeadsOverlapLead = 2;
+  // The lead: 2 keys where a key's rows of the item's heads take 8 KiB or more (as 32 16-bit
+  // heads of D = 128), else 3. Fewer heads (a small model's, or a tensor-parallel shard's),
+  // the same in-process A/B, Hq = Hkv, against 2 keys: Hkv = 8, Lk = 16384, bf16 [B, L, Hkv,
+  // D] 1.21 (71 -> 86% of the probe) and 1.21, f16 p16 1.28 (65 -> 84%), 4 keys 1.12-1.17; Hkv = 4,
+  // Lk = 32768, bf16 1.03 (4 keys 1.02, 8 keys 0.89); Hkv = 16, Lk = 8192, 3 or 4 keys 1.00;
+  // Hkv = 32, Lk = 4096, 3 keys: bf16 0.99, f16 p16 1.00.
+  ATTNCORE_TARGET static std::int64_t heads_overlap_lead(std::int64_t heads, std::int64_t d,
+                                                         std::int64_t element_bytes) {
+    return heads * d * element_bytes >= 8192 ? 2 : 3;
+  }
+  // A GQA group's rows (2 or 4 computed) likewise, 16-bit only (heads_key_groups_overlap): each
+  // head's R rows scored per group of keys (score_heads_key_groups<R>), then its rows' P . V of
+  // the same keys of the tile before (RowsProduct<R>): the same bits as scores, then P . V in
+  // chunks. Hq = 32, Hkv = 8 (the lead 3 keys: 2, 4 and 6 ran at 0.81-0.93 of one pass, 5 and 7
+  // within 1% of 3), Lk = 16384, against that one pass, in-process A/B, median of 5-9 rounds:
+  // bf16 [B, L, Hkv, D] 1.05, p256 1.03, f16 p16 1.03 (Lk = 4096, [B, L, Hkv, D]: 1.01); f32
+  // 0.96-0.98 (kept out). bench --decode against the commit before, 3 rounds, Lk = 4096/16384:
+  // bf16 [B, L, Hkv, D] 1.04/1.05, p256 1.00/1.07, f16 [B, L, Hkv, D] 1.06/1.08, p16 1.07/1.04.
   ATTNCORE_TARGET static void heads_with_product(const Params& p, const ForwardArgs& a,
                                                  const TileRows& k_rows, const PendingProduct& run,
                                                  std::int64_t keys, std::int64_t cols,
                                                  const float* q, float* s, float* parts,
                                                  std::int64_t dv_pad, float* out) {
     const std::int64_t hf = run.head_floats, heads = run.heads, dv = p.head_dim_v;
-    for (std::int64_t x = 0; x < heads; ++x) rescale(out + x * hf, dv, run.alpha[x * hf]);
+    const int computed = rows_computed(run.rows);
+    for (std::int64_t x = 0; x < heads; ++x) {
+      for (int r = 0; r < computed; ++r) {
+        rescale(out + x * hf + r * dv_pad, dv, run.alpha[x * hf + r]);
+      }
+    }
     with_kv(a, [&](auto k, auto v, auto known) ATTNCORE_TARGET {
       using T = std::remove_const_t<std::remove_pointer_t<decltype(v)>>;
-      const std::int64_t lead = sizeof(T) == 2 ? kHeadsOverlapLead : 0;
+      const std::int64_t lead =
+          sizeof(T) == 2 ? heads_overlap_lead(heads, p.head_dim, sizeof(T)) : 0;
       const std::int64_t v_step = a.v.stride[1], ahead = lead > 0 ? run.v_rows->count : 0;
       const std::int64_t* at = run.v_rows->at;
-      for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
-        const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
-        // Head x's V rows x * v_step elements after the first head's.
-        const auto between = [&](std::int64_t x, std::int64_t j, std::int64_t n) ATTNCORE_TARGET {
-          const RowsProduct<T, decltype(known), 1, 2> product{
-              v + x * v_step, at,    run.keys, run.probs + x * hf, out + x * hf, dv,
-              dv_pad,         ahead, lead};
-          product(c0 + j, n);
-        };
-        score_heads_key_groups(k, k_rows.at + c0, block, known, p.head_dim, heads, a.k.stride[1],
-                               hf, q, s + c0, parts, lead, k_rows.count - c0, between);
+      auto with_rows = [&](auto rows_constant) ATTNCORE_TARGET {
+        constexpr int R = decltype(rows_constant)::value;
+        for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
+          const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
+          // Head x's V rows x * v_step elements after the first head's.
+          const auto between = [&](std::int64_t x, std::int64_t j, std::int64_t n) ATTNCORE_TARGET {
+            const RowsProduct<T, decltype(known), R, 2> product{
+                v + x * v_step, at,    run.keys, run.probs + x * hf, out + x * hf, dv,
+                dv_pad,         ahead, lead};
+            product(c0 + j, n);
+          };
+          score_heads_key_groups<R>(k, k_rows.at + c0, block, known, p.head_dim, heads,
+                                    a.k.stride[1], hf, q, s + c0, parts, lead, k_rows.count - c0,
+                                    between);
+        }
+      };
+      if (computed == 1) return with_rows(std::integral_constant<int, 1>{});
+      if constexpr (sizeof(T) == 2) {
+        if (computed == 2) return with_rows(std::integral_constant<int, 2>{});
+        with_rows(std::integral_constant<int, 4>{});
       }
     });
   }
@@ -181,7 +213,7 @@ struct DirectKv : DirectKvProducts {
       const PendingProduct run = pending;
       pending.v_rows = nullptr;
       if (run.heads > 1 && cols >= run.keys &&
-          heads_key_groups_overlap(p.head_dim, heads, rows, pairs)) {
+          heads_key_groups_overlap(p.head_dim, heads, rows, pairs, a.k.dtype)) {
         return heads_with_product(p, a, k_rows, run, keys, cols, q, s, widened, dv_pad, out);
       }
       if (tile_streams(p.head_dim, keys, heads, rows, pairs, k_rows.at) ||

@@ -120,7 +120,13 @@ struct DirectKvHeads {
   // 4, 2 lower for f32: 62-64 against 68-72); kLanes heads' chains interleaved instead, each
   // step of the rows for every head in turn (K no longer read in address order): lower, f32
   // BLHD 56/64 -> 47/49, p16 61/61 -> 48/43.
-  template <class T, class Known, class Between = NoWork>
+  // R rows per head (a GQA group's, rows d apart from q + x * head_floats; S row r of head x at
+  // x * head_floats + r * kKeyTile): each K vector loaded (widened) once for the R rows, their
+  // (row, key) lane sums in registers, `parts` [heads][R][kLanes keys][kLanes]; each score the
+  // one score_rows gives it (the same bits). `between(x, j0, kKeys)` runs after head x's scores
+  // of keys j0 .. j0 + kKeys - 1 (DirectKv::heads_with_product: that head's P . V of the tile
+  // before).
+  template <int R = 1, class T, class Known, class Between = NoWork>
   ATTNCORE_TARGET static void score_heads_key_groups(
       const T* k, const std::int64_t* at, std::int64_t block, Known known, std::int64_t d,
       std::int64_t heads, std::int64_t k_step, std::int64_t head_floats, const float* q, float* s,
@@ -137,9 +143,12 @@ struct DirectKvHeads {
       }
       const bool any = j0 < block;  // (a group wholly past the block: scores 0, nothing read)
       for (std::int64_t x = 0; x < heads; ++x) {
-        Vec acc[kKeys];
+        Vec acc[R][kKeys];
 #pragma GCC unroll 8
-        for (int j = 0; j < kKeys; ++j) acc[j] = Vec{};
+        for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+          for (int j = 0; j < kKeys; ++j) acc[r][j] = Vec{};
+        }
         const float* qx = q + x * head_floats;
         const std::int64_t off = x * k_step;
         for (std::int64_t e0 = 0; any && e0 < d; e0 += kLanes) {
@@ -149,20 +158,30 @@ struct DirectKvHeads {
               if (next[j] != nullptr) __builtin_prefetch(next[j] + off + e0, 0, 2);
             }
           }
-          const Vec qv = load(qx + e0);
+          Vec qv[R];
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) qv[r] = load(qx + r * d + e0);
 #pragma GCC unroll 8
           for (int j = 0; j < kKeys; ++j) {
-            acc[j] = fmadd(qv, load_part(row[j] + off + e0, kLanes, known), acc[j]);
+            const Vec kv = load_part(row[j] + off + e0, kLanes, known);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) acc[r][j] = fmadd(qv[r], kv, acc[r][j]);
           }
         }
 #pragma GCC unroll 8
-        for (int j = 0; j < kKeys; ++j) {
-          store(parts + (x * kLanes + j0 + j) * kLanes, j0 + j < block ? acc[j] : Vec{});
+        for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+          for (int j = 0; j < kKeys; ++j) {
+            store(parts + ((x * R + r) * kLanes + j0 + j) * kLanes,
+                  j0 + j < block ? acc[r][j] : Vec{});
+          }
         }
         between(x, j0, kKeys);
       }
     }
-    sum_parts(parts, heads, head_floats, s);
+    for (std::int64_t x = 0; x < heads; ++x) {
+      sum_parts(parts + x * R * kLanes * kLanes, R, kKeyTile, s + x * head_floats);
+    }
   }
 
   // score_heads_by_key for 16-bit K widened in registers (f16, or bf16 under an f32 query): the

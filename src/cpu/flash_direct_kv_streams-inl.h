@@ -54,15 +54,18 @@ struct DirectKvStreams : DirectKvHeads {
   }
 
   // Whether score_heads_key_groups scores a tile of one row per head over several heads
-  // ([B, L, Hkv, D], pages: MHA) with the previous tile's P . V between its groups of keys
-  // (DirectKv::heads_with_product): AVX-512 where the decode plan says (heads_overlap, with
-  // heads_key_groups), not on bf16 pairs, D a multiple of kLanes, the partial sums within the
-  // scratch (as DirectKvScores::scores takes them).
+  // ([B, L, Hkv, D], pages: MHA), or of a GQA group's 2 to 4 rows per head with 16-bit K and V,
+  // with the previous tile's P . V between its groups of keys (DirectKv::heads_with_product):
+  // AVX-512 where the decode plan says (heads_overlap, with heads_key_groups), not on bf16
+  // pairs, D a multiple of kLanes, the partial sums within the scratch (as
+  // DirectKvScores::scores takes them).
   ATTNCORE_TARGET static bool heads_key_groups_overlap(std::int64_t d, std::int64_t heads,
-                                                       std::int64_t rows, bool pairs) {
+                                                       std::int64_t rows, bool pairs, DType dtype) {
     const DecodePlan& plan = decode_plan();
-    return kLanes == 16 && plan.heads_overlap && plan.heads_key_groups && heads > 1 && rows == 1 &&
-           !pairs && d % kLanes == 0 && heads * kLanes * kLanes + heads * d / 2 <= d * kKeyTile;
+    const std::int64_t r = rows_computed(rows);
+    return kLanes == 16 && plan.heads_overlap && plan.heads_key_groups && heads > 1 &&
+           (rows == 1 || (r <= 4 && dtype != DType::f32)) && !pairs && d % kLanes == 0 &&
+           heads * (r * kLanes * kLanes + d / 2) <= d * kKeyTile;
   }
 
   // The scores of R rows (q [R][d]: one row, or a GQA group's) against a whole key tile of one
@@ -150,7 +153,7 @@ struct RowsProduct {
   std::int64_t ahead;  // rows known: at[c] for c < ahead (TileRows::count)
   // V rows prefetched `lead` keys ahead (where `ahead` allows: none with `ahead` 0), into L1
   // (kLocality 3) or L2 (2): one head's rows (one row, a GQA group's), kLead keys into L1;
-  // several heads' 16-bit rows, DirectKv::kHeadsOverlapLead keys into L2. (The level a constant:
+  // several heads' 16-bit rows, DirectKv::heads_overlap_lead keys into L2. (The level a constant:
   // as a field, tested per key, MHA 16-bit [B, Hkv, L, D] decode read 0.97 of it on the Xeon.)
   std::int64_t lead = kLead;
   // One row, Zen 3, 1 thread, % of the probe, Lk=16384, five runs of 5 interleaved passes

@@ -163,11 +163,12 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   const bool overlap = direct && overlap_rows && heads == 1 && p.head_dim % kLanes == 0 &&
                        p.head_dim_v % kLanes == 0 && a.k.dtype == a.v.dtype;
   // One row per head over several heads likewise where the decode plan says (heads_overlap;
-  // their scores by score_heads_key_groups, each head's RowsProduct between them).
-  const bool overlap_heads =
-      direct && heads > 1 && !bool_mask &&
-      DirectKv::heads_key_groups_overlap(p.head_dim, heads, rows, DirectKv::on_pairs(a)) &&
-      p.head_dim_v % kLanes == 0 && a.k.dtype == a.v.dtype;
+  // their scores by score_heads_key_groups, each head's RowsProduct between them), and a GQA
+  // group's 16-bit rows over several heads.
+  const bool overlap_heads = direct && heads > 1 && !bool_mask &&
+                             DirectKv::heads_key_groups_overlap(p.head_dim, heads, rows,
+                                                                DirectKv::on_pairs(a), a.k.dtype) &&
+                             p.head_dim_v % kLanes == 0 && a.k.dtype == a.v.dtype;
   TileRows tile_rows[3];
   PendingProduct pending;
   const std::int64_t tile_begin = first_key / kKeyTile;
