@@ -1,7 +1,7 @@
 // DirectKv's scores of one row per head across several kv heads, for one SIMD target: MHA
 // decode where a key's row holds every head ([B, L, Hkv, D], pages), K read in address order,
-// key by key (AVX2: a few keys at a time) (flash_direct_kv_scores-inl.h holds the rest of the
-// scores).
+// key by key (AVX2 and Intel's cores: a few keys at a time, also for a GQA group's rows per
+// head) (flash_direct_kv_scores-inl.h holds the rest of the scores).
 #pragma once
 
 #include <algorithm>
