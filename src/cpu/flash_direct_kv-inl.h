@@ -184,7 +184,7 @@ struct DirectKv : DirectKvProducts {
         }
       };
       if (computed == 1) return with_rows(std::integral_constant<int, 1>{});
-      if constexpr (sizeof(T) == 2) {
+      if constexpr (sizeof(T) == 2) {  // (f32 groups never overlap: heads_key_groups_overlap)
         if (computed == 2) return with_rows(std::integral_constant<int, 2>{});
         with_rows(std::integral_constant<int, 4>{});
       }
