@@ -64,7 +64,7 @@ void expect_same_bits(const std::vector<DecodePlan>& plans, std::int64_t dim) {
                          read_view(t.view().transposed(1, 2)));
     };
     const Tensor k_inner = heads_inner(k_outer), v_inner = heads_inner(v_outer);
-    for (std::int64_t group : {1, 4}) {
+    for (std::int64_t group : {1, 2, 4}) {
       for (std::int64_t lq : {1, 3}) {
         const Tensor q =
             make_tensor(types.q, {batch, hkv * group, lq, dim},
@@ -103,7 +103,8 @@ void expect_same_bits(const std::vector<DecodePlan>& plans, std::int64_t dim) {
 
 // Decode and a 3-row chunk over a cache whose one head's keys lie together ([B, Hkv, L, D]) and
 // with a key's heads together ([B, L, Hkv, D]), the plans' prefetches and schemes differing in
-// both (one row's streams, several heads' key groups and one pass); MHA and GQA, f32,
+// both (one row's streams, several heads' key groups and one pass); MHA and GQA (groups of 2
+// and 4: each of the group kernels' row counts, 3 rows padded to 4 among them), f32,
 // bf16, f16 and an f32 query over a bf16 cache; Lk not a multiple of a block or a tile. Besides
 // the machines' plans, plans whose distances reach far past a tile's rows: a prefetch address
 // taken from past the rows a tile resolved would read past them (the sanitizers' builds).

@@ -25,8 +25,8 @@ struct PendingProduct {
   std::int64_t rows;
   const float* probs;
   const float* alpha;
-  // One row per head over several heads (MHA [B, L, Hkv, D], pages): each head's P, alpha and
-  // out head_floats floats after the one before (DirectKv::heads_with_product).
+  // Several heads ([B, L, Hkv, D], pages; one row each, or a GQA group's rows): each head's P,
+  // alpha and out head_floats floats after the one before (DirectKv::heads_with_product).
   std::int64_t heads = 1;
   std::int64_t head_floats = 0;
 };
