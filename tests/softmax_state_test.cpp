@@ -118,5 +118,23 @@ TEST(SoftmaxState, MergeOutputs) {
   EXPECT_EQ(merged, 0.0);
 }
 
+TEST(SoftmaxState, MergeOutputsWithLargeLse) {
+  // Equal sides weigh 1/2 each however large their LSE: rounding the merged LSE (to f32 at 1e7
+  // its ulp is 1, which swallows log 2) must not change the weights.
+  for (const float l : {0.0f, 1e3f, 1e5f, 1e7f, 2e7f, 3e38f, -3e38f}) {
+    const float a = 1.0f, b = 3.0f;
+    float merged = 0;
+    const float lse = merge_outputs(&a, l, &b, l, 1, &merged);
+    EXPECT_EQ(merged, 2.0f) << l;
+    EXPECT_NEAR(lse, static_cast<double>(l) + std::log(2.0), std::fabs(l) * 1e-7 + 1e-6) << l;
+  }
+  // Unequal sides: weights e / (e_a + e_b) relative to the larger LSE.
+  const double a = 1.0, b = 3.0;
+  double merged = 0;
+  merge_outputs(&a, 1e9 + 1.0, &b, 1e9, 1, &merged);
+  const double wa = 1.0 / (1.0 + std::exp(-1.0));
+  EXPECT_NEAR(merged, wa * a + (1 - wa) * b, 1e-12);
+}
+
 }  // namespace
 }  // namespace attncore::detail

@@ -510,6 +510,32 @@ TEST(SplitKv, CancelledBetweenParts) {
   for (double x : read_view(out.view())) ASSERT_EQ(x, 7.0);
 }
 
+// Scores so large that the parts' LSEs are ~1e8: the merge must still weigh the parts by
+// e / (sum of e) (a merge through the rounded LSE weighed each equal part 1 and multiplied the
+// output by the number of parts). Every key scores the same, so the output is V's mean.
+TEST(SplitKv, LargeScoresMergeExactly) {
+  const std::int64_t lk = 1024, d = 8;
+  std::vector<double> v_values(static_cast<std::size_t>(lk * d));
+  for (std::int64_t j = 0; j < lk; ++j) {
+    std::fill_n(v_values.begin() + j * d, d, j % 2 == 0 ? 1.0 : 3.0);
+  }
+  const Tensor q = make_tensor(DType::f32, {1, 1, 1, d}, std::vector<double>(d, 1e4));
+  const Tensor k = make_tensor(DType::f32, {1, 1, lk, d}, std::vector<double>(lk * d, 1e4));
+  const Tensor v = make_tensor(DType::f32, {1, 1, lk, d}, v_values);
+  for (const std::string& target : simd_targets_supported()) {
+    const ScopedTarget scope(target);
+    for (int splits : kSplits) {
+      SCOPED_TRACE(target + " num_splits " + std::to_string(splits));
+      Options o;
+      o.num_splits = splits;
+      const ForwardResult f = forward(q, k, v, o, Backend::flash);
+      for (double x : read_view(f.out.view())) EXPECT_NEAR(x, 2.0, 1e-5);
+      const double lse = read_view(f.lse.view())[0];
+      EXPECT_NEAR(lse, 1e8 * d / std::sqrt(static_cast<double>(d)) + std::log(1024.0), 64.0);
+    }
+  }
+}
+
 TEST(SplitKv, BadNumSplits) {
   const Tensor q(DType::f32, {1, 2, 1, 16}), k(DType::f32, {1, 2, 8, 16});
   for (int splits : {-1, kMaxSplits + 1}) {

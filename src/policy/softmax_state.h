@@ -78,7 +78,10 @@ struct SoftmaxState {
 // Merges two finished results over disjoint key sets (docs/design.md section 1.12):
 // LSE = log(exp(lse_a) + exp(lse_b)) computed stably, out = exp(lse_a - LSE) out_a +
 // exp(lse_b - LSE) out_b; a side with LSE -inf contributes nothing, both -inf give 0 and -inf.
-// Writes out[0, n) and returns the merged LSE. T: float or double.
+// The weights are taken as e_a / (e_a + e_b) with e = exp(lse - max(lse_a, lse_b)), not from the
+// rounded LSE: where the LSE is large (1e5 and more in f32) its rounding would lose log(e_a + e_b)
+// and weights meant to sum to 1 would sum to up to 2. Writes out[0, n) and returns the merged
+// LSE. T: float or double.
 template <class T>
 T merge_outputs(const T* out_a, T lse_a, const T* out_b, T lse_b, std::int64_t n, T* out) {
   if (lse_a == -INFINITY && lse_b == -INFINITY) {
@@ -86,14 +89,14 @@ T merge_outputs(const T* out_a, T lse_a, const T* out_b, T lse_b, std::int64_t n
     return lse_a;
   }
   const T hi = lse_a > lse_b || std::isnan(lse_a) ? lse_a : lse_b;
-  const T lse = hi + std::log(std::exp(lse_a - hi) + std::exp(lse_b - hi));
-  const T wa = lse_a == -INFINITY ? T(0) : std::exp(lse_a - lse);
-  const T wb = lse_b == -INFINITY ? T(0) : std::exp(lse_b - lse);
+  const T ea = std::exp(lse_a - hi), eb = std::exp(lse_b - hi), sum = ea + eb;
+  const T wa = lse_a == -INFINITY ? T(0) : ea / sum;
+  const T wb = lse_b == -INFINITY ? T(0) : eb / sum;
   for (std::int64_t e = 0; e < n; ++e) {
     out[e] =
         (lse_a == -INFINITY ? T(0) : wa * out_a[e]) + (lse_b == -INFINITY ? T(0) : wb * out_b[e]);
   }
-  return lse;
+  return hi + std::log(sum);
 }
 
 }  // namespace attncore::detail

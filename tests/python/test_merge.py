@@ -24,6 +24,16 @@ def test_two_key_halves_merge_to_all_keys(dtype):
     assert_close(lse, ref_lse, torch.float32 if dtype != torch.float64 else dtype, "lse")
 
 
+@pytest.mark.parametrize("level", [0.0, 1e5, 1e7, 2e7])
+def test_equal_sides_weigh_half_however_large_the_lse(level):
+    out_a = np.ones((1, 1, 2, 4), np.float32)
+    out_b = np.full((1, 1, 2, 4), 3.0, np.float32)
+    lse = np.full((1, 1, 2), level, np.float32)
+    out, merged = attncore.merge_attention_states(out_a, lse, out_b, lse)
+    assert np.all(out == 2.0)
+    assert np.allclose(merged, level + np.log(2.0), rtol=1e-7, atol=1e-6)
+
+
 def test_numpy_flash_layout_with_transposed_lse():
     q, k, v = randn(2, 6, 3, 8, seed=4), randn(2, 10, 3, 8, seed=5), randn(2, 10, 3, 8, seed=6)
     qn, kn, vn = (x.float().numpy() for x in (q, k, v))
