@@ -41,7 +41,8 @@ def _writable_cache(op, name, x):
             raise ValueError(f"{op}: {name} is read-only (writeable=False, expected a writable "
                              f"array){remedy}")
         strides_ok = all(s >= 0 and s % x.itemsize == 0 for s in x.strides)
-        if not strides_ok or (x.ndim and x.shape[-1] > 1 and x.strides[-1] != x.itemsize):
+        if x.size and (not strides_ok or (x.ndim and x.shape[-1] > 1 and
+                                          x.strides[-1] != x.itemsize)):
             raise ValueError(f"{op}: {name} would need a copy (strides={list(x.strides)} bytes, "
                              f"expected non-negative multiples of itemsize={x.itemsize} and a "
                              f"unit last stride){remedy}")
@@ -57,7 +58,7 @@ def _writable_cache(op, name, x):
         if x.is_neg() or x.is_conj():
             raise ValueError(f"{op}: {name} is a lazily negated or conjugated view (expected "
                              f"a plain tensor){remedy}")
-        if x.dim() and x.shape[-1] > 1 and x.stride(-1) != 1:
+        if x.numel() and x.dim() and x.shape[-1] > 1 and x.stride(-1) != 1:
             raise ValueError(f"{op}: {name} would need a copy (stride={list(x.stride())}, "
                              f"expected a unit last stride){remedy}")
         return _arrays.TORCH, x
@@ -138,6 +139,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                ("v_cache", _arrays.shape_of(v_cache, op, "v_cache")),
                "[num_pages, page_size, Hkv, D]" if paged else "[B_cache, capacity, Hkv, D]",
                same_batch=False)
+    if paged:  # (the library sees the pools as [num_pages, Hkv, page_size, D])
+        pool = _arrays.shape_of(k_cache, op, "k_cache")
+        if pool[1] == 0:
+            raise ValueError(f"{op}: k_cache has shape {list(pool)}, expected [num_pages, "
+                             "page_size, Hkv, D] with page_size >= 1 (page_size=0)")
     if appending:
         for name, x in (("k", k), ("v", v)):
             _rank4(op, name, x, "[B, L_new, Hkv, D]")

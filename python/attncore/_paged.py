@@ -3,6 +3,7 @@ as numpy arrays or torch tensors over the cache's own memory) and the paged form
 flash_attn_varlen_func. Forward only. attncore.torch.PagedAttention is in _paged_torch.
 """
 
+import re
 import sys
 import typing
 
@@ -71,6 +72,8 @@ def _positions(op, x):
     except ValueError:  # a ragged sequence
         raise ValueError(f"{op}: input_pos is not a flat sequence of integers (type="
                          f"{type(x).__name__}, expected [S] positions)") from None
+    if array.size == 0 and isinstance(x, (list, tuple)):
+        array = array.astype(np.int32)  # [] holds no positions, of no dtype
     if array.dtype.kind not in "iu":
         raise TypeError(f"{op}: input_pos is not an integer array (dtype={array.dtype}, expected "
                         "int32 or int64)")
@@ -200,7 +203,7 @@ def _host_index(op, name, x):
     shape = tuple(array.shape)
     strides = (array.stride() if hasattr(array, "detach")
                else tuple(st // array.itemsize for st in array.strides))
-    if shape and shape[-1] > 1 and strides[-1] != 1:
+    if shape and shape[-1] > 1 and strides[-1] != 1 and 0 not in shape:
         raise ValueError(f"{op}: {name} has a non-unit last stride (stride[{len(shape) - 1}]="
                          f"{strides[-1]}, expected 1); pass it contiguous")
     _arrays.check_copy(op, name, shape, "int64")
@@ -239,10 +242,12 @@ def _check_max_seqlen(op, name, value, longest):
 
 
 def _naming(op, error):
-    """`error` (raised by a call `op` makes) with its message's leading "<call>: " replaced by
-    "<op>: ", so that it names the call the user made."""
+    """`error` (raised by a flash_attn_with_kvcache call `op` makes) with its message's leading
+    "<call>: " replaced by "<op>: " and the pools named as `op` names them (k_cache, v_cache ->
+    k, v), so that it names the call the user made."""
     head, sep, rest = str(error).partition(": ")
-    return type(error)(f"{op}: {rest}" if sep and " " not in head else str(error))
+    message = f"{op}: {rest}" if sep and " " not in head else str(error)
+    return type(error)(re.sub(r"\b([kv])_cache\b", r"\1", message))
 
 
 def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
@@ -282,14 +287,7 @@ def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     for name, value, longest in (("max_seqlen_q", max_seqlen_q, np.diff(cu_q)),
                                  ("max_seqlen_k", max_seqlen_k, lengths)):
         _check_max_seqlen(op, name, value, int(longest.max()) if len(longest) else 0)
-    total_q, heads_q = q_arr.shape[0], q_arr.shape[1]
-    dim_v = _arrays.shape_of(v, op, "v")[-1]
-    dtype = lib.dtype_name(q_arr)
-    _arrays.check_new_arrays(op, ((total_q, heads_q, dim_v), dtype),
-                             ((heads_q, total_q), "float64" if dtype == "float64" else "float32"))
-    out = lib.zeros((total_q, heads_q, dim_v), dtype)
-    lse = lib.empty((heads_q, total_q), "float64" if dtype == "float64" else "float32")
-    lse[...] = -np.inf
+    heads_q = q_arr.shape[1]
     slopes = alibi_slopes
     per_sequence = False
     if alibi_slopes is not None:  # checked whole: each call below sees one sequence's row
@@ -298,6 +296,25 @@ def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             raise ValueError(f"{op}: alibi_slopes has shape {a_shape}, expected [{heads_q}] or "
                              f"[{batch}, {heads_q}] ([Hq] or [B, Hq])")
         per_sequence = len(a_shape) == 2
+    # Every other argument (dtypes, shapes, options, backend) checked before any work, also
+    # where no sequence makes a call below (B = 0): a call over no queries and no keys, through
+    # a block table row of unmapped pages.
+    try:
+        flash_attn_with_kvcache(q_arr[0:0][None], k, v, cache_seqlens=np.zeros(1, np.int32),
+                                block_table=np.full((1, max(table.shape[1], 1)), -1, np.int32),
+                                alibi_slopes=(alibi_slopes[0:1] if batch else None)
+                                if per_sequence else alibi_slopes,
+                                return_softmax_lse=True, **kvcache_options)
+    except (ValueError, TypeError, NotImplementedError, MemoryError) as error:
+        raise _naming(op, error) from None
+    total_q = q_arr.shape[0]
+    dim_v = _arrays.shape_of(v, op, "v")[-1]
+    dtype = lib.dtype_name(q_arr)
+    _arrays.check_new_arrays(op, ((total_q, heads_q, dim_v), dtype),
+                             ((heads_q, total_q), "float64" if dtype == "float64" else "float32"))
+    out = lib.zeros((total_q, heads_q, dim_v), dtype)
+    lse = lib.empty((heads_q, total_q), "float64" if dtype == "float64" else "float32")
+    lse[...] = -np.inf
     for b in range(batch):
         q0, q1 = int(cu_q[b]), int(cu_q[b + 1])
         if per_sequence:

@@ -2,6 +2,7 @@
 // then the new rows are rotated (when rotary tables are given) and written into the cache, the
 // query is rotated into a copy, and the call attends with the lengths after the append.
 #include <algorithm>
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -135,6 +136,11 @@ std::vector<std::int32_t> validate_append(const Checker& check, const Params& p,
       check.fail("k_new does not fit in the cache (cache_seqlens[" + std::to_string(b) + "]=" +
                  std::to_string(seq.cache_seqlens[b]) + " + L_new=" + std::to_string(l_new) +
                  ", expected <= capacity=" + std::to_string(capacity) + ")");
+    }
+    if (end > INT32_MAX) {  // (a block table's pages may hold more slots than int32 counts)
+      check.fail("k_new makes a sequence too long (cache_seqlens[" + std::to_string(b) +
+                 "]=" + std::to_string(seq.cache_seqlens[b]) + " + L_new=" + std::to_string(l_new) +
+                 ", expected <= 2147483647: lengths are int32)");
     }
     lengths[static_cast<std::size_t>(b)] = static_cast<std::int32_t>(end);
     if (seq.cache_batch == nullptr) continue;

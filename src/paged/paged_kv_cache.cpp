@@ -3,6 +3,7 @@
 // changes anything.
 #include <algorithm>
 #include <climits>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -133,6 +134,11 @@ PagedKvCache::PagedKvCache(std::int64_t num_pages, std::int64_t page_size, std::
   if (dtype != DType::f32 && dtype != DType::bf16 && dtype != DType::f16 && dtype != DType::f64) {
     check.fail("dtype is not a cache dtype (dtype=" + std::string(name_of(dtype)) +
                ", expected f32, bf16, f16 or f64)");
+  }
+  if (head_dim > INT64_MAX - head_dim_v) {  // (both >= 1)
+    check.fail("the pages have too many elements (D + Dv=" +
+               detail::fmt_double(static_cast<double>(head_dim) + static_cast<double>(head_dim_v)) +
+               ", expected < 2^63)");
   }
   check.count("the pages have too many elements", "num_pages * page_size * Hkv * (D + Dv)",
               {num_pages, page_size, heads_kv, head_dim + head_dim_v});

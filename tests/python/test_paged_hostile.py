@@ -433,3 +433,55 @@ def test_paged_attention_forward_names_the_callers_tensors_and_options():
     out, lse = attn.forward(q, k_cache, v_cache, lens, return_softmax_lse=True, block_mask=None)
     assert torch.equal(out, attn.forward(q, k_cache, v_cache, lens))
     assert lse.shape == (2, 4, 1)
+
+
+def test_varlen_paged_checks_every_argument_with_no_sequence():
+    # B = 0 makes no per-sequence call: the arguments are still checked, and named as the
+    # caller named them (k, v, not the kv-cache call's k_cache, v_cache).
+    pool = torch.zeros(6, 4, 2, 8)
+    none = torch.zeros(1, dtype=torch.int32)
+    table = torch.zeros(0, 3, dtype=torch.int32)
+    call = attncore.flash_attn_varlen_func
+    raises(ValueError, lambda: call(torch.zeros(5, 2, 8, dtype=torch.int32), pool, pool, none,
+                                    none, 0, 0, block_table=table), "query", "dtype=i32")
+    raises(ValueError, lambda: call(torch.zeros(5, 2, 8), torch.zeros(6, 4, 2, 11), pool, none,
+                                    none, 0, 0, block_table=table),
+           "flash_attn_varlen_func: k has shape [6, 4, 2, 11]")
+    raises(ValueError, lambda: call(torch.zeros(5, 2, 8), pool, pool, none, none, 0, 0,
+                                    block_table=table, backend="cuda"), "backend='cuda'")
+    out = call(torch.ones(5, 2, 8), pool, pool, none, none, 0, 0, block_table=table)
+    assert out.shape == (5, 2, 8) and not out.any()
+
+
+def test_empty_caches_and_positions_need_no_strides():
+    # numpy gives zero-size arrays zero strides: nothing is read or written through them.
+    z = lambda *s: np.zeros(s, np.float32)  # noqa: E731
+    out = attncore.flash_attn_with_kvcache(z(0, 1, 4, 8), z(0, 16, 2, 8), z(0, 16, 2, 8),
+                                           k=z(0, 1, 2, 8), v=z(0, 1, 2, 8), cache_seqlens=5)
+    assert out.shape == (0, 1, 4, 8)
+    cache = attncore.PagedKVCache(4, 4, 2, 8, 2)
+    cache.reserve(0, 4)
+    cache.assign(0, [], z(0, 2, 8), z(0, 2, 8))  # [] is no positions, not float64 ones
+    assert cache.seqlens[0] == 0
+
+
+def test_paged_sizes_are_named_in_the_callers_layout():
+    z = lambda *s: np.zeros(s, np.float32)  # noqa: E731
+    raises(ValueError, lambda: attncore.flash_attn_with_kvcache(
+        z(1, 1, 4, 8), z(6, 0, 2, 8), z(6, 0, 2, 8), cache_seqlens=1,
+        block_table=np.zeros((1, 2), np.int32)), "k_cache has shape [6, 0, 2, 8]",
+        "page_size >= 1 (page_size=0)")
+    raises(ValueError, lambda: attncore.PagedKVCache(4, 4, 2, 2**62, 2), "D + Dv=9.22337e+18")
+
+
+def test_append_past_int32_lengths_names_the_sum():
+    # Pages of 2^30 + 1 slots (zero pages the kernel maps lazily, never touched): an append at
+    # the largest int32 length is refused with the lengths passed, not a wrapped one.
+    pool = np.zeros((1, 2**30 + 1, 1, 1), np.float16)
+    end = 2**31 - 1
+    raises(ValueError, lambda: attncore.flash_attn_with_kvcache(
+        np.zeros((1, 1, 1, 1), np.float32), pool, np.zeros_like(pool),
+        k=np.zeros((1, 1, 1, 1), np.float32), v=np.zeros((1, 1, 1, 1), np.float32),
+        cache_seqlens=end, cache_leftpad=np.array([end], np.int32),
+        block_table=np.array([[-1, 0]], np.int32)),
+        "k_new makes a sequence too long (cache_seqlens[0]=2147483647 + L_new=1")
