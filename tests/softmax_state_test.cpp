@@ -128,6 +128,18 @@ TEST(SoftmaxState, MergeOutputsWithLargeLse) {
     EXPECT_EQ(merged, 2.0f) << l;
     EXPECT_NEAR(lse, static_cast<double>(l) + std::log(2.0), std::fabs(l) * 1e-7 + 1e-6) << l;
   }
+  // Several parts at once (split-KV's): three equal parts weigh 1/3 each. Merged two at a time
+  // through the rounded LSE (1e7 + log 2 rounds to 1e7) the third would weigh 1/2: 3.75.
+  const float outs3[3] = {1.0f, 2.0f, 6.0f}, lses3[3] = {1e7f, 1e7f, 1e7f};
+  const float* parts[3] = {&outs3[0], &outs3[1], &outs3[2]};
+  float merged3 = 0;
+  merge_outputs(parts, lses3, 3, 1, &merged3);
+  EXPECT_NEAR(merged3, 3.0f, 1e-6f);
+  // A part with LSE -inf takes no part, NaN in its output included.
+  const float with_none[3] = {1.0f, std::nanf(""), 3.0f}, lses_none[3] = {5.0f, -INFINITY, 5.0f};
+  const float* parts_none[3] = {&with_none[0], &with_none[1], &with_none[2]};
+  EXPECT_NEAR(merge_outputs(parts_none, lses_none, 3, 1, &merged3), 5.0f + std::log(2.0f), 1e-6f);
+  EXPECT_EQ(merged3, 2.0f);
   // Unequal sides: weights e / (e_a + e_b) relative to the larger LSE.
   const double a = 1.0, b = 3.0;
   double merged = 0;

@@ -161,7 +161,7 @@ void flash_forward_split(const Params& call, const Launch& launch, const Forward
     }
   });
 
-  // Row r's parts merged in part order by the one merge of finished results
+  // Row r's parts merged all at once by the one merge of finished results
   // (policy/softmax_state.h), then stored in the outputs' dtype (16-bit: the target's rounding).
   // The same sums in the same order whatever the thread count. (Varlen rows past the last
   // sequence have no part: the call fills them.)
@@ -174,14 +174,15 @@ void flash_forward_split(const Params& call, const Launch& launch, const Forward
   };
   parallel_for(rows, threads, [&](std::int64_t begin, std::int64_t end) {
     std::vector<float> merged(static_cast<std::size_t>(dv));
+    std::vector<const float*> part_outs(kMaxSplits);  // row r's part s: [Dv]
+    std::vector<float> part_lses(kMaxSplits);
     for (std::int64_t r = begin; r < end; ++r) {
-      const std::int64_t parts = splits_of[static_cast<std::size_t>(sequence_of(r))];
-      std::copy_n(outs + r * dv, dv, merged.data());
-      float lse = lses[r];
-      for (std::int64_t s = 1; s < parts; ++s) {
-        lse = merge_outputs(merged.data(), lse, outs + (s * rows + r) * dv, lses[s * rows + r], dv,
-                            merged.data());
+      const int parts = static_cast<int>(splits_of[static_cast<std::size_t>(sequence_of(r))]);
+      for (int s = 0; s < parts; ++s) {
+        part_outs[static_cast<std::size_t>(s)] = outs + (s * rows + r) * dv;
+        part_lses[static_cast<std::size_t>(s)] = lses[s * rows + r];
       }
+      const float lse = merge_outputs(part_outs.data(), part_lses.data(), parts, dv, merged.data());
       const std::int64_t b = r / (call.heads_q * lq), h = r / lq % call.heads_q, i = r % lq;
       store_row_narrowed(target.narrow, merged.data(), dv, args.out.data, args.out.dtype,
                          offset4(args.out, b, h, i, 0));

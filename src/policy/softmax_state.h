@@ -75,28 +75,47 @@ struct SoftmaxState {
   }
 };
 
-// Merges two finished results over disjoint key sets (docs/design.md section 1.12):
-// LSE = log(exp(lse_a) + exp(lse_b)) computed stably, out = exp(lse_a - LSE) out_a +
-// exp(lse_b - LSE) out_b; a side with LSE -inf contributes nothing, both -inf give 0 and -inf.
-// The weights are taken as e_a / (e_a + e_b) with e = exp(lse - max(lse_a, lse_b)), not from the
-// rounded LSE: where the LSE is large (1e5 and more in f32) its rounding would lose log(e_a + e_b)
-// and weights meant to sum to 1 would sum to up to 2. Writes out[0, n) and returns the merged
-// LSE. T: float or double.
+// Merges `parts` finished results over disjoint key sets (docs/design.md section 1.12): part s
+// has output outs[s][0, n) and LSE lses[s]; LSE = log(sum_s exp(lses[s])) computed stably, out =
+// sum_s exp(lses[s] - LSE) outs[s]; a part with LSE -inf contributes nothing (even NaN in its
+// output), all -inf give 0 and -inf; a NaN LSE makes the result NaN. The weights are e_s /
+// sum(e) with e_s = exp(lses[s] - max LSE), not exp(lses[s] - LSE) through the rounded LSE: where
+// the LSE is large (1e5 and more in f32) its rounding would lose log(sum(e)), and weights meant
+// to sum to 1 would not. All parts at once, so that split-KV's parts are not weighed by LSEs
+// rounded along the way. Writes out[0, n) (no part's output may be `out`) and returns the
+// merged LSE. T: float or double.
 template <class T>
-T merge_outputs(const T* out_a, T lse_a, const T* out_b, T lse_b, std::int64_t n, T* out) {
-  if (lse_a == -INFINITY && lse_b == -INFINITY) {
-    for (std::int64_t e = 0; e < n; ++e) out[e] = T(0);
-    return lse_a;
+T merge_outputs(const T* const* outs, const T* lses, int parts, std::int64_t n, T* out) {
+  T hi = -INFINITY;
+  for (int s = 0; s < parts; ++s) {
+    if (lses[s] > hi || std::isnan(lses[s])) hi = lses[s];
+    if (std::isnan(hi)) break;
   }
-  const T hi = lse_a > lse_b || std::isnan(lse_a) ? lse_a : lse_b;
-  const T ea = std::exp(lse_a - hi), eb = std::exp(lse_b - hi), sum = ea + eb;
-  const T wa = lse_a == -INFINITY ? T(0) : ea / sum;
-  const T wb = lse_b == -INFINITY ? T(0) : eb / sum;
-  for (std::int64_t e = 0; e < n; ++e) {
-    out[e] =
-        (lse_a == -INFINITY ? T(0) : wa * out_a[e]) + (lse_b == -INFINITY ? T(0) : wb * out_b[e]);
+  if (hi == -INFINITY) {
+    for (std::int64_t e = 0; e < n; ++e) out[e] = T(0);
+    return hi;
+  }
+  T sum = 0;
+  for (int s = 0; s < parts; ++s) {
+    if (lses[s] != -INFINITY) sum += std::exp(lses[s] - hi);
+  }
+  bool first = true;
+  for (int s = 0; s < parts; ++s) {
+    if (lses[s] == -INFINITY) continue;
+    const T w = std::exp(lses[s] - hi) / sum;
+    const T* o = outs[s];
+    for (std::int64_t e = 0; e < n; ++e) out[e] = first ? w * o[e] : out[e] + w * o[e];
+    first = false;
   }
   return hi + std::log(sum);
+}
+
+// The same for two results (the public merge's).
+template <class T>
+T merge_outputs(const T* out_a, T lse_a, const T* out_b, T lse_b, std::int64_t n, T* out) {
+  const T* const outs[2] = {out_a, out_b};
+  const T lses[2] = {lse_a, lse_b};
+  return merge_outputs(outs, lses, 2, n, out);
 }
 
 }  // namespace attncore::detail
