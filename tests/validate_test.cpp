@@ -230,6 +230,14 @@ std::vector<BadInput> bad_inputs() {
   add("alibi_batch", Op::forward, {"alibi_slopes", "[3, 4]"}, [](Call& c) {
     c.options.alibi_slopes = c.view(DType::f32, {kB + 1, kHq});
   });
+  add("alibi_nan", Op::forward, {"alibi_slopes[1]=nan", "expected finite slopes"}, [](Call& c) {
+    c.options.alibi_slopes = c.view(DType::f32, {kHq});
+    static_cast<float*>(c.spare.data())[1] = std::numeric_limits<float>::quiet_NaN();
+  });
+  add("alibi_inf", Op::forward, {"alibi_slopes[1][2]=-inf", "expected finite slopes"}, [](Call& c) {
+    c.options.alibi_slopes = c.view(DType::f32, {kB, kHq});
+    static_cast<float*>(c.spare.data())[kHq + 2] = -std::numeric_limits<float>::infinity();
+  });
   add("alibi_rank3", Op::forward, {"alibi_slopes", "[2, 4, 1]"}, [](Call& c) {
     c.options.alibi_slopes = c.view(DType::f32, {kB, kHq, 1});
   });

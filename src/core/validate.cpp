@@ -133,6 +133,19 @@ void resolve_variant(const Checker& check, const Options& o, Params& p) {
                  std::to_string(p.heads_q) + "] ([Hq] or [B, Hq])");
     }
     p.alibi = static_cast<const float*>(a.data);
+    // A non-finite slope would turn its rows into NaN (or every score -inf) silently.
+    for (std::int64_t b = 0; b < (a.rank == 2 ? p.batch : 1); ++b) {
+      for (std::int64_t h = 0; h < p.heads_q; ++h) {
+        const float slope = p.alibi[b * p.alibi_stride_b + h * p.alibi_stride_h];
+        if (!std::isfinite(slope)) {
+          std::string at;  // [b][h] or [h], by appends (GCC 12 warns on "[" + std::string)
+          if (a.rank == 2) at.append("[").append(std::to_string(b)).append("]");
+          at.append("[").append(std::to_string(h)).append("]");
+          check.fail("alibi_slopes holds a slope that is not finite (alibi_slopes" + at + "=" +
+                     fmt_double(slope) + ", expected finite slopes)");
+        }
+      }
+    }
   }
 
   // Mask: rank 2 [Lq|1, Lk|1] or rank 4 [B|1, Hq|1, Lq|1, Lk|1]; bool or any floating dtype.
