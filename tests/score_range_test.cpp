@@ -139,5 +139,52 @@ TEST(ScoreRange, ScalesOutsideF32sNormalRange) {
   }
 }
 
+// Rows of huge, exactly representable scores S_j = base - d_j (d_j multiples of the f32 spacing
+// of 8 base, over 8): P's exponents must keep the differences d_j whatever the base. f32 inputs, D
+// = 64, q = e_0 and K[j][0] = 8 S_j (scale 1/8): out = sum_j softmax(-d)_j v_j, which the fp64
+// oracle gives to 1e-12; naive f32 (exp(s - max), all exact here) is as close. On every target,
+// unsplit and split (the parts' LSEs merged): within 2e-6.
+TEST(ScoreRange, HugeScoresKeepTheirDifferences) {
+  const std::int64_t d = 64;
+  for (const std::int64_t lk : {std::int64_t{8}, std::int64_t{4096}}) {
+    for (const double base : {1e5, 1e6, -1e6, 1e7, 1e8}) {
+      std::vector<double> q(static_cast<std::size_t>(d)), k(static_cast<std::size_t>(lk * d));
+      std::vector<double> v(static_cast<std::size_t>(lk * d)), want(static_cast<std::size_t>(d));
+      q[0] = 1.0;
+      const double unit = std::ldexp(1.0, std::ilogb(8.0 * std::fabs(base)) - 23) / 8.0;
+      double sum = 0.0;
+      for (std::int64_t j = 0; j < lk; ++j) {
+        const double diff = static_cast<double>((j * 7) % 13) * unit;
+        k[static_cast<std::size_t>(j * d)] = 8.0 * (base - diff);
+        for (std::int64_t e = 0; e < d; ++e) {
+          v[static_cast<std::size_t>(j * d + e)] = std::sin(static_cast<double>(j * d + e));
+        }
+        sum += std::exp(-diff);
+      }
+      for (std::int64_t j = 0; j < lk; ++j) {
+        const double diff = static_cast<double>((j * 7) % 13) * unit;
+        for (std::int64_t e = 0; e < d; ++e) {
+          want[static_cast<std::size_t>(e)] +=
+              std::exp(-diff) / sum * v[static_cast<std::size_t>(j * d + e)];
+        }
+      }
+      const Tensor tq = make_tensor(DType::f32, {1, 1, 1, d}, q);
+      const Tensor tk = make_tensor(DType::f32, {1, 1, lk, d}, k);
+      const Tensor tv = make_tensor(DType::f32, {1, 1, lk, d}, v);
+      for (const std::string& target : simd_targets_supported()) {
+        const ScopedTarget scope(target);
+        for (const int splits : {1, 2, 5, 0}) {
+          Options o;
+          o.num_splits = splits;
+          const std::vector<double> out = read_view(forward(tq, tk, tv, o, Backend::flash).out);
+          EXPECT_TRUE(all_close(out, want, 2e-6,
+                                target + " base " + str(base) + " Lk " + std::to_string(lk) +
+                                    " num_splits " + std::to_string(splits)));
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace attncore::test

@@ -49,6 +49,22 @@ ATTNCORE_TARGET inline Vec fmadd(Vec a, Vec b, Vec c) {
 }
 // x - (+0) == x exactly: folds to a broadcast.
 ATTNCORE_TARGET inline Vec splat(float x) { return x - Vec{}; }
+// a * b - c with the product unrounded (the argument of P = 2^(S * factor - max), whose
+// exponents must keep the differences of huge scores): fused on the x86 targets; the baseline
+// target takes the product in double (exact for two floats), as it has no fused operation to
+// count on (x86-64 without FMA: scores of 1e5 lost 1e-3 of their weights).
+ATTNCORE_TARGET inline Vec fmsub_exact(Vec a, float b, float c) {
+#if ATTNCORE_LANES == 16 || ATTNCORE_LANES == 8
+  return fmadd(a, splat(b), splat(-c));
+#else
+  Vec r;
+  for (int i = 0; i < kLanes; ++i) {
+    r[i] = static_cast<float>(static_cast<double>(a[i]) * static_cast<double>(b) -
+                              static_cast<double>(c));
+  }
+  return r;
+#endif
+}
 // max that propagates NaN from either side (a NaN score must make its row NaN).
 ATTNCORE_TARGET inline Vec vmax(Vec a, Vec b) { return ((a > b) | (a != a)) ? a : b; }
 // Horizontal max and sum by halving (log2 lanes vector steps instead of a scalar loop).

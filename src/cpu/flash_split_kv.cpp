@@ -94,9 +94,9 @@ struct PartRows {
 
 std::int64_t split_workspace_floats(const Params& p, std::int64_t splits) {
   if (splits <= 1) return 0;
-  // [splits][rows][Dv] outputs, then [splits][rows] LSEs.
+  // [splits][rows][Dv] f32 outputs, then [splits][rows] f64 LSEs (two floats' worth each).
   const PartRows part(p);
-  return splits * part.batch * p.heads_q * part.lq * (p.head_dim_v + 1);
+  return splits * part.batch * p.heads_q * part.lq * (p.head_dim_v + 2);
 }
 
 void flash_forward_split(const Params& call, const Launch& launch, const ForwardArgs& args,
@@ -108,16 +108,20 @@ void flash_forward_split(const Params& call, const Launch& launch, const Forward
   const std::int64_t lq = part.lq, dv = call.head_dim_v;
   const std::int64_t dv_pad = (dv + layout.dv_align - 1) / layout.dv_align * layout.dv_align;
   const std::int64_t rows = part.batch * call.heads_q * lq;  // a part's rows
-  std::vector<float> workspace(static_cast<std::size_t>(split_workspace_floats(call, splits)));
-  float* const outs = workspace.data();           // [splits][rows][Dv]
-  float* const lses = outs + splits * rows * dv;  // [splits][rows]
+  // Each part's output in f32 and its LSE in f64 (SoftmaxState::lse_precise): merged by
+  // exp(LSE - max LSE), its parts' weights would carry an f32 LSE's rounding (ulp 0.0078 at
+  // 1e5, 1.1e-5 from the fp64 oracle where the unsplit decode is 7e-8 off).
+  std::vector<float> workspace(static_cast<std::size_t>(splits * rows * dv));
+  std::vector<double> part_lse(static_cast<std::size_t>(splits * rows));
+  float* const outs = workspace.data();  // [splits][rows][Dv]
+  double* const lses = part_lse.data();  // [splits][rows]
   // Part s's outputs as views of the call's shape (varlen: batch stride 0, as the call's own):
   // an item stores into them, resolved to its sequence, as into out, lse.
   auto part_args = [&](std::int64_t s) {
     ForwardArgs r = args;
     r.out = TensorView::contiguous(outs + s * rows * dv, DType::f32,
                                    {part.batch, call.heads_q, lq, dv});
-    r.lse = TensorView::contiguous(lses + s * rows, DType::f32, {part.batch, call.heads_q, lq});
+    r.lse = TensorView::contiguous(lses + s * rows, DType::f64, {part.batch, call.heads_q, lq});
     if (call.seq.varlen()) {
       r.out.shape[0] = r.lse.shape[0] = call.batch;
       r.out.stride[0] = r.lse.stride[0] = 0;
@@ -175,14 +179,15 @@ void flash_forward_split(const Params& call, const Launch& launch, const Forward
   parallel_for(rows, threads, [&](std::int64_t begin, std::int64_t end) {
     std::vector<float> merged(static_cast<std::size_t>(dv));
     std::vector<const float*> part_outs(kMaxSplits);  // row r's part s: [Dv]
-    std::vector<float> part_lses(kMaxSplits);
+    std::vector<double> part_lses(kMaxSplits);
     for (std::int64_t r = begin; r < end; ++r) {
       const int parts = static_cast<int>(splits_of[static_cast<std::size_t>(sequence_of(r))]);
       for (int s = 0; s < parts; ++s) {
         part_outs[static_cast<std::size_t>(s)] = outs + (s * rows + r) * dv;
         part_lses[static_cast<std::size_t>(s)] = lses[s * rows + r];
       }
-      const float lse = merge_outputs(part_outs.data(), part_lses.data(), parts, dv, merged.data());
+      const double lse =
+          merge_outputs(part_outs.data(), part_lses.data(), parts, dv, merged.data());
       const std::int64_t b = r / (call.heads_q * lq), h = r / lq % call.heads_q, i = r % lq;
       store_row_narrowed(target.narrow, merged.data(), dv, args.out.data, args.out.dtype,
                          offset4(args.out, b, h, i, 0));

@@ -256,19 +256,24 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
           wx.alpha[r] = 1.0f;
           continue;
         }
-        // P's argument S * factor - max is one fused operation: it keeps the rounding residual
-        // of the max's own product, below ulp(max) / 2. From |max| = 2^22 on (scales near
-        // f32's limit) that residual reaches 1/4 and more, and 2^residual of the row's largest
-        // score was 0 or 2^127 at scale 1e30: such rows are rounded to log2 units first, so
-        // that the largest score gives exactly 2^0.
-        if (!(std::fabs(new_max) < 0x1p22f)) {
+        // P's argument S * factor - max takes the product unrounded (fmsub_exact): it keeps the
+        // rounding residual r of the max's own product (|r| <= ulp(max) / 2), the same for every
+        // key of the row in every tile, so every P, the sum and the accumulator carry the one
+        // factor 2^r, which the output's 1 / sum and the LSE cancel exactly. Below |max| = 2^28
+        // that factor is at most 2^8 (raw scores up to ~1.9e8); past it (scales near f32's
+        // limit) 2^r of the row's largest score was 0 or 2^127 at scale 1e30: such rows are
+        // rounded to log2 units first, so that the largest score gives exactly 2^0, and each
+        // score's own rounding (up to ulp(max) / 2 in its exponent) stays in its P. (Rounding
+        // from 2^22 on, as before, put that error into rows of scores past ~2.9e6: scores
+        // 1e7 - j, j = 0..7, gave 0.623 for 0.579.)
+        if (!(std::fabs(new_max) < 0x1p28f)) {
           for (std::int64_t c = 0; c < cols; c += kLanes) store(s + c, load(s + c) * factor);
           factor = 1.0f;
         }
         const float alpha = state.alpha(new_max, exp2);
         Vec vsum = splat(0.0f);
         for (std::int64_t c = 0; c < cols; c += kLanes) {
-          const Vec prob = exp2v(load(s + c) * factor - new_max);
+          const Vec prob = exp2v(fmsub_exact(load(s + c), factor, new_max));
           vsum += prob;
           store(s + c, prob);
         }
@@ -352,8 +357,12 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
       store_row_narrowed(narrow_row, o, p.head_dim_v, a.out.data, a.out.dtype,
                          offset4(a.out, b, h, i, 0));
       if (a.lse.data != nullptr) {
-        store_element(a.lse.data, a.lse.dtype,
-                      b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2], state.lse());
+        const std::int64_t at = b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2];
+        if (a.lse.dtype == DType::f64) {  // (split-KV's parts; f64 LSE outputs)
+          store_element(a.lse.data, a.lse.dtype, at, state.lse_precise());
+        } else {
+          store_element(a.lse.data, a.lse.dtype, at, state.lse());
+        }
       }
     }
   }

@@ -68,25 +68,32 @@ struct SoftmaxState {
   // (0-weighted keys may have brought inf or NaN from V into the accumulator).
   float out_factor() const { return sum == 0.0f ? 0.0f : 1.0f / sum; }
 
-  // The row's LSE in natural log: max ln 2 + ln sum, -inf for a row with no visible key.
-  float lse() const {
-    constexpr float kLn2 = 0.6931471805599453f;
-    return sum == 0.0f ? -INFINITY : max * kLn2 + std::log(sum);
+  // The row's LSE in natural log, max ln 2 + ln sum (-inf for a row with no visible key), in
+  // double: all that max and sum say (an f32 LSE of 1e5 is good to ulp 0.0078 only), for parts
+  // merged later (split-KV weighs each by exp(LSE - max LSE)) and f64 LSE outputs ...
+  double lse_precise() const {
+    constexpr double kLn2 = 0.6931471805599453;
+    return sum == 0.0f ? -INFINITY : static_cast<double>(max) * kLn2 + std::log(double{sum});
   }
+
+  // ... and rounded once to f32 (so that a sequence merged from one part has the bits of its
+  // unsplit call).
+  float lse() const { return static_cast<float>(lse_precise()); }
 };
 
 // Merges `parts` finished results over disjoint key sets (docs/design.md section 1.12): part s
-// has output outs[s][0, n) and LSE lses[s]; LSE = log(sum_s exp(lses[s])) computed stably, out =
+// has output outs[s][0, n) (T) and LSE lses[s] (L: T, or double for f32 parts whose LSEs carry
+// more than f32 holds); LSE = log(sum_s exp(lses[s])) computed stably, out =
 // sum_s exp(lses[s] - LSE) outs[s]; a part with LSE -inf contributes nothing (even NaN in its
 // output), all -inf give 0 and -inf; a NaN LSE makes the result NaN. The weights are e_s /
 // sum(e) with e_s = exp(lses[s] - max LSE), not exp(lses[s] - LSE) through the rounded LSE: where
 // the LSE is large (1e5 and more in f32) its rounding would lose log(sum(e)), and weights meant
 // to sum to 1 would not. All parts at once, so that split-KV's parts are not weighed by LSEs
 // rounded along the way. Writes out[0, n) (no part's output may be `out`) and returns the
-// merged LSE. T: float or double.
-template <class T>
-T merge_outputs(const T* const* outs, const T* lses, int parts, std::int64_t n, T* out) {
-  T hi = -INFINITY;
+// merged LSE. T, L: float or double.
+template <class T, class L>
+L merge_outputs(const T* const* outs, const L* lses, int parts, std::int64_t n, T* out) {
+  L hi = -INFINITY;
   for (int s = 0; s < parts; ++s) {
     if (lses[s] > hi || std::isnan(lses[s])) hi = lses[s];
     if (std::isnan(hi)) break;
@@ -95,14 +102,14 @@ T merge_outputs(const T* const* outs, const T* lses, int parts, std::int64_t n, 
     for (std::int64_t e = 0; e < n; ++e) out[e] = T(0);
     return hi;
   }
-  T sum = 0;
+  L sum = 0;
   for (int s = 0; s < parts; ++s) {
     if (lses[s] != -INFINITY) sum += std::exp(lses[s] - hi);
   }
   bool first = true;
   for (int s = 0; s < parts; ++s) {
     if (lses[s] == -INFINITY) continue;
-    const T w = std::exp(lses[s] - hi) / sum;
+    const T w = static_cast<T>(std::exp(lses[s] - hi) / sum);
     const T* o = outs[s];
     for (std::int64_t e = 0; e < n; ++e) out[e] = first ? w * o[e] : out[e] + w * o[e];
     first = false;
