@@ -140,7 +140,8 @@ TEST(ScoreRange, ScalesOutsideF32sNormalRange) {
 }
 
 // Rows of huge, exactly representable scores S_j = base - d_j (d_j multiples of the f32 spacing
-// of 8 base, over 8): P's exponents must keep the differences d_j whatever the base. f32 inputs, D
+// of 8 base, over 8): P's exponents must keep the differences d_j whatever the base, also as
+// the row's max grows from tile to tile (d_j falls by one unit every 128 keys). f32 inputs, D
 // = 64, q = e_0 and K[j][0] = 8 S_j (scale 1/8): out = sum_j softmax(-d)_j v_j, which the fp64
 // oracle gives to 1e-12; naive f32 (exp(s - max), all exact here) is as close. On every target,
 // unsplit and split (the parts' LSEs merged): within 2e-6.
@@ -154,7 +155,7 @@ TEST(ScoreRange, HugeScoresKeepTheirDifferences) {
       const double unit = std::ldexp(1.0, std::ilogb(8.0 * std::fabs(base)) - 23) / 8.0;
       double sum = 0.0;
       for (std::int64_t j = 0; j < lk; ++j) {
-        const double diff = static_cast<double>((j * 7) % 13) * unit;
+        const double diff = static_cast<double>((lk - 1 - j) * 7 % 13 + (lk - 1 - j) / 128) * unit;
         k[static_cast<std::size_t>(j * d)] = 8.0 * (base - diff);
         for (std::int64_t e = 0; e < d; ++e) {
           v[static_cast<std::size_t>(j * d + e)] = std::sin(static_cast<double>(j * d + e));
@@ -162,7 +163,7 @@ TEST(ScoreRange, HugeScoresKeepTheirDifferences) {
         sum += std::exp(-diff);
       }
       for (std::int64_t j = 0; j < lk; ++j) {
-        const double diff = static_cast<double>((j * 7) % 13) * unit;
+        const double diff = static_cast<double>((lk - 1 - j) * 7 % 13 + (lk - 1 - j) / 128) * unit;
         for (std::int64_t e = 0; e < d; ++e) {
           want[static_cast<std::size_t>(e)] +=
               std::exp(-diff) / sum * v[static_cast<std::size_t>(j * d + e)];

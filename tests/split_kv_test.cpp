@@ -531,7 +531,8 @@ TEST(SplitKv, LargeScoresMergeExactly) {
       const ForwardResult f = forward(q, k, v, o, Backend::flash);
       for (double x : read_view(f.out.view())) EXPECT_NEAR(x, 2.0, 1e-5);
       const double lse = read_view(f.lse.view())[0];
-      EXPECT_NEAR(lse, 1e8 * d / std::sqrt(static_cast<double>(d)) + std::log(1024.0), 64.0);
+      // (One ulp of f32 there, 32, exceeds log 1024: the output is what tells the weights.)
+      EXPECT_NEAR(lse, 1e8 * d / std::sqrt(static_cast<double>(d)) + std::log(1024.0), 32.0);
     }
   }
 }

@@ -198,6 +198,9 @@ ATTNCORE_TARGET void run_backward_heads_with(const Params& p, const BackwardArgs
   Params mods = p;  // ALiBi and the mask; softcap is applied here to keep its derivative
   mods.softcap = 0.0;
   const bool has_mods = p.alibi != nullptr || p.mask_kind != MaskKind::none;
+  // No modifier: P's exponent S scale - LSE from the unrounded product (fmsub_exact), as the
+  // forward's, so that huge scores keep their differences (else each S scale is rounded first).
+  const bool plain = cap == 0.0f && !has_mods;
   const bool may_hide = keys_may_be_hidden(p);
   const ForwardArgs k_as_kv{a.q, a.k, a.k, {}, {}}, v_as_kv{a.dout, a.v, a.v, {}, {}};
   const ForwardArgs q_args{a.q, a.k, a.v, {}, {}}, do_args{a.dout, a.v, a.v, {}, {}};
@@ -299,7 +302,9 @@ ATTNCORE_TARGET void run_backward_heads_with(const Params& p, const BackwardArgs
             for (std::int64_t c = 0; c < cols; ++c) s[c] = ds[c] = 0.0f;
             continue;
           }
-          for (std::int64_t c = 0; c < cols; c += kLanes) store(s + c, load(s + c) * scale);
+          if (!plain) {
+            for (std::int64_t c = 0; c < cols; c += kLanes) store(s + c, load(s + c) * scale);
+          }
           float* dcap = w.dcap;  // [kKeyTile] the softcap derivative of this row
           for (std::int64_t c = 0; c < cols; ++c) dcap[c] = 1.0f;
           if (cap != 0.0f) apply_softcap(cap, cols, s, dcap);
@@ -310,7 +315,8 @@ ATTNCORE_TARGET void run_backward_heads_with(const Params& p, const BackwardArgs
           const std::int64_t hi = std::clamp<std::int64_t>(visible.end - j0, lo, keys);
           for (std::int64_t c = 0; c < cols; c += kLanes) {  // (0 where masked, even for LSE NaN)
             const Vec x = load(s + c);
-            store(s + c, x == -INFINITY ? Vec{} : exp2v((x - lse) * kLog2e));
+            const Vec exponent = plain ? fmsub_exact(x, scale, lse) : x - lse;
+            store(s + c, x == -INFINITY ? Vec{} : exp2v(exponent * kLog2e));
           }
           for (std::int64_t c = 0; c < lo; ++c) s[c] = 0.0f;
           for (std::int64_t c = hi; c < cols; ++c) s[c] = 0.0f;

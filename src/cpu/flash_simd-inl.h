@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -49,13 +50,17 @@ ATTNCORE_TARGET inline Vec fmadd(Vec a, Vec b, Vec c) {
 }
 // x - (+0) == x exactly: folds to a broadcast.
 ATTNCORE_TARGET inline Vec splat(float x) { return x - Vec{}; }
-// a * b - c with the product unrounded (the argument of P = 2^(S * factor - max), whose
-// exponents must keep the differences of huge scores): fused on the x86 targets; the baseline
-// target takes the product in double (exact for two floats), as it has no fused operation to
-// count on (x86-64 without FMA: scores of 1e5 lost 1e-3 of their weights).
+// a * b - c with the product unrounded (the exponent of P, whose terms must keep the
+// differences of huge scores): fused on the x86 targets, and on the baseline target where its
+// ISA fuses (aarch64, or x86-64 built with FMA); elsewhere (x86-64 without FMA: scores of 1e5
+// lost 1e-3 of their weights) the product in double, exact for two floats.
 ATTNCORE_TARGET inline Vec fmsub_exact(Vec a, float b, float c) {
 #if ATTNCORE_LANES == 16 || ATTNCORE_LANES == 8
   return fmadd(a, splat(b), splat(-c));
+#elif defined(__aarch64__) || defined(__FMA__)
+  Vec r;
+  for (int i = 0; i < kLanes; ++i) r[i] = std::fma(a[i], b, -c);
+  return r;
 #else
   Vec r;
   for (int i = 0; i < kLanes; ++i) {

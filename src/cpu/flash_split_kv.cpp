@@ -178,8 +178,8 @@ void flash_forward_split(const Params& call, const Launch& launch, const Forward
   };
   parallel_for(rows, threads, [&](std::int64_t begin, std::int64_t end) {
     std::vector<float> merged(static_cast<std::size_t>(dv));
-    std::vector<const float*> part_outs(kMaxSplits);  // row r's part s: [Dv]
-    std::vector<double> part_lses(kMaxSplits);
+    std::vector<const float*> part_outs(static_cast<std::size_t>(splits));  // row r's part s: [Dv]
+    std::vector<double> part_lses(static_cast<std::size_t>(splits));
     for (std::int64_t r = begin; r < end; ++r) {
       const int parts = static_cast<int>(splits_of[static_cast<std::size_t>(sequence_of(r))]);
       for (int s = 0; s < parts; ++s) {

@@ -1,6 +1,6 @@
 // Split-KV decode (flash-decoding) of the flash forward: the keys of each kv group that is a
 // single work item (decode) are cut into parts run as separate work items, each writing a
-// normalised partial output and its LSE, merged afterwards in part order (docs/design.md
+// normalised partial output and its LSE, merged afterwards all at once (docs/design.md
 // section 1.12).
 #pragma once
 
@@ -24,7 +24,8 @@ std::int64_t plan_kv_splits(const Params& p, const FlashLayout& layout, int cpus
 // what the loop over its sequences does). plan_kv_splits is their maximum.
 std::vector<std::int64_t> sequence_splits(const Params& p, const FlashLayout& layout, int cpus);
 
-// The f32 workspace of a split call, in floats: every part's output and LSE of every row.
+// The workspace of a split call, in floats: every part's output (f32) and LSE (f64, two floats'
+// worth) of every row.
 std::int64_t split_workspace_floats(const Params& p, std::int64_t splits);
 
 // Runs a call whose plan has splits > 1 parts: items (run of plan.item_heads kv heads, part)

@@ -243,9 +243,9 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
             hidden[c / kLanes] |= load(s + c) == -INFINITY;
           }
         }
-        // Online softmax (policy/softmax_state.h). Scores enter in log2 units (score * log2 e,
-        // rounded once): P = 2^(S * factor - max) and the rescale alpha = 2^(old max - new max)
-        // use the same rounded values, and alpha is exactly 1 while the max stays.
+        // Online softmax (policy/softmax_state.h). Scores enter in log2 units (score * log2 e):
+        // the max rounded once, P = 2^(S * factor - max) from each score's unrounded product,
+        // and the rescale alpha = 2^(old max - new max), exactly 1 while the max stays.
         float factor = row_scale * kLog2e;
         Vec vmx = load(s);
         for (std::int64_t c = kLanes; c < cols; c += kLanes) vmx = vmax(load(s + c), vmx);
@@ -256,10 +256,11 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
           wx.alpha[r] = 1.0f;
           continue;
         }
-        // P's argument S * factor - max takes the product unrounded (fmsub_exact): it keeps the
-        // rounding residual r of the max's own product (|r| <= ulp(max) / 2), the same for every
-        // key of the row in every tile, so every P, the sum and the accumulator carry the one
-        // factor 2^r, which the output's 1 / sum and the LSE cancel exactly. Below |max| = 2^28
+        // P's argument S * factor - max takes the product unrounded (fmsub_exact): every P of
+        // the row is relative to the current rounded max (alpha re-bases earlier tiles on a new
+        // one, exactly), so the rounding residual r of the max's own product (|r| <= ulp(max) /
+        // 2) is one factor 2^r of every P, the sum and the accumulator, which the output's
+        // 1 / sum and the LSE cancel exactly. Below |max| = 2^28
         // that factor is at most 2^8 (raw scores up to ~1.9e8); past it (scales near f32's
         // limit) 2^r of the row's largest score was 0 or 2^127 at scale 1e30: such rows are
         // rounded to log2 units first, so that the largest score gives exactly 2^0, and each

@@ -1,11 +1,13 @@
-// The online softmax of one query row, the one place its running max and sum are kept and
-// combined (docs/design.md section 1.4, 1.6 and 1.12): the flash tile loop updates it tile by tile,
-// split-KV merges partial states, and the public merge combines finished (out, LSE) pairs.
+// The online softmax of one query row, the one place its running max and sum are kept
+// (docs/design.md section 1.4, 1.6 and 1.12): the flash tile loop updates it tile by tile; the
+// merge of finished (out, LSE) pairs below serves split-KV decode and the public merge.
 //
-// Scores enter in log2 units (score * log2 e, rounded once by the caller), so that the
-// probabilities 2^(s - max) and the rescale 2^(old max - new max) use the same rounded values;
-// the LSE leaves in natural log. The accumulator acc = sum_j 2^(s_j - max) v_j is the caller's
-// (a row of Dv floats it rescales by the factor update() returns).
+// Scores enter in log2 units (score * log2 e): the running max is such a product, rounded once
+// by the caller, and the caller forms each probability 2^(s - max) from its score's unrounded
+// product less that max, so that every probability of the row carries the max's one rounding as
+// a common factor, which the sum and the LSE cancel; the rescale 2^(old max - new max) takes the
+// same rounded maxes. The LSE leaves in natural log. The accumulator acc = sum_j 2^(s_j - max)
+// v_j is the caller's (a row of Dv floats it rescales by the factor update() is given).
 #pragma once
 
 #include <cmath>
@@ -38,31 +40,6 @@ struct SoftmaxState {
     max = new_max;
   }
 
-  // The same in two steps: moves the state to `new_max` and returns alpha ...
-  template <class Exp2>
-  float rescale(float new_max, Exp2&& exp2) {
-    const float factor = alpha(new_max, exp2);
-    sum *= factor;
-    max = new_max;
-    return factor;
-  }
-
-  // ... then adds a tile's probabilities.
-  void add(float tile_sum) { sum += tile_sum; }
-
-  // Merges the state of a disjoint set of keys (split-KV): returns the factors (for this
-  // state's accumulator, for the other's) that bring both accumulators to the merged max.
-  template <class Exp2>
-  void merge(const SoftmaxState& other, Exp2&& exp2, float* self_factor, float* other_factor) {
-    const float new_max = next_max(other.max);
-    *self_factor = max == -INFINITY ? 0.0f : max == new_max ? 1.0f : exp2(max - new_max);
-    *other_factor = other.max == -INFINITY  ? 0.0f
-                    : other.max == new_max ? 1.0f
-                                           : exp2(other.max - new_max);
-    sum = sum * *self_factor + other.sum * *other_factor;
-    max = new_max;
-  }
-
   // The factor the accumulator is multiplied by to give the output: 1 / sum, or 0 for a row
   // with no visible key, whose output the caller writes as exactly 0 rather than multiplying
   // (0-weighted keys may have brought inf or NaN from V into the accumulator).
@@ -85,7 +62,7 @@ struct SoftmaxState {
 // has output outs[s][0, n) (T) and LSE lses[s] (L: T, or double for f32 parts whose LSEs carry
 // more than f32 holds); LSE = log(sum_s exp(lses[s])) computed stably, out =
 // sum_s exp(lses[s] - LSE) outs[s]; a part with LSE -inf contributes nothing (even NaN in its
-// output), all -inf give 0 and -inf; a NaN LSE makes the result NaN. The weights are e_s /
+// output), all -inf give 0 and -inf; a NaN or +inf LSE makes the result NaN. The weights are e_s /
 // sum(e) with e_s = exp(lses[s] - max LSE), not exp(lses[s] - LSE) through the rounded LSE: where
 // the LSE is large (1e5 and more in f32) its rounding would lose log(sum(e)), and weights meant
 // to sum to 1 would not. All parts at once, so that split-KV's parts are not weighed by LSEs

@@ -480,7 +480,7 @@ def test_append_past_int32_lengths_names_the_sum():
     pool = np.zeros((1, 2**30 + 1, 1, 1), np.float16)
     end = 2**31 - 1
     raises(ValueError, lambda: attncore.flash_attn_with_kvcache(
-        np.zeros((1, 1, 1, 1), np.float32), pool, np.zeros_like(pool),
+        np.zeros((1, 1, 1, 1), np.float32), pool, np.zeros(pool.shape, pool.dtype),
         k=np.zeros((1, 1, 1, 1), np.float32), v=np.zeros((1, 1, 1, 1), np.float32),
         cache_seqlens=end, cache_leftpad=np.array([end], np.int32),
         block_table=np.array([[-1, 0]], np.int32)),
