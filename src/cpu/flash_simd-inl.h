@@ -53,7 +53,9 @@ ATTNCORE_TARGET inline Vec splat(float x) { return x - Vec{}; }
 // a * b - c with the product unrounded (the exponent of P, whose terms must keep the
 // differences of huge scores): fused on the x86 targets, and on the baseline target where its
 // ISA fuses (aarch64, or x86-64 built with FMA); elsewhere (x86-64 without FMA: scores of 1e5
-// lost 1e-3 of their weights) the product in double, exact for two floats.
+// lost 1e-3 of their weights) the product in double, exact for two floats (the forward there,
+// Hq 4, L 1024, D 128, 1 thread, 3 rounds in turn against the rounded product: 0.96-1.03,
+// median 0.99).
 ATTNCORE_TARGET inline Vec fmsub_exact(Vec a, float b, float c) {
 #if ATTNCORE_LANES == 16 || ATTNCORE_LANES == 8
   return fmadd(a, splat(b), splat(-c));
