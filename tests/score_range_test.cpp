@@ -187,5 +187,37 @@ TEST(ScoreRange, HugeScoresKeepTheirDifferences) {
   }
 }
 
+// The backward's P at huge scores: one query row, dO all ones, so dV's row j is P_j (times the
+// one factor the f32 LSE's rounding gives the row): the ratios dV_j / dV_0 must be
+// e^((S_j - S_0) scale) however large S. Scale 0.1 rounds each S * scale (S ~ 1e8, scaled
+// ~1e7, ulp 1); taken unrounded, the ratios are right to 1e-5 on every target.
+TEST(ScoreRange, BackwardAtHugeScoresKeepsTheirDifferences) {
+  const std::int64_t d = 64, lk = 8;
+  std::vector<double> q(static_cast<std::size_t>(d)), k(static_cast<std::size_t>(lk * d));
+  std::vector<double> v(static_cast<std::size_t>(lk * d), 1.0),
+      dout(static_cast<std::size_t>(d), 1.0);
+  q[0] = 1.0;
+  for (std::int64_t j = 0; j < lk; ++j)
+    k[static_cast<std::size_t>(j * d)] = 1e8 - 8.0 * ((j * 5) % 7);
+  const Tensor tq = make_tensor(DType::f32, {1, 1, 1, d}, q);
+  const Tensor tk = make_tensor(DType::f32, {1, 1, lk, d}, k);
+  const Tensor tv = make_tensor(DType::f32, {1, 1, lk, d}, v);
+  const Tensor tdout = make_tensor(DType::f32, {1, 1, 1, d}, dout);
+  Options o;
+  o.scale = 0.1;
+  const double scale = static_cast<double>(static_cast<float>(0.1));  // flash's f32 scale
+  for (const std::string& target : simd_targets_supported()) {
+    const ScopedTarget scope(target);
+    const ForwardResult f = forward(tq, tk, tv, o, Backend::flash);
+    const BackwardResult g = backward(tdout, tq, tk, tv, f.out, f.lse, o, Backend::flash);
+    const std::vector<double> dv = read_view(g.dv);
+    for (std::int64_t j = 1; j < lk; ++j) {
+      const double want = std::exp((k[static_cast<std::size_t>(j * d)] - k[0]) * scale);
+      EXPECT_NEAR(dv[static_cast<std::size_t>(j * d)] / dv[0], want, 1e-5 * want)
+          << target << " key " << j;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace attncore::test

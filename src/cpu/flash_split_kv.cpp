@@ -108,7 +108,7 @@ void flash_forward_split(const Params& call, const Launch& launch, const Forward
   const std::int64_t lq = part.lq, dv = call.head_dim_v;
   const std::int64_t dv_pad = (dv + layout.dv_align - 1) / layout.dv_align * layout.dv_align;
   const std::int64_t rows = part.batch * call.heads_q * lq;  // a part's rows
-  // Each part's output in f32 and its LSE in f64 (SoftmaxState::lse_precise): merged by
+  // Each part's output in f32 and its LSE in f64 (SoftmaxState::lse): merged by
   // exp(LSE - max LSE), its parts' weights would carry an f32 LSE's rounding (ulp 0.0078 at
   // 1e5, 1.1e-5 from the fp64 oracle where the unsplit decode is 7e-8 off).
   std::vector<float> workspace(static_cast<std::size_t>(splits * rows * dv));

@@ -260,13 +260,13 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
         // the row is relative to the current rounded max (alpha re-bases earlier tiles on a new
         // one, exactly), so the rounding residual r of the max's own product (|r| <= ulp(max) /
         // 2) is one factor 2^r of every P, the sum and the accumulator, which the output's
-        // 1 / sum and the LSE cancel exactly. Below |max| = 2^28
-        // that factor is at most 2^8 (raw scores up to ~1.9e8); past it (scales near f32's
-        // limit) 2^r of the row's largest score was 0 or 2^127 at scale 1e30: such rows are
-        // rounded to log2 units first, so that the largest score gives exactly 2^0, and each
-        // score's own rounding (up to ulp(max) / 2 in its exponent) stays in its P. (Rounding
-        // from 2^22 on, as before, put that error into rows of scores past ~2.9e6: scores
-        // 1e7 - j, j = 0..7, gave 0.623 for 0.579.)
+        // 1 / sum and the LSE cancel exactly. Below |max| = 2^28 that factor is at most 2^8
+        // (scaled scores up to ~1.9e8); past it (scales near f32's limit) 2^r of the row's
+        // largest score was 0 or 2^127 at scale 1e30: such rows are rounded to log2 units
+        // first, so that the largest score gives exactly 2^0, and each score's own rounding (up
+        // to ulp(max) / 2 in its exponent) stays in its P. (Rounding from 2^22 on, as before,
+        // put that error into rows of scores past ~2.9e6: scores 1e7 - j, j = 0..7, gave 0.623
+        // for 0.579.)
         if (!(std::fabs(new_max) < 0x1p28f)) {
           for (std::int64_t c = 0; c < cols; c += kLanes) store(s + c, load(s + c) * factor);
           factor = 1.0f;
@@ -358,12 +358,8 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
       store_row_narrowed(narrow_row, o, p.head_dim_v, a.out.data, a.out.dtype,
                          offset4(a.out, b, h, i, 0));
       if (a.lse.data != nullptr) {
-        const std::int64_t at = b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2];
-        if (a.lse.dtype == DType::f64) {  // (split-KV's parts; f64 LSE outputs)
-          store_element(a.lse.data, a.lse.dtype, at, state.lse_precise());
-        } else {
-          store_element(a.lse.data, a.lse.dtype, at, state.lse());
-        }
+        store_element(a.lse.data, a.lse.dtype,  // (rounded once to the LSE's dtype)
+                      b * a.lse.stride[0] + h * a.lse.stride[1] + i * a.lse.stride[2], state.lse());
       }
     }
   }

@@ -47,15 +47,12 @@ struct SoftmaxState {
 
   // The row's LSE in natural log, max ln 2 + ln sum (-inf for a row with no visible key), in
   // double: all that max and sum say (an f32 LSE of 1e5 is good to ulp 0.0078 only), for parts
-  // merged later (split-KV weighs each by exp(LSE - max LSE)) and f64 LSE outputs ...
-  double lse_precise() const {
+  // merged later (split-KV weighs each by exp(LSE - max LSE)) and f64 outputs; an f32 output
+  // rounds it once (so that a sequence merged from one part has the bits of its unsplit call).
+  double lse() const {
     constexpr double kLn2 = 0.6931471805599453;
     return sum == 0.0f ? -INFINITY : static_cast<double>(max) * kLn2 + std::log(double{sum});
   }
-
-  // ... and rounded once to f32 (so that a sequence merged from one part has the bits of its
-  // unsplit call).
-  float lse() const { return static_cast<float>(lse_precise()); }
 };
 
 // Merges `parts` finished results over disjoint key sets (docs/design.md section 1.12): part s
