@@ -171,7 +171,7 @@ struct RowsProduct {
   // run bf16 [B, Hkv, L, D] 1.06/1.06, p16 0.96-0.97). Not spread: one row's (MHA, also with
   // its K spread in score_heads_key_groups: 16-bit pages 0.93-1.00), nor a group's K over
   // several heads (0.94-1.00 against each key's line of a step at once), nor f32 groups' K in
-  // score_rows (0.99-1.02).
+  // score_rows (0.99-1.04).
   static constexpr bool kSpread = R > 1;
   static constexpr int kStepBytes = kLanes * sizeof(T) < 64 ? kLanes * sizeof(T) : 64;
   static constexpr int kStepsPerLine = 64 / kStepBytes;
