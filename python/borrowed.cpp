@@ -121,7 +121,8 @@ DType dtype_from_format(std::string format, py::ssize_t itemsize, const std::str
   if ((format == "i" || format == "l") && itemsize == 4) return DType::i32;
   throw InvalidArgument(name + " has an unsupported element type (format='" + format +
                         "', itemsize=" + std::to_string(itemsize) +
-                        ", expected float32, float64, float16, bool or int32)");
+                        ", expected float32, float64 or float16 for values, bool for masks, int32 "
+                        "for indices)");
 }
 
 DType dtype_from_dlpack(const DLDataType& t, bool is_mask, const std::string& name) {
@@ -138,7 +139,8 @@ DType dtype_from_dlpack(const DLDataType& t, bool is_mask, const std::string& na
   throw InvalidArgument(name +
                         " has an unsupported element type (dlpack code=" + std::to_string(t.code) +
                         ", bits=" + std::to_string(t.bits) + ", lanes=" + std::to_string(t.lanes) +
-                        ", expected float32, float64, float16, bfloat16, bool or int32)");
+                        ", expected float32, float64, float16 or bfloat16 for values, bool for "
+                        "masks, int32 for indices)");
 }
 
 std::string type_name(py::handle obj) {

@@ -215,7 +215,7 @@ std::vector<BadInput> bad_inputs() {
       [](Call& c) { c.options.softcap = 1e-40; });
   add("backward_softcap_below_f32", Op::backward, {"softcap=1e-50"},
       [](Call& c) { c.options.softcap = 1e-50; });
-  add("scale_past_f32", Op::forward, {"scale is too large for f32 arithmetic", "scale=1e+39"},
+  add("scale_past_f32", Op::forward, {"scale is too large for f32 arithmetic", "|scale|=1e+39"},
       [](Call& c) { c.options.scale = 1e39; });
   add("num_threads", Op::forward, {"num_threads=-1"}, [](Call& c) { c.options.num_threads = -1; });
   add("num_threads_too_large", Op::forward, {"num_threads=1025", "<= 1024"},

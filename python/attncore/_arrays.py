@@ -342,8 +342,8 @@ def _torch_from_numpy(x, op, name):
         return _torch().from_numpy(x)
     except (TypeError, ValueError, RuntimeError):
         raise ValueError(f"{op}: {name} has an unsupported element type (dtype={x.dtype.str}, "
-                         "expected float32, float64, float16, bool or int32 in native byte "
-                         "order)") from None
+                         "expected float32, float64 or float16 for values, bool for masks, "
+                         "int32 for indices, in native byte order)") from None
 
 
 NUMPY = _Numpy()

@@ -83,6 +83,38 @@ def _positions(op, x):
     return np.ascontiguousarray(array, dtype=np.int32)
 
 
+# The C++ cache's names in its messages, and this class's (its methods' and arguments' names).
+_CORE_NAMES = (
+    (re.compile(r"\bPagedKvCache::(\w+)"), r"PagedKVCache.\1"),
+    (re.compile(r"\bPagedKvCache\b"), "PagedKVCache"),
+    (re.compile(r"\bmax_batch\b"), "max_batch_size"),
+    (re.compile(r"\bheads_kv\b"), "num_heads"),
+    (re.compile(r"\b([kv])_pages\b"), r"\1_cache"),
+    (re.compile(r"\bpositions\b(?=\[| is | repeats)|(?<=len\()positions\b"), "input_pos"),
+    (re.compile(r"(?<![\w\[])([kv])\b(?![_\[])"), r"\1_val"),  # (assign's k, v)
+)
+
+
+class _CoreNames:
+    """Errors of the C++ cache re-raised naming this class, its methods and their arguments
+    (PagedKvCache::assign's k -> PagedKVCache.assign's k_val), so that a message names the
+    call the user made."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        if error is None or not isinstance(error, (ValueError, TypeError, MemoryError,
+                                                   NotImplementedError)):
+            return False
+        message = str(error)
+        if not message.startswith("PagedKvCache"):
+            return False
+        for pattern, name in _CORE_NAMES:
+            message = pattern.sub(name, message)
+        raise type(error)(message) from None
+
+
 class PagedKVCache:
     """A paged KV cache owning its pages (C++ attncore::PagedKvCache, attncore/paged.h).
 
@@ -116,7 +148,8 @@ class PagedKVCache:
             ("head_dim", head_dim), ("head_dim_v", head_dim if head_dim_v is None else head_dim_v),
             ("max_batch_size", max_batch_size),
             ("max_pages_per_seq", 0 if max_pages_per_seq is None else max_pages_per_seq))]
-        self._core = _core.PagedKvCache(*sizes[:5], _CORE_DTYPES[self._dtype], *sizes[5:])
+        with _CoreNames():
+            self._core = _core.PagedKvCache(*sizes[:5], _CORE_DTYPES[self._dtype], *sizes[5:])
         self._numpy = PagedViews(*(self._core.array(name)
                                    for name in ("k", "v", "page_table", "seqlens")))
         self._torch = None
@@ -151,11 +184,15 @@ class PagedKVCache:
     def reserve(self, batch_idx, seq_len):
         """Maps free pages until sequence batch_idx holds at least seq_len slots."""
         op = "PagedKVCache.reserve"
-        self._core.reserve(_index(op, "batch_idx", batch_idx), _index(op, "seq_len", seq_len))
+        batch_idx, seq_len = _index(op, "batch_idx", batch_idx), _index(op, "seq_len", seq_len)
+        with _CoreNames():
+            self._core.reserve(batch_idx, seq_len)
 
     def erase(self, batch_idx):
         """Unmaps the sequence's pages (freeing those no other sequence shares); length 0."""
-        self._core.erase(_index("PagedKVCache.erase", "batch_idx", batch_idx))
+        batch_idx = _index("PagedKVCache.erase", "batch_idx", batch_idx)
+        with _CoreNames():
+            self._core.erase(batch_idx)
 
     def assign(self, batch_idx, input_pos, k_val, v_val):
         """Writes k_val [S, Hkv, D], v_val [S, Hkv, Dv] at slots input_pos [S] of the
@@ -168,13 +205,17 @@ class PagedKVCache:
         for name, x in (("k_val", k_val), ("v_val", v_val)):
             lib, arr, _ = _arrays.adopt(x, op, name)
             arrays.append(lib.to_core(lib.unit_last_stride(arr, op, name)))
-        self._core.assign(b, _positions(op, input_pos), *arrays)
+        positions = _positions(op, input_pos)
+        with _CoreNames():
+            self._core.assign(b, positions, *arrays)
 
     def fork(self, src, dst, prefix_len):
         """Gives the empty sequence dst the first prefix_len slots of src, sharing pages."""
         op = "PagedKVCache.fork"
-        self._core.fork(_index(op, "src", src), _index(op, "dst", dst),
-                        _index(op, "prefix_len", prefix_len))
+        sizes = [_index(op, name, x) for name, x in (("src", src), ("dst", dst),
+                                                     ("prefix_len", prefix_len))]
+        with _CoreNames():
+            self._core.fork(*sizes)
 
     def free_pages(self):
         """How many pages no sequence holds (what reserve and copy-on-write can still take)."""
@@ -182,11 +223,15 @@ class PagedKVCache:
 
     def capacity(self, batch_idx):
         """Slots the sequence has reserved (its pages times page_size)."""
-        return self._core.capacity(_index("PagedKVCache.capacity", "batch_idx", batch_idx))
+        batch_idx = _index("PagedKVCache.capacity", "batch_idx", batch_idx)
+        with _CoreNames():
+            return self._core.capacity(batch_idx)
 
     def references(self, page):
         """How many sequences map this page (0: free)."""
-        return self._core.references(_index("PagedKVCache.references", "page", page))
+        page = _index("PagedKVCache.references", "page", page)
+        with _CoreNames():
+            return self._core.references(page)
 
 
 def _host_index(op, name, x):

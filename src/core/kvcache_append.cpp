@@ -96,7 +96,7 @@ void check_append_slots(const Checker& check, const Params& p, std::int64_t num_
                std::to_string(b1) + " are both row " + std::to_string(s0 % seq.page_size) +
                " of page " + std::to_string(slots[i].first / seq.page_size) +
                ", expected distinct slots); map distinct pages where sequences append "
-               "(PagedKvCache::assign copies a shared page first)");
+               "(the library's paged cache copies a shared page before writing it)");
   }
 }
 

@@ -66,11 +66,12 @@ void resolve_variant(const Checker& check, const Options& o, Params& p) {
       check.fail("scale is invalid (scale=" + fmt_double(*o.scale) +
                  ", expected a finite value > 0)");
     }
-    // f32, bf16 and f16 calls compute in f32: a scale past its range would be infinite.
+    // f32, bf16 and f16 calls compute in f32: a scale past its range would be infinite. (Named
+    // as a magnitude: the Python drop-ins pass a negative scale's |scale| with q negated.)
     if (p.dtype != DType::f64 && *o.scale > std::numeric_limits<float>::max()) {
-      check.fail("scale is too large for f32 arithmetic (scale=" + fmt_double(*o.scale) +
-                 ", expected <= " + fmt_double(std::numeric_limits<float>::max()) + " with " +
-                 std::string(name_of(p.dtype)) + " inputs)");
+      check.fail("scale is too large for f32 arithmetic (|scale|=" + fmt_double(*o.scale) +
+                 ", expected |scale| <= " + fmt_double(std::numeric_limits<float>::max()) +
+                 " with " + std::string(name_of(p.dtype)) + " inputs)");
     }
     p.scale = *o.scale;
   } else {

@@ -68,6 +68,10 @@ INVALID = {
     "dropout-negative": (lambda: SDPA(q, k, v, dropout_p=-0.1), r"dropout_p is out of range"),
     "scale-nan": (lambda: SDPA(q, k, v, scale=float("nan")), r"scale is invalid \(scale=nan"),
     "scale-inf": (lambda: SDPA(q, k, v, scale=-float("inf")), r"scale is invalid"),
+    # A negative scale is passed as |scale| with q negated: named as the magnitude it is.
+    "scale-negative-past-f32": (lambda: SDPA(q, k, v, scale=-1e300),
+                                r"scale is too large for f32 arithmetic \(\|scale\|=1e\+300, "
+                                r"expected \|scale\| <= 3\.40282e\+38 with f32 inputs\)$"),
     "value-batch": (lambda: SDPA(q, k, bhld(2, 4, 7, 8)), r"^forward: value has shape"),
     # flash-attn's layout: shapes named as passed, [B, L, H, D]
     "flash-head-dim": (lambda: FLASH(fq, bhld(2, 6, 4, 7), bhld(2, 6, 4, 7)),
@@ -419,13 +423,17 @@ def test_extension_module_errors_name_the_call():
     """Arrays the extension module itself refuses: the message starts with the library's name
     of the call, like the library's own."""
     with pytest.raises(ValueError, match=r"^forward: query has an unsupported element type "
-                                         r"\(format='l'"):
+                                         r"\(format='l', itemsize=8, expected float32, float64 or "
+                                         r"float16 for values, bool for masks, int32 for "
+                                         r"indices\)$"):
         SDPA(q.astype(np.int64), k, v)
     with pytest.raises(ValueError, match=r"^forward: query has an unsupported element type "
                                          r"\(format='>f'"):
         SDPA(q.astype(">f4"), k, v)
     with pytest.raises(ValueError, match=r"^forward: query has an unsupported element type "
-                                         r"\(dlpack code=5"):
+                                         r"\(dlpack code=5, bits=64, lanes=1, expected float32, "
+                                         r"float64, float16 or bfloat16 for values, bool for "
+                                         r"masks, int32 for indices\)$"):
         SDPA(torch.ones(2, 4, 5, 8, dtype=torch.complex64), k, v)
     options = _core.CallOptions(scale=None, causal="none", window_left=-1, window_right=-1,
                                 softcap=0.0, dropout_p=0.0, seed=0, offset=0, enable_gqa=True,

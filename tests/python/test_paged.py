@@ -267,7 +267,7 @@ def test_paged_kv_cache_views_assign_and_attention():
     assert bf16.k_cache.dtype == torch.bfloat16 and bf16.page_table.dtype == torch.int32
     with pytest.raises(ValueError, match="dtype is not a cache dtype"):
         attncore.PagedKVCache(2, 2, 1, 8, 1, "int32")
-    with pytest.raises(ValueError, match="positions repeats a position"):
+    with pytest.raises(ValueError, match="input_pos repeats a position"):
         cache.assign(1, [1, 1], k_rows[:2], v_rows[:2])
     with pytest.raises(ValueError, match="reserve first"):
         cache.assign(0, [0], k_rows[:1], v_rows[:1])

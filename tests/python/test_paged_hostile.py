@@ -124,11 +124,41 @@ def test_paged_cache_assign_refuses_rows_in_its_own_pages():
     page = cache.k_cache[cache.page_table[0, 0]]  # slots 0..3 of sequence 0: [4, 1, 2]
     before = cache.k_cache.copy()
     raises(ValueError, lambda: cache.assign(0, [1, 2, 3, 0], page, page.copy()),
-           "k_pages overlaps k")
+           "PagedKVCache.assign: k_cache overlaps k_val")
     np.testing.assert_array_equal(cache.k_cache, before)
     cache.assign(0, [1, 2, 3, 0], page.copy(), page.copy())  # a copy: rotated as asked
     np.testing.assert_array_equal(cache.k_cache[cache.page_table[0, 0]],
                                   np.roll(before[cache.page_table[0, 0]], 1, axis=0))
+
+
+def test_paged_cache_errors_name_the_python_class_and_its_arguments():
+    """The C++ cache's messages reach Python naming PagedKVCache, its methods and their
+    arguments (max_batch_size, num_heads, input_pos, k_val), never the C++ names."""
+    cache = attncore.PagedKVCache(2, 4, 1, 8, 2)
+    rows = np.zeros((1, 1, 8), np.float32)
+    messages = [
+        raises(ValueError, lambda: cache.erase(5), "PagedKVCache.erase: batch_idx is out of "
+               "range (batch_idx=5, expected 0 <= batch_idx < max_batch_size=2)"),
+        raises(ValueError, lambda: cache.assign(0, [0], rows, rows),
+               "PagedKVCache.assign: input_pos is out of what batch_idx=0 reserved "
+               "(input_pos[0]=0,"),
+        raises(ValueError, lambda: attncore.PagedKVCache(2, 4, 0, 8, 2),
+               "PagedKVCache: num_heads is out of range (num_heads=0,"),
+    ]
+    cache.reserve(0, 8)
+    messages += [
+        raises(MemoryError, lambda: cache.reserve(1, 4), "PagedKVCache.reserve: requested 1 "
+               "pages but only 0 are free"),
+        raises(ValueError, lambda: cache.assign(0, [1, 1], rows.repeat(2, 0), rows.repeat(2, 0)),
+               "PagedKVCache.assign: input_pos repeats a position (position=1, expected "
+               "distinct positions)"),
+        raises(ValueError, lambda: cache.assign(0, [0], np.zeros((1, 2, 8), np.float32), rows),
+               "PagedKVCache.assign: k_val has", "len(input_pos)"),
+        raises(ValueError, lambda: cache.assign(0, [0], rows, rows[0]),
+               "PagedKVCache.assign: v_val has the wrong rank"),
+    ]
+    for message in messages:
+        assert "PagedKvCache" not in message and "max_batch=" not in message, message
 
 
 def test_paged_cache_bookkeeping_survives_writes_to_its_page_table_view():
