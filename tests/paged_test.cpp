@@ -443,7 +443,7 @@ TEST(Paged, AppendsRefuseSlotsWrittenTwice) {
       error_message([&] { forward_kvcache(q, k_pool, v_pool, s, append, {}, Backend::reference); }),
       "forward: k_new writes one pool slot twice (slot 5 of sequence 0 and slot 5 of sequence 1 "
       "are both row 1 of page 3, expected distinct slots); map distinct pages where sequences "
-      "append (the library's paged cache copies a shared page before writing it)");
+      "append (a paged cache's assign copies a shared page first; appends write pages as mapped)");
   // Sequence 0 maps page 4 at logical pages 0 and 1: its new slot 5 is its own key 1.
   const Tensor twice = i32({2, 3}, {4, 4, -1, 2, 3, -1});
   s.block_table = twice.view();

@@ -18,7 +18,8 @@ import numpy as np
 
 from . import _arrays, _core, _random
 from ._rank4 import (INT32_MAX, Call, DenseKernel, alibi_array, backward4, bool_option,
-                     core_or_none, forward4, int_option, lse_dtype, pair, real_option, times)
+                     core_or_none, forward4, int_option, lse_dtype, pair, real_option,
+                     scale_option, times)
 from ._varlen import Seqs, VarlenKernel
 from .backends import backend_name, explanation_from_core
 
@@ -44,7 +45,7 @@ def _resolve_call(op, *, scale, causal, window_size, softcap, dropout_p, seed, o
         raise ValueError(f"{op}: causal is invalid (causal={causal!r}, expected None, "
                          "'upper-left' or 'lower-right')")
     window = _window(op, window_size)
-    scale = None if scale is None else real_option(op, "scale", scale)
+    scale = scale_option(op, scale)
     softcap = real_option(op, "softcap", softcap)
     dropout_p = real_option(op, "dropout_p", dropout_p)
     enable_gqa = bool_option(op, "enable_gqa", enable_gqa)

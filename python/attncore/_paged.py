@@ -72,6 +72,9 @@ def _positions(op, x):
     except ValueError:  # a ragged sequence
         raise ValueError(f"{op}: input_pos is not a flat sequence of integers (type="
                          f"{type(x).__name__}, expected [S] positions)") from None
+    if array.ndim != 1:
+        raise ValueError(f"{op}: input_pos has the wrong rank (rank={array.ndim}, expected 1: "
+                         "[S])")
     if array.size == 0 and isinstance(x, (list, tuple)):
         array = array.astype(np.int32)  # [] holds no positions, of no dtype
     if array.dtype.kind not in "iu":

@@ -10,7 +10,7 @@ from . import _arrays
 from ._kvcache import flash_attn_with_kvcache
 from ._merge import refuse_grad
 from ._paged import _index
-from ._rank4 import INT32_MAX, bool_option, int_option, real_option
+from ._rank4 import INT32_MAX, bool_option, int_option, scale_option
 
 
 def _integers(op, name, x, shape, layout):
@@ -287,7 +287,7 @@ class PagedAttention:
         options = _options(op, options)
         refuse_grad(op, (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)))
         query = _floating(op, "query", query, 4, "[B, Hq, Lq, D]")
-        scale = None if scale is None else real_option(op, "scale", scale)
+        scale = scale_option(op, scale)
         batch = query.shape[0]
         slots = self.n_pages * self.page_size
         caches = [_floating(op, name, c, 4, f"[1, H, n_pages * page_size={slots}, D]")

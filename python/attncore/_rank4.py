@@ -38,6 +38,18 @@ def real_option(op, name, value):
                     "expected a float)")
 
 
+def scale_option(op, value):
+    """The caller's softmax scale (None: the library's 1 / sqrt(D)) as a float: any finite value
+    (a scale <= 0 is applied to q: Call.q_factor), ValueError otherwise, named for this API
+    (the library itself takes a scale > 0)."""
+    if value is None:
+        return None
+    scale = real_option(op, "scale", value)
+    if not math.isfinite(scale):
+        raise ValueError(f"{op}: scale is invalid (scale={scale}, expected a finite value)")
+    return scale
+
+
 def int_option(op, name, value, low=-INT64_MAX - 1, high=INT64_MAX, meaning=""):
     """An integer option as an int in [low, high]: TypeError for anything but an integer (bool
     and float included), ValueError outside the range. The default range is what the library's

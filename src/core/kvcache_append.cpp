@@ -91,12 +91,13 @@ void check_append_slots(const Checker& check, const Params& p, std::int64_t num_
     const std::int64_t b0 = slots[i - 1].second / l_new, b1 = slots[i].second / l_new;
     const std::int64_t s0 = seq.cache_seqlens[b0] + slots[i - 1].second % l_new;
     const std::int64_t s1 = seq.cache_seqlens[b1] + slots[i].second % l_new;
-    check.fail("k_new writes one pool slot twice (slot " + std::to_string(s0) + " of sequence " +
-               std::to_string(b0) + " and slot " + std::to_string(s1) + " of sequence " +
-               std::to_string(b1) + " are both row " + std::to_string(s0 % seq.page_size) +
-               " of page " + std::to_string(slots[i].first / seq.page_size) +
-               ", expected distinct slots); map distinct pages where sequences append "
-               "(the library's paged cache copies a shared page before writing it)");
+    check.fail(
+        "k_new writes one pool slot twice (slot " + std::to_string(s0) + " of sequence " +
+        std::to_string(b0) + " and slot " + std::to_string(s1) + " of sequence " +
+        std::to_string(b1) + " are both row " + std::to_string(s0 % seq.page_size) + " of page " +
+        std::to_string(slots[i].first / seq.page_size) +
+        ", expected distinct slots); map distinct pages where sequences append "
+        "(a paged cache's assign copies a shared page first; appends write pages as mapped)");
   }
 }
 

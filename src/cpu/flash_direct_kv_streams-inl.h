@@ -162,7 +162,7 @@ struct RowsProduct {
   // run of 3 passes: 32 keys bf16 73-86, f16 79-85, 64 keys 79-93, 82-98).
   static constexpr std::int64_t kLead = 8;
   static constexpr int kMaxKeys = 4;  // keys per call (score_tile_streams' groups)
-  // A GQA group's rows (R > 1) prefetch their keys' V line by line through the products, each
+  // A GQA group's rows prefetch their keys' V line by line through the products, each
   // key's line of a step after one row's product of it (prefetch_after), instead of each key's
   // whole row before them. Intel Xeon, Hq = 32, Hkv = 8, 1 thread, bench --decode against the
   // commit before, separate processes in turn, 3 rounds, median ratio, Lk = 4096/16384: bf16
@@ -171,8 +171,10 @@ struct RowsProduct {
   // run bf16 [B, Hkv, L, D] 1.06/1.06, p16 0.96-0.97). Not spread: one row's (MHA, also with
   // its K spread in score_heads_key_groups: 16-bit pages 0.93-1.00), nor a group's K over
   // several heads (0.94-1.00 against each key's line of a step at once), nor f32 groups' K in
-  // score_rows (0.99-1.04).
-  static constexpr bool kSpread = R > 1;
+  // score_rows (0.99-1.04). Measured for groups of 3-4 rows (R = 4) on AVX-512 only, and rows
+  // of whole lines (Dv * element size a multiple of 64 bytes: each line's slot lies within the
+  // row); otherwise each key's whole row is prefetched before the products (prefetch_lines).
+  static constexpr bool kSpread = R == 4 && kLanes == 16;
   static constexpr int kStepBytes = kLanes * sizeof(T) < 64 ? kLanes * sizeof(T) : 64;
   static constexpr int kStepsPerLine = 64 / kStepBytes;
   ATTNCORE_TARGET __attribute__((always_inline)) void operator()(std::int64_t c0,
@@ -192,11 +194,12 @@ struct RowsProduct {
     const T* row[kMaxKeys] = {};
     float w[R][kMaxKeys] = {};
     const T* next[kMaxKeys] = {};
+    const bool spread = kSpread && d * static_cast<std::int64_t>(sizeof(T)) % 64 == 0;
 #pragma GCC unroll 4
     for (int c = 0; c < kMaxKeys; ++c) {
       if (c < count) {
         if (c0 + c + lead < ahead) next[c] = v + at[c0 + c + lead];
-        if (!kSpread && next[c] != nullptr) prefetch_lines<kLocality>(next[c], d);
+        if (!spread && next[c] != nullptr) prefetch_lines<kLocality>(next[c], d);
         row[c] = v + at[c0 + c];
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) w[r][c] = probs[r * kKeyTile + c0 + c];
@@ -216,7 +219,7 @@ struct RowsProduct {
           if (c < count) {
             acc = fmadd(splat(w[r][c]), vv[c], acc);
             // Key c's line of this step, once per line: after row c % R's product of it.
-            if (kSpread && c % R == r && next[c] != nullptr &&
+            if (spread && c % R == r && next[c] != nullptr &&
                 (e * static_cast<std::int64_t>(sizeof(T))) % 64 ==
                     c * kStepsPerLine / kMaxKeys * kStepBytes) {
               prefetch_after<kLocality>(next[c] + e, acc);

@@ -1,7 +1,8 @@
 // TileRows, for one SIMD target: where the K or V rows of one key tile lie, resolved once per
 // tile from a plain view or a paged cache's pages (docs/design.md section 1, KV cache), so that
 // the products and the packing read rows through offsets and never see a page; and the
-// prefetch of a row's cache lines (prefetch_lines) and of a block's rows ahead (prefetch_block).
+// prefetch of a row's cache lines (prefetch_lines), of a block's rows ahead (prefetch_block), and
+// of one line at a place among the products (prefetch_after).
 #pragma once
 
 #include <algorithm>
@@ -46,7 +47,8 @@ ATTNCORE_TARGET __attribute__((always_inline)) inline void prefetch_slice_lines(
 // smaller, and only where measured (RowsProduct).
 template <int kLocality, class T, class V>
 ATTNCORE_TARGET __attribute__((always_inline)) inline void prefetch_after(const T* p, V& after) {
-#if defined(__x86_64__) || defined(__i386__)
+  static_assert(kLocality == 2 || kLocality == 3, "into L1 or L2");
+#if defined(__x86_64__)
   const char& line = *reinterpret_cast<const char*>(p);
   if constexpr (kLocality == 3) {
     asm volatile("prefetcht0 %1" : "+v"(after) : "m"(line));

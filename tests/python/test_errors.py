@@ -67,7 +67,13 @@ INVALID = {
     "dropout-one": (lambda: SDPA(q, k, v, dropout_p=1.0), r"dropout_p is out of range"),
     "dropout-negative": (lambda: SDPA(q, k, v, dropout_p=-0.1), r"dropout_p is out of range"),
     "scale-nan": (lambda: SDPA(q, k, v, scale=float("nan")), r"scale is invalid \(scale=nan"),
-    "scale-inf": (lambda: SDPA(q, k, v, scale=-float("inf")), r"scale is invalid"),
+    # Any finite scale is taken (<= 0 applied to q), so a bad one is named without "> 0".
+    "scale-inf": (lambda: SDPA(q, k, v, scale=-float("inf")),
+                  r"^scaled_dot_product_attention: scale is invalid \(scale=-inf, expected a "
+                  r"finite value\)$"),
+    "flash-scale-nan": (lambda: FLASH(fq, fk, fk, softmax_scale=float("nan")),
+                        r"^flash_attn_func: scale is invalid \(scale=nan, expected a finite "
+                        r"value\)$"),
     # A negative scale is passed as |scale| with q negated: named as the magnitude it is.
     "scale-negative-past-f32": (lambda: SDPA(q, k, v, scale=-1e300),
                                 r"scale is too large for f32 arithmetic \(\|scale\|=1e\+300, "

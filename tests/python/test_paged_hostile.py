@@ -156,9 +156,12 @@ def test_paged_cache_errors_name_the_python_class_and_its_arguments():
                "PagedKVCache.assign: k_val has", "len(input_pos)"),
         raises(ValueError, lambda: cache.assign(0, [0], rows, rows[0]),
                "PagedKVCache.assign: v_val has the wrong rank"),
+        raises(ValueError, lambda: cache.assign(0, [[0]], rows, rows),
+               "PagedKVCache.assign: input_pos has the wrong rank (rank=2, expected 1: [S])"),
     ]
     for message in messages:
         assert "PagedKvCache" not in message and "max_batch=" not in message, message
+        assert "positions" not in message.partition(" (")[0], message
 
 
 def test_paged_cache_bookkeeping_survives_writes_to_its_page_table_view():
