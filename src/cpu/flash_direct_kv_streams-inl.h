@@ -193,13 +193,18 @@ struct RowsProduct {
     float* const o = out;
     const T* row[kMaxKeys] = {};
     float w[R][kMaxKeys] = {};
-    const T* next[kMaxKeys] = {};
+    const T* next[kMaxKeys] = {};  // (spread: the rows lead keys on, or null)
     const bool spread = kSpread && d * static_cast<std::int64_t>(sizeof(T)) % 64 == 0;
 #pragma GCC unroll 4
     for (int c = 0; c < kMaxKeys; ++c) {
       if (c < count) {
-        if (c0 + c + lead < ahead) next[c] = v + at[c0 + c + lead];
-        if (!spread && next[c] != nullptr) prefetch_lines<kLocality>(next[c], d);
+        if (c0 + c + lead < ahead) {
+          if (spread) {
+            next[c] = v + at[c0 + c + lead];
+          } else {
+            prefetch_lines<kLocality>(v + at[c0 + c + lead], d);
+          }
+        }
         row[c] = v + at[c0 + c];
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) w[r][c] = probs[r * kKeyTile + c0 + c];
