@@ -167,6 +167,24 @@ TEST(Cancel, FlashModesAndOneThread) {
   }
 }
 
+// A decode over one long cache is a single work item (one kv group, no key splits): the
+// flag is also read between its key tiles. K and V broadcast one row over 2^24 keys (no
+// memory), q one row: about 0.1-0.4 s on one thread.
+TEST(Cancel, WithinOneLongDecodeItem) {
+  constexpr std::int64_t kKeys = std::int64_t{1} << 24, kDim = 64;
+  Tensor q(DType::f32, {1, 1, 1, kDim}), row(DType::f32, {kDim}), out(DType::f32, {1, 1, 1, kDim});
+  fill(q, 6);
+  fill(row, 7);
+  const TensorView kv =
+      TensorView::strided(row.data(), DType::f32, {1, 1, kKeys, kDim}, {0, 0, 0, 1});
+  expect_cancels_early("forward", [&](const Options& base) {
+    Options o = base;
+    o.num_threads = 1;
+    o.num_splits = 1;
+    forward_into(q, kv, kv, out, std::nullopt, o, Backend::flash);
+  });
+}
+
 // A packed batch's backward (items taken longest sequence first).
 TEST(Cancel, VarlenBackward) {
   const std::int32_t cu[] = {0, 1500, 1800, 4000};

@@ -1,6 +1,6 @@
 // The flash backend's driver: SIMD target choice, and the fused forward's K/V packing, work
 // items and threads (the backward's: flash_backward_driver.cpp); the call's cancel flag is read
-// between work items.
+// between work items (and by each forward item between its key tiles: FlashScratch::launch).
 #include "cpu/flash.h"
 
 #include <algorithm>
@@ -269,7 +269,8 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
                         tiles_base + layout.key_tile * d,
                         probs16,
                         base + round_up(probs16 + r * layout.key_tile / 2 - base, 16),
-                        direct_head_floats(layout.tile_rows, layout.key_tile, d, dv_pad)};
+                        direct_head_floats(layout.tile_rows, layout.key_tile, d, dv_pad),
+                        &launch};
   };
   AlignedFloats scratch(threads * scratch_floats);
 

@@ -50,6 +50,9 @@ struct FlashScratch {
   // softmax states and alpha for its tile rows at heads + x * head_floats (direct_head_floats).
   float* heads;
   std::int64_t head_floats;
+  // The call's launch, whose cancel flag an item also reads between its key tiles (a decode
+  // item over a long cache is one work item: 2^31 keys took 20 s to see Ctrl-C between items).
+  const Launch* launch = nullptr;
 };
 
 // The floats of one kv head's scratch of a DirectKv item, 64-byte aligned: q [tile_rows][D],

@@ -175,6 +175,7 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   const std::int64_t tile_end =
       end_key > first_key ? (end_key + kKeyTile - 1) / kKeyTile : tile_begin;
   for (std::int64_t t = tile_begin; t < tile_end; ++t) {
+    if (t > tile_begin && w.launch != nullptr) w.launch->check_cancel();
     const std::int64_t j0 = t * kKeyTile;
     const std::int64_t keys = std::min<std::int64_t>(kKeyTile, lk - j0);
     const std::int64_t cols = tile_cols(keys);  // S, P and the products: columns [0, cols)
