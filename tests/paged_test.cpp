@@ -335,7 +335,8 @@ TEST(Paged, BadBlockTables) {
   strided.stride[1] = 2;
   s.block_table = strided;
   EXPECT_EQ(message(s, pool),
-            "forward: block_table has a non-unit last stride (stride[1]=2, expected 1)");
+            "forward: block_table has a non-unit last stride (stride[1]=2, expected 1); pass a "
+            "contiguous copy");
   s.block_table = table.view();
   const Tensor empty_pages(DType::f32, {5, 2, 0, 8});
   EXPECT_NE(message(s, empty_pages).find("with page_size >= 1 (page_size=0)"), std::string::npos);

@@ -82,7 +82,7 @@ TEST(Varlen, BadInputsAreRefusedWithClearErrors) {
   Tensor strided = int_tensor({0, 9, 3, 9, 7, 9});
   s = good.seqs;
   s.cu_seqlens_q = TensorView::strided(strided.data(), DType::i32, {3}, {2});
-  expect(s, "cu_seqlens_q is not contiguous (stride[0]=2, expected 1)");
+  expect(s, "cu_seqlens_q is not contiguous (stride[0]=2, expected 1); pass a contiguous copy");
   // A value tensor where an index array belongs and an index array where values belong.
   const std::string int_query =
       invalid_argument_message([&] { forward_varlen(good.cu_q_t, good.k, good.v, good.seqs); });

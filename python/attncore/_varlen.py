@@ -34,7 +34,7 @@ def index_array(op, name, x, rank=None, layout=""):
     if rank is not None and len(array.shape) != rank:
         raise ValueError(f"{op}: {name} has the wrong rank (rank={len(array.shape)}, expected "
                          f"{rank}: {layout})")
-    return _int32(op, name, array)
+    return _contiguous(op, name, _int32(op, name, array))
 
 
 def _int_sequence(op, name, x):
@@ -62,6 +62,23 @@ def cu_seqlens_array(op, name, x):
         raise TypeError(f"{op}: {name} is not an array (type=NoneType, expected an int32 "
                         "array [B + 1])")
     return index_array(op, name, x, 1, "[B + 1]")
+
+
+def _contiguous(op, name, array):
+    """array, or a contiguous copy of it where its strides are not those of one (a stride of 2
+    or 0, a transposed table): the library reads index arrays with unit strides, and an input
+    it cannot read in place is copied (check_copy first: a broadcast view can stand for far
+    more elements than its memory holds)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(array, torch.Tensor):
+        if array.is_contiguous():
+            return array
+        _arrays.check_copy(op, name, tuple(array.shape), str(array.dtype).removeprefix("torch."))
+        return array.contiguous()
+    if not isinstance(array, np.ndarray) or array.flags.c_contiguous:
+        return array
+    _arrays.check_copy(op, name, array.shape, array.dtype.name)
+    return np.ascontiguousarray(array)
 
 
 def _int32(op, name, array):

@@ -26,8 +26,8 @@ const std::int32_t* index_array(const Checker& check, const TensorView& t, const
                std::to_string(n) + "] ([B])");
   }
   if (n > 1 && t.stride_of(0) != 1) {
-    check.fail(std::string(name) +
-               " is not contiguous (stride[0]=" + std::to_string(t.stride_of(0)) + ", expected 1)");
+    check.fail(std::string(name) + " is not contiguous (stride[0]=" +
+               std::to_string(t.stride_of(0)) + ", expected 1); pass a contiguous copy");
   }
   return static_cast<const std::int32_t*>(t.data);
 }
@@ -47,7 +47,7 @@ void block_table_of(const Checker& check, const TensorView& t, std::int64_t batc
   }
   if (t.size(1) > 1 && t.stride_of(1) != 1) {
     check.fail("block_table has a non-unit last stride (stride[1]=" +
-               std::to_string(t.stride_of(1)) + ", expected 1)");
+               std::to_string(t.stride_of(1)) + ", expected 1); pass a contiguous copy");
   }
   check.count("block_table makes too large a capacity", "max_pages_per_seq * page_size",
               {t.size(1), page_size});

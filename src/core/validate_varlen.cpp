@@ -49,7 +49,7 @@ void check_index_array(const Checker& check, const TensorView& t, const char* na
   }
   if (t.size(0) > 1 && t.stride_of(0) != 1) {
     check.fail(std::string(name) + " is not contiguous (stride[0]=" +
-               std::to_string(t.stride_of(0)) + ", expected 1)");
+               std::to_string(t.stride_of(0)) + ", expected 1); pass a contiguous copy");
   }
 }
 

@@ -3,6 +3,9 @@ the calls it takes give the general path's bits (attncore.attention, which never
 outputs and gradients, and match the float64 oracle; the calls it declines reach the general
 path, which handles them."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -170,3 +173,42 @@ def test_options_of_other_types_take_the_general_path(option):
               "enum backend": {"backend": attncore.SDPBackend.FLASH},
               "bool causal value": {"softcap": True}}[option]
     assert _attend(q, k, v, **kwargs) is None
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_outputs_past_the_memory_limit_are_refused_by_name(lib):
+    """A broadcast query (no memory) whose output would exceed the memory this process may
+    use: attncore's MemoryError, not the array library's failed allocation."""
+    rows = int(attncore._core.memory_limit()[0] // (8 * 4)) + 1
+    one = torch.ones(1, 1, 1, 8)
+    k = torch.ones(1, 1, 4, 8)
+    q_bhld, q_blhd = one.expand(1, 1, rows, 8), one.expand(1, rows, 1, 8)
+    if lib == "numpy":
+        q_bhld, q_blhd, k = (np.broadcast_to(x.numpy(), x.shape) for x in (q_bhld, q_blhd, k))
+    with pytest.raises(MemoryError, match="^forward: the outputs exceed the memory this process may use"):
+        attncore.scaled_dot_product_attention(q_bhld, k, k)
+    k_blhd = k.swapaxes(1, 2)
+    with pytest.raises(MemoryError, match="^forward: the outputs exceed the memory this process may use"):
+        attncore.flash_attn_func(q_blhd, k_blhd, k_blhd)
+
+
+def test_large_outputs_are_made_only_for_a_valid_call():
+    """Where the outputs would fit the limit but not the memory left (RLIMIT_AS a little above
+    what the process uses), an invalid call raises its own error, not a failed allocation: its
+    checks run before a large output is made."""
+    code = """
+import resource, numpy as np, torch, attncore.torch as AT
+used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+left = 1 << 29
+resource.setrlimit(resource.RLIMIT_AS, (used + left, resource.RLIM_INFINITY))
+rows = (left + used // 2) // 256  # out: within the limit, more than is left
+q = torch.ones(1, 1, 1, 64).expand(1, 1, rows, 64)
+try:
+    AT.scaled_dot_product_attention(q, torch.ones(1, 1, 4, 64).double(), torch.ones(1, 1, 4, 64))
+except Exception as e:
+    print(type(e).__name__, str(e))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ValueError forward: key has the wrong dtype"), result.stdout

@@ -92,6 +92,32 @@ def test_int_cache_seqlens_numpy_and_options():
     assert_close(out, torch.stack(ref), torch.float32, "out")
 
 
+def test_index_arrays_of_any_strides_give_the_same_bits():
+    """cache_seqlens, cache_batch_idx, cache_leftpad and block_table that are not contiguous
+    (a stride of 2, a broadcast, a transposed table; numpy and torch) are copied, as any input
+    the library cannot read in place: the same bits as contiguous ones."""
+    k_cache, v_cache = caches(3, 16, 2, 8, torch.float32, seed=5)
+    q = randn(2, 1, 4, 8, seed=6).float()
+    plain = attncore.flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=torch.tensor([9, 12], dtype=torch.int32),
+        cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32),
+        cache_leftpad=torch.tensor([1, 1], dtype=torch.int32))
+    strided = attncore.flash_attn_with_kvcache(
+        q.numpy(), k_cache.numpy(), v_cache.numpy(),
+        cache_seqlens=np.array([9, 0, 12, 0], np.int32)[::2],
+        cache_batch_idx=torch.tensor([2, 7, 0, 7], dtype=torch.int32)[::2],
+        cache_leftpad=np.broadcast_to(np.ones(1, np.int32), (2,)))
+    assert np.array_equal(strided, plain.numpy())
+    pages_k = k_cache.reshape(12, 4, 2, 8)  # pages of 4 slots
+    pages_v = v_cache.reshape(12, 4, 2, 8)
+    table = torch.tensor([[8, 9, 10, 11], [0, 1, 2, 3]], dtype=torch.int32)
+    paged = attncore.flash_attn_with_kvcache(q, pages_k, pages_v, cache_seqlens=12,
+                                             block_table=table)
+    transposed = attncore.flash_attn_with_kvcache(q, pages_k, pages_v, cache_seqlens=12,
+                                                  block_table=table.t().contiguous().t())
+    assert torch.equal(transposed, paged)
+
+
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("causal", [False, True])
 def test_append_with_rotary(interleaved, causal):
