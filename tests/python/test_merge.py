@@ -80,6 +80,16 @@ def test_minus_infinity_sides():
     assert_close(lse, ref_lse, torch.float64, "lse")
 
 
+def test_nan_and_plus_infinity_lse_give_nan_in_their_row_alone():
+    """NaN inputs give NaN, and so does an LSE of +inf (no attention gives one), in that row
+    only (README)."""
+    out = np.ones((3, 4), np.float32)
+    lse_a = np.array([np.inf, np.nan, 0.0], np.float32)
+    merged, lse = attncore.merge_attention_states(out, lse_a, out, np.zeros(3, np.float32))
+    assert np.isnan(merged[:2]).all() and np.isnan(lse[:2]).all()
+    assert np.array_equal(merged[2], np.ones(4, np.float32)) and lse[2] == np.float32(np.log(2))
+
+
 def test_torch_grad_mode_refused_and_no_grad_works():
     out_a, lse_a = randn(1, 2, 3, 4, requires_grad=True), randn(1, 2, 3)
     out_b, lse_b = randn(1, 2, 3, 4), randn(1, 2, 3)
