@@ -2,6 +2,8 @@
 decode and chunked prefill, leftpad, cache_batch_idx, appends (with rotary, both pairings),
 int cache_seqlens, unused cache slots never read, and its errors."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -198,6 +200,12 @@ def test_errors():
         attncore.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=1,
                                          rotary_cos=np.ones((8, 2), np.float32),
                                          rotary_sin=np.ones((8, 2), np.float32))
+    # A cache of another batch, named in the caller's layout [B_cache, capacity, Hkv, D].
+    with pytest.raises(ValueError, match=re.escape(
+            "flash_attn_with_kvcache: k_cache has shape [1, 8, 1, 4], expected a batch of 2 like "
+            "q (B_cache=1, expected B_cache == B without cache_batch_idx)")):
+        attncore.flash_attn_with_kvcache(np.ones((2, 1, 1, 4), np.float32), k_cache, v_cache,
+                                         cache_seqlens=1)
 
 
 def test_torch_grad_mode_refused():
