@@ -88,8 +88,9 @@ std::optional<double> plain_number(py::handle x) {
 // value with one head serve every query head regardless, as with torch's broadcasting); backend
 // None or a name. Makes out (laid out like q, in the caller's layout) and returns it; where a
 // torch input requires grad in grad mode, returns (out, lse [B, Hq, Lq] fp32) for the caller to
-// record the autograd node with. Returns None for any other call: the package then takes its
-// general path, which handles and checks everything.
+// record the autograd node with. Outputs of 1 MiB or more are made after the call's argument
+// checks. Returns None for any other call, and for outputs past the memory this process may
+// use: the package then takes its general path, which handles and checks everything.
 py::object attend(py::handle q, py::handle k, py::handle v, py::handle mask, bool blhd,
                   const std::string& causal, py::handle scale, py::handle window_size,
                   py::handle softcap, py::handle dropout_p, py::handle enable_gqa,
@@ -174,28 +175,28 @@ py::object attend(py::handle q, py::handle k, py::handle v, py::handle mask, boo
   const std::int64_t batch = cq.size(0), heads_q = cq.size(heads), seqlen_q = cq.size(3 - heads),
                      dim_v = cv.size(3);
   auto bhld = [&](const TensorView& x) { return blhd ? x.transposed(1, 2) : x; };
-  // Outputs past the memory this process may use (a broadcast query stands for any number of
-  // rows at no cost): the general path refuses them by name before allocating anything.
+  const DType lse_dtype = dtype == DType::f64 ? DType::f64 : DType::f32;
   const double rows =
       static_cast<double>(batch) * static_cast<double>(heads_q) * static_cast<double>(seqlen_q);
-  const double out_bytes = rows * (static_cast<double>(dim_v) * attncore::size_of(dtype) +
-                                   (want_lse ? static_cast<double>(sizeof(double)) : 0.0));
-  if (out_bytes > attncore::memory_limit().bytes) return general;
-  // Large outputs are allocated only for a valid call: the library's checks run first (as
-  // explain_forward runs them: 0.7 us on the Intel Xeon, against tens of us or more for any
-  // call with 1 MiB of outputs; smaller ones are allocated first, at no cost worth avoiding).
+  const double out_bytes =
+      rows * (static_cast<double>(dim_v) * static_cast<double>(attncore::size_of(dtype)) +
+              (want_lse ? static_cast<double>(attncore::size_of(lse_dtype)) : 0.0));
+  // Outputs of 1 MiB or more are made only for a call whose arguments pass the library's
+  // checks (run first as explain_forward runs them: 0.7 us on the Intel Xeon, against tens of
+  // us or more for any call with 1 MiB of outputs; smaller ones are made first, at no cost
+  // worth a check), and only where they fit in the memory this process may use (a broadcast
+  // query stands for any number of rows at no cost): else the general path refuses them
+  // (MemoryError). A backend the call names that cannot run it still refuses after.
   if (out_bytes >= static_cast<double>(1 << 20)) {
     (void)attncore::explain_forward(bhld(cq), bhld(ck), bhld(cv), options);
+    if (out_bytes > attncore::memory_limit().bytes) return general;
   }
   std::vector<std::int64_t> out_shape{batch, heads_q, seqlen_q, dim_v};
   if (blhd) std::swap(out_shape[1], out_shape[2]);
   const py::object out = attncore_python::new_array(
       kind, out_shape, dtype, {cq.stride_of(0), cq.stride_of(1), cq.stride_of(2), 1});
   py::object lse = py::none();
-  if (want_lse) {
-    lse = attncore_python::new_array(kind, {batch, heads_q, seqlen_q},
-                                     dtype == DType::f64 ? DType::f64 : DType::f32);
-  }
+  if (want_lse) lse = attncore_python::new_array(kind, {batch, heads_q, seqlen_q}, lse_dtype);
   const Borrowed bout(out, op, "out", true);
   const auto blse = borrow_optional(lse, op, "lse", true);
   run_call(options, call_work(bhld(cq), bhld(ck), bhld(cv)), [&](const attncore::Options& o) {

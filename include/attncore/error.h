@@ -37,8 +37,7 @@ class ATTNCORE_API OutOfMemory : public Error {
 };
 
 // The call saw its Options::cancel flag set and stopped: before any work (the outputs are not
-// written) or between two work items (the outputs are incomplete: some rows written, others
-// not).
+// written) or after some (the outputs are incomplete: some rows written, others not).
 class ATTNCORE_API Cancelled : public Error {
  public:
   using Error::Error;

@@ -112,8 +112,9 @@ struct Options {
   int num_threads = 0;
   // Cancellation: when not null, the call reads *cancel before it starts and between its work
   // items (every backend: reference rows or tasks, math blocks, flash work items and kv
-  // groups), and once it reads true, stops and throws attncore::Cancelled; outputs are then
-  // incomplete. Set it from any thread; the caller keeps the flag alive during the call.
+  // groups; a flash forward item also between its key tiles), and once it reads true, stops
+  // and throws attncore::Cancelled; outputs are then incomplete. Set it from any thread; the
+  // caller keeps the flag alive during the call.
   const std::atomic<bool>* cancel = nullptr;
   // When not null, the call's parallel regions run through this executor (kept alive by the
   // caller during the call) instead of attncore's pool, on at most the call's thread count

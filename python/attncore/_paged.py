@@ -246,14 +246,9 @@ def _host_index(op, name, x):
     dtype = str(array.dtype).removeprefix("torch.")
     if dtype != "int32":
         raise ValueError(f"{op}: {name} has the wrong dtype (dtype={dtype}, expected int32)")
-    # Refused before the copy, as the library would refuse it: a broadcast table can stand for
-    # far more entries than its memory holds.
+    # (A broadcast table can stand for far more entries than its memory holds: index_array
+    # checked its own copy, and the int64 one is checked here.)
     shape = tuple(array.shape)
-    strides = (array.stride() if hasattr(array, "detach")
-               else tuple(st // array.itemsize for st in array.strides))
-    if shape and shape[-1] > 1 and strides[-1] != 1 and 0 not in shape:
-        raise ValueError(f"{op}: {name} has a non-unit last stride (stride[{len(shape) - 1}]="
-                         f"{strides[-1]}, expected 1); pass it contiguous")
     _arrays.check_copy(op, name, shape, "int64")
     return np.array(array.numpy() if hasattr(array, "detach") else array, np.int64)
 

@@ -3,7 +3,8 @@ lengths) and VarlenKernel (forward and backward on packed views q [total_q, Hq, 
 k [total_k, Hkv, D], v [total_k, Hkv, Dv]; out [total_q, Hq, Dv], lse [Hq, total_q]).
 
 Index arrays (cu_seqlens_q, cu_seqlens_k [B + 1], seqused_k [B]) are int32 arrays of any
-library the package takes, read in place; a list or tuple of ints becomes an int32 numpy array.
+library the package takes, read in place where their last stride is 1 (else copied); a list or
+tuple of ints becomes an int32 numpy array.
 Their ranks and integer dtypes are checked here, the rest by the library.
 """
 
@@ -18,10 +19,11 @@ from ._rank4 import core_or_none, int_option, lse_dtype, times
 
 
 def index_array(op, name, x, rank=None, layout=""):
-    """An index array as _core reads it: numpy arrays and torch tensors as they are (numpy
-    arrays with negative strides copied), other DLPack producers through numpy (else torch),
-    lists and tuples of ints (and empty ones) as int32 numpy. With `rank`, ValueError for
-    another rank (layout, such as "[B + 1]", ends the message) before the dtype is checked."""
+    """An index array as _core reads it: numpy arrays and torch tensors as they are (copied
+    where their last stride is not 1, numpy arrays with negative strides too), other DLPack
+    producers through numpy (else torch), lists and tuples of ints (and empty ones) as int32
+    numpy. With `rank`, ValueError for another rank (layout, such as "[B + 1]", ends the
+    message) before the dtype is checked."""
     if x is None:
         return None
     torch = sys.modules.get("torch")
@@ -65,17 +67,19 @@ def cu_seqlens_array(op, name, x):
 
 
 def _contiguous(op, name, array):
-    """array, or a contiguous copy of it where its strides are not those of one (a stride of 2
-    or 0, a transposed table): the library reads index arrays with unit strides, and an input
-    it cannot read in place is copied (check_copy first: a broadcast view can stand for far
-    more elements than its memory holds)."""
+    """array, or a contiguous copy of it where its last stride is not 1 (a stride of 2 or 0, a
+    transposed table): the library reads an index array's last dim with unit stride (a table's
+    rows may lie anywhere: block_table[:, :n] is read in place), and an input it cannot read
+    in place is copied (check_copy first: a broadcast view can stand for far more elements
+    than its memory holds)."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(array, torch.Tensor):
-        if array.is_contiguous():
+        if array.dim() == 0 or array.shape[-1] <= 1 or array.stride()[-1] == 1:
             return array
         _arrays.check_copy(op, name, tuple(array.shape), str(array.dtype).removeprefix("torch."))
         return array.contiguous()
-    if not isinstance(array, np.ndarray) or array.flags.c_contiguous:
+    if (not isinstance(array, np.ndarray) or array.ndim == 0 or array.shape[-1] <= 1
+            or array.strides[-1] == array.itemsize):
         return array
     _arrays.check_copy(op, name, array.shape, array.dtype.name)
     return np.ascontiguousarray(array)

@@ -145,9 +145,9 @@ struct Params {
   bool empty_output() const { return batch == 0 || heads_q == 0 || seq.max_q() == 0; }
 };
 
-// Thrown by a backend that finds the call cancelled between two work items (never inside
-// one); the entry points turn it into attncore::Cancelled with the op's name
-// (cancelled_message).
+// Thrown by a backend that finds the call cancelled between two work items, or between two key
+// tiles of a flash forward item (no other item waits on one); the entry points turn it into
+// attncore::Cancelled with the op's name (cancelled_message).
 struct CancelledWork {};
 inline std::string cancelled_message(const char* op) {
   return std::string(op) +

@@ -256,6 +256,26 @@ def test_index_arrays_from_any_library():
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 
+def test_strided_index_arrays_are_copied():
+    """cu_seqlens and seqused_k with a stride of 2 (numpy and torch) are copied, as any input
+    the library cannot read in place: the bits of contiguous ones."""
+    x, _, _ = make_case("causal")
+    args = (x["max_q"], x["max_k"])
+    used = (x["cu_k"][1:] - x["cu_k"][:-1]).to(torch.int32) // 2
+    plain = attncore.flash_attn_varlen_func(x["q"], x["k"], x["v"], x["cu_q"], x["cu_k"], *args,
+                                            seqused_k=used)
+
+    def spread(t):  # t's values at every other element of a buffer twice as long
+        wide = torch.zeros(2 * len(t), dtype=torch.int32)
+        wide[::2] = t
+        return wide[::2]
+
+    strided = attncore.flash_attn_varlen_func(
+        x["q"], x["k"], x["v"], spread(x["cu_q"]).numpy(), spread(x["cu_k"]), *args,
+        seqused_k=spread(used).numpy())
+    assert torch.equal(strided, plain)
+
+
 def test_dlpack_producers():
     """Float tensors and int32 index arrays from a library attncore does not know (DLPack
     only): read in place; float32 results come back as numpy."""
