@@ -135,21 +135,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _rank4(op, "v_cache", v_cache, "[num_pages, page_size, Hkv, Dv]" if paged
            else "[B_cache, capacity, Hkv, Dv]")
     q_shape = ("q", _arrays.shape_of(q, op, "q"))
-    check_blhd(op, q_shape, ("k_cache", _arrays.shape_of(k_cache, op, "k_cache")),
+    cache_shape = _arrays.shape_of(k_cache, op, "k_cache")
+    check_blhd(op, q_shape, ("k_cache", cache_shape),
                ("v_cache", _arrays.shape_of(v_cache, op, "v_cache")),
                "[num_pages, page_size, Hkv, D]" if paged else "[B_cache, capacity, Hkv, D]",
                same_batch=False)
-    cache_shape = _arrays.shape_of(k_cache, op, "k_cache")
+    # (Named here in the caller's layout: the library sees [B_cache, Hkv, capacity, D] and the
+    # pools as [num_pages, Hkv, page_size, D].)
     if not paged and cache_batch_idx is None and cache_shape[0] != q_shape[1][0]:
-        # (named here in the caller's layout: the library sees [B_cache, Hkv, capacity, D])
         raise ValueError(f"{op}: k_cache has shape {list(cache_shape)}, expected a batch of "
                          f"{q_shape[1][0]} like q (B_cache={cache_shape[0]}, expected B_cache == "
                          "B without cache_batch_idx)")
-    if paged:  # (the library sees the pools as [num_pages, Hkv, page_size, D])
-        pool = _arrays.shape_of(k_cache, op, "k_cache")
-        if pool[1] == 0:
-            raise ValueError(f"{op}: k_cache has shape {list(pool)}, expected [num_pages, "
-                             "page_size, Hkv, D] with page_size >= 1 (page_size=0)")
+    if paged and cache_shape[1] == 0:
+        raise ValueError(f"{op}: k_cache has shape {list(cache_shape)}, expected [num_pages, "
+                         "page_size, Hkv, D] with page_size >= 1 (page_size=0)")
     if appending:
         for name, x in (("k", k), ("v", v)):
             _rank4(op, name, x, "[B, L_new, Hkv, D]")

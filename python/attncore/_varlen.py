@@ -28,15 +28,17 @@ def index_array(op, name, x, rank=None, layout=""):
         return None
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
-        array = _arrays.TORCH.asarray(x, op, name).detach()
+        lib, array = _arrays.TORCH, _arrays.TORCH.asarray(x, op, name).detach()
     elif isinstance(x, (list, tuple)):
-        array = _int_sequence(op, name, x)
+        lib, array = _arrays.NUMPY, _int_sequence(op, name, x)
     else:
-        array = _arrays.adopt(x, op, name)[1]
+        lib, array, _ = _arrays.adopt(x, op, name)
     if rank is not None and len(array.shape) != rank:
         raise ValueError(f"{op}: {name} has the wrong rank (rank={len(array.shape)}, expected "
                          f"{rank}: {layout})")
-    return _contiguous(op, name, _int32(op, name, array))
+    # (The library reads an index array's last dim with unit stride; a table's rows may lie
+    # anywhere: block_table[:, :n] is read in place.)
+    return lib.unit_last_stride(_int32(op, name, array), op, name)
 
 
 def _int_sequence(op, name, x):
@@ -64,25 +66,6 @@ def cu_seqlens_array(op, name, x):
         raise TypeError(f"{op}: {name} is not an array (type=NoneType, expected an int32 "
                         "array [B + 1])")
     return index_array(op, name, x, 1, "[B + 1]")
-
-
-def _contiguous(op, name, array):
-    """array, or a contiguous copy of it where its last stride is not 1 (a stride of 2 or 0, a
-    transposed table): the library reads an index array's last dim with unit stride (a table's
-    rows may lie anywhere: block_table[:, :n] is read in place), and an input it cannot read
-    in place is copied (check_copy first: a broadcast view can stand for far more elements
-    than its memory holds)."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(array, torch.Tensor):
-        if array.dim() == 0 or array.shape[-1] <= 1 or array.stride()[-1] == 1:
-            return array
-        _arrays.check_copy(op, name, tuple(array.shape), str(array.dtype).removeprefix("torch."))
-        return array.contiguous()
-    if (not isinstance(array, np.ndarray) or array.ndim == 0 or array.shape[-1] <= 1
-            or array.strides[-1] == array.itemsize):
-        return array
-    _arrays.check_copy(op, name, array.shape, array.dtype.name)
-    return np.ascontiguousarray(array)
 
 
 def _int32(op, name, array):
