@@ -193,7 +193,11 @@ struct RowsProduct {
     float* const o = out;
     const T* row[kMaxKeys] = {};
     float w[R][kMaxKeys] = {};
-    const T* next[kMaxKeys] = {};  // (spread: the rows lead keys on, or null)
+    // The rows lead keys on where the products spread their prefetches, else null: the loop
+    // tests kSpread, a constant, and the row (with `spread` tested there as well, GQA 16-bit
+    // [B, Hkv, L, D] decode, Lk = 16384, read 0.96-0.97 of what it read without; 7 rounds of
+    // bench --decode in turn, the Intel Xeon).
+    const T* next[kMaxKeys] = {};
     const bool spread = kSpread && d * static_cast<std::int64_t>(sizeof(T)) % 64 == 0;
 #pragma GCC unroll 4
     for (int c = 0; c < kMaxKeys; ++c) {
@@ -224,7 +228,7 @@ struct RowsProduct {
           if (c < count) {
             acc = fmadd(splat(w[r][c]), vv[c], acc);
             // Key c's line of this step, once per line: after row c % R's product of it.
-            if (spread && c % R == r && next[c] != nullptr &&
+            if (kSpread && c % R == r && next[c] != nullptr &&
                 (e * static_cast<std::int64_t>(sizeof(T))) % 64 ==
                     c * kStepsPerLine / kMaxKeys * kStepBytes) {
               prefetch_after<kLocality>(next[c] + e, acc);
