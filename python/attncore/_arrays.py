@@ -64,6 +64,18 @@ def check_copy(op, name, shape, dtype_name, remedy="pass it with a last stride o
                         f"shape={list(shape)}, copy", _bytes(shape, dtype_name), remedy)
 
 
+def _folded_stride(sizes, strides):
+    """The stride of dims (sizes, strides) folded into one (row-major order), or None where
+    their elements lie in no single stride (a dim broadcast against another)."""
+    dims = [(n, st) for n, st in zip(sizes, strides) if n != 1]
+    if not dims or any(n == 0 for n, _ in dims):
+        return 0
+    for (_, outer), (n, inner) in zip(dims, dims[1:]):
+        if outer != inner * n:
+            return None
+    return dims[-1][1]
+
+
 def _type_name(x):
     return type(x).__name__
 
@@ -218,9 +230,7 @@ class _Numpy:
     def unit_last_stride(x, op, name):
         """x, or a contiguous copy where attncore cannot read it in place: a last stride other
         than 1, negative strides or strides that are not whole elements (check_copy first)."""
-        ok = all(s >= 0 and s % x.itemsize == 0 for s in x.strides) and (
-            x.ndim == 0 or x.shape[-1] <= 1 or x.strides[-1] == x.itemsize)
-        if ok:
+        if not _Numpy.unit_last_stride_needs_copy(x):
             return x
         check_copy(op, name, x.shape, x.dtype.name)
         return np.ascontiguousarray(x)
@@ -228,6 +238,38 @@ class _Numpy:
     @staticmethod
     def reshape(x, shape):
         return x.reshape(shape)  # a view unless the strides forbid one
+
+    @staticmethod
+    def fold(x, shape, unit_last=True):
+        """x reshaped to `shape` as a view, or None where that takes a copy: strides that do
+        not merge (a batch dim broadcast against another) or, with unit_last, a last stride
+        attncore cannot read in place (as unit_last_stride)."""
+        lead = x.ndim - (len(shape) - 1)  # x's dims folded into shape[0]
+        stride = _folded_stride(x.shape[:lead], x.strides[:lead])
+        if stride is None or tuple(x.shape[lead:]) != tuple(shape[1:]):
+            return None
+        y = np.lib.stride_tricks.as_strided(x, shape, (stride,) + x.strides[lead:],
+                                            writeable=x.flags.writeable)
+        if unit_last and _Numpy.unit_last_stride_needs_copy(y):
+            return None
+        return y
+
+    @staticmethod
+    def unit_last_stride_needs_copy(x):
+        return not (all(s >= 0 and s % x.itemsize == 0 for s in x.strides) and (
+            x.ndim == 0 or x.shape[-1] <= 1 or x.strides[-1] == x.itemsize))
+
+    @staticmethod
+    def standin(shape, dtype_name):
+        """An array of this shape and dtype with a last stride of 1 and no memory of its size
+        (one row of zeros, broadcast): what the library's checks of a call read in place of an
+        input still to be copied (it is never computed with)."""
+        return np.broadcast_to(np.zeros(shape[-1:], dtype=dtype_name), shape)
+
+    @staticmethod
+    def folded_copy(x, shape):
+        """A contiguous copy of x with `shape` (x's elements in order)."""
+        return np.ascontiguousarray(x).reshape(shape)
 
     @staticmethod
     def swap(x, a, b):
@@ -311,6 +353,28 @@ class _Torch:
     @staticmethod
     def reshape(x, shape):
         return x.reshape(shape)
+
+    @staticmethod
+    def fold(x, shape, unit_last=True):
+        """As _Numpy.fold."""
+        try:
+            y = x.view(shape)  # refused where only a copy has that shape
+        except RuntimeError:
+            return None
+        if unit_last and not (y.dim() == 0 or y.shape[-1] <= 1 or y.stride(-1) == 1):
+            return None
+        return y
+
+    @staticmethod
+    def standin(shape, dtype_name):
+        """As _Numpy.standin."""
+        torch = _torch()
+        return torch.zeros(shape[-1:], dtype=getattr(torch, dtype_name)).expand(shape)
+
+    @staticmethod
+    def folded_copy(x, shape):
+        """As _Numpy.folded_copy (a copy autograd sees)."""
+        return x.contiguous().reshape(shape)
 
     @staticmethod
     def swap(x, a, b):

@@ -69,13 +69,19 @@ def _resolve_call(op, *, scale, causal, window_size, softcap, dropout_p, seed, o
 
 
 class _Form:
-    """How one call's arrays map to the library's rank-4 views and back."""
+    """How one call's arrays map to the library's rank-4 views and back.
+
+    An input the library cannot read in place (its last stride is not 1, or its batch dims do
+    not fold into one) is copied only after the call's checks: until then the form holds a
+    stand-in of its shape and dtype (no memory of its size) that the library's checks read
+    (waiting, real)."""
 
     def __init__(self, lib, op, layout, query, key, value):
         if layout not in LAYOUTS:
             raise ValueError(f"{op}: layout is invalid (layout={layout!r}, expected 'bhld' "
                              "([..., H, L, D]) or 'blhd' ([..., L, H, D]))")
         self.lib, self.op, self.layout = lib, op, layout
+        self._copies = {}  # id(stand-in) -> (stand-in, source, shape): copies to make
         # (L, D) in layout bhld: one sequence, one head.
         self.unbatched = layout == "bhld" and query.ndim == 2
         q, k, v = (self._bhld(x, name) for x, name in
@@ -128,10 +134,30 @@ class _Form:
         padded = (1,) * (len(self.batch) - len(batch)) + batch
         return self.lib.reshape(self.lib.sum_to(grad, padded + rest), batch + rest)
 
-    def _fold(self, x, name):
-        """[..., H, L, D] -> [B, H, L, D], unit last stride."""
-        x = self.lib.reshape(x, (self.batch_size,) + tuple(x.shape[-3:]))
-        return self.lib.unit_last_stride(x, self.op, name)
+    def _fold(self, x, name, unit_last=True):
+        """[..., H, L, D] -> [B, H, L, D] (unit_last: with a last stride of 1) as a view, or
+        its stand-in where that takes a copy (the copy refused first where it would not fit:
+        check_copy)."""
+        shape = (self.batch_size,) + tuple(x.shape[-3:])
+        view = self.lib.fold(x, shape, unit_last)
+        if view is not None:
+            return view
+        _arrays.check_copy(self.op, name, shape, self.lib.dtype_name(x))
+        standin = self.lib.standin(shape, self.lib.dtype_name(x))
+        self._copies[id(standin)] = (standin, x, shape)
+        return standin
+
+    @property
+    def waiting(self):
+        """Whether an input waits for its copy (a stand-in holds its place)."""
+        return bool(self._copies)
+
+    def real(self, x):
+        """x, or the copy of the input whose stand-in x is (made here, after the checks)."""
+        if x is None or id(x) not in self._copies:
+            return x
+        _, source, shape = self._copies.pop(id(x))
+        return self.lib.folded_copy(source, shape)
 
     def from_caller(self, x, name):
         """An array shaped like the output (dout, out) -> [B, Hq, Lq, Dv]."""
@@ -180,11 +206,11 @@ class _Form:
         """The mask (broadcastable to [..., Hq, Lq, Lk]) as [B|1, Hq|1, Lq|1, Lk|1]: batch dims
         collapse to 1 when all are 1, else are expanded (stride 0, no copy where possible)."""
         shape = self._mask_padded_shape(mask)
-        mask = self.lib.reshape(mask, shape)
+        mask = self.lib.reshape(mask, shape)  # (leading 1s added: a view)
         if all(s == 1 for s in shape[:-3]):
             return self.lib.reshape(mask, (1,) + shape[-3:])
-        mask = self.lib.broadcast_to(mask, self.batch + shape[-3:])
-        return self.lib.reshape(mask, (self.batch_size,) + shape[-3:])
+        return self._fold(self.lib.broadcast_to(mask, self.batch + shape[-3:]), "attn_mask",
+                          unit_last=False)
 
     def dbias_to_caller(self, dbias4, mask):
         """The gradient of mask4(mask), [B|1, Hq|1, Lq|1, Lk|1], summed back to mask's shape."""
@@ -212,20 +238,31 @@ class _Prepared(typing.NamedTuple):
     alibi: object  # [Hq] or [B, Hq] or None
 
 
-def _prepare(op, query, key, value, *, layout, attn_mask, alibi_slopes, draw_seed, **options):
+def _prepare(op, query, key, value, *, layout, attn_mask, alibi_slopes, draw_seed,
+             check_forward=False, **options):
     """The call's arrays in the query's library and its options. A forward (draw_seed) refuses
-    torch inputs whose gradients a non-torch query would drop."""
+    torch inputs whose gradients a non-torch query would drop. With check_forward, inputs that
+    wait for a copy (_Form) get it after the library's checks of the forward call: such a call
+    is refused before anything of its size is copied. Without, they stay stand-ins (the
+    caller checks and copies: form.real)."""
     lib, query, give_back = _arrays.adopt(query, op, "query")
     if draw_seed:
         _arrays.refuse_lost_gradients(lib, op, (("key", key), ("value", value),
                                                 ("attn_mask", attn_mask)))
+    call = _resolve_call(op, draw_seed=draw_seed, **options)
     form = _Form(lib, op, layout, query, lib.asarray(key, op, "key"),
                  lib.asarray(value, op, "value"))
-    call = _resolve_call(op, draw_seed=draw_seed, **options)
     mask = None if attn_mask is None else lib.asarray(attn_mask, op, "attn_mask")
     mask4 = None if mask is None else form.mask4(mask)
     alibi = alibi_array(lib, op, alibi_slopes)
     alibi = None if alibi is None else form.alibi(alibi)
+    if check_forward and form.waiting:
+        _core.explain_forward(lib.to_core(form.q4), lib.to_core(form.k4), lib.to_core(form.v4),
+                              core_or_none(lib, mask4), core_or_none(lib, alibi),
+                              call.checked_options())
+    if check_forward:
+        form.q4, form.k4, form.v4 = (form.real(x) for x in (form.q4, form.k4, form.v4))
+        mask4 = form.real(mask4)
     return _Prepared(lib, give_back, form, call, mask, mask4, alibi)
 
 
@@ -255,7 +292,8 @@ def attention(query, key, value, *, layout="bhld", scale=None, causal=None, wind
     """
     return_lse = bool_option(_op, "return_lse", return_lse)
     p = _prepare(_op, query, key, value, layout=layout, attn_mask=attn_mask,
-                 alibi_slopes=alibi_slopes, draw_seed=True, scale=scale, causal=causal,
+                 alibi_slopes=alibi_slopes, draw_seed=True, check_forward=True, scale=scale,
+                 causal=causal,
                  window_size=window_size, softcap=softcap, dropout_p=dropout_p, seed=seed,
                  offset=offset, enable_gqa=enable_gqa, backend=backend, num_threads=num_threads)
     q4 = times(p.form.q4, p.call.q_factor)
@@ -287,12 +325,17 @@ def attention_backward(dout, query, key, value, out, softmax_lse, *, layout="bhl
                  alibi_slopes=alibi_slopes, draw_seed=False, scale=scale, causal=causal,
                  window_size=window_size, softcap=softcap, dropout_p=dropout_p, seed=seed,
                  offset=offset, enable_gqa=enable_gqa, backend=backend, num_threads=num_threads)
-    form, factor = p.form, p.call.q_factor
-    want_dbias = p.mask is not None and p.lib.dtype_name(p.mask) != "bool"
-    dq4, dk4, dv4, dbias4 = backward4(
-        p.lib, form.from_caller(dout, "dout"), times(form.q4, factor), form.k4, form.v4,
-        form.from_caller(out, "out"), form.lse_from_caller(softmax_lse), p.mask4, p.alibi,
-        p.call, want_dbias)
+    lib, form, factor = p.lib, p.form, p.call.q_factor
+    want_dbias = p.mask is not None and lib.dtype_name(p.mask) != "bool"
+    arrays = (form.from_caller(dout, "dout"), form.q4, form.k4, form.v4,
+              form.from_caller(out, "out"), form.lse_from_caller(softmax_lse), p.mask4)
+    if form.waiting:  # the call's checks before any input's copy
+        _core.explain_backward(*(lib.to_core(x) for x in arrays[:6]),
+                               core_or_none(lib, p.mask4), core_or_none(lib, p.alibi),
+                               want_dbias, p.call.checked_options())
+    dout4, q4, k4, v4, out4, lse3, mask4 = (form.real(x) for x in arrays)
+    dq4, dk4, dv4, dbias4 = backward4(lib, dout4, times(q4, factor), k4, v4, out4, lse3, mask4,
+                                      p.alibi, p.call, want_dbias)
     grads = [form.reduce_to_input(form.to_caller(g), i)
              for i, g in enumerate((times(dq4, factor), dk4, dv4))]
     if want_dbias:

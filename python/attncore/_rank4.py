@@ -154,6 +154,12 @@ class Call:
             return 1
         return 0 if self.scale == 0 else -1
 
+    def checked_options(self):
+        """core_options for the library's checks of the call before its seed is drawn (a seed
+        of None: every seed is checked alike)."""
+        return dataclasses.replace(self, seed=self.seed or 0, offset=self.offset or 0
+                                   ).core_options()
+
     def core_options(self):
         scale = self.scale
         if scale is not None and self.q_factor != 1:

@@ -4,6 +4,7 @@ and unsupported combinations NotImplementedError, all in the library's message f
 interpreter."""
 
 import re
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -521,3 +522,86 @@ def test_outputs_past_the_machine_are_refused_before_allocation():
     cu_k = np.array([0, 4], np.int32)
     with pytest.raises(MemoryError, match=pattern.format("forward")):
         attncore.attention_varlen(q, kv, kv, cu_q, cu_k, 2**30, 4)
+
+
+def _peak_bytes(fn):
+    """(the exception fn raised, the peak of numpy's allocations while it ran)."""
+    tracemalloc.start()
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - returned for the caller's checks
+        raised = e
+    else:
+        raised = None
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return raised, peak
+
+
+def test_invalid_calls_are_refused_before_their_inputs_are_copied():
+    # Inputs the library cannot read in place (a last stride of 0; batch dims broadcast against
+    # each other, which fold into one only in a copy) stand for 64 MiB each: a call the library
+    # (or the package) refuses raises before any of them is copied.
+    col = np.ones((1, 1, 1, 1), np.float32)
+    q = np.broadcast_to(col, (64, 4, 1024, 64))  # last stride 0
+    k = np.ones((1, 4, 1024, 64), np.float32)
+    limit = 8 << 20
+    calls = [
+        (lambda: attncore.attention(q, k[..., :32], k), ValueError, "^forward: key has shape"),
+        (lambda: attncore.attention(q, k, k[:, :, :7]), ValueError, "^forward: value has shape"),
+        (lambda: attncore.attention(q, k, k, causal="sideways"), ValueError, "causal is invalid"),
+        (lambda: attncore.attention(q, k, k, attn_mask=np.ones((3, 3), bool)), ValueError,
+         "attn_mask has shape"),
+        (lambda: attncore.attention(q, k, k, dropout_p=1.5), ValueError, "dropout_p"),
+    ]
+    qb = np.ones((64, 1, 4, 64, 64), np.float32)  # with kb: batch [64, 64], not foldable
+    kb = np.ones((1, 64, 4, 64, 64), np.float32)
+    calls.append((lambda: attncore.attention(qb, kb, kb[..., :5, :]), ValueError,
+                  "^forward: value has shape"))
+    lse = np.zeros((64, 4, 1024), np.float32)
+    calls.append((lambda: attncore.attention_backward(q, q, k, k, q, lse[:, :, :5]),
+                  ValueError, "softmax_lse has shape"))
+    calls.append((lambda: attncore.attention_backward(q, q, k, k[..., :5], q, lse),
+                  ValueError, "^backward: "))
+    for call, error, message in calls:
+        raised, peak = _peak_bytes(call)
+        assert isinstance(raised, error) and re.search(message, str(raised)), raised
+        assert peak < limit, (str(raised), peak)
+    # The same valid call copies them (the check is on the copies, not on their absence).
+    raised, peak = _peak_bytes(lambda: attncore.attention(q, k, k))
+    assert raised is None and peak >= 64 << 20
+
+
+def test_inputs_copied_after_the_checks_give_the_results_of_contiguous_ones():
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((3, 1, 2, 5, 8)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 2, 6, 8)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 2, 6, 8)).astype(np.float32)[..., ::2][..., :3]  # stride 2
+    mask = rng.standard_normal((3, 1, 1, 5, 6)).astype(np.float32)
+    dense = [np.ascontiguousarray(np.broadcast_to(x, (3, 2) + x.shape[2:])) for x in (q, k, v)]
+    dense_mask = np.ascontiguousarray(np.broadcast_to(mask, (3, 2, 2, 5, 6)))
+    out, lse = attncore.attention(q, k, v, attn_mask=mask, return_lse=True)
+    want, want_lse = attncore.attention(*dense, attn_mask=dense_mask, return_lse=True)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(lse, want_lse)
+    dout = np.broadcast_to(np.ones((1, 1, 1, 1, 1), np.float32), out.shape)
+    grads = attncore.attention_backward(dout, q, k, v, out, lse, attn_mask=mask)
+    want_grads = attncore.attention_backward(np.ascontiguousarray(dout), *dense, want, want_lse,
+                                             attn_mask=dense_mask)
+    for got, dense_grad, like in zip(grads, want_grads, (q, k, v, mask)):
+        axes = tuple(d for d, n in enumerate(like.shape) if n == 1 and dense_grad.shape[d] != 1)
+        np.testing.assert_allclose(got, dense_grad.sum(axis=axes, keepdims=True), rtol=1e-5,
+                                   atol=1e-6)
+    # torch: the copies made after the checks carry the gradients back to the inputs.
+    base = [torch.tensor(x, requires_grad=True) for x in (q, k)]
+    base.append(torch.tensor(np.repeat(v, 2, axis=-1), requires_grad=True))
+    t_out = attncore.attention(base[0], base[1], base[2][..., ::2])  # batch and last stride
+    t_out.sum().backward()
+    ref = [x.detach().clone().requires_grad_() for x in base]
+    ref_out = attncore.attention(*(x.expand((3, 2) + tuple(x.shape[2:])).contiguous()
+                                   for x in (ref[0], ref[1], ref[2][..., ::2])))
+    ref_out.sum().backward()
+    torch.testing.assert_close(t_out, ref_out)
+    for got, want_t in zip(base, ref):
+        torch.testing.assert_close(got.grad, want_t.grad)
