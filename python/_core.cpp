@@ -355,6 +355,38 @@ py::tuple explain_backward(py::handle dout, py::handle q, py::handle k, py::hand
                                                       call.options(op, bmask, balibi, want_dbias)));
 }
 
+// The same for forward_varlen's and backward_varlen's calls (the index arrays read as they do).
+py::tuple explain_forward_varlen(py::handle q, py::handle k, py::handle v, py::handle cu_seqlens_q,
+                                 py::handle cu_seqlens_k, py::handle seqused_k,
+                                 std::int64_t max_seqlen_q, std::int64_t max_seqlen_k,
+                                 py::handle mask, py::handle alibi_slopes,
+                                 const CallOptions& call) {
+  constexpr const char* op = "forward";  // the library's name of the call, in messages
+  const Borrowed bq(q, op, "query", false), bk(k, op, "key", false), bv(v, op, "value", false);
+  const BorrowedSeqs seqs(op, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k);
+  const auto bmask = borrow_optional(mask, op, "mask", false, /*is_mask=*/true);
+  const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
+  return explanation_tuple(attncore::explain_forward_varlen(
+      bq.view(), bk.view(), bv.view(), seqs.seqs(), call.options(op, bmask, balibi, false)));
+}
+
+py::tuple explain_backward_varlen(py::handle dout, py::handle q, py::handle k, py::handle v,
+                                  py::handle out, py::handle lse, py::handle cu_seqlens_q,
+                                  py::handle cu_seqlens_k, py::handle seqused_k,
+                                  std::int64_t max_seqlen_q, std::int64_t max_seqlen_k,
+                                  py::handle mask, py::handle alibi_slopes,
+                                  const CallOptions& call) {
+  constexpr const char* op = "backward";  // the library's name of the call, in messages
+  const Borrowed bdout(dout, op, "dout", false), bq(q, op, "query", false), bk(k, op, "key", false),
+      bv(v, op, "value", false), bout(out, op, "out", false), blse(lse, op, "lse", false);
+  const BorrowedSeqs seqs(op, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k);
+  const auto bmask = borrow_optional(mask, op, "mask", false, /*is_mask=*/true);
+  const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
+  return explanation_tuple(attncore::explain_backward_varlen(
+      bdout.view(), bq.view(), bk.view(), bv.view(), bout.view(), blse.view(), seqs.seqs(),
+      call.options(op, bmask, balibi, false)));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -428,6 +460,15 @@ PYBIND11_MODULE(_core, m) {
   m.def("explain_backward", &explain_backward, py::arg("dout"), py::arg("query"), py::arg("key"),
         py::arg("value"), py::arg("out"), py::arg("lse"), py::arg("mask").none(true),
         py::arg("alibi_slopes").none(true), py::arg("want_dbias"), py::arg("options"));
+  m.def("explain_forward_varlen", &explain_forward_varlen, py::arg("query"), py::arg("key"),
+        py::arg("value"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"),
+        py::arg("seqused_k").none(true), py::arg("max_seqlen_q"), py::arg("max_seqlen_k"),
+        py::arg("mask").none(true), py::arg("alibi_slopes").none(true), py::arg("options"));
+  m.def("explain_backward_varlen", &explain_backward_varlen, py::arg("dout"), py::arg("query"),
+        py::arg("key"), py::arg("value"), py::arg("out"), py::arg("lse"), py::arg("cu_seqlens_q"),
+        py::arg("cu_seqlens_k"), py::arg("seqused_k").none(true), py::arg("max_seqlen_q"),
+        py::arg("max_seqlen_k"), py::arg("mask").none(true), py::arg("alibi_slopes").none(true),
+        py::arg("options"));
   m.def(
       "enabled_backends", [] { return names_of(attncore::enabled_backends()); },
       "The backends automatic selection may choose on this thread, in priority order");

@@ -106,6 +106,25 @@ void forward_kvcache(py::handle q, py::handle k_cache, py::handle v_cache, py::h
   });
 }
 
+// The library's checks of forward_kvcache's call without an append (the same arguments, nothing
+// run or written; explain_forward_kvcache's), made before the package copies an input it cannot
+// read in place.
+void check_forward_kvcache(py::handle q, py::handle k_cache, py::handle v_cache,
+                           py::handle cache_seqlens, py::handle cache_batch_idx,
+                           py::handle cache_leftpad, py::handle block_table,
+                           py::handle alibi_slopes, const CallOptions& call) {
+  constexpr const char* op = "forward_kvcache";  // the library's name of the call, in messages
+  const Borrowed bq(q, op, "query", false), bk(k_cache, op, "k_cache", false),
+      bv(v_cache, op, "v_cache", false), blens(cache_seqlens, op, "cache_seqlens", false);
+  const auto bidx = borrow_optional(cache_batch_idx, op, "cache_batch_idx", false);
+  const auto bpad = borrow_optional(cache_leftpad, op, "cache_leftpad", false);
+  const auto btable = borrow_optional(block_table, op, "block_table", false);
+  const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
+  const attncore::KvCacheSeqs seqs{blens.view(), view_of(bidx), view_of(bpad), view_of(btable)};
+  (void)attncore::explain_forward_kvcache(bq.view(), bk.view(), bv.view(), seqs,
+                                          call.options(op, std::nullopt, balibi, false));
+}
+
 // Merges two attention results over disjoint key sets into out and lse (which may be the very
 // arrays out_a / lse_a or out_b / lse_b).
 void merge_states(py::handle out_a, py::handle lse_a, py::handle out_b, py::handle lse_b,
@@ -198,6 +217,10 @@ void bind_kvcache(py::module_& m) {
         py::arg("k").none(true), py::arg("v").none(true), py::arg("rotary_cos").none(true),
         py::arg("rotary_sin").none(true), py::arg("rotary_interleaved"), py::arg("out"),
         py::arg("lse").none(true), py::arg("alibi_slopes").none(true), py::arg("options"));
+  m.def("check_forward_kvcache", &check_forward_kvcache, py::arg("query"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("cache_seqlens"), py::arg("cache_batch_idx").none(true),
+        py::arg("cache_leftpad").none(true), py::arg("block_table").none(true),
+        py::arg("alibi_slopes").none(true), py::arg("options"));
   m.def("merge_attention_states", &merge_states, py::arg("out_a"), py::arg("lse_a"),
         py::arg("out_b"), py::arg("lse_b"), py::arg("out"), py::arg("lse"),
         py::arg("num_threads") = 0);

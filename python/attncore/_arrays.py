@@ -64,6 +64,49 @@ def check_copy(op, name, shape, dtype_name, remedy="pass it with a last stride o
                         f"shape={list(shape)}, copy", _bytes(shape, dtype_name), remedy)
 
 
+class LateCopies:
+    """Inputs of one call copied only after its checks. An input the library cannot read in
+    place (its last stride is not 1, or dims that fold into one only in a copy) is first
+    replaced by a stand-in of its shape and dtype (one row of zeros broadcast: no memory of its
+    size), which the library's checks of the call read (its explain_* entry); `real` then makes
+    the copy. A copy that would not fit is refused at once (check_copy). Each method takes the
+    input's array library (NUMPY or TORCH)."""
+
+    def __init__(self, op):
+        self.op = op
+        self._copies = {}  # id(stand-in) -> (stand-in, lib, source, shape)
+
+    def fold(self, lib, x, shape, name, unit_last=True):
+        """x as `shape` (its leading dims folded into shape[0]; unit_last: with a last stride
+        of 1): a view, or a stand-in for the copy."""
+        view = lib.fold(x, shape, unit_last)
+        return view if view is not None else self._standin(lib, x, shape, name)
+
+    def unit_last_stride(self, lib, x, name):
+        """x, or a stand-in for its copy where the library cannot read it in place."""
+        if not lib.unit_last_stride_needs_copy(x):
+            return x
+        return self._standin(lib, x, tuple(x.shape), name)
+
+    def _standin(self, lib, x, shape, name):
+        check_copy(self.op, name, shape, lib.dtype_name(x))
+        standin = lib.standin(shape, lib.dtype_name(x))
+        self._copies[id(standin)] = (standin, lib, x, shape)
+        return standin
+
+    @property
+    def waiting(self):
+        """Whether an input waits for its copy."""
+        return bool(self._copies)
+
+    def real(self, x):
+        """x, or the copy of the input whose stand-in x is (made here, after the checks)."""
+        if x is None or id(x) not in self._copies:
+            return x
+        _, lib, source, shape = self._copies.pop(id(x))
+        return lib.folded_copy(source, shape)
+
+
 def _folded_stride(sizes, strides):
     """The stride of dims (sizes, strides) folded into one (row-major order), or None where
     their elements lie in no single stride (a dim broadcast against another)."""
@@ -344,8 +387,7 @@ class _Torch:
 
     @staticmethod
     def unit_last_stride(x, op, name):
-        ok = x.dim() == 0 or x.shape[-1] <= 1 or x.stride(-1) == 1
-        if ok:
+        if not _Torch.unit_last_stride_needs_copy(x):
             return x
         check_copy(op, name, tuple(x.shape), str(x.dtype).removeprefix("torch."))
         return x.contiguous()
@@ -361,9 +403,13 @@ class _Torch:
             y = x.view(shape)  # refused where only a copy has that shape
         except RuntimeError:
             return None
-        if unit_last and not (y.dim() == 0 or y.shape[-1] <= 1 or y.stride(-1) == 1):
+        if unit_last and _Torch.unit_last_stride_needs_copy(y):
             return None
         return y
+
+    @staticmethod
+    def unit_last_stride_needs_copy(x):
+        return not (x.dim() == 0 or x.shape[-1] <= 1 or x.stride(-1) == 1)
 
     @staticmethod
     def standin(shape, dtype_name):

@@ -73,15 +73,14 @@ class _Form:
 
     An input the library cannot read in place (its last stride is not 1, or its batch dims do
     not fold into one) is copied only after the call's checks: until then the form holds a
-    stand-in of its shape and dtype (no memory of its size) that the library's checks read
-    (waiting, real)."""
+    stand-in (late: _arrays.LateCopies)."""
 
     def __init__(self, lib, op, layout, query, key, value):
         if layout not in LAYOUTS:
             raise ValueError(f"{op}: layout is invalid (layout={layout!r}, expected 'bhld' "
                              "([..., H, L, D]) or 'blhd' ([..., L, H, D]))")
         self.lib, self.op, self.layout = lib, op, layout
-        self._copies = {}  # id(stand-in) -> (stand-in, source, shape): copies to make
+        self.late = _arrays.LateCopies(op)
         # (L, D) in layout bhld: one sequence, one head.
         self.unbatched = layout == "bhld" and query.ndim == 2
         q, k, v = (self._bhld(x, name) for x, name in
@@ -135,29 +134,10 @@ class _Form:
         return self.lib.reshape(self.lib.sum_to(grad, padded + rest), batch + rest)
 
     def _fold(self, x, name, unit_last=True):
-        """[..., H, L, D] -> [B, H, L, D] (unit_last: with a last stride of 1) as a view, or
-        its stand-in where that takes a copy (the copy refused first where it would not fit:
-        check_copy)."""
-        shape = (self.batch_size,) + tuple(x.shape[-3:])
-        view = self.lib.fold(x, shape, unit_last)
-        if view is not None:
-            return view
-        _arrays.check_copy(self.op, name, shape, self.lib.dtype_name(x))
-        standin = self.lib.standin(shape, self.lib.dtype_name(x))
-        self._copies[id(standin)] = (standin, x, shape)
-        return standin
-
-    @property
-    def waiting(self):
-        """Whether an input waits for its copy (a stand-in holds its place)."""
-        return bool(self._copies)
-
-    def real(self, x):
-        """x, or the copy of the input whose stand-in x is (made here, after the checks)."""
-        if x is None or id(x) not in self._copies:
-            return x
-        _, source, shape = self._copies.pop(id(x))
-        return self.lib.folded_copy(source, shape)
+        """[..., H, L, D] -> [B, H, L, D] (unit_last: with a last stride of 1): a view, or a
+        stand-in for its copy."""
+        return self.late.fold(self.lib, x, (self.batch_size,) + tuple(x.shape[-3:]), name,
+                              unit_last)
 
     def from_caller(self, x, name):
         """An array shaped like the output (dout, out) -> [B, Hq, Lq, Dv]."""
@@ -244,7 +224,7 @@ def _prepare(op, query, key, value, *, layout, attn_mask, alibi_slopes, draw_see
     torch inputs whose gradients a non-torch query would drop. With check_forward, inputs that
     wait for a copy (_Form) get it after the library's checks of the forward call: such a call
     is refused before anything of its size is copied. Without, they stay stand-ins (the
-    caller checks and copies: form.real)."""
+    caller checks and copies: form.late)."""
     lib, query, give_back = _arrays.adopt(query, op, "query")
     if draw_seed:
         _arrays.refuse_lost_gradients(lib, op, (("key", key), ("value", value),
@@ -256,13 +236,13 @@ def _prepare(op, query, key, value, *, layout, attn_mask, alibi_slopes, draw_see
     mask4 = None if mask is None else form.mask4(mask)
     alibi = alibi_array(lib, op, alibi_slopes)
     alibi = None if alibi is None else form.alibi(alibi)
-    if check_forward and form.waiting:
+    if check_forward and form.late.waiting:
         _core.explain_forward(lib.to_core(form.q4), lib.to_core(form.k4), lib.to_core(form.v4),
                               core_or_none(lib, mask4), core_or_none(lib, alibi),
                               call.checked_options())
     if check_forward:
-        form.q4, form.k4, form.v4 = (form.real(x) for x in (form.q4, form.k4, form.v4))
-        mask4 = form.real(mask4)
+        form.q4, form.k4, form.v4 = (form.late.real(x) for x in (form.q4, form.k4, form.v4))
+        mask4 = form.late.real(mask4)
     return _Prepared(lib, give_back, form, call, mask, mask4, alibi)
 
 
@@ -329,11 +309,11 @@ def attention_backward(dout, query, key, value, out, softmax_lse, *, layout="bhl
     want_dbias = p.mask is not None and lib.dtype_name(p.mask) != "bool"
     arrays = (form.from_caller(dout, "dout"), form.q4, form.k4, form.v4,
               form.from_caller(out, "out"), form.lse_from_caller(softmax_lse), p.mask4)
-    if form.waiting:  # the call's checks before any input's copy
+    if form.late.waiting:  # the call's checks before any input's copy
         _core.explain_backward(*(lib.to_core(x) for x in arrays[:6]),
                                core_or_none(lib, p.mask4), core_or_none(lib, p.alibi),
                                want_dbias, p.call.checked_options())
-    dout4, q4, k4, v4, out4, lse3, mask4 = (form.real(x) for x in arrays)
+    dout4, q4, k4, v4, out4, lse3, mask4 = (form.late.real(x) for x in arrays)
     dq4, dk4, dv4, dbias4 = backward4(lib, dout4, times(q4, factor), k4, v4, out4, lse3, mask4,
                                       p.alibi, p.call, want_dbias)
     grads = [form.reduce_to_input(form.to_caller(g), i)
@@ -361,17 +341,19 @@ def separate(query, key, value):
 
 
 def _adopt_sources(op, sources, forward=True):
-    """(lib, give_back, sources) with every source ({name: array}, the first the query's) in
-    the first one's library, each with a unit last stride (a copy only where it has none). A
-    forward refuses torch sources whose gradients a non-torch first source would drop."""
+    """(lib, give_back, late, sources) with every source ({name: array}, the first the
+    query's) in the first one's library, each with a unit last stride: where it has none, a
+    stand-in for its copy, which late.real makes after the call's checks. A forward refuses
+    torch sources whose gradients a non-torch first source would drop."""
     (first_name, first), *rest = sources.items()
     lib, first, give_back = _arrays.adopt(first, op, first_name)
     if forward:
         _arrays.refuse_lost_gradients(lib, op, rest)
     arrays = (first,) + tuple(lib.asarray(s, op, name) for name, s in rest)
     names = (first_name,) + tuple(name for name, _ in rest)
-    return lib, give_back, tuple(lib.unit_last_stride(s, op, name)
-                                 for name, s in zip(names, arrays))
+    late = _arrays.LateCopies(op)
+    return lib, give_back, late, tuple(late.unit_last_stride(lib, s, name)
+                                       for name, s in zip(names, arrays))
 
 
 def _run(lib, kernel, split, sources):
@@ -388,11 +370,15 @@ def dense_packed(op, sources, split, *, alibi_slopes, **options):
     """A dense call on rank-4 views split(*sources) = (q4 [B, Hq, Lq, D], k4 [B, Hkv, Lk, D],
     v4 [B, Hkv, Lk, Dv]) with attention()'s options (no mask): a Packed with out4 and lse3.
     sources: {name: array} in split's argument order, named as in error messages."""
-    lib, give_back, sources = _adopt_sources(op, sources)
+    call = _resolve_call(op, draw_seed=True, **options)
+    lib, give_back, late, sources = _adopt_sources(op, sources)
+    alibi = alibi_array(lib, op, alibi_slopes)
+    if late.waiting:  # the call's checks before any source's copy
+        _core.explain_forward(*(lib.to_core(x) for x in split(*sources)), None,
+                              core_or_none(lib, alibi), call.checked_options())
+        sources = tuple(late.real(s) for s in sources)
     q4, k4, _ = views = split(*sources)
     batch, heads_q, seqlen_q, _ = q4.shape
-    call = _resolve_call(op, draw_seed=True, **options)
-    alibi = alibi_array(lib, op, alibi_slopes)
     with _random.seeded(call, batch * heads_q * seqlen_q * k4.shape[2], lib.is_torch) as call:
         kernel = DenseKernel(alibi, call)
         out, lse = _run(lib, kernel, split, sources)
@@ -404,15 +390,20 @@ def varlen_packed(op, sources, split, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     """A variable-length call on views split(*sources) = (q [total_q, Hq, D],
     k [total_k, Hkv, D], v [total_k, Hkv, Dv]) with attention_varlen()'s options: a Packed.
     sources: {name: array}, as for dense_packed."""
-    lib, give_back, sources = _adopt_sources(op, sources)
-    q, _, _ = views = split(*sources)
+    call = _resolve_call(op, draw_seed=True, **options)
+    lib, give_back, late, sources = _adopt_sources(op, sources)
     seqs = Seqs.of(op, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
+    mask = None if attn_mask is None else lib.asarray(attn_mask, op, "attn_mask")
+    alibi = alibi_array(lib, op, alibi_slopes)
+    if late.waiting:  # the call's checks before any source's copy
+        _core.explain_forward_varlen(*(lib.to_core(x) for x in split(*sources)),
+                                     *seqs.core_args(), core_or_none(lib, mask),
+                                     core_or_none(lib, alibi), call.checked_options())
+        sources = tuple(late.real(s) for s in sources)
+    q, _, _ = views = split(*sources)
     heads_q = q.shape[1] if q.ndim == 3 else 0
     positions = (seqs.batch_size * heads_q * max(seqs.max_seqlen_q, 0) *
                  max(seqs.max_seqlen_k, 0))
-    call = _resolve_call(op, draw_seed=True, **options)
-    mask = None if attn_mask is None else lib.asarray(attn_mask, op, "attn_mask")
-    alibi = alibi_array(lib, op, alibi_slopes)
     with _random.seeded(call, positions, lib.is_torch) as call:
         kernel = VarlenKernel(seqs, alibi, call, mask)
         out, lse = _run(lib, kernel, split, sources)
@@ -469,19 +460,24 @@ def attention_varlen_backward(dout, query, key, value, out, softmax_lse, cu_seql
     arrays. (A forward on torch tensors replays its own seed through autograd.)
     """
     op = "attention_varlen_backward"
-    lib, give_back, (query, key, value) = _adopt_sources(
-        op, {"query": query, "key": key, "value": value}, forward=False)
-    seqs = Seqs.of(op, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
     call = _resolve_call(op, draw_seed=False, scale=scale, causal=causal,
                          window_size=window_size, softcap=softcap, dropout_p=dropout_p,
                          seed=seed, offset=offset, enable_gqa=enable_gqa, backend=backend,
                          num_threads=num_threads)
+    lib, give_back, late, (query, key, value) = _adopt_sources(
+        op, {"query": query, "key": key, "value": value}, forward=False)
+    seqs = Seqs.of(op, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
     mask = None if attn_mask is None else lib.asarray(attn_mask, op, "attn_mask")
     alibi = alibi_array(lib, op, alibi_slopes)
-    kernel = VarlenKernel(seqs, alibi, call, mask)
-    dout = lib.unit_last_stride(lib.asarray(dout, op, "dout"), op, "dout")
-    grads = kernel.backward(lib, dout, query, key, value, lib.asarray(out, op, "out"),
-                            lib.asarray(softmax_lse, op, "softmax_lse"))
+    arrays = (late.unit_last_stride(lib, lib.asarray(dout, op, "dout"), "dout"), query, key,
+              value,
+              lib.asarray(out, op, "out"), lib.asarray(softmax_lse, op, "softmax_lse"))
+    if late.waiting:  # the call's checks before any input's copy
+        _core.explain_backward_varlen(*(lib.to_core(x) for x in arrays), *seqs.core_args(),
+                                      core_or_none(lib, mask), core_or_none(lib, alibi),
+                                      call.checked_options())
+        arrays = tuple(late.real(x) for x in arrays)
+    grads = VarlenKernel(seqs, alibi, call, mask).backward(lib, *arrays)
     return tuple(give_back(g) for g in grads)
 
 

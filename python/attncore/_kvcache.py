@@ -161,14 +161,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                              f"{new_k[1]}, {cache_heads}, {new_k[3]}] ([B, L_new, Hkv, D] with "
                              "k_cache's Hkv)")
     lib, q_arr, give_back = _arrays.adopt(q, op, "q")
+    # Without an append, inputs the library cannot read in place are copied after its checks
+    # (check_forward_kvcache, on stand-ins: _arrays.LateCopies); an append's are copied first
+    # (the library has no check-only entry for an append).
+    late = _arrays.LateCopies(op)
     if appending:
         k_lib, kc = _writable_cache(op, "k_cache", k_cache)
         v_lib, vc = _writable_cache(op, "v_cache", v_cache)
     else:
         k_lib, kc, _ = _arrays.adopt(k_cache, op, "k_cache")
         v_lib, vc, _ = _arrays.adopt(v_cache, op, "v_cache")
-        kc = k_lib.unit_last_stride(kc, op, "k_cache")
-        vc = v_lib.unit_last_stride(vc, op, "v_cache")
+        kc = late.unit_last_stride(k_lib, kc, "k_cache")
+        vc = late.unit_last_stride(v_lib, vc, "v_cache")
     call = _resolve_call(op, scale=softmax_scale,
                          causal="lower-right" if causal else None, window_size=window_size,
                          softcap=max(real_option(op, "softcap", softcap), 0.0), dropout_p=0.0,
@@ -208,12 +212,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     elif alibi_slopes is not None:
         a_lib, alibi, _ = _arrays.adopt(alibi_slopes, op, "alibi_slopes")
         alibi = a_lib.to_core(alibi)
+    q_arr = (lib.unit_last_stride(q_arr, op, "q") if appending
+             else late.unit_last_stride(lib, q_arr, "q"))
+    if late.waiting:
+        _core.check_forward_kvcache(lib.to_core(q_arr.swapaxes(1, 2)),
+                                    k_lib.to_core(kc.swapaxes(1, 2)),
+                                    v_lib.to_core(vc.swapaxes(1, 2)), seqlens, batch_idx, leftpad,
+                                    table, alibi, call.checked_options())
+        q_arr, kc, vc = (late.real(x) for x in (q_arr, kc, vc))
     dtype = lib.dtype_name(q_arr)
     _arrays.check_new_arrays(op, ((batch, seqlen_q, heads_q, dim_v), dtype),
                              ((batch, heads_q, seqlen_q), lse_dtype(dtype)))
     out = lib.empty((batch, seqlen_q, heads_q, dim_v), dtype)
     lse = lib.empty((batch, heads_q, seqlen_q), lse_dtype(dtype))
-    q4 = times(lib.unit_last_stride(q_arr, op, "q"), call.q_factor).swapaxes(1, 2)
+    q4 = times(q_arr, call.q_factor).swapaxes(1, 2)
     _core.forward_kvcache(lib.to_core(q4), k_lib.to_core(kc.swapaxes(1, 2)),
                           v_lib.to_core(vc.swapaxes(1, 2)), seqlens, batch_idx, leftpad, table,
                           new[0], new[1], tables[0], tables[1], rotary_interleaved,
