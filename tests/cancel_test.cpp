@@ -185,6 +185,35 @@ TEST(Cancel, WithinOneLongDecodeItem) {
   });
 }
 
+// A backward over one head with an additive mask (its dBias: the key parts that would cut the
+// work into items are not made) is one long work item; the flag is also read between its key
+// tiles. K and V broadcast one row over 2^18 keys (dK and dV are real: 64 MiB each), 128 query
+// rows, the mask a row [1, 1, 1, Lk] of zeros: about 0.2-0.6 s on one thread.
+TEST(Cancel, WithinOneLongBackwardItem) {
+  constexpr std::int64_t kKeys = std::int64_t{1} << 18, kRows = 128, kDim = 64;
+  Tensor q(DType::f32, {1, 1, kRows, kDim}), row(DType::f32, {kDim});
+  Tensor out(DType::f32, {1, 1, kRows, kDim}), lse(DType::f32, {1, 1, kRows});
+  Tensor dq(DType::f32, {1, 1, kRows, kDim}), dk(DType::f32, {1, 1, kKeys, kDim}),
+      dv(DType::f32, {1, 1, kKeys, kDim});
+  Tensor mask(DType::f32, {1, 1, 1, kKeys}), dbias(DType::f32, {1, 1, 1, kKeys});
+  fill(q, 8);
+  fill(row, 9);
+  std::fill_n(mask.data_as<float>(), kKeys, 0.0f);
+  const TensorView kv =
+      TensorView::strided(row.data(), DType::f32, {1, 1, kKeys, kDim}, {0, 0, 0, 1});
+  Options one;
+  one.num_threads = 1;
+  one.mask = mask.view();
+  forward_into(q, kv, kv, out, lse.view(), one, Backend::flash);
+  expect_cancels_early("backward", [&](const Options& base) {
+    Options o = base;
+    o.num_threads = 1;
+    o.mask = mask.view();
+    o.compute_dbias = true;
+    backward_into(out, q, kv, kv, out, lse, dq, dk, dv, dbias.view(), o, Backend::flash);
+  });
+}
+
 // A packed batch's backward (items taken longest sequence first).
 TEST(Cancel, VarlenBackward) {
   const std::int32_t cu[] = {0, 1500, 1800, 4000};

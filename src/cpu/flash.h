@@ -88,6 +88,10 @@ struct FlashBackwardScratch {
   // Takes the head's dK [key rows][d_pad] and dV [key rows][dv_pad] of key tile t.
   void (*put_kv_tile)(void* context, std::int64_t t, const float* dk, const float* dv);
   void* put_context;
+  // The call's launch, whose cancel flag the item reads between its key tiles; null where
+  // items wait for each other's tiles (several runs of a kv head: KvTileReducer), whose items
+  // must run to their end once taken.
+  const Launch* launch;
   float* dq;     // [heads][lq_pad][d_pad]: the heads' dQ, fp32
   float* delta;  // [heads][Lq]: <dO_i, O_i>
   // Tiles in the forward's layouts (F32Dot, flash_dot_f32-inl.h; Bf16Dot, flash_dot_bf16-inl.h),
@@ -144,8 +148,9 @@ const FlashTarget& flash_target_chosen();
 void flash_forward(const Params& p, const Launch& launch, const ForwardArgs& args);
 
 // The next of `count` work items handed out by `next`, or -1 when none is left. The call's
-// cancel flag is read before an item is taken, never after: every item taken runs to its end
-// (a backward run waits on the runs of its kv head taken before it).
+// cancel flag is read before an item is taken, never after; an item then reads it between its key
+// tiles (FlashScratch::launch, FlashBackwardScratch::launch) only where no other item waits for
+// it (a backward run waits on the runs of its kv head taken before it: those run to their end).
 std::int64_t take_item(std::atomic<std::int64_t>& next, std::int64_t count, const Launch& launch);
 
 // How flash_forward runs a call on `threads` threads: kv groups (b, kv head) spread over the

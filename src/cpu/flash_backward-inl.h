@@ -256,6 +256,7 @@ ATTNCORE_TARGET void run_backward_heads_with(const Params& p, const BackwardArgs
   }
 
   for (std::int64_t t = w.tile_begin; t < w.tile_end; ++t) {
+    if (t > w.tile_begin && w.launch != nullptr) w.launch->check_cancel();
     const std::int64_t j0 = t * kKeyTile, keys = std::min<std::int64_t>(kKeyTile, lk - j0);
     const std::int64_t cols = tile_cols(keys);  // S, dS and the dQ product: columns [0, cols)
     // dK/dV rows: whole micro-tiles (rows past the tile's keys are scratch, never stored; with

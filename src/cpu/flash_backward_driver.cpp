@@ -1,6 +1,7 @@
 // The flash backend's driver of the fused backward: work items (runs of query heads of one kv
 // head, their key tiles in parts), the dK/dV reducer that sums the runs of a kv head in order,
-// the workspace, and the threads; the call's cancel flag is read between work items.
+// the workspace, and the threads; the call's cancel flag is read between work items, and
+// between an item's key tiles where no other item waits for them (one run per kv head).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -340,6 +341,7 @@ void flash_backward(const Params& p, const Launch& launch, const BackwardArgs& a
       item.store_dq = parts == 1;
       item.put_kv_tile = &KvTileReducer::put;
       item.put_context = &context;
+      item.launch = runs == 1 ? &launch : nullptr;
       if (parts > 1) item.dq = dq_parts.get() + (kv_run * parts + part) * item_dq;
       target.run_backward_heads(s.p, s.a, b, first, last, item, dbias.active() ? &dbias : nullptr);
     }
