@@ -69,18 +69,23 @@ class LateCopies:
     place (its last stride is not 1, or dims that fold into one only in a copy) is first
     replaced by a stand-in of its shape and dtype (one row of zeros broadcast: no memory of its
     size), which the library's checks of the call read (its explain_* entry); `real` then makes
-    the copy. A copy that would not fit is refused at once (check_copy). Each method takes the
-    input's array library (NUMPY or TORCH)."""
+    the copy, refused first where it would not fit (check_copy). Each method takes the input's
+    array library (NUMPY or TORCH)."""
 
     def __init__(self, op):
         self.op = op
-        self._copies = {}  # id(stand-in) -> (stand-in, lib, source, shape)
+        self._copies = {}  # id(stand-in) -> (stand-in, lib, source, shape, name, remedy)
 
     def fold(self, lib, x, shape, name, unit_last=True):
         """x as `shape` (its leading dims folded into shape[0]; unit_last: with a last stride
         of 1): a view, or a stand-in for the copy."""
         view = lib.fold(x, shape, unit_last)
-        return view if view is not None else self._standin(lib, x, shape, name)
+        if view is not None:
+            return view
+        if unit_last and lib.unit_last_stride_needs_copy(x):
+            return self._standin(lib, x, shape, name)
+        return self._standin(lib, x, shape, name, "reduce the sizes (its batch dims, broadcast "
+                             "against another input's, fold into one only in a copy)")
 
     def unit_last_stride(self, lib, x, name):
         """x, or a stand-in for its copy where the library cannot read it in place."""
@@ -88,10 +93,9 @@ class LateCopies:
             return x
         return self._standin(lib, x, tuple(x.shape), name)
 
-    def _standin(self, lib, x, shape, name):
-        check_copy(self.op, name, shape, lib.dtype_name(x))
-        standin = lib.standin(shape, lib.dtype_name(x))
-        self._copies[id(standin)] = (standin, lib, x, shape)
+    def _standin(self, lib, x, shape, name, remedy="pass it with a last stride of 1"):
+        standin = lib.standin(x, shape)
+        self._copies[id(standin)] = (standin, lib, x, shape, name, remedy)
         return standin
 
     @property
@@ -103,7 +107,8 @@ class LateCopies:
         """x, or the copy of the input whose stand-in x is (made here, after the checks)."""
         if x is None or id(x) not in self._copies:
             return x
-        _, lib, source, shape = self._copies.pop(id(x))
+        _, lib, source, shape, name, remedy = self._copies.pop(id(x))
+        check_copy(self.op, name, shape, lib.dtype_name(source), remedy)
         return lib.folded_copy(source, shape)
 
 
@@ -134,6 +139,10 @@ def _checked_tensor(x, op, name):
         raise NotImplementedError(f"{op}: {name} is a nested tensor (is_nested=True, expected a "
                                   "dense tensor); scaled_dot_product_attention takes nested "
                                   "query, key and value")
+    if x.is_quantized:
+        raise ValueError(f"{op}: {name} is a quantized tensor (dtype="
+                         f"{str(x.dtype).removeprefix('torch.')}, expected float32, float64, "
+                         f"float16 or bfloat16); pass {name}.dequantize()")
     if x.layout != torch.strided:
         raise NotImplementedError(f"{op}: {name} has an unsupported layout (layout={x.layout}, "
                                   f"expected torch.strided); pass {name}.to_dense()")
@@ -303,11 +312,11 @@ class _Numpy:
             x.ndim == 0 or x.shape[-1] <= 1 or x.strides[-1] == x.itemsize))
 
     @staticmethod
-    def standin(shape, dtype_name):
-        """An array of this shape and dtype with a last stride of 1 and no memory of its size
-        (one row of zeros, broadcast): what the library's checks of a call read in place of an
-        input still to be copied (it is never computed with)."""
-        return np.broadcast_to(np.zeros(shape[-1:], dtype=dtype_name), shape)
+    def standin(x, shape):
+        """An array of this shape and x's dtype (byte order included) with a last stride of 1
+        and no memory of its size (one row of zeros, broadcast): what the library's checks of a
+        call read in place of x's copy (it is never computed with)."""
+        return np.broadcast_to(np.zeros(shape[-1:], dtype=x.dtype), shape)
 
     @staticmethod
     def folded_copy(x, shape):
@@ -412,10 +421,9 @@ class _Torch:
         return not (x.dim() == 0 or x.shape[-1] <= 1 or x.stride(-1) == 1)
 
     @staticmethod
-    def standin(shape, dtype_name):
+    def standin(x, shape):
         """As _Numpy.standin."""
-        torch = _torch()
-        return torch.zeros(shape[-1:], dtype=getattr(torch, dtype_name)).expand(shape)
+        return _torch().zeros(shape[-1:], dtype=x.dtype).expand(shape)
 
     @staticmethod
     def folded_copy(x, shape):

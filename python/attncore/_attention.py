@@ -470,8 +470,8 @@ def attention_varlen_backward(dout, query, key, value, out, softmax_lse, cu_seql
     mask = None if attn_mask is None else lib.asarray(attn_mask, op, "attn_mask")
     alibi = alibi_array(lib, op, alibi_slopes)
     arrays = (late.unit_last_stride(lib, lib.asarray(dout, op, "dout"), "dout"), query, key,
-              value,
-              lib.asarray(out, op, "out"), lib.asarray(softmax_lse, op, "softmax_lse"))
+              value, late.unit_last_stride(lib, lib.asarray(out, op, "out"), "out"),
+              lib.asarray(softmax_lse, op, "softmax_lse"))
     if late.waiting:  # the call's checks before any input's copy
         _core.explain_backward_varlen(*(lib.to_core(x) for x in arrays), *seqs.core_args(),
                                       core_or_none(lib, mask), core_or_none(lib, alibi),

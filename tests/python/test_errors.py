@@ -559,6 +559,9 @@ def test_invalid_calls_are_refused_before_their_inputs_are_copied():
     kb = np.ones((1, 64, 4, 64, 64), np.float32)
     calls.append((lambda: attncore.attention(qb, kb, kb[..., :5, :]), ValueError,
                   "^forward: value has shape"))
+    swapped = np.zeros((64, 4, 1024, 128), ">f4")[..., ::2]  # another byte order, stride 2
+    calls.append((lambda: attncore.attention(swapped, k, k), ValueError,
+                  "^forward: query has an unsupported element type"))
     lse = np.zeros((64, 4, 1024), np.float32)
     calls.append((lambda: attncore.attention_backward(q, q, k, k, q, lse[:, :, :5]),
                   ValueError, "softmax_lse has shape"))
@@ -655,7 +658,8 @@ def test_packed_sources_copied_after_the_checks_give_the_results_of_contiguous_o
     want, want_lse = attncore.attention_varlen(dense_q, k, k, cu_q, cu_k, 4, 6, return_lse=True)
     np.testing.assert_array_equal(out, want)
     dout = np.broadcast_to(np.ones((1, 1, 1), np.float32), out.shape)
-    grads = attncore.attention_varlen_backward(dout, q, k, k, out, lse, cu_q, cu_k, 4, 6)
+    strided_out = np.repeat(out, 2, axis=-1)[..., ::2]  # a last stride of 2
+    grads = attncore.attention_varlen_backward(dout, q, k, k, strided_out, lse, cu_q, cu_k, 4, 6)
     want_grads = attncore.attention_varlen_backward(np.ascontiguousarray(dout), dense_q, k, k,
                                                     want, want_lse, cu_q, cu_k, 4, 6)
     for got, expected in zip(grads, want_grads):
