@@ -1,0 +1,192 @@
+"""Inputs the library cannot read in place (a last stride other than 1, batch dims that fold
+into one only in a copy) are copied only after the call's checks, which read stand-ins of them
+(_arrays.LateCopies): invalid calls are refused before any such copy, valid ones give the
+results of contiguous inputs."""
+
+import re
+import tracemalloc
+
+import numpy as np
+import torch
+
+import attncore
+
+
+def _peak_bytes(fn):
+    """(the exception fn raised, the peak of numpy's allocations while it ran)."""
+    tracemalloc.start()
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - returned for the caller's checks
+        raised = e
+    else:
+        raised = None
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return raised, peak
+
+
+def test_invalid_calls_are_refused_before_their_inputs_are_copied():
+    # Inputs the library cannot read in place (a last stride of 0; batch dims broadcast against
+    # each other, which fold into one only in a copy) stand for 64 MiB each: a call the library
+    # (or the package) refuses raises before any of them is copied.
+    col = np.ones((1, 1, 1, 1), np.float32)
+    q = np.broadcast_to(col, (64, 4, 1024, 64))  # last stride 0
+    k = np.ones((1, 4, 1024, 64), np.float32)
+    limit = 8 << 20
+    calls = [
+        (lambda: attncore.attention(q, k[..., :32], k), ValueError, "^forward: key has shape"),
+        (lambda: attncore.attention(q, k, k[:, :, :7]), ValueError, "^forward: value has shape"),
+        (lambda: attncore.attention(q, k, k, causal="sideways"), ValueError, "causal is invalid"),
+        (lambda: attncore.attention(q, k, k, attn_mask=np.ones((3, 3), bool)), ValueError,
+         "attn_mask has shape"),
+        (lambda: attncore.attention(q, k, k, dropout_p=1.5), ValueError, "dropout_p"),
+    ]
+    qb = np.ones((64, 1, 4, 64, 64), np.float32)  # with kb: batch [64, 64], not foldable
+    kb = np.ones((1, 64, 4, 64, 64), np.float32)
+    calls.append((lambda: attncore.attention(qb, kb, kb[..., :5, :]), ValueError,
+                  "^forward: value has shape"))
+    swapped = np.zeros((64, 4, 1024, 128), ">f4")[..., ::2]  # another byte order, stride 2
+    calls.append((lambda: attncore.attention(swapped, k, k), ValueError,
+                  "^forward: query has an unsupported element type"))
+    lse = np.zeros((64, 4, 1024), np.float32)
+    calls.append((lambda: attncore.attention_backward(q, q, k, k, q, lse[:, :, :5]),
+                  ValueError, "softmax_lse has shape"))
+    calls.append((lambda: attncore.attention_backward(q, q, k, k[..., :5], q, lse),
+                  ValueError, "^backward: "))
+    for call, error, message in calls:
+        raised, peak = _peak_bytes(call)
+        assert isinstance(raised, error) and re.search(message, str(raised)), raised
+        assert peak < limit, (str(raised), peak)
+    # The same valid call copies them (the check is on the copies, not on their absence).
+    raised, peak = _peak_bytes(lambda: attncore.attention(q, k, k))
+    assert raised is None and peak >= 64 << 20
+
+
+def test_inputs_copied_after_the_checks_give_the_results_of_contiguous_ones():
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((3, 1, 2, 5, 8)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 2, 6, 8)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 2, 6, 8)).astype(np.float32)[..., ::2][..., :3]  # stride 2
+    mask = rng.standard_normal((3, 1, 1, 5, 6)).astype(np.float32)
+    dense = [np.ascontiguousarray(np.broadcast_to(x, (3, 2) + x.shape[2:])) for x in (q, k, v)]
+    dense_mask = np.ascontiguousarray(np.broadcast_to(mask, (3, 2, 2, 5, 6)))
+    out, lse = attncore.attention(q, k, v, attn_mask=mask, return_lse=True)
+    want, want_lse = attncore.attention(*dense, attn_mask=dense_mask, return_lse=True)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(lse, want_lse)
+    dout = np.broadcast_to(np.ones((1, 1, 1, 1, 1), np.float32), out.shape)
+    grads = attncore.attention_backward(dout, q, k, v, out, lse, attn_mask=mask)
+    want_grads = attncore.attention_backward(np.ascontiguousarray(dout), *dense, want, want_lse,
+                                             attn_mask=dense_mask)
+    for got, dense_grad, like in zip(grads, want_grads, (q, k, v, mask)):
+        axes = tuple(d for d, n in enumerate(like.shape) if n == 1 and dense_grad.shape[d] != 1)
+        np.testing.assert_allclose(got, dense_grad.sum(axis=axes, keepdims=True), rtol=1e-5,
+                                   atol=1e-6)
+    # torch: the copies made after the checks carry the gradients back to the inputs.
+    base = [torch.tensor(x, requires_grad=True) for x in (q, k)]
+    base.append(torch.tensor(np.repeat(v, 2, axis=-1), requires_grad=True))
+    t_out = attncore.attention(base[0], base[1], base[2][..., ::2])  # batch and last stride
+    t_out.sum().backward()
+    ref = [x.detach().clone().requires_grad_() for x in base]
+    ref_out = attncore.attention(*(x.expand((3, 2) + tuple(x.shape[2:])).contiguous()
+                                   for x in (ref[0], ref[1], ref[2][..., ::2])))
+    ref_out.sum().backward()
+    torch.testing.assert_close(t_out, ref_out)
+    for got, want_t in zip(base, ref):
+        torch.testing.assert_close(got.grad, want_t.grad)
+
+
+def test_invalid_packed_and_varlen_calls_are_refused_before_their_inputs_are_copied():
+    # As above for the packed (flash_attn_*packed_func) and variable-length calls: sources
+    # with a last stride of 0 stand for 64 MiB each as copies.
+    col = np.ones((1, 1, 1), np.float32)
+    total, heads, dim = 4096 * 16, 4, 64
+    q = np.broadcast_to(col, (total, heads, dim))
+    kv = np.ones((256, heads, dim), np.float32)
+    cu_q = np.array([0, total], np.int32)
+    cu_k = np.array([0, 256], np.int32)
+    bad_cu = np.array([0, 300], np.int32)  # past the keys
+    qkv = np.broadcast_to(np.ones((1, 1, 1, 1, 1), np.float32), (4, 4096, 3, heads, dim))
+    lse = np.zeros((heads, total), np.float32)
+    out = np.broadcast_to(np.zeros((1, 1, dim), np.float32), (total, heads, dim))
+    limit = 8 << 20
+    calls = [
+        (lambda: attncore.attention_varlen(q, kv, kv, cu_q, bad_cu, total, 300), ValueError,
+         "^forward: "),
+        (lambda: attncore.attention_varlen(q, kv[..., :32], kv, cu_q, cu_k, total, 256),
+         ValueError, "^forward: key"),
+        (lambda: attncore.flash_attn_varlen_func(q, kv, kv, cu_q, cu_k, total, 256,
+                                                 alibi_slopes=np.ones(3, np.float32)),
+         ValueError, "alibi_slopes"),
+        (lambda: attncore.flash_attn_qkvpacked_func(qkv, window_size=(-5, 0)), ValueError,
+         "window"),
+        (lambda: attncore.attention_varlen_backward(q, q, kv, kv, out, lse[:, :5], cu_q, cu_k,
+                                                    total, 256), ValueError, "^backward: lse"),
+    ]
+    for call, error, message in calls:
+        raised, peak = _peak_bytes(call)
+        assert isinstance(raised, error) and re.search(message, str(raised)), raised
+        assert peak < limit, (str(raised), peak)
+
+
+def test_packed_sources_copied_after_the_checks_give_the_results_of_contiguous_ones():
+    rng = np.random.default_rng(11)
+    wide = rng.standard_normal((2, 9, 3, 2, 16)).astype(np.float32)
+    qkv = wide[..., ::2]  # [B, L, 3, H, D] with a last stride of 2
+    out = attncore.flash_attn_qkvpacked_func(qkv, causal=True)
+    np.testing.assert_array_equal(
+        out, attncore.flash_attn_qkvpacked_func(np.ascontiguousarray(qkv), causal=True))
+    q = rng.standard_normal((7, 2, 16)).astype(np.float32)[..., ::2]
+    k = rng.standard_normal((10, 2, 8)).astype(np.float32)
+    cu_q, cu_k = np.array([0, 3, 7], np.int32), np.array([0, 4, 10], np.int32)
+    out, lse = attncore.attention_varlen(q, k, k, cu_q, cu_k, 4, 6, return_lse=True)
+    dense_q = np.ascontiguousarray(q)
+    want, want_lse = attncore.attention_varlen(dense_q, k, k, cu_q, cu_k, 4, 6, return_lse=True)
+    np.testing.assert_array_equal(out, want)
+    dout = np.broadcast_to(np.ones((1, 1, 1), np.float32), out.shape)
+    strided_out = np.repeat(out, 2, axis=-1)[..., ::2]  # a last stride of 2
+    grads = attncore.attention_varlen_backward(dout, q, k, k, strided_out, lse, cu_q, cu_k, 4, 6)
+    want_grads = attncore.attention_varlen_backward(np.ascontiguousarray(dout), dense_q, k, k,
+                                                    want, want_lse, cu_q, cu_k, 4, 6)
+    for got, expected in zip(grads, want_grads):
+        np.testing.assert_array_equal(got, expected)
+    # torch: gradients reach a packed tensor through its late copy.
+    t_wide = torch.tensor(wide, requires_grad=True)
+    attncore.flash_attn_qkvpacked_func(t_wide[..., ::2], causal=True).sum().backward()
+    ref = torch.tensor(wide, requires_grad=True)
+    attncore.flash_attn_qkvpacked_func(ref[..., ::2].contiguous(), causal=True).sum().backward()
+    torch.testing.assert_close(t_wide.grad, ref.grad)
+
+
+def test_invalid_kvcache_reads_are_refused_before_the_cache_is_copied():
+    # A cache the library cannot read in place (a last stride of 2: 64 MiB as a copy) is
+    # copied only after the call's checks when nothing is appended.
+    wide = np.ones((1, 65536, 4, 128), np.float32)
+    cache = wide[..., ::2]
+    q = np.ones((1, 1, 8, 64), np.float32)
+    calls = [
+        (lambda: attncore.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=70000),
+         ValueError, "cache_seqlens"),
+        (lambda: attncore.flash_attn_with_kvcache(q[..., :32], cache, cache, cache_seqlens=5),
+         ValueError, "k_cache has shape|expected"),
+        (lambda: attncore.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=5,
+                                                  alibi_slopes=np.ones(3, np.float32)),
+         ValueError, "alibi_slopes"),
+    ]
+    for call, error, message in calls:
+        raised, peak = _peak_bytes(call)
+        assert isinstance(raised, error) and re.search(message, str(raised)), raised
+        assert peak < 8 << 20, (str(raised), peak)
+    rng = np.random.default_rng(5)
+    small = rng.standard_normal((2, 12, 2, 16)).astype(np.float32)
+    qs = rng.standard_normal((2, 3, 4, 16)).astype(np.float32)[..., ::2]
+    lens = np.array([5, 12], np.int32)
+    got = attncore.flash_attn_with_kvcache(qs, small[..., ::2], small[..., 1::2],
+                                           cache_seqlens=lens, causal=True)
+    want = attncore.flash_attn_with_kvcache(np.ascontiguousarray(qs),
+                                            np.ascontiguousarray(small[..., ::2]),
+                                            np.ascontiguousarray(small[..., 1::2]),
+                                            cache_seqlens=lens, causal=True)
+    np.testing.assert_array_equal(got, want)
