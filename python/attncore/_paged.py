@@ -341,7 +341,15 @@ def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         per_sequence = len(a_shape) == 2
     # Every other argument (dtypes, shapes, options, backend) checked before any work, also
     # where no sequence makes a call below (B = 0): a call over no queries and no keys, through
-    # a block table row of unmapped pages.
+    # a block table row of unmapped pages. Inputs the library cannot read in place are copied
+    # once, after it (stand-ins in the check: _arrays.LateCopies), not once per sequence.
+    late = _arrays.LateCopies(op)
+    q_arr = late.unit_last_stride(lib, q_arr, "q")
+    pools = []
+    for name, x in (("k", k), ("v", v)):
+        pool_lib, pool, _ = _arrays.adopt(x, op, name)
+        pools.append(late.unit_last_stride(pool_lib, pool, name))
+    k, v = pools
     try:
         flash_attn_with_kvcache(q_arr[0:0][None], k, v, cache_seqlens=np.zeros(1, np.int32),
                                 block_table=np.full((1, max(table.shape[1], 1)), -1, np.int32),
@@ -350,6 +358,7 @@ def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                 return_softmax_lse=True, **kvcache_options)
     except (ValueError, TypeError, NotImplementedError, MemoryError) as error:
         raise _naming(op, error) from None
+    q_arr, k, v = (late.real(x) for x in (q_arr, k, v))
     total_q = q_arr.shape[0]
     dim_v = _arrays.shape_of(v, op, "v")[-1]
     dtype = lib.dtype_name(q_arr)

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 import attncore
+from attncore import _arrays
 
 
 def _peak_bytes(fn):
@@ -189,4 +190,34 @@ def test_invalid_kvcache_reads_are_refused_before_the_cache_is_copied():
                                             np.ascontiguousarray(small[..., ::2]),
                                             np.ascontiguousarray(small[..., 1::2]),
                                             cache_seqlens=lens, causal=True)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_paged_varlen_pools_are_copied_once_after_the_checks(monkeypatch):
+    # flash_attn_varlen_func(block_table=...) runs one KV-cache call per sequence: pools it
+    # cannot read in place are copied once, after the checks (not once per sequence).
+    cu_q, cu_k = np.array([0, 2, 5], np.int32), np.array([0, 7, 12], np.int32)
+    table = np.array([[0, 1, 2], [3, 4, 5]], np.int32)
+    big = np.zeros((256, 256, 4, 128), np.float32)[..., ::2]  # 64 MiB as a copy
+    raised, peak = _peak_bytes(lambda: attncore.flash_attn_varlen_func(
+        np.zeros((5, 8, 64), np.float64), big, big, cu_q, cu_k, 3, 8, block_table=table))
+    assert isinstance(raised, ValueError) and "wrong dtype" in str(raised), raised
+    assert peak < 8 << 20, peak
+    copies = []
+    folded_copy = _arrays.NUMPY.folded_copy
+    monkeypatch.setattr(_arrays._Numpy, "folded_copy",
+                        staticmethod(lambda x, shape: copies.append(shape) or folded_copy(x, shape)))
+    attncore.flash_attn_varlen_func(np.zeros((5, 8, 64), np.float32), big, big, cu_q, cu_k, 3, 8,
+                                    block_table=table)
+    assert copies == [big.shape, big.shape]  # k's and v's, once
+    monkeypatch.undo()
+    rng = np.random.default_rng(3)
+    pool = rng.standard_normal((6, 4, 2, 16)).astype(np.float32)
+    q = rng.standard_normal((5, 4, 8)).astype(np.float32)
+    got = attncore.flash_attn_varlen_func(np.repeat(q, 2, axis=-1)[..., ::2], pool[..., ::2],
+                                          pool[..., 1::2], cu_q, cu_k, 3, 8, block_table=table,
+                                          causal=True)
+    want = attncore.flash_attn_varlen_func(q, np.ascontiguousarray(pool[..., ::2]),
+                                           np.ascontiguousarray(pool[..., 1::2]), cu_q, cu_k, 3,
+                                           8, block_table=table, causal=True)
     np.testing.assert_array_equal(got, want)
