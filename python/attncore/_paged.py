@@ -284,13 +284,15 @@ def _check_max_seqlen(op, name, value, longest):
                          f"the longest sequence's {longest})")
 
 
-def _naming(op, error):
+def _naming(op, error, pools="k, v"):
     """`error` (raised by a flash_attn_with_kvcache call `op` makes) with its message's leading
-    "<call>: " replaced by "<op>: " and the pools named as `op` names them (k_cache, v_cache ->
-    k, v), so that it names the call the user made."""
+    "<call>: " replaced by "<op>: " and, with pools "k, v", the pools named as `op` names them
+    (k_cache, v_cache -> k, v), so that it names the call the user made."""
     head, sep, rest = str(error).partition(": ")
     message = f"{op}: {rest}" if sep and " " not in head else str(error)
-    return type(error)(re.sub(r"\b([kv])_cache\b", r"\1", message))
+    if pools == "k, v":
+        message = re.sub(r"\b([kv])_cache\b", r"\1", message)
+    return type(error)(message)
 
 
 def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,

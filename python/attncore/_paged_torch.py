@@ -9,7 +9,7 @@ import torch as _torch
 from . import _arrays
 from ._kvcache import flash_attn_with_kvcache
 from ._merge import refuse_grad
-from ._paged import _index
+from ._paged import _index, _naming
 from ._rank4 import INT32_MAX, bool_option, int_option, scale_option
 
 
@@ -328,10 +328,13 @@ class PagedAttention:
         table = self.page_table[batch_idx].to(_torch.int32)
         pools = [c[0].unflatten(1, (self.n_pages, self.page_size)).permute(1, 2, 0, 3)
                  for c in caches]  # [n_pages, page_size, H, D] views, no copy
-        out = flash_attn_with_kvcache(
-            query.transpose(1, 2), pools[0], pools[1],
-            cache_seqlens=lengths.to(_torch.int32), block_table=table,
-            softmax_scale=scale, causal=causal, **options)
+        try:
+            out = flash_attn_with_kvcache(
+                query.transpose(1, 2), pools[0], pools[1],
+                cache_seqlens=lengths.to(_torch.int32), block_table=table,
+                softmax_scale=scale, causal=causal, **options)
+        except (ValueError, TypeError, NotImplementedError, MemoryError) as error:
+            raise _naming(op, error, pools="k_cache, v_cache") from None
         if options.get("return_softmax_lse"):
             return out[0].transpose(1, 2), out[1]
         return out.transpose(1, 2)

@@ -324,6 +324,12 @@ def test_torch_paged_attention():
     ref0, _ = attention(q[0], seq0_k, seq0_v)
     ref1, _ = attention(q[1], k_val[1], v_val[1])
     assert_close(out, torch.stack([ref0, ref1]), torch.float32, "forward")
+    # Errors of the options forward passes on name forward, not the call it makes.
+    with pytest.raises(ValueError, match=r"^PagedAttention\.forward: window_left is invalid"):
+        pa.forward(q, k_cache, v_cache, torch.tensor([3, 2]), window_size=(-5, 0))
+    with pytest.raises(ValueError, match=r"^PagedAttention\.forward: alibi_slopes has shape"):
+        pa.forward(q, k_cache, v_cache, torch.tensor([3, 2]),
+                   alibi_slopes=torch.ones(3, dtype=torch.float32))
     with pytest.raises(ValueError, match="reserve first"):
         pa.assign(torch.tensor([1]), torch.tensor([[2]]), k3, v3, k_cache, v_cache)
     with pytest.raises(MemoryError, match="requested 2 pages but only 1 are free"):
