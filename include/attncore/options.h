@@ -112,8 +112,8 @@ struct Options {
   int num_threads = 0;
   // Cancellation: when not null, the call reads *cancel before it starts and between its work
   // items (every backend: reference rows or tasks, math blocks, flash work items and kv
-  // groups; a flash forward item, and a flash backward item over all of a kv head's query
-  // heads, also between its key tiles), and once it reads true, stops
+  // groups; a flash forward or backward item also between its key tiles), and once it reads
+  // true, stops
   // and throws attncore::Cancelled; outputs are then incomplete. Set it from any thread; the
   // caller keeps the flag alive during the call.
   const std::atomic<bool>* cancel = nullptr;

@@ -25,8 +25,7 @@ Invalid arguments raise ValueError, arguments of the wrong Python type TypeError
 unsupported combinations and devices NotImplementedError, all in the C++ library's message form
 (`<op>: <what> <problem> (<name>=<value>, expected <constraint>)`). Ctrl-C during a call made
 on the main thread is seen within about 20 ms and stops the call at its next work item or
-flash key tile (a GQA backward whose query heads run in several runs per kv head stops only
-between its items, which can take a second or two), raising KeyboardInterrupt; `Cancelled` (a
+flash key tile, raising KeyboardInterrupt; `Cancelled` (a
 RuntimeError) is the error of a call stopped through the C++ library's cancel flag.
 """
 

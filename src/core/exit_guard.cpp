@@ -16,8 +16,7 @@ std::atomic<int> g_in_flight{0};  // backend runs in flight (plain atomics: neve
 
 // The atexit handler: runs before the static destructors of objects made before the first
 // backend run and before every shared library's destructors. Waits for the runs in flight to
-// reach their next work item or key tile (milliseconds; a GQA backward item of several runs per
-// kv head runs to its end: up to a second or two).
+// reach their next work item or key tile (milliseconds).
 void wait_for_runs() {
   g_process_exiting.store(true);
   while (g_in_flight.load() > 0) std::this_thread::sleep_for(std::chrono::microseconds(200));

@@ -4,8 +4,7 @@
 // crash at exit (tests/exit_test.cpp crashed in 8 of 120 runs inside OpenBLAS). So the
 // first backend run registers an atexit handler that marks the process as exiting, and waits
 // until no backend run is in flight: runs stop at their next work item or, within a flash
-// item (forward, and backward over a whole kv head), key tile (Launch::check_cancel), and every
-// thread that leaves a run, or starts
+// item, key tile (Launch::check_cancel), and every thread that leaves a run, or starts
 // one, from then on sleeps forever instead (as CPython parks its daemon threads); the process
 // then ends normally.
 #pragma once

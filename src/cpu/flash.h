@@ -88,9 +88,9 @@ struct FlashBackwardScratch {
   // Takes the head's dK [key rows][d_pad] and dV [key rows][dv_pad] of key tile t.
   void (*put_kv_tile)(void* context, std::int64_t t, const float* dk, const float* dv);
   void* put_context;
-  // The call's launch, whose cancel flag the item reads between its key tiles; null where
-  // items wait for each other's tiles (several runs of a kv head: KvTileReducer), whose items
-  // must run to their end once taken.
+  // The call's launch, whose cancel flag the item reads between its key tiles (null: never).
+  // An item that stops there marks the tiles it did not add abandoned, so that the runs waiting
+  // for them stop too (KvTileReducer::abandon, flash_backward_driver.cpp).
   const Launch* launch;
   float* dq;     // [heads][lq_pad][d_pad]: the heads' dQ, fp32
   float* delta;  // [heads][Lq]: <dO_i, O_i>
@@ -148,9 +148,9 @@ const FlashTarget& flash_target_chosen();
 void flash_forward(const Params& p, const Launch& launch, const ForwardArgs& args);
 
 // The next of `count` work items handed out by `next`, or -1 when none is left. The call's
-// cancel flag is read before an item is taken, never after; an item then reads it between its key
-// tiles (FlashScratch::launch, FlashBackwardScratch::launch) only where no other item waits for
-// it (a backward run waits on the runs of its kv head taken before it: those run to their end).
+// cancel flag is read before an item is taken; an item then reads it between its key tiles
+// (FlashScratch::launch, FlashBackwardScratch::launch). A backward run waits on the runs of its kv
+// head taken before it; one that stops abandons its tiles, and its waiters stop too.
 std::int64_t take_item(std::atomic<std::int64_t>& next, std::int64_t count, const Launch& launch);
 
 // How flash_forward runs a call on `threads` threads: kv groups (b, kv head) spread over the

@@ -1,7 +1,7 @@
 // The flash backend's driver of the fused backward: work items (runs of query heads of one kv
 // head, their key tiles in parts), the dK/dV reducer that sums the runs of a kv head in order,
-// the workspace, and the threads; the call's cancel flag is read between work items, and
-// between an item's key tiles where no other item waits for them (one run per kv head).
+// the workspace, and the threads; the call's cancel flag is read between work items and
+// between an item's key tiles (a run that stops there abandons its tiles: KvTileReducer).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -73,6 +73,16 @@ class KvTileReducer {
     r.reducer->add(r, t, dk, dv);
   }
 
+  // A run that stops within its item (cancelled between key tiles) never adds its remaining
+  // tiles: every tile's turn is marked abandoned and its waiters woken, and they throw
+  // CancelledWork instead of waiting (the call is being cancelled: its outputs are incomplete).
+  void abandon() {
+    for (std::atomic<std::int64_t>& turn : turns_) {
+      turn.store(kAbandoned, std::memory_order_release);
+      turn.notify_all();
+    }
+  }
+
  private:
   static std::vector<std::int64_t> tile_bases(const Params& p, std::int64_t key_tile) {
     std::vector<std::int64_t> base(static_cast<std::size_t>(p.batch) + 1, 0);
@@ -98,7 +108,8 @@ class KvTileReducer {
     std::atomic<std::int64_t>& turn = turns_[static_cast<std::size_t>(slot)];
     for (std::int64_t seen = turn.load(std::memory_order_acquire); seen != g;
          seen = turn.load(std::memory_order_acquire)) {
-      turn.wait(seen, std::memory_order_acquire);  // sleeps until run `seen` has added its tile
+      if (seen == kAbandoned) throw CancelledWork{};  // the run before stopped: abandon()
+      turn.wait(seen, std::memory_order_acquire);     // sleeps until run `seen` adds its tile
     }
     // sum = tile (run 0) or sum + tile, over `rows` rows of `cols` floats.
     auto accumulate = [g](const float* tile, std::int64_t tile_stride, float* sum,
@@ -125,7 +136,9 @@ class KvTileReducer {
       accumulate(dv, dv_pad_, sum_v, dv_pad_, keys, dv_pad_);
       if (g == runs_ - 1) store(r, t, keys, sum_k, sum_v);
     }
-    turn.store(g + 1, std::memory_order_release);
+    // The next run's turn, unless abandon() came first (then the tile stays abandoned).
+    std::int64_t mine = g;
+    turn.compare_exchange_strong(mine, g + 1, std::memory_order_release, std::memory_order_relaxed);
     turn.notify_all();
   }
 
@@ -149,6 +162,8 @@ class KvTileReducer {
   std::int64_t tile_floats_;
   bool in_place_;
   AlignedFloats sums_;
+  // Per tile slot: the run whose tile is to be added next, or kAbandoned.
+  static constexpr std::int64_t kAbandoned = -1;
   std::vector<std::atomic<std::int64_t>> turns_;
 };
 
@@ -341,9 +356,15 @@ void flash_backward(const Params& p, const Launch& launch, const BackwardArgs& a
       item.store_dq = parts == 1;
       item.put_kv_tile = &KvTileReducer::put;
       item.put_context = &context;
-      item.launch = runs == 1 ? &launch : nullptr;
+      item.launch = &launch;
       if (parts > 1) item.dq = dq_parts.get() + (kv_run * parts + part) * item_dq;
-      target.run_backward_heads(s.p, s.a, b, first, last, item, dbias.active() ? &dbias : nullptr);
+      try {
+        target.run_backward_heads(s.p, s.a, b, first, last, item,
+                                  dbias.active() ? &dbias : nullptr);
+      } catch (...) {
+        reducer.abandon();  // no later run of this kv head waits for tiles never added
+        throw;
+      }
     }
   });
   if (parts > 1) {  // dQ = the parts summed in order
