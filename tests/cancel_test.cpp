@@ -9,9 +9,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "attncore/attncore.h"
 
@@ -241,6 +243,46 @@ TEST(Cancel, WithinGqaBackwardRuns) {
         backward_into(out, q, kv, kv, out, lse, dq, dk, dv, std::nullopt, o, Backend::flash);
       },
       0.3);
+}
+
+// The same kind of backward (four chained runs on 2 threads, shorter) with the flag set at 40
+// times spread over its length: every call throws Cancelled or completes, none hangs (ctest's
+// timeout), and one that completes gives the uncancelled call's bits.
+TEST(Cancel, GqaBackwardRunsAtAnyTime) {
+  constexpr std::int64_t kKeys = std::int64_t{1} << 14, kRows = 256, kDim = 64;
+  Tensor q(DType::f32, {1, 4, kRows, kDim}), row(DType::f32, {kDim});
+  Tensor out(DType::f32, {1, 4, kRows, kDim}), lse(DType::f32, {1, 4, kRows});
+  fill(q, 12);
+  fill(row, 13);
+  const TensorView kv =
+      TensorView::strided(row.data(), DType::f32, {1, 1, kKeys, kDim}, {0, 0, 0, 1});
+  forward_into(q, kv, kv, out, lse.view(), {}, Backend::flash);
+  Options two;
+  two.num_threads = 2;
+  const auto t0 = Clock::now();
+  const BackwardResult want = backward(out, q, kv, kv, out, lse, two, Backend::flash);
+  const double full_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  int cancelled = 0;
+  for (int i = 0; i < 40; ++i) {
+    std::atomic<bool> cancel{false};
+    Options o = two;
+    o.cancel = &cancel;
+    std::thread setter([&] {
+      std::this_thread::sleep_for(std::chrono::duration<double>(full_seconds * i / 40));
+      cancel.store(true);
+    });
+    try {
+      const BackwardResult got = backward(out, q, kv, kv, out, lse, o, Backend::flash);
+      for (const auto& [a, b] : {std::pair{&got.dq, &want.dq}, std::pair{&got.dk, &want.dk}}) {
+        EXPECT_EQ(std::memcmp(a->data(), b->data(), static_cast<std::size_t>(b->numel()) * 4), 0)
+            << "flag at " << i << "/40";
+      }
+    } catch (const Cancelled&) {
+      ++cancelled;
+    }
+    setter.join();
+  }
+  EXPECT_GT(cancelled, 0);
 }
 
 // A packed batch's backward (items taken longest sequence first).

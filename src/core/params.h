@@ -146,8 +146,8 @@ struct Params {
 };
 
 // Thrown by a backend that finds the call cancelled between two work items, or between two key
-// tiles of a flash item (or waiting for a tile a cancelled backward run abandoned); the entry
-// points turn it into
+// tiles of a flash item (and rethrown by the backward runs that waited for a tile the cancelled
+// run abandoned); the entry points turn it into
 // attncore::Cancelled with the op's name (cancelled_message).
 struct CancelledWork {};
 inline std::string cancelled_message(const char* op) {

@@ -89,8 +89,8 @@ struct FlashBackwardScratch {
   void (*put_kv_tile)(void* context, std::int64_t t, const float* dk, const float* dv);
   void* put_context;
   // The call's launch, whose cancel flag the item reads between its key tiles (null: never).
-  // An item that stops there marks the tiles it did not add abandoned, so that the runs waiting
-  // for them stop too (KvTileReducer::abandon, flash_backward_driver.cpp).
+  // An item that stops there (or fails) marks every tile's turn abandoned, so that the runs
+  // waiting for tiles stop too (KvTileReducer::abandon, flash_backward_driver.cpp).
   const Launch* launch;
   float* dq;     // [heads][lq_pad][d_pad]: the heads' dQ, fp32
   float* delta;  // [heads][Lq]: <dO_i, O_i>

@@ -6,6 +6,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <exception>
+#include <mutex>
 #include <vector>
 
 #include "core/convert.h"
@@ -73,10 +75,15 @@ class KvTileReducer {
     r.reducer->add(r, t, dk, dv);
   }
 
-  // A run that stops within its item (cancelled between key tiles) never adds its remaining
-  // tiles: every tile's turn is marked abandoned and its waiters woken, and they throw
-  // CancelledWork instead of waiting (the call is being cancelled: its outputs are incomplete).
-  void abandon() {
+  // A run that stops within its item (cancelled between key tiles, or any error: `cause`)
+  // never adds its remaining tiles: every tile's turn, of every kv head, is marked abandoned
+  // and its waiters woken, and they rethrow the first cause instead of waiting, so that the
+  // call reports it whichever thread's error comes out first (outputs are then incomplete).
+  void abandon(std::exception_ptr cause) {
+    {
+      const std::lock_guard<std::mutex> lock(cause_mutex_);
+      if (!cause_) cause_ = cause;
+    }
     for (std::atomic<std::int64_t>& turn : turns_) {
       turn.store(kAbandoned, std::memory_order_release);
       turn.notify_all();
@@ -108,7 +115,7 @@ class KvTileReducer {
     std::atomic<std::int64_t>& turn = turns_[static_cast<std::size_t>(slot)];
     for (std::int64_t seen = turn.load(std::memory_order_acquire); seen != g;
          seen = turn.load(std::memory_order_acquire)) {
-      if (seen == kAbandoned) throw CancelledWork{};  // the run before stopped: abandon()
+      if (seen == kAbandoned) rethrow_cause();        // the run before stopped: abandon()
       turn.wait(seen, std::memory_order_acquire);     // sleeps until run `seen` adds its tile
     }
     // sum = tile (run 0) or sum + tile, over `rows` rows of `cols` floats.
@@ -162,9 +169,20 @@ class KvTileReducer {
   std::int64_t tile_floats_;
   bool in_place_;
   AlignedFloats sums_;
+  [[noreturn]] void rethrow_cause() {
+    std::exception_ptr cause;
+    {
+      const std::lock_guard<std::mutex> lock(cause_mutex_);
+      cause = cause_;
+    }
+    std::rethrow_exception(cause);
+  }
+
   // Per tile slot: the run whose tile is to be added next, or kAbandoned.
   static constexpr std::int64_t kAbandoned = -1;
   std::vector<std::atomic<std::int64_t>> turns_;
+  std::mutex cause_mutex_;
+  std::exception_ptr cause_;  // abandon()'s first cause
 };
 
 FlashBackwardPlan plan_flash_backward(const Params& p, std::int64_t key_tile, bool dbias) {
@@ -362,7 +380,7 @@ void flash_backward(const Params& p, const Launch& launch, const BackwardArgs& a
         target.run_backward_heads(s.p, s.a, b, first, last, item,
                                   dbias.active() ? &dbias : nullptr);
       } catch (...) {
-        reducer.abandon();  // no later run of this kv head waits for tiles never added
+        reducer.abandon(std::current_exception());  // no run waits for tiles never added
         throw;
       }
     }
