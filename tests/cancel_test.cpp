@@ -189,32 +189,48 @@ TEST(Cancel, WithinOneLongDecodeItem) {
   });
 }
 
+// A backward's tensors over one kv head: q [1, Hq, rows, 64] against K = V, one row broadcast
+// over `keys` keys (no memory); out and lse from the forward (with `options`); dq, dk, dv to
+// write (dK and dV are real memory: keys x 256 bytes each).
+struct BroadcastKeys {
+  static constexpr std::int64_t kDim = 64;
+  Tensor q, row, out, lse, dq, dk, dv;
+  TensorView kv;
+
+  BroadcastKeys(std::int64_t heads_q, std::int64_t rows, std::int64_t keys, int seed,
+                const Options& options = {})
+      : q(DType::f32, {1, heads_q, rows, kDim}),
+        row(DType::f32, {kDim}),
+        out(DType::f32, {1, heads_q, rows, kDim}),
+        lse(DType::f32, {1, heads_q, rows}),
+        dq(DType::f32, {1, heads_q, rows, kDim}),
+        dk(DType::f32, {1, 1, keys, kDim}),
+        dv(DType::f32, {1, 1, keys, kDim}) {
+    fill(q, seed);
+    fill(row, seed + 1);
+    kv = TensorView::strided(row.data(), DType::f32, {1, 1, keys, kDim}, {0, 0, 0, 1});
+    forward_into(q, kv, kv, out, lse.view(), options, Backend::flash);
+  }
+};
+
 // A backward over one head with an additive mask (its dBias: the key parts that would cut the
 // work into items are not made) is one long work item; the flag is also read between its key
-// tiles. K and V broadcast one row over 2^18 keys (dK and dV are real: 64 MiB each), 128 query
-// rows, the mask a row [1, 1, 1, Lk] of zeros: about 0.2-0.6 s on one thread.
+// tiles. 2^18 keys, 128 query rows, the mask a row [1, 1, 1, Lk] of zeros: about 0.2-0.6 s on
+// one thread.
 TEST(Cancel, WithinOneLongBackwardItem) {
-  constexpr std::int64_t kKeys = std::int64_t{1} << 18, kRows = 128, kDim = 64;
-  Tensor q(DType::f32, {1, 1, kRows, kDim}), row(DType::f32, {kDim});
-  Tensor out(DType::f32, {1, 1, kRows, kDim}), lse(DType::f32, {1, 1, kRows});
-  Tensor dq(DType::f32, {1, 1, kRows, kDim}), dk(DType::f32, {1, 1, kKeys, kDim}),
-      dv(DType::f32, {1, 1, kKeys, kDim});
+  constexpr std::int64_t kKeys = std::int64_t{1} << 18;
   Tensor mask(DType::f32, {1, 1, 1, kKeys}), dbias(DType::f32, {1, 1, 1, kKeys});
-  fill(q, 8);
-  fill(row, 9);
   std::fill_n(mask.data_as<float>(), kKeys, 0.0f);
-  const TensorView kv =
-      TensorView::strided(row.data(), DType::f32, {1, 1, kKeys, kDim}, {0, 0, 0, 1});
-  Options one;
-  one.num_threads = 1;
-  one.mask = mask.view();
-  forward_into(q, kv, kv, out, lse.view(), one, Backend::flash);
-  expect_cancels_early("backward", [&](const Options& base) {
-    Options o = base;
-    o.num_threads = 1;
-    o.mask = mask.view();
+  Options masked;
+  masked.num_threads = 1;
+  masked.mask = mask.view();
+  BroadcastKeys c(1, 128, kKeys, 8, masked);
+  expect_cancels_early("backward", [&](const Options& flag) {
+    Options o = masked;
+    o.cancel = flag.cancel;
     o.compute_dbias = true;
-    backward_into(out, q, kv, kv, out, lse, dq, dk, dv, dbias.view(), o, Backend::flash);
+    backward_into(c.out, c.q, c.kv, c.kv, c.out, c.lse, c.dq, c.dk, c.dv, dbias.view(), o,
+                  Backend::flash);
   });
 }
 
@@ -223,24 +239,16 @@ TEST(Cancel, WithinOneLongBackwardItem) {
 // run before: on 2 threads two runs at once, the second waiting for the first's tiles. A run
 // stopped between tiles abandons its tiles and the run waiting for them stops too, with no
 // hang: the call returns within 0.3 of its time (the two first items alone take half of it).
-// K and V broadcast one row over 2^16 keys, 512 query rows a head.
+// 2^16 keys, 512 query rows a head.
 TEST(Cancel, WithinGqaBackwardRuns) {
-  constexpr std::int64_t kKeys = std::int64_t{1} << 16, kRows = 512, kDim = 64;
-  Tensor q(DType::f32, {1, 4, kRows, kDim}), row(DType::f32, {kDim});
-  Tensor out(DType::f32, {1, 4, kRows, kDim}), lse(DType::f32, {1, 4, kRows});
-  Tensor dq(DType::f32, {1, 4, kRows, kDim}), dk(DType::f32, {1, 1, kKeys, kDim}),
-      dv(DType::f32, {1, 1, kKeys, kDim});
-  fill(q, 10);
-  fill(row, 11);
-  const TensorView kv =
-      TensorView::strided(row.data(), DType::f32, {1, 1, kKeys, kDim}, {0, 0, 0, 1});
-  forward_into(q, kv, kv, out, lse.view(), {}, Backend::flash);
+  BroadcastKeys c(4, 512, std::int64_t{1} << 16, 10);
   expect_cancels_early(
       "backward",
       [&](const Options& flag) {
         Options o = flag;
         o.num_threads = 2;
-        backward_into(out, q, kv, kv, out, lse, dq, dk, dv, std::nullopt, o, Backend::flash);
+        backward_into(c.out, c.q, c.kv, c.kv, c.out, c.lse, c.dq, c.dk, c.dv, std::nullopt, o,
+                      Backend::flash);
       },
       0.3);
 }
@@ -249,18 +257,11 @@ TEST(Cancel, WithinGqaBackwardRuns) {
 // times spread over its length: every call throws Cancelled or completes, none hangs (ctest's
 // timeout), and one that completes gives the uncancelled call's bits.
 TEST(Cancel, GqaBackwardRunsAtAnyTime) {
-  constexpr std::int64_t kKeys = std::int64_t{1} << 14, kRows = 256, kDim = 64;
-  Tensor q(DType::f32, {1, 4, kRows, kDim}), row(DType::f32, {kDim});
-  Tensor out(DType::f32, {1, 4, kRows, kDim}), lse(DType::f32, {1, 4, kRows});
-  fill(q, 12);
-  fill(row, 13);
-  const TensorView kv =
-      TensorView::strided(row.data(), DType::f32, {1, 1, kKeys, kDim}, {0, 0, 0, 1});
-  forward_into(q, kv, kv, out, lse.view(), {}, Backend::flash);
+  BroadcastKeys c(4, 256, std::int64_t{1} << 14, 12);
   Options two;
   two.num_threads = 2;
   const auto t0 = Clock::now();
-  const BackwardResult want = backward(out, q, kv, kv, out, lse, two, Backend::flash);
+  const BackwardResult want = backward(c.out, c.q, c.kv, c.kv, c.out, c.lse, two, Backend::flash);
   const double full_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   int cancelled = 0;
   for (int i = 0; i < 40; ++i) {
@@ -272,7 +273,7 @@ TEST(Cancel, GqaBackwardRunsAtAnyTime) {
       cancel.store(true);
     });
     try {
-      const BackwardResult got = backward(out, q, kv, kv, out, lse, o, Backend::flash);
+      const BackwardResult got = backward(c.out, c.q, c.kv, c.kv, c.out, c.lse, o, Backend::flash);
       for (const auto& [a, b] : {std::pair{&got.dq, &want.dq}, std::pair{&got.dk, &want.dk}}) {
         EXPECT_EQ(std::memcmp(a->data(), b->data(), static_cast<std::size_t>(b->numel()) * 4), 0)
             << "flag at " << i << "/40";
