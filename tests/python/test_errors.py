@@ -521,4 +521,3 @@ def test_outputs_past_the_machine_are_refused_before_allocation():
     cu_k = np.array([0, 4], np.int32)
     with pytest.raises(MemoryError, match=pattern.format("forward")):
         attncore.attention_varlen(q, kv, kv, cu_q, cu_k, 2**30, 4)
-
