@@ -51,78 +51,93 @@ void copy_view(const TensorView& src, const TensorView& dst) {
         }
 }
 
-// Attention over a KV cache: q [B, Hq, Lq, D], k_cache [B_cache, Hkv, capacity, D], v_cache
-// [B_cache, Hkv, capacity, Dv] (the flash layout's transposed(1, 2) views), int32 cache_seqlens
-// [B] and optional cache_batch_idx, cache_leftpad [B]; with an int32 block_table
-// [B, max_pages_per_seq] the caches are page pools [num_pages, Hkv, page_size, D]. With k_new /
-// v_new [B, Hkv, L_new, D] the new rows are written into the caches in place first (rotated with
-// f32 rotary_cos, rotary_sin [positions, rotary_dim / 2] when given). Writes out [B, Hq, Lq, Dv]
-// and, when given, lse [B, Hq, Lq].
+// The arrays of a call over a KV cache, borrowed: q [B, Hq, Lq, D], k_cache
+// [B_cache, Hkv, capacity, D], v_cache [B_cache, Hkv, capacity, Dv] (the flash layout's
+// transposed(1, 2) views), int32 cache_seqlens [B] and optional cache_batch_idx, cache_leftpad
+// [B]; with an int32 block_table [B, max_pages_per_seq] the caches are page pools
+// [num_pages, Hkv, page_size, D]. With k_new / v_new [B, Hkv, L_new, D] (an append: the caches
+// are then written, so borrowed as outputs), f32 rotary_cos, rotary_sin [positions,
+// rotary_dim / 2] when given.
+struct KvCall {
+  static constexpr const char* op = "forward_kvcache";  // the library's name, in messages
+  KvCall(py::handle q, py::handle k_cache, py::handle v_cache, py::handle cache_seqlens,
+         py::handle cache_batch_idx, py::handle cache_leftpad, py::handle block_table,
+         py::handle k_new, py::handle v_new, py::handle rotary_cos, py::handle rotary_sin,
+         bool rotary_interleaved, py::handle alibi_slopes)
+      : bq(q, op, "query", false),
+        bk(k_cache, op, "k_cache", !k_new.is_none()),
+        bv(v_cache, op, "v_cache", !k_new.is_none()),
+        blens(cache_seqlens, op, "cache_seqlens", false),
+        bidx(borrow_optional(cache_batch_idx, op, "cache_batch_idx", false)),
+        bpad(borrow_optional(cache_leftpad, op, "cache_leftpad", false)),
+        btable(borrow_optional(block_table, op, "block_table", false)),
+        bknew(borrow_optional(k_new, op, "k", false)),
+        bvnew(borrow_optional(v_new, op, "v", false)),
+        bcos(borrow_optional(rotary_cos, op, "rotary_cos", false)),
+        bsin(borrow_optional(rotary_sin, op, "rotary_sin", false)),
+        balibi(borrow_optional(alibi_slopes, op, "alibi_slopes", false)),
+        seqs{blens.view(), view_of(bidx), view_of(bpad), view_of(btable)} {
+    if (bknew.has_value() != bvnew.has_value())
+      throw InvalidArgument(std::string(op) + ": k and v must be given together (k is " +
+                            (bknew ? "set" : "None") + ", v is " + (bvnew ? "set" : "None") + ")");
+    if (bknew) {
+      append = attncore::KvAppend{bknew->view(), bvnew->view(), view_of(bcos), view_of(bsin),
+                                  rotary_interleaved};
+    }
+  }
+  const Borrowed bq, bk, bv, blens;
+  const std::optional<Borrowed> bidx, bpad, btable, bknew, bvnew, bcos, bsin, balibi;
+  const attncore::KvCacheSeqs seqs;
+  std::optional<attncore::KvAppend> append;  // with k_new, v_new
+};
+
+// Attention over a KV cache (KvCall's arrays; an append writes the new rows into the caches in
+// place first). Writes out [B, Hq, Lq, Dv] and, when given, lse [B, Hq, Lq].
 void forward_kvcache(py::handle q, py::handle k_cache, py::handle v_cache, py::handle cache_seqlens,
                      py::handle cache_batch_idx, py::handle cache_leftpad, py::handle block_table,
                      py::handle k_new, py::handle v_new, py::handle rotary_cos,
                      py::handle rotary_sin, bool rotary_interleaved, py::handle out, py::handle lse,
                      py::handle alibi_slopes, const CallOptions& call) {
-  constexpr const char* op = "forward_kvcache";  // the library's name of the call, in messages
   last_call_addresses().clear();
-  const Borrowed bq(q, op, "query", false);
-  const bool appending = !k_new.is_none();  // the caches are written only by an append
-  const Borrowed bk(k_cache, op, "k_cache", appending), bv(v_cache, op, "v_cache", appending);
-  const Borrowed blens(cache_seqlens, op, "cache_seqlens", false);
-  const auto bidx = borrow_optional(cache_batch_idx, op, "cache_batch_idx", false);
-  const auto bpad = borrow_optional(cache_leftpad, op, "cache_leftpad", false);
-  const auto btable = borrow_optional(block_table, op, "block_table", false);
-  const auto bknew = borrow_optional(k_new, op, "k", false);
-  const auto bvnew = borrow_optional(v_new, op, "v", false);
-  const auto bcos = borrow_optional(rotary_cos, op, "rotary_cos", false);
-  const auto bsin = borrow_optional(rotary_sin, op, "rotary_sin", false);
-  const Borrowed bout(out, op, "out", true);
-  const auto blse = borrow_optional(lse, op, "lse", true);
-  const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
-  const attncore::Options options = call.options(op, std::nullopt, balibi, false);
-  const attncore::Backend backend = backend_from_name(op, call.backend);
-  const attncore::KvCacheSeqs seqs{blens.view(), view_of(bidx), view_of(bpad), view_of(btable)};
-  if (bknew.has_value() != bvnew.has_value())
-    throw InvalidArgument(std::string(op) + ": k and v must be given together (k is " +
-                          (bknew ? "set" : "None") + ", v is " + (bvnew ? "set" : "None") + ")");
-  if (!bknew) {
-    run_call(options, call_work(bq.view(), bk.view(), bv.view()), [&](const attncore::Options& o) {
-      attncore::forward_kvcache_into(bq.view(), bk.view(), bv.view(), seqs, bout.view(),
+  const KvCall c(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                 k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved, alibi_slopes);
+  const Borrowed bout(out, KvCall::op, "out", true);
+  const auto blse = borrow_optional(lse, KvCall::op, "lse", true);
+  const attncore::Options options = call.options(KvCall::op, std::nullopt, c.balibi, false);
+  const attncore::Backend backend = backend_from_name(KvCall::op, call.backend);
+  const double work = call_work(c.bq.view(), c.bk.view(), c.bv.view());
+  if (!c.append) {
+    run_call(options, work, [&](const attncore::Options& o) {
+      attncore::forward_kvcache_into(c.bq.view(), c.bk.view(), c.bv.view(), c.seqs, bout.view(),
                                      view_of(blse), o, backend);
     });
     return;
   }
-  attncore::KvAppend append;
-  append.k_new = bknew->view();
-  append.v_new = bvnew->view();
-  append.rotary_cos = view_of(bcos);
-  append.rotary_sin = view_of(bsin);
-  append.rotary_interleaved = rotary_interleaved;
-  run_call(options, call_work(bq.view(), bk.view(), bv.view()), [&](const attncore::Options& o) {
-    const attncore::ForwardResult r =
-        attncore::forward_kvcache(bq.view(), bk.view(), bv.view(), seqs, append, o, backend);
+  run_call(options, work, [&](const attncore::Options& o) {
+    const attncore::ForwardResult r = attncore::forward_kvcache(
+        c.bq.view(), c.bk.view(), c.bv.view(), c.seqs, *c.append, o, backend);
     copy_view(r.out.view(), bout.view());
     if (blse) copy_view(r.lse.view(), blse->view());
   });
 }
 
-// The library's checks of forward_kvcache's call without an append (the same arguments, nothing
-// run or written; explain_forward_kvcache's), made before the package copies an input it cannot
-// read in place.
+// The library's checks of forward_kvcache's call (the same arguments, nothing run or written:
+// explain_forward_kvcache's), made before the package copies an input it cannot read in place.
 void check_forward_kvcache(py::handle q, py::handle k_cache, py::handle v_cache,
                            py::handle cache_seqlens, py::handle cache_batch_idx,
-                           py::handle cache_leftpad, py::handle block_table,
-                           py::handle alibi_slopes, const CallOptions& call) {
-  constexpr const char* op = "forward_kvcache";  // the library's name of the call, in messages
-  const Borrowed bq(q, op, "query", false), bk(k_cache, op, "k_cache", false),
-      bv(v_cache, op, "v_cache", false), blens(cache_seqlens, op, "cache_seqlens", false);
-  const auto bidx = borrow_optional(cache_batch_idx, op, "cache_batch_idx", false);
-  const auto bpad = borrow_optional(cache_leftpad, op, "cache_leftpad", false);
-  const auto btable = borrow_optional(block_table, op, "block_table", false);
-  const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
-  const attncore::KvCacheSeqs seqs{blens.view(), view_of(bidx), view_of(bpad), view_of(btable)};
-  (void)attncore::explain_forward_kvcache(bq.view(), bk.view(), bv.view(), seqs,
-                                          call.options(op, std::nullopt, balibi, false));
+                           py::handle cache_leftpad, py::handle block_table, py::handle k_new,
+                           py::handle v_new, py::handle rotary_cos, py::handle rotary_sin,
+                           bool rotary_interleaved, py::handle alibi_slopes,
+                           const CallOptions& call) {
+  const KvCall c(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                 k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved, alibi_slopes);
+  const attncore::Options options = call.options(KvCall::op, std::nullopt, c.balibi, false);
+  if (c.append) {
+    (void)attncore::explain_forward_kvcache(c.bq.view(), c.bk.view(), c.bv.view(), c.seqs,
+                                            *c.append, options);
+  } else {
+    (void)attncore::explain_forward_kvcache(c.bq.view(), c.bk.view(), c.bv.view(), c.seqs, options);
+  }
 }
 
 // Merges two attention results over disjoint key sets into out and lse (which may be the very
@@ -220,6 +235,8 @@ void bind_kvcache(py::module_& m) {
   m.def("check_forward_kvcache", &check_forward_kvcache, py::arg("query"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("cache_seqlens"), py::arg("cache_batch_idx").none(true),
         py::arg("cache_leftpad").none(true), py::arg("block_table").none(true),
+        py::arg("k").none(true), py::arg("v").none(true), py::arg("rotary_cos").none(true),
+        py::arg("rotary_sin").none(true), py::arg("rotary_interleaved"),
         py::arg("alibi_slopes").none(true), py::arg("options"));
   m.def("merge_attention_states", &merge_states, py::arg("out_a"), py::arg("lse_a"),
         py::arg("out_b"), py::arg("lse_b"), py::arg("out"), py::arg("lse"),

@@ -92,6 +92,42 @@ TEST(Merge, FlashAndVarlenLayoutsAndInPlace) {
   EXPECT_EQ(read_view(wa.view().transposed(0, 1)), read_view(copy.lse.view()));
 }
 
+// Any strides, the last dim's too: each input's every other element (a last stride of 2),
+// merged into an output with a last stride of 3, equals the merge of contiguous copies.
+TEST(Merge, AnyLastStride) {
+  const std::int64_t rows = 6, dv = 5;
+  const Tensor wide_a = make_tensor(DType::bf16, {rows, 2 * dv}, random_vector(rows * 2 * dv, 14));
+  const Tensor wide_b = make_tensor(DType::bf16, {rows, 2 * dv}, random_vector(rows * 2 * dv, 15));
+  const Tensor la = make_tensor(DType::f32, {rows}, random_vector(rows, 16, -3, 3));
+  const Tensor lb = make_tensor(DType::f32, {rows}, random_vector(rows, 17, -3, 3));
+  auto every_other = [&](const Tensor& t) {
+    TensorView v = t.view();
+    v.shape[1] = dv;
+    v.stride[1] = 2;
+    return v;
+  };
+  const TensorView sa = every_other(wide_a), sb = every_other(wide_b);
+  const Tensor ca = make_tensor(DType::bf16, {rows, dv}, read_view(sa));
+  const Tensor cb = make_tensor(DType::bf16, {rows, dv}, read_view(sb));
+  const MergeResult dense = merge_attention_states(ca, la, cb, lb);
+  const Tensor out_buf =
+      make_tensor(DType::bf16, {rows, 3 * dv}, std::vector<double>(rows * 3 * dv, 0.0));
+  TensorView out = out_buf.view();
+  out.shape[1] = dv;
+  out.stride[1] = 3;
+  const Tensor lse = make_tensor(DType::f32, {rows}, std::vector<double>(rows, 0.0));
+  merge_attention_states_into(sa, la, sb, lb, out, lse);
+  EXPECT_EQ(read_view(out), read_view(dense.out.view()));
+  EXPECT_EQ(read_view(lse.view()), read_view(dense.lse.view()));
+  // The elements between the output's are not written.
+  const std::vector<double> all = read_view(out_buf.view());
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    if (i % 3 != 0) {
+      ASSERT_EQ(all[i], 0.0) << i;
+    }
+  }
+}
+
 TEST(Merge, BadInputs) {
   const Tensor o = make_tensor(DType::f32, {2, 3, 4}, std::vector<double>(24, 0.0));
   const Tensor l = make_tensor(DType::f32, {2, 3}, std::vector<double>(6, 0.0));

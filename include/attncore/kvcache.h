@@ -88,4 +88,11 @@ ATTNCORE_API Explanation explain_forward_kvcache(const TensorView& q, const Tens
                                                  const TensorView& v_cache, const KvCacheSeqs& seqs,
                                                  const Options& options = {});
 
+// The same for a call with an append: validates everything forward_kvcache with `append` checks
+// (writing nothing) and explains the choice for the call that attends after it.
+ATTNCORE_API Explanation explain_forward_kvcache(const TensorView& q, const TensorView& k_cache,
+                                                 const TensorView& v_cache, const KvCacheSeqs& seqs,
+                                                 const KvAppend& append,
+                                                 const Options& options = {});
+
 }  // namespace attncore

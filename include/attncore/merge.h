@@ -8,7 +8,7 @@
 // A side with LSE -inf contributes nothing (whatever its output holds); both -inf give output 0
 // and LSE -inf. The outputs may be of any rank and layout: out_a, out_b, out [..., Dv] of one
 // shape and dtype (f32, bf16, f16 or f64), each LSE shaped as the output without its last dim
-// (f32; f64 for f64 outputs), any strides with a unit last stride on the outputs. So dense
+// (f32; f64 for f64 outputs), any non-negative strides (the last dim's too). So dense
 // [B, Hq, Lq, Dv] with LSE [B, Hq, Lq], flash-layout [B, Lq, Hq, Dv] with LSE [B, Hq, Lq]
 // seen as lse.transposed(1, 2), and varlen [total_q, Hq, Dv] with LSE [Hq, total_q] seen as
 // lse.transposed(0, 1) all work.

@@ -89,7 +89,7 @@ class ATTNCORE_API PagedKvCache {
   void reserve(std::int64_t batch_idx, std::int64_t seq_len);
   void erase(std::int64_t batch_idx);
   // positions i32 [S], k [S, Hkv, D], v [S, Hkv, Dv] of any float dtype (rounded to the cache's
-  // nearest even), head dim contiguous, outside the cache's own memory (InvalidArgument).
+  // nearest even), any non-negative strides, outside the cache's own memory (InvalidArgument).
   void assign(std::int64_t batch_idx, const TensorView& positions, const TensorView& k,
               const TensorView& v);
   void fork(std::int64_t src, std::int64_t dst, std::int64_t prefix_len);

@@ -161,9 +161,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                              f"{new_k[1]}, {cache_heads}, {new_k[3]}] ([B, L_new, Hkv, D] with "
                              "k_cache's Hkv)")
     lib, q_arr, give_back = _arrays.adopt(q, op, "q")
-    # Without an append, inputs the library cannot read in place are copied after its checks
-    # (check_forward_kvcache, on stand-ins: _arrays.LateCopies); an append's are copied first
-    # (the library has no check-only entry for an append).
+    # Inputs the library cannot read in place are copied after its checks (check_forward_kvcache,
+    # on stand-ins: _arrays.LateCopies); an append's caches are written in place, never copied.
     late = _arrays.LateCopies(op)
     if appending:
         k_lib, kc = _writable_cache(op, "k_cache", k_cache)
@@ -196,30 +195,37 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         seqlens = index_array(op, "cache_seqlens", cache_seqlens)
     batch_idx = index_array(op, "cache_batch_idx", cache_batch_idx)
     leftpad = index_array(op, "cache_leftpad", cache_leftpad)
-    new = [None, None]
+    new = [None, None]  # (library, array): k, v [B, L_new, Hkv, D]
     if appending:
         for i, (name, x) in enumerate((("k", k), ("v", v))):
             x_lib, arr, _ = _arrays.adopt(x, op, name)
-            new[i] = x_lib.to_core(x_lib.unit_last_stride(arr, op, name).swapaxes(1, 2))
-    tables = [None, None]
+            new[i] = (x_lib, late.unit_last_stride(x_lib, arr, name))
+    tables = [None, None]  # (library, array): rotary_cos, rotary_sin [positions, rotary_dim / 2]
     for i, (name, x) in enumerate((("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin))):
         if x is not None:
             t_lib, arr, _ = _arrays.adopt(x, op, name)
-            tables[i] = t_lib.to_core(t_lib.unit_last_stride(_float32(t_lib, arr), op, name))
+            tables[i] = (t_lib, late.unit_last_stride(t_lib, _float32(t_lib, arr), name))
+
+    def core(pairs, swap=False):  # the library's views of new / tables (None where absent)
+        return [None if pair is None else
+                pair[0].to_core(pair[1].swapaxes(1, 2) if swap else pair[1]) for pair in pairs]
+
     alibi = None
     if isinstance(alibi_slopes, (list, tuple)):
         alibi = alibi_array(_arrays.NUMPY, op, alibi_slopes)
     elif alibi_slopes is not None:
         a_lib, alibi, _ = _arrays.adopt(alibi_slopes, op, "alibi_slopes")
         alibi = a_lib.to_core(alibi)
-    q_arr = (lib.unit_last_stride(q_arr, op, "q") if appending
-             else late.unit_last_stride(lib, q_arr, "q"))
+    q_arr = late.unit_last_stride(lib, q_arr, "q")
     if late.waiting:
         _core.check_forward_kvcache(lib.to_core(q_arr.swapaxes(1, 2)),
                                     k_lib.to_core(kc.swapaxes(1, 2)),
                                     v_lib.to_core(vc.swapaxes(1, 2)), seqlens, batch_idx, leftpad,
-                                    table, alibi, call.checked_options())
+                                    table, *core(new, swap=True), *core(tables),
+                                    rotary_interleaved, alibi, call.checked_options())
         q_arr, kc, vc = (late.real(x) for x in (q_arr, kc, vc))
+        new, tables = ([None if pair is None else (pair[0], late.real(pair[1])) for pair in pairs]
+                       for pairs in (new, tables))
     dtype = lib.dtype_name(q_arr)
     _arrays.check_new_arrays(op, ((batch, seqlen_q, heads_q, dim_v), dtype),
                              ((batch, heads_q, seqlen_q), lse_dtype(dtype)))
@@ -228,7 +234,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     q4 = times(q_arr, call.q_factor).swapaxes(1, 2)
     _core.forward_kvcache(lib.to_core(q4), k_lib.to_core(kc.swapaxes(1, 2)),
                           v_lib.to_core(vc.swapaxes(1, 2)), seqlens, batch_idx, leftpad, table,
-                          new[0], new[1], tables[0], tables[1], rotary_interleaved,
+                          *core(new, swap=True), *core(tables), rotary_interleaved,
                           lib.to_core(out.swapaxes(1, 2)), lib.to_core(lse), alibi,
                           call.core_options())
     return (give_back(out), give_back(lse)) if return_softmax_lse else give_back(out)

@@ -40,7 +40,8 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, *, num_threads=0):
 
     out_a, out_b [..., Dv] (rank <= 4, one shape and dtype: float32, float16, bfloat16 or
     float64); lse_a, lse_b shaped as the output without its last dim (float32; float64 for
-    float64 outputs), read through their strides. flash-attn's softmax_lse is [B, H, L] for an
+    float64 outputs); all four read through their strides, without a copy (numpy's negative
+    strides excepted). flash-attn's softmax_lse is [B, H, L] for an
     output [B, L, H, Dv]: pass lse.transpose(1, 2) (numpy: swapaxes(1, 2)), and transpose the
     returned lse back. Varlen outputs [total_q, H, Dv] take their LSE [H, total_q] transposed the
     same way. The results are new arrays of out_a's library, laid out in memory like out_a and
@@ -50,11 +51,13 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, *, num_threads=0):
     op = "merge_attention_states"
     refuse_grad(op, (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)))
     lib, a, give_back = _arrays.adopt(out_a, op, "out_a")
-    a = lib.unit_last_stride(a, op, "out_a")
+    a = lib.any_stride(a, op, "out_a")
     lse_lib, la, _ = _arrays.adopt(lse_a, op, "lse_a")
+    la = lse_lib.any_stride(la, op, "lse_a")
     b_lib, b, _ = _arrays.adopt(out_b, op, "out_b")
-    b = b_lib.unit_last_stride(b, op, "out_b")
+    b = b_lib.any_stride(b, op, "out_b")
     lb_lib, lb, _ = _arrays.adopt(lse_b, op, "lse_b")
+    lb = lb_lib.any_stride(lb, op, "lse_b")
     num_threads = int_option(op, "num_threads", num_threads, -INT32_MAX - 1, INT32_MAX,
                              "; 0 = default")
     shape = tuple(a.shape)

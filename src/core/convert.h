@@ -80,19 +80,23 @@ inline void with_dtype(DType dtype, F&& f) {
   }
 }
 
-// n contiguous elements at base + index -> dst (converted to T).
+// n elements at base + index, `stride` elements apart (contiguous by default) -> dst
+// (converted to T).
 template <class T>
-inline void load_row(const void* base, DType dtype, std::int64_t index, std::int64_t n, T* dst) {
+inline void load_row(const void* base, DType dtype, std::int64_t index, std::int64_t n, T* dst,
+                     std::int64_t stride = 1) {
   with_dtype(dtype, [&](auto known) {
-    for (std::int64_t e = 0; e < n; ++e) dst[e] = load_element<T>(base, known, index + e);
+    for (std::int64_t e = 0; e < n; ++e) dst[e] = load_element<T>(base, known, index + e * stride);
   });
 }
 
-// n values of src -> contiguous elements at base + index (converted to dtype).
+// n values of src -> elements at base + index, `stride` elements apart (contiguous by default;
+// converted to dtype).
 template <class T>
-inline void store_row(const T* src, std::int64_t n, void* base, DType dtype, std::int64_t index) {
+inline void store_row(const T* src, std::int64_t n, void* base, DType dtype, std::int64_t index,
+                      std::int64_t stride = 1) {
   with_dtype(dtype, [&](auto known) {
-    for (std::int64_t e = 0; e < n; ++e) store_element<T>(base, known, index + e, src[e]);
+    for (std::int64_t e = 0; e < n; ++e) store_element<T>(base, known, index + e * stride, src[e]);
   });
 }
 

@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "attncore/backend.h"
 #include "attncore/kvcache.h"
 #include "core/api.h"
 #include "core/convert.h"
@@ -244,23 +245,47 @@ void append_rows(const Params& p, const TensorView& q, const TensorView& k_cache
   }
 }
 
+// The validated append's call: its parameters, rotary tables and the sequences' lengths after
+// the append (i32 [B], which `after` reads).
+struct Appending {
+  Params p;
+  Rotary rotary;
+  Tensor lengths;
+  KvCacheSeqs after;
+};
+
+Appending validate(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
+                   const KvCacheSeqs& seqs, const KvAppend& append, const Options& options,
+                   Backend backend) {
+  const Checker check("forward");
+  const detail::ForwardArgs args{q, k_cache, v_cache, {}, {}};
+  Appending a{detail::validate_kvcache_forward(args, seqs, options, backend, false), {}, {}, seqs};
+  const std::vector<std::int32_t> lengths =
+      validate_append(check, a.p, q, k_cache, v_cache, seqs, append, options, &a.rotary);
+  a.lengths = Tensor(DType::i32, {a.p.batch});
+  std::copy(lengths.begin(), lengths.end(), static_cast<std::int32_t*>(a.lengths.data()));
+  a.after.cache_seqlens = a.lengths.view();
+  return a;
+}
+
 }  // namespace
+
+Explanation explain_forward_kvcache(const TensorView& q, const TensorView& k_cache,
+                                    const TensorView& v_cache, const KvCacheSeqs& seqs,
+                                    const KvAppend& append, const Options& options) {
+  const Appending a = validate(q, k_cache, v_cache, seqs, append, options, Backend::automatic);
+  return explain_forward_kvcache(q, k_cache, v_cache, a.after, options);
+}
 
 ForwardResult forward_kvcache(const TensorView& q, const TensorView& k_cache,
                               const TensorView& v_cache, const KvCacheSeqs& seqs,
                               const KvAppend& append, const Options& options, Backend backend) {
-  const Checker check("forward");
-  const detail::ForwardArgs args{q, k_cache, v_cache, {}, {}};
-  const Params p = detail::validate_kvcache_forward(args, seqs, options, backend, false);
-  Rotary rotary;
-  std::vector<std::int32_t> lengths =
-      validate_append(check, p, q, k_cache, v_cache, seqs, append, options, &rotary);
+  const Appending a = validate(q, k_cache, v_cache, seqs, append, options, backend);
+  const Params& p = a.p;
+  const Rotary& rotary = a.rotary;
+  const KvCacheSeqs& after = a.after;
   const bool aligned =
       options.causal != Causal::none || options.window_left >= 0 || options.window_right >= 0;
-  const Tensor lengths_t(DType::i32, {p.batch});
-  std::copy(lengths.begin(), lengths.end(), static_cast<std::int32_t*>(lengths_t.data()));
-  KvCacheSeqs after = seqs;
-  after.cache_seqlens = lengths_t.view();
   // The attending call checks everything (the lengths after the append, a paged cache's pages
   // of the appended slots, the backend's verdict, memory, the cancel flag) and allocates its
   // outputs before the append writes the cache.

@@ -84,14 +84,12 @@ std::int64_t validate(const Checker& check, const TensorView& out_a, const Tenso
     check.view(t, name, rank, "like out_a");
     check.dtype(t, name, out_a.dtype, " like out_a");
     check.shape(t, name, out_a.shape.data(), "like out_a");
-    check.unit_last_stride(t, name);
   };
   auto like_lse = [&](const TensorView& t, const char* name) {
     check.view(t, name, rank - 1, "out_a's shape without its last dim");
     check.dtype(t, name, lse_dtype, " (f64 only for f64 outputs)");
     check.shape(t, name, out_a.shape.data(), "out_a's shape without its last dim");
   };
-  check.unit_last_stride(out_a, "out_a");
   like_lse(lse_a, "lse_a");
   like_out(out_b, "out_b");
   like_lse(lse_b, "lse_b");
@@ -118,21 +116,23 @@ void merge_rows(const TensorView& out_a, const TensorView& lse_a, const TensorVi
                 std::int64_t rows, const Launch& launch) {
   const int rank = out_a.rank;
   const std::int64_t dv = out_a.size(rank - 1);
+  const std::int64_t a_step = out_a.stride_of(rank - 1), b_step = out_b.stride_of(rank - 1),
+                     out_step = out.stride_of(rank - 1);  // (any: a row is read element-wise)
   parallel_for(rows, launch.threads, [&](std::int64_t begin, std::int64_t end) {
     std::vector<T> a(static_cast<std::size_t>(dv)), b(a), merged(a);  // [Dv] each
     for (std::int64_t row = begin; row < end; ++row) {
       if ((row - begin) % kCancelRows == 0) launch.check_cancel();
-      load_row(out_a.data, out_a.dtype, row_offset(out_a, out_a.shape, rank - 1, row), dv,
-               a.data());
-      load_row(out_b.data, out_b.dtype, row_offset(out_b, out_a.shape, rank - 1, row), dv,
-               b.data());
+      load_row(out_a.data, out_a.dtype, row_offset(out_a, out_a.shape, rank - 1, row), dv, a.data(),
+               a_step);
+      load_row(out_b.data, out_b.dtype, row_offset(out_b, out_a.shape, rank - 1, row), dv, b.data(),
+               b_step);
       const T la =
           load_element<T>(lse_a.data, lse_a.dtype, row_offset(lse_a, out_a.shape, rank - 1, row));
       const T lb =
           load_element<T>(lse_b.data, lse_b.dtype, row_offset(lse_b, out_a.shape, rank - 1, row));
       const T l = detail::merge_outputs(a.data(), la, b.data(), lb, dv, merged.data());
-      store_row(merged.data(), dv, out.data, out.dtype,
-                row_offset(out, out_a.shape, rank - 1, row));
+      store_row(merged.data(), dv, out.data, out.dtype, row_offset(out, out_a.shape, rank - 1, row),
+                out_step);
       store_element(lse.data, lse.dtype, row_offset(lse, out_a.shape, rank - 1, row), l);
     }
   });

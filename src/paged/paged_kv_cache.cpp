@@ -302,8 +302,6 @@ void PagedKvCache::assign(std::int64_t batch_idx, const TensorView& positions, c
   const std::int64_t v_shape[3] = {n, s.heads_kv, s.head_dim_v};
   check.shape(k, "k", k_shape, "[S, Hkv, D] with S = len(positions)");
   check.shape(v, "v", v_shape, "[S, Hkv, Dv] with S = len(positions)");
-  check.unit_last_stride(k, "k");
-  check.unit_last_stride(v, "v");
   // The rows are read while pages are written: k and v may not lie in the cache's memory.
   check.separate({{&s.k.view(), "k_pages"}, {&s.v.view(), "v_pages"},
                   {&s.table.view(), "page_table"}, {&s.lengths.view(), "seqlens"}},
@@ -364,10 +362,10 @@ void PagedKvCache::assign(std::int64_t batch_idx, const TensorView& positions, c
     for (std::int64_t h = 0; h < s.heads_kv; ++h) {
       const std::int64_t at = (page * s.page_size + slot) * s.heads_kv + h;
       detail::load_row(k.data, k.dtype, i * k.stride_of(0) + h * k.stride_of(1), s.head_dim,
-                       x.data());
+                       x.data(), k.stride_of(2));
       detail::store_row(x.data(), s.head_dim, s.k.data(), dtype, at * s.head_dim);
       detail::load_row(v.data, v.dtype, i * v.stride_of(0) + h * v.stride_of(1), s.head_dim_v,
-                       x.data());
+                       x.data(), v.stride_of(2));
       detail::store_row(x.data(), s.head_dim_v, s.v.data(), dtype, at * s.head_dim_v);
     }
   }

@@ -193,6 +193,88 @@ def test_invalid_kvcache_reads_are_refused_before_the_cache_is_copied():
     np.testing.assert_array_equal(got, want)
 
 
+def test_invalid_appends_are_refused_before_their_inputs_are_copied():
+    # With new keys and values appended, q, k, v and the rotary tables the library cannot read
+    # in place (a last stride of 2: 32 MiB each as a copy) are copied only after the call's
+    # checks, which include the append's; the caches are written in place (never copied).
+    cache, v_cache = np.zeros((2, 1, 8, 2, 64), np.float32)
+    new = np.ones((1, 32768, 2, 128), np.float32)[..., ::2]
+    q = np.ones((1, 32768, 4, 128), np.float32)[..., ::2]
+    cos = np.ones((70000, 64), np.float32)[:, ::2]
+    calls = [
+        (lambda: attncore.flash_attn_with_kvcache(q, cache, v_cache, k=new, v=new,
+                                                  cache_seqlens=0),
+         ValueError, "k_new does not fit in the cache"),
+        (lambda: attncore.flash_attn_with_kvcache(q, cache, v_cache, k=new[:, :4],
+                                                  v=new[:, :4], rotary_cos=cos[:2],
+                                                  rotary_sin=cos[:2], cache_seqlens=0),
+         ValueError, "rotary_cos has too few positions"),
+        (lambda: attncore.flash_attn_with_kvcache(q, cache, v_cache, k=new[:, :4],
+                                                  v=new[:, :4, :1], cache_seqlens=0),
+         ValueError, "v has shape|v_new has shape"),
+    ]
+    for call, error, message in calls:
+        raised, peak = _peak_bytes(call)
+        assert isinstance(raised, error) and re.search(message, str(raised)), raised
+        assert peak < 8 << 20, (str(raised), peak)
+    assert not cache.any() and not v_cache.any()  # nothing was appended by a refused call
+    rng = np.random.default_rng(9)
+    caches = [rng.standard_normal((2, 10, 2, 16)).astype(np.float32) for _ in range(2)]
+    copies = [c.copy() for c in caches]
+    qs = rng.standard_normal((2, 3, 4, 32)).astype(np.float32)[..., ::2]
+    ks = rng.standard_normal((2, 3, 2, 32)).astype(np.float32)[..., ::2]
+    vs = rng.standard_normal((2, 3, 2, 32)).astype(np.float32)[..., 1::2]
+    table = rng.standard_normal((16, 8)).astype(np.float32)
+    lens = np.array([2, 7], np.int32)
+    got = attncore.flash_attn_with_kvcache(qs, *caches, k=ks, v=vs, rotary_cos=table[:, ::2],
+                                           rotary_sin=table[:, 1::2], cache_seqlens=lens,
+                                           causal=True)
+    want = attncore.flash_attn_with_kvcache(
+        *(np.ascontiguousarray(x) for x in (qs,)), *copies, k=np.ascontiguousarray(ks),
+        v=np.ascontiguousarray(vs), rotary_cos=np.ascontiguousarray(table[:, ::2]),
+        rotary_sin=np.ascontiguousarray(table[:, 1::2]), cache_seqlens=lens, causal=True)
+    np.testing.assert_array_equal(got, want)
+    for c, w in zip(caches, copies):
+        np.testing.assert_array_equal(c, w)
+
+
+def test_merge_and_assign_read_any_strides_without_a_copy(monkeypatch):
+    def refuse_copy(*args):  # every copy of an input is checked first (check_copy)
+        raise AssertionError("copied")
+
+    rng = np.random.default_rng(4)
+    wide = rng.standard_normal((2, 3, 4, 16)).astype(np.float32)
+    lse = rng.standard_normal((2, 4, 3, 2)).astype(np.float32)
+    out_a, out_b = wide[..., ::2], wide[..., 1::2]  # [2, 3, 4, 8], last stride 2
+    lse_a, lse_b = lse[..., 0].swapaxes(1, 2), lse[..., 1].swapaxes(1, 2)  # [2, 3, 4]
+    want = attncore.merge_attention_states(*(np.ascontiguousarray(x)
+                                             for x in (out_a, lse_a, out_b, lse_b)))
+    monkeypatch.setattr(_arrays, "check_copy", refuse_copy)
+    got = attncore.merge_attention_states(out_a, lse_a, out_b, lse_b)
+    t_wide, t_lse = torch.from_numpy(wide), torch.from_numpy(lse)
+    t_got = attncore.merge_attention_states(t_wide[..., ::2], t_lse[..., 0].transpose(1, 2),
+                                            t_wide[..., 1::2], t_lse[..., 1].transpose(1, 2))
+    monkeypatch.undo()
+    for g in (got, t_got):
+        np.testing.assert_array_equal(np.asarray(g[0]), want[0])
+        np.testing.assert_array_equal(np.asarray(g[1]), want[1])
+    cache = attncore.PagedKVCache(4, 2, 2, 8, 2, "float32")
+    rows = rng.standard_normal((3, 2, 16)).astype(np.float32)
+    for b in range(2):
+        cache.reserve(b, 3)
+    cache.assign(0, np.array([2, 0, 1], np.int32), np.ascontiguousarray(rows[..., ::2]),
+                 np.ascontiguousarray(rows[..., 1::2]))
+    monkeypatch.setattr(_arrays, "check_copy", refuse_copy)
+    cache.assign(1, np.array([2, 0, 1], np.int32), rows[..., ::2], rows[..., 1::2])
+    monkeypatch.undo()
+    k_pages, v_pages = (np.asarray(x) for x in (cache.k_cache, cache.v_cache))
+    table = np.asarray(cache.page_table)
+    for pages in (k_pages, v_pages):
+        seq0 = pages[table[0, :2]].reshape(4, 2, 8)[:3]
+        seq1 = pages[table[1, :2]].reshape(4, 2, 8)[:3]
+        np.testing.assert_array_equal(seq0, seq1)
+
+
 def test_paged_varlen_pools_are_copied_once_after_the_checks(monkeypatch):
     # flash_attn_varlen_func(block_table=...) runs one KV-cache call per sequence: pools it
     # cannot read in place are copied once, after the checks (not once per sequence).
