@@ -266,6 +266,10 @@ TEST(KvCacheMixed, OtherMixesAreRefused) {
             "forward: v_cache has the wrong dtype (dtype=f16, expected bf16 like k_cache)");
   EXPECT_EQ(message(DType::f32, DType::f32, DType::bf16),
             "forward: v_cache has the wrong dtype (dtype=bf16, expected f32 like k_cache)");
+  // A k_cache of no dtype the query takes is named itself, not through v_cache.
+  EXPECT_EQ(message(DType::f32, DType::b8, DType::f32),
+            "forward: k_cache has the wrong dtype for the query (k_cache=bool, query=f32, expected "
+            "k_cache like query, or bf16 or f16 under an f32 query)");
   EXPECT_EQ(message(DType::i32, DType::bf16, DType::bf16),
             "forward: query has an unsupported dtype (dtype=i32, expected f32, f64, bf16 or f16)");
   // A paged cache takes the same rule.

@@ -285,6 +285,42 @@ TEST(KvCache, AppendWritesRotatedKeysThenAttends) {
   }
 }
 
+// A row repeated anywhere in cache_batch_idx is refused when appending (rows sorted, so a batch
+// of any size is checked at once), by the call and by its check-only entry alike, which
+// writes nothing.
+TEST(KvCache, AppendRefusesRepeatedRowsAndItsCheckEntryWritesNothing) {
+  const Tensor q(DType::f32, {5, 1, 1, 8});
+  const Tensor cache = make_tensor(DType::f32, {6, 1, 4, 8}, std::vector<double>(6 * 32, 0.0));
+  const Tensor v_cache = make_tensor(DType::f32, {6, 1, 4, 8}, std::vector<double>(6 * 32, 0.0));
+  const Tensor k_new = make_tensor(DType::f32, {5, 1, 1, 8}, std::vector<double>(40, 1.0));
+  const Tensor lens = int_tensor({0, 1, 2, 0, 1}), idx = int_tensor({3, 0, 5, 1, 3});
+  KvCacheSeqs s;
+  s.cache_seqlens = lens.view();
+  s.cache_batch_idx = idx.view();
+  const KvAppend a{k_new, k_new, std::nullopt, std::nullopt, false};
+  const std::string want =
+      "forward: cache_batch_idx repeats a row when appending (cache_batch_idx[0]="
+      "cache_batch_idx[4]=3, expected distinct rows)";
+  for (bool check_only : {false, true}) {
+    try {
+      if (check_only) {
+        (void)explain_forward_kvcache(q, cache, v_cache, s, a);
+      } else {
+        (void)forward_kvcache(q, cache, v_cache, s, a);
+      }
+      ADD_FAILURE() << "accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_EQ(std::string(e.what()), want);
+    }
+  }
+  const Tensor distinct = int_tensor({3, 0, 5, 1, 2});
+  s.cache_batch_idx = distinct.view();
+  (void)explain_forward_kvcache(q, cache, v_cache, s, a);
+  for (double x : read_view(cache.view())) ASSERT_EQ(x, 0.0);  // checked, nothing written
+  (void)forward_kvcache(q, cache, v_cache, s, a);
+  EXPECT_EQ(read_view(cache.view())[(3 * 4 + 0) * 8], 1.0);  // sequence 0: row 3, slot 0
+}
+
 TEST(KvCache, AppendBadInputs) {
   const Tensor q(DType::f32, {2, 2, 1, 8});
   const Tensor cache(DType::f32, {2, 2, 10, 8}), v_cache(DType::f32, {2, 2, 10, 8});

@@ -146,10 +146,10 @@ def _checked_tensor(x, op, name):
     if x.layout != torch.strided:
         raise NotImplementedError(f"{op}: {name} has an unsupported layout (layout={x.layout}, "
                                   f"expected torch.strided); pass {name}.to_dense()")
-    if x.is_neg():
-        x = x.resolve_neg()
-    if x.is_conj():
-        x = x.resolve_conj()
+    if x.is_neg() or x.is_conj():  # resolved into a copy, refused first where it would not fit
+        check_copy(op, name, tuple(x.shape), str(x.dtype).removeprefix("torch."),
+                   f"pass {name} resolved (its .resolve_neg() or .resolve_conj())")
+        x = x.resolve_neg().resolve_conj()
     return x
 
 

@@ -276,7 +276,7 @@ def attention(query, key, value, *, layout="bhld", scale=None, causal=None, wind
                  causal=causal,
                  window_size=window_size, softcap=softcap, dropout_p=dropout_p, seed=seed,
                  offset=offset, enable_gqa=enable_gqa, backend=backend, num_threads=num_threads)
-    q4 = times(p.form.q4, p.call.q_factor)
+    q4 = times(p.form.q4, p.call.q_factor, _op)
     positions = p.form.batch_size * p.form.heads_q * p.form.seqlen_q * p.form.seqlen_k
     with _random.seeded(p.call, positions, p.lib.is_torch) as call:
         if p.lib.is_torch:
@@ -314,10 +314,10 @@ def attention_backward(dout, query, key, value, out, softmax_lse, *, layout="bhl
                                core_or_none(lib, p.mask4), core_or_none(lib, p.alibi),
                                want_dbias, p.call.checked_options())
     dout4, q4, k4, v4, out4, lse3, mask4 = (form.late.real(x) for x in arrays)
-    dq4, dk4, dv4, dbias4 = backward4(lib, dout4, times(q4, factor), k4, v4, out4, lse3, mask4,
-                                      p.alibi, p.call, want_dbias)
+    dq4, dk4, dv4, dbias4 = backward4(lib, dout4, times(q4, factor, "attention_backward"), k4,
+                                      v4, out4, lse3, mask4, p.alibi, p.call, want_dbias)
     grads = [form.reduce_to_input(form.to_caller(g), i)
-             for i, g in enumerate((times(dq4, factor), dk4, dv4))]
+             for i, g in enumerate((times(dq4, factor, "attention_backward"), dk4, dv4))]
     if want_dbias:
         grads.append(form.dbias_to_caller(dbias4, p.mask))
     return tuple(p.give_back(g) for g in grads)

@@ -16,8 +16,8 @@ import numpy as np
 from . import _arrays, _core
 from ._attention import _resolve_call
 from ._merge import refuse_grad
-from ._rank4 import (INT32_MAX, alibi_array, bool_option, check_blhd, int_option, lse_dtype,
-                     real_option, times)
+from ._rank4 import (INT32_MAX, alibi_array, bool_option, check_blhd, int_option,
+                     is_slope_list, lse_dtype, real_option, times)
 from ._varlen import index_array
 
 
@@ -66,11 +66,18 @@ def _writable_cache(op, name, x):
                     f"expected a numpy array or a torch tensor){remedy}")
 
 
-def _float32(lib, x):
-    """Rotary tables as float32 (the library's dtype for them): a copy only where needed."""
-    if lib.is_torch:
-        return x.detach().float()
-    return x.astype(np.float32, copy=False)
+def _float32(lib, x, op, name):
+    """A rotary table as float32 (the library's dtype for them): a copy only where needed, and
+    refused first where it would not fit (a broadcast table stands for more than its memory).
+    Tables of a dtype other than a float one (complex, integer, bool) raise ValueError."""
+    dtype = lib.dtype_name(x)
+    if dtype not in ("float32", "float64", "float16", "bfloat16"):
+        raise ValueError(f"{op}: {name} has the wrong dtype (dtype={dtype}, expected a float "
+                         "dtype: rotary tables are taken as float32)")
+    if dtype == "float32":
+        return x
+    _arrays.check_copy(op, name, tuple(x.shape), "float32", "pass it as float32")
+    return x.detach().float() if lib.is_torch else x.astype(np.float32)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
@@ -160,6 +167,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"{op}: k has shape {list(new_k)}, expected [{new_k[0]}, "
                              f"{new_k[1]}, {cache_heads}, {new_k[3]}] ([B, L_new, Hkv, D] with "
                              "k_cache's Hkv)")
+        new_v = _arrays.shape_of(v, op, "v")
+        dim_v = _arrays.shape_of(v_cache, op, "v_cache")[3]
+        if new_v[3] != dim_v:
+            raise ValueError(f"{op}: v has shape {list(new_v)}, expected [{new_v[0]}, "
+                             f"{new_v[1]}, {new_v[2]}, {dim_v}] ([B, L_new, Hkv, Dv] with "
+                             "v_cache's Dv)")
     lib, q_arr, give_back = _arrays.adopt(q, op, "q")
     # Inputs the library cannot read in place are copied after its checks (check_forward_kvcache,
     # on stand-ins: _arrays.LateCopies); an append's caches are written in place, never copied.
@@ -183,7 +196,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     capacity, dim_v = kc.shape[1], vc.shape[3]
     if paged and len(table.shape) == 2:
         capacity *= table.shape[1]  # pages per sequence * page_size
-    if cache_seqlens is None:
+    if cache_seqlens is None:  # every slot: the capacity, which int32 lengths must hold
+        if capacity > INT32_MAX:
+            raise ValueError(f"{op}: k_cache has more slots than cache_seqlens' default can "
+                             f"count (capacity={capacity}, expected <= {INT32_MAX}: lengths "
+                             "are int32); pass cache_seqlens")
         cache_seqlens = capacity
     if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
         length = int_option(op, "cache_seqlens", cache_seqlens, -INT32_MAX - 1, INT32_MAX)
@@ -204,14 +221,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     for i, (name, x) in enumerate((("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin))):
         if x is not None:
             t_lib, arr, _ = _arrays.adopt(x, op, name)
-            tables[i] = (t_lib, late.unit_last_stride(t_lib, _float32(t_lib, arr), name))
+            tables[i] = (t_lib, late.unit_last_stride(t_lib, _float32(t_lib, arr, op, name),
+                                                            name))
 
     def core(pairs, swap=False):  # the library's views of new / tables (None where absent)
         return [None if pair is None else
                 pair[0].to_core(pair[1].swapaxes(1, 2) if swap else pair[1]) for pair in pairs]
 
     alibi = None
-    if isinstance(alibi_slopes, (list, tuple)):
+    if is_slope_list(alibi_slopes):
         alibi = alibi_array(_arrays.NUMPY, op, alibi_slopes)
     elif alibi_slopes is not None:
         a_lib, alibi, _ = _arrays.adopt(alibi_slopes, op, "alibi_slopes")
@@ -231,7 +249,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                              ((batch, heads_q, seqlen_q), lse_dtype(dtype)))
     out = lib.empty((batch, seqlen_q, heads_q, dim_v), dtype)
     lse = lib.empty((batch, heads_q, seqlen_q), lse_dtype(dtype))
-    q4 = times(q_arr, call.q_factor).swapaxes(1, 2)
+    q4 = times(q_arr, call.q_factor, op).swapaxes(1, 2)
     _core.forward_kvcache(lib.to_core(q4), k_lib.to_core(kc.swapaxes(1, 2)),
                           v_lib.to_core(vc.swapaxes(1, 2)), seqlens, batch_idx, leftpad, table,
                           *core(new, swap=True), *core(tables), rotary_interleaved,

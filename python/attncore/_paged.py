@@ -62,8 +62,10 @@ def _index(op, name, x):
     return int_option(op, name, x)
 
 
-def _positions(op, x):
-    """input_pos as a contiguous int32 numpy array [S]."""
+def _positions(op, x, reserved=None):
+    """input_pos as a contiguous int32 numpy array [S]; with reserved = (batch_idx, capacity),
+    more positions than the capacity are refused first (as the library refuses them), before
+    they are scanned or converted."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
         x = _arrays.adopt(x, op, "input_pos")[1].detach().numpy()
@@ -75,6 +77,10 @@ def _positions(op, x):
     if array.ndim != 1:
         raise ValueError(f"{op}: input_pos has the wrong rank (rank={array.ndim}, expected 1: "
                          "[S])")
+    if reserved is not None and array.shape[0] > reserved[1]:
+        raise ValueError(f"{op}: input_pos has more entries than batch_idx={reserved[0]} "
+                         f"reserved (len(input_pos)={array.shape[0]}, expected <= capacity="
+                         f"{reserved[1]}); reserve first")
     if array.size == 0 and isinstance(x, (list, tuple)):
         array = array.astype(np.int32)  # [] holds no positions, of no dtype
     if array.dtype.kind not in "iu":
@@ -83,6 +89,8 @@ def _positions(op, x):
     if array.size and (array.min() < -INT32_MAX - 1 or array.max() > INT32_MAX):
         raise ValueError(f"{op}: input_pos is out of range (max={array.max()}, expected int32 "
                          "positions)")
+    if array.dtype != np.int32 or not array.flags.c_contiguous:
+        _arrays.check_copy(op, "input_pos", array.shape, "int32", "pass int32 positions")
     return np.ascontiguousarray(array, dtype=np.int32)
 
 
@@ -93,7 +101,7 @@ _CORE_NAMES = (
     (re.compile(r"\bmax_batch\b"), "max_batch_size"),
     (re.compile(r"\bheads_kv\b"), "num_heads"),
     (re.compile(r"\b([kv])_pages\b"), r"\1_cache"),
-    (re.compile(r"\bpositions\b(?=\[| is | repeats)|(?<=len\()positions\b"), "input_pos"),
+    (re.compile(r"\bpositions\b(?=\[| is | repeats| has )|(?<=len\()positions\b"), "input_pos"),
     (re.compile(r"(?<![\w\[])([kv])\b(?![_\[])"), r"\1_val"),  # (assign's k, v)
 )
 
@@ -204,11 +212,13 @@ class PagedKVCache:
         op = "PagedKVCache.assign"
         refuse_grad(op, (("k_val", k_val), ("v_val", v_val)))
         b = _index(op, "batch_idx", batch_idx)
+        with _CoreNames():
+            capacity = self._core.capacity(b)
         arrays = []
         for name, x in (("k_val", k_val), ("v_val", v_val)):
             lib, arr, _ = _arrays.adopt(x, op, name)
             arrays.append(lib.to_core(lib.any_stride(arr, op, name)))
-        positions = _positions(op, input_pos)
+        positions = _positions(op, input_pos, (b, capacity))
         with _CoreNames():
             self._core.assign(b, positions, *arrays)
 
@@ -292,7 +302,12 @@ def _naming(op, error, pools="k, v"):
     message = f"{op}: {rest}" if sep and " " not in head else str(error)
     if pools == "k, v":
         message = re.sub(r"\b([kv])_cache\b", r"\1", message)
-    return type(error)(message)
+    for kind in type(error).__mro__:  # its own type, else the nearest one built from a message
+        try:                          # (numpy's MemoryError subclass takes more arguments)
+            return kind(message)
+        except TypeError:
+            continue
+    return RuntimeError(message)  # (not reached: Exception takes a message)
 
 
 def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
@@ -324,7 +339,7 @@ def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if used is not None and used.shape != (batch,):
         raise ValueError(f"{op}: seqused_k has shape {list(used.shape)} (expected [{batch}])")
     lengths = used if used is not None else np.diff(cu_k)
-    _, table, _ = _arrays.adopt(block_table, op, "block_table")
+    table = index_array(op, "block_table", block_table)  # (lists of ints as int32)
     if len(table.shape) != 2 or table.shape[0] != batch:
         raise ValueError(f"{op}: block_table has shape {list(table.shape)}, expected "
                          f"[{batch}, max_pages_per_seq] ([B, max_pages_per_seq])")

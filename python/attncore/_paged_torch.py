@@ -82,15 +82,23 @@ def _span(x):
 
 
 def _writable(op, name, x, others):
-    """x is written: each element at its own address (no zero stride on a dim of size > 1),
-    and no byte in common with the tensors `others` ((name, tensor) pairs; by their spans,
-    so interleaved views of one buffer are refused too)."""
+    """x is written: each element at its own address (no zero stride on a dim of size > 1, and
+    strides that nest: taken by size, each past the extent of the smaller ones), and no byte in
+    common with the tensors `others` ((name, tensor) pairs; by their spans, so interleaved
+    views of one buffer are refused too)."""
     if x.numel() == 0:
         return
     for d, (n, st) in enumerate(zip(x.shape, x.stride())):
         if n > 1 and st == 0:
             raise ValueError(f"{op}: {name} is an output with a zero stride (stride[{d}]=0, "
                              "expected > 0 on dims of size > 1)")
+    extent = 0  # of the dims with smaller strides, in elements
+    for st, n in sorted((st, n) for n, st in zip(x.shape, x.stride()) if n > 1):
+        if st <= extent:
+            raise ValueError(f"{op}: {name} is an output whose elements may overlap (shape="
+                             f"{list(x.shape)}, strides={list(x.stride())}, expected each "
+                             "stride past the extent of the smaller ones)")
+        extent += (n - 1) * st
     first, end = _span(x)
     for other_name, other in others:
         if other.numel() == 0:
@@ -325,7 +333,13 @@ class PagedAttention:
                                  f"what the sequence reserved ({what}, batch_idx[{i}]={b}, "
                                  f"expected <= its capacity={int(self.capacity[b])}); reserve "
                                  "first")
-        table = self.page_table[batch_idx].to(_torch.int32)
+        rows = self.page_table[batch_idx]  # int64, narrowed to the library's int32 below
+        if rows.numel() and (int(rows.min()) < -1 or int(rows.max()) > INT32_MAX):
+            i, j = (int(x) for x in ((rows < -1) | (rows > INT32_MAX)).nonzero()[0])
+            raise ValueError(f"{op}: page_table is out of range (page_table[{int(batch_idx[i])}]"
+                             f"[{j}]={int(rows[i, j])}, expected -1 or a page index in "
+                             f"[0, n_pages={self.n_pages}))")
+        table = rows.to(_torch.int32)
         pools = [c[0].unflatten(1, (self.n_pages, self.page_size)).permute(1, 2, 0, 3)
                  for c in caches]  # [n_pages, page_size, H, D] views, no copy
         try:

@@ -177,17 +177,23 @@ def lse_dtype(dtype_name):
 
 
 def alibi_array(lib, op, slopes):
-    """ALiBi slopes in library `lib` (None stays None): a list or tuple of numbers becomes
-    float32, the slopes' dtype (as a list of ints becomes int32 for an index array); arrays
-    are taken as they are, their dtype the library's to check."""
+    """ALiBi slopes in library `lib` (None stays None): a list or tuple of numbers, or a Python
+    number (then refused for its rank), becomes float32, the slopes' dtype (as a list of ints
+    becomes int32 for an index array); arrays are taken as they are, their dtype the library's
+    to check."""
     if slopes is None:
         return None
-    if isinstance(slopes, (list, tuple)):
+    if is_slope_list(slopes):
         array = _arrays.NUMPY.asarray(slopes, op, "alibi_slopes")
         if array.dtype.kind in "iuf":
             array = array.astype(np.float32)
         return lib.asarray(array, op, "alibi_slopes")
     return lib.asarray(slopes, op, "alibi_slopes")
+
+
+def is_slope_list(slopes):
+    """Whether alibi_array makes float32 slopes of `slopes` (a list, tuple or Python number)."""
+    return isinstance(slopes, (list, tuple, int, float)) and not isinstance(slopes, bool)
 
 
 def core_or_none(lib, x):
@@ -233,10 +239,16 @@ def backward4_into(lib, dout4, q4, k4, v4, out4, lse3, dq, dk, dv, dbias, mask4,
                    core_or_none(lib, alibi), call.core_options())
 
 
-def times(x, factor):
+def times(x, factor, op):
     """x * factor for factor in (1, -1, 0); a product, so that torch autograd sees it and NaN
-    stays NaN."""
-    return x if factor == 1 else x * factor
+    stays NaN. The product is a new array of x's size, refused first (MemoryError) where it
+    would not fit: a broadcast query stands for more elements than its memory holds."""
+    if factor == 1:
+        return x
+    dtype = x.dtype.name if isinstance(x, np.ndarray) else str(x.dtype).removeprefix("torch.")
+    _arrays.check_copy(op, "query", tuple(x.shape), dtype, "a scale <= 0 is applied as the "
+                       "query times its sign: pass a positive scale, or the query scaled by it")
+    return x * factor
 
 
 class DenseKernel:
@@ -249,11 +261,13 @@ class DenseKernel:
 
     def forward(self, lib, q4, k4, v4):
         """(out [B, Hq, Lq, Dv], lse [B, Hq, Lq])."""
-        return forward4(lib, times(q4, self.call.q_factor), k4, v4, None, self.alibi, self.call)
+        return forward4(lib, times(q4, self.call.q_factor, "forward"), k4, v4, None, self.alibi,
+                        self.call)
 
     def backward_into(self, lib, dout4, q4, k4, v4, out4, lse3, dq, dk, dv):
         factor = self.call.q_factor
-        backward4_into(lib, dout4, times(q4, factor), k4, v4, out4, lse3, dq, dk, dv, None, None,
+        backward4_into(lib, dout4, times(q4, factor, "backward"), k4, v4, out4, lse3, dq, dk, dv,
+                       None, None,
                        self.alibi, self.call)
         if factor != 1:
             dq[...] = dq * factor

@@ -150,7 +150,7 @@ class VarlenKernel:
         out = (_arrays.empty_in_order_of(lib, q, (total_q, heads_q, dim_v), dtype) if q_dims
                else lib.empty((0, 0, 0), dtype))
         lse = lib.empty((heads_q, total_q), lse_dtype(dtype))
-        _core.forward_varlen(lib.to_core(times(q, self.call.q_factor)), lib.to_core(k),
+        _core.forward_varlen(lib.to_core(times(q, self.call.q_factor, "forward")), lib.to_core(k),
                              lib.to_core(v), *self.seqs.core_args(), lib.to_core(out),
                              lib.to_core(lse), core_or_none(lib, self.mask),
                              core_or_none(lib, self.alibi), self.call.core_options())
@@ -168,7 +168,8 @@ class VarlenKernel:
     def backward_into(self, lib, dout, q, k, v, out, lse, dq, dk, dv):
         """The gradients written into dq, dk, dv (views shaped like q, k, v)."""
         factor = self.call.q_factor
-        _core.backward_varlen(lib.to_core(dout), lib.to_core(times(q, factor)), lib.to_core(k),
+        _core.backward_varlen(lib.to_core(dout), lib.to_core(times(q, factor, "backward")),
+                              lib.to_core(k),
                               lib.to_core(v), lib.to_core(out), lib.to_core(lse),
                               *self.seqs.core_args(), lib.to_core(dq), lib.to_core(dk),
                               lib.to_core(dv), core_or_none(lib, self.mask),

@@ -145,12 +145,18 @@ std::vector<std::int32_t> validate_append(const Checker& check, const Params& p,
                  ", expected <= 2147483647: lengths are int32)");
     }
     lengths[static_cast<std::size_t>(b)] = static_cast<std::int32_t>(end);
-    if (seq.cache_batch == nullptr) continue;
-    for (std::int64_t c = 0; c < b; ++c) {
-      if (seq.cache_batch[c] == seq.cache_batch[b]) {
+  }
+  if (seq.cache_batch != nullptr) {  // distinct rows: sorted (row, sequence) pairs, O(B log B)
+    std::vector<std::pair<std::int64_t, std::int64_t>> rows(static_cast<std::size_t>(p.batch));
+    for (std::int64_t b = 0; b < p.batch; ++b)
+      rows[static_cast<std::size_t>(b)] = {seq.cache_batch[b], b};
+    std::sort(rows.begin(), rows.end());
+    for (std::size_t i = 1; i < rows.size(); ++i) {
+      if (rows[i].first == rows[i - 1].first) {
         check.fail("cache_batch_idx repeats a row when appending (cache_batch_idx[" +
-                   std::to_string(c) + "]=cache_batch_idx[" + std::to_string(b) +
-                   "]=" + std::to_string(seq.cache_batch[b]) + ", expected distinct rows)");
+                   std::to_string(rows[i - 1].second) + "]=cache_batch_idx[" +
+                   std::to_string(rows[i].second) + "]=" + std::to_string(rows[i].first) +
+                   ", expected distinct rows)");
       }
     }
   }

@@ -77,13 +77,13 @@ void check_pages(const Checker& check, const SeqInfo& seq, std::int64_t b, std::
 DType cache_dtype(const Checker& check, const TensorView& q, const TensorView& k,
                   const TensorView& v) {
   check.floating_query(q);
-  check.dtype(v, "v_cache", k.dtype, " like k_cache");
   const bool mixed = q.dtype == DType::f32 && (k.dtype == DType::bf16 || k.dtype == DType::f16);
-  if (k.dtype != q.dtype && !mixed) {
+  if (k.dtype != q.dtype && !mixed) {  // (k_cache first: a v_cache like it is then right)
     check.fail("k_cache has the wrong dtype for the query (k_cache=" +
                std::string(name_of(k.dtype)) + ", query=" + std::string(name_of(q.dtype)) +
                ", expected k_cache like query, or bf16 or f16 under an f32 query)");
   }
+  check.dtype(v, "v_cache", k.dtype, " like k_cache");
   return k.dtype;
 }
 

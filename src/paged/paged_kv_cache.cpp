@@ -307,6 +307,11 @@ void PagedKvCache::assign(std::int64_t batch_idx, const TensorView& positions, c
                   {&s.table.view(), "page_table"}, {&s.lengths.view(), "seqlens"}},
                  {{&k, "k"}, {&v, "v"}});
   const std::int64_t capacity = s.mapped(batch_idx) * s.page_size;
+  if (n > capacity) {  // (before the positions are copied: S is bounded by what was reserved)
+    check.fail("positions has more entries than batch_idx=" + std::to_string(batch_idx) +
+               " reserved (len(positions)=" + std::to_string(n) +
+               ", expected <= capacity=" + std::to_string(capacity) + "); reserve first");
+  }
   std::vector<std::int32_t> pos(static_cast<std::size_t>(n));  // [S]
   for (std::int64_t i = 0; i < n; ++i) {
     pos[static_cast<std::size_t>(i)] =

@@ -140,8 +140,8 @@ def test_paged_cache_errors_name_the_python_class_and_its_arguments():
         raises(ValueError, lambda: cache.erase(5), "PagedKVCache.erase: batch_idx is out of "
                "range (batch_idx=5, expected 0 <= batch_idx < max_batch_size=2)"),
         raises(ValueError, lambda: cache.assign(0, [0], rows, rows),
-               "PagedKVCache.assign: input_pos is out of what batch_idx=0 reserved "
-               "(input_pos[0]=0,"),
+               "PagedKVCache.assign: input_pos has more entries than batch_idx=0 reserved "
+               "(len(input_pos)=1, expected <= capacity=0); reserve first"),
         raises(ValueError, lambda: attncore.PagedKVCache(2, 4, 0, 8, 2),
                "PagedKVCache: num_heads is out of range (num_heads=0,"),
     ]
@@ -149,6 +149,9 @@ def test_paged_cache_errors_name_the_python_class_and_its_arguments():
     messages += [
         raises(MemoryError, lambda: cache.reserve(1, 4), "PagedKVCache.reserve: requested 1 "
                "pages but only 0 are free"),
+        raises(ValueError, lambda: cache.assign(0, [9], rows, rows),
+               "PagedKVCache.assign: input_pos is out of what batch_idx=0 reserved "
+               "(input_pos[0]=9,"),
         raises(ValueError, lambda: cache.assign(0, [1, 1], rows.repeat(2, 0), rows.repeat(2, 0)),
                "PagedKVCache.assign: input_pos repeats a position (position=1, expected "
                "distinct positions)"),

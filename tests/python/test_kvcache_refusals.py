@@ -1,0 +1,177 @@
+"""More hostile inputs to the KV-cache surfaces (flash_attn_with_kvcache, the paged varlen call,
+PagedKVCache, attncore.torch.PagedAttention, merge_attention_states): each refused in
+attncore's form (docs/design.md section 4) before work of its size, or taken as the caller
+meant it."""
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import attncore
+import attncore.torch
+from attncore import _paged
+
+FORM = re.compile(r"^[\w.:]+: .+ \(.*\)")  # <op>: <what> <problem> (<name>=<value>, expected ..)
+
+
+def raises(exc, fn, *fragments):
+    """fn() raises exc (exactly: not a subclass of another library's) in attncore's form, with
+    every fragment in its message."""
+    with pytest.raises(exc) as info:
+        fn()
+    assert type(info.value) is exc, type(info.value)
+    message = str(info.value)
+    assert FORM.match(message), message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def broadcast_query(limit, layout_rows=1):
+    """A float32 query [1, layout_rows, H, D] of stride 0 whose copy exceeds `limit` bytes."""
+    dim = 4096
+    heads = int(limit // (layout_rows * dim * 4)) + 1
+    return torch.zeros(dim).as_strided((1, layout_rows, heads, dim), (0, 0, 0, 1))
+
+
+def test_repeated_cache_rows_are_found_in_a_large_batch():
+    # Rows sorted once (not compared pair by pair): 100k sequences append in one call, and a
+    # row repeated 99,998 sequences apart is named.
+    batch = 100_000
+    q = np.zeros((batch, 1, 1, 1), np.float32)
+    caches = np.zeros((2, batch, 2, 1, 1), np.float32)
+    rows = np.arange(batch, dtype=np.int32)[::-1].copy()
+    new = np.ones((batch, 1, 1, 1), np.float32)
+    attncore.flash_attn_with_kvcache(q, *caches, k=new, v=new, cache_seqlens=0,
+                                     cache_batch_idx=rows)
+    assert caches[0][:, 0].all() and not caches[0][:, 1].any()
+    rows[-1] = rows[1]
+    raises(ValueError, lambda: attncore.flash_attn_with_kvcache(
+        q, *caches, k=new, v=new, cache_seqlens=1, cache_batch_idx=rows),
+        f"cache_batch_idx[1]=cache_batch_idx[{batch - 1}]={rows[1]}, expected distinct rows")
+    assert not caches[0][:, 1].any()  # nothing appended by the refused call
+
+
+def test_a_scale_at_most_zero_refuses_a_query_product_that_would_not_fit():
+    # A scale <= 0 is applied as the query times its sign (the library takes scale > 0): over
+    # a broadcast query that product is refused up front, not attempted.
+    limit = attncore._core.memory_limit()[0]
+    q = broadcast_query(limit)
+    kc, vc = torch.zeros(1, 4, 1, q.shape[-1]), torch.zeros(1, 4, 1, 1)
+    for scale in (-1.0, 0.0):
+        raises(MemoryError, lambda: attncore.flash_attn_with_kvcache(
+            q, kc, vc, cache_seqlens=4, softmax_scale=scale),
+               "query needs a contiguous copy larger than", "a scale <= 0")
+    raises(MemoryError, lambda: attncore.torch.flash_attn_func(q, kc, kc, softmax_scale=-1.0),
+           "query needs a contiguous copy larger than")
+    out = attncore.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=4, softmax_scale=0.5)
+    assert out.shape == (1, 1, q.shape[2], 1)
+
+
+def test_errors_of_the_per_sequence_calls_keep_their_kind():
+    # The paged varlen call and PagedAttention.forward rename the errors of the calls they
+    # make; numpy's MemoryError subclass (built from more than a message) stays a MemoryError.
+    error = np.core._exceptions._ArrayMemoryError((4,), np.dtype(np.float32))
+    renamed = _paged._naming("flash_attn_varlen_func", error)
+    assert isinstance(renamed, MemoryError), type(renamed)
+    assert str(renamed) == str(error)  # (its message has no "<call>: " to rename)
+    renamed = _paged._naming("flash_attn_varlen_func", ValueError("forward: k_cache has shape"))
+    assert type(renamed) is ValueError and str(renamed) == "flash_attn_varlen_func: k has shape"
+
+
+def test_rotary_tables_must_be_float_and_their_conversion_must_fit():
+    q = np.zeros((1, 1, 1, 4), np.float32)
+    caches = np.zeros((2, 1, 4, 1, 4), np.float32)
+    new = np.ones((1, 1, 1, 4), np.float32)
+    for table in (np.ones((4, 2), np.complex64), np.ones((4, 2), bool),
+                  torch.ones(4, 2, dtype=torch.complex64), np.ones((4, 2), np.int32)):
+        raises(ValueError, lambda: attncore.flash_attn_with_kvcache(
+            q, *caches, k=new, v=new, rotary_cos=table, rotary_sin=table, cache_seqlens=0),
+               "rotary_cos has the wrong dtype", "expected a float dtype")
+    assert not caches.any()
+    limit = attncore._core.memory_limit()[0]
+    rows = int(limit // 16) + 1
+    wide = np.broadcast_to(np.ones((1, 4), np.float64), (rows, 4))  # [rows, 4] f64, stride 0
+    raises(MemoryError, lambda: attncore.flash_attn_with_kvcache(
+        q, *caches, k=new, v=new, rotary_cos=wide, rotary_sin=wide, cache_seqlens=0),
+           "rotary_cos needs a contiguous copy larger than", "pass it as float32")
+    half = np.ones((4, 2), np.float16)  # converted exactly: as the float32 table
+    got = attncore.flash_attn_with_kvcache(q + 1, *caches, k=new, v=new, rotary_cos=half,
+                                           rotary_sin=half * 0, cache_seqlens=0)
+    want = attncore.flash_attn_with_kvcache(q + 1, *np.zeros((2, 1, 4, 1, 4), np.float32),
+                                            k=new, v=new, rotary_cos=half.astype(np.float32),
+                                            rotary_sin=np.zeros((4, 2), np.float32),
+                                            cache_seqlens=0)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_lazily_negated_tensors_are_resolved_only_where_the_copy_fits():
+    limit = attncore._core.memory_limit()[0]
+    q = broadcast_query(limit)
+    kc, vc = torch.zeros(1, 4, 1, q.shape[-1]), torch.zeros(1, 4, 1, 1)
+    raises(MemoryError, lambda: attncore.flash_attn_with_kvcache(
+        torch._neg_view(q), kc, vc, cache_seqlens=4), "q needs a contiguous copy larger than",
+           "resolve_neg")
+    small = torch.randn(1, 3, 2, 8)
+    neg = torch._neg_view(small)
+    got = attncore.flash_attn_with_kvcache(neg, kc[..., :8].clone() + 1, vc.clone(),
+                                           cache_seqlens=2)
+    want = attncore.flash_attn_with_kvcache(-small, kc[..., :8].clone() + 1, vc.clone(),
+                                            cache_seqlens=2)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_paged_attention_refuses_page_table_entries_past_int32_and_overlapping_caches():
+    attn = attncore.torch.PagedAttention(4, 4, 1)
+    attn.reserve(0, 4)
+    cache = torch.arange(16.0).reshape(1, 1, 16, 1).expand(1, 1, 16, 4).contiguous()
+    q = torch.zeros(1, 1, 1, 4)
+    attn.page_table[0, 0] = 2 ** 32 + 3  # would wrap to page 3 as int32
+    raises(ValueError, lambda: attn.forward(q, cache, cache.clone(), torch.tensor([1])),
+           "page_table is out of range", "page_table[0][0]=4294967299")
+    attn.page_table[0, 0] = 0
+    base = torch.zeros(64)
+    overlapping = base.as_strided((1, 1, 16, 4), (64, 4, 1, 1))  # rows one element apart
+    raises(ValueError, lambda: attn.assign(torch.tensor([0]), torch.tensor([[0, 1]]),
+                                           torch.ones(1, 1, 2, 4), torch.ones(1, 1, 2, 4),
+                                           overlapping, torch.zeros(1, 1, 16, 4)),
+           "k_cache is an output whose elements may overlap")
+    assert not base.any()
+
+
+def test_assign_refuses_more_positions_than_were_reserved_before_copying_them():
+    cache = attncore.PagedKVCache(4, 2, 1, 4, 1)
+    cache.reserve(0, 3)
+    positions = np.broadcast_to(np.zeros(1, np.int64), (2 ** 30,))  # 4 GiB as int32
+    rows = np.broadcast_to(np.zeros((1, 1, 4), np.float32), (2 ** 30, 1, 4))
+    raises(ValueError, lambda: cache.assign(0, positions, rows, rows),
+           "input_pos has more entries than batch_idx=0 reserved (len(input_pos)=1073741824, "
+           "expected <= capacity=4); reserve first")
+
+
+def test_messages_name_what_the_caller_passed():
+    q = np.ones((2, 1, 1, 4), np.float32)
+    kc = np.ones((2, 8, 1, 4), np.float32)
+    raises(ValueError, lambda: attncore.flash_attn_with_kvcache(q, kc.astype(bool), kc,
+                                                                cache_seqlens=3),
+           "k_cache has the wrong dtype for the query (k_cache=bool")
+    huge = np.broadcast_to(np.zeros(4, np.float32), (2, 2 ** 40, 1, 4))
+    raises(ValueError, lambda: attncore.flash_attn_with_kvcache(q, huge, huge),
+           "k_cache has more slots than cache_seqlens' default can count "
+           "(capacity=1099511627776", "pass cache_seqlens")
+    raises(ValueError, lambda: attncore.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=3,
+                                                                alibi_slopes=1.0),
+           "alibi_slopes has shape []")
+    z = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
+    raises(ValueError, lambda: attncore.flash_attn_with_kvcache(
+        z(1, 1, 2, 4), z(1, 8, 2, 4), z(1, 8, 2, 6), z(1, 1, 2, 4), z(1, 1, 2, 4),
+        cache_seqlens=0), "v has shape [1, 1, 2, 4], expected [1, 1, 2, 6]")
+    # A block table as nested lists of ints: int32, in the paged varlen call too.
+    pool = np.random.default_rng(2).standard_normal((4, 4, 1, 4)).astype(np.float32)
+    args = (np.ones((2, 1, 4), np.float32), pool, pool, np.array([0, 1, 2], np.int32),
+            np.array([0, 5, 10], np.int32), 1, 5)
+    np.testing.assert_array_equal(
+        attncore.flash_attn_varlen_func(*args, block_table=[[0, 1], [2, 3]]),
+        attncore.flash_attn_varlen_func(*args, block_table=np.array([[0, 1], [2, 3]], np.int32)))
