@@ -188,13 +188,15 @@ def _refuse_no_numbers(dtype, op, name):
 
 def _from_sequence(x, op, name):
     """A numpy array of numbers made from a non-array object (a sequence, a scalar, a buffer),
-    else TypeError (not numbers) or ValueError (ragged)."""
+    else TypeError (not numbers) or ValueError (ragged, numpy's words as its cause). An error
+    the object itself raises while it is read (MemoryError, RuntimeError, ...) is left as it
+    is."""
     try:
         array = np.asarray(x)
-    except ValueError:
+    except ValueError as e:
         raise ValueError(f"{op}: {name} is a ragged sequence (type={_type_name(x)}, expected "
-                         "nested sequences of equal lengths)") from None
-    except Exception:
+                         "nested sequences of equal lengths)") from e
+    except TypeError:
         array = None
     if array is None or array.dtype.kind not in _NUMBER_KINDS:
         raise TypeError(f"{op}: {name} is not an array (type={_type_name(x)}, expected "
@@ -466,9 +468,14 @@ class _Torch:
     @staticmethod
     def to_core(x):
         """What attncore._core reads: the tensor without autograd (DLPack refuses tensors that
-        require grad); bool as uint8 (torch 1.13 cannot export bool through DLPack)."""
+        require grad); bool as uint8 (torch 1.13 cannot export bool through DLPack), so a
+        uint8 tensor of the caller's goes as a numpy view (the buffer protocol: refused as
+        uint8, never taken for a bool mask)."""
         x = x.detach()
-        return x.view(_torch().uint8) if x.dtype == _torch().bool else x
+        torch = _torch()
+        if x.dtype == torch.uint8:
+            return x.numpy()
+        return x.view(torch.uint8) if x.dtype == torch.bool else x
 
 
 def _torch_from_numpy(x, op, name):

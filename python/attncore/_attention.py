@@ -60,7 +60,9 @@ def _resolve_call(op, *, scale, causal, window_size, softcap, dropout_p, seed, o
         if not draw_seed:
             raise ValueError(f"{op}: dropout needs the forward call's seed (seed=None, expected "
                              "the (seed, offset) attncore.get_rng_state() gave before it)")
-        offset = None
+        if offset is not None:  # (the generator gives both, or the caller does)
+            raise ValueError(f"{op}: offset is set without seed (offset={offset}, expected "
+                             "seed with it, or neither: then the generator gives both)")
     elif offset is None:
         offset = 0
     return Call(scale=scale, causal=causal, window_size=window, softcap=softcap,
@@ -81,8 +83,10 @@ class _Form:
                              "([..., H, L, D]) or 'blhd' ([..., L, H, D]))")
         self.lib, self.op, self.layout = lib, op, layout
         self.late = _arrays.LateCopies(op)
-        # (L, D) in layout bhld: one sequence, one head.
-        self.unbatched = layout == "bhld" and query.ndim == 2
+        # (L, D) in layout bhld: one sequence, one head; unbatched when all three are (the
+        # result then has no batch or head dim; else it has the batch dims they broadcast to).
+        self.caller_ranks = (query.ndim, key.ndim, value.ndim)
+        self.unbatched = layout == "bhld" and self.caller_ranks == (2, 2, 2)
         q, k, v = (self._bhld(x, name) for x, name in
                    ((query, "query"), (key, "key"), (value, "value")))
         # Batch dims broadcast between query, key and value, as in torch's math path; the
@@ -127,11 +131,15 @@ class _Form:
         """The gradient of input `index` (0 query, 1 key, 2 value) in the caller's layout,
         summed over the batch dims that input was broadcast along."""
         batch = self.input_batches[index]
-        if batch == self.batch or self.unbatched:
+        if self.unbatched:
             return grad
-        rest = tuple(grad.shape[len(self.batch):])
-        padded = (1,) * (len(self.batch) - len(batch)) + batch
-        return self.lib.reshape(self.lib.sum_to(grad, padded + rest), batch + rest)
+        if batch != self.batch:
+            rest = tuple(grad.shape[len(self.batch):])
+            padded = (1,) * (len(self.batch) - len(batch)) + batch
+            grad = self.lib.reshape(self.lib.sum_to(grad, padded + rest), batch + rest)
+        if self.caller_ranks[index] == 2:  # (L, D) among batched inputs: [1, L, D] back
+            grad = self.lib.reshape(grad, tuple(grad.shape[-2:]))
+        return grad
 
     def _fold(self, x, name, unit_last=True):
         """[..., H, L, D] -> [B, H, L, D] (unit_last: with a last stride of 1): a view, or a
@@ -167,7 +175,10 @@ class _Form:
         if tuple(lse.shape) != expected:
             raise ValueError(f"{self.op}: softmax_lse has shape {list(lse.shape)}, expected "
                              f"{list(expected)} ([..., Hq, Lq])")
-        return self.lib.reshape(lse, (self.batch_size, self.heads_q, self.seqlen_q))
+        shape = (self.batch_size, self.heads_q, self.seqlen_q)
+        if self.unbatched:
+            return self.lib.reshape(lse, shape)  # [Lq] -> [1, 1, Lq]: a view
+        return self.late.fold(self.lib, lse, shape, "softmax_lse", unit_last=False)
 
     def _mask_padded_shape(self, mask):
         """The mask's shape with leading 1s up to the scores' rank, checked to broadcast."""
@@ -200,9 +211,11 @@ class _Form:
         return self.lib.reshape(dbias4, tuple(mask.shape))
 
     def alibi(self, slopes):
-        """ALiBi slopes [Hq] or [..., Hq] -> [Hq] or [B, Hq]."""
+        """ALiBi slopes [Hq] or [..., Hq] -> [Hq] or [B, Hq]: a view, or a stand-in for its
+        copy (batch dims that fold into one only in a copy)."""
         if slopes.ndim >= 2 and tuple(slopes.shape[:-1]) == self.batch:
-            return self.lib.reshape(slopes, (self.batch_size, slopes.shape[-1]))
+            return self.late.fold(self.lib, slopes, (self.batch_size, slopes.shape[-1]),
+                                  "alibi_slopes", unit_last=False)
         return slopes
 
 
@@ -242,7 +255,7 @@ def _prepare(op, query, key, value, *, layout, attn_mask, alibi_slopes, draw_see
                               call.checked_options())
     if check_forward:
         form.q4, form.k4, form.v4 = (form.late.real(x) for x in (form.q4, form.k4, form.v4))
-        mask4 = form.late.real(mask4)
+        mask4, alibi = form.late.real(mask4), form.late.real(alibi)
     return _Prepared(lib, give_back, form, call, mask, mask4, alibi)
 
 
@@ -313,9 +326,10 @@ def attention_backward(dout, query, key, value, out, softmax_lse, *, layout="bhl
         _core.explain_backward(*(lib.to_core(x) for x in arrays[:6]),
                                core_or_none(lib, p.mask4), core_or_none(lib, p.alibi),
                                want_dbias, p.call.checked_options())
-    dout4, q4, k4, v4, out4, lse3, mask4 = (form.late.real(x) for x in arrays)
+    dout4, q4, k4, v4, out4, lse3, mask4, alibi = (form.late.real(x)
+                                                   for x in arrays + (p.alibi,))
     dq4, dk4, dv4, dbias4 = backward4(lib, dout4, times(q4, factor, "attention_backward"), k4,
-                                      v4, out4, lse3, mask4, p.alibi, p.call, want_dbias)
+                                      v4, out4, lse3, mask4, alibi, p.call, want_dbias)
     grads = [form.reduce_to_input(form.to_caller(g), i)
              for i, g in enumerate((times(dq4, factor, "attention_backward"), dk4, dv4))]
     if want_dbias:
@@ -366,10 +380,13 @@ def _run(lib, kernel, split, sources):
     return kernel.forward(lib, *split(*sources))
 
 
-def dense_packed(op, sources, split, *, alibi_slopes, **options):
+def dense_packed(op, sources, split, *, alibi_slopes, extra_outputs=None, **options):
     """A dense call on rank-4 views split(*sources) = (q4 [B, Hq, Lq, D], k4 [B, Hkv, Lk, D],
     v4 [B, Hkv, Lk, Dv]) with attention()'s options (no mask): a Packed with out4 and lse3.
-    sources: {name: array} in split's argument order, named as in error messages."""
+    sources: {name: array} in split's argument order, named as in error messages.
+    extra_outputs(lib, views, seqs): (shape, dtype name) specs of arrays the caller makes
+    from the result (flash-attn's S_dmask), checked against the memory this process may use
+    before the call runs or draws a seed."""
     call = _resolve_call(op, draw_seed=True, **options)
     lib, give_back, late, sources = _adopt_sources(op, sources)
     alibi = alibi_array(lib, op, alibi_slopes)
@@ -378,6 +395,8 @@ def dense_packed(op, sources, split, *, alibi_slopes, **options):
                               core_or_none(lib, alibi), call.checked_options())
         sources = tuple(late.real(s) for s in sources)
     q4, k4, _ = views = split(*sources)
+    if extra_outputs is not None:
+        _arrays.check_new_arrays(op, *extra_outputs(lib, views, None))
     batch, heads_q, seqlen_q, _ = q4.shape
     with _random.seeded(call, batch * heads_q * seqlen_q * k4.shape[2], lib.is_torch) as call:
         kernel = DenseKernel(alibi, call)
@@ -386,10 +405,10 @@ def dense_packed(op, sources, split, *, alibi_slopes, **options):
 
 
 def varlen_packed(op, sources, split, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                  seqused_k, attn_mask, alibi_slopes, **options):
+                  seqused_k, attn_mask, alibi_slopes, extra_outputs=None, **options):
     """A variable-length call on views split(*sources) = (q [total_q, Hq, D],
     k [total_k, Hkv, D], v [total_k, Hkv, Dv]) with attention_varlen()'s options: a Packed.
-    sources: {name: array}, as for dense_packed."""
+    sources and extra_outputs as for dense_packed."""
     call = _resolve_call(op, draw_seed=True, **options)
     lib, give_back, late, sources = _adopt_sources(op, sources)
     seqs = Seqs.of(op, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
@@ -401,6 +420,8 @@ def varlen_packed(op, sources, split, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
                                      core_or_none(lib, alibi), call.checked_options())
         sources = tuple(late.real(s) for s in sources)
     q, _, _ = views = split(*sources)
+    if extra_outputs is not None:
+        _arrays.check_new_arrays(op, *extra_outputs(lib, views, seqs))
     heads_q = q.shape[1] if q.ndim == 3 else 0
     positions = (seqs.batch_size * heads_q * max(seqs.max_seqlen_q, 0) *
                  max(seqs.max_seqlen_k, 0))

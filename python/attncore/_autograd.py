@@ -117,8 +117,9 @@ class PackedAttentionFunction(_torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         *sources, out, lse = ctx.saved_tensors
         lib = _arrays.TORCH
-        grads = [_arrays.empty_in_order_of(lib, s, tuple(s.shape), lib.dtype_name(s))
-                 for s in sources]
+        specs = [(tuple(s.shape), lib.dtype_name(s)) for s in sources]
+        _arrays.check_new_arrays("backward", *specs)  # (a broadcast source: a large gradient)
+        grads = [_arrays.empty_in_order_of(lib, s, *spec) for s, spec in zip(sources, specs)]
         dout = lib.unit_last_stride(dout, "backward", "dout")
         ctx.kernel.backward_into(lib, dout, *ctx.split(*sources), out, lse, *ctx.split(*grads))
         needed = ctx.needs_input_grad[2:]

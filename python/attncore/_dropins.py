@@ -5,13 +5,14 @@ semantics, mapped onto attncore's calls (_attention). Packed inputs (qkv, kv) ar
 through views of their slices; under torch autograd their gradient is one packed tensor."""
 
 import dataclasses
+import numbers
 
 import numpy as np
 
 from . import _arrays, _core, _nested
 from ._attention import attention, dense_packed, separate, varlen_packed
 from ._rank4 import (Call, DenseKernel, bool_option, check_blhd, check_sdpa_mask, forward4,
-                     real_option)
+                     real_option, sdpa_enable_gqa)
 from ._merge import refuse_grad
 from ._paged import varlen_paged
 from ._varlen import VarlenKernel
@@ -49,12 +50,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         mask_lib, mask, _ = _arrays.adopt(attn_mask, op, "attn_mask")
         query_lib, query, _ = _arrays.adopt(query, op, "query")
         check_sdpa_mask(op, is_causal, mask_lib.dtype_name(mask), query_lib.dtype_name(query))
-    heads_kv = {s[-3] if len(s) >= 3 else 1 for s in (_arrays.shape_of(key, op, "key"),
-                                                        _arrays.shape_of(value, op, "value"))}
     return attention(query, key, value, layout="bhld", scale=scale, causal=causal,
-                     attn_mask=attn_mask,
-                     dropout_p=dropout_p, enable_gqa=enable_gqa or heads_kv == {1},
-                     backend=backend, _op=op)
+                     attn_mask=attn_mask, dropout_p=dropout_p,
+                     enable_gqa=sdpa_enable_gqa(op, key, value, enable_gqa), backend=backend,
+                     _op=op)
 
 
 def _fast(query, key, value, mask, blhd, causal, scale, window_size, softcap, dropout_p,
@@ -143,6 +142,31 @@ def _varlen_result(r, return_attn_probs):
         return out
     probs = _probs_varlen if r.kernel.call.dropout_p else None
     return out, r.give_back(r.lse), r.give_back(_s_dmask(r, probs))
+
+
+def _s_dmask_specs(lib, views, seqs):
+    """The arrays _s_dmask makes with dropout ((shape, dtype name) specs, checked before the
+    call: a refused call draws no seed): the identity or unit rows, the probabilities, the
+    keep mask's output and S_dmask itself. seqs: a varlen call's, else None (dense)."""
+    q, k, _ = views
+    dtype = lib.dtype_name(q)
+    if seqs is None:  # q [B, Hq, Lq, D], k [B, Hkv, Lk, D]
+        scores = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        inputs = ((k.shape[2], k.shape[2]), dtype)
+    else:  # q [total_q, Hq, D], k [total_k, Hkv, D]
+        heads_q = q.shape[1] if len(q.shape) == 3 else 0
+        scores = (seqs.batch_size, heads_q, max(seqs.max_seqlen_q, 0), max(seqs.max_seqlen_k, 0))
+        inputs = ((k.shape[0] if len(k.shape) == 3 else 0, 1, scores[3]), dtype)
+    return [inputs, (scores, dtype), ((scores[3], scores[3]), "float32"), (scores, "float32"),
+            (scores, dtype)]
+
+
+def _s_dmask_check(dropout_p, return_attn_probs):
+    """extra_outputs for dense_packed / varlen_packed: S_dmask's arrays, with dropout."""
+    # (A dropout_p of another type is refused by the call's own checks.)
+    if return_attn_probs and isinstance(dropout_p, numbers.Real) and dropout_p > 0:
+        return _s_dmask_specs
+    return None
 
 
 def _s_dmask(r, probs):
@@ -262,6 +286,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     check_blhd(op, *((name, _arrays.shape_of(x, op, name)) for x, name in
                      ((q, "q"), (k, "k"), (v, "v"))), "[B, Lk, Hkv, D]")
     r = dense_packed(op, {"q": q, "k": k, "v": v}, _dense_separate, alibi_slopes=alibi_slopes,
+                     extra_outputs=_s_dmask_check(dropout_p, return_attn_probs),
                      **_flash_options(op, softmax_scale, causal, window_size, softcap, dropout_p,
                                       backend))
     return _dense_result(r, return_attn_probs)
@@ -280,6 +305,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     causal, return_attn_probs = _flash_flags(op, causal, deterministic, return_attn_probs)
     _check_shape(op, "qkv", qkv, "[B, L, 3, H, D]", 5, 2, 3)
     r = dense_packed(op, {"qkv": qkv}, _dense_qkv, alibi_slopes=alibi_slopes,
+                     extra_outputs=_s_dmask_check(dropout_p, return_attn_probs),
                      **_flash_options(op, softmax_scale, causal, window_size, softcap, dropout_p,
                                       backend))
     return _dense_result(r, return_attn_probs)
@@ -301,6 +327,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     check_blhd(op, ("q", _arrays.shape_of(q, op, "q")), ("kv", _arrays.shape_of(kv, op, "kv")),
                None, "[B, Lk, 2, Hkv, D]")
     r = dense_packed(op, {"q": q, "kv": kv}, _dense_q_kv, alibi_slopes=alibi_slopes,
+                     extra_outputs=_s_dmask_check(dropout_p, return_attn_probs),
                      **_flash_options(op, softmax_scale, causal, window_size, softcap, dropout_p,
                                       backend))
     return _dense_result(r, return_attn_probs)
@@ -339,6 +366,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     r = varlen_packed(op, {"q": q, "k": k, "v": v}, separate, cu_seqlens_q, cu_seqlens_k,
                       max_seqlen_q, max_seqlen_k, seqused_k=seqused_k, attn_mask=None,
                       alibi_slopes=alibi_slopes,
+                      extra_outputs=_s_dmask_check(dropout_p, return_attn_probs),
                       **_flash_options(op, softmax_scale, causal, window_size, softcap,
                                        dropout_p, backend))
     return _varlen_result(r, return_attn_probs)
@@ -372,6 +400,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     _check_shape(op, "qkv", qkv, "[total, 3, H, D]", 4, 1, 3)
     r = varlen_packed(op, {"qkv": qkv}, _varlen_qkv, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                       seqused_k=seqused_k, attn_mask=None, alibi_slopes=alibi_slopes,
+                      extra_outputs=_s_dmask_check(dropout_p, return_attn_probs),
                       **_flash_options(op, softmax_scale, causal, window_size, softcap,
                                        dropout_p, backend))
     return _varlen_result(r, return_attn_probs)
@@ -395,6 +424,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     r = varlen_packed(op, {"q": q, "kv": kv}, _varlen_q_kv, cu_seqlens_q, cu_seqlens_k,
                       max_seqlen_q, max_seqlen_k, seqused_k=seqused_k, attn_mask=None,
                       alibi_slopes=alibi_slopes,
+                      extra_outputs=_s_dmask_check(dropout_p, return_attn_probs),
                       **_flash_options(op, softmax_scale, causal, window_size, softcap,
                                        dropout_p, backend))
     return _varlen_result(r, return_attn_probs)

@@ -91,6 +91,15 @@ def check_sdpa_mask(op, is_causal, mask_dtype, query_dtype):
                          f"bool, float32 or query's {query_dtype})")
 
 
+def sdpa_enable_gqa(op, key, value, enable_gqa):
+    """torch's scaled_dot_product_attention's heads rule as attention()'s enable_gqa: key and
+    value with one head (or no head dim) serve every query head, as torch's broadcasting does,
+    whatever enable_gqa says."""
+    heads_kv = {s[-3] if len(s) >= 3 else 1 for s in (_arrays.shape_of(key, op, "key"),
+                                                        _arrays.shape_of(value, op, "value"))}
+    return enable_gqa or heads_kv == {1}
+
+
 def pair(op, name, value, expected):
     """value's two items as a tuple: TypeError for what is no sequence (a number; a string, a
     dict or a set, whose characters, keys or order would be taken), ValueError for a sequence

@@ -118,6 +118,39 @@ def index_put_first_axis(values, indices, first_axis_dim):
     return _put_rows(op, values, "values", indices, first_axis_dim, "first_axis_dim")
 
 
+_INT32_MAX = 2 ** 31 - 1
+# Elements of a mask counted at a time (torch sums a bool tensor through an int64 copy of it:
+# 64 MiB a piece).
+_COUNT_PIECE = 1 << 23
+
+
+def _row_counts(mask):
+    """The True elements of each row of a bool [B, L] mask, int64 [B], counted in pieces."""
+    batch, seqlen = mask.shape
+    counts = torch.zeros(batch, dtype=torch.int64, device=mask.device)
+    columns = max(1, min(seqlen, _COUNT_PIECE))
+    rows = max(1, _COUNT_PIECE // columns)
+    for r0 in range(0, batch, rows):
+        for c0 in range(0, seqlen, columns):
+            counts[r0:r0 + rows] += mask[r0:r0 + rows, c0:c0 + columns].sum(dim=-1)
+    return counts
+
+
+def _check_unused_last(op, used, kept):
+    """ValueError unless each sequence's unused slots (kept, not used) all come after its
+    real tokens: the varlen functions read a sequence's first seqused tokens as its keys."""
+    unused = (kept & ~used).to(torch.uint8)  # [B, L]
+    first_unused = unused.argmax(dim=-1)  # (0 where none)
+    last_used = used.shape[-1] - 1 - used.to(torch.uint8).flip(-1).argmax(dim=-1)
+    bad = unused.any(dim=-1) & used.any(dim=-1) & (first_unused < last_used)
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0])
+        raise ValueError(f"{op}: unused_mask marks a slot before a real token (sequence {b}: "
+                         f"unused_mask[{b}][{int(first_unused[b])}] is before attention_mask"
+                         f"[{b}][{int(last_used[b])}], expected each sequence's unused slots "
+                         "after its real tokens)")
+
+
 def unpad_input(hidden_states, attention_mask, unused_mask=None):
     """The tokens of a padded batch, packed. hidden_states [B, L, ...]; attention_mask [B, L]
     (bool or 0/1 numbers; nonzero: a real token); unused_mask [B, L] or None: slots that are
@@ -131,17 +164,24 @@ def unpad_input(hidden_states, attention_mask, unused_mask=None):
     op = "unpad_input"
     hidden_states = _tensor(op, "hidden_states", hidden_states, 2, "[B, L, ...]")
     batch, seqlen = hidden_states.shape[:2]
-    _arrays.check_new_arrays(op, ((batch, seqlen), "bool"))
+    # The masks as bool, their union, and (with unused_mask) two byte copies for its check.
+    _arrays.check_new_arrays(op, *[((batch, seqlen), "bool")] * (5 if unused_mask is not None
+                                                                 else 2))
     used = _mask(op, "attention_mask", attention_mask, hidden_states)
     kept = used
     if unused_mask is not None:
         kept = used | _mask(op, "unused_mask", unused_mask, hidden_states)
-    lengths = kept.sum(dim=-1, dtype=torch.int32)
-    seqused = used.sum(dim=-1, dtype=torch.int32)
+        _check_unused_last(op, used, kept)
+    lengths = _row_counts(kept)
+    starts = torch.cumsum(lengths, dim=0)
+    total = int(starts[-1]) if batch else 0
+    if total > _INT32_MAX:
+        raise ValueError(f"{op}: attention_mask keeps too many tokens (total={total}, expected "
+                         f"<= {_INT32_MAX}: cu_seqlens are int32)")
+    seqused = _row_counts(used).to(torch.int32)
     cu_seqlens = torch.zeros(batch + 1, dtype=torch.int32, device=lengths.device)
-    torch.cumsum(lengths, dim=0, dtype=torch.int32, out=cu_seqlens[1:])
+    cu_seqlens[1:] = starts.to(torch.int32)
     max_seqlen = int(lengths.max().item()) if lengths.numel() else 0
-    total = int(cu_seqlens[-1])
     _arrays.check_new_arrays(op, ((total,), "int64"),
                              ((total,) + tuple(hidden_states.shape[2:]),
                               _dtype_name(hidden_states)))

@@ -196,8 +196,10 @@ void forward_impl(const Params& p, const Launch& launch, const GemmTarget& targe
     Products<T> gemm;
   };
   std::vector<T> k_buf, v_buf, v_clean_buf;
+  if (lq == 0) return;  // no query row: nothing to write (and no K/V to gather)
   for (std::int64_t b = b_begin; b < b_end; ++b) {
     for (std::int64_t kv_head = 0; kv_head < p.heads_kv; ++kv_head) {
+      launch.check_cancel();  // (a head's gathers copy up to all of its K and V)
       const Matrix<T> k =
           head_rows<T>(target, a.k, b, kv_head, 0, lk, d, k_buf, threads);  // [Lk, D]
       const Matrix<T> v =
@@ -281,13 +283,14 @@ void backward_impl(const Params& p, const Launch& launch, const GemmTarget& targ
     for (std::int64_t kv_head = 0; kv_head < p.heads_kv; ++kv_head) {
       std::fill(dk.begin(), dk.end(), T(0));
       std::fill(dvv.begin(), dvv.end(), T(0));
-      const Matrix<T> k =
-          head_rows<T>(target, a.k, b, kv_head, 0, lk, d, k_buf, threads);  // [Lk, D]
-      const Matrix<T> v =
-          head_rows<T>(target, a.v, b, kv_head, 0, lk, dv, v_buf, threads);  // [Lk, Dv]
-      Matrix<T> k_clean = k;  // [Lk, D]: k without the rows in bad_k (for dQ)
+      launch.check_cancel();  // (a head's gathers copy up to all of its K and V)
+      // No query row: dK and dV stay 0, and no key is gathered or read.
+      const std::int64_t keys = lq > 0 ? lk : 0;
+      const Matrix<T> k = head_rows<T>(target, a.k, b, kv_head, 0, keys, d, k_buf, threads);
+      const Matrix<T> v = head_rows<T>(target, a.v, b, kv_head, 0, keys, dv, v_buf, threads);
+      Matrix<T> k_clean = k;  // [keys, D]: k without the rows in bad_k (for dQ)
       const std::vector<std::int64_t> bad_k =
-          hidden_nonfinite_rows(p, k, lk, d, k_clean_buf, k_clean);
+          hidden_nonfinite_rows(p, k, keys, d, k_clean_buf, k_clean);
       for (std::int64_t h = kv_head * p.group; h < (kv_head + 1) * p.group && lq > 0; ++h) {
         if (lk == 0) {
           std::vector<T> zeros(static_cast<std::size_t>(lq * d), T(0));

@@ -246,23 +246,26 @@ def test_dropout_s_dmask_and_gradients(dtype, backend):
     assert abs(kept - (1 - p)) < 0.05
 
 
-def test_dropout_s_dmask_sizes_are_checked_before_allocating():
-    """S_dmask's helper arrays are checked against the memory this process may use: the unit
-    rows [total_k, 1, max_seqlen_k] (one query row over 2^20 keys: 2^42 bytes) and the
-    identity [max_seqlen_k, max_seqlen_k] of the keep mask (4 keys, max_seqlen_k = 2^20)."""
+def test_dropout_s_dmask_sizes_are_checked_before_the_call():
+    """S_dmask's arrays are checked against the memory this process may use before the call
+    runs or draws a seed: the unit rows [total_k, 1, max_seqlen_k] and the identity
+    [max_seqlen_k, max_seqlen_k] of the keep mask (one query row over 2^20 keys: 2^42 bytes
+    each), and the identity alone (4 keys, max_seqlen_k = 2^20)."""
     q = torch.ones(1, 1, 8)
     keys = torch.ones(1, 1, 8).expand(2**20, 1, 8)  # stride 0: nothing of this size exists
     cu_q = torch.tensor([0, 1], dtype=torch.int32)
     pattern = (r"^flash_attn_varlen_func: the outputs exceed the memory this process may use "
                r"\(outputs={} bytes")
-    with pytest.raises(MemoryError, match=pattern.format(r"4.398e\+12")):
+    state = attncore.get_rng_state()
+    with pytest.raises(MemoryError, match=pattern.format(r"8.796e\+12")):
         attncore.flash_attn_varlen_func(q, keys, keys, cu_q, torch.tensor([0, 2**20],
                                                                           dtype=torch.int32),
                                         1, 2**20, dropout_p=0.1, return_attn_probs=True)
     with pytest.raises(MemoryError, match=pattern.format(r"4.398e\+12")):
-        attncore.flash_attn_varlen_func(q, keys[:4], keys[:4], cu_q,
-                                        torch.tensor([0, 4], dtype=torch.int32), 1, 2**20,
+        attncore.flash_attn_varlen_func(q.numpy(), keys[:4].numpy(), keys[:4].numpy(),
+                                        cu_q.numpy(), np.array([0, 4], np.int32), 1, 2**20,
                                         dropout_p=0.1, return_attn_probs=True)
+    assert attncore.get_rng_state() == state  # a refused call draws nothing
 
 
 def test_dropout_s_dmask_dense():
