@@ -41,7 +41,10 @@ def _resolve_call(op, *, scale, causal, window_size, softcap, dropout_p, seed, o
     library's options can hold (the library checks the rest). A call with dropout and no seed
     gets seed None when it may draw one (draw_seed; _random.seeded draws it)."""
     causal = "none" if causal is None or causal is False else causal
-    if not isinstance(causal, str) or causal not in CAUSAL:
+    if not isinstance(causal, str):  # (True: which diagonal is not said)
+        raise TypeError(f"{op}: causal is not a string (type={type(causal).__name__}, expected "
+                        "None, 'upper-left' or 'lower-right')")
+    if causal not in CAUSAL:
         raise ValueError(f"{op}: causal is invalid (causal={causal!r}, expected None, "
                          "'upper-left' or 'lower-right')")
     window = _window(op, window_size)
@@ -78,6 +81,9 @@ class _Form:
     stand-in (late: _arrays.LateCopies)."""
 
     def __init__(self, lib, op, layout, query, key, value):
+        if not isinstance(layout, str):
+            raise TypeError(f"{op}: layout is not a string (type={type(layout).__name__}, "
+                            "expected 'bhld' or 'blhd')")
         if layout not in LAYOUTS:
             raise ValueError(f"{op}: layout is invalid (layout={layout!r}, expected 'bhld' "
                              "([..., H, L, D]) or 'blhd' ([..., L, H, D]))")

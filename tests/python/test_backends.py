@@ -53,14 +53,15 @@ def test_thread_local():
 
 def test_invalid_backends_raise_value_error():
     for bad in ([], "cuda", ["flash", "bogus"]):
-        with pytest.raises(ValueError, match="^(sdpa_kernel|set_enabled_backends): "):
+        with pytest.raises(ValueError, match="^sdpa_kernel: "):
             with sdpa_kernel(bad):
                 pass
     for bad in ([3], 3, None):
         with pytest.raises(TypeError, match=r"^sdpa_kernel: backends? is not a backend"):
             with sdpa_kernel(bad):
                 pass
-    with pytest.raises(ValueError, match=r"backends has an invalid entry \(backend=auto"):
+    with pytest.raises(ValueError, match=r"^sdpa_kernel: backends has no backend to enable "
+                                         r"\(backends=\['auto'\]"):
         with sdpa_kernel("auto"):
             pass
     assert attncore.enabled_backends() == DEFAULT

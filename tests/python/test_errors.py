@@ -151,7 +151,7 @@ INVALID = {
     "alibi-dtype": (lambda: FLASH(fq, fk, fk, alibi_slopes=bhld(4, dtype=np.float64)),
                     r"alibi_slopes has the wrong dtype \(dtype=f64, expected f32"),
     # attncore's own API
-    "causal-name": (lambda: attncore.attention(q, k, v, causal=True), r"causal is invalid"),
+    "causal-name": (lambda: attncore.attention(q, k, v, causal="diagonal"), r"causal is invalid"),
     "layout": (lambda: attncore.attention(q, k, v, layout="bshd"), r"layout is invalid"),
     "backend-name": (lambda: SDPA(q, k, v, backend="cudnn"), r"backend is invalid"),
     "backward-dropout-seed": (
@@ -190,6 +190,11 @@ def _enter(context):
 
 
 WRONG_TYPE = {
+    "causal-bool": (lambda: attncore.attention(q, k, v, causal=True),
+                    r"^attention: causal is not a string \(type=bool, expected None, "
+                    r"'upper-left' or 'lower-right'\)"),
+    "layout-none": (lambda: attncore.attention(q, k, v, layout=None),
+                    r"^attention: layout is not a string \(type=NoneType"),
     "window-scalar": (lambda: FLASH(fq, fk, fk, window_size=3),
                       r"^flash_attn_func: window_size is not a pair \(type=int"),
     "window-floats": (lambda: FLASH(fq, fk, fk, window_size=(1.5, 2.7)),
