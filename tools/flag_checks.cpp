@@ -69,6 +69,14 @@ void check_varlen_flags(const RunConfig& c, const GivenFlags& flags) {
   fits("--seqused-k", c.seqused_k);
 }
 
+void check_threads_flag(const RunConfig& c) {
+  if (c.threads > attncore::kMaxThreads) {
+    throw UsageError{"--threads: " + std::to_string(c.threads) +
+                     " is past the library's maximum (expected <= " +
+                     std::to_string(attncore::kMaxThreads) + ")"};
+  }
+}
+
 void check_cache_flags(const RunConfig& c, const GivenFlags& flags) {
   for (const char* name : {"--new-tokens", "--page-size", "--pages-in-order"}) {
     if (!c.is_cache() && given(flags, name)) {

@@ -387,6 +387,9 @@ GivenFlags parse_flags(const std::vector<std::string>& args, FlagSet command, co
       throw UsageError{(command == kBench ? "unknown bench flag '" : "unknown argument '") +
                        args[i] + "'"};
     }
+    if (std::find(seen.begin(), seen.end(), flag->name) != seen.end()) {
+      throw UsageError{std::string(flag->name) + " is given twice (expected each flag once)"};
+    }
     seen.push_back(flag->name);
     if (flag->value_name.empty()) {
       if (inline_value) throw UsageError{std::string(arg) + " takes no value"};
@@ -476,6 +479,7 @@ RunConfig parse_run_flags(const std::vector<std::string>& args) {
   const GivenFlags flags = parse_flags(args, kRun, {c, unused});
   check_varlen_flags(c, flags);
   check_cache_flags(c, flags);
+  check_threads_flag(c);
   c.finish();
   return c;
 }
@@ -491,6 +495,7 @@ BenchConfig parse_bench_flags(const std::vector<std::string>& args) {
     }
   }
   check_bench_mode_flags(flags);
+  check_threads_flag(c.run);
   if (given(flags, "--points")) check_decode_points(c.sweep.points);
   if (c.sweep.varlen) {
     // One thread unless asked: the comparison is of kernels, not of thread scheduling.
