@@ -461,6 +461,26 @@ TEST(ValidateBaseline, EmptyViewsWithZeroStrides) {
   }
 }
 
+// ALiBi slopes are checked once per slope in memory: a [B, Hq] view broadcast along B (stride
+// 0) holding a NaN is refused naming batch 0; an empty one with null data reads nothing.
+TEST(ValidateBaseline, BroadcastAndEmptySlopes) {
+  const Tensor q(DType::f32, {2, 4, 3, 8});  // [B, Hq, Lq, D]
+  float slopes[4] = {0.5f, std::numeric_limits<float>::quiet_NaN(), 0.25f, 0.125f};
+  Options o;
+  o.alibi_slopes = TensorView::strided(slopes, DType::f32, {2, 4}, {0, 1});
+  try {
+    (void)forward(q, q, q, o);
+    ADD_FAILURE() << "accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("alibi_slopes[0][1]=nan"), std::string::npos) << e.what();
+  }
+  slopes[1] = 1.0f;
+  EXPECT_NO_THROW((void)forward(q, q, q, o));
+  const Tensor empty_q(DType::f32, {0, 4, 3, 8});
+  o.alibi_slopes = TensorView::strided(nullptr, DType::f32, {0, 4}, {0, 0});
+  EXPECT_NO_THROW((void)forward(empty_q, empty_q, empty_q, o));
+}
+
 // Checks an Unsupported error: type, op prefix, "expected" and the key words.
 void expect_unsupported(const std::function<void()>& call, const std::string& op,
                         const std::vector<std::string>& keywords) {

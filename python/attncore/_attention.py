@@ -337,7 +337,8 @@ def attention_backward(dout, query, key, value, out, softmax_lse, *, layout="bhl
     dq4, dk4, dv4, dbias4 = backward4(lib, dout4, times(q4, factor, "attention_backward"), k4,
                                       v4, out4, lse3, mask4, alibi, p.call, want_dbias)
     grads = [form.reduce_to_input(form.to_caller(g), i)
-             for i, g in enumerate((times(dq4, factor, "attention_backward"), dk4, dv4))]
+             for i, g in enumerate((times(dq4, factor, "attention_backward", "dq"), dk4,
+                                                   dv4))]
     if want_dbias:
         grads.append(form.dbias_to_caller(dbias4, p.mask))
     return tuple(p.give_back(g) for g in grads)
@@ -399,10 +400,10 @@ def dense_packed(op, sources, split, *, alibi_slopes, extra_outputs=None, **opti
     if late.waiting:  # the call's checks before any source's copy
         _core.explain_forward(*(lib.to_core(x) for x in split(*sources)), None,
                               core_or_none(lib, alibi), call.checked_options())
-        sources = tuple(late.real(s) for s in sources)
+    if extra_outputs is not None:  # (stand-ins have the shapes and dtypes of their copies)
+        _arrays.check_new_arrays(op, *extra_outputs(lib, split(*sources), None))
+    sources = tuple(late.real(s) for s in sources)
     q4, k4, _ = views = split(*sources)
-    if extra_outputs is not None:
-        _arrays.check_new_arrays(op, *extra_outputs(lib, views, None))
     batch, heads_q, seqlen_q, _ = q4.shape
     with _random.seeded(call, batch * heads_q * seqlen_q * k4.shape[2], lib.is_torch) as call:
         kernel = DenseKernel(alibi, call)
@@ -424,10 +425,10 @@ def varlen_packed(op, sources, split, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         _core.explain_forward_varlen(*(lib.to_core(x) for x in split(*sources)),
                                      *seqs.core_args(), core_or_none(lib, mask),
                                      core_or_none(lib, alibi), call.checked_options())
-        sources = tuple(late.real(s) for s in sources)
+    if extra_outputs is not None:  # (stand-ins have the shapes and dtypes of their copies)
+        _arrays.check_new_arrays(op, *extra_outputs(lib, split(*sources), seqs))
+    sources = tuple(late.real(s) for s in sources)
     q, _, _ = views = split(*sources)
-    if extra_outputs is not None:
-        _arrays.check_new_arrays(op, *extra_outputs(lib, views, seqs))
     heads_q = q.shape[1] if q.ndim == 3 else 0
     positions = (seqs.batch_size * heads_q * max(seqs.max_seqlen_q, 0) *
                  max(seqs.max_seqlen_k, 0))

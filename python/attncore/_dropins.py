@@ -146,19 +146,21 @@ def _varlen_result(r, return_attn_probs):
 
 def _s_dmask_specs(lib, views, seqs):
     """The arrays _s_dmask makes with dropout ((shape, dtype name) specs, checked before the
-    call: a refused call draws no seed): the identity or unit rows, the probabilities, the
-    keep mask's output and S_dmask itself. seqs: a varlen call's, else None (dense)."""
+    call: a refused call draws no seed): the identity or unit rows (varlen: and the rows of
+    its probabilities), the probabilities, the keep mask's identity, output and bools, the
+    negated probabilities and S_dmask itself. seqs: a varlen call's, else None (dense)."""
     q, k, _ = views
     dtype = lib.dtype_name(q)
     if seqs is None:  # q [B, Hq, Lq, D], k [B, Hkv, Lk, D]
         scores = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        inputs = ((k.shape[2], k.shape[2]), dtype)
+        inputs = [((k.shape[2], k.shape[2]), dtype)]
     else:  # q [total_q, Hq, D], k [total_k, Hkv, D]
         heads_q = q.shape[1] if len(q.shape) == 3 else 0
         scores = (seqs.batch_size, heads_q, max(seqs.max_seqlen_q, 0), max(seqs.max_seqlen_k, 0))
-        inputs = ((k.shape[0] if len(k.shape) == 3 else 0, 1, scores[3]), dtype)
-    return [inputs, (scores, dtype), ((scores[3], scores[3]), "float32"), (scores, "float32"),
-            (scores, dtype)]
+        inputs = [((k.shape[0] if len(k.shape) == 3 else 0, 1, scores[3]), dtype),
+                  ((q.shape[0] if len(q.shape) == 3 else 0, heads_q, scores[3]), dtype)]
+    return inputs + [(scores, dtype), ((scores[3], scores[3]), "float32"),
+                     (scores, "float32"), (scores, "bool"), (scores, dtype), (scores, dtype)]
 
 
 def _s_dmask_check(dropout_p, return_attn_probs):

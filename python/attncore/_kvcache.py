@@ -245,11 +245,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         new, tables = ([None if pair is None else (pair[0], late.real(pair[1])) for pair in pairs]
                        for pairs in (new, tables))
     dtype = lib.dtype_name(q_arr)
+    q4 = times(q_arr, call.q_factor, op, "q").swapaxes(1, 2)  # (before the outputs: checked)
     _arrays.check_new_arrays(op, ((batch, seqlen_q, heads_q, dim_v), dtype),
                              ((batch, heads_q, seqlen_q), lse_dtype(dtype)))
     out = lib.empty((batch, seqlen_q, heads_q, dim_v), dtype)
     lse = lib.empty((batch, heads_q, seqlen_q), lse_dtype(dtype))
-    q4 = times(q_arr, call.q_factor, op).swapaxes(1, 2)
     _core.forward_kvcache(lib.to_core(q4), k_lib.to_core(kc.swapaxes(1, 2)),
                           v_lib.to_core(vc.swapaxes(1, 2)), seqlens, batch_idx, leftpad, table,
                           *core(new, swap=True), *core(tables), rotary_interleaved,

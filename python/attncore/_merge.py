@@ -41,7 +41,7 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, *, num_threads=0):
     out_a, out_b [..., Dv] (rank <= 4, one shape and dtype: float32, float16, bfloat16 or
     float64); lse_a, lse_b shaped as the output without its last dim (float32; float64 for
     float64 outputs); all four read through their strides, without a copy (numpy's negative
-    strides excepted). flash-attn's softmax_lse is [B, H, L] for an
+    strides and strides of no whole element excepted). flash-attn's softmax_lse is [B, H, L] for an
     output [B, L, H, Dv]: pass lse.transpose(1, 2) (numpy: swapaxes(1, 2)), and transpose the
     returned lse back. Varlen outputs [total_q, H, Dv] take their LSE [H, total_q] transposed the
     same way. The results are new arrays of out_a's library, laid out in memory like out_a and

@@ -64,8 +64,8 @@ def _index(op, name, x):
 
 def _positions(op, x, reserved=None):
     """input_pos as a contiguous int32 numpy array [S]; with reserved = (batch_idx, capacity),
-    more positions than the capacity are refused first (as the library refuses them), before
-    they are scanned or converted."""
+    more positions than the capacity are refused first, before they are scanned or converted
+    (PagedKvCache::assign's own check, src/paged/paged_kv_cache.cpp, in its words)."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
         x = _arrays.adopt(x, op, "input_pos")[1].detach().numpy()
@@ -212,13 +212,17 @@ class PagedKVCache:
         op = "PagedKVCache.assign"
         refuse_grad(op, (("k_val", k_val), ("v_val", v_val)))
         b = _index(op, "batch_idx", batch_idx)
-        with _CoreNames():
-            capacity = self._core.capacity(b)
+        try:
+            with _CoreNames():
+                reserved = (b, self._core.capacity(b))
+        except ValueError as error:  # (a bad batch_idx: named as this call's)
+            message = str(error).replace("PagedKVCache.capacity:", f"{op}:", 1)
+            raise ValueError(message) from None
         arrays = []
         for name, x in (("k_val", k_val), ("v_val", v_val)):
             lib, arr, _ = _arrays.adopt(x, op, name)
             arrays.append(lib.to_core(lib.any_stride(arr, op, name)))
-        positions = _positions(op, input_pos, (b, capacity))
+        positions = _positions(op, input_pos, reserved)
         with _CoreNames():
             self._core.assign(b, positions, *arrays)
 

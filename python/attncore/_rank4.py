@@ -248,15 +248,17 @@ def backward4_into(lib, dout4, q4, k4, v4, out4, lse3, dq, dk, dv, dbias, mask4,
                    core_or_none(lib, alibi), call.core_options())
 
 
-def times(x, factor, op):
+def times(x, factor, op, name="query"):
     """x * factor for factor in (1, -1, 0); a product, so that torch autograd sees it and NaN
     stays NaN. The product is a new array of x's size, refused first (MemoryError) where it
-    would not fit: a broadcast query stands for more elements than its memory holds."""
+    would not fit: a broadcast query stands for more elements than its memory holds. name:
+    x's, in the message."""
     if factor == 1:
         return x
-    dtype = x.dtype.name if isinstance(x, np.ndarray) else str(x.dtype).removeprefix("torch.")
-    _arrays.check_copy(op, "query", tuple(x.shape), dtype, "a scale <= 0 is applied as the "
-                       "query times its sign: pass a positive scale, or the query scaled by it")
+    lib = _arrays.NUMPY if isinstance(x, np.ndarray) else _arrays.TORCH
+    _arrays.check_copy(op, name, tuple(x.shape), lib.dtype_name(x), "a scale <= 0 is applied "
+                       "as the query times its sign: pass a positive scale, or the query "
+                       "scaled by it")
     return x * factor
 
 

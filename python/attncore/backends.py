@@ -116,10 +116,14 @@ def sdpa_kernel(backends, set_priority=False):
                         "list of them)") from None
     set_priority = bool_option("sdpa_kernel", "set_priority", set_priority)
     names = list(dict.fromkeys(backend_names("sdpa_kernel", backends)))  # torch's two -> flash
-    if not names or "auto" in names:  # (named here: the library's check names its own call)
+    # (Refused here: the library's check would name its own call.)
+    if "auto" in names:
+        raise ValueError(f"sdpa_kernel: backends has an entry that is no backend (backend="
+                         "auto, expected flash, math or reference: 'auto' is the choice among "
+                         "those enabled)")
+    if not names:
         raise ValueError(f"sdpa_kernel: backends has no backend to enable (backends="
-                         f"{backends!r}, expected at least one of flash, math, reference; "
-                         "'auto' is no backend)")
+                         f"{backends!r}, expected at least one of flash, math, reference)")
     if not set_priority:
         order = [b.value for b in SDPBackend]
         names = sorted(names, key=lambda n: order.index(n) if n in order else -1)

@@ -139,6 +139,8 @@ def _row_counts(mask):
 def _check_unused_last(op, used, kept):
     """ValueError unless each sequence's unused slots (kept, not used) all come after its
     real tokens: the varlen functions read a sequence's first seqused tokens as its keys."""
+    if used.shape[-1] == 0:
+        return
     unused = (kept & ~used).to(torch.uint8)  # [B, L]
     first_unused = unused.argmax(dim=-1)  # (0 where none)
     last_used = used.shape[-1] - 1 - used.to(torch.uint8).flip(-1).argmax(dim=-1)

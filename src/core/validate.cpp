@@ -136,8 +136,11 @@ void resolve_variant(const Checker& check, const Options& o, Params& p) {
     p.alibi = static_cast<const float*>(a.data);
     // A non-finite slope would turn its rows into NaN (or every score -inf) silently. Each
     // slope in memory is read once: a dim of stride 0 (broadcast) holds one slope along it.
-    const std::int64_t batches = a.rank == 2 && p.alibi_stride_b != 0 ? p.batch : 1;
-    const std::int64_t heads = p.alibi_stride_h != 0 ? p.heads_q : 1;
+    // (An empty dim reads none: min with 1.)
+    const std::int64_t batches =
+        a.rank == 2 && p.alibi_stride_b != 0 ? p.batch : std::min<std::int64_t>(p.batch, 1);
+    const std::int64_t heads =
+        p.alibi_stride_h != 0 ? p.heads_q : std::min<std::int64_t>(p.heads_q, 1);
     for (std::int64_t b = 0; b < batches; ++b) {
       for (std::int64_t h = 0; h < heads; ++h) {
         const float slope = p.alibi[b * p.alibi_stride_b + h * p.alibi_stride_h];

@@ -71,7 +71,8 @@ class Checker {
   }
 
   // Structure every view must have: rank, non-negative sizes and strides, an element count and
-  // an address range that fit in int64, data unless empty, unit last stride.
+  // an address range that fit in int64, data unless empty (a unit last stride is checked
+  // apart, where a kernel needs one: unit_last_stride).
   void view(const TensorView& t, const char* name, int rank, const char* layout) const {
     if (t.rank != rank) {
       fail(std::string(name) + " has the wrong rank (rank=" + std::to_string(t.rank) +

@@ -307,7 +307,9 @@ void PagedKvCache::assign(std::int64_t batch_idx, const TensorView& positions, c
                   {&s.table.view(), "page_table"}, {&s.lengths.view(), "seqlens"}},
                  {{&k, "k"}, {&v, "v"}});
   const std::int64_t capacity = s.mapped(batch_idx) * s.page_size;
-  if (n > capacity) {  // (before the positions are copied: S is bounded by what was reserved)
+  // (Before the positions are copied: S is bounded by what was reserved. The Python package
+  // makes the same check before it converts them: python/attncore/_paged.py, _positions.)
+  if (n > capacity) {
     check.fail("positions has more entries than batch_idx=" + std::to_string(batch_idx) +
                " reserved (len(positions)=" + std::to_string(n) +
                ", expected <= capacity=" + std::to_string(capacity) + "); reserve first");

@@ -63,7 +63,7 @@ def test_a_scale_at_most_zero_refuses_a_query_product_that_would_not_fit():
     for scale in (-1.0, 0.0):
         raises(MemoryError, lambda: attncore.flash_attn_with_kvcache(
             q, kc, vc, cache_seqlens=4, softmax_scale=scale),
-               "query needs a contiguous copy larger than", "a scale <= 0")
+               "q needs a contiguous copy larger than", "a scale <= 0")
     raises(MemoryError, lambda: attncore.torch.flash_attn_func(q, kc, kc, softmax_scale=-1.0),
            "query needs a contiguous copy larger than")
     out = attncore.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=4, softmax_scale=0.5)
@@ -149,6 +149,8 @@ def test_assign_refuses_more_positions_than_were_reserved_before_copying_them():
     raises(ValueError, lambda: cache.assign(0, positions, rows, rows),
            "input_pos has more entries than batch_idx=0 reserved (len(input_pos)=1073741824, "
            "expected <= capacity=4); reserve first")
+    raises(ValueError, lambda: cache.assign(7, positions, rows, rows),  # named as assign's
+           "PagedKVCache.assign: batch_idx is out of range (batch_idx=7")
 
 
 def test_messages_name_what_the_caller_passed():
