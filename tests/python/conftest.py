@@ -1,7 +1,27 @@
-"""Shared helpers of the Python tests: random inputs and the comparisons with the oracle."""
+"""Shared helpers of the Python tests: random inputs, the comparisons with the oracle and the
+form of attncore's errors."""
+
+import re
 
 import pytest
 import torch
+
+# attncore's message form (docs/design.md section 4): <op>: <what> <problem> (<name>=<value>,
+# expected ..)
+ERROR_FORM = re.compile(r"^[\w.:]+: .+ \(.*\)")
+
+
+def raises(exc, fn, *fragments):
+    """fn() raises exactly exc (not a subclass of another library's) in attncore's form, with
+    every fragment in its message; returns the message."""
+    with pytest.raises(exc) as info:
+        fn()
+    assert type(info.value) is exc, type(info.value)
+    message = str(info.value)
+    assert ERROR_FORM.match(message), message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
 
 
 def randn(*shape, dtype=torch.float64, seed=0, requires_grad=False):

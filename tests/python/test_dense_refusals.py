@@ -2,7 +2,6 @@
 refused in attncore's form (docs/design.md section 4) before work of its size, or taken as
 torch or flash-attn takes it."""
 
-import re
 import subprocess
 import sys
 
@@ -13,20 +12,7 @@ import torch
 import attncore
 import attncore.torch
 from attncore import bert_padding
-
-FORM = re.compile(r"^[\w.:]+: .+ \(.*\)")  # <op>: <what> <problem> (<name>=<value>, expected ..)
-
-
-def raises(exc, fn, *fragments):
-    """fn() raises exc (exactly) in attncore's form, with every fragment in its message."""
-    with pytest.raises(exc) as info:
-        fn()
-    assert type(info.value) is exc, type(info.value)
-    message = str(info.value)
-    assert FORM.match(message), message
-    for fragment in fragments:
-        assert fragment in message, message
-    return message
+from conftest import raises
 
 
 def test_no_query_row_gathers_no_key():

@@ -3,30 +3,13 @@ PagedKVCache, attncore.torch.PagedAttention, merge_attention_states): each refus
 attncore's form (docs/design.md section 4) before work of its size, or taken as the caller
 meant it."""
 
-import re
-
 import numpy as np
-import pytest
 import torch
 
 import attncore
 import attncore.torch
 from attncore import _paged
-
-FORM = re.compile(r"^[\w.:]+: .+ \(.*\)")  # <op>: <what> <problem> (<name>=<value>, expected ..)
-
-
-def raises(exc, fn, *fragments):
-    """fn() raises exc (exactly: not a subclass of another library's) in attncore's form, with
-    every fragment in its message."""
-    with pytest.raises(exc) as info:
-        fn()
-    assert type(info.value) is exc, type(info.value)
-    message = str(info.value)
-    assert FORM.match(message), message
-    for fragment in fragments:
-        assert fragment in message, message
-    return message
+from conftest import raises
 
 
 def broadcast_query(limit, layout_rows=1):

@@ -2,27 +2,13 @@
 refusal in attncore's message form and type (docs/design.md section 4) before anything is
 written, and the good neighbours of each refused call still right against a float64 oracle."""
 
-import re
-
 import numpy as np
 import pytest
 import torch
 
 import attncore
 import attncore.torch
-
-FORM = re.compile(r"^[\w.:]+: .+ \(.*\)")  # <op>: <what> <problem> (<name>=<value>, expected ..)
-
-
-def raises(exc, fn, *fragments):
-    """fn() raises exc in attncore's form, with every fragment in its message."""
-    with pytest.raises(exc) as info:
-        fn()
-    message = str(info.value)
-    assert FORM.match(message), message
-    for fragment in fragments:
-        assert fragment in message, message
-    return message
+from conftest import raises
 
 
 def oracle(q, k, v):
