@@ -290,17 +290,6 @@ class _Numpy:
         return np.ascontiguousarray(x)
 
     @staticmethod
-    def any_stride(x, op, name):
-        """x, or a contiguous copy where attncore cannot read it through its strides at all:
-        negative strides or strides that are not whole elements (check_copy first). For the
-        calls that take any non-negative strides (merge_attention_states,
-        PagedKVCache.assign)."""
-        if all(s >= 0 and s % x.itemsize == 0 for s in x.strides):
-            return x
-        check_copy(op, name, x.shape, x.dtype.name)
-        return np.ascontiguousarray(x)
-
-    @staticmethod
     def reshape(x, shape):
         return x.reshape(shape)  # a view unless the strides forbid one
 
@@ -413,11 +402,6 @@ class _Torch:
             return x
         check_copy(op, name, tuple(x.shape), str(x.dtype).removeprefix("torch."))
         return x.contiguous()
-
-    @staticmethod
-    def any_stride(x, op, name):
-        """As _Numpy.any_stride: a torch tensor's strides are whole, non-negative elements."""
-        return x
 
     @staticmethod
     def reshape(x, shape):

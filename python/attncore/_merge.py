@@ -50,14 +50,11 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, *, num_threads=0):
     """
     op = "merge_attention_states"
     refuse_grad(op, (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)))
+    # (adopt copies only numpy's negative strides and strides of no whole element.)
     lib, a, give_back = _arrays.adopt(out_a, op, "out_a")
-    a = lib.any_stride(a, op, "out_a")
     lse_lib, la, _ = _arrays.adopt(lse_a, op, "lse_a")
-    la = lse_lib.any_stride(la, op, "lse_a")
     b_lib, b, _ = _arrays.adopt(out_b, op, "out_b")
-    b = b_lib.any_stride(b, op, "out_b")
     lb_lib, lb, _ = _arrays.adopt(lse_b, op, "lse_b")
-    lb = lb_lib.any_stride(lb, op, "lse_b")
     num_threads = int_option(op, "num_threads", num_threads, -INT32_MAX - 1, INT32_MAX,
                              "; 0 = default")
     shape = tuple(a.shape)

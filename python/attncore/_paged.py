@@ -221,7 +221,7 @@ class PagedKVCache:
         arrays = []
         for name, x in (("k_val", k_val), ("v_val", v_val)):
             lib, arr, _ = _arrays.adopt(x, op, name)
-            arrays.append(lib.to_core(lib.any_stride(arr, op, name)))
+            arrays.append(lib.to_core(arr))  # (any strides: the library reads them)
         positions = _positions(op, input_pos, reserved)
         with _CoreNames():
             self._core.assign(b, positions, *arrays)

@@ -19,7 +19,7 @@ non-negative ints; new tensors past the memory this process may use raise Memory
 import torch
 
 from . import _arrays
-from ._rank4 import int_option
+from ._rank4 import INT32_MAX, int_option
 
 
 def _tensor(op, name, x, rank, layout):
@@ -118,7 +118,6 @@ def index_put_first_axis(values, indices, first_axis_dim):
     return _put_rows(op, values, "values", indices, first_axis_dim, "first_axis_dim")
 
 
-_INT32_MAX = 2 ** 31 - 1
 # Elements of a mask counted at a time (torch sums a bool tensor through an int64 copy of it:
 # 64 MiB a piece).
 _COUNT_PIECE = 1 << 23
@@ -177,9 +176,9 @@ def unpad_input(hidden_states, attention_mask, unused_mask=None):
     lengths = _row_counts(kept)
     starts = torch.cumsum(lengths, dim=0)
     total = int(starts[-1]) if batch else 0
-    if total > _INT32_MAX:
+    if total > INT32_MAX:
         raise ValueError(f"{op}: attention_mask keeps too many tokens (total={total}, expected "
-                         f"<= {_INT32_MAX}: cu_seqlens are int32)")
+                         f"<= {INT32_MAX}: cu_seqlens are int32)")
     seqused = _row_counts(used).to(torch.int32)
     cu_seqlens = torch.zeros(batch + 1, dtype=torch.int32, device=lengths.device)
     cu_seqlens[1:] = starts.to(torch.int32)

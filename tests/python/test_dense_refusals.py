@@ -146,6 +146,6 @@ def test_unpad_input_refuses_unused_slots_before_real_tokens_and_int32_overflow(
     empty = torch.zeros(2, 0, 1)  # no slot at all: nothing to check, nothing packed
     none = torch.zeros(2, 0, dtype=torch.bool)
     assert bert_padding.unpad_input(empty, none, none)[2].tolist() == [0, 0, 0]
-    monkeypatch.setattr(bert_padding, "_INT32_MAX", 5)  # (2^31 tokens, made small)
+    monkeypatch.setattr(bert_padding, "INT32_MAX", 5)  # (2^31 tokens, made small)
     raises(ValueError, lambda: bert_padding.unpad_input(hidden, used, unused),
            "attention_mask keeps too many tokens (total=6, expected <= 5")
