@@ -182,13 +182,13 @@ py::object attend(py::handle q, py::handle k, py::handle v, py::handle mask, boo
       rows * (static_cast<double>(dim_v) * static_cast<double>(attncore::size_of(dtype)) +
               (want_lse ? static_cast<double>(attncore::size_of(lse_dtype)) : 0.0));
   // Outputs of 1 MiB or more are made only for a call whose arguments pass the library's
-  // checks (run first as explain_forward runs them: 0.7 us on the Intel Xeon, against tens of
-  // us or more for any call with 1 MiB of outputs; smaller ones are made first, at no cost
-  // worth a check), and only where they fit in the memory this process may use (a broadcast
-  // query stands for any number of rows at no cost): else the general path refuses them
-  // (MemoryError). A backend the call names that cannot run it still refuses after.
+  // checks, a backend it names among them (run first as explain_forward runs them: 0.7 us on the
+  // Intel Xeon, against tens of us or more for any call with 1 MiB of outputs; smaller ones are
+  // made first, at no cost worth a check), and only where they fit in the memory this process
+  // may use (a broadcast query stands for any number of rows at no cost): else the general path
+  // refuses them (MemoryError).
   if (out_bytes >= static_cast<double>(1 << 20)) {
-    (void)attncore::explain_forward(bhld(cq), bhld(ck), bhld(cv), options);
+    (void)attncore::explain_forward(bhld(cq), bhld(ck), bhld(cv), options, chosen);
     if (out_bytes > attncore::memory_limit().bytes) return general;
   }
   std::vector<std::int64_t> out_shape{batch, heads_q, seqlen_q, dim_v};
@@ -330,7 +330,9 @@ py::tuple explanation_tuple(const attncore::Explanation& e) {
   return py::make_tuple(verdicts, chosen, python_terms(e.summary()));
 }
 
-// What automatic selection does with forward's call (the same arguments, nothing written).
+// What automatic selection does with forward's call (the same arguments, nothing written),
+// after the library's checks of it: of the backend it names too (call.backend), which the
+// package runs before it copies an input. (explain_backward and the varlen ones alike.)
 py::tuple explain_forward(py::handle q, py::handle k, py::handle v, py::handle mask,
                           py::handle alibi_slopes, const CallOptions& call) {
   constexpr const char* op = "forward";  // the library's name of the call, in messages
@@ -338,7 +340,8 @@ py::tuple explain_forward(py::handle q, py::handle k, py::handle v, py::handle m
   const auto bmask = borrow_optional(mask, op, "mask", false, /*is_mask=*/true);
   const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
   return explanation_tuple(attncore::explain_forward(bq.view(), bk.view(), bv.view(),
-                                                     call.options(op, bmask, balibi, false)));
+                                                     call.options(op, bmask, balibi, false),
+                                                     backend_from_name(op, call.backend)));
 }
 
 // The same for backward's call; dbias is asked for when `want_dbias` (an additive mask).
@@ -350,9 +353,9 @@ py::tuple explain_backward(py::handle dout, py::handle q, py::handle k, py::hand
       bv(v, op, "value", false), bout(out, op, "out", false), blse(lse, op, "lse", false);
   const auto bmask = borrow_optional(mask, op, "mask", false, /*is_mask=*/true);
   const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
-  return explanation_tuple(attncore::explain_backward(bdout.view(), bq.view(), bk.view(), bv.view(),
-                                                      bout.view(), blse.view(),
-                                                      call.options(op, bmask, balibi, want_dbias)));
+  return explanation_tuple(attncore::explain_backward(
+      bdout.view(), bq.view(), bk.view(), bv.view(), bout.view(), blse.view(),
+      call.options(op, bmask, balibi, want_dbias), backend_from_name(op, call.backend)));
 }
 
 // The same for forward_varlen's and backward_varlen's calls (the index arrays read as they do).
@@ -367,7 +370,8 @@ py::tuple explain_forward_varlen(py::handle q, py::handle k, py::handle v, py::h
   const auto bmask = borrow_optional(mask, op, "mask", false, /*is_mask=*/true);
   const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
   return explanation_tuple(attncore::explain_forward_varlen(
-      bq.view(), bk.view(), bv.view(), seqs.seqs(), call.options(op, bmask, balibi, false)));
+      bq.view(), bk.view(), bv.view(), seqs.seqs(), call.options(op, bmask, balibi, false),
+      backend_from_name(op, call.backend)));
 }
 
 py::tuple explain_backward_varlen(py::handle dout, py::handle q, py::handle k, py::handle v,
@@ -384,7 +388,7 @@ py::tuple explain_backward_varlen(py::handle dout, py::handle q, py::handle k, p
   const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
   return explanation_tuple(attncore::explain_backward_varlen(
       bdout.view(), bq.view(), bk.view(), bv.view(), bout.view(), blse.view(), seqs.seqs(),
-      call.options(op, bmask, balibi, false)));
+      call.options(op, bmask, balibi, false), backend_from_name(op, call.backend)));
 }
 
 }  // namespace

@@ -122,7 +122,8 @@ void forward_kvcache(py::handle q, py::handle k_cache, py::handle v_cache, py::h
 }
 
 // The library's checks of forward_kvcache's call (the same arguments, nothing run or written:
-// explain_forward_kvcache's), made before the package copies an input it cannot read in place.
+// explain_forward_kvcache's, of the backend it names too), made before the package copies an
+// input it cannot read in place.
 void check_forward_kvcache(py::handle q, py::handle k_cache, py::handle v_cache,
                            py::handle cache_seqlens, py::handle cache_batch_idx,
                            py::handle cache_leftpad, py::handle block_table, py::handle k_new,
@@ -132,11 +133,13 @@ void check_forward_kvcache(py::handle q, py::handle k_cache, py::handle v_cache,
   const KvCall c(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                  k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved, alibi_slopes);
   const attncore::Options options = call.options(KvCall::op, std::nullopt, c.balibi, false);
+  const attncore::Backend backend = backend_from_name(KvCall::op, call.backend);
   if (c.append) {
     (void)attncore::explain_forward_kvcache(c.bq.view(), c.bk.view(), c.bv.view(), c.seqs,
-                                            *c.append, options);
+                                            *c.append, options, backend);
   } else {
-    (void)attncore::explain_forward_kvcache(c.bq.view(), c.bk.view(), c.bv.view(), c.seqs, options);
+    (void)attncore::explain_forward_kvcache(c.bq.view(), c.bk.view(), c.bv.view(), c.seqs, options,
+                                            backend);
   }
 }
 

@@ -59,13 +59,17 @@ struct ATTNCORE_API Explanation {
 };
 
 // Validate the arguments like forward/backward (bad input throws InvalidArgument) and explain
-// the automatic choice on this thread; run nothing.
+// the automatic choice on this thread; run nothing. With a named `backend`, also refuse the call
+// where that backend cannot run it, as the call with it does (Unsupported): a caller can check a
+// call this way before it prepares the inputs (the explanation is automatic's either way).
 ATTNCORE_API Explanation explain_forward(const TensorView& q, const TensorView& k,
-                                         const TensorView& v, const Options& options);
+                                         const TensorView& v, const Options& options,
+                                         Backend backend = Backend::automatic);
 ATTNCORE_API Explanation explain_backward(const TensorView& dout, const TensorView& q,
                                           const TensorView& k, const TensorView& v,
                                           const TensorView& out, const TensorView& lse,
-                                          const Options& options);
+                                          const Options& options,
+                                          Backend backend = Backend::automatic);
 
 // The constants of this CPU behind `estimated_seconds`.
 struct CostConstants {

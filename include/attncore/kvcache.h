@@ -83,16 +83,19 @@ ATTNCORE_API ForwardResult forward_kvcache(const TensorView& q, const TensorView
                                            Backend backend = Backend::automatic);
 
 // Validate like forward_kvcache (reading the index arrays) and explain the backend choice
-// (attncore/backend.h), without running anything.
+// (attncore/backend.h), without running anything. A named `backend` that cannot run the call is
+// refused as explain_forward refuses it.
 ATTNCORE_API Explanation explain_forward_kvcache(const TensorView& q, const TensorView& k_cache,
                                                  const TensorView& v_cache, const KvCacheSeqs& seqs,
-                                                 const Options& options = {});
+                                                 const Options& options = {},
+                                                 Backend backend = Backend::automatic);
 
 // The same for a call with an append: validates everything forward_kvcache with `append` checks
 // (writing nothing) and explains the choice for the call that attends after it.
 ATTNCORE_API Explanation explain_forward_kvcache(const TensorView& q, const TensorView& k_cache,
                                                  const TensorView& v_cache, const KvCacheSeqs& seqs,
                                                  const KvAppend& append,
-                                                 const Options& options = {});
+                                                 const Options& options = {},
+                                                 Backend backend = Backend::automatic);
 
 }  // namespace attncore

@@ -59,14 +59,17 @@ ATTNCORE_API void backward_varlen_into(const TensorView& dout, const TensorView&
                                        Backend backend = Backend::automatic);
 
 // Validate like forward_varlen / backward_varlen (reading the sequence arrays) and explain the
-// automatic choice on this thread (attncore/backend.h); run nothing.
+// automatic choice on this thread (attncore/backend.h); run nothing. A named `backend` that
+// cannot run the call is refused as explain_forward refuses it.
 ATTNCORE_API Explanation explain_forward_varlen(const TensorView& q, const TensorView& k,
                                                 const TensorView& v, const VarlenSeqs& seqs,
-                                                const Options& options = {});
+                                                const Options& options = {},
+                                                Backend backend = Backend::automatic);
 ATTNCORE_API Explanation explain_backward_varlen(const TensorView& dout, const TensorView& q,
                                                  const TensorView& k, const TensorView& v,
                                                  const TensorView& out, const TensorView& lse,
                                                  const VarlenSeqs& seqs,
-                                                 const Options& options = {});
+                                                 const Options& options = {},
+                                                 Backend backend = Backend::automatic);
 
 }  // namespace attncore

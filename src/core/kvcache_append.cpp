@@ -278,9 +278,10 @@ Appending validate(const TensorView& q, const TensorView& k_cache, const TensorV
 
 Explanation explain_forward_kvcache(const TensorView& q, const TensorView& k_cache,
                                     const TensorView& v_cache, const KvCacheSeqs& seqs,
-                                    const KvAppend& append, const Options& options) {
-  const Appending a = validate(q, k_cache, v_cache, seqs, append, options, Backend::automatic);
-  return explain_forward_kvcache(q, k_cache, v_cache, a.after, options);
+                                    const KvAppend& append, const Options& options,
+                                    Backend backend) {
+  const Appending a = validate(q, k_cache, v_cache, seqs, append, options, backend);
+  return explain_forward_kvcache(q, k_cache, v_cache, a.after, options, backend);
 }
 
 ForwardResult forward_kvcache(const TensorView& q, const TensorView& k_cache,

@@ -301,6 +301,12 @@ Backend select_backend(Pass pass, const Params& p, const Launch& launch, Backend
                     ", expected one whose checks pass); " + join(reasons, "; "));
 }
 
+Explanation explain_call(Pass pass, const Params& p, const Options& options, Backend backend) {
+  const Launch launch{resolve_threads(options.num_threads, name_of(pass))};
+  if (backend != Backend::automatic) (void)select_backend(pass, p, launch, backend);
+  return select(pass, p, launch, Backend::automatic, t_enabled, current_cost_model());
+}
+
 }  // namespace detail
 
 // ---------------------------------------------------------------------------------------------
@@ -351,57 +357,45 @@ std::string Explanation::summary() const {
 }
 
 Explanation explain_forward(const TensorView& q, const TensorView& k, const TensorView& v,
-                            const Options& options) {
+                            const Options& options, Backend backend) {
   const detail::ForwardArgs args{q, k, v, {}, {}};
   const detail::Params p =
-      detail::validate_forward(args, options, Backend::automatic, /*check_outputs=*/false);
-  const detail::Launch launch{detail::resolve_threads(options.num_threads, "forward")};
-  return detail::select(detail::Pass::forward, p, launch, Backend::automatic, detail::t_enabled,
-                        detail::current_cost_model());
+      detail::validate_forward(args, options, backend, /*check_outputs=*/false);
+  return detail::explain_call(detail::Pass::forward, p, options, backend);
 }
 
 Explanation explain_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
                              const TensorView& v, const TensorView& out, const TensorView& lse,
-                             const Options& options) {
+                             const Options& options, Backend backend) {
   const detail::BackwardArgs args{dout, q, k, v, out, lse, {}, {}, {}, {}};
   const detail::Params p =
-      detail::validate_backward(args, options, Backend::automatic, /*check_outputs=*/false);
-  const detail::Launch launch{detail::resolve_threads(options.num_threads, "backward")};
-  return detail::select(detail::Pass::backward, p, launch, Backend::automatic, detail::t_enabled,
-                        detail::current_cost_model());
+      detail::validate_backward(args, options, backend, /*check_outputs=*/false);
+  return detail::explain_call(detail::Pass::backward, p, options, backend);
 }
 
 Explanation explain_forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
-                                   const VarlenSeqs& seqs, const Options& options) {
+                                   const VarlenSeqs& seqs, const Options& options,
+                                   Backend backend) {
   detail::ForwardArgs args{q, k, v, {}, {}};
-  const detail::Params p =
-      detail::validate_varlen_forward(args, seqs, options, Backend::automatic, false);
-  const detail::Launch launch{detail::resolve_threads(options.num_threads, "forward")};
-  return detail::select(detail::Pass::forward, p, launch, Backend::automatic, detail::t_enabled,
-                        detail::current_cost_model());
+  const detail::Params p = detail::validate_varlen_forward(args, seqs, options, backend, false);
+  return detail::explain_call(detail::Pass::forward, p, options, backend);
 }
 
 Explanation explain_forward_kvcache(const TensorView& q, const TensorView& k_cache,
                                     const TensorView& v_cache, const KvCacheSeqs& seqs,
-                                    const Options& options) {
+                                    const Options& options, Backend backend) {
   const detail::ForwardArgs args{q, k_cache, v_cache, {}, {}};
-  const detail::Params p =
-      detail::validate_kvcache_forward(args, seqs, options, Backend::automatic, false);
-  const detail::Launch launch{detail::resolve_threads(options.num_threads, "forward")};
-  return detail::select(detail::Pass::forward, p, launch, Backend::automatic, detail::t_enabled,
-                        detail::current_cost_model());
+  const detail::Params p = detail::validate_kvcache_forward(args, seqs, options, backend, false);
+  return detail::explain_call(detail::Pass::forward, p, options, backend);
 }
 
 Explanation explain_backward_varlen(const TensorView& dout, const TensorView& q,
                                     const TensorView& k, const TensorView& v, const TensorView& out,
                                     const TensorView& lse, const VarlenSeqs& seqs,
-                                    const Options& options) {
+                                    const Options& options, Backend backend) {
   detail::BackwardArgs args{dout, q, k, v, out, lse, {}, {}, {}, {}};
-  const detail::Params p =
-      detail::validate_varlen_backward(args, seqs, options, Backend::automatic, false);
-  const detail::Launch launch{detail::resolve_threads(options.num_threads, "backward")};
-  return detail::select(detail::Pass::backward, p, launch, Backend::automatic, detail::t_enabled,
-                        detail::current_cost_model());
+  const detail::Params p = detail::validate_varlen_backward(args, seqs, options, backend, false);
+  return detail::explain_call(detail::Pass::backward, p, options, backend);
 }
 
 CostConstants cost_constants() { return detail::current_cost_model().machine; }

@@ -36,4 +36,9 @@ Explanation select(Pass pass, const Params& p, const Launch& launch, Backend req
 // Throws Unsupported (every rejected backend and its reasons) when nothing can run.
 Backend select_backend(Pass pass, const Params& p, const Launch& launch, Backend requested);
 
+// The explain_* functions' answer for the validated call `p` (attncore/backend.h): select() for
+// automatic on this thread, after refusing a named `backend` that cannot run the call as the call
+// itself refuses it (select_backend).
+Explanation explain_call(Pass pass, const Params& p, const Options& options, Backend backend);
+
 }  // namespace attncore::detail

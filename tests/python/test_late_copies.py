@@ -132,6 +132,38 @@ def test_invalid_packed_and_varlen_calls_are_refused_before_their_inputs_are_cop
         assert peak < limit, (str(raised), peak)
 
 
+def test_a_named_backend_that_cannot_run_the_call_is_refused_before_the_copies():
+    # f64 inputs the library cannot read in place (a last stride of 0 or 2: 64 MiB or more as
+    # copies) with backend="flash", which has no f64: refused as the call with it refuses,
+    # before anything of their size is copied; math runs the same calls.
+    limit = 8 << 20
+    q = np.broadcast_to(np.ones((1, 1, 1, 1)), (64, 4, 512, 64))
+    k = np.ones((1, 4, 512, 64))
+    lse = np.zeros((64, 4, 512))
+    total = 4096 * 4
+    packed = np.broadcast_to(np.ones((1, 1, 1)), (total, 4, 128))
+    kv = np.ones((256, 4, 128))
+    cu_q, cu_k = np.array([0, total], np.int32), np.array([0, 256], np.int32)
+    cache = np.ones((1, 16384, 4, 128))[..., ::2]
+    q1 = np.ones((1, 1, 4, 64))
+    calls = [
+        lambda backend: attncore.attention(q, k, k, backend=backend),
+        lambda backend: attncore.attention_backward(q, q, k, k, q, lse, backend=backend),
+        lambda backend: attncore.attention_varlen(packed, kv, kv, cu_q, cu_k, total, 256,
+                                                  backend=backend),
+        lambda backend: attncore.flash_attn_with_kvcache(q1, cache, cache, cache_seqlens=5,
+                                                         backend=backend),
+    ]
+    for call in calls:
+        raised, peak = _peak_bytes(lambda: call("flash"))
+        assert isinstance(raised, NotImplementedError), raised
+        assert re.search("^(forward|backward): backend flash cannot run this call",
+                         str(raised)), raised
+        assert peak < limit, (str(raised), peak)
+    raised, peak = _peak_bytes(lambda: calls[0]("math"))
+    assert raised is None and peak >= 64 << 20
+
+
 def test_packed_sources_copied_after_the_checks_give_the_results_of_contiguous_ones():
     rng = np.random.default_rng(11)
     wide = rng.standard_normal((2, 9, 3, 2, 16)).astype(np.float32)
