@@ -223,9 +223,10 @@ TEST(Merge, CancelFlagStopsTheCall) {
   const MergeResult flagged = merge_attention_states(out_a, lse_a, out_b, lse_b, 1, &go);
   EXPECT_EQ(read_view(flagged.out.view()), read_view(plain.out.view()));
   EXPECT_EQ(read_view(flagged.lse.view()), read_view(plain.lse.view()));
+  // (Set before the call: read once before anything is written, as the attention calls do.)
   const std::string message =
       "merge_attention_states: call is cancelled (cancel=true, expected false); the outputs are "
-      "incomplete";
+      "not written";
   try {
     merge_attention_states(out_a, lse_a, out_b, lse_b, 2, &stop);
     ADD_FAILURE() << "no error";

@@ -4,6 +4,7 @@
 // or give scores whose log2 products lose their units digit (scale 1e30).
 #include <gtest/gtest.h>
 
+#include <cfloat>
 #include <cmath>
 #include <cstdio>
 #include <optional>
@@ -215,6 +216,65 @@ TEST(ScoreRange, BackwardAtHugeScoresKeepsTheirDifferences) {
       const double want = std::exp((k[static_cast<std::size_t>(j * d)] - k[0]) * scale);
       EXPECT_NEAR(dv[static_cast<std::size_t>(j * d)] / dv[0], want, 1e-5 * want)
           << target << " key " << j;
+    }
+  }
+}
+
+// Additive masks of f32's extreme values (PyTorch users mask padding with
+// torch.finfo(dtype).min): scores past FLT_MAX / log2 e, which once became infinities in log2
+// units (read as keys masked out: a row masked with them alone gave 0 and LSE -inf). Flash now
+// gives what f32 softmax gives, as math does: a row masked entirely averages V; keys masked so
+// beside visible ones get nothing; keys at +3e38 share the row. Lk = 300: a row's key tiles
+// (two of 128 and a short one) all masked, or masked in some. On every target, split or not
+// (split: a row whose every score passes the limit averages each part's keys, then the parts
+// alike, their LSEs equal where f64 holds no ln(keys) beside 2.36e38: README's Known limits).
+TEST(ScoreRange, MasksOfF32sExtremeValues) {
+  const std::int64_t lq = 4, lk = 300, d = 16;
+  const Dims dims = {1, 1, 1, lq, lk, d, d};
+  const Operands x = make_operands(dims, DType::f32, 9);
+  const Tensor q = make_tensor(DType::f32, {1, 1, lq, d}, x.q);
+  const Tensor k = make_tensor(DType::f32, {1, 1, lk, d}, x.k);
+  const Tensor v = make_tensor(DType::f32, {1, 1, lk, d}, x.v);
+  std::vector<double> mask(static_cast<std::size_t>(lq * lk), 0.0);
+  for (std::int64_t j = 0; j < lk; ++j) {
+    mask[static_cast<std::size_t>(j)] = -FLT_MAX;                          // row 0: every key
+    mask[static_cast<std::size_t>(lk + j)] = j % 3 == 0 ? 0.0 : -FLT_MAX;  // row 1: 2 in 3 keys
+    mask[static_cast<std::size_t>(2 * lk + j)] = j == 7 || j == 250 ? 3e38 : 0.0;  // row 2
+    mask[static_cast<std::size_t>(3 * lk + j)] = j < 200 ? -FLT_MAX : 0.0;  // row 3: tiles 1-2
+  }
+  const Tensor m = make_tensor(DType::f32, {lq, lk}, mask);
+  Options o;
+  o.mask = m.view();
+  const ForwardResult math = forward(q, k, v, o, Backend::math);
+  const std::vector<double> want = read_view(math.out), want_lse = read_view(math.lse);
+  std::vector<double> mean(static_cast<std::size_t>(d)), pair(static_cast<std::size_t>(d));
+  for (std::int64_t e = 0; e < d; ++e) {
+    for (std::int64_t j = 0; j < lk; ++j) mean[e] += x.v[static_cast<std::size_t>(j * d + e)];
+    mean[e] /= static_cast<double>(lk);
+    pair[e] =
+        (x.v[static_cast<std::size_t>(7 * d + e)] + x.v[static_cast<std::size_t>(250 * d + e)]) / 2;
+  }
+  ASSERT_TRUE(all_close(std::vector<double>(want.begin(), want.begin() + d), mean, 1e-6, "math"));
+  ASSERT_TRUE(all_close(std::vector<double>(want.begin() + 2 * d, want.begin() + 3 * d), pair, 1e-6,
+                        "math"));
+  for (const std::string& target : simd_targets_supported()) {
+    const ScopedTarget scope(target);
+    for (const int splits : {1, 3}) {
+      o.num_splits = splits;
+      const ForwardResult got = forward(q, k, v, o, Backend::flash);
+      const std::string label = target + " num_splits " + std::to_string(splits);
+      const std::vector<double> out = read_view(got.out);
+      const std::size_t from = splits == 1 ? 0 : static_cast<std::size_t>(d);  // (row 0: above)
+      EXPECT_TRUE(all_close(std::vector<double>(out.begin() + from, out.end()),
+                            std::vector<double>(want.begin() + from, want.end()), 1e-5,
+                            label + " out"));
+      // LSEs: rows with visible keys as math's; a row of such scores alone at most FLT_MAX in
+      // log2 units (its largest score held there), finite.
+      const std::vector<double> lse = read_view(got.lse);
+      EXPECT_NEAR(lse[1], want_lse[1], 1e-5 * (1 + std::fabs(want_lse[1]))) << label;
+      EXPECT_NEAR(lse[3], want_lse[3], 1e-5 * (1 + std::fabs(want_lse[3]))) << label;
+      EXPECT_NEAR(lse[0], -FLT_MAX / std::log2(std::exp(1.0)), 1e33) << label;
+      EXPECT_NEAR(lse[2], FLT_MAX / std::log2(std::exp(1.0)), 1e33) << label;
     }
   }
 }

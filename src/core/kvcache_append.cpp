@@ -3,11 +3,13 @@
 // query is rotated into a copy, and the call attends with the lengths after the append.
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "attncore/backend.h"
+#include "attncore/info.h"
 #include "attncore/kvcache.h"
 #include "core/api.h"
 #include "core/convert.h"
@@ -52,53 +54,68 @@ void rotate(const Rotary& r, std::int64_t pos, T* x) {
 // overwrite its own keys), and two new rows landing on one pool slot (pages two sequences share
 // at the slots both append). Runs after the capacity check (every slot has a table entry);
 // entries that name no page of the pool are left to the attending call's check, which names
-// them.
+// them. Memory in proportion to the pool (a page's last user, a bit per slot), never to B *
+// L_new, which broadcast inputs make any size: more new rows than the pool's slots are refused
+// first.
 void check_append_slots(const Checker& check, const Params& p, std::int64_t num_pages,
-                          std::int64_t l_new) {
+                        std::int64_t l_new) {
   const detail::SeqInfo& seq = p.seq;
-  const std::int64_t rows = p.batch * l_new;
-  std::vector<std::pair<std::int64_t, std::int64_t>> slots;  // [B * L_new]: (pool slot, row)
-  slots.reserve(static_cast<std::size_t>(rows));
-  for (std::int64_t b = 0; b < p.batch; ++b) {
-    const std::int32_t* table = seq.block_table + b * seq.block_table_stride;
-    for (std::int64_t j = 0; j < l_new; ++j) {
-      const std::int64_t s = seq.cache_seqlens[b] + j, page = table[s / seq.page_size];
-      if (page < 0 || page >= num_pages) continue;
-      slots.emplace_back(page * seq.page_size + s % seq.page_size, b * l_new + j);
-    }
+  if (l_new == 0 || p.batch == 0) return;
+  const std::int64_t pool = num_pages * seq.page_size;  // (the cache's own rows: it fits)
+  if (l_new > pool / p.batch) {
+    check.fail("k_new appends more rows than the page pool holds (B * L_new=" +
+               std::to_string(p.batch) + " * " + std::to_string(l_new) +
+               ", expected <= num_pages * page_size=" + std::to_string(pool) +
+               "); the new rows cannot all land on distinct slots");
   }
-  for (std::int64_t b = 0; b < p.batch && l_new > 0; ++b) {
-    const std::int32_t* table = seq.block_table + b * seq.block_table_stride;
+  auto table_of = [&](std::int64_t b) { return seq.block_table + b * seq.block_table_stride; };
+  std::vector<std::int64_t> user(static_cast<std::size_t>(num_pages), -1);  // last sequence
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    const std::int32_t* table = table_of(b);
     const std::int64_t first = (seq.cache_leftpad != nullptr ? seq.cache_leftpad[b] : 0) /
                                seq.page_size;
     const std::int64_t last = (seq.cache_seqlens[b] + l_new - 1) / seq.page_size;
-    std::vector<std::pair<std::int32_t, std::int64_t>> used;  // (page, logical page)
     for (std::int64_t i = first; i <= last; ++i) {
-      if (table[i] >= 0 && table[i] < num_pages) used.emplace_back(table[i], i);
-    }
-    std::sort(used.begin(), used.end());
-    for (std::size_t i = 1; i < used.size(); ++i) {
-      if (used[i].first != used[i - 1].first) continue;
-      check.fail("block_table maps one page twice in a sequence that appends (block_table[" +
-                 std::to_string(b) + "][" + std::to_string(used[i - 1].second) +
-                 "]=block_table[" + std::to_string(b) + "][" + std::to_string(used[i].second) +
-                 "]=" + std::to_string(used[i].first) +
-                 ", expected distinct pages); the append would overwrite the sequence's own keys");
+      const std::int64_t page = table[i];
+      if (page < 0 || page >= num_pages) continue;
+      if (user[static_cast<std::size_t>(page)] == b) {
+        const std::int64_t before = std::find(table + first, table + i, table[i]) - table;
+        check.fail("block_table maps one page twice in a sequence that appends (block_table[" +
+                   std::to_string(b) + "][" + std::to_string(before) + "]=block_table[" +
+                   std::to_string(b) + "][" + std::to_string(i) + "]=" + std::to_string(page) +
+                   ", expected distinct pages); the append would overwrite the sequence's own "
+                   "keys");
+      }
+      user[static_cast<std::size_t>(page)] = b;
     }
   }
-  std::sort(slots.begin(), slots.end());
-  for (std::size_t i = 1; i < slots.size(); ++i) {
-    if (slots[i].first != slots[i - 1].first) continue;
-    const std::int64_t b0 = slots[i - 1].second / l_new, b1 = slots[i].second / l_new;
-    const std::int64_t s0 = seq.cache_seqlens[b0] + slots[i - 1].second % l_new;
-    const std::int64_t s1 = seq.cache_seqlens[b1] + slots[i].second % l_new;
-    check.fail(
-        "k_new writes one pool slot twice (slot " + std::to_string(s0) + " of sequence " +
-        std::to_string(b0) + " and slot " + std::to_string(s1) + " of sequence " +
-        std::to_string(b1) + " are both row " + std::to_string(s0 % seq.page_size) + " of page " +
-        std::to_string(slots[i].first / seq.page_size) +
-        ", expected distinct slots); map distinct pages where sequences append "
-        "(a paged cache's assign copies a shared page first; appends write pages as mapped)");
+  // The pool slot new row j of sequence b lands on (-1: a page the attending call refuses).
+  auto slot_of = [&](std::int64_t b, std::int64_t j) -> std::int64_t {
+    const std::int64_t s = seq.cache_seqlens[b] + j, page = table_of(b)[s / seq.page_size];
+    return page < 0 || page >= num_pages ? -1 : page * seq.page_size + s % seq.page_size;
+  };
+  std::vector<bool> taken(static_cast<std::size_t>(pool));
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    for (std::int64_t j = 0; j < l_new; ++j) {
+      const std::int64_t slot = slot_of(b, j);
+      if (slot < 0) continue;
+      if (!taken[static_cast<std::size_t>(slot)]) {
+        taken[static_cast<std::size_t>(slot)] = true;
+        continue;
+      }
+      std::int64_t b0 = 0, j0 = 0;  // the row that took it first (found again: the error's path)
+      while (slot_of(b0, j0) != slot) {
+        if (++j0 == l_new) j0 = 0, ++b0;
+      }
+      const std::int64_t s0 = seq.cache_seqlens[b0] + j0, s1 = seq.cache_seqlens[b] + j;
+      check.fail("k_new writes one pool slot twice (slot " + std::to_string(s0) + " of sequence " +
+                 std::to_string(b0) + " and slot " + std::to_string(s1) + " of sequence " +
+                 std::to_string(b) + " are both row " + std::to_string(s0 % seq.page_size) +
+                 " of page " + std::to_string(slot / seq.page_size) +
+                 ", expected distinct slots); map distinct pages where sequences append "
+                 "(a paged cache's assign copies a shared page first; appends write pages as "
+                 "mapped)");
+    }
   }
 }
 
@@ -133,12 +150,13 @@ std::vector<std::int32_t> validate_append(const Checker& check, const Params& p,
   const std::int64_t capacity = seq.lk;  // dense: slots per row; paged: pages per seq * page_size
   std::vector<std::int32_t> lengths(static_cast<std::size_t>(p.batch));
   for (std::int64_t b = 0; b < p.batch; ++b) {
-    const std::int64_t end = seq.cache_seqlens[b] + l_new;
-    if (end > capacity) {
+    // (0 <= cache_seqlens[b] <= capacity, checked: the sum is formed only where it fits)
+    if (l_new > capacity - seq.cache_seqlens[b]) {
       check.fail("k_new does not fit in the cache (cache_seqlens[" + std::to_string(b) + "]=" +
                  std::to_string(seq.cache_seqlens[b]) + " + L_new=" + std::to_string(l_new) +
                  ", expected <= capacity=" + std::to_string(capacity) + ")");
     }
+    const std::int64_t end = seq.cache_seqlens[b] + l_new;
     if (end > INT32_MAX) {  // (a block table's pages may hold more slots than int32 counts)
       check.fail("k_new makes a sequence too long (cache_seqlens[" + std::to_string(b) +
                  "]=" + std::to_string(seq.cache_seqlens[b]) + " + L_new=" + std::to_string(l_new) +
@@ -190,18 +208,20 @@ std::vector<std::int32_t> validate_append(const Checker& check, const Params& p,
   check.dtype(sin, "rotary_sin", DType::f32, "");
   check.shape(sin, "rotary_sin", cos.shape.data(), "like rotary_cos");
   const std::int64_t half = cos.size(1);
-  if (half < 1 || 2 * half > p.head_dim) {
+  if (half < 1 || half > p.head_dim / 2) {
     check.fail("rotary_cos has the wrong width (rotary_dim / 2=" + std::to_string(half) +
                ", expected 1 <= rotary_dim / 2 <= D / 2=" + std::to_string(p.head_dim / 2) +
                ": tables [positions, rotary_dim / 2] with an even rotary_dim <= D)");
   }
-  // The largest position rotated: a new key's, or a query row's.
+  // The largest position rotated: a new key's, or a query row's (base + rotated - 1, at most
+  // INT64_MAX: a broadcast query's Lq may be any int64).
   const bool aligned = o.causal != Causal::none || o.window_left >= 0 || o.window_right >= 0;
+  const std::int64_t rotated = std::max(l_new, aligned ? q.size(2) : std::int64_t{1});
   std::int64_t last = -1;
   for (std::int64_t b = 0; b < p.batch; ++b) {
     const std::int64_t start = seq.cache_leftpad != nullptr ? seq.cache_leftpad[b] : 0;
-    const std::int64_t base = seq.cache_seqlens[b] - start;
-    last = std::max({last, base + l_new - 1, aligned ? base + q.size(2) - 1 : base});
+    const std::int64_t base = seq.cache_seqlens[b] - start;  // (0 <= base <= capacity)
+    last = std::max(last, rotated > INT64_MAX - base ? INT64_MAX : base + rotated - 1);
   }
   if (last >= cos.size(0)) {
     check.fail("rotary_cos has too few positions (positions=" + std::to_string(cos.size(0)) +
@@ -251,6 +271,24 @@ void append_rows(const Params& p, const TensorView& q, const TensorView& k_cache
   }
 }
 
+// The rotated query's copy [B, Hq, Lq, D], refused first as the call's where the process may not
+// hold it (a broadcast query costs its caller nothing).
+Tensor rotated_query(const Params& p, DType dtype) {
+  const double bytes = static_cast<double>(p.batch) * static_cast<double>(p.heads_q) *
+                       static_cast<double>(p.seq.lq) * static_cast<double>(p.head_dim) *
+                       static_cast<double>(size_of(dtype));
+  const MemoryLimit limit = memory_limit();
+  if (bytes > limit.bytes) {
+    char text[160];
+    std::snprintf(text, sizeof text, "(bytes=%.4g, expected <= %.4g bytes, %s)", bytes, limit.bytes,
+                  limit.name);
+    throw OutOfMemory(std::string("forward: the query rotated for the append, a copy, exceeds "
+                                  "the memory this process may use ") +
+                      text + "; reduce the sizes");
+  }
+  return Tensor(dtype, {p.batch, p.heads_q, p.seq.lq, p.head_dim});
+}
+
 // The validated append's call: its parameters, rotary tables and the sequences' lengths after
 // the append (i32 [B], which `after` reads).
 struct Appending {
@@ -297,7 +335,7 @@ ForwardResult forward_kvcache(const TensorView& q, const TensorView& k_cache,
   // of the appended slots, the backend's verdict, memory, the cancel flag) and allocates its
   // outputs before the append writes the cache.
   Tensor rotated;
-  if (rotary.cos != nullptr) rotated = Tensor(q.dtype, {p.batch, p.heads_q, p.seq.lq, p.head_dim});
+  if (rotary.cos != nullptr) rotated = rotated_query(p, q.dtype);
   return detail::forward_kvcache_with(
       rotary.cos != nullptr ? rotated.view() : q, k_cache, v_cache, after, options, backend, [&] {
         if (p.dtype == DType::f64) {

@@ -3,10 +3,10 @@
 // before each.
 #include "attncore/merge.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <new>
 #include <string>
-#include <vector>
 
 #include "attncore/error.h"
 #include "core/convert.h"
@@ -110,6 +110,10 @@ std::int64_t validate(const Checker& check, const TensorView& out_a, const Tenso
 // Dv = 128 (2^22 rows of Dv = 128 merged in ~3 s on one thread: ~0.7 us a row).
 constexpr std::int64_t kCancelRows = 512;
 
+// Columns merged at a time (each column is merged by itself given the row's two LSEs): the
+// scratch of a thread stays 3 * 1024 values whatever Dv, which the caller's views alone bound.
+constexpr std::int64_t kChunk = 1024;
+
 template <class T>
 void merge_rows(const TensorView& out_a, const TensorView& lse_a, const TensorView& out_b,
                 const TensorView& lse_b, const TensorView& out, const TensorView& lse,
@@ -119,20 +123,24 @@ void merge_rows(const TensorView& out_a, const TensorView& lse_a, const TensorVi
   const std::int64_t a_step = out_a.stride_of(rank - 1), b_step = out_b.stride_of(rank - 1),
                      out_step = out.stride_of(rank - 1);  // (any: a row is read element-wise)
   parallel_for(rows, launch.threads, [&](std::int64_t begin, std::int64_t end) {
-    std::vector<T> a(static_cast<std::size_t>(dv)), b(a), merged(a);  // [Dv] each
+    T a[kChunk], b[kChunk], merged[kChunk];  // a row's columns [e0, e0 + kChunk)
     for (std::int64_t row = begin; row < end; ++row) {
       if ((row - begin) % kCancelRows == 0) launch.check_cancel();
-      load_row(out_a.data, out_a.dtype, row_offset(out_a, out_a.shape, rank - 1, row), dv, a.data(),
-               a_step);
-      load_row(out_b.data, out_b.dtype, row_offset(out_b, out_a.shape, rank - 1, row), dv, b.data(),
-               b_step);
+      const std::int64_t at_a = row_offset(out_a, out_a.shape, rank - 1, row),
+                         at_b = row_offset(out_b, out_a.shape, rank - 1, row),
+                         at_out = row_offset(out, out_a.shape, rank - 1, row);
       const T la =
           load_element<T>(lse_a.data, lse_a.dtype, row_offset(lse_a, out_a.shape, rank - 1, row));
       const T lb =
           load_element<T>(lse_b.data, lse_b.dtype, row_offset(lse_b, out_a.shape, rank - 1, row));
-      const T l = detail::merge_outputs(a.data(), la, b.data(), lb, dv, merged.data());
-      store_row(merged.data(), dv, out.data, out.dtype, row_offset(out, out_a.shape, rank - 1, row),
-                out_step);
+      T l = 0;
+      for (std::int64_t e0 = 0; e0 == 0 || e0 < dv; e0 += kChunk) {  // (Dv = 0: the LSEs alone)
+        const std::int64_t n = std::min(kChunk, dv - e0);
+        load_row(out_a.data, out_a.dtype, at_a + e0 * a_step, n, a, a_step);
+        load_row(out_b.data, out_b.dtype, at_b + e0 * b_step, n, b, b_step);
+        l = detail::merge_outputs(a, la, b, lb, n, merged);
+        store_row(merged, n, out.data, out.dtype, at_out + e0 * out_step, out_step);
+      }
       store_element(lse.data, lse.dtype, row_offset(lse, out_a.shape, rank - 1, row), l);
     }
   });
@@ -146,6 +154,11 @@ void run(const TensorView& out_a, const TensorView& lse_a, const TensorView& out
   Launch launch;
   launch.threads = detail::resolve_threads(num_threads, "merge_attention_states");
   launch.cancel = cancel;
+  if (launch.cancelled()) {  // (as the attention calls: read once before anything is written)
+    throw Cancelled(
+        "merge_attention_states: call is cancelled (cancel=true, expected false); the "
+        "outputs are not written");
+  }
   detail::run_in_flight([&] {
     try {
       if (out_a.dtype == DType::f64) {

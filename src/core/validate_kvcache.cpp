@@ -185,11 +185,11 @@ Params validate_kvcache_forward(const ForwardArgs& a, const KvCacheSeqs& s, cons
         "mask is not supported with a KV cache (mask=given, expected none); use "
         "causal, window_left/window_right or cache_seqlens");
   }
+  resolve_variant(check, o, p);  // (a dropout_p out of range first, as invalid)
   if (o.dropout_p != 0.0) {
     check.unsupported("dropout is not supported with a KV cache (dropout_p=" +
                       fmt_double(o.dropout_p) + ", expected 0)");
   }
-  resolve_variant(check, o, p);
   if (!check_outputs) {
     check.count("out would have too many elements", "B * Hq * Lq * Dv",
                 {p.batch, p.heads_q, seq.lq, p.head_dim_v});

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -186,6 +187,20 @@ ATTNCORE_TARGET inline Vec exp2v(Vec x) {
 }
 
 constexpr float kLog2e = 1.4426950408889634f;
+
+// x * factor (scores into log2 units), a finite x's product held within +-FLT_MAX: scores past
+// FLT_MAX / log2 e, as an additive mask of f32's lowest value makes them, became infinities,
+// which softmax reads as keys masked out (a row masked with such values alone gave 0 and LSE
+// -inf, where torch averages its values). Infinite and NaN x give their products.
+ATTNCORE_TARGET inline float to_log2(float x, float factor) {
+  const float y = x * factor;
+  return std::isfinite(x) ? std::clamp(y, -FLT_MAX, FLT_MAX) : y;
+}
+ATTNCORE_TARGET inline Vec to_log2(Vec x, float factor) {
+  const Vec y = x * factor;
+  const Vec held = y < -FLT_MAX ? splat(-FLT_MAX) : y > FLT_MAX ? splat(FLT_MAX) : y;
+  return x - x == Vec{} ? held : y;  // (x - x: 0 where x is finite, NaN elsewhere)
+}
 
 // Transposes a kLanes x kLanes block of floats in registers: r[i][j] becomes r[j][i]. A scalar
 // transpose moves one element per load and store (packing K for decode ran at ~7 GB/s with

@@ -132,8 +132,9 @@ PagedKvCache::PagedKvCache(std::int64_t num_pages, std::int64_t page_size, std::
                ", expected <= 2147483647: lengths are int32)");
   }
   if (dtype != DType::f32 && dtype != DType::bf16 && dtype != DType::f16 && dtype != DType::f64) {
-    check.fail("dtype is not a cache dtype (dtype=" + std::string(name_of(dtype)) +
-               ", expected f32, bf16, f16 or f64)");
+    const std::string value =
+        size_of(dtype) != 0 ? std::string(name_of(dtype)) : std::to_string(static_cast<int>(dtype));
+    check.fail("dtype is not a cache dtype (dtype=" + value + ", expected f32, bf16, f16 or f64)");
   }
   if (head_dim > INT64_MAX - head_dim_v) {  // (both >= 1)
     check.fail("the pages have too many elements (D + Dv=" +
