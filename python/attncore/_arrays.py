@@ -235,6 +235,29 @@ def refuse_lost_gradients(lib, op, named):
                             f"to flow); pass the query as a torch tensor, or {name}.detach()")
 
 
+def check_written_tensor(op, name, x):
+    """ValueError where torch refuses an in-place write that the package would make into torch
+    tensor x (a KV cache appended to, a paged cache's pages): an inference tensor outside
+    inference mode. Anything else: nothing."""
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor) and x.is_inference() and \
+            not torch.is_inference_mode_enabled():
+        raise ValueError(f"{op}: {name} is an inference tensor written outside inference mode "
+                         "(is_inference=True, expected a normal tensor, or the call inside "
+                         "torch.inference_mode()); torch refuses such in-place writes too")
+
+
+def mark_written(*tensors):
+    """Tells autograd that the package wrote these torch tensors in place, as torch's in-place
+    ops do (their version counters, which their views share, move): a graph that saved one
+    refuses its backward instead of computing it from the new values. Others: nothing."""
+    torch = _torch()
+    for x in tensors:
+        if torch is not None and isinstance(x, torch.Tensor) and x.dim() > 0:
+            with torch.no_grad():
+                x[:0].zero_()  # (no element: the counter alone)
+
+
 class _Numpy:
     """numpy arrays: read by attncore._core through the buffer protocol."""
 

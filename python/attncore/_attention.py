@@ -511,17 +511,21 @@ def attention_varlen_backward(dout, query, key, value, out, softmax_lse, cu_seql
 
 def explain(query, key, value, *, backward=False, layout="bhld", scale=None, causal=None,
             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, attn_mask=None, dropout_p=0.0,
-            enable_gqa=True, num_threads=0):
+            seed=None, offset=None, enable_gqa=True, backend=None, num_threads=0,
+            _op="explain"):
     """What automatic backend selection does with attention()'s call (backward=True: with its
     backward) on this thread, inside the current sdpa_kernel: an Explanation with each
     backend's verdict (enabled, the reasons it cannot run the call, the cost model's estimate)
     and the backend chosen (None when none can run it). The arrays are validated like the
-    call's; nothing is computed."""
-    backward = bool_option("explain", "backward", backward)
-    p = _prepare("explain", query, key, value, layout=layout, attn_mask=attn_mask,
+    call's, a backend it names too (NotImplementedError where that one cannot run it); nothing
+    is computed and no seed is drawn."""
+    backward = bool_option(_op, "backward", backward)
+    if seed is None and offset is None:  # (the call would draw them: any stands for them)
+        seed = offset = 0
+    p = _prepare(_op, query, key, value, layout=layout, attn_mask=attn_mask,
                  alibi_slopes=alibi_slopes, draw_seed=False, scale=scale, causal=causal,
-                 window_size=window_size, softcap=softcap, dropout_p=dropout_p, seed=0, offset=0,
-                 enable_gqa=enable_gqa, backend=None, num_threads=num_threads)
+                 window_size=window_size, softcap=softcap, dropout_p=dropout_p, seed=seed,
+                 offset=offset, enable_gqa=enable_gqa, backend=backend, num_threads=num_threads)
     lib, form, options = p.lib, p.form, p.call.core_options()
     # The query as given: the call negates or zeroes it for a scale <= 0 (a copy), which
     # changes no verdict.

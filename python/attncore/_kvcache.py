@@ -61,6 +61,7 @@ def _writable_cache(op, name, x):
         if x.numel() and x.dim() and x.shape[-1] > 1 and x.stride(-1) != 1:
             raise ValueError(f"{op}: {name} would need a copy (stride={list(x.stride())}, "
                              f"expected a unit last stride){remedy}")
+        _arrays.check_written_tensor(op, name, x)
         return _arrays.TORCH, x
     raise TypeError(f"{op}: {name} cannot be written in place (type={type(x).__name__}, "
                     f"expected a numpy array or a torch tensor){remedy}")
@@ -250,9 +251,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                              ((batch, heads_q, seqlen_q), lse_dtype(dtype)))
     out = lib.empty((batch, seqlen_q, heads_q, dim_v), dtype)
     lse = lib.empty((batch, heads_q, seqlen_q), lse_dtype(dtype))
-    _core.forward_kvcache(lib.to_core(q4), k_lib.to_core(kc.swapaxes(1, 2)),
-                          v_lib.to_core(vc.swapaxes(1, 2)), seqlens, batch_idx, leftpad, table,
-                          *core(new, swap=True), *core(tables), rotary_interleaved,
-                          lib.to_core(out.swapaxes(1, 2)), lib.to_core(lse), alibi,
-                          call.core_options())
+    try:
+        _core.forward_kvcache(lib.to_core(q4), k_lib.to_core(kc.swapaxes(1, 2)),
+                              v_lib.to_core(vc.swapaxes(1, 2)), seqlens, batch_idx, leftpad,
+                              table, *core(new, swap=True), *core(tables), rotary_interleaved,
+                              lib.to_core(out.swapaxes(1, 2)), lib.to_core(lse), alibi,
+                              call.core_options())
+    except (ValueError, TypeError, NotImplementedError, MemoryError):
+        raise  # (refused before anything is written)
+    except BaseException:
+        if appending:  # (stopped while it wrote, perhaps)
+            _arrays.mark_written(kc, vc)
+        raise
+    if appending:
+        _arrays.mark_written(kc, vc)
     return (give_back(out), give_back(lse)) if return_softmax_lse else give_back(out)

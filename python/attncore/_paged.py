@@ -4,6 +4,7 @@ flash_attn_varlen_func. Forward only. attncore.torch.PagedAttention is in _paged
 """
 
 import re
+import numbers
 import sys
 import typing
 
@@ -69,6 +70,9 @@ def _positions(op, x, reserved=None):
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
         x = _arrays.adopt(x, op, "input_pos")[1].detach().numpy()
+    if x is None or isinstance(x, (str, bytes, numbers.Number)):  # (np.asarray: rank 0)
+        raise TypeError(f"{op}: input_pos is not a sequence of positions (type="
+                        f"{type(x).__name__}, expected [S] integers)")
     try:
         array = np.asarray(x)
     except ValueError:  # a ragged sequence
@@ -134,8 +138,8 @@ class PagedKVCache:
     (a string, numpy dtype or torch dtype), max_batch_size sequences of up to max_pages_per_seq
     pages each (default num_pages). k_cache, v_cache, page_table and seqlens are views of the
     cache's own memory (no copies; they stay valid while the cache lives), torch tensors when
-    dtype was a torch dtype, else numpy arrays; views(library) gives them in either library
-    (bfloat16 only as torch). Pass them straight to flash_attn_with_kvcache:
+    dtype was a torch dtype (or bfloat16 by any name), else numpy arrays; views(library) gives
+    them in either library (bfloat16 only as torch). Pass them straight to flash_attn_with_kvcache:
 
         flash_attn_with_kvcache(q, cache.k_cache, cache.v_cache, k=k, v=v,
                                 cache_seqlens=cache.seqlens, block_table=cache.page_table)
@@ -153,6 +157,14 @@ class PagedKVCache:
                  dtype="float32", *, head_dim_v=None, max_pages_per_seq=None):
         op = "PagedKVCache"
         self._dtype, torch_given = _dtype_name(dtype)
+        if self._dtype == "bfloat16" and not torch_given:  # (numpy has no bfloat16)
+            try:
+                import torch  # noqa: F401 - its views are the cache's
+            except ImportError:
+                raise ValueError(f"{op}: dtype bfloat16 needs torch (dtype='bfloat16', expected "
+                                 "torch installed, or another dtype): numpy has no "
+                                 "bfloat16") from None
+            torch_given = True
         self._library = "torch" if torch_given else "numpy"
         sizes = [int_option(op, name, value) for name, value in (
             ("num_pages", num_pages), ("page_size", page_size), ("num_heads", num_heads),
@@ -225,6 +237,8 @@ class PagedKVCache:
         positions = _positions(op, input_pos, reserved)
         with _CoreNames():
             self._core.assign(b, positions, *arrays)
+        if self._torch is not None:  # (views a graph may have saved: as after an in-place op)
+            _arrays.mark_written(self._torch.k_cache, self._torch.v_cache)
 
     def fork(self, src, dst, prefix_len):
         """Gives the empty sequence dst the first prefix_len slots of src, sharing pages."""

@@ -216,6 +216,8 @@ class PagedAttention:
         _writable(op, "k_cache", k_cache, (("k_val", k_val), ("v_val", v_val)))
         _writable(op, "v_cache", v_cache, (("k_cache", k_cache), ("k_val", k_val),
                                            ("v_val", v_val)))
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):  # (both, before either)
+            _arrays.check_written_tensor(op, name, cache)
         rows = _torch.stack([self.capacity[self._batch(op, b)] for b in batch_idx.tolist()]) \
             if B else _torch.zeros(0, dtype=_torch.int64)
         bad = (input_pos < 0) | (input_pos >= rows[:, None])

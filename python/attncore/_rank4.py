@@ -95,6 +95,7 @@ def sdpa_enable_gqa(op, key, value, enable_gqa):
     """torch's scaled_dot_product_attention's heads rule as attention()'s enable_gqa: key and
     value with one head (or no head dim) serve every query head, as torch's broadcasting does,
     whatever enable_gqa says."""
+    enable_gqa = bool_option(op, "enable_gqa", enable_gqa)  # (a falsy None or 0 ran as False)
     heads_kv = {s[-3] if len(s) >= 3 else 1 for s in (_arrays.shape_of(key, op, "key"),
                                                         _arrays.shape_of(value, op, "value"))}
     return enable_gqa or heads_kv == {1}

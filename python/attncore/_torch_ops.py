@@ -19,7 +19,7 @@ import torch as _torch
 from torch import library as _registry
 
 from . import _arrays
-from ._attention import attention, attention_backward
+from ._attention import attention, attention_backward, explain
 from ._autograd import first_order
 from ._random import _torch_seed
 from ._rank4 import check_sdpa_mask, sdpa_enable_gqa
@@ -83,10 +83,15 @@ class _Sdpa(_torch.autograd.Function):
         return (dq, dk, dv) + (None,) * 6
 
 
-def _seed(dropout_p):
-    """A 64-bit seed from torch's default generator, as the schema's signed int."""
+def _seed(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """A 64-bit seed from torch's default generator, as the schema's signed int: drawn after
+    the call's checks (explain's, named as the forward names them), so that a call refused
+    leaves the generator as it was, as the package's functions do."""
     if dropout_p <= 0:
         return 0
+    explain(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale,
+            causal="upper-left" if is_causal else None, enable_gqa=enable_gqa,
+            _op="sdpa_forward")
     seed = _torch_seed()[0]
     return seed - _U64 if seed >= _U64 // 2 else seed
 
@@ -110,14 +115,16 @@ def _sdpa_autograd(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
             "requires grad gets no gradient through the operator; call attncore.torch."
             "scaled_dot_product_attention for dBias")
     return _Sdpa.apply(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                       _seed(dropout_p))
+                       _seed(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                             enable_gqa))
 
 
 def _sdpa_inference(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                     scale=None, enable_gqa=False):
     enable_gqa = _checked(query, key, value, attn_mask, is_causal, enable_gqa)
     return _sdpa_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                         _seed(dropout_p))[0]
+                         _seed(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                               enable_gqa))[0]
 
 
 _ops.impl("scaled_dot_product_attention", _sdpa_autograd, "Autograd")

@@ -73,6 +73,9 @@ def _indices(op, indices, values, values_name, rows, rows_text, distinct=False):
     if values is not None and indices.shape[0] != values.shape[0]:
         raise ValueError(f"{op}: indices has the wrong length (len={indices.shape[0]}, expected "
                          f"{values.shape[0]}: one per row of {values_name})")
+    # (Their int64 copy, and the copies torch's min, max and unique make of a broadcast one,
+    # refused first where they would not fit: MemoryError in attncore's form.)
+    _arrays.check_copy(op, "indices", (indices.shape[0],), "int64", "pass fewer indices")
     indices = indices.long()
     if indices.numel():
         low, high = int(indices.min()), int(indices.max())
@@ -187,7 +190,12 @@ def unpad_input(hidden_states, attention_mask, unused_mask=None):
                              ((total,) + tuple(hidden_states.shape[2:]),
                               _dtype_name(hidden_states)))
     indices = torch.nonzero(kept.flatten()).flatten()
-    flat = hidden_states.reshape((-1,) + tuple(hidden_states.shape[2:]))
+    try:  # [B * L, ...] as a view: only the kept rows are copied
+        flat = hidden_states.view((-1,) + tuple(hidden_states.shape[2:]))
+    except RuntimeError:  # (B and L fold into one only in a copy of the whole batch, as of a
+        # broadcast batch: the kept rows gathered by their two indices instead)
+        packed = hidden_states[indices // seqlen, indices % seqlen]
+        return packed, indices, cu_seqlens, max_seqlen, seqused
     return flat.index_select(0, indices), indices, cu_seqlens, max_seqlen, seqused
 
 

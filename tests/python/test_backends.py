@@ -10,6 +10,7 @@ import torch
 
 import attncore
 from attncore import SDPBackend, sdpa_kernel
+from conftest import raises
 
 DEFAULT = [SDPBackend.FLASH, SDPBackend.MATH, SDPBackend.REFERENCE]
 
@@ -148,3 +149,11 @@ def test_explain_validates_like_the_call():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="key has shape"):
         attncore.explain(q, k[:, :, :, :16], v)
+    # attention()'s other options too: a backend it names is refused as the call refuses it
+    # (flash has no float64), seeds are taken and none is drawn.
+    q64 = np.zeros((1, 2, 4, 8))
+    raises(NotImplementedError, lambda: attncore.explain(q64, q64, q64, backend="flash"),
+           "forward: backend flash cannot run this call")
+    assert attncore.explain(q64, q64, q64, backend="math").chosen is not None
+    assert attncore.explain(q, k, v, dropout_p=0.5, seed=1, offset=2).chosen is not None
+    raises(ValueError, lambda: attncore.explain(q, k, v, dropout_p=0.5, offset=2), "offset")

@@ -149,3 +149,21 @@ def test_unpad_input_refuses_unused_slots_before_real_tokens_and_int32_overflow(
     monkeypatch.setattr(bert_padding, "INT32_MAX", 5)  # (2^31 tokens, made small)
     raises(ValueError, lambda: bert_padding.unpad_input(hidden, used, unused),
            "attention_mask keeps too many tokens (total=6, expected <= 5")
+
+
+def test_bert_padding_copies_only_what_it_keeps():
+    # A broadcast batch [4096, 16384, 1024] (64 GiB as a copy) of which 3 tokens are kept: only
+    # those rows are gathered (the whole batch was flattened through a copy first); indices
+    # broadcast past what their copy could hold are refused in attncore's form (torch's min and
+    # max copied them: an allocator error).
+    hidden = torch.arange(16384 * 1024, dtype=torch.float32).reshape(1, 16384, 1024)
+    hidden = hidden.expand(4096, 16384, 1024)
+    used = torch.zeros(4096, 16384, dtype=torch.bool)
+    used[0, :2] = True
+    used[4095, 7] = True
+    packed, indices, cu, longest, seqused = bert_padding.unpad_input(hidden, used)
+    assert packed.shape == (3, 1024) and longest == 2 and cu[-1] == 3
+    assert torch.equal(packed, hidden[[0, 0, 4095], [0, 1, 7]])
+    many = torch.zeros(1, dtype=torch.long).expand(1 << 42)
+    raises(MemoryError, lambda: bert_padding.index_first_axis(torch.zeros(4, 3), many),
+           "index_first_axis: indices needs a contiguous copy larger than")

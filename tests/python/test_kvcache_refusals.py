@@ -4,6 +4,7 @@ attncore's form (docs/design.md section 4) before work of its size, or taken as 
 meant it."""
 
 import numpy as np
+import pytest
 import torch
 
 import attncore
@@ -160,3 +161,68 @@ def test_messages_name_what_the_caller_passed():
     np.testing.assert_array_equal(
         attncore.flash_attn_varlen_func(*args, block_table=[[0, 1], [2, 3]]),
         attncore.flash_attn_varlen_func(*args, block_table=np.array([[0, 1], [2, 3]], np.int32)))
+
+
+def test_writes_into_torch_caches_move_their_version_counters():
+    # An append into a cache tensor a graph saved, and assign into a paged cache's torch views:
+    # autograd refuses the backward, as after torch's own in-place ops (before, it ran on the
+    # new values). A refused append moves nothing.
+    one = torch.ones(1, 1, 1, 8)
+    w = torch.randn(8, 8, requires_grad=True)
+    k_cache, v_cache = torch.zeros(1, 5, 1, 8), torch.zeros(1, 5, 1, 8)
+    before = k_cache._version
+    raises(ValueError, lambda: attncore.flash_attn_with_kvcache(
+        one, k_cache, v_cache, k=one, v=one, cache_seqlens=5), "k_new does not fit")
+    assert k_cache._version == before
+    y = (k_cache @ w).sum()
+    attncore.flash_attn_with_kvcache(one, k_cache, v_cache, k=one, v=one, cache_seqlens=0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+    cache = attncore.PagedKVCache(4, 4, 1, 8, 2, torch.float32)
+    view = cache.k_cache
+    z = (view.reshape(16, 8) @ w).sum()
+    cache.reserve(0, 4)
+    cache.assign(0, [0], torch.ones(1, 1, 8), torch.ones(1, 1, 8))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.backward()
+
+
+def test_inference_tensors_are_written_only_in_inference_mode():
+    # As torch refuses an in-place write into an inference tensor outside inference mode: an
+    # append into one, or PagedAttention.assign into one of its caches, is refused before
+    # either cache is written; inside inference mode both run.
+    one = torch.ones(1, 1, 1, 8)
+    with torch.inference_mode():
+        k_inference = torch.zeros(1, 5, 1, 8)
+    v_cache = torch.zeros(1, 5, 1, 8)
+    raises(ValueError, lambda: attncore.flash_attn_with_kvcache(
+        one, v_cache, k_inference, k=one, v=one, cache_seqlens=0),
+        "v_cache is an inference tensor written outside inference mode")
+    assert not v_cache.any() and not k_inference.any()
+    with torch.inference_mode():
+        attncore.flash_attn_with_kvcache(one, k_inference, v_cache, k=one, v=one,
+                                         cache_seqlens=0)
+    assert k_inference[0, 0].eq(1).all()
+    pa = attncore.torch.PagedAttention(4, 4, 1)
+    pa.reserve(torch.tensor(0), torch.tensor(4))
+    k_cache = torch.zeros(1, 1, 16, 8)
+    with torch.inference_mode():
+        v_inference = torch.zeros(1, 1, 16, 8)
+    raises(ValueError, lambda: pa.assign(torch.tensor([0]), torch.tensor([[0]]),
+                                         torch.ones(1, 1, 1, 8), torch.ones(1, 1, 1, 8),
+                                         k_cache, v_inference),
+           "PagedAttention.assign: v_cache is an inference tensor")
+    assert not k_cache.any()
+
+
+def test_paged_cache_dtypes_and_positions_by_type():
+    # bfloat16 named by a string gives torch views (numpy has none), usable at once; positions
+    # that are no sequence are a TypeError.
+    cache = attncore.PagedKVCache(4, 4, 1, 8, 2, "bfloat16")
+    assert cache.k_cache.dtype == torch.bfloat16 and cache.page_table.dtype == torch.int32
+    cache = attncore.PagedKVCache(4, 4, 1, 8, 2)
+    cache.reserve(0, 4)
+    rows = np.ones((1, 1, 8), np.float32)
+    for positions in (None, "0", 0):
+        raises(TypeError, lambda: cache.assign(0, positions, rows, rows),
+               "PagedKVCache.assign: input_pos is not a sequence of positions")

@@ -161,3 +161,20 @@ def test_matches_torch_113_private_sdpa():
                         kwargs.get("is_causal", False))[0]
         assert_close(attncore.scaled_dot_product_attention(q, k, v, **kwargs), expected,
                      torch.float64)
+
+
+def test_masks_of_finfo_min_as_torch():
+    # Padding masked with torch.finfo(dtype).min, as Hugging Face models mask it: rows masked
+    # entirely average V as torch's math path does (flash once read such scores as keys masked
+    # out, giving 0), keys masked beside visible ones get nothing; the default backend and
+    # each named one agree with torch.
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 6, 16, generator=g) for _ in range(3))
+    mask = torch.zeros(2, 1, 6, 6)
+    mask[0, :, :, :2] = torch.finfo(torch.float32).min  # left padding of sequence 0
+    mask[0, :, :2, :] = torch.finfo(torch.float32).min  # its padded query rows: all masked
+    want = torch.nn.functional.softmax(q @ k.transpose(-1, -2) / 4 + mask, dim=-1) @ v
+    for backend in (None, "flash", "math"):
+        got = attncore.torch.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                          backend=backend)
+        assert_close(got, want, torch.float32, f"backend {backend}")

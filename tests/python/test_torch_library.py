@@ -118,3 +118,18 @@ def test_masks_follow_torchs_rules(grad):
                                          r"expected bool, float32 or query's float32\)"):
         op(q, q, q, attn_mask=torch.ones(3, 3, dtype=torch.float64))
     assert op(q, q, q, attn_mask=torch.ones(3, 3, dtype=torch.bool)).shape == (1, 2, 3, 4)
+
+
+def test_a_refused_dropout_call_leaves_torchs_generator_alone():
+    # The seed is drawn after the call's checks (explain's, named as the forward's).
+    q = torch.randn(1, 2, 4, 8)
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    op = torch.ops.attncore.scaled_dot_product_attention
+    with pytest.raises(ValueError, match=r"^forward: key has shape"):
+        op(q, q[..., :7], q, dropout_p=0.5)
+    with torch.inference_mode(), pytest.raises(ValueError, match=r"^forward: key has shape"):
+        op(q, q[..., :7], q, dropout_p=0.5)
+    assert torch.equal(state, torch.get_rng_state())
+    op(q, q, q, dropout_p=0.5)
+    assert not torch.equal(state, torch.get_rng_state())
