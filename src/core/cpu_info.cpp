@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -453,6 +454,15 @@ double cgroup_memory_limit_bytes(const std::string& proc_self_cgroup, const std:
 }
 
 }  // namespace detail
+
+void detail::refuse_past_memory_limit(double bytes, const std::string& what, const char* remedy) {
+  const MemoryLimit limit = memory_limit();
+  if (bytes <= limit.bytes) return;
+  char text[160];
+  std::snprintf(text, sizeof text, "(bytes=%.4g, expected <= %.4g bytes, %s)", bytes, limit.bytes,
+                limit.name);
+  throw OutOfMemory(what + " exceeds the memory this process may use " + text + "; " + remedy);
+}
 
 MemoryLimit memory_limit() {
   static const double physical = detail::physical_memory_bytes();

@@ -31,4 +31,9 @@ double physical_memory_bytes();
 // root or root/unified, v1's memory controller at root/memory); infinity when none is set.
 double cgroup_memory_limit_bytes(const std::string& proc_self_cgroup, const std::string& root);
 
+// Refuses, before the allocator sees it, memory of `bytes` past what this process may use
+// (memory_limit, attncore/info.h): throws OutOfMemory "<what> exceeds the memory this process
+// may use (bytes=..., expected <= ... bytes, <the limit>); <remedy>".
+void refuse_past_memory_limit(double bytes, const std::string& what, const char* remedy);
+
 }  // namespace attncore::detail

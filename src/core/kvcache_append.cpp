@@ -3,16 +3,15 @@
 // query is rotated into a copy, and the call attends with the lengths after the append.
 #include <algorithm>
 #include <cstdint>
-#include <cstdio>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "attncore/backend.h"
-#include "attncore/info.h"
 #include "attncore/kvcache.h"
 #include "core/api.h"
 #include "core/convert.h"
+#include "core/cpu_info.h"
 #include "core/sequence.h"
 #include "core/validate.h"
 #include "core/validate_checks.h"
@@ -274,18 +273,11 @@ void append_rows(const Params& p, const TensorView& q, const TensorView& k_cache
 // The rotated query's copy [B, Hq, Lq, D], refused first as the call's where the process may not
 // hold it (a broadcast query costs its caller nothing).
 Tensor rotated_query(const Params& p, DType dtype) {
-  const double bytes = static_cast<double>(p.batch) * static_cast<double>(p.heads_q) *
-                       static_cast<double>(p.seq.lq) * static_cast<double>(p.head_dim) *
-                       static_cast<double>(size_of(dtype));
-  const MemoryLimit limit = memory_limit();
-  if (bytes > limit.bytes) {
-    char text[160];
-    std::snprintf(text, sizeof text, "(bytes=%.4g, expected <= %.4g bytes, %s)", bytes, limit.bytes,
-                  limit.name);
-    throw OutOfMemory(std::string("forward: the query rotated for the append, a copy, exceeds "
-                                  "the memory this process may use ") +
-                      text + "; reduce the sizes");
-  }
+  detail::refuse_past_memory_limit(
+      static_cast<double>(p.batch) * static_cast<double>(p.heads_q) *
+          static_cast<double>(p.seq.lq) * static_cast<double>(p.head_dim) *
+          static_cast<double>(size_of(dtype)),
+      "forward: the query rotated for the append, a copy,", "reduce the sizes");
   return Tensor(dtype, {p.batch, p.heads_q, p.seq.lq, p.head_dim});
 }
 

@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -151,15 +150,7 @@ PagedKvCache::PagedKvCache(std::int64_t num_pages, std::int64_t page_size, std::
           static_cast<double>(size_of(dtype)) +
       4.0 * static_cast<double>(max_batch) * static_cast<double>(max_pages_per_seq + 1) +
       4.0 * static_cast<double>(num_pages) * 2;
-  const MemoryLimit limit = memory_limit();
-  if (bytes > limit.bytes) {
-    char text[160];
-    std::snprintf(text, sizeof text, "(bytes=%.4g, expected <= %.4g bytes, %s)", bytes, limit.bytes,
-                  limit.name);
-    throw OutOfMemory(std::string("PagedKvCache: the cache exceeds the memory this process may "
-                                  "use ") +
-                      text + "; use fewer or smaller pages");
-  }
+  detail::refuse_past_memory_limit(bytes, "PagedKvCache: the cache", "use fewer or smaller pages");
   s_ = std::make_unique<State>();
   State& s = *s_;
   s.num_pages = num_pages;
