@@ -102,11 +102,13 @@ def sdpa_enable_gqa(op, key, value, enable_gqa):
 
 
 def pair(op, name, value, expected):
-    """value's two items as a tuple: TypeError for what is no sequence (a number; a string, a
-    dict or a set, whose characters, keys or order would be taken), ValueError for a sequence
-    of another length. expected: how the message describes a pair, such as "(left, right)"."""
+    """value's two items as a tuple: TypeError for what is no sequence (a number; a string,
+    bytes, a dict or a set, whose characters, bytes, keys or order would be taken), ValueError
+    for a sequence of another length. expected: how the message describes a pair, such as
+    "(left, right)"."""
     items = None
-    if not isinstance(value, (str, bytes, collections.abc.Mapping, collections.abc.Set)):
+    if not isinstance(value, (str, bytes, bytearray, memoryview, collections.abc.Mapping,
+                              collections.abc.Set)):
         try:
             items = tuple(value)
         except TypeError:
