@@ -101,6 +101,26 @@ def sdpa_enable_gqa(op, key, value, enable_gqa):
     return enable_gqa or heads_kv == {1}
 
 
+def sdpa_query_heads(op, query, key, value, enable_gqa):
+    """torch's scaled_dot_product_attention's broadcasting of the query's heads: without
+    enable_gqa, a query of one head (or of no head dim) against key and value of H > 1 heads
+    attends as H heads, a view of it (torch's math path broadcasts its product). Else query."""
+    if enable_gqa is not False:
+        return query
+    shapes = [_arrays.shape_of(x, op, name) for x, name in ((query, "query"), (key, "key"),
+                                                             (value, "value"))]
+    heads = {s[-3] if len(s) >= 3 else 1 for s in shapes[1:]}
+    q_heads = shapes[0][-3] if len(shapes[0]) >= 3 else 1
+    if len(heads) != 1 or heads == {1} or q_heads != 1 or len(shapes[0]) < 2:
+        return query
+    lib, query, _ = _arrays.adopt(query, op, "query")
+    shape = tuple(query.shape)
+    if len(shape) == 2:  # [L, E] as [1, L, E]
+        query = lib.reshape(query, (1,) + shape)
+        shape = (1,) + shape
+    return lib.broadcast_to(query, shape[:-3] + (heads.pop(),) + shape[-2:])
+
+
 def pair(op, name, value, expected):
     """value's two items as a tuple: TypeError for what is no sequence (a number; a string,
     bytes, a dict or a set, whose characters, bytes, keys or order would be taken), ValueError

@@ -22,7 +22,7 @@ from . import _arrays
 from ._attention import attention, attention_backward, explain
 from ._autograd import first_order
 from ._random import _torch_seed
-from ._rank4 import check_sdpa_mask, sdpa_enable_gqa
+from ._rank4 import check_sdpa_mask, sdpa_enable_gqa, sdpa_query_heads
 
 _ARGS = ("Tensor? attn_mask=None, float dropout_p=0.0, bool is_causal=False, "
          "float? scale=None, bool enable_gqa=False")
@@ -98,17 +98,19 @@ def _seed(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 def _checked(query, key, value, attn_mask, is_causal, enable_gqa):
     """The public operator takes attn_mask and K/V heads as torch's function does
-    (_rank4.check_sdpa_mask, sdpa_enable_gqa): enable_gqa as attention() takes it."""
+    (_rank4.check_sdpa_mask, sdpa_enable_gqa, sdpa_query_heads): (the query, broadcast to the
+    kv heads where torch broadcasts it, enable_gqa as attention() takes it)."""
     op = "scaled_dot_product_attention"
     if attn_mask is not None:
         check_sdpa_mask(op, is_causal, _arrays.TORCH.dtype_name(attn_mask),
                         _arrays.TORCH.dtype_name(query))
-    return sdpa_enable_gqa(op, key, value, enable_gqa)
+    enable_gqa = sdpa_enable_gqa(op, key, value, enable_gqa)
+    return sdpa_query_heads(op, query, key, value, enable_gqa), enable_gqa
 
 
 def _sdpa_autograd(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                    scale=None, enable_gqa=False):
-    enable_gqa = _checked(query, key, value, attn_mask, is_causal, enable_gqa)
+    query, enable_gqa = _checked(query, key, value, attn_mask, is_causal, enable_gqa)
     if attn_mask is not None and attn_mask.requires_grad:
         raise NotImplementedError(
             "attncore.scaled_dot_product_attention (torch operator): a float attn_mask that "
@@ -121,7 +123,7 @@ def _sdpa_autograd(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
 
 def _sdpa_inference(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                     scale=None, enable_gqa=False):
-    enable_gqa = _checked(query, key, value, attn_mask, is_causal, enable_gqa)
+    query, enable_gqa = _checked(query, key, value, attn_mask, is_causal, enable_gqa)
     return _sdpa_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                          _seed(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                enable_gqa))[0]

@@ -178,3 +178,27 @@ def test_masks_of_finfo_min_as_torch():
         got = attncore.torch.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                           backend=backend)
         assert_close(got, want, torch.float32, f"backend {backend}")
+
+
+def test_a_query_of_one_head_broadcasts_over_the_kv_heads():
+    # As torch's product broadcasts it without enable_gqa: a query [L, E], [1, L, E] or
+    # [B, 1, L, E] against key and value of 3 heads attends as 3 heads, its gradient summed
+    # over them; through the function, the operator and numpy alike. With enable_gqa, Hq % Hkv
+    # must hold (torch refuses it too).
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(2, 3, 6, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    for shape in ((5, 8), (1, 5, 8), (2, 1, 5, 8)):
+        q = torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+        want = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5, dim=-1) @ v
+        got = attncore.torch.scaled_dot_product_attention(q, k, v)
+        assert_close(got, want.detach(), torch.float64, f"{shape} out")
+        grad, = torch.autograd.grad(got.sum(), q)
+        want_grad, = torch.autograd.grad(want.sum(), q)
+        assert_close(grad, want_grad, torch.float64, f"{shape} dq")
+        assert_close(torch.ops.attncore.scaled_dot_product_attention(q.detach(), k, v),
+                     want.detach(), torch.float64, f"{shape} operator")
+        assert_close(attncore.scaled_dot_product_attention(q.detach().numpy(), k.numpy(),
+                                                           v.numpy()),
+                     want.detach(), torch.float64, f"{shape} numpy")
+    with pytest.raises(ValueError, match=r"Hq % Hkv == 0 \(Hq=1, Hkv=3\)"):
+        attncore.torch.scaled_dot_product_attention(q, k, v, enable_gqa=True)
