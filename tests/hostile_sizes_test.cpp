@@ -1,10 +1,10 @@
 // Sizes that broadcast views make free for the caller and ruinous for the library: a KV-cache
 // append's rotary width or new rows at int64's limit (their sums overflowed, and the append then
-// wrote out of bounds), a paged append of more rows than the pool holds (its slot check once
-// allocated B * L_new pairs: 64 GB), a merge of rows of 2^29 columns (its scratch took 3 * Dv
-// per thread) — each refused by a check, or run in bounded memory; and the minor errors found
-// with them (an out-of-range dropout_p with a cache, an invalid dtype's value; a merge cancelled
-// before it starts: merge_test.cpp).
+// wrote out of bounds), a paged append of more rows than the pool holds (its slot check
+// allocated B * L_new pairs: 64 GB for broadcast views), a merge of rows of 2^29 columns (its
+// scratch took 3 * Dv per thread) — each refused by a check, or run in bounded memory; and the
+// minor errors found with them (an out-of-range dropout_p with a cache, an invalid dtype's value; a
+// merge cancelled before it starts: merge_test.cpp).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -92,13 +92,14 @@ TEST(HostileSizes, NewRowsAtInt64sLimit) {
   }
 }
 
-// 2^16 sequences appending 2^16 rows each (broadcast views) into a pool of 64 slots: refused
-// at once for the pool's size, before the slots are gathered.
+// 2^16 sequences appending 64 rows each (broadcast views) into a pool of 64 slots: more rows
+// than the pool holds, scanned until two land on one slot (their slots were once gathered and
+// sorted: B * L_new pairs, 64 GB for 2^16 rows each).
 TEST(HostileSizes, PagedAppendOfMoreRowsThanThePool) {
-  const std::int64_t batch = 1 << 16, pages_per_seq = 1 << 16;
+  const std::int64_t batch = 1 << 16, pages_per_seq = 64;
   Tensor k(DType::f32, {64, 1, 1, 4}), v(DType::f32, {64, 1, 1, 4});  // pages of 1 slot
   std::vector<std::int32_t> table(static_cast<std::size_t>(pages_per_seq));
-  for (std::size_t n = 0; n < table.size(); ++n) table[n] = static_cast<std::int32_t>(n % 64);
+  for (std::size_t n = 0; n < table.size(); ++n) table[n] = static_cast<std::int32_t>(n);
   std::vector<std::int32_t> lens(static_cast<std::size_t>(batch), 0);
   KvCacheSeqs s;
   s.cache_seqlens = TensorView::contiguous(lens.data(), DType::i32, {batch});
@@ -107,8 +108,8 @@ TEST(HostileSizes, PagedAppendOfMoreRowsThanThePool) {
   a.k_new = a.v_new = broadcast(DType::f32, {batch, 1, pages_per_seq, 4}, {0, 0, 0, 1});
   const TensorView q = broadcast(DType::f32, {batch, 1, 1, 4}, {0, 0, 0, 1});
   const std::string want =
-      "k_new appends more rows than the page pool holds (B * L_new=65536 * "
-      "65536, expected <= num_pages * page_size=64)";
+      "k_new writes one pool slot twice (slot 0 of sequence 0 and slot 0 of sequence 1 are both "
+      "row 0 of page 0";
   const TensorView kc = k.view().transposed(1, 2), vc = v.view().transposed(1, 2);
   const std::string got = invalid_message([&] { forward_kvcache(q, kc, vc, s, a); });
   EXPECT_NE(got.find(want), std::string::npos) << got;

@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "attncore/attncore.h"
-#include "attncore/kvcache.h"
 #include "testing/tensors.h"
 
 namespace attncore {
@@ -360,52 +359,6 @@ TEST(SelectChoice, ExplainVarlen) {
   VarlenSeqs decreasing = seqs;
   decreasing.cu_seqlens_k = TensorView::contiguous(const_cast<std::int32_t*>(bad), DType::i32, {3});
   EXPECT_THROW(explain_forward_varlen(q, q, q, decreasing), InvalidArgument);
-}
-
-// A named backend that cannot run the call: every explain_* function refuses it as the call
-// with it does (the same message), before the caller prepares anything; one that can, disabled
-// on this thread or not, passes, and the explanation stays automatic's.
-TEST(SelectChoice, ExplainRefusesANamedBackendAsTheCallDoes) {
-  const Tensor q64(DType::f64, {1, 2, 4, 8});
-  const TensorView v = q64.view();
-  const std::string want = unsupported_message([&] { forward(v, v, v, {}, Backend::flash); });
-  ASSERT_NE(want.find("forward: backend flash cannot run this call"), std::string::npos) << want;
-  EXPECT_EQ(unsupported_message([&] { explain_forward(v, v, v, {}, Backend::flash); }), want);
-  const Tensor lse(DType::f64, {1, 2, 4});
-  EXPECT_NE(unsupported_message([&] {
-              explain_backward(v, v, v, v, v, lse.view(), {}, Backend::flash);
-            }).find("backward: backend flash cannot run this call"),
-            std::string::npos);
-  EXPECT_EQ(explain_forward(v, v, v, {}, Backend::math).chosen,
-            explain_forward(v, v, v, {}).chosen);
-  {
-    const BackendScope math_only({Backend::math});  // named backends ignore the scope
-    const TensorView q = fake(DType::f32, {1, 2, 4, 8});
-    EXPECT_NO_THROW(explain_forward(q, q, q, {}, Backend::flash));
-  }
-  const std::int32_t cu[] = {0, 3, 4};
-  VarlenSeqs seqs;
-  seqs.cu_seqlens_q = TensorView::contiguous(const_cast<std::int32_t*>(cu), DType::i32, {3});
-  seqs.cu_seqlens_k = seqs.cu_seqlens_q;
-  seqs.max_seqlen_q = seqs.max_seqlen_k = 3;
-  const TensorView packed = fake(DType::f64, {4, 2, 8});
-  const std::string varlen = unsupported_message(
-      [&] { explain_forward_varlen(packed, packed, packed, seqs, {}, Backend::flash); });
-  EXPECT_NE(varlen.find("backend flash cannot run this call"), std::string::npos) << varlen;
-  const TensorView lse_packed = fake(DType::f64, {2, 4});
-  EXPECT_NE(unsupported_message([&] {
-              explain_backward_varlen(packed, packed, packed, packed, packed, lse_packed, seqs, {},
-                                      Backend::flash);
-            }).find("backend flash cannot run this call"),
-            std::string::npos);
-  const std::int32_t lens[] = {4};
-  KvCacheSeqs cache;
-  cache.cache_seqlens = TensorView::contiguous(const_cast<std::int32_t*>(lens), DType::i32, {1});
-  const TensorView cached = fake(DType::f64, {1, 2, 4, 8}), q1 = fake(DType::f64, {1, 2, 1, 8});
-  const std::string kv = unsupported_message(
-      [&] { explain_forward_kvcache(q1, cached, cached, cache, {}, Backend::flash); });
-  EXPECT_NE(kv.find("backend flash cannot run this call"), std::string::npos) << kv;
-  EXPECT_NO_THROW(explain_forward_kvcache(q1, cached, cached, cache, {}, Backend::math));
 }
 
 // The cost model with constants fed in: a machine like the development one, and variations.

@@ -253,7 +253,8 @@ def mark_written(*tensors):
     refuses its backward instead of computing it from the new values. Others: nothing."""
     torch = _torch()
     for x in tensors:
-        if torch is not None and isinstance(x, torch.Tensor) and x.dim() > 0:
+        if torch is not None and isinstance(x, torch.Tensor) and x.dim() > 0 and \
+                not x.is_inference():  # (an inference tensor has no version counter)
             with torch.no_grad():
                 x[:0].zero_()  # (no element: the counter alone)
 

@@ -523,7 +523,7 @@ def explain(query, key, value, *, backward=False, layout="bhld", scale=None, cau
     if seed is None and offset is None:  # (the call would draw them: any stands for them)
         seed = offset = 0
     p = _prepare(_op, query, key, value, layout=layout, attn_mask=attn_mask,
-                 alibi_slopes=alibi_slopes, draw_seed=False, scale=scale, causal=causal,
+                 alibi_slopes=alibi_slopes, draw_seed=True, scale=scale, causal=causal,
                  window_size=window_size, softcap=softcap, dropout_p=dropout_p, seed=seed,
                  offset=offset, enable_gqa=enable_gqa, backend=backend, num_threads=num_threads)
     lib, form, options = p.lib, p.form, p.call.core_options()

@@ -257,10 +257,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                               table, *core(new, swap=True), *core(tables), rotary_interleaved,
                               lib.to_core(out.swapaxes(1, 2)), lib.to_core(lse), alibi,
                               call.core_options())
-    except (ValueError, TypeError, NotImplementedError, MemoryError):
+    except (ValueError, TypeError, NotImplementedError):
         raise  # (refused before anything is written)
-    except BaseException:
-        if appending:  # (stopped while it wrote, perhaps)
+    except BaseException:  # (stopped while it wrote, perhaps: out of memory, cancelled)
+        if appending:
             _arrays.mark_written(kc, vc)
         raise
     if appending:

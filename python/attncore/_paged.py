@@ -70,7 +70,7 @@ def _positions(op, x, reserved=None):
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
         x = _arrays.adopt(x, op, "input_pos")[1].detach().numpy()
-    if x is None or isinstance(x, (str, bytes, numbers.Number)):  # (np.asarray: rank 0)
+    if x is None or isinstance(x, (str, bytes, bytearray, memoryview, numbers.Number)):
         raise TypeError(f"{op}: input_pos is not a sequence of positions (type="
                         f"{type(x).__name__}, expected [S] integers)")
     try:
@@ -182,7 +182,8 @@ class PagedKVCache:
         if library == "torch":
             if self._torch is None:
                 import torch
-                k, v, table, lens = (torch.from_numpy(x) for x in self._numpy)
+                with torch.inference_mode(False):  # (normal tensors, written anywhere)
+                    k, v, table, lens = (torch.from_numpy(x) for x in self._numpy)
                 if self._dtype == "bfloat16":  # numpy holds the bits as int16
                     k, v = k.view(torch.bfloat16), v.view(torch.bfloat16)
                 self._torch = PagedViews(k, v, table, lens)

@@ -75,9 +75,7 @@ const detail::BackendEntry& prepare(Pass pass, const Params& p, const Launch& la
       *detail::find_backend(detail::select_backend(pass, p, launch, backend));
   check_memory(detail::name_of(pass), entry, pass, p, launch, output_bytes);
   if (launch.cancelled()) {
-    throw Cancelled(std::string(detail::name_of(pass)) +
-                    ": call is cancelled (cancel=true, expected false); the outputs are not "
-                    "written");
+    throw Cancelled(detail::cancelled_message(detail::name_of(pass), /*started=*/false));
   }
   return entry;
 }

@@ -53,39 +53,30 @@ void rotate(const Rotary& r, std::int64_t pos, T* x) {
 // overwrite its own keys), and two new rows landing on one pool slot (pages two sequences share
 // at the slots both append). Runs after the capacity check (every slot has a table entry);
 // entries that name no page of the pool are left to the attending call's check, which names
-// them. Memory in proportion to the pool (a page's last user, a bit per slot), never to B *
-// L_new, which broadcast inputs make any size: more new rows than the pool's slots are refused
-// first.
+// them. The new rows' slots are sorted (time and memory in proportion to B * L_new, a decode's
+// few rows costing next to nothing); more rows than the pool holds, as broadcast inputs make
+// any number of them, are scanned instead, in a bit per pool slot.
 void check_append_slots(const Checker& check, const Params& p, std::int64_t num_pages,
                         std::int64_t l_new) {
   const detail::SeqInfo& seq = p.seq;
-  if (l_new == 0 || p.batch == 0) return;
-  const std::int64_t pool = num_pages * seq.page_size;  // (the cache's own rows: it fits)
-  if (l_new > pool / p.batch) {
-    check.fail("k_new appends more rows than the page pool holds (B * L_new=" +
-               std::to_string(p.batch) + " * " + std::to_string(l_new) +
-               ", expected <= num_pages * page_size=" + std::to_string(pool) +
-               "); the new rows cannot all land on distinct slots");
-  }
   auto table_of = [&](std::int64_t b) { return seq.block_table + b * seq.block_table_stride; };
-  std::vector<std::int64_t> user(static_cast<std::size_t>(num_pages), -1);  // last sequence
-  for (std::int64_t b = 0; b < p.batch; ++b) {
+  for (std::int64_t b = 0; b < p.batch && l_new > 0; ++b) {
     const std::int32_t* table = table_of(b);
     const std::int64_t first = (seq.cache_leftpad != nullptr ? seq.cache_leftpad[b] : 0) /
                                seq.page_size;
     const std::int64_t last = (seq.cache_seqlens[b] + l_new - 1) / seq.page_size;
+    std::vector<std::pair<std::int32_t, std::int64_t>> used;  // (page, logical page)
     for (std::int64_t i = first; i <= last; ++i) {
-      const std::int64_t page = table[i];
-      if (page < 0 || page >= num_pages) continue;
-      if (user[static_cast<std::size_t>(page)] == b) {
-        const std::int64_t before = std::find(table + first, table + i, table[i]) - table;
-        check.fail("block_table maps one page twice in a sequence that appends (block_table[" +
-                   std::to_string(b) + "][" + std::to_string(before) + "]=block_table[" +
-                   std::to_string(b) + "][" + std::to_string(i) + "]=" + std::to_string(page) +
-                   ", expected distinct pages); the append would overwrite the sequence's own "
-                   "keys");
-      }
-      user[static_cast<std::size_t>(page)] = b;
+      if (table[i] >= 0 && table[i] < num_pages) used.emplace_back(table[i], i);
+    }
+    std::sort(used.begin(), used.end());
+    for (std::size_t i = 1; i < used.size(); ++i) {
+      if (used[i].first != used[i - 1].first) continue;
+      check.fail("block_table maps one page twice in a sequence that appends (block_table[" +
+                 std::to_string(b) + "][" + std::to_string(used[i - 1].second) + "]=block_table[" +
+                 std::to_string(b) + "][" + std::to_string(used[i].second) +
+                 "]=" + std::to_string(used[i].first) +
+                 ", expected distinct pages); the append would overwrite the sequence's own keys");
     }
   }
   // The pool slot new row j of sequence b lands on (-1: a page the attending call refuses).
@@ -93,28 +84,49 @@ void check_append_slots(const Checker& check, const Params& p, std::int64_t num_
     const std::int64_t s = seq.cache_seqlens[b] + j, page = table_of(b)[s / seq.page_size];
     return page < 0 || page >= num_pages ? -1 : page * seq.page_size + s % seq.page_size;
   };
-  std::vector<bool> taken(static_cast<std::size_t>(pool));
-  for (std::int64_t b = 0; b < p.batch; ++b) {
-    for (std::int64_t j = 0; j < l_new; ++j) {
-      const std::int64_t slot = slot_of(b, j);
-      if (slot < 0) continue;
-      if (!taken[static_cast<std::size_t>(slot)]) {
-        taken[static_cast<std::size_t>(slot)] = true;
-        continue;
+  auto refuse = [&](std::int64_t slot, std::int64_t row0,
+                    std::int64_t row1) {  // rows b * L_new + j
+    const std::int64_t b0 = row0 / l_new, b1 = row1 / l_new;
+    const std::int64_t s0 = seq.cache_seqlens[b0] + row0 % l_new;
+    const std::int64_t s1 = seq.cache_seqlens[b1] + row1 % l_new;
+    check.fail(
+        "k_new writes one pool slot twice (slot " + std::to_string(s0) + " of sequence " +
+        std::to_string(b0) + " and slot " + std::to_string(s1) + " of sequence " +
+        std::to_string(b1) + " are both row " + std::to_string(s0 % seq.page_size) + " of page " +
+        std::to_string(slot / seq.page_size) +
+        ", expected distinct slots); map distinct pages where sequences append "
+        "(a paged cache's assign copies a shared page first; appends write pages as mapped)");
+  };
+  const std::int64_t pool = num_pages * seq.page_size;         // (the cache's own rows: it fits)
+  if (p.batch == 0 || l_new <= pool / p.batch) {               // B * L_new <= pool: sorted
+    std::vector<std::pair<std::int64_t, std::int64_t>> slots;  // [B * L_new]: (pool slot, row)
+    slots.reserve(static_cast<std::size_t>(p.batch * l_new));
+    for (std::int64_t b = 0; b < p.batch; ++b) {
+      for (std::int64_t j = 0; j < l_new; ++j) {
+        const std::int64_t slot = slot_of(b, j);
+        if (slot >= 0) slots.emplace_back(slot, b * l_new + j);
       }
-      std::int64_t b0 = 0, j0 = 0;  // the row that took it first (found again: the error's path)
-      while (slot_of(b0, j0) != slot) {
-        if (++j0 == l_new) j0 = 0, ++b0;
-      }
-      const std::int64_t s0 = seq.cache_seqlens[b0] + j0, s1 = seq.cache_seqlens[b] + j;
-      check.fail("k_new writes one pool slot twice (slot " + std::to_string(s0) + " of sequence " +
-                 std::to_string(b0) + " and slot " + std::to_string(s1) + " of sequence " +
-                 std::to_string(b) + " are both row " + std::to_string(s0 % seq.page_size) +
-                 " of page " + std::to_string(slot / seq.page_size) +
-                 ", expected distinct slots); map distinct pages where sequences append "
-                 "(a paged cache's assign copies a shared page first; appends write pages as "
-                 "mapped)");
     }
+    std::sort(slots.begin(), slots.end());
+    for (std::size_t i = 1; i < slots.size(); ++i) {
+      if (slots[i].first == slots[i - 1].first)
+        refuse(slots[i].first, slots[i - 1].second, slots[i].second);
+    }
+    return;
+  }
+  // More new rows than pool slots: some land on no page (the attending call names it) or two on
+  // one slot, the first such pair found by a bit per slot.
+  std::vector<bool> taken(static_cast<std::size_t>(pool));
+  for (std::int64_t row = 0; row < p.batch * l_new; ++row) {
+    const std::int64_t slot = slot_of(row / l_new, row % l_new);
+    if (slot < 0) return;
+    if (!taken[static_cast<std::size_t>(slot)]) {
+      taken[static_cast<std::size_t>(slot)] = true;
+      continue;
+    }
+    std::int64_t first = 0;  // the row that took it (found again: the error's path)
+    while (slot_of(first / l_new, first % l_new) != slot) ++first;
+    refuse(slot, first, row);
   }
 }
 

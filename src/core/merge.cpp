@@ -155,9 +155,7 @@ void run(const TensorView& out_a, const TensorView& lse_a, const TensorView& out
   launch.threads = detail::resolve_threads(num_threads, "merge_attention_states");
   launch.cancel = cancel;
   if (launch.cancelled()) {  // (as the attention calls: read once before anything is written)
-    throw Cancelled(
-        "merge_attention_states: call is cancelled (cancel=true, expected false); the "
-        "outputs are not written");
+    throw Cancelled(detail::cancelled_message("merge_attention_states", /*started=*/false));
   }
   detail::run_in_flight([&] {
     try {

@@ -148,11 +148,12 @@ struct Params {
 // Thrown by a backend that finds the call cancelled between two work items, or between two key
 // tiles of a flash item (and rethrown by the backward runs that waited for a tile the cancelled
 // run abandoned); the entry points turn it into
-// attncore::Cancelled with the op's name (cancelled_message).
+// attncore::Cancelled with the op's name (cancelled_message; started = false: a flag read
+// before anything was written).
 struct CancelledWork {};
-inline std::string cancelled_message(const char* op) {
-  return std::string(op) +
-         ": call is cancelled (cancel=true, expected false); the outputs are incomplete";
+inline std::string cancelled_message(const char* op, bool started = true) {
+  return std::string(op) + ": call is cancelled (cancel=true, expected false); the outputs are " +
+         (started ? "incomplete" : "not written");
 }
 
 // How a call runs, apart from what it computes.

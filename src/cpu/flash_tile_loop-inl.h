@@ -268,8 +268,8 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
         // to ulp(max) / 2 in its exponent) stays in its P. (Rounding from 2^22 on, as before,
         // put that error into rows of scores past ~2.9e6: scores 1e7 - j, j = 0..7, gave 0.623
         // for 0.579.)
-        // (Scores past +-FLT_MAX / factor held at +-FLT_MAX there, to_log2: a row of such
-        // scores gives P = 1 where they equal its largest, as f32 softmax does.)
+        // (Scores past +-FLT_MAX / factor held at +-FLT_MAX there, to_log2: such scores of one
+        // row share it equally, where f32 softmax gives it to the largest of them alone.)
         if (!(std::fabs(new_max) < 0x1p28f)) {
           for (std::int64_t c = 0; c < cols; c += kLanes)
             store(s + c, to_log2(load(s + c), factor));

@@ -156,4 +156,5 @@ def test_explain_validates_like_the_call():
            "forward: backend flash cannot run this call")
     assert attncore.explain(q64, q64, q64, backend="math").chosen is not None
     assert attncore.explain(q, k, v, dropout_p=0.5, seed=1, offset=2).chosen is not None
-    raises(ValueError, lambda: attncore.explain(q, k, v, dropout_p=0.5, offset=2), "offset")
+    raises(ValueError, lambda: attncore.explain(q, k, v, dropout_p=0.5, offset=2),
+           "explain: offset is set without seed (offset=2, expected seed with it, or neither")

@@ -223,6 +223,14 @@ def test_paged_cache_dtypes_and_positions_by_type():
     cache = attncore.PagedKVCache(4, 4, 1, 8, 2)
     cache.reserve(0, 4)
     rows = np.ones((1, 1, 8), np.float32)
-    for positions in (None, "0", 0):
+    for positions in (None, "0", 0, bytearray(b"\x00")):
         raises(TypeError, lambda: cache.assign(0, positions, rows, rows),
                "PagedKVCache.assign: input_pos is not a sequence of positions")
+    # Views first read inside inference mode are normal tensors: assign runs outside it.
+    cache = attncore.PagedKVCache(4, 4, 1, 8, 2, torch.float32)
+    with torch.inference_mode():
+        view = cache.k_cache
+    assert not view.is_inference()
+    cache.reserve(0, 4)
+    cache.assign(0, [0], torch.ones(1, 1, 8), torch.ones(1, 1, 8))
+    assert view[0, 0].eq(1).all()
