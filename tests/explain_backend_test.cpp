@@ -9,6 +9,7 @@
 
 #include "attncore/attncore.h"
 #include "attncore/kvcache.h"
+#include "testing/tensors.h"
 
 namespace attncore {
 namespace {
@@ -19,25 +20,14 @@ TensorView fake(DType dtype, std::initializer_list<std::int64_t> shape) {
   return TensorView::contiguous(&g_no_data, dtype, shape);
 }
 
-// The message of the Unsupported that fn throws ("" if it throws nothing).
-template <class Fn>
-std::string unsupported_message(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Unsupported& e) {
-    return e.what();
-  }
-  return "";
-}
-
 TEST(ExplainBackend, RefusedAsTheCallRefusesIt) {
   const Tensor q64(DType::f64, {1, 2, 4, 8});
   const TensorView v = q64.view();
-  const std::string want = unsupported_message([&] { forward(v, v, v, {}, Backend::flash); });
+  const std::string want = test::error_message([&] { forward(v, v, v, {}, Backend::flash); });
   ASSERT_NE(want.find("forward: backend flash cannot run this call"), std::string::npos) << want;
-  EXPECT_EQ(unsupported_message([&] { explain_forward(v, v, v, {}, Backend::flash); }), want);
+  EXPECT_EQ(test::error_message([&] { explain_forward(v, v, v, {}, Backend::flash); }), want);
   const Tensor lse(DType::f64, {1, 2, 4});
-  EXPECT_NE(unsupported_message([&] {
+  EXPECT_NE(test::error_message([&] {
               explain_backward(v, v, v, v, v, lse.view(), {}, Backend::flash);
             }).find("backward: backend flash cannot run this call"),
             std::string::npos);
@@ -54,11 +44,11 @@ TEST(ExplainBackend, RefusedAsTheCallRefusesIt) {
   seqs.cu_seqlens_k = seqs.cu_seqlens_q;
   seqs.max_seqlen_q = seqs.max_seqlen_k = 3;
   const TensorView packed = fake(DType::f64, {4, 2, 8});
-  const std::string varlen = unsupported_message(
+  const std::string varlen = test::error_message(
       [&] { explain_forward_varlen(packed, packed, packed, seqs, {}, Backend::flash); });
   EXPECT_NE(varlen.find("backend flash cannot run this call"), std::string::npos) << varlen;
   const TensorView lse_packed = fake(DType::f64, {2, 4});
-  EXPECT_NE(unsupported_message([&] {
+  EXPECT_NE(test::error_message([&] {
               explain_backward_varlen(packed, packed, packed, packed, packed, lse_packed, seqs, {},
                                       Backend::flash);
             }).find("backend flash cannot run this call"),
@@ -67,7 +57,7 @@ TEST(ExplainBackend, RefusedAsTheCallRefusesIt) {
   KvCacheSeqs cache;
   cache.cache_seqlens = TensorView::contiguous(const_cast<std::int32_t*>(lens), DType::i32, {1});
   const TensorView cached = fake(DType::f64, {1, 2, 4, 8}), q1 = fake(DType::f64, {1, 2, 1, 8});
-  const std::string kv = unsupported_message(
+  const std::string kv = test::error_message(
       [&] { explain_forward_kvcache(q1, cached, cached, cache, {}, Backend::flash); });
   EXPECT_NE(kv.find("backend flash cannot run this call"), std::string::npos) << kv;
   EXPECT_NO_THROW(explain_forward_kvcache(q1, cached, cached, cache, {}, Backend::math));
@@ -78,7 +68,7 @@ TEST(ExplainBackend, RefusedAsTheCallRefusesIt) {
   const Tensor k_cache(DType::f64, {1, 2, 8, 8}), v_cache(DType::f64, {1, 2, 8, 8});
   KvAppend append;
   append.k_new = append.v_new = fake(DType::f64, {1, 2, 1, 8});
-  const std::string appending = unsupported_message([&] {
+  const std::string appending = test::error_message([&] {
     explain_forward_kvcache(q1, k_cache.view(), v_cache.view(), filling, append, {},
                             Backend::flash);
   });

@@ -31,17 +31,6 @@ TensorView broadcast(DType dtype, std::initializer_list<std::int64_t> shape,
                              shape, stride);
 }
 
-// The message of the InvalidArgument fn throws ("" if none).
-template <class Fn>
-std::string invalid_message(Fn&& fn) {
-  try {
-    fn();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  }
-  return "";
-}
-
 struct Cache {
   explicit Cache(std::int64_t d = 4) : k(DType::f32, {1, 8, 1, d}), v(DType::f32, {1, 8, 1, d}) {}
   Tensor k, v;  // [B, capacity, Hkv, D]
@@ -63,9 +52,11 @@ TEST(HostileSizes, RotaryWidthAtInt64sLimit) {
   for (const std::int64_t half : {std::int64_t{1} << 62, INT64_MAX}) {
     a.rotary_cos = a.rotary_sin = broadcast(DType::f32, {1, half}, {0, 0});
     const std::string want = "rotary_cos has the wrong width";
-    EXPECT_NE(invalid_message([&] { forward_kvcache(q, c.kc(), c.vc(), c.seqs(), a); }).find(want),
+    EXPECT_NE(invalid_argument_message([&] {
+                forward_kvcache(q, c.kc(), c.vc(), c.seqs(), a);
+              }).find(want),
               std::string::npos);
-    EXPECT_NE(invalid_message([&] {
+    EXPECT_NE(invalid_argument_message([&] {
                 explain_forward_kvcache(q, c.kc(), c.vc(), c.seqs(), a);
               }).find(want),
               std::string::npos);
@@ -80,12 +71,12 @@ TEST(HostileSizes, NewRowsAtInt64sLimit) {
     KvAppend a;
     a.k_new = a.v_new = broadcast(DType::f32, {1, 1, rows, 1}, {0, 0, 0, 1});
     const std::string got =
-        invalid_message([&] { forward_kvcache(q, c.kc(), c.vc(), c.seqs(), a); });
+        invalid_argument_message([&] { forward_kvcache(q, c.kc(), c.vc(), c.seqs(), a); });
     EXPECT_NE(got.find("k_new does not fit in the cache (cache_seqlens[0]=3 + L_new=" +
                        std::to_string(rows) + ", expected <= capacity=8)"),
               std::string::npos)
         << got;
-    EXPECT_NE(invalid_message([&] {
+    EXPECT_NE(invalid_argument_message([&] {
                 explain_forward_kvcache(q, c.kc(), c.vc(), c.seqs(), a);
               }).find("k_new does not fit"),
               std::string::npos);
@@ -111,9 +102,9 @@ TEST(HostileSizes, PagedAppendOfMoreRowsThanThePool) {
       "k_new writes one pool slot twice (slot 0 of sequence 0 and slot 0 of sequence 1 are both "
       "row 0 of page 0";
   const TensorView kc = k.view().transposed(1, 2), vc = v.view().transposed(1, 2);
-  const std::string got = invalid_message([&] { forward_kvcache(q, kc, vc, s, a); });
+  const std::string got = invalid_argument_message([&] { forward_kvcache(q, kc, vc, s, a); });
   EXPECT_NE(got.find(want), std::string::npos) << got;
-  EXPECT_NE(invalid_message([&] { explain_forward_kvcache(q, kc, vc, s, a); }).find(want),
+  EXPECT_NE(invalid_argument_message([&] { explain_forward_kvcache(q, kc, vc, s, a); }).find(want),
             std::string::npos);
 }
 
@@ -149,11 +140,11 @@ TEST(HostileSizes, MinorErrors) {
   const TensorView q = broadcast(DType::f32, {1, 1, 1, 4}, {0, 0, 0, 1});
   Options o;
   o.dropout_p = 2.0;  // out of range: invalid, before "not supported with a cache"
-  EXPECT_NE(invalid_message([&] {
+  EXPECT_NE(invalid_argument_message([&] {
               forward_kvcache(q, c.kc(), c.vc(), c.seqs(), o);
             }).find("dropout_p is out of range"),
             std::string::npos);
-  EXPECT_NE(invalid_message([&] {
+  EXPECT_NE(invalid_argument_message([&] {
               PagedKvCache(4, 1, 1, 4, 4, static_cast<DType>(99), 1);
             }).find("dtype=99"),
             std::string::npos);
