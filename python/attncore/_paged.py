@@ -3,8 +3,8 @@ as numpy arrays or torch tensors over the cache's own memory) and the paged form
 flash_attn_varlen_func. Forward only. attncore.torch.PagedAttention is in _paged_torch.
 """
 
-import re
 import numbers
+import re
 import sys
 import typing
 

@@ -96,9 +96,17 @@ def sdpa_enable_gqa(op, key, value, enable_gqa):
     value with one head (or no head dim) serve every query head, as torch's broadcasting does,
     whatever enable_gqa says."""
     enable_gqa = bool_option(op, "enable_gqa", enable_gqa)  # (a falsy None or 0 ran as False)
-    heads_kv = {s[-3] if len(s) >= 3 else 1 for s in (_arrays.shape_of(key, op, "key"),
-                                                        _arrays.shape_of(value, op, "value"))}
-    return enable_gqa or heads_kv == {1}
+    return enable_gqa or _kv_heads(op, key, value) == {1}
+
+
+def _heads(shape):
+    """The heads of an SDPA operand's shape [..., H, L, E]: 1 without a head dim."""
+    return shape[-3] if len(shape) >= 3 else 1
+
+
+def _kv_heads(op, key, value):
+    """The set of key's and value's head counts."""
+    return {_heads(_arrays.shape_of(x, op, name)) for x, name in ((key, "key"), (value, "value"))}
 
 
 def sdpa_query_heads(op, query, key, value, enable_gqa):
@@ -107,11 +115,8 @@ def sdpa_query_heads(op, query, key, value, enable_gqa):
     attends as H heads, a view of it (torch's math path broadcasts its product). Else query."""
     if enable_gqa is not False:
         return query
-    shapes = [_arrays.shape_of(x, op, name) for x, name in ((query, "query"), (key, "key"),
-                                                             (value, "value"))]
-    heads = {s[-3] if len(s) >= 3 else 1 for s in shapes[1:]}
-    q_heads = shapes[0][-3] if len(shapes[0]) >= 3 else 1
-    if len(heads) != 1 or heads == {1} or q_heads != 1 or len(shapes[0]) < 2:
+    heads, q_shape = _kv_heads(op, key, value), _arrays.shape_of(query, op, "query")
+    if len(heads) != 1 or heads == {1} or _heads(q_shape) != 1 or len(q_shape) < 2:
         return query
     lib, query, _ = _arrays.adopt(query, op, "query")
     shape = tuple(query.shape)
