@@ -1,7 +1,8 @@
 // Options::executor: a call's parallel regions run on the caller's executor instead of the
 // library's pool, with the same bits on every backend, forward and backward, through a plain
 // std::thread executor and an OpenMP one (executor_openmp.cpp, when OpenMP is available);
-// concurrency never above the call's thread count; cancellation works across it.
+// concurrency never above the call's thread count; cancellation works across it; an executor
+// that throws gives attncore::Error.
 #include "executor_test.h"
 
 #include <gtest/gtest.h>
@@ -9,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -149,6 +151,59 @@ TEST(Executor, CancellationWorksAcrossIt) {
       EXPECT_NE(std::string(e.what()).find("incomplete"), std::string::npos) << e.what();
     }
     EXPECT_GT(executor.calls.load(), 0);
+  }
+}
+
+// An executor that runs one task, then throws (out of its contract): every backend's forward
+// and backward throw attncore::Error with the executor's message and say the outputs are
+// incomplete, whatever the executor threw.
+class ThrowingExecutor : public test::CountingExecutor {
+ public:
+  explicit ThrowingExecutor(bool standard) : standard_(standard) {}
+  void run(int, int, const Task& task) const override {
+    task(0, 0);
+    if (standard_) throw std::runtime_error("engine pool shut down");
+    throw 42;
+  }
+
+ private:
+  bool standard_;
+};
+
+TEST(Executor, ItsExceptionIsAnErrorSayingTheOutputsAreIncomplete) {
+  const Inputs x(DType::f32);
+  for (bool standard : {true, false}) {
+    for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
+      for (bool backward_pass : {false, true}) {
+        SCOPED_TRACE(std::string(name_of(backend)) + (backward_pass ? " backward" : " forward") +
+                     (standard ? "" : ", not a std::exception"));
+        const ThrowingExecutor executor(standard);
+        Options options;
+        options.num_threads = 2;
+        const ForwardResult f = forward(x.q, x.k, x.v, options, backend);
+        options.executor = &executor;
+        try {
+          if (backward_pass) {
+            (void)backward(x.dout, x.q, x.k, x.v, f.out, f.lse, options, backend);
+          } else {
+            (void)forward(x.q, x.k, x.v, options, backend);
+          }
+          ADD_FAILURE() << "no error";
+        } catch (const InvalidArgument& e) {
+          ADD_FAILURE() << "not a plain Error: " << e.what();
+        } catch (const Error& e) {
+          const std::string what = e.what();
+          const std::string op = backward_pass ? "backward: " : "forward: ";
+          EXPECT_EQ(what.rfind(op + "the executor's parallel_for threw (what=", 0), 0) << what;
+          EXPECT_NE(
+              what.find(standard ? "engine pool shut down" : "not derived from std::exception"),
+              std::string::npos)
+              << what;
+          EXPECT_NE(what.find("; the outputs are incomplete"), std::string::npos) << what;
+        }
+        EXPECT_GT(executor.calls.load(), 0);
+      }
+    }
   }
 }
 

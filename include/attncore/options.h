@@ -51,7 +51,9 @@ class ATTNCORE_API Executor {
   // different worker indices. A task may wait for another task that has started, never for
   // one that has not: every started task must be left to run to its end (no suspending it to
   // run other tasks on its thread). Tasks do not throw: attncore catches inside them and
-  // rethrows after parallel_for returns. attncore calls it from the thread that made the call,
+  // rethrows after parallel_for returns. If parallel_for throws, attncore takes it that no
+  // task is running any more and the call throws attncore::Error with its message (the
+  // outputs are incomplete). attncore calls it from the thread that made the call,
   // once per parallel region, with 2 <= num_tasks and concurrency <= the call's thread count.
   virtual void parallel_for(int num_tasks, int concurrency, const Task& task) const = 0;
 };

@@ -26,7 +26,7 @@ using detail::Params;
 using detail::Pass;
 
 // Allocation failures surface as attncore::OutOfMemory with the op's name, a backend's
-// cancellation as attncore::Cancelled.
+// cancellation as attncore::Cancelled, an executor's exception as attncore::Error.
 template <class Fn>
 void guarded(const char* op, const char* stage, Fn&& fn) {
   try {
@@ -35,6 +35,8 @@ void guarded(const char* op, const char* stage, Fn&& fn) {
     throw OutOfMemory(std::string(op) + ": out of memory while " + stage);
   } catch (const detail::CancelledWork&) {
     throw Cancelled(detail::cancelled_message(op));
+  } catch (const detail::ExecutorFailed& failed) {
+    throw Error(detail::executor_failed_message(op, failed));
   }
 }
 

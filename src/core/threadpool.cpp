@@ -124,7 +124,9 @@ thread_local const Executor* t_executor = nullptr;
 // The pool's job on the caller's executor: min(threads, num_tasks) executor tasks, each taking
 // tasks from one counter until none are left (as the pool's threads do), so a task only ever
 // waits for tasks already taken by a running executor task. Tasks the executor left unrun (it
-// ran fewer) are run here; the first exception is rethrown.
+// ran fewer) are run here; the first exception is rethrown. An executor that throws breaks its
+// contract (it returns only once its tasks have): the call then stops there, its outputs
+// incomplete.
 void run_on_executor(const Executor& executor, int num_tasks, int threads,
                      const std::function<void(int)>& task) {
   const int workers = std::min(threads, num_tasks);
@@ -141,12 +143,23 @@ void run_on_executor(const Executor& executor, int num_tasks, int threads,
       }
     }
   };
-  executor.parallel_for(workers, workers, [&](int, int) { drain(); });
+  try {
+    executor.parallel_for(workers, workers, [&](int, int) { drain(); });
+  } catch (const std::exception& e) {
+    throw ExecutorFailed{e.what()};
+  } catch (...) {
+    throw ExecutorFailed{"an exception not derived from std::exception"};
+  }
   drain();
   if (error) std::rethrow_exception(error);
 }
 
 }  // namespace
+
+std::string executor_failed_message(const char* op, const ExecutorFailed& failed) {
+  return std::string(op) + ": the executor's parallel_for threw (what=\"" + failed.what +
+         "\", expected it to return once its tasks have); the outputs are incomplete";
+}
 
 ExecutorScope::ExecutorScope(const Executor* executor) : previous_(t_executor) {
   t_executor = executor;

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <string>
 
 #include "attncore/options.h"
 
@@ -13,7 +14,8 @@ namespace attncore::detail {
 // of them, and returns when all are done. The first exception a task throws is rethrown here.
 // A call made while the pool is busy (another caller, or from inside a task) runs inline.
 // Inside an ExecutorScope with an executor, the caller's executor runs them instead of the pool
-// (the same tasks, taken from the same counter: results do not change).
+// (the same tasks, taken from the same counter: results do not change); an exception from the
+// executor's parallel_for itself comes out as ExecutorFailed.
 void run_tasks(int num_tasks, int threads, const std::function<void(int)>& task);
 
 // Splits [0, n) into `threads` contiguous near-equal chunks and runs body(begin, end) on each.
@@ -32,6 +34,13 @@ class ExecutorScope {
  private:
   const Executor* previous_;
 };
+
+// Thrown by run_tasks when the caller's executor (not a task) throws; the entry points turn it
+// into attncore::Error with the op's name and the executor's message (executor_failed_message).
+struct ExecutorFailed {
+  std::string what;
+};
+std::string executor_failed_message(const char* op, const ExecutorFailed& failed);
 
 // The thread count a call uses: `requested` if > 0 (validated: at most kMaxThreads), else
 // set_num_threads's setting (attncore/options.h), else default_num_threads(), whose
