@@ -17,6 +17,7 @@
 
 #include "attncore/attncore.h"
 #include "core/cpu_info.h"
+#include "core/large_memory.h"  // ATTNCORE_UNDER_ASAN (GCC and clang)
 #include "testing/tensors.h"
 
 namespace attncore {
@@ -40,7 +41,7 @@ bool reset_peak() {
 }
 
 TEST(Memory, FlashPeakWithinAQuarterOfItsOperands) {
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(ATTNCORE_UNDER_ASAN)
   GTEST_SKIP() << "AddressSanitizer's shadow memory and quarantine are part of the peak";
 #endif
   if (status_kib("VmHWM") < 0 || !reset_peak()) GTEST_SKIP() << "no /proc/self/status peak here";
@@ -70,7 +71,7 @@ TEST(Memory, FlashPeakWithinAQuarterOfItsOperands) {
 // MQA (8 query heads on one kv head), where per-group workspace would be largest: per thread
 // one head's packed q, dO and f32 dQ (3 MiB), plus the f32 dK, dV sums of the kv head (2 MiB).
 TEST(Memory, FlashBackwardWorkspaceWithinOneCopyOfDq) {
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(ATTNCORE_UNDER_ASAN)
   GTEST_SKIP() << "AddressSanitizer's shadow memory and quarantine are part of the peak";
 #endif
   if (status_kib("VmHWM") < 0 || !reset_peak()) GTEST_SKIP() << "no /proc/self/status peak here";
@@ -180,7 +181,7 @@ TEST(Memory, AllocatedOutputsPastTheMachineAreRefusedUpFront) {
   }
 }
 
-#if !defined(__SANITIZE_ADDRESS__)
+#if !defined(ATTNCORE_UNDER_ASAN)
 // A field of /proc/self/status in KiB.
 std::int64_t vm_size_bytes() { return status_kib("VmSize") * 1024; }
 

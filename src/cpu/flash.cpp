@@ -26,9 +26,9 @@
 namespace attncore::detail {
 
 #if defined(__x86_64__)
-FlashTarget flash_target_avx512bf16();
-FlashTarget flash_target_avx512();
-FlashTarget flash_target_avx2();
+FlashTarget flash_target_avx512bf16();  // (not compiled with ATTNCORE_NO_AVX512BF16,
+FlashTarget flash_target_avx512();      // nor these with ATTNCORE_NO_AVX512: CMakeLists.txt's
+FlashTarget flash_target_avx2();        // ATTNCORE_SIMD_TARGETS)
 #endif
 FlashTarget flash_target_generic();
 
@@ -49,8 +49,15 @@ std::int64_t take_item(std::atomic<std::int64_t>& next, std::int64_t count, cons
 
 std::vector<FlashTarget> flash_targets_compiled() {
 #if defined(__x86_64__)
-  return {flash_target_avx512bf16(), flash_target_avx512(), flash_target_avx2(),
-          flash_target_generic()};
+  return {
+#if !defined(ATTNCORE_NO_AVX512BF16)
+    flash_target_avx512bf16(),
+#endif
+#if !defined(ATTNCORE_NO_AVX512)
+        flash_target_avx512(),
+#endif
+        flash_target_avx2(), flash_target_generic()
+  };
 #else
   return {flash_target_generic()};
 #endif

@@ -12,8 +12,13 @@ const GemmTarget& gemm_target_chosen() {
   // Best first, like flash_targets_compiled; generic last (every ISA begins with the baseline).
   // A plain array: nothing to destroy at exit while another thread may still run a call.
 #if defined(__x86_64__)
-  static const GemmTarget targets[] = {gemm_target_avx512(), gemm_target_avx2(),
-                                       gemm_target_generic()};
+  static const GemmTarget targets[] = {
+#if !defined(ATTNCORE_NO_AVX512)  // (CMakeLists.txt's ATTNCORE_SIMD_TARGETS)
+    gemm_target_avx512(),
+#endif
+    gemm_target_avx2(),
+    gemm_target_generic()
+  };
 #else
   static const GemmTarget targets[] = {gemm_target_generic()};
 #endif
