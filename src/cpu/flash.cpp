@@ -26,9 +26,11 @@
 namespace attncore::detail {
 
 #if defined(__x86_64__)
-FlashTarget flash_target_avx512bf16();  // (not compiled with ATTNCORE_NO_AVX512BF16,
-FlashTarget flash_target_avx512();      // nor these with ATTNCORE_NO_AVX512: CMakeLists.txt's
-FlashTarget flash_target_avx2();        // ATTNCORE_SIMD_TARGETS)
+// (The AVX-512 ones are not compiled with ATTNCORE_NO_AVX512BF16 / ATTNCORE_NO_AVX512:
+// CMakeLists.txt's ATTNCORE_SIMD_TARGETS.)
+FlashTarget flash_target_avx512bf16();
+FlashTarget flash_target_avx512();
+FlashTarget flash_target_avx2();
 #endif
 FlashTarget flash_target_generic();
 
