@@ -2,7 +2,8 @@
 (with and without inputs that require grad) against torch's own scaled_dot_product_attention,
 and the C++ call of the `attncore` program, in one run.
 
-The call is a decode step of a small model: q [1, 1, 1, 64], k and v [1, 1, 16, 64], float32,
+The call is a decode step of a small model: q [1, 1, 1, 64], k and v [1, 1, 16, 64], float32
+(and the same step over a KV cache, with and without appending the step's key and value),
 one thread everywhere (attncore.set_num_threads(1), torch.set_num_threads(1)). The cases are
 timed in interleaved rounds (each round times every case once, over `--calls` calls) and the
 table gives each case's median over the rounds and its ratio to torch's own call without
@@ -53,11 +54,24 @@ def cases():
             qg.grad = kg.grad = vg.grad = None
         return run
 
+    # The same step over a KV cache in flash-attn's layout (16 keys of a cache of 17): decode
+    # alone (the fast path), and with the step's new key and value appended (general path).
+    q_flash = qt.transpose(1, 2).contiguous()
+    k_cache = torch.cat([kt.transpose(1, 2), kt[:, :, :1].transpose(1, 2)], 1).contiguous()
+    v_cache = torch.cat([vt.transpose(1, 2), vt[:, :, :1].transpose(1, 2)], 1).contiguous()
+    k_new, v_new = k_cache[:, 15:16].clone(), v_cache[:, 15:16].clone()
+    with_kvcache = attncore.torch.flash_attn_with_kvcache
+
     return {
         "torch's own": (lambda: theirs(qt, kt, vt), None),
         "attncore, numpy": (lambda: attncore.scaled_dot_product_attention(q, k, v),
                             "torch's own"),
         "attncore.torch": (lambda: ours(qt, kt, vt), "torch's own"),
+        "attncore.torch flash_attn_with_kvcache": (
+            lambda: with_kvcache(q_flash, k_cache, v_cache, cache_seqlens=16), "torch's own"),
+        "attncore.torch flash_attn_with_kvcache, appending": (
+            lambda: with_kvcache(q_flash, k_cache, v_cache, k_new, v_new, cache_seqlens=15),
+            "torch's own"),
         "torch's own, inputs require grad": (lambda: theirs(qg, kg, vg), None),
         "attncore.torch, inputs require grad": (lambda: ours(qg, kg, vg),
                                                 "torch's own, inputs require grad"),

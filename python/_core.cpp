@@ -44,6 +44,9 @@ using attncore_python::CallOptions;
 using attncore_python::causal_from_name;
 using attncore_python::GilReleased;
 using attncore_python::last_call_addresses;
+using attncore_python::plain_backend;
+using attncore_python::plain_number;
+using attncore_python::plain_window;
 using attncore_python::run_call;
 using attncore_python::view_of;
 
@@ -63,20 +66,6 @@ void forward(py::handle q, py::handle k, py::handle v, py::handle out, py::handl
   run_call(options, call_work(bq.view(), bk.view(), bv.view()), [&](const attncore::Options& o) {
     attncore::forward_into(bq.view(), bk.view(), bv.view(), bout.view(), view_of(blse), o, backend);
   });
-}
-
-// A Python float or int (not bool) as a double, else nullopt.
-std::optional<double> plain_number(py::handle x) {
-  if (PyFloat_CheckExact(x.ptr())) return PyFloat_AS_DOUBLE(x.ptr());
-  if (PyLong_CheckExact(x.ptr())) {
-    const double value = PyLong_AsDouble(x.ptr());
-    if (value == -1.0 && PyErr_Occurred()) {
-      PyErr_Clear();
-      return std::nullopt;
-    }
-    return value;
-  }
-  return std::nullopt;
 }
 
 // The fast path of scaled_dot_product_attention (layout bhld, q [B, Hq, Lq, D], an optional
@@ -105,31 +94,18 @@ py::object attend(py::handle q, py::handle k, py::handle v, py::handle mask, boo
     options.scale = *s;
   }
   if (!window_size.is_none()) {
-    if (!PyTuple_CheckExact(window_size.ptr()) || PyTuple_GET_SIZE(window_size.ptr()) != 2)
-      return general;
-    PyObject* left = PyTuple_GET_ITEM(window_size.ptr(), 0);
-    PyObject* right = PyTuple_GET_ITEM(window_size.ptr(), 1);
-    if (!PyLong_CheckExact(left) || !PyLong_CheckExact(right)) return general;
-    options.window_left = PyLong_AsLongLong(left);
-    options.window_right = PyLong_AsLongLong(right);
-    if (PyErr_Occurred()) {
-      PyErr_Clear();
-      return general;
-    }
+    const auto window = plain_window(window_size);
+    if (!window) return general;
+    options.window_left = window->first;
+    options.window_right = window->second;
   }
   const auto cap = plain_number(softcap), p = plain_number(dropout_p);
   if (!cap || std::isnan(*cap) || !p || *p != 0.0) return general;
   options.softcap = *cap > 0 ? *cap : 0.0;
   if (enable_gqa.ptr() != Py_True && enable_gqa.ptr() != Py_False) return general;
-  attncore::Backend chosen = attncore::Backend::automatic;
-  if (!backend.is_none()) {
-    if (!PyUnicode_CheckExact(backend.ptr())) return general;
-    try {
-      chosen = attncore::backend_from_name(backend.cast<std::string>());
-    } catch (const InvalidArgument&) {
-      return general;
-    }
-  }
+  const auto backend_chosen = plain_backend(backend);
+  if (!backend_chosen) return general;
+  const attncore::Backend chosen = *backend_chosen;
   options.causal = causal_from_name(op, causal);
 
   last_call_addresses().clear();
@@ -181,19 +157,10 @@ py::object attend(py::handle q, py::handle k, py::handle v, py::handle mask, boo
   const DType lse_dtype = dtype == DType::f64 ? DType::f64 : DType::f32;
   const double rows =
       static_cast<double>(batch) * static_cast<double>(heads_q) * static_cast<double>(seqlen_q);
-  const double out_bytes =
-      rows * (static_cast<double>(dim_v) * static_cast<double>(attncore::size_of(dtype)) +
-              (want_lse ? static_cast<double>(attncore::size_of(lse_dtype)) : 0.0));
-  // Outputs of 1 MiB or more are made only for a call whose arguments pass the library's
-  // checks, a backend it names among them (run first as explain_forward runs them: 0.7 us on the
-  // Intel Xeon, against tens of us or more for any call with 1 MiB of outputs; smaller ones are
-  // made first, at no cost worth a check), and only where they fit in the memory this process
-  // may use (a broadcast query stands for any number of rows at no cost): else the general path
-  // refuses them (MemoryError).
-  if (out_bytes >= static_cast<double>(1 << 20)) {
-    (void)attncore::explain_forward(bhld(cq), bhld(ck), bhld(cv), options, chosen);
-    if (out_bytes > attncore::memory_limit().bytes) return general;
-  }
+  if (!attncore_python::outputs_may_be_made(rows, dim_v, dtype, want_lse, [&] {
+        (void)attncore::explain_forward(bhld(cq), bhld(ck), bhld(cv), options, chosen);
+      }))
+    return general;
   std::vector<std::int64_t> out_shape{batch, heads_q, seqlen_q, dim_v};
   if (blhd) std::swap(out_shape[1], out_shape[2]);
   const py::object out = attncore_python::new_array(

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "attncore/attncore.h"
 #include "borrowed.h"
@@ -63,5 +64,71 @@ struct CallOptions {
     return o;
   }
 };
+
+// The fast paths' options (attend, attend_kvcache), read only where they are of plain Python
+// types; anything else (nullopt) sends the call to the package's general path, which checks it.
+// A Python float or int (not bool) as a double.
+inline std::optional<double> plain_number(py::handle x) {
+  if (PyFloat_CheckExact(x.ptr())) return PyFloat_AS_DOUBLE(x.ptr());
+  if (PyLong_CheckExact(x.ptr())) {
+    const double value = PyLong_AsDouble(x.ptr());
+    if (value == -1.0 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return std::nullopt;
+    }
+    return value;
+  }
+  return std::nullopt;
+}
+// A Python int (not bool) within [lo, hi].
+inline std::optional<std::int64_t> plain_int(py::handle x, std::int64_t lo, std::int64_t hi) {
+  if (!PyLong_CheckExact(x.ptr())) return std::nullopt;
+  const long long value = PyLong_AsLongLong(x.ptr());
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return std::nullopt;
+  }
+  if (value < lo || value > hi) return std::nullopt;
+  return value;
+}
+// (left, right) of a window_size given as a tuple of two Python ints (the library checks their
+// values).
+inline std::optional<std::pair<std::int64_t, std::int64_t>> plain_window(py::handle x) {
+  if (!PyTuple_CheckExact(x.ptr()) || PyTuple_GET_SIZE(x.ptr()) != 2) return std::nullopt;
+  const auto left = plain_int(PyTuple_GET_ITEM(x.ptr(), 0), INT64_MIN, INT64_MAX);
+  const auto right = plain_int(PyTuple_GET_ITEM(x.ptr(), 1), INT64_MIN, INT64_MAX);
+  if (!left || !right) return std::nullopt;
+  return std::make_pair(*left, *right);
+}
+
+// A backend given as None (automatic) or a name.
+inline std::optional<attncore::Backend> plain_backend(py::handle x) {
+  if (x.is_none()) return attncore::Backend::automatic;
+  if (!PyUnicode_CheckExact(x.ptr())) return std::nullopt;
+  try {
+    return attncore::backend_from_name(x.cast<std::string>());
+  } catch (const attncore::InvalidArgument&) {
+    return std::nullopt;
+  }
+}
+
+// The fast paths' outputs: `rows` rows of dim_v elements of `dtype`, and with_lse one LSE per
+// row (float64 for float64, else float32). Outputs of 1 MiB or more are made only for a call
+// whose arguments pass the library's checks, a backend it names among them (`check`: the
+// library's explain of the call, 0.7 us on the Intel Xeon, against tens of us or more for any
+// call with 1 MiB of outputs; smaller ones are made first, at no cost worth a check), and only
+// where they fit in the memory this process may use (a broadcast query stands for any number of
+// rows at no cost): false sends the call to the general path, which refuses them (MemoryError).
+template <class Check>
+bool outputs_may_be_made(double rows, std::int64_t dim_v, attncore::DType dtype, bool with_lse,
+                         Check&& check) {
+  const attncore::DType lse = dtype == attncore::DType::f64 ? dtype : attncore::DType::f32;
+  const double bytes =
+      rows * (static_cast<double>(dim_v) * static_cast<double>(attncore::size_of(dtype)) +
+              (with_lse ? static_cast<double>(attncore::size_of(lse)) : 0.0));
+  if (bytes < static_cast<double>(1 << 20)) return true;
+  check();
+  return bytes <= attncore::memory_limit().bytes;
+}
 
 }  // namespace attncore_python

@@ -21,8 +21,23 @@ from ._rank4 import (INT32_MAX, alibi_array, bool_option, check_blhd, int_option
 from ._varlen import index_array
 
 
-def _rank4(op, name, x, layout):
-    shape = _arrays.shape_of(x, op, name)
+class _Adopted:
+    """A call's arrays, each adopted (_arrays.adopt) once, by name: a decode step's wrapper
+    time is mostly such conversions (each check of a shape converted its array again)."""
+
+    def __init__(self, op):
+        self.op, self.arrays = op, {}
+
+    def __call__(self, name, x):
+        if name not in self.arrays:
+            self.arrays[name] = _arrays.adopt(x, self.op, name)
+        return self.arrays[name]
+
+    def shape(self, name, x):
+        return tuple(self(name, x)[1].shape)
+
+
+def _rank4(op, name, shape, layout):
     if len(shape) != 4:
         raise ValueError(f"{op}: {name} has the wrong rank (rank={len(shape)}, expected 4: "
                          f"{layout})")
@@ -121,6 +136,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     [B, Hq, Lq] float32).
     """
     op = "flash_attn_with_kvcache"
+    if (alibi_slopes is None and type(return_softmax_lse) is bool
+            and type(rotary_interleaved) is bool):
+        # The fast path (attncore._core.attend_kvcache: its comment says which calls it takes),
+        # None for the others. Its results are the general path's, bit for bit.
+        try:
+            result = _core.attend_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                                          rotary_interleaved, cache_seqlens, cache_batch_idx,
+                                          cache_leftpad, block_table, softmax_scale, causal,
+                                          window_size, softcap, num_splits, backend,
+                                          return_softmax_lse)
+        except (ValueError, TypeError, NotImplementedError):
+            raise  # (refused before anything is written)
+        except BaseException:  # (stopped while it wrote, perhaps)
+            if k is not None:
+                _arrays.mark_written(k_cache, v_cache)
+            raise
+        if result is not None:
+            if k is not None:
+                _arrays.mark_written(k_cache, v_cache)
+            return result
     causal = bool_option(op, "causal", causal)
     rotary_interleaved = bool_option(op, "rotary_interleaved", rotary_interleaved)
     return_softmax_lse = bool_option(op, "return_softmax_lse", return_softmax_lse)
@@ -136,16 +171,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise ValueError(f"{op}: rotary_cos / rotary_sin are set without k and v (expected the "
                          "new keys and values the rotary embedding applies to)")
     appending = k is not None
-    _rank4(op, "q", q, "[B, Lq, Hq, D]")
+    adopted = _Adopted(op)
+    q_shape = ("q", adopted.shape("q", q))
+    _rank4(op, "q", q_shape[1], "[B, Lq, Hq, D]")
     paged = block_table is not None
-    _rank4(op, "k_cache", k_cache, "[num_pages, page_size, Hkv, D]" if paged
+    cache_shape = adopted.shape("k_cache", k_cache)
+    _rank4(op, "k_cache", cache_shape, "[num_pages, page_size, Hkv, D]" if paged
            else "[B_cache, capacity, Hkv, D]")
-    _rank4(op, "v_cache", v_cache, "[num_pages, page_size, Hkv, Dv]" if paged
+    v_cache_shape = adopted.shape("v_cache", v_cache)
+    _rank4(op, "v_cache", v_cache_shape, "[num_pages, page_size, Hkv, Dv]" if paged
            else "[B_cache, capacity, Hkv, Dv]")
-    q_shape = ("q", _arrays.shape_of(q, op, "q"))
-    cache_shape = _arrays.shape_of(k_cache, op, "k_cache")
-    check_blhd(op, q_shape, ("k_cache", cache_shape),
-               ("v_cache", _arrays.shape_of(v_cache, op, "v_cache")),
+    check_blhd(op, q_shape, ("k_cache", cache_shape), ("v_cache", v_cache_shape),
                "[num_pages, page_size, Hkv, D]" if paged else "[B_cache, capacity, Hkv, D]",
                same_batch=False)
     # (Named here in the caller's layout: the library sees [B_cache, Hkv, capacity, D] and the
@@ -159,22 +195,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                          "page_size, Hkv, D] with page_size >= 1 (page_size=0)")
     if appending:
         for name, x in (("k", k), ("v", v)):
-            _rank4(op, name, x, "[B, L_new, Hkv, D]")
-        new_k = _arrays.shape_of(k, op, "k")
-        check_blhd(op, q_shape, ("k", new_k), ("v", _arrays.shape_of(v, op, "v")),
-                   "[B, L_new, Hkv, D]")
-        cache_heads = _arrays.shape_of(k_cache, op, "k_cache")[2]
+            _rank4(op, name, adopted.shape(name, x), "[B, L_new, Hkv, D]")
+        new_k, new_v = adopted.shape("k", k), adopted.shape("v", v)
+        check_blhd(op, q_shape, ("k", new_k), ("v", new_v), "[B, L_new, Hkv, D]")
+        cache_heads = cache_shape[2]
         if new_k[2] != cache_heads:
             raise ValueError(f"{op}: k has shape {list(new_k)}, expected [{new_k[0]}, "
                              f"{new_k[1]}, {cache_heads}, {new_k[3]}] ([B, L_new, Hkv, D] with "
                              "k_cache's Hkv)")
-        new_v = _arrays.shape_of(v, op, "v")
-        dim_v = _arrays.shape_of(v_cache, op, "v_cache")[3]
+        dim_v = v_cache_shape[3]
         if new_v[3] != dim_v:
             raise ValueError(f"{op}: v has shape {list(new_v)}, expected [{new_v[0]}, "
                              f"{new_v[1]}, {new_v[2]}, {dim_v}] ([B, L_new, Hkv, Dv] with "
                              "v_cache's Dv)")
-    lib, q_arr, give_back = _arrays.adopt(q, op, "q")
+    lib, q_arr, give_back = adopted("q", q)
     # Inputs the library cannot read in place are copied after its checks (check_forward_kvcache,
     # on stand-ins: _arrays.LateCopies); an append's caches are written in place, never copied.
     late = _arrays.LateCopies(op)
@@ -182,8 +216,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         k_lib, kc = _writable_cache(op, "k_cache", k_cache)
         v_lib, vc = _writable_cache(op, "v_cache", v_cache)
     else:
-        k_lib, kc, _ = _arrays.adopt(k_cache, op, "k_cache")
-        v_lib, vc, _ = _arrays.adopt(v_cache, op, "v_cache")
+        k_lib, kc, _ = adopted("k_cache", k_cache)
+        v_lib, vc, _ = adopted("v_cache", v_cache)
         kc = late.unit_last_stride(k_lib, kc, "k_cache")
         vc = late.unit_last_stride(v_lib, vc, "v_cache")
     call = _resolve_call(op, scale=softmax_scale,
@@ -216,7 +250,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     new = [None, None]  # (library, array): k, v [B, L_new, Hkv, D]
     if appending:
         for i, (name, x) in enumerate((("k", k), ("v", v))):
-            x_lib, arr, _ = _arrays.adopt(x, op, name)
+            x_lib, arr, _ = adopted(name, x)
             new[i] = (x_lib, late.unit_last_stride(x_lib, arr, name))
     tables = [None, None]  # (library, array): rotary_cos, rotary_sin [positions, rotary_dim / 2]
     for i, (name, x) in enumerate((("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin))):
