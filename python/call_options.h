@@ -105,20 +105,27 @@ inline std::optional<std::pair<std::int64_t, std::int64_t>> plain_window(py::han
 inline std::optional<attncore::Backend> plain_backend(py::handle x) {
   if (x.is_none()) return attncore::Backend::automatic;
   if (!PyUnicode_CheckExact(x.ptr())) return std::nullopt;
+  Py_ssize_t size = 0;
+  const char* name = PyUnicode_AsUTF8AndSize(x.ptr(), &size);  // (null: not UTF-8)
+  if (name == nullptr) {
+    PyErr_Clear();
+    return std::nullopt;
+  }
   try {
-    return attncore::backend_from_name(x.cast<std::string>());
+    return attncore::backend_from_name(std::string(name, static_cast<std::size_t>(size)));
   } catch (const attncore::InvalidArgument&) {
     return std::nullopt;
   }
 }
 
 // The fast paths' outputs: `rows` rows of dim_v elements of `dtype`, and with_lse one LSE per
-// row (float64 for float64, else float32). Outputs of 1 MiB or more are made only for a call
-// whose arguments pass the library's checks, a backend it names among them (`check`: the
-// library's explain of the call, 0.7 us on the Intel Xeon, against tens of us or more for any
-// call with 1 MiB of outputs; smaller ones are made first, at no cost worth a check), and only
-// where they fit in the memory this process may use (a broadcast query stands for any number of
-// rows at no cost): false sends the call to the general path, which refuses them (MemoryError).
+// row (float64 for float64, else float32). Past the memory this process may use (a broadcast
+// query stands for any number of rows at no cost): false, and the general path refuses them
+// (MemoryError, before anything else, as its outputs' check comes first). Outputs of 1 MiB or
+// more are made only for a call whose arguments pass the library's checks, a backend it names
+// among them (`check`: the library's explain of the call, 0.7 us on the Intel Xeon, against tens
+// of us or more for any call with 1 MiB of outputs; smaller ones are made first, at no cost worth
+// a check).
 template <class Check>
 bool outputs_may_be_made(double rows, std::int64_t dim_v, attncore::DType dtype, bool with_lse,
                          Check&& check) {
@@ -127,8 +134,9 @@ bool outputs_may_be_made(double rows, std::int64_t dim_v, attncore::DType dtype,
       rows * (static_cast<double>(dim_v) * static_cast<double>(attncore::size_of(dtype)) +
               (with_lse ? static_cast<double>(attncore::size_of(lse)) : 0.0));
   if (bytes < static_cast<double>(1 << 20)) return true;
+  if (bytes > attncore::memory_limit().bytes) return false;
   check();
-  return bytes <= attncore::memory_limit().bytes;
+  return true;
 }
 
 }  // namespace attncore_python

@@ -127,11 +127,12 @@ void forward_kvcache(py::handle q, py::handle k_cache, py::handle v_cache, py::h
 // [B, Lq, Hq, D], caches [B_cache, capacity, Hkv, D] or page pools [num_pages, page_size, Hkv,
 // D], new k, v [B, L_new, Hkv, D], unit last strides) whose shapes fit together; caches an append
 // may write (numpy: writeable; torch: an inference tensor only in inference mode), float32
-// rotary tables, int32 index arrays (contiguous), all of the same kind, cache_seqlens also a
-// Python int; options of plain Python types (softmax_scale None or a finite float > 0, causal a
-// bool, window_size a tuple of two ints from -1, softcap a float, num_splits an int, backend None
-// or a name). Makes out [B, Lq, Hq, Dv] in q's dtype and returns it, or with return_lse (out, lse
-// [B, Hq, Lq], float32, float64 for a float64 q); returns None for any other call (and where a
+// rotary tables [positions, rotary_dim / 2] with a unit last stride, int32 index arrays with a
+// unit last stride, all of the same kind, cache_seqlens also a Python int; options of plain
+// Python types (softmax_scale None or a finite number > 0, causal a bool, window_size a tuple of
+// two ints from -1, softcap a number other than NaN, num_splits an int within int32, backend
+// None or a name). Makes out [B, Lq, Hq, Dv] in q's dtype and returns it, or with return_lse (out,
+// lse [B, Hq, Lq], float32, float64 for a float64 q); returns None for any other call (and where a
 // torch input requires grad in grad mode), which the package's general path then checks and
 // runs. The caller moves an appended torch cache's version counter. A decode step of Hq 32,
 // Hkv 8, D 64 over 200 keys (1 thread, Zen 3) took ~165 us through the general path (~80 of them
@@ -208,18 +209,15 @@ py::object attend_kvcache(py::handle q, py::handle k_cache, py::handle v_cache, 
         return general;
     }
   }
-  // Index arrays: contiguous int32 arrays of the same kind (cache_seqlens also an int), or None
-  // (the general path copies others).
+  // Index arrays: int32 arrays of the same kind with a unit last stride (cache_seqlens also an
+  // int), or None (the general path copies others, or refuses them).
   auto index = [&](py::handle x, const char* name) -> std::optional<std::optional<Borrowed>> {
     auto b = optional(x, name);
     if (!b || !*b) return b;
-    if ((*b)->view().dtype != DType::i32) return std::nullopt;
     const TensorView& t = (*b)->view();
-    std::int64_t step = 1;
-    for (int d = t.rank - 1; d >= 0; --d) {
-      if (t.size(d) > 1 && t.stride_of(d) != step) return std::nullopt;
-      step *= t.size(d);
-    }
+    if (t.dtype != DType::i32 ||
+        (t.rank > 0 && t.size(t.rank - 1) > 1 && t.stride_of(t.rank - 1) != 1))
+      return std::nullopt;
     return b;
   };
   const auto bidx = index(cache_batch_idx, "cache_batch_idx");
@@ -249,7 +247,10 @@ py::object attend_kvcache(py::handle q, py::handle k_cache, py::handle v_cache, 
       return general;
   }
   // cache_seqlens: an int32 array, or an int for every sequence (in `lengths`).
-  const auto length = plain_int(cache_seqlens, -INT32_MAX - 1, INT32_MAX);
+  // (A batch of more than 2^24 sequences, as a broadcast query makes at no cost: the general
+  // path, whose array of lengths is refused by its size.)
+  const auto length =
+      batch <= (1 << 24) ? plain_int(cache_seqlens, -INT32_MAX - 1, INT32_MAX) : std::nullopt;
   std::vector<std::int32_t> lengths(length ? static_cast<std::size_t>(batch) : 0,
                                     static_cast<std::int32_t>(length.value_or(0)));
   const auto blens = length ? std::optional<std::optional<Borrowed>>(std::optional<Borrowed>{})
@@ -259,12 +260,23 @@ py::object attend_kvcache(py::handle q, py::handle k_cache, py::handle v_cache, 
       length ? TensorView::contiguous(lengths.data(), DType::i32, {batch}) : (*blens)->view(),
       view_of(*bidx), view_of(*bpad), view_of(*btable)};
   const std::int64_t seqlen_q = cq.size(1), dim_v = cv.size(3);
+  const TensorView qv = cq.transposed(1, 2), kv = ck.transposed(1, 2), vv = cv.transposed(1, 2);
+  std::optional<attncore::KvAppend> append;
+  if (appending) {
+    append =
+        attncore::KvAppend{(*bknew)->view().transposed(1, 2), (*bvnew)->view().transposed(1, 2),
+                           view_of(*bcos), view_of(*bsin), rotary_interleaved};
+  }
   const DType lse_dtype = dtype == DType::f64 ? DType::f64 : DType::f32;
   const double rows =
       static_cast<double>(batch) * static_cast<double>(seqlen_q) * static_cast<double>(heads_q);
-  if (!outputs_may_be_made(rows, dim_v, dtype, return_lse, [&] {
-        (void)attncore::explain_forward_kvcache(cq.transposed(1, 2), ck.transposed(1, 2),
-                                                cv.transposed(1, 2), seqs, options, chosen);
+  // (The LSE counted always: the general path makes it for every call.)
+  if (!outputs_may_be_made(rows, dim_v, dtype, true, [&] {
+        if (append) {
+          (void)attncore::explain_forward_kvcache(qv, kv, vv, seqs, *append, options, chosen);
+        } else {
+          (void)attncore::explain_forward_kvcache(qv, kv, vv, seqs, options, chosen);
+        }
       }))
     return general;
   const py::object out = new_array(kind, {batch, seqlen_q, heads_q, dim_v}, dtype);
@@ -272,19 +284,15 @@ py::object attend_kvcache(py::handle q, py::handle k_cache, py::handle v_cache, 
   if (return_lse) lse = new_array(kind, {batch, heads_q, seqlen_q}, lse_dtype);
   const Borrowed bout(out, op, "out", true);
   const auto blse = borrow_optional(lse, op, "lse", true);
-  const TensorView qv = cq.transposed(1, 2), kv = ck.transposed(1, 2), vv = cv.transposed(1, 2);
-  if (!appending) {
+  if (!append) {
     run_call(options, call_work(qv, kv, vv), [&](const attncore::Options& o) {
       attncore::forward_kvcache_into(qv, kv, vv, seqs, bout.view().transposed(1, 2), view_of(blse),
                                      o, chosen);
     });
   } else {
-    const attncore::KvAppend append{(*bknew)->view().transposed(1, 2),
-                                    (*bvnew)->view().transposed(1, 2), view_of(*bcos),
-                                    view_of(*bsin), rotary_interleaved};
     run_call(options, call_work(qv, kv, vv), [&](const attncore::Options& o) {
       const attncore::ForwardResult r =
-          attncore::forward_kvcache(qv, kv, vv, seqs, append, o, chosen);
+          attncore::forward_kvcache(qv, kv, vv, seqs, *append, o, chosen);
       copy_view(r.out.view(), bout.view().transposed(1, 2));
       if (blse) copy_view(r.lse.view(), blse->view());
     });

@@ -188,3 +188,20 @@ def test_fast_path_appends_as_the_general_path_does():
     assert _fast(q, ki, vi, options) is None
     with pytest.raises(ValueError, match="^flash_attn_with_kvcache: k_cache is an inference"):
         attncore.torch.flash_attn_with_kvcache(q, ki, vi, **options)
+
+
+def test_refusals_are_the_general_paths():
+    """Outputs past the memory this process may use are refused before the library's checks,
+    as the general path refuses them (MemoryError); a backend name that is no UTF-8 is read by
+    the general path (ValueError), and an append refused so moves no version counter."""
+    q = np.broadcast_to(np.ones((1, 1, 1, 16), np.float32), (2, 2 ** 40, 4, 16))
+    kc = np.ones((2, 40, 2, 16), np.float32)
+    with pytest.raises(MemoryError, match="^flash_attn_with_kvcache: the outputs exceed"):
+        attncore.flash_attn_with_kvcache(q, kc, kc.copy(), cache_seqlens=-1)
+    (q, k, v), options = _call("torch", torch.float32, cache_seqlens=[30, 37])
+    options = _appended("torch", torch.float32, options, 1, 0)
+    versions = k._version, v._version
+    assert _fast(q, k, v, dict(options, backend="\ud800")) is None
+    with pytest.raises(ValueError, match="backend is invalid"):
+        attncore.torch.flash_attn_with_kvcache(q, k, v, backend="\ud800", **options)
+    assert (k._version, v._version) == versions
