@@ -179,14 +179,14 @@ py::object attend_kvcache(py::handle q, py::handle k_cache, py::handle v_cache, 
   const ArrayKind kind = bq->kind();
   if (bk->kind() != kind || bv->kind() != kind) return general;
   // Optional arrays of the same kind: absent (an empty optional inside), or nullopt (declined).
-  auto optional = [&](py::handle x, const char* name) -> std::optional<std::optional<Borrowed>> {
+  auto same_kind = [&](py::handle x, const char* name) -> std::optional<std::optional<Borrowed>> {
     if (x.is_none()) return std::optional<Borrowed>{};
     auto b = Borrowed::plain(x, op, name);
     if (!b || b->kind() != kind) return std::nullopt;
     return std::optional<Borrowed>(std::move(b));
   };
-  const auto bknew = optional(k_new, "k"), bvnew = optional(v_new, "v");
-  const auto bcos = optional(rotary_cos, "rotary_cos"), bsin = optional(rotary_sin, "rotary_sin");
+  const auto bknew = same_kind(k_new, "k"), bvnew = same_kind(v_new, "v");
+  const auto bcos = same_kind(rotary_cos, "rotary_cos"), bsin = same_kind(rotary_sin, "rotary_sin");
   if (!bknew || !bvnew || !bcos || !bsin) return general;
   bool grad = false;
   for (const auto* b : {&*bq, &*bk, &*bv}) grad = grad || b->requires_grad();
@@ -212,7 +212,7 @@ py::object attend_kvcache(py::handle q, py::handle k_cache, py::handle v_cache, 
   // Index arrays: int32 arrays of the same kind with a unit last stride (cache_seqlens also an
   // int), or None (the general path copies others, or refuses them).
   auto index = [&](py::handle x, const char* name) -> std::optional<std::optional<Borrowed>> {
-    auto b = optional(x, name);
+    auto b = same_kind(x, name);
     if (!b || !*b) return b;
     const TensorView& t = (*b)->view();
     if (t.dtype != DType::i32 ||
