@@ -46,8 +46,10 @@ using attncore_python::GilReleased;
 using attncore_python::last_call_addresses;
 using attncore_python::plain_backend;
 using attncore_python::plain_number;
+using attncore_python::plain_value_dtype;
 using attncore_python::plain_window;
 using attncore_python::run_call;
+using attncore_python::unit_last_stride;
 using attncore_python::view_of;
 
 // q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv]; writes out [B, Hq, Lq, Dv] and, when
@@ -122,11 +124,9 @@ py::object attend(py::handle q, py::handle k, py::handle v, py::handle mask, boo
                         attncore_python::grad_enabled();
   const TensorView &cq = bq->view(), &ck = bk->view(), &cv = bv->view();
   const DType dtype = cq.dtype;
-  const bool float_dtype = dtype == DType::f32 || dtype == DType::f64 || dtype == DType::f16 ||
-                           (dtype == DType::bf16 && kind == ArrayKind::torch);
-  auto unit_last = [](const TensorView& x) { return x.size(3) <= 1 || x.stride_of(3) == 1; };
-  if (cq.rank != 4 || ck.rank != 4 || cv.rank != 4 || !float_dtype || ck.size(0) != cq.size(0) ||
-      cv.size(0) != cq.size(0) || !unit_last(cq) || !unit_last(ck) || !unit_last(cv))
+  if (cq.rank != 4 || ck.rank != 4 || cv.rank != 4 || !plain_value_dtype(dtype, kind) ||
+      ck.size(0) != cq.size(0) || cv.size(0) != cq.size(0) || !unit_last_stride(cq) ||
+      !unit_last_stride(ck) || !unit_last_stride(cv))
     return general;
   // flash-attn's layout with shapes that do not fit together: the general path names them in
   // that layout (the library would name its [B, H, L, D] views).
@@ -154,7 +154,7 @@ py::object attend(py::handle q, py::handle k, py::handle v, py::handle mask, boo
   const std::int64_t batch = cq.size(0), heads_q = cq.size(heads), seqlen_q = cq.size(3 - heads),
                      dim_v = cv.size(3);
   auto bhld = [&](const TensorView& x) { return blhd ? x.transposed(1, 2) : x; };
-  const DType lse_dtype = dtype == DType::f64 ? DType::f64 : DType::f32;
+  const DType lse_dtype = attncore_python::lse_dtype_of(dtype);
   const double rows =
       static_cast<double>(batch) * static_cast<double>(heads_q) * static_cast<double>(seqlen_q);
   if (!attncore_python::outputs_may_be_made(rows, dim_v, dtype, want_lse, [&] {

@@ -118,8 +118,23 @@ inline std::optional<attncore::Backend> plain_backend(py::handle x) {
   }
 }
 
+// A value dtype the fast paths take from arrays of `kind` (bf16 from torch only: numpy has none).
+inline bool plain_value_dtype(attncore::DType dtype, ArrayKind kind) {
+  using attncore::DType;
+  return dtype == DType::f32 || dtype == DType::f64 || dtype == DType::f16 ||
+         (dtype == DType::bf16 && kind == ArrayKind::torch);
+}
+// Whether a rank-4 view's last dim has unit stride (or at most one element).
+inline bool unit_last_stride(const attncore::TensorView& x) {
+  return x.size(3) <= 1 || x.stride_of(3) == 1;
+}
+// The LSE's dtype for values of `dtype`: float64 for float64, else float32.
+inline attncore::DType lse_dtype_of(attncore::DType dtype) {
+  return dtype == attncore::DType::f64 ? dtype : attncore::DType::f32;
+}
+
 // The fast paths' outputs: `rows` rows of dim_v elements of `dtype`, and with_lse one LSE per
-// row (float64 for float64, else float32). Past the memory this process may use (a broadcast
+// row (lse_dtype_of). Past the memory this process may use (a broadcast
 // query stands for any number of rows at no cost): false, and the general path refuses them
 // (MemoryError, before anything else, as its outputs' check comes first). Outputs of 1 MiB or
 // more are made only for a call whose arguments pass the library's checks, a backend it names
@@ -129,10 +144,9 @@ inline std::optional<attncore::Backend> plain_backend(py::handle x) {
 template <class Check>
 bool outputs_may_be_made(double rows, std::int64_t dim_v, attncore::DType dtype, bool with_lse,
                          Check&& check) {
-  const attncore::DType lse = dtype == attncore::DType::f64 ? dtype : attncore::DType::f32;
   const double bytes =
       rows * (static_cast<double>(dim_v) * static_cast<double>(attncore::size_of(dtype)) +
-              (with_lse ? static_cast<double>(attncore::size_of(lse)) : 0.0));
+              (with_lse ? static_cast<double>(attncore::size_of(lse_dtype_of(dtype))) : 0.0));
   if (bytes < static_cast<double>(1 << 20)) return true;
   if (bytes > attncore::memory_limit().bytes) return false;
   check();

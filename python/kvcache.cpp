@@ -92,6 +92,34 @@ struct KvCall {
   std::optional<attncore::KvAppend> append;  // with k_new, v_new
 };
 
+// The call over a KV cache of q [B, Hq, Lq, D] and the caches (the library's views), with an
+// append or not, into out [B, Hq, Lq, Dv] and lse [B, Hq, Lq] (when given): run (run_call), or
+// only checked (explain_kvcache: its explain_forward_kvcache, which writes nothing).
+void run_kvcache(const TensorView& q, const TensorView& k, const TensorView& v,
+                 const attncore::KvCacheSeqs& seqs, const std::optional<attncore::KvAppend>& append,
+                 const TensorView& out, const std::optional<TensorView>& lse,
+                 const attncore::Options& options, attncore::Backend backend) {
+  run_call(options, call_work(q, k, v), [&](const attncore::Options& o) {
+    if (!append) {
+      attncore::forward_kvcache_into(q, k, v, seqs, out, lse, o, backend);
+      return;
+    }
+    const attncore::ForwardResult r = attncore::forward_kvcache(q, k, v, seqs, *append, o, backend);
+    copy_view(r.out.view(), out);
+    if (lse) copy_view(r.lse.view(), *lse);
+  });
+}
+void explain_kvcache(const TensorView& q, const TensorView& k, const TensorView& v,
+                     const attncore::KvCacheSeqs& seqs,
+                     const std::optional<attncore::KvAppend>& append,
+                     const attncore::Options& options, attncore::Backend backend) {
+  if (append) {
+    (void)attncore::explain_forward_kvcache(q, k, v, seqs, *append, options, backend);
+  } else {
+    (void)attncore::explain_forward_kvcache(q, k, v, seqs, options, backend);
+  }
+}
+
 // Attention over a KV cache (KvCall's arrays; an append writes the new rows into the caches in
 // place first). Writes out [B, Hq, Lq, Dv] and, when given, lse [B, Hq, Lq].
 void forward_kvcache(py::handle q, py::handle k_cache, py::handle v_cache, py::handle cache_seqlens,
@@ -106,20 +134,8 @@ void forward_kvcache(py::handle q, py::handle k_cache, py::handle v_cache, py::h
   const auto blse = borrow_optional(lse, KvCall::op, "lse", true);
   const attncore::Options options = call.options(KvCall::op, std::nullopt, c.balibi, false);
   const attncore::Backend backend = backend_from_name(KvCall::op, call.backend);
-  const double work = call_work(c.bq.view(), c.bk.view(), c.bv.view());
-  if (!c.append) {
-    run_call(options, work, [&](const attncore::Options& o) {
-      attncore::forward_kvcache_into(c.bq.view(), c.bk.view(), c.bv.view(), c.seqs, bout.view(),
-                                     view_of(blse), o, backend);
-    });
-    return;
-  }
-  run_call(options, work, [&](const attncore::Options& o) {
-    const attncore::ForwardResult r = attncore::forward_kvcache(
-        c.bq.view(), c.bk.view(), c.bv.view(), c.seqs, *c.append, o, backend);
-    copy_view(r.out.view(), bout.view());
-    if (blse) copy_view(r.lse.view(), blse->view());
-  });
+  run_kvcache(c.bq.view(), c.bk.view(), c.bv.view(), c.seqs, c.append, bout.view(), view_of(blse),
+              options, backend);
 }
 
 // The fast path of flash_attn_with_kvcache: a call with no ALiBi, on the caller's own arrays, all
@@ -226,11 +242,8 @@ py::object attend_kvcache(py::handle q, py::handle k_cache, py::handle v_cache, 
   if (!bidx || !bpad || !btable) return general;
   const TensorView &cq = bq->view(), &ck = bk->view(), &cv = bv->view();
   const DType dtype = cq.dtype;
-  const bool float_dtype = dtype == DType::f32 || dtype == DType::f64 || dtype == DType::f16 ||
-                           (dtype == DType::bf16 && kind == ArrayKind::torch);
-  auto unit_last = [](const TensorView& x) { return x.size(3) <= 1 || x.stride_of(3) == 1; };
-  if (cq.rank != 4 || ck.rank != 4 || cv.rank != 4 || !float_dtype || !unit_last(cq) ||
-      !unit_last(ck) || !unit_last(cv))
+  if (cq.rank != 4 || ck.rank != 4 || cv.rank != 4 || !plain_value_dtype(dtype, kind) ||
+      !unit_last_stride(cq) || !unit_last_stride(ck) || !unit_last_stride(cv))
     return general;
   // Shapes that do not fit together: the general path names them in flash-attn's layout.
   const std::int64_t batch = cq.size(0), heads_q = cq.size(2), heads_kv = ck.size(2);
@@ -241,9 +254,10 @@ py::object attend_kvcache(py::handle q, py::handle k_cache, py::handle v_cache, 
     return general;
   if (appending) {  // k, v [B, L_new, Hkv, D / Dv]
     const TensorView &kn = (*bknew)->view(), &vn = (*bvnew)->view();
-    if (kn.rank != 4 || vn.rank != 4 || !unit_last(kn) || !unit_last(vn) || kn.size(0) != batch ||
-        kn.size(2) != heads_kv || kn.size(3) != ck.size(3) || vn.size(0) != batch ||
-        vn.size(1) != kn.size(1) || vn.size(2) != heads_kv || vn.size(3) != cv.size(3))
+    if (kn.rank != 4 || vn.rank != 4 || !unit_last_stride(kn) || !unit_last_stride(vn) ||
+        kn.size(0) != batch || kn.size(2) != heads_kv || kn.size(3) != ck.size(3) ||
+        vn.size(0) != batch || vn.size(1) != kn.size(1) || vn.size(2) != heads_kv ||
+        vn.size(3) != cv.size(3))
       return general;
   }
   // cache_seqlens: an int32 array, or an int for every sequence (in `lengths`).
@@ -267,36 +281,19 @@ py::object attend_kvcache(py::handle q, py::handle k_cache, py::handle v_cache, 
         attncore::KvAppend{(*bknew)->view().transposed(1, 2), (*bvnew)->view().transposed(1, 2),
                            view_of(*bcos), view_of(*bsin), rotary_interleaved};
   }
-  const DType lse_dtype = dtype == DType::f64 ? DType::f64 : DType::f32;
   const double rows =
       static_cast<double>(batch) * static_cast<double>(seqlen_q) * static_cast<double>(heads_q);
   // (The LSE counted always: the general path makes it for every call.)
-  if (!outputs_may_be_made(rows, dim_v, dtype, true, [&] {
-        if (append) {
-          (void)attncore::explain_forward_kvcache(qv, kv, vv, seqs, *append, options, chosen);
-        } else {
-          (void)attncore::explain_forward_kvcache(qv, kv, vv, seqs, options, chosen);
-        }
-      }))
+  if (!outputs_may_be_made(rows, dim_v, dtype, true,
+                           [&] { explain_kvcache(qv, kv, vv, seqs, append, options, chosen); }))
     return general;
   const py::object out = new_array(kind, {batch, seqlen_q, heads_q, dim_v}, dtype);
   py::object lse = py::none();
-  if (return_lse) lse = new_array(kind, {batch, heads_q, seqlen_q}, lse_dtype);
+  if (return_lse) lse = new_array(kind, {batch, heads_q, seqlen_q}, lse_dtype_of(dtype));
   const Borrowed bout(out, op, "out", true);
   const auto blse = borrow_optional(lse, op, "lse", true);
-  if (!append) {
-    run_call(options, call_work(qv, kv, vv), [&](const attncore::Options& o) {
-      attncore::forward_kvcache_into(qv, kv, vv, seqs, bout.view().transposed(1, 2), view_of(blse),
-                                     o, chosen);
-    });
-  } else {
-    run_call(options, call_work(qv, kv, vv), [&](const attncore::Options& o) {
-      const attncore::ForwardResult r =
-          attncore::forward_kvcache(qv, kv, vv, seqs, *append, o, chosen);
-      copy_view(r.out.view(), bout.view().transposed(1, 2));
-      if (blse) copy_view(r.lse.view(), blse->view());
-    });
-  }
+  run_kvcache(qv, kv, vv, seqs, append, bout.view().transposed(1, 2), view_of(blse), options,
+              chosen);
   if (return_lse) return py::make_tuple(out, lse);
   return out;
 }
@@ -314,13 +311,7 @@ void check_forward_kvcache(py::handle q, py::handle k_cache, py::handle v_cache,
                  k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved, alibi_slopes);
   const attncore::Options options = call.options(KvCall::op, std::nullopt, c.balibi, false);
   const attncore::Backend backend = backend_from_name(KvCall::op, call.backend);
-  if (c.append) {
-    (void)attncore::explain_forward_kvcache(c.bq.view(), c.bk.view(), c.bv.view(), c.seqs,
-                                            *c.append, options, backend);
-  } else {
-    (void)attncore::explain_forward_kvcache(c.bq.view(), c.bk.view(), c.bv.view(), c.seqs, options,
-                                            backend);
-  }
+  explain_kvcache(c.bq.view(), c.bk.view(), c.bv.view(), c.seqs, c.append, options, backend);
 }
 
 // Merges two attention results over disjoint key sets into out and lse (which may be the very

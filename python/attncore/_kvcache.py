@@ -38,6 +38,25 @@ class _Adopted:
         return tuple(self(name, x)[1].shape)
 
 
+def _writing(appending, caches, run, declines=False):
+    """run()'s result; where the call appends (writes the caches in place), torch caches are
+    marked written (_arrays.mark_written) once it has returned, or raised other than as a refusal
+    (a ValueError, TypeError or NotImplementedError comes before anything is written): stopped
+    while it wrote, perhaps (out of memory, cancelled). With `declines`, run() returns None for a
+    call it declined, having written nothing (the fast path)."""
+    try:
+        result = run()
+    except (ValueError, TypeError, NotImplementedError):
+        raise
+    except BaseException:
+        if appending:
+            _arrays.mark_written(*caches)
+        raise
+    if appending and not (declines and result is None):
+        _arrays.mark_written(*caches)
+    return result
+
+
 def _rank4(op, name, shape, layout):
     if len(shape) != 4:
         raise ValueError(f"{op}: {name} has the wrong rank (rank={len(shape)}, expected 4: "
@@ -141,21 +160,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             and type(rotary_interleaved) is bool):
         # The fast path (attncore._core.attend_kvcache: its comment says which calls it takes),
         # None for the others. Its results are the general path's, bit for bit.
-        try:
-            result = _core.attend_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
-                                          rotary_interleaved, cache_seqlens, cache_batch_idx,
-                                          cache_leftpad, block_table, softmax_scale, causal,
-                                          window_size, softcap, num_splits, backend,
-                                          return_softmax_lse)
-        except (ValueError, TypeError, NotImplementedError):
-            raise  # (refused before anything is written)
-        except BaseException:  # (stopped while it wrote, perhaps)
-            if k is not None:
-                _arrays.mark_written(k_cache, v_cache)
-            raise
+        result = _writing(k is not None, (k_cache, v_cache), lambda: _core.attend_kvcache(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotary_interleaved,
+            cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+            window_size, softcap, num_splits, backend, return_softmax_lse), declines=True)
         if result is not None:
-            if k is not None:
-                _arrays.mark_written(k_cache, v_cache)
             return result
     causal = bool_option(op, "causal", causal)
     rotary_interleaved = bool_option(op, "rotary_interleaved", rotary_interleaved)
@@ -286,18 +295,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                              ((batch, heads_q, seqlen_q), lse_dtype(dtype)))
     out = lib.empty((batch, seqlen_q, heads_q, dim_v), dtype)
     lse = lib.empty((batch, heads_q, seqlen_q), lse_dtype(dtype))
-    try:
-        _core.forward_kvcache(lib.to_core(q4), k_lib.to_core(kc.swapaxes(1, 2)),
-                              v_lib.to_core(vc.swapaxes(1, 2)), seqlens, batch_idx, leftpad,
-                              table, *core(new, swap=True), *core(tables), rotary_interleaved,
-                              lib.to_core(out.swapaxes(1, 2)), lib.to_core(lse), alibi,
-                              call.core_options())
-    except (ValueError, TypeError, NotImplementedError):
-        raise  # (refused before anything is written)
-    except BaseException:  # (stopped while it wrote, perhaps: out of memory, cancelled)
-        if appending:
-            _arrays.mark_written(kc, vc)
-        raise
-    if appending:
-        _arrays.mark_written(kc, vc)
+    _writing(appending, (kc, vc), lambda: _core.forward_kvcache(
+        lib.to_core(q4), k_lib.to_core(kc.swapaxes(1, 2)), v_lib.to_core(vc.swapaxes(1, 2)),
+        seqlens, batch_idx, leftpad, table, *core(new, swap=True), *core(tables),
+        rotary_interleaved, lib.to_core(out.swapaxes(1, 2)), lib.to_core(lse), alibi,
+        call.core_options()))
     return (give_back(out), give_back(lse)) if return_softmax_lse else give_back(out)
