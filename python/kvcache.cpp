@@ -3,10 +3,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
-#include <array>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <map>
 #include <optional>
 #include <string>
@@ -28,29 +26,6 @@ namespace {
 using attncore::DType;
 using attncore::InvalidArgument;
 using attncore::TensorView;
-
-// Copies src into dst element by element (same shape and dtype, any strides; rank <= 4).
-void copy_view(const TensorView& src, const TensorView& dst) {
-  const std::size_t item = attncore::size_of(src.dtype);
-  std::array<std::int64_t, attncore::kMaxRank> n{1, 1, 1, 1}, ss{}, ds{};
-  const int shift = attncore::kMaxRank - src.rank;
-  for (int d = 0; d < src.rank; ++d) {
-    n[static_cast<std::size_t>(d + shift)] = src.size(d);
-    ss[static_cast<std::size_t>(d + shift)] = src.stride_of(d);
-    ds[static_cast<std::size_t>(d + shift)] = dst.stride_of(d);
-  }
-  const auto* s = static_cast<const char*>(src.data);
-  auto* t = static_cast<char*>(dst.data);
-  for (std::int64_t a = 0; a < n[0]; ++a)
-    for (std::int64_t b = 0; b < n[1]; ++b)
-      for (std::int64_t c = 0; c < n[2]; ++c)
-        for (std::int64_t e = 0; e < n[3]; ++e) {
-          const std::int64_t so = a * ss[0] + b * ss[1] + c * ss[2] + e * ss[3];
-          const std::int64_t to = a * ds[0] + b * ds[1] + c * ds[2] + e * ds[3];
-          std::memcpy(t + to * static_cast<std::int64_t>(item),
-                      s + so * static_cast<std::int64_t>(item), item);
-        }
-}
 
 // The arrays of a call over a KV cache, borrowed: q [B, Hq, Lq, D], k_cache
 // [B_cache, Hkv, capacity, D], v_cache [B_cache, Hkv, capacity, Dv] (the flash layout's
@@ -100,13 +75,11 @@ void run_kvcache(const TensorView& q, const TensorView& k, const TensorView& v,
                  const TensorView& out, const std::optional<TensorView>& lse,
                  const attncore::Options& options, attncore::Backend backend) {
   run_call(options, call_work(q, k, v), [&](const attncore::Options& o) {
-    if (!append) {
+    if (append) {
+      attncore::forward_kvcache_into(q, k, v, seqs, *append, out, lse, o, backend);
+    } else {
       attncore::forward_kvcache_into(q, k, v, seqs, out, lse, o, backend);
-      return;
     }
-    const attncore::ForwardResult r = attncore::forward_kvcache(q, k, v, seqs, *append, o, backend);
-    copy_view(r.out.view(), out);
-    if (lse) copy_view(r.lse.view(), *lse);
   });
 }
 void explain_kvcache(const TensorView& q, const TensorView& k, const TensorView& v,

@@ -473,5 +473,70 @@ TEST(KvCache, AppendKeepsF64Exact) {
   for (std::size_t e = 0; e < values.size(); ++e) EXPECT_EQ(cache[3 * 4 + e], values[e]);
 }
 
+// The append's into form: the allocating form's cache, out and lse, bitwise (with rotary, over
+// a dense cache); outputs that share bytes with an array only the append reads, and every
+// other refusal, before anything is written.
+TEST(KvCache, AppendIntoEqualsTheAllocatingForm) {
+  const std::int64_t hq = 4, hkv = 2, d = 8, cap = 12, l_new = 2, half = 3;
+  const Tensor lens = int_tensor({3, 7});
+  KvCacheSeqs seqs;
+  seqs.cache_seqlens = lens.view();
+  const Tensor cos = make_tensor(DType::f32, {cap, half}, random_vector(cap * half, 1));
+  const Tensor sin = make_tensor(DType::f32, {cap, half}, random_vector(cap * half, 2));
+  const Tensor q = make_tensor(DType::f32, {2, hq, 1, d}, random_vector(2 * hq * d, 3));
+  const Tensor k_new = make_tensor(DType::f32, {2, hkv, l_new, d}, random_vector(64, 4));
+  const Tensor v_new = make_tensor(DType::f32, {2, hkv, l_new, d}, random_vector(64, 5));
+  for (const bool rotary : {false, true}) {
+    SCOPED_TRACE(rotary ? "rotary" : "no rotary");
+    KvAppend append{k_new, v_new, std::nullopt, std::nullopt, false};
+    if (rotary) {
+      append.rotary_cos = cos.view();
+      append.rotary_sin = sin.view();
+    }
+    // Two equal caches [B, cap, Hkv, D]: one for each form.
+    const Tensor k1 = make_cache(DType::f32, 2, cap, hkv, d, {{0, 3}, {0, 7}}, 6);
+    const Tensor v1 = make_cache(DType::f32, 2, cap, hkv, d, {{0, 3}, {0, 7}}, 7);
+    const Tensor k2 = make_cache(DType::f32, 2, cap, hkv, d, {{0, 3}, {0, 7}}, 6);
+    const Tensor v2 = make_cache(DType::f32, 2, cap, hkv, d, {{0, 3}, {0, 7}}, 7);
+    const ForwardResult want =
+        forward_kvcache(q, k1.view().transposed(1, 2), v1.view().transposed(1, 2), seqs, append);
+    const Tensor out(DType::f32, {2, hq, 1, d}), lse(DType::f32, {2, hq, 1});
+    auto into = [&](const TensorView& o, const std::optional<TensorView>& l,
+                    const Options& options = {}) {
+      forward_kvcache_into(q, k2.view().transposed(1, 2), v2.view().transposed(1, 2), seqs, append,
+                           o, l, options);
+    };
+    auto refusal = [&](const TensorView& o, const Options& options = {}) -> std::string {
+      try {
+        into(o, std::nullopt, options);
+      } catch (const Error& e) {
+        return e.what();
+      }
+      return "";
+    };
+    // Refused, the cache unwritten: out inside k_new, out of the wrong shape, cancelled.
+    const TensorView in_k_new = TensorView::contiguous(k_new.data(), DType::f32, {2, hq, 1, d});
+    EXPECT_EQ(refusal(in_k_new).rfind("forward: out overlaps k_new (", 0), 0u) << refusal(in_k_new);
+    EXPECT_NE(refusal(lse.view()).find("out"), std::string::npos);
+    const std::atomic<bool> cancel{true};
+    Options cancelled;
+    cancelled.cancel = &cancel;
+    EXPECT_THROW(into(out, lse.view(), cancelled), Cancelled);
+    const std::vector<double> before = read_view(k2.view());
+    for (std::size_t i = 0; i < before.size(); ++i) {
+      const std::int64_t slot = static_cast<std::int64_t>(i) / (hkv * d) % cap;
+      const std::int64_t start = static_cast<std::int64_t>(i) / (cap * hkv * d) == 0 ? 3 : 7;
+      if (slot >= start && slot < start + l_new) {
+        ASSERT_TRUE(std::isnan(before[i])) << i;  // the slots the append writes: untouched
+      }
+    }
+    into(out, lse.view());
+    EXPECT_TRUE(same_bits(read_view(k2.view()), read_view(k1.view()), "k_cache"));
+    EXPECT_TRUE(same_bits(read_view(v2.view()), read_view(v1.view()), "v_cache"));
+    EXPECT_TRUE(same_bits(read_view(out.view()), read_view(want.out.view()), "out"));
+    EXPECT_TRUE(same_bits(read_view(lse.view()), read_view(want.lse.view()), "lse"));
+  }
+}
+
 }  // namespace
 }  // namespace attncore::test

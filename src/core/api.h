@@ -15,4 +15,12 @@ ForwardResult forward_kvcache_with(const TensorView& q, const TensorView& k_cach
                                    const Options& options, Backend backend,
                                    const std::function<void()>& before_run);
 
+// forward_kvcache_into, running `before_run` likewise: after every check of the call with its
+// outputs, just before the backend.
+void forward_kvcache_into_with(const TensorView& q, const TensorView& k_cache,
+                               const TensorView& v_cache, const KvCacheSeqs& seqs,
+                               const TensorView& out, const std::optional<TensorView>& lse,
+                               const Options& options, Backend backend,
+                               const std::function<void()>& before_run);
+
 }  // namespace attncore::detail

@@ -1,8 +1,11 @@
-// forward_kvcache with new keys and values (attncore/kvcache.h): everything is validated first,
-// then the new rows are rotated (when rotary tables are given) and written into the cache, the
-// query is rotated into a copy, and the call attends with the lengths after the append.
+// forward_kvcache and forward_kvcache_into with new keys and values (attncore/kvcache.h):
+// everything is validated first, then the new rows are rotated (when rotary tables are given)
+// and written into the cache, the query is rotated into a copy, and the call attends with the
+// lengths after the append.
 #include <algorithm>
 #include <cstdint>
+#include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -316,6 +319,28 @@ Appending validate(const TensorView& q, const TensorView& k_cache, const TensorV
   return a;
 }
 
+// The validated append's call: attend(query, write) with the query it attends with (rotated into
+// a copy when rotary tables are given) and `write`, which writes the new rows into the cache (and
+// the rotated query), for the attending call to run after every check: a refused call writes
+// nothing.
+template <class Attend>
+void attend_after_append(const Appending& a, const TensorView& q, const TensorView& k_cache,
+                         const TensorView& v_cache, const KvAppend& append, const Options& options,
+                         Attend&& attend) {
+  const Params& p = a.p;
+  const bool aligned =
+      options.causal != Causal::none || options.window_left >= 0 || options.window_right >= 0;
+  Tensor rotated;
+  if (a.rotary.cos != nullptr) rotated = rotated_query(p, q.dtype);
+  attend(a.rotary.cos != nullptr ? rotated.view() : q, [&] {
+    if (p.dtype == DType::f64) {
+      append_rows<double>(p, q, k_cache, v_cache, append, a.rotary, aligned, &rotated);
+    } else {
+      append_rows<float>(p, q, k_cache, v_cache, append, a.rotary, aligned, &rotated);
+    }
+  });
+}
+
 }  // namespace
 
 Explanation explain_forward_kvcache(const TensorView& q, const TensorView& k_cache,
@@ -330,23 +355,38 @@ ForwardResult forward_kvcache(const TensorView& q, const TensorView& k_cache,
                               const TensorView& v_cache, const KvCacheSeqs& seqs,
                               const KvAppend& append, const Options& options, Backend backend) {
   const Appending a = validate(q, k_cache, v_cache, seqs, append, options, backend);
-  const Params& p = a.p;
-  const Rotary& rotary = a.rotary;
-  const KvCacheSeqs& after = a.after;
-  const bool aligned =
-      options.causal != Causal::none || options.window_left >= 0 || options.window_right >= 0;
-  // The attending call checks everything (the lengths after the append, a paged cache's pages
-  // of the appended slots, the backend's verdict, memory, the cancel flag) and allocates its
-  // outputs before the append writes the cache.
-  Tensor rotated;
-  if (rotary.cos != nullptr) rotated = rotated_query(p, q.dtype);
-  return detail::forward_kvcache_with(
-      rotary.cos != nullptr ? rotated.view() : q, k_cache, v_cache, after, options, backend, [&] {
-        if (p.dtype == DType::f64) {
-          append_rows<double>(p, q, k_cache, v_cache, append, rotary, aligned, &rotated);
-        } else {
-          append_rows<float>(p, q, k_cache, v_cache, append, rotary, aligned, &rotated);
-        }
+  ForwardResult r;
+  attend_after_append(a, q, k_cache, v_cache, append, options,
+                      [&](const TensorView& query, const std::function<void()>& write) {
+                        r = detail::forward_kvcache_with(query, k_cache, v_cache, a.after, options,
+                                                         backend, write);
+                      });
+  return r;
+}
+
+void forward_kvcache_into(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
+                          const KvCacheSeqs& seqs, const KvAppend& append, const TensorView& out,
+                          const std::optional<TensorView>& lse, const Options& options,
+                          Backend backend) {
+  const Appending a = validate(q, k_cache, v_cache, seqs, append, options, backend);
+  attend_after_append(
+      a, q, k_cache, v_cache, append, options,
+      [&](const TensorView& query, const std::function<void()>& write) {
+        detail::forward_kvcache_into_with(
+            query, k_cache, v_cache, a.after, out, lse, options, backend, [&] {
+              // The outputs, checked against the attending call's
+              // arrays already, share no byte with the arrays
+              // only the append reads either.
+              Checker("forward").separate(
+                  {{&out, "out"}, {lse ? &*lse : nullptr, "lse"}},
+                  {{&q, "query"},
+                   {&append.k_new, "k_new"},
+                   {&append.v_new, "v_new"},
+                   {append.rotary_cos ? &*append.rotary_cos : nullptr, "rotary_cos"},
+                   {append.rotary_sin ? &*append.rotary_sin : nullptr, "rotary_sin"},
+                   {&seqs.cache_seqlens, "cache_seqlens"}});
+              write();
+            });
       });
 }
 

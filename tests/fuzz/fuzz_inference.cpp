@@ -106,11 +106,13 @@ void run_cache_call(Reader& r, const Dims& s, DType dtype, bool append, std::int
   }
   Decoded o;
   decode_options(r, s, false, o);
-  // An append returns new tensors, copied here: into contiguous arrays.
+  // An append in the allocating form returns new tensors, copied here: into contiguous arrays;
+  // in the into form, as without one.
+  const bool allocating = append && r.chance(128);
   Array out = make_array(out_dtype, {s.b, s.hq, s.lq, s.dv},
-                         append ? Layout::contiguous : output_layout(r), 0xa5);
+                         allocating ? Layout::contiguous : output_layout(r), 0xa5);
   Array lse = make_array(out_dtype == DType::f64 ? DType::f64 : DType::f32, {s.b, s.hq, s.lq},
-                         append ? Layout::contiguous : output_layout(r), 0xa5);
+                         allocating ? Layout::contiguous : output_layout(r), 0xa5);
   inputs.insert(inputs.end(), {&q, &k_cache, &v_cache, &k_new, &v_new});
   for (auto* a : {&cos, &sin, &o.alibi, &o.mask})
     if (*a) inputs.push_back(&**a);
@@ -126,6 +128,11 @@ void run_cache_call(Reader& r, const Dims& s, DType dtype, bool append, std::int
                 [&](Backend b) {
                   if (!append) {
                     forward_kvcache_into(q.view, k_cache.view, v_cache.view, seqs, out.view,
+                                         lse.view, o.options, b);
+                    return;
+                  }
+                  if (!allocating) {
+                    forward_kvcache_into(q.view, k_cache.view, v_cache.view, seqs, add, out.view,
                                          lse.view, o.options, b);
                     return;
                   }

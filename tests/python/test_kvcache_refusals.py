@@ -187,6 +187,23 @@ def test_writes_into_torch_caches_move_their_version_counters():
         z.backward()
 
 
+def test_appends_move_both_counters_of_caches_that_require_grad_under_no_grad():
+    # Caches that require grad take an append under no_grad (the general path, as the fast path
+    # declines inputs that require grad): both version counters move, each by one, and the
+    # values are written; caches that do not, by the fast path, likewise.
+    one = torch.ones(1, 1, 1, 8)
+    for requires_grad in (True, False):
+        k_cache = torch.zeros(1, 5, 1, 8, requires_grad=requires_grad)
+        v_cache = torch.zeros(1, 5, 1, 8, requires_grad=requires_grad)
+        before = (k_cache._version, v_cache._version)
+        with torch.no_grad():
+            attncore.torch.flash_attn_with_kvcache(one, k_cache, v_cache, k=one, v=2 * one,
+                                                   cache_seqlens=1)
+        assert (k_cache._version, v_cache._version) == (before[0] + 1, before[1] + 1)
+        assert k_cache[0, 1].eq(1).all() and v_cache[0, 1].eq(2).all()
+        assert not k_cache[0, 2:].any()
+
+
 def test_inference_tensors_are_written_only_in_inference_mode():
     # As torch refuses an in-place write into an inference tensor outside inference mode: an
     # append into one, or PagedAttention.assign into one of its caches, is refused before
