@@ -65,6 +65,27 @@ def check_copy(op, name, shape, dtype_name, remedy="pass it with a last stride o
                         f"shape={list(shape)}, copy", _bytes(shape, dtype_name), remedy)
 
 
+def _distinct(shape, strides, unit_last):
+    """The index that takes each broadcast dim (stride 0, size > 1) of an array once, so that a
+    copy holds its distinct elements only; with unit_last the last dim whole (the library reads
+    it with unit stride)."""
+    last = len(shape) - 1
+    return tuple(slice(0, 1) if st == 0 and n > 1 and not (unit_last and d == last)
+                 else slice(None) for d, (n, st) in enumerate(zip(shape, strides)))
+
+
+def compact_copy(lib, x, op, name, unit_last=True,
+                 remedy="pass it with non-negative strides of whole elements"):
+    """A copy of x that the library reads in place (non-negative strides, the last one 1 with
+    unit_last), of its distinct elements only: its broadcast dims stay broadcast (stride 0), so
+    that a view standing for far more elements than its memory holds is never expanded: a copy
+    takes at most the memory of x's own elements (check_copy first)."""
+    index = _distinct(tuple(x.shape), lib.strides(x), unit_last)
+    part = x[index]
+    check_copy(op, name, tuple(part.shape), lib.dtype_name(x), remedy)
+    return lib.broadcast(lib.contiguous(part), tuple(x.shape))
+
+
 class LateCopies:
     """Inputs of one call copied only after its checks. An input the library cannot read in
     place (its last stride is not 1, or dims that fold into one only in a copy) is first
@@ -148,9 +169,8 @@ def _checked_tensor(x, op, name):
         raise NotImplementedError(f"{op}: {name} has an unsupported layout (layout={x.layout}, "
                                   f"expected torch.strided); pass {name}.to_dense()")
     if x.is_neg() or x.is_conj():  # resolved into a copy, refused first where it would not fit
-        check_copy(op, name, tuple(x.shape), str(x.dtype).removeprefix("torch."),
-                   f"pass {name} resolved (its .resolve_neg() or .resolve_conj())")
-        x = x.resolve_neg().resolve_conj()
+        x = compact_copy(TORCH, x, op, name, unit_last=False,
+                         remedy=f"pass {name} resolved (its .resolve_neg() or .resolve_conj())")
     return x
 
 
@@ -165,9 +185,7 @@ def _checked_ndarray(x, op, name):
     if type(x) is not np.ndarray:
         x = x.view(np.ndarray)
     if any(s < 0 or s % x.itemsize for s in x.strides):
-        check_copy(op, name, x.shape, x.dtype.name,
-                   "pass it with non-negative strides of whole elements")
-        x = np.ascontiguousarray(x)
+        x = compact_copy(NUMPY, x, op, name, unit_last=False)
     return x
 
 
@@ -323,8 +341,18 @@ class _Numpy:
         than 1, negative strides or strides that are not whole elements (check_copy first)."""
         if not _Numpy.unit_last_stride_needs_copy(x):
             return x
-        check_copy(op, name, x.shape, x.dtype.name)
+        return compact_copy(NUMPY, x, op, name, remedy="pass it with a last stride of 1")
+
+    @staticmethod
+    def contiguous(x):
         return np.ascontiguousarray(x)
+
+    @staticmethod
+    def broadcast(x, shape):
+        """x [shape with 1s] broadcast to shape, as a writable view (np.broadcast_to's are
+        read-only, which torch.from_numpy warns about): the call only reads it."""
+        strides = tuple(0 if n != m else st for n, m, st in zip(shape, x.shape, x.strides))
+        return np.lib.stride_tricks.as_strided(x, shape, strides, writeable=True)
 
     @staticmethod
     def reshape(x, shape):
@@ -437,8 +465,15 @@ class _Torch:
     def unit_last_stride(x, op, name):
         if not _Torch.unit_last_stride_needs_copy(x):
             return x
-        check_copy(op, name, tuple(x.shape), str(x.dtype).removeprefix("torch."))
-        return x.contiguous()
+        return compact_copy(TORCH, x, op, name, remedy="pass it with a last stride of 1")
+
+    @staticmethod
+    def contiguous(x):
+        return x.resolve_neg().resolve_conj().contiguous()
+
+    @staticmethod
+    def broadcast(x, shape):
+        return x.expand(shape)
 
     @staticmethod
     def reshape(x, shape):

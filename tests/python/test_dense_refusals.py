@@ -65,6 +65,49 @@ def test_broadcast_slopes_and_lse_are_copied_only_where_the_copy_fits():
         np.testing.assert_array_equal(g, w)
 
 
+def test_copies_keep_broadcast_dims_broadcast():
+    # An input read only through a copy (numpy negative strides, a lazily negated tensor, a last
+    # stride other than 1) is copied as its distinct elements, its broadcast dims kept broadcast:
+    # a view standing for 4 GiB of q is refused for its shape at once, in a fresh process whose
+    # peak memory stays far below a copy; where the call is valid, the results of a contiguous
+    # input, bit for bit.
+    code = """
+import resource, numpy as np, attncore
+row = np.random.default_rng(0).standard_normal(64).astype(np.float32)[::-1]
+q = np.broadcast_to(row, (1 << 22, 1, 4, 64))
+k = np.zeros((1, 16, 1, 64), np.float32)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+for call in (lambda: attncore.flash_attn_with_kvcache(q, k, k, cache_seqlens=3),
+             lambda: attncore.flash_attn_func(q, k, k)):
+    try:
+        call()
+        raise SystemExit("accepted")
+    except ValueError as e:
+        assert "has shape [1, 16, 1, 64]" in str(e), e
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert int(run.stdout.split()[-1]) < 200 * 1024, run.stdout  # KiB: below 200 MiB
+    rng = np.random.default_rng(1)
+    row = rng.standard_normal((1, 1, 2, 16)).astype(np.float32)[..., ::-1]
+    q = np.broadcast_to(row, (3, 5, 2, 16))
+    k = rng.standard_normal((3, 7, 2, 16)).astype(np.float32)
+    lens = np.int32([4, 4, 4, 9])[2::-1]  # [4, 4, 4], stride -4 bytes
+    want = attncore.flash_attn_with_kvcache(np.ascontiguousarray(q), k, k, cache_seqlens=4)
+    np.testing.assert_array_equal(attncore.flash_attn_with_kvcache(q, k, k, cache_seqlens=lens),
+                                  want)
+    np.testing.assert_array_equal(attncore.flash_attn_func(q, k, k),
+                                  attncore.flash_attn_func(np.ascontiguousarray(q), k, k))
+    t = torch.from_numpy(np.ascontiguousarray(row)).expand(3, 5, 2, 16)
+    negated = torch._neg_view(t)
+    assert negated.is_neg()
+    np.testing.assert_array_equal(
+        attncore.torch.flash_attn_func(negated, torch.from_numpy(k), torch.from_numpy(k)).numpy(),
+        attncore.torch.flash_attn_func(-t.contiguous(), torch.from_numpy(k),
+                                       torch.from_numpy(k)).numpy())
+
+
 def test_packed_backward_checks_its_gradients_memory(monkeypatch):
     kv = torch.randn(1, 6, 2, 2, 8, requires_grad=True)
     q = torch.randn(1, 3, 2, 8, requires_grad=True)

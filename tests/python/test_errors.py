@@ -498,15 +498,22 @@ def test_workspace_past_the_machine_is_memory_error():
             attncore.attention(q, k, k, backend=backend)
 
 
-def test_copies_of_negative_strides_past_the_machine_are_refused():
-    # A reversed broadcast view stands for 2^46 bytes: its copy is refused up front.
+def test_copies_of_negative_strides_past_the_machine_are_refused(monkeypatch):
+    # A reversed broadcast view stands for 2^46 bytes: copied as its 64 distinct elements (its
+    # broadcast dims kept broadcast), so the call is refused for its outputs, not for a copy.
+    # A copy past the memory this process may use is refused before it is made.
     row = np.ones((1, 1, 1, 64), np.float32)
     huge = np.broadcast_to(row, (2**24, 2**12, 4, 64))[..., ::-1]
+    with pytest.raises(MemoryError, match=r"^forward: the outputs exceed the memory this "
+                                          r"process may use"):
+        attncore.attention(huge, row, row)
+    reversed_q = np.ones((1, 4, 64, 64), np.float32)[..., ::-1]
+    monkeypatch.setattr(attncore._core, "memory_limit", lambda: (4096.0, "a test's limit"))
     with pytest.raises(MemoryError, match=r"^attention: query needs a contiguous copy larger "
                                           r"than the memory this process may use \(shape="
-                                          r"\[16777216, 4096, 4, 64\], copy=7.037e\+13 bytes, "
+                                          r"\[1, 4, 64, 64\], copy=6.554e\+04 bytes, "
                                           r".*; pass it with non-negative strides"):
-        attncore.attention(huge, row, row)
+        attncore.attention(reversed_q, row, row)
 
 
 def test_outputs_past_the_machine_are_refused_before_allocation():

@@ -91,13 +91,15 @@ def test_rotary_tables_must_be_float_and_their_conversion_must_fit():
     np.testing.assert_array_equal(got, want)
 
 
-def test_lazily_negated_tensors_are_resolved_only_where_the_copy_fits():
-    limit = attncore._core.memory_limit()[0]
-    q = broadcast_query(limit)
-    kc, vc = torch.zeros(1, 4, 1, q.shape[-1]), torch.zeros(1, 4, 1, 1)
-    raises(MemoryError, lambda: attncore.flash_attn_with_kvcache(
-        torch._neg_view(q), kc, vc, cache_seqlens=4), "q needs a contiguous copy larger than",
-           "resolve_neg")
+def test_lazily_negated_tensors_are_resolved_as_their_distinct_elements(monkeypatch):
+    # A lazily negated broadcast view standing for more bytes than this process may use is
+    # resolved as its distinct elements (its broadcast dims kept broadcast): the call runs, with
+    # the results of the negated values. A copy past that memory is refused before it is made.
+    monkeypatch.setattr(attncore._core, "memory_limit", lambda: (2.0**20, "a test's limit"))
+    q = broadcast_query(2**20)
+    kc, vc = torch.zeros(1, 4, 1, q.shape[-1]), torch.ones(1, 4, 1, 1)
+    out = attncore.flash_attn_with_kvcache(torch._neg_view(q), kc, vc, cache_seqlens=4)
+    assert out.shape == (1, 1, q.shape[2], 1) and bool(out.eq(1).all())
     small = torch.randn(1, 3, 2, 8)
     neg = torch._neg_view(small)
     got = attncore.flash_attn_with_kvcache(neg, kc[..., :8].clone() + 1, vc.clone(),
@@ -105,6 +107,10 @@ def test_lazily_negated_tensors_are_resolved_only_where_the_copy_fits():
     want = attncore.flash_attn_with_kvcache(-small, kc[..., :8].clone() + 1, vc.clone(),
                                             cache_seqlens=2)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+    monkeypatch.setattr(attncore._core, "memory_limit", lambda: (64.0, "a test's limit"))
+    raises(MemoryError, lambda: attncore.flash_attn_with_kvcache(
+        neg, kc[..., :8].clone(), vc.clone(), cache_seqlens=2),
+           "q needs a contiguous copy larger than", "resolve_neg")
 
 
 def test_paged_attention_refuses_page_table_entries_past_int32_and_overlapping_caches():
