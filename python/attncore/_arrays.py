@@ -56,6 +56,17 @@ def check_new_arrays(op, *specs):
                         sum(_bytes(shape, dtype) for shape, dtype in specs), "reduce the sizes")
 
 
+def number_text(x):
+    """x as a message shows it: its repr, but an int of more than 20 digits (Python refuses to
+    print one of more than 4300, and a message of thousands of digits helps no one) as its
+    leading digits and power of ten, such as 1.23e+4000."""
+    if isinstance(x, int) and not isinstance(x, bool) and abs(x) >= 10 ** 20:
+        power = math.log10(abs(x))
+        exponent = math.floor(power)
+        return f"{'-' if x < 0 else ''}{10 ** (power - exponent):.3g}e+{exponent}"
+    return repr(x)
+
+
 def check_copy(op, name, shape, dtype_name, remedy="pass it with a last stride of 1"):
     """Refuses (MemoryError) a copy of an input of this shape that exceeds the memory this
     process may use, before it is made: an input attncore cannot read in place (a last stride

@@ -19,6 +19,7 @@ import operator
 import sys
 import threading
 
+from . import _arrays
 from ._rank4 import pair
 
 # torch's default CPU seed, so that an unseeded process is reproducible as torch's is.
@@ -36,8 +37,8 @@ def check_u64(op, name, value):
         raise TypeError(f"{op}: {name} is not an integer (type={type(value).__name__}, expected "
                         "an int in [0, 2^64))")
     if not 0 <= number < _U64:
-        raise ValueError(f"{op}: {name} is invalid ({name}={number}, expected an int in "
-                         "[0, 2^64))")
+        raise ValueError(f"{op}: {name} is invalid ({name}={_arrays.number_text(number)}, "
+                         "expected an int in [0, 2^64))")
     return number
 
 

@@ -30,8 +30,9 @@ def real_option(op, name, value):
         try:
             return float(value)
         except OverflowError:
-            raise ValueError(f"{op}: {name} is out of range ({name}={value!r}, expected a "
-                             "finite float)") from None
+            raise ValueError(f"{op}: {name} is out of range "
+                             f"({name}={_arrays.number_text(value)}, expected a finite float)"
+                             ) from None
         except (TypeError, ValueError, RuntimeError):
             pass
     raise TypeError(f"{op}: {name} is not a real number (type={type(value).__name__}, "
@@ -63,12 +64,12 @@ def int_option(op, name, value, low=-INT64_MAX - 1, high=INT64_MAX, meaning=""):
                         "expected int)")
     if number > high:
         bound = {INT32_MAX: "2^31", INT64_MAX: "2^63"}.get(high, str(high + 1))
-        raise ValueError(f"{op}: {name} is out of range ({name}={number}, expected "
-                         f"{name} < {bound}{meaning})")
+        raise ValueError(f"{op}: {name} is out of range ({name}={_arrays.number_text(number)}, "
+                         f"expected {name} < {bound}{meaning})")
     if number < low:
         bound = {-INT32_MAX - 1: "-2^31", -INT64_MAX - 1: "-2^63"}.get(low, str(low))
-        raise ValueError(f"{op}: {name} is out of range ({name}={number}, expected "
-                         f"{name} >= {bound}{meaning})")
+        raise ValueError(f"{op}: {name} is out of range ({name}={_arrays.number_text(number)}, "
+                         f"expected {name} >= {bound}{meaning})")
     return number
 
 

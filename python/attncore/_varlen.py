@@ -54,7 +54,8 @@ def _int_sequence(op, name, x):
         return array
     low, high = array.min(), array.max()
     if low < -2 ** 31 or high >= 2 ** 31:
-        raise ValueError(f"{op}: {name} holds values past int32 (min={low}, max={high}, "
+        raise ValueError(f"{op}: {name} holds values past int32 (min="
+                         f"{_arrays.number_text(low)}, max={_arrays.number_text(high)}, "
                          "expected -2^31 <= value < 2^31)")
     return array.astype(np.int32)
 

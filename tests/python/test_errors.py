@@ -539,3 +539,28 @@ def test_outputs_past_the_machine_are_refused_before_allocation():
     cu_k = np.array([0, 4], np.int32)
     with pytest.raises(MemoryError, match=pattern.format("forward")):
         attncore.attention_varlen(q, kv, kv, cu_q, cu_k, 2**30, 4)
+
+
+def test_integers_of_thousands_of_digits_are_named_short():
+    # An int past what Python prints (4300 digits) raised Python's own ValueError from inside
+    # the message, and one just below it made a message of thousands of digits: such values are
+    # shown as their leading digits and power of ten, in attncore's message.
+    huge = 10**5000
+    q = np.zeros((1, 1, 1, 8), np.float32)
+    k = np.zeros((1, 4, 1, 8), np.float32)
+    cases = [
+        (lambda: attncore.flash_attn_with_kvcache(q, k, k, cache_seqlens=huge),
+         "flash_attn_with_kvcache: cache_seqlens is out of range (cache_seqlens=1e+5000, "),
+        (lambda: attncore.flash_attn_with_kvcache(q, k, k, cache_seqlens=[-3 * huge]),
+         "flash_attn_with_kvcache: cache_seqlens holds values past int32 (min=-3e+5000, "),
+        (lambda: attncore.flash_attn_func(q, k, k, softmax_scale=huge),
+         "flash_attn_func: scale is out of range (scale=1e+5000, expected a finite float)"),
+        (lambda: attncore.attention(q, q, q, dropout_p=0.5, seed=huge // 7),
+         "attention: seed is invalid (seed=1.43e+4999, "),
+        (lambda: attncore.PagedKVCache(4, 4, 1, 8, -(10**4000)),
+         "PagedKVCache: max_batch_size is out of range (max_batch_size=-1e+4000, "),
+    ]
+    for call, start in cases:
+        with pytest.raises(ValueError) as info:
+            call()
+        assert str(info.value).startswith(start) and len(str(info.value)) < 200, info.value
