@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "attncore/error.h"
+#include "core/large_memory.h"
 #include "testing/tensors.h"
 
 namespace attncore {
@@ -148,6 +149,30 @@ TEST(Tensor, ZeroInitialisedAfterEarlierAllocationsWereDirtied) {
   }
   const Tensor t(DType::f32, {4096});  // [4096]
   for (std::int64_t i = 0; i < 4096; ++i) ASSERT_EQ(t.data_as<float>()[i], 0.0f) << i;
+}
+
+// From 2 MiB on, a Tensor's storage is a mapping of its own (StreamedMemory): zeroed, 2 MiB
+// aligned where it is on huge pages, writable to its end, freed as it goes (moved, dirtied and
+// made again), on either side of the threshold.
+TEST(Tensor, LargeStorageIsZeroedAlignedAndFreed) {
+  constexpr std::int64_t kHuge = static_cast<std::int64_t>(detail::kHugePageBytes);
+  for (std::int64_t bytes : {kHuge - 64, kHuge, kHuge + 4, 9 * kHuge + 12}) {
+    for (int round = 0; round < 3; ++round) {
+      Tensor made(DType::f32, {bytes / 4});  // [bytes / 4]
+      const Tensor t = std::move(made);
+      EXPECT_FALSE(made.defined());  // NOLINT(bugprone-use-after-move): moved from
+      const auto address = reinterpret_cast<std::uintptr_t>(t.data());
+      EXPECT_EQ(address % 64, 0u);
+      if (detail::kStreamedOnHugePages && bytes >= kHuge) {
+        EXPECT_EQ(address % detail::kHugePageBytes, 0u) << bytes;
+      }
+      const auto* data = t.data_as<unsigned char>();
+      std::size_t nonzero = 0;
+      for (std::int64_t i = 0; i < t.numel() * 4; ++i) nonzero += data[i] != 0;
+      ASSERT_EQ(nonzero, 0u) << bytes << " round " << round;
+      std::memset(t.data(), 0xff, static_cast<std::size_t>(t.numel()) * 4);
+    }
+  }
 }
 
 TEST(Tensor, PointerRankConstructorMatchesInitializerList) {

@@ -1,9 +1,12 @@
 // TensorView helpers, Tensor storage, and the names of the public enums.
 #include "attncore/tensor.h"
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -11,6 +14,7 @@
 #include "attncore/error.h"
 #include "attncore/info.h"
 #include "attncore/options.h"
+#include "core/large_memory.h"
 
 namespace attncore {
 
@@ -97,7 +101,21 @@ std::string TensorView::shape_string() const {
   return os.str();
 }
 
-void Tensor::Free::operator()(void* p) const { std::free(p); }
+// A Tensor's storage: heap memory (std::free), or, for kHugePageBytes and more, a
+// StreamedMemory (a mapping of its own on huge pages where the OS offers them), whose address
+// the storage holds with its lowest bit set (a StreamedMemory is aligned to more than 1 byte).
+namespace {
+constexpr std::uintptr_t kStreamedTag = 1;
+}  // namespace
+
+void Tensor::Free::operator()(void* p) const {
+  const auto bits = reinterpret_cast<std::uintptr_t>(p);
+  if ((bits & kStreamedTag) != 0) {
+    delete reinterpret_cast<detail::StreamedMemory*>(bits & ~kStreamedTag);
+  } else {
+    std::free(p);
+  }
+}
 
 Tensor::Tensor(DType dtype, std::initializer_list<std::int64_t> shape)
     : Tensor(dtype, shape.begin(), static_cast<int>(shape.size())) {}
@@ -135,12 +153,26 @@ Tensor::Tensor(DType dtype, const std::int64_t* shape, int rank) {
     throw OutOfMemory("Tensor: shape " + view_.shape_string() +
                       " needs more memory than this process may use " + text);
   }
-  if (bytes > 0) {
-    void* p = std::aligned_alloc(64, bytes);
-    if (p == nullptr) {
-      throw OutOfMemory("Tensor: cannot allocate the storage (bytes=" + std::to_string(bytes) +
-                        ", expected that much free memory)");
+  auto out_of_memory = [&] {
+    return OutOfMemory("Tensor: cannot allocate the storage (bytes=" + std::to_string(bytes) +
+                       ", expected that much free memory)");
+  };
+  if (bytes >= detail::kHugePageBytes) {
+    // On huge pages where the OS offers them (StreamedMemory): a dense KV cache in a Tensor is
+    // read as fast as PagedKvCache's pools. GQA decode (Zen 3, 1 thread, Hq 32, Hkv 8, Lk
+    // 16384), K/V on huge pages against 4 KiB ones, 3 alternating rounds, median speed ratio:
+    // f32 [B, Hkv, L, D] 1.38, [B, L, Hkv, D] 1.02; bf16 1.14 and 1.21.
+    try {
+      auto memory = std::make_unique<detail::StreamedMemory>(bytes);
+      view_.data = memory->data();
+      storage_.reset(reinterpret_cast<void*>(reinterpret_cast<std::uintptr_t>(memory.release()) |
+                                             kStreamedTag));
+    } catch (const std::bad_alloc&) {
+      throw out_of_memory();
     }
+  } else if (bytes > 0) {
+    void* p = std::aligned_alloc(64, bytes);
+    if (p == nullptr) throw out_of_memory();
     std::memset(p, 0, bytes);
     storage_.reset(p);
     view_.data = p;
