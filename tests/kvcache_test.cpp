@@ -517,17 +517,23 @@ TEST(KvCache, AppendIntoEqualsTheAllocatingForm) {
     // Refused, the cache unwritten: out inside k_new, out of the wrong shape, cancelled.
     const TensorView in_k_new = TensorView::contiguous(k_new.data(), DType::f32, {2, hq, 1, d});
     EXPECT_EQ(refusal(in_k_new).rfind("forward: out overlaps k_new (", 0), 0u) << refusal(in_k_new);
-    EXPECT_NE(refusal(lse.view()).find("out"), std::string::npos);
+    // (Rotary: the call attends to a rotated copy of q, and the append reads q itself.)
+    const TensorView in_q = TensorView::contiguous(q.data(), DType::f32, {2, hq, 1, d});
+    EXPECT_EQ(refusal(in_q).rfind("forward: out overlaps query (", 0), 0u) << refusal(in_q);
+    EXPECT_EQ(refusal(lse.view()).rfind("forward: out has the wrong rank (", 0), 0u)
+        << refusal(lse.view());
     const std::atomic<bool> cancel{true};
     Options cancelled;
     cancelled.cancel = &cancel;
     EXPECT_THROW(into(out, lse.view(), cancelled), Cancelled);
-    const std::vector<double> before = read_view(k2.view());
-    for (std::size_t i = 0; i < before.size(); ++i) {
-      const std::int64_t slot = static_cast<std::int64_t>(i) / (hkv * d) % cap;
-      const std::int64_t start = static_cast<std::int64_t>(i) / (cap * hkv * d) == 0 ? 3 : 7;
-      if (slot >= start && slot < start + l_new) {
-        ASSERT_TRUE(std::isnan(before[i])) << i;  // the slots the append writes: untouched
+    for (const Tensor* cache : {&k2, &v2}) {
+      const std::vector<double> before = read_view(cache->view());
+      for (std::size_t i = 0; i < before.size(); ++i) {
+        const std::int64_t slot = static_cast<std::int64_t>(i) / (hkv * d) % cap;
+        const std::int64_t start = static_cast<std::int64_t>(i) / (cap * hkv * d) == 0 ? 3 : 7;
+        if (slot >= start && slot < start + l_new) {
+          ASSERT_TRUE(std::isnan(before[i])) << i;  // the slots the append writes: untouched
+        }
       }
     }
     into(out, lse.view());

@@ -33,11 +33,6 @@ std::int64_t status_kib(const std::string& field) {
   return -1;
 }
 
-// Writes zeros over t's bytes, so that its pages are resident.
-void touch(const Tensor& t) {
-  std::memset(t.data(), 0, static_cast<std::size_t>(t.numel()) * size_of(t.dtype()));
-}
-
 // Resets the peak (VmHWM) to the current RSS (Linux: write 5 to /proc/self/clear_refs).
 bool reset_peak() {
   std::ofstream clear("/proc/self/clear_refs");
@@ -53,8 +48,7 @@ TEST(Memory, FlashPeakWithinAQuarterOfItsOperands) {
   const std::int64_t b = 1, h = 16, l = 2048, d = 128;  // f32: 16 MiB per operand
   const std::int64_t rss_before = status_kib("VmRSS");
   Tensor q(DType::f32, {b, h, l, d}), k(DType::f32, {b, h, l, d}), v(DType::f32, {b, h, l, d});
-  Tensor out(DType::f32, {b, h, l, d});
-  touch(out);  // (a Tensor of 2 MiB or more is a fresh mapping: its pages come at first touch)
+  Tensor out(DType::f32, {b, h, l, d});  // Tensor zero-fills: every page is resident
   for (Tensor* t : {&q, &k, &v}) {
     for (std::int64_t e = 0; e < t->numel(); ++e)
       t->data_as<float>()[e] = static_cast<float>(e % 7) * 0.1f;
@@ -71,7 +65,6 @@ TEST(Memory, FlashPeakWithinAQuarterOfItsOperands) {
   ASSERT_TRUE(reset_peak());
   const std::int64_t rss_now = status_kib("VmRSS");
   const Tensor scores(DType::f32, {l, l});  // [Lq, Lk]
-  touch(scores);
   EXPECT_GE(status_kib("VmHWM") - rss_now, 15 * 1024);
 }
 
@@ -95,8 +88,7 @@ TEST(Memory, FlashBackwardWorkspaceWithinOneCopyOfDq) {
   options.num_threads = 2;
   const ForwardResult f = forward(q, k, v, options, Backend::flash);
   Tensor dq(DType::f32, {b, hq, l, d}), dk(DType::f32, {b, hkv, l, d}),
-      dv(DType::f32, {b, hkv, l, d});
-  for (const Tensor* t : {&dq, &dk, &dv}) touch(*t);  // resident before the call
+      dv(DType::f32, {b, hkv, l, d});  // zero-filled: resident before the call
   const double dq_kib = static_cast<double>(b * hq * l * d) * 4.0 / 1024.0;
   const std::int64_t rss_before = status_kib("VmRSS");
   ASSERT_TRUE(reset_peak());

@@ -151,19 +151,19 @@ TEST(Tensor, ZeroInitialisedAfterEarlierAllocationsWereDirtied) {
   for (std::int64_t i = 0; i < 4096; ++i) ASSERT_EQ(t.data_as<float>()[i], 0.0f) << i;
 }
 
-// From 2 MiB on, a Tensor's storage is a mapping of its own (StreamedMemory): zeroed, 2 MiB
-// aligned where it is on huge pages, writable to its end, freed as it goes (moved, dirtied and
-// made again), on either side of the threshold.
+// From 32 MiB on (tensor.cpp's kStreamedTensorBytes), a Tensor's storage is a mapping of its
+// own (StreamedMemory): zeroed, 2 MiB aligned where it is on huge pages, writable to its end,
+// freed as it goes (moved, dirtied and made again), on either side of the threshold.
 TEST(Tensor, LargeStorageIsZeroedAlignedAndFreed) {
-  constexpr std::int64_t kHuge = static_cast<std::int64_t>(detail::kHugePageBytes);
-  for (std::int64_t bytes : {kHuge - 64, kHuge, kHuge + 4, 9 * kHuge + 12}) {
+  constexpr std::int64_t kStreamed = std::int64_t{32} << 20;
+  for (std::int64_t bytes : {kStreamed - 64, kStreamed, kStreamed + 4, kStreamed + (3 << 20)}) {
     for (int round = 0; round < 3; ++round) {
       Tensor made(DType::f32, {bytes / 4});  // [bytes / 4]
       const Tensor t = std::move(made);
       EXPECT_FALSE(made.defined());  // NOLINT(bugprone-use-after-move): moved from
       const auto address = reinterpret_cast<std::uintptr_t>(t.data());
       EXPECT_EQ(address % 64, 0u);
-      if (detail::kStreamedOnHugePages && bytes >= kHuge) {
+      if (detail::kStreamedOnHugePages && bytes >= kStreamed) {
         EXPECT_EQ(address % detail::kHugePageBytes, 0u) << bytes;
       }
       const auto* data = t.data_as<unsigned char>();

@@ -83,8 +83,8 @@ ATTNCORE_API ForwardResult forward_kvcache(const TensorView& q, const TensorView
                                            Backend backend = Backend::automatic);
 
 // The same into caller-provided views, out [B, Hq, Lq, Dv] and, when given, lse [B, Hq, Lq]
-// (which share no byte with any array of the call): a decode step that appends makes no
-// allocation but the lengths' [B] and, with rotary tables, the rotated query's copy.
+// (which share no byte with any array of the call): a decode step that appends allocates no
+// output (with rotary tables, the rotated query is still a copy).
 ATTNCORE_API void forward_kvcache_into(const TensorView& q, const TensorView& k_cache,
                                        const TensorView& v_cache, const KvCacheSeqs& seqs,
                                        const KvAppend& append, const TensorView& out,

@@ -42,9 +42,9 @@ struct ATTNCORE_API TensorView {
   std::string shape_string() const;
 };
 
-// Owning, zero-initialised, 64-byte aligned, row-major contiguous storage. From 2 MiB on, a
-// mapping of its own, 2 MiB aligned, for which the OS is asked for huge pages (Linux's
-// transparent huge pages; a hint): a KV cache held in one streams with fewer TLB misses.
+// Owning, zero-initialised, 64-byte aligned, row-major contiguous storage. On Linux, from 32 MiB
+// on, a mapping of its own, 2 MiB aligned, for which the OS is asked for huge pages (transparent
+// huge pages; a hint): a KV cache held in one streams with fewer TLB misses.
 class ATTNCORE_API Tensor {
  public:
   Tensor() = default;

@@ -15,6 +15,7 @@ torch is never imported here: a tensor can only exist once its caller imported t
 import contextlib
 import importlib
 import math
+import numbers
 import sys
 
 import numpy as np
@@ -57,14 +58,21 @@ def check_new_arrays(op, *specs):
 
 
 def number_text(x):
-    """x as a message shows it: its repr, but an int of more than 20 digits (Python refuses to
-    print one of more than 4300, and a message of thousands of digits helps no one) as its
-    leading digits and power of ten, such as 1.23e+4000."""
-    if isinstance(x, int) and not isinstance(x, bool) and abs(x) >= 10 ** 20:
-        power = math.log10(abs(x))
-        exponent = math.floor(power)
-        return f"{'-' if x < 0 else ''}{10 ** (power - exponent):.3g}e+{exponent}"
-    return repr(x)
+    """x as a message shows it: an integer (Python's or numpy's) in full, but one of more than 20
+    digits (Python refuses to print one of more than 4300, and a message of thousands of digits
+    helps no one) as its leading digits and power of ten, such as 1.23e+4000; anything else as
+    its repr."""
+    if not isinstance(x, numbers.Integral) or isinstance(x, (bool, np.bool_)):
+        return repr(x)
+    x = int(x)
+    if abs(x) < 10 ** 20:
+        return str(x)
+    power = math.log10(abs(x))
+    exponent = math.floor(power)
+    digits = f"{10 ** (power - exponent):.3g}"
+    if float(digits) >= 10:  # (rounded up to the next power)
+        exponent, digits = exponent + 1, "1"
+    return f"{'-' if x < 0 else ''}{digits}e+{exponent}"
 
 
 def check_copy(op, name, shape, dtype_name, remedy="pass it with a last stride of 1"):
@@ -90,8 +98,11 @@ def compact_copy(lib, x, op, name, unit_last=True,
     """A copy of x that the library reads in place (non-negative strides, the last one 1 with
     unit_last), of its distinct elements only: its broadcast dims stay broadcast (stride 0), so
     that a view standing for far more elements than its memory holds is never expanded: a copy
-    takes at most the memory of x's own elements (check_copy first)."""
-    index = _distinct(tuple(x.shape), lib.strides(x), unit_last)
+    takes at most the memory of x's own elements (check_copy first). A tensor that requires
+    grad is copied whole: each of its elements has a gradient of its own."""
+    whole = getattr(x, "requires_grad", False)
+    index = (slice(None),) * len(x.shape) if whole else _distinct(
+        tuple(x.shape), x.strides if lib is NUMPY else x.stride(), unit_last)
     part = x[index]
     check_copy(op, name, tuple(part.shape), lib.dtype_name(x), remedy)
     return lib.broadcast(lib.contiguous(part), tuple(x.shape))
@@ -141,6 +152,8 @@ class LateCopies:
         if x is None or id(x) not in self._copies:
             return x
         _, lib, source, shape, name, remedy = self._copies.pop(id(x))
+        if tuple(source.shape) == tuple(shape):  # (a last stride other than 1: compact)
+            return compact_copy(lib, source, self.op, name, remedy=remedy)
         check_copy(self.op, name, shape, lib.dtype_name(source), remedy)
         return lib.folded_copy(source, shape)
 
@@ -348,8 +361,8 @@ class _Numpy:
 
     @staticmethod
     def unit_last_stride(x, op, name):
-        """x, or a contiguous copy where attncore cannot read it in place: a last stride other
-        than 1, negative strides or strides that are not whole elements (check_copy first)."""
+        """x, or a copy of it that attncore reads in place (compact_copy) where it cannot read x:
+        a last stride other than 1, negative strides or strides that are not whole elements."""
         if not _Numpy.unit_last_stride_needs_copy(x):
             return x
         return compact_copy(NUMPY, x, op, name, remedy="pass it with a last stride of 1")

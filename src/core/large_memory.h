@@ -1,5 +1,5 @@
-// Memory for large buffers that kernels stream: a PagedKvCache's page pools, the bandwidth
-// probes' buffers.
+// Memory for large buffers that kernels stream: a PagedKvCache's page pools, Tensors of 32 MiB
+// or more, the bandwidth probes' buffers.
 #pragma once
 
 #include <cstddef>

@@ -101,11 +101,16 @@ std::string TensorView::shape_string() const {
   return os.str();
 }
 
-// A Tensor's storage: heap memory (std::free), or, for kHugePageBytes and more, a
+// A Tensor's storage: heap memory (std::free), or, for kStreamedTensorBytes and more, a
 // StreamedMemory (a mapping of its own on huge pages where the OS offers them), whose address
 // the storage holds with its lowest bit set (a StreamedMemory is aligned to more than 1 byte).
 namespace {
 constexpr std::uintptr_t kStreamedTag = 1;
+// Tensors this large are StreamedMemory: glibc maps an allocation past 32 MiB (its largest
+// mmap threshold on 64-bit) afresh anyway, so its pages come at first touch either way, here
+// on huge pages (touching 48 MiB: 4 ms against 21, large_memory.h); smaller ones, which glibc
+// may hand back from memory already touched, stay on the heap.
+constexpr std::size_t kStreamedTensorBytes = std::size_t{32} << 20;
 }  // namespace
 
 void Tensor::Free::operator()(void* p) const {
@@ -157,11 +162,11 @@ Tensor::Tensor(DType dtype, const std::int64_t* shape, int rank) {
     return OutOfMemory("Tensor: cannot allocate the storage (bytes=" + std::to_string(bytes) +
                        ", expected that much free memory)");
   };
-  if (bytes >= detail::kHugePageBytes) {
+  if (bytes >= kStreamedTensorBytes) {
     // On huge pages where the OS offers them (StreamedMemory): a dense KV cache in a Tensor is
     // read as fast as PagedKvCache's pools. GQA decode (Zen 3, 1 thread, Hq 32, Hkv 8, Lk
-    // 16384), K/V on huge pages against 4 KiB ones, 3 alternating rounds, median speed ratio:
-    // f32 [B, Hkv, L, D] 1.38, [B, L, Hkv, D] 1.02; bf16 1.14 and 1.21.
+    // 16384: 32 or 64 MiB of K), K/V on huge pages against 4 KiB ones, 3 alternating rounds,
+    // median speed ratio: f32 [B, Hkv, L, D] 1.38, [B, L, Hkv, D] 1.02; bf16 1.14 and 1.21.
     try {
       auto memory = std::make_unique<detail::StreamedMemory>(bytes);
       view_.data = memory->data();

@@ -99,6 +99,11 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
                                   want)
     np.testing.assert_array_equal(attncore.flash_attn_func(q, k, k),
                                   attncore.flash_attn_func(np.ascontiguousarray(q), k, k))
+    # A last stride of 2 elements, broadcast: copied after the checks, as its distinct rows.
+    every_other = np.broadcast_to(np.repeat(row, 2, axis=-1)[..., ::2], q.shape)
+    assert every_other.strides[-1] == 8 and every_other.strides[0] == 0
+    np.testing.assert_array_equal(attncore.flash_attn_func(every_other, k, k),
+                                  attncore.flash_attn_func(np.ascontiguousarray(q), k, k))
     t = torch.from_numpy(np.ascontiguousarray(row)).expand(3, 5, 2, 16)
     negated = torch._neg_view(t)
     assert negated.is_neg()
@@ -106,6 +111,17 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
         attncore.torch.flash_attn_func(negated, torch.from_numpy(k), torch.from_numpy(k)).numpy(),
         attncore.torch.flash_attn_func(-t.contiguous(), torch.from_numpy(k),
                                        torch.from_numpy(k)).numpy())
+    # A broadcast leaf that requires grad, lazily negated: copied whole, so that each of its
+    # elements gets its own gradient, as from the negated values.
+    kt = torch.from_numpy(k)
+    grads = []
+    for negate in (torch._neg_view, torch.neg):
+        leaf = torch.from_numpy(np.ascontiguousarray(row)).expand(3, 5, 2, 16).requires_grad_()
+        out = attncore.torch.flash_attn_func(negate(leaf), kt, kt)
+        (out * torch.arange(out.numel()).reshape(out.shape)).sum().backward()
+        grads.append(leaf.grad)
+    assert grads[0].abs().sum() > 0 and bool(grads[0][1:].ne(0).any())
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
 
 
 def test_packed_backward_checks_its_gradients_memory(monkeypatch):

@@ -564,3 +564,9 @@ def test_integers_of_thousands_of_digits_are_named_short():
         with pytest.raises(ValueError) as info:
             call()
         assert str(info.value).startswith(start) and len(str(info.value)) < 200, info.value
+    # Numpy's integers in full as Python's are (not as their repr); a mantissa that rounds up
+    # moves to the next power.
+    from attncore._arrays import number_text
+    assert number_text(np.int64(3_000_000_000)) == "3000000000"
+    assert number_text(10**20) == "1e+20" and number_text(-(10**25)) == "-1e+25"
+    assert number_text(99999 * 10**20) == "1e+25" and number_text(2.5) == "2.5"
