@@ -138,6 +138,8 @@ class LateCopies:
         return self._standin(lib, x, tuple(x.shape), name)
 
     def _standin(self, lib, x, shape, name, remedy="pass it with a last stride of 1"):
+        # (The stand-in holds one row: refused first where even that would not fit.)
+        check_copy(self.op, name, tuple(shape[-1:]), lib.dtype_name(x), remedy)
         standin = lib.standin(x, shape)
         self._copies[id(standin)] = (standin, lib, x, shape, name, remedy)
         return standin

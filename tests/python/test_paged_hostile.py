@@ -293,8 +293,13 @@ def test_inputs_whose_copy_would_not_fit_are_refused_before_the_copy():
     heads = max(8, int(limit // (64 * length * 128 * 4)) + 8)  # a copy past the limit
     q = torch.zeros(64, 1, heads, 128)
     kc = torch.zeros(1, 1, 1, 1).expand(64, length, heads, 128)  # last stride 0: copied
-    raises(MemoryError, lambda: attncore.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=1),
-           "k_cache needs a contiguous copy larger than the memory this process may use")
+    # (as its distinct elements, one row of 128, its broadcast dims kept broadcast: the call runs)
+    out = attncore.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=1)
+    assert out.shape == (64, 1, heads, 128) and not out.any()
+    wide = torch.zeros(1, 1, 1, 1).expand(2, 3, 1, 2 ** 40)  # a last dim of 2^40, broadcast
+    raises(MemoryError, lambda: attncore.flash_attn_with_kvcache(
+        torch.zeros(1, 1, 1, 1).expand(2, 1, 1, 2 ** 40), wide, wide, cache_seqlens=1),
+           "needs a contiguous copy larger than the memory this process may use")
     rows = int(limit // (1024 * 4)) + 1
     out = torch.zeros(1, 1).expand(rows, 1024)
     lse = torch.zeros(1).expand(rows)
