@@ -374,9 +374,8 @@ void forward_kvcache_into(const TensorView& q, const TensorView& k_cache, const 
       [&](const TensorView& query, const std::function<void()>& write) {
         detail::forward_kvcache_into_with(
             query, k_cache, v_cache, a.after, out, lse, options, backend, [&] {
-              // The outputs, checked against the attending call's
-              // arrays already, share no byte with the arrays
-              // only the append reads either.
+              // The outputs (checked against the attending call's arrays) share no byte
+              // with the arrays only the append reads either.
               Checker("forward").separate(
                   {{&out, "out"}, {lse ? &*lse : nullptr, "lse"}},
                   {{&q, "query"},
