@@ -136,6 +136,9 @@ py::object attend(py::handle q, py::handle k, py::handle v, py::handle mask, boo
   // torch's layout with one query head against several kv heads: torch broadcasts the query
   // (the general path: sdpa_query_heads).
   if (!blhd && cq.size(1) == 1 && ck.size(1) > 1) return general;
+  // torch's layout with key and value of different head counts: the general path repeats them
+  // (sdpa_kv_heads), or names what does not fit.
+  if (!blhd && ck.size(1) != cv.size(1)) return general;
   if (bmask) {  // bhld: the scores are [B, Hq, Lq, Lk]
     const TensorView& m = bmask->view();
     const std::int64_t scores[4] = {cq.size(0), cq.size(1), cq.size(2), ck.size(2)};

@@ -108,6 +108,23 @@ def compact_copy(lib, x, op, name, unit_last=True,
     return lib.broadcast(lib.contiguous(part), tuple(x.shape))
 
 
+def repeat_heads(lib, x, r, op, name, remedy):
+    """x [..., H, L, E] with each head repeated r times in place ([..., H * r, L, E], as torch's
+    repeat_interleave on dim -3): a copy of x's distinct elements r times, its other broadcast
+    dims kept broadcast (a tensor that requires grad: whole), refused first where it would not
+    fit (check_copy)."""
+    shape = tuple(x.shape)
+    index = [slice(None)] * len(shape)
+    if not getattr(x, "requires_grad", False):
+        index = list(_distinct(shape, x.strides if lib is NUMPY else x.stride(), True))
+        index[-3] = slice(None)
+    part = x[tuple(index)]
+    part_shape = tuple(part.shape)
+    check_copy(op, name, part_shape[:-3] + (part_shape[-3] * r,) + part_shape[-2:],
+               lib.dtype_name(x), remedy)
+    return lib.broadcast(lib.repeat_heads(part, r), shape[:-3] + (shape[-3] * r,) + shape[-2:])
+
+
 class LateCopies:
     """Inputs of one call copied only after its checks. An input the library cannot read in
     place (its last stride is not 1, or dims that fold into one only in a copy) is first
@@ -374,6 +391,10 @@ class _Numpy:
         return np.ascontiguousarray(x)
 
     @staticmethod
+    def repeat_heads(x, r):
+        return np.repeat(x, r, axis=-3)
+
+    @staticmethod
     def broadcast(x, shape):
         """x [shape with 1s] broadcast to shape, as a writable view (np.broadcast_to's are
         read-only, which torch.from_numpy warns about): the call only reads it."""
@@ -496,6 +517,10 @@ class _Torch:
     @staticmethod
     def contiguous(x):
         return x.resolve_neg().resolve_conj().contiguous()
+
+    @staticmethod
+    def repeat_heads(x, r):
+        return x.repeat_interleave(r, dim=-3)
 
     @staticmethod
     def broadcast(x, shape):

@@ -12,7 +12,7 @@ import numpy as np
 from . import _arrays, _core, _nested
 from ._attention import attention, dense_packed, separate, varlen_packed
 from ._rank4 import (Call, DenseKernel, bool_option, check_blhd, check_sdpa_mask, forward4,
-                     real_option, sdpa_enable_gqa, sdpa_query_heads)
+                     real_option, sdpa_enable_gqa, sdpa_kv_heads, sdpa_query_heads)
 from ._merge import refuse_grad
 from ._paged import varlen_paged
 from ._varlen import VarlenKernel
@@ -27,7 +27,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     is_causal keeps j <= i (upper-left). attn_mask broadcasts to [..., Hq, L, S]: bool (True
     takes part), float32 or query's dtype (added). scale defaults to 1/sqrt(E). Without
     enable_gqa, key/value with one head serve every query head, and a query of one head attends
-    as every kv head (as torch's broadcasting does).
+    as every kv head (as torch's broadcasting does); with it, key and value may have different
+    head counts, each dividing the query's (as torch's math path takes them).
     Dropout on torch tensors draws one seed per call from torch's default generator
     (torch.manual_seed reproduces it); on other arrays from attncore's (attncore.manual_seed).
     Nested tensors (torch.nested, [B, H, *, D] with query, key and value all nested) run as one
@@ -52,6 +53,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         query_lib, query, _ = _arrays.adopt(query, op, "query")
         check_sdpa_mask(op, is_causal, mask_lib.dtype_name(mask), query_lib.dtype_name(query))
     enable_gqa = sdpa_enable_gqa(op, key, value, enable_gqa)
+    key, value = sdpa_kv_heads(op, query, key, value, enable_gqa)
     query = sdpa_query_heads(op, query, key, value, enable_gqa)
     return attention(query, key, value, layout="bhld", scale=scale, causal=causal,
                      attn_mask=attn_mask, dropout_p=dropout_p, enable_gqa=enable_gqa,

@@ -100,6 +100,37 @@ def sdpa_enable_gqa(op, key, value, enable_gqa):
     return enable_gqa or _kv_heads(op, key, value) == {1}
 
 
+def sdpa_kv_heads(op, query, key, value, enable_gqa):
+    """torch's scaled_dot_product_attention with enable_gqa takes key and value of different head
+    counts that each divide the query's (its math path repeats both to the query's heads): here
+    each is repeated head by head to their least common multiple, which the query's heads
+    divide, so every query head meets the key and value heads it meets in torch, and only the
+    one of fewer heads is copied (as its distinct elements: _arrays.repeat_heads). Else
+    (key, value), whose shapes the library checks."""
+    if enable_gqa is not True:
+        return key, value
+    shapes = [_arrays.shape_of(x, op, name) for x, name in ((query, "query"), (key, "key"),
+                                                            (value, "value"))]
+    if any(len(s) < 3 for s in shapes):
+        return key, value
+    heads_q, heads_k, heads_v = (s[-3] for s in shapes)
+    if heads_k == heads_v or 0 in (heads_k, heads_v):
+        return key, value
+    if heads_q % heads_k or heads_q % heads_v:
+        raise ValueError(f"{op}: key and value have head counts that do not divide the query's "
+                         f"(Hq={heads_q}, Hk={heads_k}, Hv={heads_v}, expected Hq % Hk == 0 and "
+                         "Hq % Hv == 0 with enable_gqa)")
+    common = math.lcm(heads_k, heads_v)
+    repeated = []
+    for x, name, heads in ((key, "key", heads_k), (value, "value", heads_v)):
+        if heads != common:
+            lib, x, _ = _arrays.adopt(x, op, name)
+            x = _arrays.repeat_heads(lib, x, common // heads, op, name,
+                                     "pass key and value with one head count")
+        repeated.append(x)
+    return tuple(repeated)
+
+
 def _heads(shape):
     """The heads of an SDPA operand's shape [..., H, L, E]: 1 without a head dim."""
     return shape[-3] if len(shape) >= 3 else 1

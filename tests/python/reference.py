@@ -14,7 +14,7 @@ def attention(q, k, v, *, scale=None, causal=None, window=(-1, -1), softcap=0.0,
     heads_q, seqlen_q, dim = q.shape[-3:]
     heads_kv, seqlen_k = k.shape[-3], k.shape[-2]
     k = k.repeat_interleave(heads_q // heads_kv, dim=-3)
-    v = v.repeat_interleave(heads_q // heads_kv, dim=-3)
+    v = v.repeat_interleave(heads_q // v.shape[-3], dim=-3)  # (torch: Hv may differ from Hk)
     s = (q @ k.transpose(-1, -2)) * (dim ** -0.5 if scale is None else scale)
     if softcap:
         s = softcap * torch.tanh(s / softcap)

@@ -1,6 +1,7 @@
 """scaled_dot_product_attention against the torch oracle in float64: outputs and gradients on a
 grid of shapes and for every variant torch's API has (masks, causal, GQA, scale, batch dims)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -112,6 +113,33 @@ def test_variant(dtype, backend, lengths, variant):
 def test_gqa(dtype, backend, lengths):
     check_sdpa(dtype, backend, *_variant_inputs(*lengths, heads_q=6, heads_kv=2),
                enable_gqa=True, causal=True)
+
+
+@pytest.mark.parametrize("dtype,backend", BACKENDS, ids=lambda x: str(x))
+@pytest.mark.parametrize("heads", [(8, 2, 4), (6, 2, 3), (8, 4, 1)], ids=str)
+def test_gqa_key_and_value_of_different_head_counts(dtype, backend, heads):
+    """With enable_gqa, key and value heads that each divide the query's, as torch's math path
+    takes them (it repeats each to the query's heads)."""
+    heads_q, heads_k, heads_v = heads
+    check_sdpa(dtype, backend, randn(2, heads_q, 7, 40, seed=1), randn(2, heads_k, 9, 40, seed=2),
+               randn(2, heads_v, 9, 24, seed=3), enable_gqa=True, causal=True)
+
+
+def test_gqa_heads_repeated_as_their_distinct_elements():
+    """The repeated key of a numpy call broadcast over its batch stays broadcast: the results of
+    a contiguous key, and refusals where the heads do not divide the query's."""
+    q = randn(64, 8, 3, 16, seed=1).numpy()
+    k = np.broadcast_to(randn(1, 2, 5, 16, seed=2).numpy(), (64, 2, 5, 16))
+    v = randn(64, 4, 5, 16, seed=3).numpy()
+    want = attncore.scaled_dot_product_attention(q, np.ascontiguousarray(k).repeat(2, axis=1), v,
+                                                 enable_gqa=True)
+    np.testing.assert_array_equal(
+        attncore.scaled_dot_product_attention(q, k, v, enable_gqa=True), want)
+    with pytest.raises(ValueError, match=r"^scaled_dot_product_attention: key and value have "
+                                         r"head counts that do not divide the query's \(Hq=6, "
+                                         r"Hk=2, Hv=4, expected Hq % Hk == 0 and Hq % Hv == 0 "
+                                         r"with enable_gqa\)$"):
+        attncore.scaled_dot_product_attention(q[:, :6], k, v, enable_gqa=True)
 
 
 @pytest.mark.parametrize("dtype,backend", BACKENDS, ids=lambda x: str(x))
