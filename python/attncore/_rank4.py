@@ -104,9 +104,10 @@ def sdpa_kv_heads(op, query, key, value, enable_gqa):
     """torch's scaled_dot_product_attention with enable_gqa takes key and value of different head
     counts that each divide the query's (its math path repeats both to the query's heads): here
     each is repeated head by head to their least common multiple, which the query's heads
-    divide, so every query head meets the key and value heads it meets in torch, and only the
-    one of fewer heads is copied (as its distinct elements: _arrays.repeat_heads). Else
-    (key, value), whose shapes the library checks."""
+    divide, so every query head meets the key and value heads it meets in torch; only what has
+    fewer heads than that multiple is copied (as its distinct elements: _arrays.repeat_heads).
+    Heads that do not divide the query's: ValueError. Else (key, value), whose shapes the
+    library checks."""
     if enable_gqa is not True:
         return key, value
     shapes = [_arrays.shape_of(x, op, name) for x, name in ((query, "query"), (key, "key"),
