@@ -84,42 +84,37 @@ def check_copy(op, name, shape, dtype_name, remedy="pass it with a last stride o
                         f"shape={list(shape)}, copy", _bytes(shape, dtype_name), remedy)
 
 
-def _distinct(shape, strides, unit_last):
-    """The index that takes each broadcast dim (stride 0, size > 1) of an array once, so that a
-    copy holds its distinct elements only; with unit_last the last dim whole (the library reads
-    it with unit stride)."""
-    last = len(shape) - 1
-    return tuple(slice(0, 1) if st == 0 and n > 1 and not (unit_last and d == last)
-                 else slice(None) for d, (n, st) in enumerate(zip(shape, strides)))
+def _distinct_part(lib, x, whole_dims):
+    """x with each broadcast dim (stride 0, size > 1) but `whole_dims` (negative indices) taken
+    once: its distinct elements, which a copy holds in place of x's every element. A tensor that
+    requires grad whole: each of its elements has a gradient of its own."""
+    if getattr(x, "requires_grad", False):
+        return x
+    shape, strides = tuple(x.shape), x.strides if lib is NUMPY else x.stride()
+    rank = len(shape)
+    return x[tuple(slice(0, 1) if st == 0 and n > 1 and d - rank not in whole_dims
+                   else slice(None) for d, (n, st) in enumerate(zip(shape, strides)))]
 
 
 def compact_copy(lib, x, op, name, unit_last=True,
                  remedy="pass it with non-negative strides of whole elements"):
     """A copy of x that the library reads in place (non-negative strides, the last one 1 with
-    unit_last), of its distinct elements only: its broadcast dims stay broadcast (stride 0), so
-    that a view standing for far more elements than its memory holds is never expanded: a copy
-    takes at most the memory of x's own elements (check_copy first). A tensor that requires
-    grad is copied whole: each of its elements has a gradient of its own."""
-    whole = getattr(x, "requires_grad", False)
-    index = (slice(None),) * len(x.shape) if whole else _distinct(
-        tuple(x.shape), x.strides if lib is NUMPY else x.stride(), unit_last)
-    part = x[index]
+    unit_last: that dim whole), of its distinct elements only (_distinct_part): its broadcast
+    dims stay broadcast (stride 0), so that a view standing for far more elements than its
+    memory holds is never expanded: a copy takes at most the memory of x's own elements
+    (check_copy first)."""
+    part = _distinct_part(lib, x, (-1,) if unit_last else ())
     check_copy(op, name, tuple(part.shape), lib.dtype_name(x), remedy)
     return lib.broadcast(lib.contiguous(part), tuple(x.shape))
 
 
 def repeat_heads(lib, x, r, op, name, remedy):
     """x [..., H, L, E] with each head repeated r times in place ([..., H * r, L, E], as torch's
-    repeat_interleave on dim -3): a copy of x's distinct elements r times, its other broadcast
-    dims kept broadcast (a tensor that requires grad: whole), refused first where it would not
-    fit (check_copy)."""
-    shape = tuple(x.shape)
-    index = [slice(None)] * len(shape)
-    if not getattr(x, "requires_grad", False):
-        index = list(_distinct(shape, x.strides if lib is NUMPY else x.stride(), True))
-        index[-3] = slice(None)
-    part = x[tuple(index)]
-    part_shape = tuple(part.shape)
+    repeat_interleave on dim -3): a copy of x's distinct elements (_distinct_part, the heads and
+    the last dim whole) r times, its other broadcast dims kept broadcast, refused first where it
+    would not fit (check_copy)."""
+    part = _distinct_part(lib, x, (-3, -1))
+    shape, part_shape = tuple(x.shape), tuple(part.shape)
     check_copy(op, name, part_shape[:-3] + (part_shape[-3] * r,) + part_shape[-2:],
                lib.dtype_name(x), remedy)
     return lib.broadcast(lib.repeat_heads(part, r), shape[:-3] + (shape[-3] * r,) + shape[-2:])

@@ -99,6 +99,13 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
                                   want)
     np.testing.assert_array_equal(attncore.flash_attn_func(q, k, k),
                                   attncore.flash_attn_func(np.ascontiguousarray(q), k, k))
+    # A stride that is no whole element (2 bytes of a float32: dim 0's items overlap) is no
+    # broadcast: the copy holds each item as it reads.
+    words = rng.choice(np.float32([1.0, 1.5, -2.0, 0.5]), 3 * 5 * 2 * 16 + 8)
+    odd = np.lib.stride_tricks.as_strided(words, (3, 5, 2, 16), (2, 128, 64, 4))
+    assert odd.strides[0] == 2 and not np.array_equal(odd[0], odd[1])
+    np.testing.assert_array_equal(attncore.flash_attn_func(odd, k, k),
+                                  attncore.flash_attn_func(np.ascontiguousarray(odd), k, k))
     # A last stride of 2 elements, broadcast: copied after the checks, as its distinct rows.
     every_other = np.broadcast_to(np.repeat(row, 2, axis=-1)[..., ::2], q.shape)
     assert every_other.strides[-1] == 8 and every_other.strides[0] == 0
