@@ -12,7 +12,6 @@ strided or nested raise NotImplementedError; objects that are no arrays of numbe
 torch is never imported here: a tensor can only exist once its caller imported torch.
 """
 
-import contextlib
 import importlib
 import math
 import numbers
@@ -311,21 +310,18 @@ def mark_written(*tensors):
     torch = _torch()
     if torch is None:
         return
-    marked = [x for x in tensors if isinstance(x, torch.Tensor) and x.dim() > 0 and
-              not x.is_inference()]  # (an inference tensor has no version counter)
-    if not marked:
-        return
-    # One in-place op on every tensor's empty view (no element: the counters alone): torch
-    # 1.13, two caches, 4.1 us against 9.9 for a zero_() each under no_grad. no_grad where a
-    # tensor requires grad (an in-place op on its view refuses under grad mode).
-    zero = getattr(torch, "_foreach_zero_", None)
-    with torch.no_grad() if any(x.requires_grad for x in marked) else contextlib.nullcontext():
-        views = [x[:0] for x in marked]
-        if zero is not None:
-            zero(views)
-        else:
-            for x in views:
-                x.zero_()
+    for x in tensors:
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and not x.is_inference():
+            # (An inference tensor has no version counter.) transpose_(0, 0): an in-place op
+            # that changes nothing but the counter. Torch 1.13, two caches, in a loop with an
+            # append: 29.5 us per step against 46.9 with a zero_ of an empty view of each
+            # (views made and freed, torch._foreach_zero_ over them). Under no_grad where the
+            # tensor requires grad: an in-place op on it refuses under grad mode.
+            if x.requires_grad:
+                with torch.no_grad():
+                    x.transpose_(0, 0)
+            else:
+                x.transpose_(0, 0)
 
 
 class _Numpy:

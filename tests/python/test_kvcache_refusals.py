@@ -210,6 +210,30 @@ def test_appends_move_both_counters_of_caches_that_require_grad_under_no_grad():
         assert not k_cache[0, 2:].any()
 
 
+def test_marking_a_cache_written_changes_nothing_else():
+    # Caches that are views (a slice of a larger buffer, a transposed one), one that requires
+    # grad under no_grad: after an append each keeps its shape, strides, storage and, but for
+    # the appended slot, its values; its version counter moves, and so does its base's.
+    one = torch.ones(1, 1, 1, 8)
+    buffer = torch.randn(2, 7, 1, 8)
+    transposed = torch.randn(1, 1, 5, 8).transpose(1, 2)  # [1, 5, 1, 8] from [1, 1, 5, 8]
+    leaf = torch.randn(1, 5, 1, 8, requires_grad=True)
+    for k_cache in (buffer[1:, 1:6], transposed, leaf):
+        v_cache = k_cache.detach().clone()
+        k_before = k_cache.detach().clone()
+        layout = (k_cache.shape, k_cache.stride(), k_cache.data_ptr())
+        base = k_cache._base if k_cache._base is not None else k_cache
+        versions = (k_cache._version, base._version)
+        with torch.no_grad():
+            attncore.torch.flash_attn_with_kvcache(one, k_cache, v_cache, k=2 * one, v=one,
+                                                   cache_seqlens=3)
+        assert (k_cache.shape, k_cache.stride(), k_cache.data_ptr()) == layout
+        assert k_cache._version == versions[0] + 1 and base._version == versions[1] + 1
+        assert torch.equal(k_cache[0, 3], 2 * one[0, 0])
+        k_before[0, 3] = 2
+        assert torch.equal(k_cache.detach(), k_before)
+
+
 def test_inference_tensors_are_written_only_in_inference_mode():
     # As torch refuses an in-place write into an inference tensor outside inference mode: an
     # append into one, or PagedAttention.assign into one of its caches, is refused before
