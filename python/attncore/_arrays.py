@@ -242,6 +242,19 @@ def _refuse_no_numbers(dtype, op, name):
                     f"dtype){remedy}")
 
 
+def leaves(x):
+    """The entries of nested lists and tuples x, in order (iteratively: any depth)."""
+    stack = [iter(x)]
+    while stack:
+        for v in stack[-1]:
+            if isinstance(v, (list, tuple)):
+                stack.append(iter(v))
+                break
+            yield v
+        else:
+            stack.pop()
+
+
 def _from_sequence(x, op, name):
     """A numpy array of numbers made from a non-array object (a sequence, a scalar, a buffer),
     else TypeError (not numbers) or ValueError (ragged, numpy's words as its cause). An error
@@ -254,6 +267,13 @@ def _from_sequence(x, op, name):
                          "nested sequences of equal lengths)") from e
     except TypeError:
         array = None
+    if array is not None and array.dtype.kind == "O" and isinstance(x, (list, tuple)):
+        ints = list(leaves(x))
+        if ints and all(isinstance(v, numbers.Integral) and not isinstance(v, bool)
+                        for v in ints):  # (numpy holds no integer past 64 bits)
+            raise ValueError(f"{op}: {name} holds integers past int64 (min="
+                             f"{number_text(min(ints))}, max={number_text(max(ints))}, expected "
+                             "-2^63 <= value < 2^63)")
     if array is None or array.dtype.kind not in _NUMBER_KINDS:
         raise TypeError(f"{op}: {name} is not an array (type={_type_name(x)}, expected "
                         f"{_ARRAY_TYPES})")

@@ -385,9 +385,9 @@ def _varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     if real_option(op, "dropout_p", dropout_p) != 0.0:
         raise NotImplementedError(f"{op}: dropout is not supported with a paged KV cache "
                                   f"(dropout_p={dropout_p}, expected 0)")
-    out, lse = varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            seqused_k, block_table, alibi_slopes, options)
-    return (out, lse, None) if return_attn_probs else out
+    out, lse, s_dmask = varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, seqused_k, block_table, alibi_slopes, options)
+    return (out, lse, s_dmask) if return_attn_probs else out
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,

@@ -237,8 +237,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                          draw_seed=False)
     call = dataclasses.replace(call, num_splits=num_splits)  # checked by the library
     batch, seqlen_q, heads_q, _ = q_arr.shape
-    table = index_array(op, "block_table", block_table)
     capacity, dim_v = kc.shape[1], vc.shape[3]
+    dtype = lib.dtype_name(q_arr)
+    # The outputs first: a batch of broadcast inputs can be too large for them, and index
+    # arrays broadcast over it are copied below (B entries each).
+    _arrays.check_new_arrays(op, ((batch, seqlen_q, heads_q, dim_v), dtype),
+                             ((batch, heads_q, seqlen_q), lse_dtype(dtype)))
+    table = index_array(op, "block_table", block_table)
     if paged and len(table.shape) == 2:
         capacity *= table.shape[1]  # pages per sequence * page_size
     if cache_seqlens is None:  # every slot: the capacity, which int32 lengths must hold
@@ -289,10 +294,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q_arr, kc, vc = (late.real(x) for x in (q_arr, kc, vc))
         new, tables = ([None if pair is None else (pair[0], late.real(pair[1])) for pair in pairs]
                        for pairs in (new, tables))
-    dtype = lib.dtype_name(q_arr)
-    q4 = times(q_arr, call.q_factor, op, "q").swapaxes(1, 2)  # (before the outputs: checked)
-    _arrays.check_new_arrays(op, ((batch, seqlen_q, heads_q, dim_v), dtype),
-                             ((batch, heads_q, seqlen_q), lse_dtype(dtype)))
+    q4 = times(q_arr, call.q_factor, op, "q").swapaxes(1, 2)
     out = lib.empty((batch, seqlen_q, heads_q, dim_v), dtype)
     lse = lib.empty((batch, heads_q, seqlen_q), lse_dtype(dtype))
     _writing(appending, (kc, vc), lambda: _core.forward_kvcache(

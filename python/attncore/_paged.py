@@ -266,25 +266,30 @@ class PagedKVCache:
             return self._core.references(page)
 
 
-def _host_index(op, name, x):
-    """An int32 index array (index_array's forms) as an int64 numpy copy for the checks here;
-    ValueError for another dtype, as the library gives."""
-    if x is None:
-        return None
+def _int32_index(op, name, x):
+    """index_array(x); ValueError for a dtype other than int32, as the library gives."""
     array = index_array(op, name, x)
     dtype = str(array.dtype).removeprefix("torch.")
     if dtype != "int32":
         raise ValueError(f"{op}: {name} has the wrong dtype (dtype={dtype}, expected int32)")
-    # (A broadcast table can stand for far more entries than its memory holds: index_array
-    # checked its own copy, and the int64 one is checked here.)
-    shape = tuple(array.shape)
-    _arrays.check_copy(op, name, shape, "int64")
+    return array
+
+
+def _host_index(op, name, x):
+    """An int32 index array of a batch's offsets or lengths (index_array's forms) as an int64
+    numpy copy for the checks here, refused first where it would not fit."""
+    if x is None:
+        return None
+    array = _int32_index(op, name, x)
+    _arrays.check_copy(op, name, tuple(array.shape), "int64")
     return np.array(array.numpy() if hasattr(array, "detach") else array, np.int64)
 
 
 def _check_pages(op, lengths, table, k_shape):
     """Every sequence's keys 0:L_b lie in pages of the pool (checked for all sequences before
-    any is attended): L_b >= 0, within block_table's row, every page used in [0, num_pages)."""
+    any is attended): L_b >= 0, within block_table's row, every page used in [0, num_pages).
+    Only the entries in use are read, row by row from the table as it is (int32, numpy or
+    torch): a table broadcast over its rows is never expanded."""
     if len(k_shape) != 4:
         raise ValueError(f"{op}: k has the wrong rank (rank={len(k_shape)}, expected 4: "
                          "[num_pages, page_size, Hkv, D])")
@@ -295,6 +300,7 @@ def _check_pages(op, lengths, table, k_shape):
             raise ValueError(f"{op}: sequence {b} has {length} keys (expected 0 <= keys <= "
                              f"max_pages_per_seq * page_size={table.shape[1] * page_size})")
         row = table[b, :pages]
+        row = np.asarray(row.numpy() if hasattr(row, "detach") else row, np.int64)
         bad = np.flatnonzero((row < 0) | (row >= num_pages))
         if bad.size:
             raise ValueError(f"{op}: block_table names no page of the pool where sequence {b} "
@@ -335,10 +341,10 @@ def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     pools k [num_pages, page_size, Hkv, D], v [.., Dv]; sequence b has queries
     cu_seqlens_q[b]:cu_seqlens_q[b+1] and keys 0:L_b of its pages block_table[b], L_b =
     seqused_k[b] or cu_seqlens_k[b+1] - cu_seqlens_k[b]. One flash_attn_with_kvcache call per
-    sequence; rows past cu_seqlens_q[-1] get out 0 and lse -inf. max_seqlen_q / max_seqlen_k
-    are checked as the library checks the non-paged call's (integers, at least the longest
-    sequence, below 2^31); errors of the per-sequence calls name `op`. Returns (out, lse [Hq,
-    total_q])."""
+    sequence with queries; rows past cu_seqlens_q[-1] get out 0 and lse -inf. max_seqlen_q /
+    max_seqlen_k are checked as the library checks the non-paged call's (integers, at least the
+    longest sequence, below 2^31); errors of the per-sequence calls name `op`. Returns (out,
+    lse [Hq, total_q], S_dmask: empty, as without dropout)."""
     lib, q_arr, give_back = _arrays.adopt(q, op, "q")
     cu_q, cu_k = (_host_index(op, name, cu_seqlens_array(op, name, x)) for name, x in (
         ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)))
@@ -358,11 +364,11 @@ def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if used is not None and used.shape != (batch,):
         raise ValueError(f"{op}: seqused_k has shape {list(used.shape)} (expected [{batch}])")
     lengths = used if used is not None else np.diff(cu_k)
-    table = index_array(op, "block_table", block_table)  # (lists of ints as int32)
+    table = _int32_index(op, "block_table", block_table)  # (lists of ints as int32)
     if len(table.shape) != 2 or table.shape[0] != batch:
         raise ValueError(f"{op}: block_table has shape {list(table.shape)}, expected "
                          f"[{batch}, max_pages_per_seq] ([B, max_pages_per_seq])")
-    _check_pages(op, lengths, _host_index(op, "block_table", table), _arrays.shape_of(k, op, "k"))
+    _check_pages(op, lengths, table, _arrays.shape_of(k, op, "k"))
     for name, value, longest in (("max_seqlen_q", max_seqlen_q, np.diff(cu_q)),
                                  ("max_seqlen_k", max_seqlen_k, lengths)):
         _check_max_seqlen(op, name, value, int(longest.max()) if len(longest) else 0)
@@ -403,7 +409,7 @@ def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     out = lib.zeros((total_q, heads_q, dim_v), dtype)
     lse = lib.empty((heads_q, total_q), "float64" if dtype == "float64" else "float32")
     lse[...] = -np.inf
-    for b in range(batch):
+    for b in np.flatnonzero(np.diff(cu_q)).tolist():  # (sequences without queries: nothing)
         q0, q1 = int(cu_q[b]), int(cu_q[b + 1])
         if per_sequence:
             slopes = alibi_slopes[b:b + 1]
@@ -416,4 +422,4 @@ def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             raise _naming(op, error) from None
         out[q0:q1] = o_b[0]
         lse[:, q0:q1] = lse_b[0]
-    return give_back(out), give_back(lse)
+    return give_back(out), give_back(lse), give_back(lib.empty((0,), dtype))

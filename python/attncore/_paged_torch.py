@@ -184,8 +184,15 @@ class PagedAttention:
 
     def erase(self, batch_idx):
         """Returns sequence batch_idx's pages to the free list and unmaps them."""
-        b = self._batch("PagedAttention.erase", batch_idx)
+        op = "PagedAttention.erase"
+        b = self._batch(op, batch_idx)
         pages = self.page_table[b][self.page_table[b] != -1]
+        bad = (pages < 0) | (pages >= self.n_pages)  # (the public table, written by a caller)
+        if bool(bad.any()):
+            j = int((self.page_table[b] == pages[bad][0]).nonzero()[0])
+            raise ValueError(f"{op}: page_table is out of range (page_table[{b}][{j}]="
+                             f"{int(pages[bad][0])}, expected -1 or a page index in "
+                             f"[0, n_pages={self.n_pages})); nothing was erased")
         self.capacity[b] = 0
         self.empty_pages += pages.tolist()
         self.physical_to_logical[b, pages] = -1

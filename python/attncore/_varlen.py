@@ -37,27 +37,48 @@ def index_array(op, name, x, rank=None, layout=""):
         raise ValueError(f"{op}: {name} has the wrong rank (rank={len(array.shape)}, expected "
                          f"{rank}: {layout})")
     # (The library reads an index array's last dim with unit stride; a table's rows may lie
-    # anywhere: block_table[:, :n] is read in place.)
-    return lib.unit_last_stride(_int32(op, name, array), op, name)
+    # anywhere: block_table[:, :n] is read in place. A table whose rows repeat one entry, a
+    # broadcast last dim, would be expanded by that copy: refused instead.)
+    array = _int32(op, name, array)
+    shape, strides = tuple(array.shape), lib.strides(array)
+    if len(shape) >= 2 and shape[-1] > 1 and strides[-1] == 0:
+        raise ValueError(f"{op}: {name} repeats one entry along its last dim (a broadcast: "
+                         f"shape={list(shape)}, strides={list(strides)}, expected a last stride "
+                         "of 1); pass it with its entries in memory")
+    return lib.unit_last_stride(array, op, name)
+
+
+def _is_bool(v):
+    return isinstance(v, (bool, np.bool_))
 
 
 def _int_sequence(op, name, x):
-    """A list or tuple as a numpy array: ints as int32 (ValueError past int32, Python ints of
-    any size included), an empty one as int32 [0], floats and bools as they are (refused by
-    the library)."""
-    flat_ints = all(isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
-                    for v in x)
-    array = np.array(x, dtype=object) if flat_ints else _arrays.NUMPY.asarray(x, op, name)
+    """A list or tuple (nested: a table) as a numpy array: ints as int32 (ValueError past
+    int32, Python ints of any size included), an empty one as int32 [0], floats and bools alone
+    as they are (refused by the library); TypeError for a bool among ints (which numpy would
+    read as 0 or 1)."""
+    leaves = list(_arrays.leaves(x))
+    bools = [i for i, v in enumerate(leaves) if _is_bool(v)]
+    if bools and len(bools) < len(leaves):
+        raise TypeError(f"{op}: {name} holds a bool among its entries (entry {bools[0]}, "
+                        f"counting row by row, is {leaves[bools[0]]}; expected integers)")
+    if leaves and not bools and all(isinstance(v, numbers.Integral) for v in leaves):
+        _check_int32(op, name, leaves)  # (Python ints of any size: before numpy reads them)
+    array = _arrays.NUMPY.asarray(x, op, name)
     if array.size == 0:
         return array.astype(np.int32)
-    if array.dtype.kind not in "iuO":
+    if array.dtype.kind not in "iu":
         return array
-    low, high = array.min(), array.max()
+    _check_int32(op, name, (array.min(), array.max()))
+    return array.astype(np.int32)
+
+
+def _check_int32(op, name, values):
+    low, high = min(values), max(values)
     if low < -2 ** 31 or high >= 2 ** 31:
         raise ValueError(f"{op}: {name} holds values past int32 (min="
                          f"{_arrays.number_text(low)}, max={_arrays.number_text(high)}, "
                          "expected -2^31 <= value < 2^31)")
-    return array.astype(np.int32)
 
 
 def cu_seqlens_array(op, name, x):

@@ -148,7 +148,8 @@ PagedKvCache::PagedKvCache(std::int64_t num_pages, std::int64_t page_size, std::
       static_cast<double>(num_pages) * static_cast<double>(page_size) *
           static_cast<double>(heads_kv) * static_cast<double>(head_dim + head_dim_v) *
           static_cast<double>(size_of(dtype)) +
-      4.0 * static_cast<double>(max_batch) * static_cast<double>(max_pages_per_seq + 1) +
+      // the page table twice (the view and the copy the cache keeps), the lengths
+      4.0 * static_cast<double>(max_batch) * static_cast<double>(2 * max_pages_per_seq + 1) +
       4.0 * static_cast<double>(num_pages) * 2;
   detail::refuse_past_memory_limit(bytes, "PagedKvCache: the cache", "use fewer or smaller pages");
   s_ = std::make_unique<State>();

@@ -300,18 +300,67 @@ def test_inputs_whose_copy_would_not_fit_are_refused_before_the_copy():
     raises(MemoryError, lambda: attncore.flash_attn_with_kvcache(
         torch.zeros(1, 1, 1, 1).expand(2, 1, 1, 2 ** 40), wide, wide, cache_seqlens=1),
            "needs a contiguous copy larger than the memory this process may use")
+    # A batch broadcast past what the outputs can hold, with lengths broadcast over it: the
+    # outputs are refused before the lengths' copy (B int32 entries: 32 GiB at 2^33) is made.
+    many = 2 ** 33
+    raises(MemoryError, lambda: attncore.flash_attn_with_kvcache(
+        np.broadcast_to(np.zeros((1, 1, 1, 8), np.float32), (many, 1, 1, 8)),
+        *[np.broadcast_to(np.zeros((1, 4, 1, 8), np.float32), (many, 4, 1, 8))] * 2,
+        cache_seqlens=np.broadcast_to(np.int32(3), (many,))),
+           "flash_attn_with_kvcache: the outputs exceed the memory this process may use")
     rows = int(limit // (1024 * 4)) + 1
     out = torch.zeros(1, 1).expand(rows, 1024)
     lse = torch.zeros(1).expand(rows)
     # (merge reads its inputs in place, through any strides: only its outputs would not fit)
     raises(MemoryError, lambda: attncore.merge_attention_states(out, lse, out, lse),
            "the outputs exceed the memory this process may use")
-    table = np.broadcast_to(np.zeros((1, 1), np.int32), (2, 2 ** 40))
-    kp = np.zeros((4, 4, 2, 8), np.float32)
+
+
+def test_index_tables_broadcast_along_their_rows_are_refused_before_any_copy():
+    # A block table whose rows repeat one entry (a broadcast last dim) stands for far more
+    # entries than its memory holds; the copy the library would need expands it: refused
+    # first, before the other checks (here a float64 q over a float32 cache). A table
+    # broadcast over its sequences (unit last stride) is read in place.
+    kc = np.zeros((4, 4, 2, 8), np.float32)
+    q = np.ones((2, 1, 4, 8), np.float32)
+    fragment = "block_table repeats one entry along its last dim (a broadcast: shape=[2, 268435456]"
+    for table in (np.broadcast_to(np.zeros((1, 1), np.int32), (2, 2 ** 28)),
+                  torch.zeros(1, 1, dtype=torch.int32).expand(2, 2 ** 28)):
+        lib_q = q if isinstance(table, np.ndarray) else torch.from_numpy(q)
+        lib_kc = kc if isinstance(table, np.ndarray) else torch.from_numpy(kc)
+        raises(ValueError, lambda: attncore.flash_attn_with_kvcache(
+            lib_q.astype(np.float64) if isinstance(lib_q, np.ndarray) else lib_q.double(),
+            lib_kc, lib_kc, cache_seqlens=3, block_table=table), fragment)
     cu = np.array([0, 2, 5], np.int32)
-    raises(MemoryError, lambda: attncore.flash_attn_varlen_func(
-        np.zeros((5, 2, 8), np.float32), kp, kp, cu, cu, 3, 3, block_table=table),
-           "block_table needs a contiguous copy larger than the memory this process may use")
+    raises(ValueError, lambda: attncore.flash_attn_varlen_func(
+        np.zeros((5, 4, 8)), kc, kc, cu, cu, 3, 3,
+        block_table=np.broadcast_to(np.zeros((1, 1), np.int32), (2, 2 ** 28))), fragment)
+    shared = np.broadcast_to(np.array([[3, 1]], np.int32), (2, 2))  # stride 0 over sequences
+    out = attncore.flash_attn_with_kvcache(q, kc + 1, kc + 2, cache_seqlens=[5, 7],
+                                           block_table=shared)
+    np.testing.assert_array_equal(out, attncore.flash_attn_with_kvcache(
+        q, kc + 1, kc + 2, cache_seqlens=[5, 7], block_table=shared.copy()))
+
+
+def test_index_lists_refuse_bools_among_ints_and_name_huge_ints_in_tables():
+    q = np.ones((2, 1, 1, 4), np.float32)
+    kc = np.zeros((4, 2, 1, 4), np.float32)
+    raises(TypeError, lambda: attncore.flash_attn_with_kvcache(
+        q, kc[:2], kc[:2], cache_seqlens=[True, 1]),
+           "cache_seqlens holds a bool among its entries (entry 0, counting row by row, is True")
+    raises(TypeError, lambda: attncore.flash_attn_with_kvcache(
+        q, kc, kc, cache_seqlens=3, block_table=[[0, 1], [2, np.True_]]),
+           "block_table holds a bool among its entries (entry 3, counting row by row, is True")
+    raises(ValueError, lambda: attncore.flash_attn_with_kvcache(
+        q, kc, kc, cache_seqlens=3, block_table=[[0, 1], [2, 2 ** 70]]),
+           "block_table holds values past int32 (min=0, max=1.18e+21")
+    pa = attncore.torch.PagedAttention(4, 2, 1)
+    raises(ValueError, lambda: pa.assign(torch.tensor([0]), [[2 ** 70]], torch.ones(1, 1, 1, 4),
+                                         torch.ones(1, 1, 1, 4), torch.zeros(1, 1, 8, 4),
+                                         torch.zeros(1, 1, 8, 4)), "input_pos")
+    out = attncore.flash_attn_with_kvcache(q, kc, kc + 1, cache_seqlens=3,
+                                           block_table=[[0, 1], [2, 3]])
+    assert out.shape == (2, 1, 1, 4) and (out == 1).all()
 
 
 def test_paged_attention_assign_refuses_caches_it_would_write_wrongly():
@@ -513,3 +562,33 @@ def test_append_past_int32_lengths_names_the_sum():
         cache_seqlens=end, cache_leftpad=np.array([end], np.int32),
         block_table=np.array([[-1, 0]], np.int32)),
         "k_new makes a sequence too long (cache_seqlens[0]=2147483647 + L_new=1")
+
+
+def test_varlen_paged_returns_an_empty_s_dmask_as_without_pages():
+    q, pool, table = varlen_args()
+    args = (np.array([0, 2, 5], np.int32), np.array([0, 8, 18], np.int32), 3, 10)
+    for to in (np.asarray, torch.from_numpy):
+        flat = attncore.flash_attn_varlen_func(to(q), to(pool.reshape(24, 1, 8)),
+                                               to(pool.reshape(24, 1, 8)), *args,
+                                               return_attn_probs=True)[2]
+        paged = attncore.flash_attn_varlen_func(to(q), to(pool), to(pool), *args,
+                                                block_table=to(table),
+                                                return_attn_probs=True)[2]
+        assert type(paged) is type(flat) and tuple(paged.shape) == (0,) == tuple(flat.shape)
+        assert paged.dtype == flat.dtype
+
+
+def test_paged_attention_erase_refuses_a_table_entry_past_the_pages_erasing_nothing():
+    pa = attncore.torch.PagedAttention(4, 2, 1)
+    pa.reserve(torch.tensor(0), torch.tensor(4))
+    held = pa.page_table[0, 1].item()
+    pa.page_table[0, 1] = 99  # the public table, written by a caller
+    state = (pa.capacity.clone(), list(pa.empty_pages), pa.physical_to_logical.clone())
+    raises(ValueError, lambda: pa.erase(torch.tensor(0)),
+           "PagedAttention.erase: page_table is out of range (page_table[0][1]=99, expected -1 "
+           "or a page index in [0, n_pages=4)); nothing was erased")
+    assert torch.equal(pa.capacity, state[0]) and pa.empty_pages == state[1]
+    assert torch.equal(pa.physical_to_logical, state[2])
+    pa.page_table[0, 1] = held
+    pa.erase(torch.tensor(0))
+    assert sorted(pa.empty_pages) == [0, 1, 2, 3] and int(pa.capacity[0]) == 0
