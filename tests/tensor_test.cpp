@@ -97,6 +97,9 @@ TEST(TensorView, NumelOverflowIsMinusOne) {
       TensorView::contiguous(nullptr, DType::f32, {3, std::numeric_limits<std::int64_t>::max() / 2})
           .numel(),
       -1);
+  // A zero size wins over a product past int64 in any order (nothing to count).
+  EXPECT_EQ(TensorView::contiguous(nullptr, DType::f32, {kBig, kBig, 0}).numel(), 0);
+  EXPECT_EQ(TensorView::contiguous(nullptr, DType::f32, {0, kBig, kBig}).numel(), 0);
   // The largest products that fit are exact.
   EXPECT_EQ(TensorView::contiguous(nullptr, DType::f32, {kBig, kBig / 4}).numel(),
             std::int64_t{1} << 62);
