@@ -243,16 +243,30 @@ def _refuse_no_numbers(dtype, op, name):
 
 
 def leaves(x):
-    """The entries of nested lists and tuples x, in order (iteratively: any depth)."""
-    stack = [iter(x)]
+    """(index, entry) of nested lists and tuples x, in order, index the tuple of positions
+    (iteratively: any depth). A list that holds itself is yielded as an entry where it recurs
+    (numpy then refuses it as ragged)."""
+    stack, path, open_ids = [iter(x)], [-1], {id(x)}
+    containers = [x]
     while stack:
         for v in stack[-1]:
-            if isinstance(v, (list, tuple)):
+            path[-1] += 1
+            if isinstance(v, (list, tuple)) and id(v) not in open_ids:
                 stack.append(iter(v))
+                path.append(-1)
+                open_ids.add(id(v))
+                containers.append(v)
                 break
-            yield v
+            yield tuple(path), v
         else:
             stack.pop()
+            path.pop()
+            open_ids.discard(id(containers.pop()))
+
+
+def index_text(name, at):
+    """name[i][j]... for the index tuple at."""
+    return name + "".join(f"[{i}]" for i in at)
 
 
 def _from_sequence(x, op, name):
@@ -268,12 +282,14 @@ def _from_sequence(x, op, name):
     except TypeError:
         array = None
     if array is not None and array.dtype.kind == "O" and isinstance(x, (list, tuple)):
-        ints = list(leaves(x))
+        ints = [v for _, v in leaves(x)]
         if ints and all(isinstance(v, numbers.Integral) and not isinstance(v, bool)
                         for v in ints):  # (numpy holds no integer past 64 bits)
-            raise ValueError(f"{op}: {name} holds integers past int64 (min="
-                             f"{number_text(min(ints))}, max={number_text(max(ints))}, expected "
-                             "-2^63 <= value < 2^63)")
+            low, high = int(min(ints)), int(max(ints))
+            if low < -2 ** 63 or high >= 2 ** 63:
+                raise ValueError(f"{op}: {name} holds integers past int64 (min="
+                                 f"{number_text(low)}, max={number_text(high)}, expected "
+                                 "-2^63 <= value < 2^63)")
     if array is None or array.dtype.kind not in _NUMBER_KINDS:
         raise TypeError(f"{op}: {name} is not an array (type={_type_name(x)}, expected "
                         f"{_ARRAY_TYPES})")

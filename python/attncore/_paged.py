@@ -392,12 +392,17 @@ def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         pool_lib, pool, _ = _arrays.adopt(x, op, name)
         pools.append(late.unit_last_stride(pool_lib, pool, name))
     k, v = pools
+    # The dry run has every sequence, with no queries (B = 0: one, so that every option is
+    # read), so that each sequence's row of ALiBi slopes is checked too.
+    dry = max(batch, 1)
+    columns = max(table.shape[1], 1)
     try:
-        flash_attn_with_kvcache(q_arr[0:0][None], k, v, cache_seqlens=np.zeros(1, np.int32),
-                                block_table=np.full((1, max(table.shape[1], 1)), -1, np.int32),
-                                alibi_slopes=(alibi_slopes[0:1] if batch else None)
-                                if per_sequence else alibi_slopes,
-                                return_softmax_lse=True, **kvcache_options)
+        flash_attn_with_kvcache(
+            lib.broadcast_to(q_arr[0:0][None], (dry, 0) + tuple(q_arr.shape[1:])), k, v,
+            cache_seqlens=np.zeros(dry, np.int32),
+            block_table=np.broadcast_to(np.full((1, columns), -1, np.int32), (dry, columns)),
+            alibi_slopes=(alibi_slopes if batch else None) if per_sequence else alibi_slopes,
+            return_softmax_lse=True, **kvcache_options)
     except (ValueError, TypeError, NotImplementedError, MemoryError) as error:
         raise _naming(op, error) from None
     q_arr, k, v = (late.real(x) for x in (q_arr, k, v))

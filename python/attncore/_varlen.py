@@ -3,11 +3,13 @@ lengths) and VarlenKernel (forward and backward on packed views q [total_q, Hq, 
 k [total_k, Hkv, D], v [total_k, Hkv, Dv]; out [total_q, Hq, Dv], lse [Hq, total_q]).
 
 Index arrays (cu_seqlens_q, cu_seqlens_k [B + 1], seqused_k [B]) are int32 arrays of any
-library the package takes, read in place where their last stride is 1 (else copied); a list or
-tuple of ints becomes an int32 numpy array.
+library the package takes, read in place where their last stride is 1 (else copied; a table
+that repeats one entry along its last dim, a broadcast the copy would expand, is refused); a list
+or tuple of ints becomes an int32 numpy array.
 Their ranks and integer dtypes are checked here, the rest by the library.
 """
 
+import math
 import numbers
 import sys
 import typing
@@ -20,7 +22,8 @@ from ._rank4 import core_or_none, int_option, lse_dtype, times
 
 def index_array(op, name, x, rank=None, layout=""):
     """An index array as _core reads it: numpy arrays and torch tensors as they are (copied
-    where their last stride is not 1, numpy arrays with negative strides too), other DLPack
+    where their last stride is not 1, numpy arrays with negative strides too; ValueError for a
+    broadcast last dim of a table, which the copy would expand), other DLPack
     producers through numpy (else torch), lists and tuples of ints (and empty ones) as int32
     numpy. With `rank`, ValueError for another rank (layout, such as "[B + 1]", ends the
     message) before the dtype is checked."""
@@ -41,10 +44,10 @@ def index_array(op, name, x, rank=None, layout=""):
     # broadcast last dim, would be expanded by that copy: refused instead.)
     array = _int32(op, name, array)
     shape, strides = tuple(array.shape), lib.strides(array)
-    if len(shape) >= 2 and shape[-1] > 1 and strides[-1] == 0:
-        raise ValueError(f"{op}: {name} repeats one entry along its last dim (a broadcast: "
-                         f"shape={list(shape)}, strides={list(strides)}, expected a last stride "
-                         "of 1); pass it with its entries in memory")
+    if len(shape) >= 2 and shape[-1] > 1 and strides[-1] == 0 and math.prod(shape) > 0:
+        raise ValueError(f"{op}: {name} repeats one entry along its last dim, a broadcast that "
+                         f"a copy would expand (shape={list(shape)}, strides={list(strides)}, "
+                         "expected a last stride of 1); pass it with its entries in memory")
     return lib.unit_last_stride(array, op, name)
 
 
@@ -53,17 +56,22 @@ def _is_bool(v):
 
 
 def _int_sequence(op, name, x):
-    """A list or tuple (nested: a table) as a numpy array: ints as int32 (ValueError past
+    """A list or tuple (nested: a table) as a numpy array: integers as int32 (ValueError past
     int32, Python ints of any size included), an empty one as int32 [0], floats and bools alone
-    as they are (refused by the library); TypeError for a bool among ints (which numpy would
-    read as 0 or 1)."""
-    leaves = list(_arrays.leaves(x))
-    bools = [i for i, v in enumerate(leaves) if _is_bool(v)]
-    if bools and len(bools) < len(leaves):
-        raise TypeError(f"{op}: {name} holds a bool among its entries (entry {bools[0]}, "
-                        f"counting row by row, is {leaves[bools[0]]}; expected integers)")
-    if leaves and not bools and all(isinstance(v, numbers.Integral) for v in leaves):
-        _check_int32(op, name, leaves)  # (Python ints of any size: before numpy reads them)
+    as they are (refused by the library); TypeError for a bool among integers (which numpy
+    would read as 0 or 1)."""
+    entries = list(_arrays.leaves(x))
+    bools = [(at, v) for at, v in entries if _is_bool(v)]
+    if bools and len(bools) < len(entries):
+        at, v = bools[0]
+        raise TypeError(f"{op}: {name} holds a bool among integers "
+                        f"({_arrays.index_text(name, at)}={v}, expected integers)")
+    values = [v for _, v in entries]
+    if values and not bools and all(isinstance(v, numbers.Integral) for v in values):
+        _check_int32(op, name, [int(v) for v in values])  # (before numpy reads them)
+        array = np.array(x, dtype=object)  # (Python ints, or other Integral types)
+        if array.size == len(values):  # (else ragged: refused below)
+            return array.astype(np.int32)
     array = _arrays.NUMPY.asarray(x, op, name)
     if array.size == 0:
         return array.astype(np.int32)

@@ -2,6 +2,8 @@
 refusal in attncore's message form and type (docs/design.md section 4) before anything is
 written, and the good neighbours of each refused call still right against a float64 oracle."""
 
+import numbers
+
 import numpy as np
 import pytest
 import torch
@@ -323,7 +325,8 @@ def test_index_tables_broadcast_along_their_rows_are_refused_before_any_copy():
     # broadcast over its sequences (unit last stride) is read in place.
     kc = np.zeros((4, 4, 2, 8), np.float32)
     q = np.ones((2, 1, 4, 8), np.float32)
-    fragment = "block_table repeats one entry along its last dim (a broadcast: shape=[2, 268435456]"
+    fragment = ("block_table repeats one entry along its last dim, a broadcast that a copy would "
+                "expand (shape=[2, 268435456]")
     for table in (np.broadcast_to(np.zeros((1, 1), np.int32), (2, 2 ** 28)),
                   torch.zeros(1, 1, dtype=torch.int32).expand(2, 2 ** 28)):
         lib_q = q if isinstance(table, np.ndarray) else torch.from_numpy(q)
@@ -347,17 +350,18 @@ def test_index_lists_refuse_bools_among_ints_and_name_huge_ints_in_tables():
     kc = np.zeros((4, 2, 1, 4), np.float32)
     raises(TypeError, lambda: attncore.flash_attn_with_kvcache(
         q, kc[:2], kc[:2], cache_seqlens=[True, 1]),
-           "cache_seqlens holds a bool among its entries (entry 0, counting row by row, is True")
+           "cache_seqlens holds a bool among integers (cache_seqlens[0]=True, expected integers)")
     raises(TypeError, lambda: attncore.flash_attn_with_kvcache(
         q, kc, kc, cache_seqlens=3, block_table=[[0, 1], [2, np.True_]]),
-           "block_table holds a bool among its entries (entry 3, counting row by row, is True")
+           "block_table holds a bool among integers (block_table[1][1]=True, expected integers)")
     raises(ValueError, lambda: attncore.flash_attn_with_kvcache(
         q, kc, kc, cache_seqlens=3, block_table=[[0, 1], [2, 2 ** 70]]),
            "block_table holds values past int32 (min=0, max=1.18e+21")
     pa = attncore.torch.PagedAttention(4, 2, 1)
     raises(ValueError, lambda: pa.assign(torch.tensor([0]), [[2 ** 70]], torch.ones(1, 1, 1, 4),
                                          torch.ones(1, 1, 1, 4), torch.zeros(1, 1, 8, 4),
-                                         torch.zeros(1, 1, 8, 4)), "input_pos")
+                                         torch.zeros(1, 1, 8, 4)),
+           "PagedAttention.assign: input_pos holds integers past int64 (min=1.18e+21")
     out = attncore.flash_attn_with_kvcache(q, kc, kc + 1, cache_seqlens=3,
                                            block_table=[[0, 1], [2, 3]])
     assert out.shape == (2, 1, 1, 4) and (out == 1).all()
@@ -592,3 +596,64 @@ def test_paged_attention_erase_refuses_a_table_entry_past_the_pages_erasing_noth
     pa.page_table[0, 1] = held
     pa.erase(torch.tensor(0))
     assert sorted(pa.empty_pages) == [0, 1, 2, 3] and int(pa.capacity[0]) == 0
+
+
+class _Integer:
+    """An integer type of another library (registered as numbers.Integral, as gmpy2's are)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __int__(self):
+        return self.value
+
+    __index__ = __int__
+
+    def __lt__(self, other):
+        return self.value < int(other)
+
+    def __gt__(self, other):
+        return self.value > int(other)
+
+
+numbers.Integral.register(_Integer)
+
+
+def test_index_lists_of_other_integer_types_empty_tables_and_lists_that_hold_themselves():
+    # Integers of another library are read as ints (and an index list of them past int32
+    # named); an empty table with pages per sequence is no broadcast (numpy gives empty
+    # arrays stride 0); a list that holds itself is refused as ragged, at once.
+    q = np.ones((2, 1, 1, 4), np.float32)
+    kc = np.zeros((2, 4, 1, 4), np.float32)
+    np.testing.assert_array_equal(
+        attncore.flash_attn_with_kvcache(q, kc, kc + 1,
+                                         cache_seqlens=[_Integer(2), _Integer(3)]),
+        attncore.flash_attn_with_kvcache(q, kc, kc + 1, cache_seqlens=[2, 3]))
+    raises(ValueError, lambda: attncore.flash_attn_with_kvcache(
+        q, kc, kc, cache_seqlens=[_Integer(2), _Integer(2 ** 40)]),
+           "cache_seqlens holds values past int32 (min=2, max=1099511627776")
+    pools = np.zeros((4, 2, 1, 4), np.float32)
+    none = np.zeros(1, np.int32)
+    out = attncore.flash_attn_varlen_func(np.zeros((0, 1, 4), np.float32), pools, pools, none,
+                                          none, 0, 0, block_table=np.zeros((0, 2), np.int32))
+    assert out.shape == (0, 1, 4)
+    itself = [0, 1]
+    itself.append(itself)
+    raises(ValueError, lambda: attncore.flash_attn_with_kvcache(q, kc, kc,
+                                                                cache_seqlens=itself),
+           "cache_seqlens is a ragged sequence")
+
+
+def test_varlen_paged_checks_every_sequences_slopes_before_attending_any():
+    # A sequence without queries has ALiBi slopes too: a NaN among them is refused, named by
+    # its sequence, as the unpaged call names it.
+    pools = np.ones((2, 4, 1, 4), np.float32)
+    args = (np.ones((2, 1, 4), np.float32), pools, pools, np.array([0, 2, 2], np.int32),
+            np.array([0, 3, 5], np.int32), 2, 3)
+    slopes = np.array([[0.5], [np.nan]], np.float32)
+    message = "alibi_slopes holds a slope that is not finite (alibi_slopes[1][0]=nan"
+    raises(ValueError, lambda: attncore.flash_attn_varlen_func(
+        *args, block_table=np.array([[0], [1]], np.int32), alibi_slopes=slopes), message)
+    raises(ValueError, lambda: attncore.flash_attn_varlen_func(
+        args[0], pools.reshape(8, 1, 4), pools.reshape(8, 1, 4), *args[3:],
+        alibi_slopes=slopes), message)
