@@ -41,8 +41,9 @@ bool interpreter_finalizing() {
 // and raises that exception. Calls on other threads run in place, GIL released.
 constexpr std::chrono::milliseconds kSignalPoll{20};  // the reaction time to Ctrl-C, at most
 
-// The thread main-thread calls run on: made at the first one, never destroyed (like the
-// library's pool, it may be idle at exit; nothing waits for it).
+// The thread main-thread calls run on: made at the first one (in a child made by fork(), at
+// its first), never destroyed (like the library's pool, it may be idle at exit; nothing waits
+// for it).
 class Runner {
  public:
   // Runs job() there; poll() on this thread every kSignalPoll until it is done. Rethrows job's
@@ -130,7 +131,15 @@ void run_call(attncore::Options options, double work,
     call(options);
     return;
   }
-  static Runner* const runner = new Runner;
+  // The runner of this process: a child made by fork() has none of its parent's threads, so
+  // it makes its own (the parent's object, whose thread is gone, is left alone: its mutex may
+  // have been held at the fork).
+  static Runner* runner = nullptr;
+  static pid_t runner_pid = 0;
+  if (runner == nullptr || runner_pid != getpid()) {
+    runner = new Runner;
+    runner_pid = getpid();
+  }
   std::atomic<bool> cancel{false};
   options.cancel = &cancel;
   const std::vector<attncore::Backend> enabled = attncore::enabled_backends();  // per thread

@@ -14,8 +14,10 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "attncore/attncore.h"
+#include "attncore/kvcache.h"
 #include "core/cpu_info.h"
 #include "core/large_memory.h"  // ATTNCORE_UNDER_ASAN (GCC and clang)
 #include "testing/tensors.h"
@@ -97,6 +99,36 @@ TEST(Memory, FlashBackwardWorkspaceWithinOneCopyOfDq) {
   EXPECT_LE(static_cast<double>(peak - rss_before), 1.25 * dq_kib)
       << "peak " << peak << " KiB, before the call " << rss_before << " KiB, dQ " << dq_kib
       << " KiB";
+}
+
+// GQA decode over a cache with more query heads per kv head than a tile has rows (8 > AVX2's
+// 6), not split: its one work item packs each key tile just before its use, so no panel of the
+// group's K and V (128 MiB for these 2^18 keys, a stride-0 view holding one row) is made.
+TEST(Memory, CacheDecodeOfWideGroupsPacksNoPanel) {
+#if defined(ATTNCORE_UNDER_ASAN)
+  GTEST_SKIP() << "AddressSanitizer's shadow memory and quarantine are part of the peak";
+#endif
+  if (status_kib("VmHWM") < 0 || !reset_peak()) GTEST_SKIP() << "no /proc/self/status peak here";
+  const std::int64_t keys = std::int64_t{1} << 18, d = 64, hq = 8;
+  std::vector<float> row(static_cast<std::size_t>(d), 0.25f);
+  // [B, Hkv, capacity, D] over one row of memory: every key the same.
+  const TensorView kv = TensorView::strided(row.data(), DType::f32, {1, 1, keys, d}, {0, 0, 0, 1});
+  Tensor q(DType::f32, {1, hq, 1, d}), out(DType::f32, {1, hq, 1, d});
+  Tensor lengths(DType::i32, {1});
+  lengths.data_as<std::int32_t>()[0] = static_cast<std::int32_t>(keys);
+  KvCacheSeqs seqs;
+  seqs.cache_seqlens = lengths.view();
+  Options options;
+  options.num_threads = 2;
+  options.num_splits = 1;
+  forward_kvcache_into(q, kv, kv, seqs, out, std::nullopt, options, Backend::flash);  // warm
+  const std::int64_t rss_before = status_kib("VmRSS");
+  ASSERT_TRUE(reset_peak());
+  forward_kvcache_into(q, kv, kv, seqs, out, std::nullopt, options, Backend::flash);
+  const double panel_kib = static_cast<double>(keys * 2 * d) * 4.0 / 1024.0;
+  EXPECT_LE(static_cast<double>(status_kib("VmHWM") - rss_before), panel_kib / 16)
+      << "a panel of K and V is " << panel_kib << " KiB";
+  EXPECT_EQ(out.data_as<float>()[0], 0.25f);  // the mean of equal rows
 }
 
 // Stride-0 views make absurd sizes cheap to build: K and V of 2^36 keys, one element each. Each

@@ -150,7 +150,8 @@ class PagedKVCache:
     prefix_len slots with the empty sequence dst without copying; assign copies a shared page
     before writing it (copy-on-write). Appends through flash_attn_with_kvcache(k=, v=) write the
     pages as mapped, bypassing copy-on-write, and leave seqlens to the caller (flash-attn's
-    convention). Not thread-safe: one thread at a time may change a cache.
+    convention). Not thread-safe: one thread at a time may change a cache, and no change may
+    overlap an attention call that reads it (calls that only read it may run concurrently).
     """
 
     def __init__(self, num_pages, page_size, num_heads, head_dim, max_batch_size,

@@ -118,7 +118,8 @@ class PagedAttention:
 
     K/V live in the caller's k_cache, v_cache [1, H, n_pages * page_size, D], as in torch.
     device must be "cpu" (attncore has CPU backends only). convert_logical_block_mask needs
-    flex_attention's BlockMask and raises NotImplementedError.
+    flex_attention's BlockMask and raises NotImplementedError. Not thread-safe, as torch's
+    class is not: one thread at a time may use an instance.
     """
 
     def __init__(self, n_pages, page_size, max_batch_size, device="cpu"):

@@ -119,6 +119,13 @@ const FlashTarget& flash_target_chosen() {
 
 namespace {
 
+// Key tiles packed into a shared panel per parallel_for, a cancel checked between: 64 tiles
+// (8192 keys: ~1.4 ms of packing on one core at D = 128, f32, from perf of `attncore run
+// --seqlen-q 64 --heads-q 8 --heads-kv 1 --seqlen-k 262144`) against the pool's wake-up of 2-4
+// us (`attncore info`). That run, 2 threads, in turns with the version before: 719-728 ms
+// against 732-799.
+constexpr std::int64_t kPackChunkTiles = 64;
+
 // How one kv group's rows are cut into work items.
 struct ItemPlan {
   std::int64_t per_head;  // items per query head (rows stay inside one head); 0: rows of the
@@ -136,18 +143,35 @@ struct ItemPlan {
   }
 };
 
-ItemPlan plan_items(const Params& p, std::int64_t block_rows) {
+// Items of at most `block_rows` rows, or the in-place items of flash_in_place_items.
+ItemPlan plan_items(const Params& p, const FlashLayout& layout) {
+  const std::int64_t block_rows = layout.block_rows, rows = p.group * p.seq.lq;
+  if (const std::int64_t n = flash_in_place_items(p, layout.tile_rows); n > 1) {
+    return {0, n, (rows + n - 1) / n};
+  }
   if (p.seq.lq >= block_rows) {
     const std::int64_t per_head = (p.seq.lq + block_rows - 1) / block_rows;
     return {per_head, per_head * p.group, block_rows};
   }
-  return {0, (p.group * p.seq.lq + block_rows - 1) / block_rows, block_rows};
+  return {0, (rows + block_rows - 1) / block_rows, block_rows};
 }
 
 }  // namespace
 
 bool flash_reads_kv_in_place(const Params& p, int tile_rows) {
   return p.group * p.seq.lq <= tile_rows;
+}
+
+// Two items reading K and V in place each read them once, where one item over every row packs
+// each tile before its products (the tile kernels' rows, packing 16-bit K/V to f32). Decode
+// over a cache (`attncore run --cache-len 16384`, D 128) on Zen 3 (AVX2: 8 rows over 6-row
+// tiles), in turns with the version before, K/V GB/s on 1 / 2 threads: Hq 64, Hkv 8, bf16
+// 1.42 -> 4.56 / 1.85 -> 8.21, f32 2.46 -> 6.68 / 3.38 -> 14.24; Hq 8, Hkv 1 (split-KV) bf16
+// 2.08 -> 5.98 / 3.61 -> 7.51, f32 5.21 -> 5.21 / 9.40 -> 10.72. More rows pack: three such
+// items would read K and V three times.
+std::int64_t flash_in_place_items(const Params& p, int tile_rows) {
+  const std::int64_t rows = p.group * p.seq.lq;
+  return rows <= tile_rows ? 1 : rows <= 2 * tile_rows ? 2 : 0;
 }
 
 namespace {
@@ -200,11 +224,15 @@ FlashForwardPlan plan_flash_forward(const Params& call, int threads, const Flash
   const std::int64_t tiles = (call.seq.max_k() + layout.key_tile - 1) / layout.key_tile;
   const std::int64_t dv_pad = round_up(call.head_dim_v, layout.dv_align);
   plan.panel_floats = round_up(tiles * layout.key_tile * (call.head_dim + dv_pad), 16);
-  // A KV cache's sequences all have Lq rows: decode over a cache reads in place like dense
-  // decode (each group one item, no panel), spread over the threads.
-  plan.on_the_fly = (!call.seq.per_sequence() && plan_items(call, layout.block_rows).count == 1 &&
-                     (groups >= threads || flash_reads_kv_in_place(call, layout.tile_rows))) ||
-                    (call.seq.cache() && flash_reads_kv_in_place(call, layout.tile_rows));
+  // Groups of one item each (decode, GQA decode, short chunks; a KV cache's sequences all have
+  // Lq rows, dense or cache alike): K/V read in place, or each tile packed just before its use
+  // into scratch (no panel), the groups spread over the threads. (Such a group's K/V packed
+  // whole into a shared panel first, by every thread, was read three times instead of once:
+  // a cache's GQA decode of more rows than a tile's, 8 on AVX2, took 1 GB of panel for 2^20
+  // keys, and one thread computed while the other waited.)
+  plan.on_the_fly =
+      (!call.seq.per_sequence() || call.seq.cache()) &&
+      (plan_items(call, layout).count == 1 || flash_in_place_items(call, layout.tile_rows) > 0);
   const double dims = static_cast<double>(call.head_dim + call.head_dim_v);
   const double q_rows = call.seq.varlen() ? static_cast<double>(call.seq.cu_q[call.batch])
                                           : static_cast<double>(call.batch * call.seq.lq);
@@ -231,8 +259,10 @@ FlashForwardPlan plan_flash_forward(const Params& call, int threads, const Flash
   // rows lie Hkv * D apart: no hardware prefetch stream, L1 set conflicts). All of a
   // sequence's heads when there are sequences (times parts) for every thread, else enough runs
   // per sequence for the threads. A head's bits do not depend on its run.
-  if (plan.on_the_fly && heads_in_rows && flash_reads_kv_in_place(call, layout.tile_rows)) {
-    const std::int64_t batch = std::max<std::int64_t>(call.batch, 1) * plan.splits;
+  // (A group cut into two items of its rows: each item a run of heads over half the rows.)
+  const std::int64_t in_place = flash_in_place_items(call, layout.tile_rows);
+  if (plan.on_the_fly && heads_in_rows && in_place > 0) {
+    const std::int64_t batch = std::max<std::int64_t>(call.batch, 1) * plan.splits * in_place;
     const std::int64_t runs = std::clamp<std::int64_t>((threads + batch - 1) / batch, 1,
                                                        std::max<std::int64_t>(call.heads_kv, 1));
     plan.item_heads = std::clamp<std::int64_t>((call.heads_kv + runs - 1) / runs, 1, kMaxItemHeads);
@@ -309,13 +339,16 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
         const std::int64_t g = runs_order[static_cast<std::size_t>(n)];
         const std::int64_t b = g / call.heads_kv, kv_head = g % call.heads_kv;
         const Sequence<ForwardArgs> s = resolve_sequence(call, call_args, b);
-        if (plan.item_heads > 1) {  // one item of a run of heads (in place)
-          FlashItem item = plan_items(s.p, layout.block_rows).item(b, kv_head, 0, s.p);
-          item.heads = std::min(plan.item_heads, call.heads_kv - kv_head);
-          target.run_block(s.p, s.a, FlashPanel{nullptr, nullptr, dv_pad}, item, w);
+        const ItemPlan items = plan_items(s.p, layout);
+        if (plan.item_heads > 1) {  // the items of a run of heads (in place)
+          for (std::int64_t i = 0; i < items.count; ++i) {
+            if (i > 0) launch.check_cancel();
+            FlashItem item = items.item(b, kv_head, i, s.p);
+            item.heads = std::min(plan.item_heads, call.heads_kv - kv_head);
+            target.run_block(s.p, s.a, FlashPanel{nullptr, nullptr, dv_pad}, item, w);
+          }
           continue;
         }
-        const ItemPlan items = plan_items(s.p, layout.block_rows);
         // One item: tiles packed on the fly (the same bits as from a panel).
         const bool packed = !on_the_fly && items.count > 1;
         const FlashPanel panel{packed ? k_tiles : nullptr, packed ? v_rows : nullptr, dv_pad};
@@ -336,15 +369,19 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
     launch.check_cancel();
     const std::int64_t b = g / call.heads_kv, kv_head = g % call.heads_kv;
     const Sequence<ForwardArgs> s = resolve_sequence(call, call_args, b);
-    const ItemPlan items = plan_items(s.p, layout.block_rows);
+    const ItemPlan items = plan_items(s.p, layout);
     if (items.count == 0) continue;
     // An item that reads K and V in place never gets a panel (see above).
-    const bool packed = !flash_reads_kv_in_place(s.p, layout.tile_rows);
+    const bool packed = flash_in_place_items(s.p, layout.tile_rows) == 0;
     const FlashPanel panel{packed ? k_tiles : nullptr, packed ? v_rows : nullptr, dv_pad};
     const std::int64_t seq_tiles = (s.p.seq.lk + layout.key_tile - 1) / layout.key_tile;
-    if (packed) {
-      parallel_for(seq_tiles, threads, [&](std::int64_t t_begin, std::int64_t t_end) {
-        target.pack_tiles(s.p, s.a, b, kv_head, t_begin, t_end, k_tiles, v_rows, dv_pad);
+    // Packed by all threads, kPackChunkTiles tiles at a time, so that a cancel is seen between
+    // chunks (a group's keys may be millions).
+    for (std::int64_t t0 = 0; packed && t0 < seq_tiles; t0 += kPackChunkTiles) {
+      if (t0 > 0) launch.check_cancel();
+      const std::int64_t t1 = std::min(seq_tiles, t0 + kPackChunkTiles);
+      parallel_for(t1 - t0, threads, [&](std::int64_t begin, std::int64_t end) {
+        target.pack_tiles(s.p, s.a, b, kv_head, t0 + begin, t0 + end, k_tiles, v_rows, dv_pad);
       });
     }
     // Items are handed out in order from one counter (causal items differ in cost).

@@ -181,9 +181,14 @@ constexpr std::int64_t kMaxItemHeads = 32;
 
 // Whether the forward reads K and V in place instead of packing tiles: decode, each kv group's
 // rows (group * Lq) within one micro-tile of `tile_rows`, on f32 products for every dtype
-// (DirectKv, flash_direct_kv-inl.h). flash_forward gives such a problem no panel whatever the
-// thread count.
+// (DirectKv, flash_direct_kv-inl.h), as one work item. flash_forward gives such a problem no
+// panel whatever the thread count.
 bool flash_reads_kv_in_place(const Params& p, int tile_rows);
+// The work items, each of at most `tile_rows` rows reading K and V in place, that a kv group's
+// rows are cut into (1 where flash_reads_kv_in_place; 2 for up to twice that many rows, the
+// rows halved: GQA decode of 8 rows on AVX2's 6-row tiles, 16 on AVX-512's 8), else 0 (the
+// group's tiles are packed).
+std::int64_t flash_in_place_items(const Params& p, int tile_rows);
 void flash_backward(const Params& p, const Launch& launch, const BackwardArgs& args);
 
 // How flash_backward cuts a problem into work items: runs of `run_heads` query heads of one kv

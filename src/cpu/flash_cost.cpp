@@ -82,8 +82,11 @@ double estimate_flash(Pass pass, const Params& p, const Launch& launch, const Co
                       : s.lq > 0 ? std::min(lk_pad, visible_pairs(p) / s.lq + tile / 2)
                                  : 0;
   // Decode items of at most one micro-tile of rows read K and V in place (f32 tiles): their
-  // rows are not padded, and no tile is packed.
-  const bool direct = pass == Pass::forward && flash_reads_kv_in_place(p, m.flash_tile_rows);
+  // rows are not padded, and no tile is packed; a group cut into two such items reads its K
+  // and V twice.
+  const double direct_items =
+      pass == Pass::forward ? static_cast<double>(flash_in_place_items(p, m.flash_tile_rows)) : 0;
+  const bool direct = direct_items > 0;
   const double rows_pad =
       groups * (direct ? group_rows : round_up_to(group_rows, m.flash_tile_rows));
   const double pairs = rows_pad * keys;
@@ -93,13 +96,13 @@ double estimate_flash(Pass pass, const Params& p, const Launch& launch, const Co
       rows_pad * std::min(std::ceil(keys / tile), (banded ? 1.0 : 0.0) + (short_last_tile ? 1 : 0));
   // Packed elements: K and V once per group (the packing reads them); the backward also packs
   // q and dO. Other traffic: q read and out written (backward: and the gradients).
-  double packed = groups * lk_pad * s.dims;
+  double packed = groups * lk_pad * s.dims * std::max(direct_items, 1.0);
   double compute, bytes, items;
   if (pass == Pass::forward) {
     const double efficiency = bf16_dot ? kFlashBf16DotEfficiency : kFlashEfficiency;
     compute = pairs * (2 * s.dims / efficiency + kFlashSoftmaxFlops) / flops_per_s;
     bytes = s.batch * s.heads_q * s.lq * s.dims * s.element;
-    items = groups * std::ceil(group_rows / m.flash_block_rows);
+    items = groups * (direct ? direct_items : std::ceil(group_rows / m.flash_block_rows));
     // Split-KV (cpu/flash_split_kv.h): each group's keys in parts run as items of their own,
     // then every row's parts (f32 outputs and LSEs) written and read back by the merge.
     const FlashLayout layout{0,
@@ -130,7 +133,7 @@ double estimate_flash(Pass pass, const Params& p, const Launch& launch, const Co
   compute += cut_rows * kFlashCutRowFlops[bf16_dot ? 1 : 0] / flops_per_s;
   // Packing: per-element work, or reading K and V from memory, whichever is slower (each
   // thread reads its own groups: decode B=4 Hq=32 Hkv=8 Lk=4096 ran 2.0x faster on 2 threads).
-  const double kv_bytes = groups * s.lk * s.dims * s.kv_element;
+  const double kv_bytes = groups * s.lk * s.dims * s.kv_element * std::max(direct_items, 1.0);
   const double read =
       kv_bytes > kFlashCachedBytes ? kv_bytes / (bytes_per_s * kFlashStreamEfficiency) : 0;
   const double per_element = pass == Pass::backward ? kFlashBackwardPackFlops

@@ -42,7 +42,10 @@ std::int64_t plan_call_splits(const Params& p, const FlashLayout& layout, int cp
   // runs of 16 heads, each reading half of every key's row) against 2 parts of 32 heads: f32
   // [B, L, Hkv, D] 86/75 -> 97/86, p256 79/76 -> 91/87, bf16 73/59 -> 110/77, p256 72/59 ->
   // 102/77; [B, Hkv, L, D] and f16 within 4 points; 1 thread 0-3 points slower (5 passes).
-  const std::int64_t units = flash_reads_kv_in_place(p, layout.tile_rows)
+  // (A group cut into two items of its rows, flash_in_place_items, counts once: the two,
+  // taken one after the other, read the same part's keys at once, and the second finds them in
+  // the cache.)
+  const std::int64_t units = flash_in_place_items(p, layout.tile_rows) > 0
                                  ? p.batch * ((p.heads_kv + kMaxItemHeads - 1) / kMaxItemHeads)
                                  : p.batch * p.heads_kv;
   if (units <= 0 || units >= cpus) return 1;
@@ -136,13 +139,19 @@ void flash_forward_split(const Params& call, const Launch& launch, const Forward
   // one item of group * Lq rows (plan_kv_splits), with no panel (K/V read in place or packed
   // tile by tile into scratch): that item, for the run's heads, once per part.
   const std::vector<std::int64_t> splits_of = sequence_splits(call, layout, machine_threads());
+  // A group read in place as two items of half its rows (flash_in_place_items, by its
+  // sequence's rows) runs both: each (group, part) is listed twice, the second skipped where
+  // the sequence's rows make one item.
+  constexpr std::int64_t row_items = 2;
   struct Part {
-    std::int64_t group, part, parts;
+    std::int64_t group, part, parts, row_item;
   };
   std::vector<Part> list;
   for (std::int64_t g : run_order(plan, call.heads_kv)) {
     const std::int64_t parts = splits_of[static_cast<std::size_t>(g / call.heads_kv)];
-    for (std::int64_t s = 0; s < parts; ++s) list.push_back({g, s, parts});
+    for (std::int64_t s = 0; s < parts; ++s) {
+      for (std::int64_t i = 0; i < row_items; ++i) list.push_back({g, s, parts, i});
+    }
   }
   const auto items = static_cast<std::int64_t>(list.size());
   const int threads = std::max(1, launch.threads);
@@ -152,12 +161,18 @@ void flash_forward_split(const Params& call, const Launch& launch, const Forward
     const FlashPanel panel{nullptr, nullptr, dv_pad};
     for (std::int64_t n = take_item(next, items, launch); n >= 0;
          n = take_item(next, items, launch)) {
-      const auto [g, s, parts] = list[static_cast<std::size_t>(n)];
+      const auto [g, s, parts, row_item] = list[static_cast<std::size_t>(n)];
       const std::int64_t b = g / call.heads_kv, kv_head = g % call.heads_kv;
       const Sequence<ForwardArgs> seq = resolve_sequence(call, part_args(s), b);
       if (seq.p.seq.lq == 0) continue;  // (a varlen sequence without query rows)
       const std::int64_t tiles = (seq.p.seq.lk + layout.key_tile - 1) / layout.key_tile;
-      FlashItem item{b, kv_head, 0, call.group * seq.p.seq.lq};
+      const std::int64_t group_rows = call.group * seq.p.seq.lq;
+      const std::int64_t items_of_rows =
+          std::max<std::int64_t>(flash_in_place_items(seq.p, layout.tile_rows), 1);
+      if (row_item >= items_of_rows) continue;
+      const std::int64_t item_rows = (group_rows + items_of_rows - 1) / items_of_rows;
+      FlashItem item{b, kv_head, row_item * item_rows,
+                     std::min(item_rows, group_rows - row_item * item_rows)};
       item.heads = std::min(plan.item_heads, call.heads_kv - kv_head);
       item.key_begin = tiles * s / parts * layout.key_tile;
       item.key_end = tiles * (s + 1) / parts * layout.key_tile;

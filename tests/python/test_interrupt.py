@@ -128,3 +128,34 @@ def test_errors_still_raise_through_the_runner():
     with pytest.raises(ValueError, match="key has shape"):
         attncore.attention(q, q[..., :7], q)
     assert issubclass(attncore.Cancelled, RuntimeError)
+
+
+FORK_PROGRAM = """
+import os, sys, time
+import numpy as np
+import attncore
+q = np.ones((1, 8, 256, 64), np.float32)
+attncore.scaled_dot_product_attention(q, q, q)  # on the main thread: through the runner
+pid = os.fork()
+if pid == 0:  # the child: its own runner, since its parent's thread is not in it
+    out = attncore.scaled_dot_product_attention(q, q, q)
+    os._exit(0 if np.allclose(out, 1.0) else 3)
+for _ in range(600):
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        print("child", os.waitstatus_to_exitcode(status), flush=True)
+        break
+    time.sleep(0.05)
+else:
+    os.kill(pid, 9)
+    print("child hung", flush=True)
+"""
+
+
+def test_a_child_made_by_fork_runs_main_thread_calls():
+    # A call large enough for the runner thread, made in the parent before os.fork(): the
+    # child's own such call used to wait forever for the parent's runner, which a child lacks.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    result = subprocess.run([sys.executable, "-c", FORK_PROGRAM], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.stdout.split() == ["child", "0"], (result.stdout, result.stderr)
