@@ -310,6 +310,23 @@ TEST(SplitKv, DenseCacheEveryVariantAndDtype) {
        .hq = 16,
        .hkv = 1,
        .seqlens = {1300, 40}},
+      // 8 and 12 query heads per kv head in decode: two items of half the rows, each reading
+      // K and V in place, where a micro-tile holds fewer rows (AVX2's 6, AVX-512's 8 for 12),
+      // runs of the two kv heads over [B, L, Hkv, D].
+      {.name = "gqa 8 heads two items bf16",
+       .dtype = DType::bf16,
+       .hq = 16,
+       .hkv = 2,
+       .dim = 128,
+       .dim_v = 128,
+       .seqlens = {1300, 90}},
+      {.name = "gqa 12 heads two items window f16",
+       .dtype = DType::f16,
+       .hq = 12,
+       .hkv = 1,
+       .seqlens = {1100, 30},
+       .causal = Causal::lower_right,
+       .window_left = 500},
       {.name = "gqa 8 heads chunk f32",
        .hq = 8,
        .hkv = 1,
@@ -319,7 +336,11 @@ TEST(SplitKv, DenseCacheEveryVariantAndDtype) {
       // MHA with D a multiple of 8: over [B, Hkv, L, D] one row per kv head reads whole tiles
       // in streams, each tile's P . V run with the next tile's scores (AVX2), its bits checked
       // against [B, L, Hkv, D]'s; a window cuts the first tiles (P . V at once), then not.
-      {.name = "mha d128 bf16", .dtype = DType::bf16, .hkv = 4, .dim = 128, .dim_v = 128,
+      {.name = "mha d128 bf16",
+       .dtype = DType::bf16,
+       .hkv = 4,
+       .dim = 128,
+       .dim_v = 128,
        .seqlens = {1024, 300}},
       {.name = "mha window f16",
        .dtype = DType::f16,
@@ -352,9 +373,12 @@ TEST(SplitKv, PagedCacheEveryPageSize) {
   // start with two rows of one page are read as streams across the pages (AVX2).
   const CacheCase one_head{
       .name = "paged one head", .dtype = DType::f16, .hq = 1, .hkv = 1, .seqlens = {768, 200}};
+  // 8 query heads on one kv head: two items of half the rows on AVX2 (6-row micro-tiles).
+  const CacheCase eight_heads{.name = "paged 8 heads", .hq = 8, .hkv = 1, .seqlens = {700, 150}};
   for (std::int64_t page_size : {1, 3, 16, 256}) {
     check_cache_case(c, page_size);
     check_cache_case(one_head, page_size);
+    check_cache_case(eight_heads, page_size);
   }
 }
 
@@ -376,7 +400,7 @@ TEST(SplitKv, F32QueryOver16BitCaches) {
 // Dense decode calls (no cache) that read K/V in place take the same split path.
 TEST(SplitKv, DenseDecodeCalls) {
   for (const Dims& dims : {Dims{2, 4, 1, 1, 1100, 64, 64}, Dims{1, 32, 1, 1, 700, 64, 64},
-                           Dims{1, 2, 2, 1, 1100, 64, 64}}) {
+                           Dims{1, 2, 2, 1, 1100, 64, 64}, Dims{1, 8, 1, 1, 1100, 64, 64}}) {
     for (Variant variant : {Variant::plain, Variant::window, Variant::alibi_heads,
                             Variant::bool_mask, Variant::additive_full, Variant::dropout}) {
       SCOPED_TRACE(name_of_variant(variant));
