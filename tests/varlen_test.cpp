@@ -115,6 +115,31 @@ TEST(Varlen, SplitKvDecodeEqualsThePerSequenceLoop) {
   }
 }
 
+// Decode of 8 query heads on each kv head (two in-place items of half the rows where a
+// micro-tile holds fewer: AVX2), many sequences of one row: whether the planner spreads the
+// groups over the threads depends on the thread count, and the items never get a panel either
+// way: the same bits on any thread count, equal to the loop over the sequences.
+TEST(Varlen, WideGroupDecodeIsThreadCountFree) {
+  Batch batch{std::vector<int>(24, 1), std::vector<int>(24, 700), {}, 0, 0, 16, 2, 64, 64};
+  batch.lens_k[5] = 3000;
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    const Packed p = make_packed(batch, dtype, varlen_variants()[1], 90);
+    SCOPED_TRACE(name_of(dtype));
+    std::vector<double> first;
+    for (int threads : {1, 2, 3}) {
+      Options o = p.options;
+      o.num_threads = threads;
+      const ForwardResult r = forward_varlen(p.q, p.k, p.v, p.seqs, o, Backend::flash);
+      if (threads > 1) {
+        EXPECT_TRUE(same_bits(read_view(r.out.view()), first, "out, threads"));
+        continue;
+      }
+      first = read_view(r.out.view());
+      EXPECT_TRUE(equals_sequence_loop(p, r, Backend::flash));
+    }
+  }
+}
+
 // A batch holding a chunk of several work items (70 rows per head: 280 rows of its kv group)
 // beside long decode rows is not split, forced or planned: the same bits as num_splits = 1, on
 // any thread count.

@@ -349,8 +349,10 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
           }
           continue;
         }
-        // One item: tiles packed on the fly (the same bits as from a panel).
-        const bool packed = !on_the_fly && items.count > 1;
+        // One item: tiles packed on the fly (the same bits as from a panel); items reading K
+        // and V in place never get a panel.
+        const bool packed =
+            !on_the_fly && items.count > 1 && flash_in_place_items(s.p, layout.tile_rows) == 0;
         const FlashPanel panel{packed ? k_tiles : nullptr, packed ? v_rows : nullptr, dv_pad};
         const std::int64_t seq_tiles = (s.p.seq.lk + layout.key_tile - 1) / layout.key_tile;
         if (packed) target.pack_tiles(s.p, s.a, b, kv_head, 0, seq_tiles, k_tiles, v_rows, dv_pad);
