@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from . import _arrays, _core
+from . import _arrays, _core, _writes
 from ._attention import _resolve_call
 from ._merge import refuse_grad
 from ._rank4 import (INT32_MAX, alibi_array, bool_option, check_blhd, int_option,
@@ -40,7 +40,7 @@ class _Adopted:
 
 def _writing(appending, caches, run, declines=False):
     """run()'s result; where the call appends (writes the caches in place), torch caches are
-    marked written (_arrays.mark_written) once it has returned, or raised other than as a refusal
+    marked written (_writes.mark_written) once it has returned, or raised other than as a refusal
     (a ValueError, TypeError or NotImplementedError comes before anything is written): stopped
     while it wrote, perhaps (out of memory, cancelled). With `declines`, run() returns None for a
     call it declined, having written nothing (the fast path)."""
@@ -50,10 +50,10 @@ def _writing(appending, caches, run, declines=False):
         raise
     except BaseException:
         if appending:
-            _arrays.mark_written(*caches)
+            _writes.mark_written(*caches)
         raise
     if appending and not (declines and result is None):
-        _arrays.mark_written(*caches)
+        _writes.mark_written(*caches)
     return result
 
 
@@ -96,7 +96,7 @@ def _writable_cache(op, name, x):
         if x.numel() and x.dim() and x.shape[-1] > 1 and x.stride(-1) != 1:
             raise ValueError(f"{op}: {name} would need a copy (stride={list(x.stride())}, "
                              f"expected a unit last stride){remedy}")
-        _arrays.check_written_tensor(op, name, x)
+        _writes.check_written_tensor(op, name, x)
         return _arrays.TORCH, x
     raise TypeError(f"{op}: {name} cannot be written in place (type={type(x).__name__}, "
                     f"expected a numpy array or a torch tensor){remedy}")

@@ -10,7 +10,7 @@ import typing
 
 import numpy as np
 
-from . import _arrays, _core
+from . import _arrays, _core, _writes
 from ._kvcache import flash_attn_with_kvcache
 from ._merge import refuse_grad
 from ._rank4 import INT32_MAX, int_option
@@ -240,7 +240,7 @@ class PagedKVCache:
         with _CoreNames():
             self._core.assign(b, positions, *arrays)
         if self._torch is not None:  # (views a graph may have saved: as after an in-place op)
-            _arrays.mark_written(self._torch.k_cache, self._torch.v_cache)
+            _writes.mark_written(self._torch.k_cache, self._torch.v_cache)
 
     def fork(self, src, dst, prefix_len):
         """Gives the empty sequence dst the first prefix_len slots of src, sharing pages."""

@@ -6,7 +6,7 @@ flash_attn_with_kvcache with a block table. Imported by attncore.torch only (nee
 
 import torch as _torch
 
-from . import _arrays
+from . import _arrays, _writes
 from ._kvcache import flash_attn_with_kvcache
 from ._merge import refuse_grad
 from ._paged import _index, _naming
@@ -225,7 +225,7 @@ class PagedAttention:
         _writable(op, "v_cache", v_cache, (("k_cache", k_cache), ("k_val", k_val),
                                            ("v_val", v_val)))
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):  # (both, before either)
-            _arrays.check_written_tensor(op, name, cache)
+            _writes.check_written_tensor(op, name, cache)
         rows = _torch.stack([self.capacity[self._batch(op, b)] for b in batch_idx.tolist()]) \
             if B else _torch.zeros(0, dtype=_torch.int64)
         bad = (input_pos < 0) | (input_pos >= rows[:, None])
