@@ -62,6 +62,12 @@ def _packed(parts):
             max(lengths, default=0))
 
 
+def _no_rows(parts):
+    """A packed [0, H, D] tensor of the dtype of [H, L_b, D] parts."""
+    heads, _, dim = parts[0].shape
+    return _torch().empty((0, heads, dim), dtype=parts[0].dtype)
+
+
 def scaled_dot_product_attention(op, query, key, value, *, attn_mask, dropout_p, is_causal,
                                  scale, enable_gqa, backend):
     """scaled_dot_product_attention on nested query [B, Hq, *, E], key [B, Hkv, *, E] and
@@ -88,14 +94,20 @@ def scaled_dot_product_attention(op, query, key, value, *, attn_mask, dropout_p,
     if batch == 0:
         return torch.nested.nested_tensor([], dtype=query.dtype)
     _check_heads(op, *parts)
+    key_lengths, value_lengths = ([part.shape[1] for part in x] for x in parts[1:])
+    if key_lengths != value_lengths:
+        raise ValueError(f"{op}: value has other lengths than key (lengths={value_lengths}, "
+                         f"expected key's {key_lengths})")
+    options = dict(scale=scale, causal="upper-left" if is_causal else None, dropout_p=dropout_p,
+                   enable_gqa=enable_gqa or parts[1][0].shape[0] == 1, backend=backend, _op=op)
+    # Every dtype, option and the backend checked before the copies, on a batch of as many
+    # entries without rows ([0, H, D] stand-ins; its own seed, so that it draws none).
+    no_rows = torch.zeros(batch + 1, dtype=torch.int32)
+    attention_varlen(*(_no_rows(x) for x in parts), no_rows, no_rows, 0, 0, seed=0, offset=0,
+                     **options)
     (q, cu_q, max_q), (k, cu_k, max_k) = _packed(parts[0]), _packed(parts[1])
-    v, cu_v, _ = _packed(parts[2])
-    if not torch.equal(cu_k, cu_v):
-        raise ValueError(f"{op}: value has other lengths than key (cu_seqlens={cu_v.tolist()}, "
-                         f"expected key's {cu_k.tolist()})")
-    out = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale,
-                           causal="upper-left" if is_causal else None, dropout_p=dropout_p,
-                           enable_gqa=enable_gqa or k.shape[1] == 1, backend=backend, _op=op)
+    v = _packed(parts[2])[0]
+    out = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **options)
     bounds = cu_q.tolist()
     return torch.nested.nested_tensor([out[bounds[b]:bounds[b + 1]].transpose(0, 1)
                                        for b in range(batch)])

@@ -573,6 +573,35 @@ def test_nested_refusals():
                                          r"of shape \[3, 3, 8\], expected \[2, \*, Ev\] "
                                          r"\(\[B, Hkv, \*, Ev\] nested, like key\)$"):
         attncore.scaled_dot_product_attention(q, k, k3)
+    v, _ = _nested((3, 5), 2, 8, 2)
+    with pytest.raises(ValueError, match=r"^scaled_dot_product_attention: value has other "
+                                         r"lengths than key \(lengths=\[3, 5\], expected key's "
+                                         r"\[3, 4\]\)$"):
+        attncore.scaled_dot_product_attention(q, k, v)
+
+
+def test_nested_checks_before_copying(monkeypatch):
+    """Dtypes, options and the backend of a nested call are refused before its components are
+    copied into packed tensors."""
+    import attncore._nested as nested
+    copies = []
+    packed = nested._packed
+    monkeypatch.setattr(nested, "_packed", lambda parts: copies.append(1) or packed(parts))
+    q, _ = _nested((3, 4), 2, 8, 1)
+    k32, _ = _nested((3, 4), 2, 8, 2, torch.float32)
+    for call, error, text in (
+            (lambda: attncore.scaled_dot_product_attention(q, k32, k32), ValueError, "dtype"),
+            (lambda: attncore.scaled_dot_product_attention(q, q, q, dropout_p=1.5), ValueError,
+             "dropout_p"),
+            (lambda: attncore.scaled_dot_product_attention(q, q, q, scale=float("nan")),
+             ValueError, "scale"),
+            (lambda: attncore.scaled_dot_product_attention(q, q, q, backend="flash"),
+             NotImplementedError, "f64")):
+        with pytest.raises(error, match=text):
+            call()
+    assert copies == []
+    out = attncore.scaled_dot_product_attention(q, q, q)
+    assert out.is_nested and len(copies) == 3
 
 
 def test_public_names():
