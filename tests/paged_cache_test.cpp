@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -303,6 +304,16 @@ TEST(PagedCache, BadArguments) {
             std::string::npos);
   const std::string huge = make(std::int64_t{1} << 30, 1 << 10, 64, 128, DType::f32, 1, 1);
   EXPECT_NE(huge.find("exceeds the memory this process may use"), std::string::npos) << huge;
+  // The estimate counts the page table twice (its view and the cache's own copy), the lengths,
+  // and the pages' bookkeeping: a table of 2^44 entries over 8 MiB of pages.
+  const std::int64_t pages = std::int64_t{1} << 20, batch = std::int64_t{1} << 24;
+  char bytes[32];
+  std::snprintf(bytes, sizeof bytes, "(bytes=%.4g,",
+                8.0 * pages + 4.0 * batch * (2.0 * pages + 1) + 8.0 * pages);
+  const std::string table = make(pages, 1, 1, 1, DType::f32, batch, pages);
+  EXPECT_NE(table.find(std::string("the cache exceeds the memory this process may use ") + bytes),
+            std::string::npos)
+      << table << " " << bytes;
 
   PagedKvCache c(4, 4, 2, 4, 3, DType::f32, 2);
   c.reserve(0, 5);
