@@ -473,6 +473,25 @@ TEST(KvCache, AppendKeepsF64Exact) {
   for (std::size_t e = 0; e < values.size(); ++e) EXPECT_EQ(cache[3 * 4 + e], values[e]);
 }
 
+// An append to a batch of nothing writes nothing and allocates nothing, whatever D: it used to
+// take a buffer of one row (2^40 floats here) before looking at the batch.
+TEST(KvCache, AppendToNoSequencesAllocatesNothing) {
+  const std::int64_t d = std::int64_t{1} << 40;
+  float cell = 0;
+  const TensorView q = TensorView::contiguous(&cell, DType::f32, {0, 1, 1, d});
+  const TensorView cache = TensorView::contiguous(&cell, DType::f32, {0, 1, 16, d});
+  const TensorView k_new = TensorView::contiguous(&cell, DType::f32, {0, 1, 1, d});
+  Tensor lens(DType::i32, {0});
+  KvCacheSeqs seqs;
+  seqs.cache_seqlens = lens.view();
+  for (Backend backend : {Backend::flash, Backend::reference}) {  // (math: D past 32 bits)
+    const ForwardResult r =
+        forward_kvcache(q, cache, cache, seqs,
+                        KvAppend{k_new, k_new, std::nullopt, std::nullopt, false}, {}, backend);
+    EXPECT_EQ(r.out.view().numel(), 0) << name_of(backend);
+  }
+}
+
 // The append's into form: the allocating form's cache, out and lse, bitwise (with rotary, over
 // a dense cache); outputs that share bytes with an array only the append reads, and every
 // other refusal, before anything is written.

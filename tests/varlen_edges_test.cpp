@@ -143,6 +143,35 @@ TEST(Varlen, EmptyBatchesAndSequences) {
   }
 }
 
+// Sequences without rows do no work however many heads their empty tensors claim: before, the
+// backward looped, or sized a list, per query head (2^61 of them here), and the reference's
+// workspace, sized by the key length, was refused for a batch of nothing.
+TEST(Varlen, EmptySequencesOfHugeHeadCountsDoNoWork) {
+  const std::int64_t heads = std::int64_t{1} << 61;
+  float cell = 0;
+  const TensorView q = TensorView::contiguous(&cell, DType::f32, {0, heads, 8});
+  const TensorView kv = TensorView::contiguous(&cell, DType::f32, {0, 1, 8});
+  Tensor cu(DType::i32, {3});
+  std::fill_n(cu.data_as<std::int32_t>(), 3, 0);
+  VarlenSeqs s;
+  s.cu_seqlens_q = s.cu_seqlens_k = cu.view();
+  for (Backend backend : {Backend::flash, Backend::math, Backend::reference}) {
+    SCOPED_TRACE(name_of(backend));
+    const ForwardResult f = forward_varlen(q, kv, kv, s, {}, backend);
+    EXPECT_EQ(f.out.view().numel(), 0);
+    const BackwardResult g = backward_varlen(f.out, q, kv, kv, f.out, f.lse, s, {}, backend);
+    EXPECT_EQ(g.dq.view().numel(), 0);
+    EXPECT_EQ(g.dk.view().numel(), 0);
+  }
+  // A batch of nothing over a key length the reference's workspace could not hold (8 bytes
+  // per key and thread: 1.1e12 bytes).
+  s.max_seqlen_k = INT32_MAX;
+  Options o;
+  o.num_threads = 64;
+  const ForwardResult f = forward_varlen(q, kv, kv, s, o, Backend::reference);
+  EXPECT_EQ(f.lse.view().numel(), 0);
+}
+
 // Thousands of sequences, one of them long: every sequence matches its own dense call.
 TEST(Varlen, ThousandsOfSequences) {
   Batch batch;

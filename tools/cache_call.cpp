@@ -114,9 +114,9 @@ RunResult run_cache(const PreparedCall& p) {
                   ? attncore::explain_forward_kvcache(p.q, k.view, v.view, seqs, p.options).chosen
                   : c.backend;
   r.flops = forward_flops(c);
-  r.kv_bytes =
-      static_cast<double>(c.batch * c.heads_kv * c.seqlen_k * (c.head_dim + c.head_dim_v)) *
-      static_cast<double>(attncore::size_of(c.dtype));
+  r.kv_bytes = visible_keys(c) * static_cast<double>(c.heads_kv) *
+               (static_cast<double>(c.head_dim) + static_cast<double>(c.head_dim_v)) *
+               static_cast<double>(attncore::size_of(c.dtype));
   attncore::ForwardResult result;
   r.seconds = best_seconds(c.repeat, [&] {
     result = attncore::forward_kvcache(p.q, k.view, v.view, seqs, append, p.options, c.backend);

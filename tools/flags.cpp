@@ -107,20 +107,23 @@ int parse_count(std::string_view flag, std::string_view text, std::int64_t min_v
   constexpr std::int64_t kMaxCount = 1 << 20;  // far above any sane thread or repeat count
   const std::int64_t v = parse_int(flag, text, min_value);
   if (v > kMaxCount)
-    throw UsageError{std::string(flag) + ": " + std::string(text) + " is too large"};
+    throw UsageError{std::string(flag) + ": " + std::string(text) +
+                     " is too large (expected <= " + std::to_string(kMaxCount) + ")"};
   return static_cast<int>(v);
 }
 
 Window parse_window(std::string_view flag, std::string_view text) {
   const auto comma = text.find(',');
-  if (comma == std::string_view::npos) {
-    throw UsageError{std::string(flag) + ": '" + std::string(text) + "' is not L,R"};
+  if (comma == std::string_view::npos || text.find(',', comma + 1) != std::string_view::npos) {
+    throw UsageError{std::string(flag) + ": '" + std::string(text) +
+                     "' is not L,R (two integers, -1 = unbounded)"};
   }
   // The library checks the values (-1 = unbounded, else >= 0).
   constexpr std::int64_t kAny = std::numeric_limits<std::int64_t>::min();
+  const std::string whole = std::string(flag) + " " + std::string(text);
   Window w;
-  w.left = parse_int(flag, text.substr(0, comma), kAny);
-  w.right = parse_int(flag, text.substr(comma + 1), kAny);
+  w.left = parse_int(whole + " (L)", text.substr(0, comma), kAny);
+  w.right = parse_int(whole + " (R)", text.substr(comma + 1), kAny);
   return w;
 }
 

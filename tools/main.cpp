@@ -72,11 +72,17 @@ bool json_on_stdout(const std::vector<std::string>& args) {
   return false;
 }
 
-// A failed command: its message on stderr (bad usage: with the usage text) and, when its output
-// is JSON on stdout and it printed no object, one with the version and an `error` field.
+// A failed command: its message on stderr (bad usage: with a line on where the flags are
+// listed, not their 50 lines) and, when its output is JSON on stdout and it printed no object,
+// one with the version and an `error` field.
 int fail(int code, const std::string& message, bool json) {
   std::fprintf(stderr, "attncore: %s\n", message.c_str());
-  if (code == kExitUsage) std::fprintf(stderr, "\n%s", usage_text().c_str());
+  if (code == kExitUsage) {
+    std::fputs(
+        "usage: attncore [info | run | explain | bench] [flags]; `attncore --help` lists "
+        "the commands and run's flags, `attncore bench --help` bench's\n",
+        stderr);
+  }
   if (json && !json_printed) {
     JsonObject j;
     j.add("version", attncore::version());

@@ -28,37 +28,61 @@ Wide pairs_up_to_diagonal(Wide lq, Wide lk, Wide d) {
   return between + (lq - full) * lk;
 }
 
-// (query, key) pairs of one sequence and head that causal and window masks leave visible: row i
-// sees the keys j with lo <= j - i <= hi (the windows are aligned to the bottom-right diagonal
-// j - i = lk - lq, as in the library), counted in closed form.
-double sequence_pairs(const RunConfig& c, std::int64_t lq, std::int64_t lk) {
-  if (lq <= 0 || lk <= 0) return 0;
+// The diagonals a sequence's rows see, as causal and window masks leave them: row i sees the
+// keys j with lo <= j - i <= hi (the windows are aligned to the bottom-right diagonal j - i =
+// lk - lq, as in the library).
+struct Diagonals {
+  Wide lo, hi;
+};
+Diagonals visible_diagonals(const RunConfig& c, std::int64_t lq, std::int64_t lk) {
   const Wide shift = Wide{lk} - lq;
   Wide lo = -Wide{lq}, hi = lk;  // no bound: every key of every row
   if (c.causal == Causal::upper_left) hi = std::min(hi, Wide{0});
   if (c.causal == Causal::lower_right) hi = std::min(hi, shift);
   if (c.window.left >= 0) lo = std::max(lo, shift - c.window.left);
   if (c.window.right >= 0) hi = std::min(hi, shift + c.window.right);
+  return {lo, hi};
+}
+
+// (query, key) pairs of one sequence and head left visible, counted in closed form.
+double sequence_pairs(const RunConfig& c, std::int64_t lq, std::int64_t lk) {
+  if (lq <= 0 || lk <= 0) return 0;
+  const auto [lo, hi] = visible_diagonals(c, lq, lk);
   if (hi < lo) return 0;
   return static_cast<double>(pairs_up_to_diagonal(lq, lk, hi) -
                              pairs_up_to_diagonal(lq, lk, lo - 1));
 }
 
-}  // namespace
-
-double visible_pairs(const RunConfig& c) {
-  if (!c.is_varlen())
-    return static_cast<double>(c.batch) * sequence_pairs(c, c.seqlen_q, c.seqlen_k);
-  double pairs = 0;
-  for (std::size_t b = 0; b < c.varlen.size(); ++b) {
-    pairs += sequence_pairs(c, c.varlen[b], c.used_k()[b]);
-  }
-  return pairs;
+// Keys of one sequence that some row sees: key j is seen by a row i in [0, lq) with lo <= j -
+// i <= hi, so j runs from max(0, lo) to min(lk - 1, lq - 1 + hi).
+double sequence_keys(const RunConfig& c, std::int64_t lq, std::int64_t lk) {
+  if (lq <= 0 || lk <= 0) return 0;
+  const auto [lo, hi] = visible_diagonals(c, lq, lk);
+  if (hi < lo) return 0;
+  const Wide first = std::max(Wide{0}, lo), last = std::min(Wide{lk} - 1, Wide{lq} - 1 + hi);
+  return last < first ? 0 : static_cast<double>(last - first + 1);
 }
 
+// `per_sequence` summed over the batch's sequences.
+double over_sequences(const RunConfig& c,
+                      double (*per_sequence)(const RunConfig&, std::int64_t, std::int64_t)) {
+  if (!c.is_varlen()) return static_cast<double>(c.batch) * per_sequence(c, c.seqlen_q, c.seqlen_k);
+  double sum = 0;
+  for (std::size_t b = 0; b < c.varlen.size(); ++b) {
+    sum += per_sequence(c, c.varlen[b], c.used_k()[b]);
+  }
+  return sum;
+}
+
+}  // namespace
+
+double visible_pairs(const RunConfig& c) { return over_sequences(c, sequence_pairs); }
+
+double visible_keys(const RunConfig& c) { return over_sequences(c, sequence_keys); }
+
 double forward_flops(const RunConfig& c) {
-  return 2.0 * static_cast<double>(c.head_dim + c.head_dim_v) * static_cast<double>(c.heads_q) *
-         visible_pairs(c);
+  return 2.0 * (static_cast<double>(c.head_dim) + static_cast<double>(c.head_dim_v)) *
+         static_cast<double>(c.heads_q) * visible_pairs(c);
 }
 
 double gflops(double flops, double seconds) {

@@ -22,6 +22,9 @@ double forward_flops(const RunConfig& c);
 // (query, key) pairs of one head that causal and window masks leave visible, over the whole
 // batch (B times one sequence's for a dense call; the sum over the sequences of a packed one).
 double visible_pairs(const RunConfig& c);
+// Keys some query row sees, summed over the sequences (not over heads): what a forward must
+// read of K and V, per kv head.
+double visible_keys(const RunConfig& c);
 constexpr double kBackwardFlopFactor = 2.5;  // docs/design.md section 5
 
 // FLOPs over seconds in GFLOP/s; 0 when either is 0.

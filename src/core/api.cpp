@@ -45,7 +45,8 @@ void guarded(const char* op, const char* stage, Fn&& fn) {
 // memory this process may use (memory_limit, attncore/info.h: physical memory, cgroup, RLIMIT_AS).
 void check_memory(const char* op, const detail::BackendEntry& backend, Pass pass, const Params& p,
                   const Launch& launch, double output_bytes) {
-  const double workspace = backend.workspace_bytes(pass, p, launch);
+  const bool no_work = pass == Pass::forward ? p.empty_output() : p.empty_backward();
+  const double workspace = no_work ? 0 : backend.workspace_bytes(pass, p, launch);
   const MemoryLimit limit = memory_limit();
   if (workspace + output_bytes <= limit.bytes) return;
   const std::string name(name_of(backend.id));
@@ -87,7 +88,7 @@ void run_forward(const detail::BackendEntry& entry, const Params& p, const Launc
   detail::run_in_flight([&] {
     guarded("forward", "running the backend (outputs are incomplete)", [&] {
       const detail::ExecutorScope executor(launch.executor);
-      entry.forward(p, launch, args);
+      if (!p.empty_output()) entry.forward(p, launch, args);  // (no work: check_memory)
       detail::fill_unused_rows(p, args);
     });
   });
@@ -102,7 +103,7 @@ void run_backward(const detail::BackendEntry& entry, const Params& p, const Laun
   detail::run_in_flight([&] {
     guarded("backward", "running the backend (outputs are incomplete)", [&] {
       const detail::ExecutorScope executor(launch.executor);
-      entry.backward(p, launch, args);
+      if (!p.empty_backward()) entry.backward(p, launch, args);
       detail::fill_unused_rows(p, args);
     });
   });

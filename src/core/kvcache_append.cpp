@@ -254,6 +254,8 @@ void append_rows(const Params& p, const TensorView& q, const TensorView& k_cache
                  bool aligned, Tensor* rotated) {
   const detail::SeqInfo& seq = p.seq;
   const std::int64_t l_new = append.k_new.size(2), d = p.head_dim, dv = p.head_dim_v;
+  // (No row to write: no buffer either, whatever D, as when B = 0.)
+  if (append.k_new.numel() == 0 && (rotary.cos == nullptr || q.numel() == 0)) return;
   std::vector<T> row(static_cast<std::size_t>(std::max(d, dv)));  // [max(D, Dv)]
   for (std::int64_t b = 0; b < p.batch; ++b) {
     const std::int64_t slot0 = seq.cache_seqlens[b];

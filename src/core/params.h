@@ -142,7 +142,14 @@ struct Params {
   // Options::num_splits (flash's split-KV decode, cpu/flash_split_kv.h): 0 = planned.
   int num_splits = 0;
 
+  // No query rows: a forward has nothing to compute or write but the rows past a packed
+  // batch's sequences (fill_unused_rows).
   bool empty_output() const { return batch == 0 || heads_q == 0 || seq.max_q() == 0; }
+  // Nor any key rows, nor a bias gradient (a broadcast mask's may have elements, zeros): a
+  // backward has no gradient to write either (with key rows, dK and dV get zeros).
+  bool empty_backward() const {
+    return !compute_dbias && (batch == 0 || heads_q == 0 || (seq.max_q() == 0 && seq.max_k() == 0));
+  }
 };
 
 // Thrown by a backend that finds the call cancelled between two work items, or between two key

@@ -149,12 +149,14 @@ double measure_softmax_per_s() {
 }
 
 // How long a sleeping helper of the thread pool takes to start a task: a 2-task region whose
-// caller, in its task, waits up to 1 ms for the helper to start the other. Where no helper
-// comes (the pool busy with another caller's job, or the process held to one CPU), 1 ms: the
-// model then expects no gain from a second thread, which the caller's taking every task
-// bounds (parallel_seconds). The fastest of 16
-// after 4 that start the worker and let it settle (the fastest: the least disturbed run; the
-// median swung from 5 to 45 us between processes on one machine). 0 with one core.
+// caller, in its task, waits up to 1 ms for the helper to start the other. The fastest of the
+// runs a helper started, of 16 after 4 that start the worker and let it settle (the fastest:
+// the least disturbed run; the median swung from 5 to 45 us between processes on one machine;
+// on a shared 2-CPU machine a helper missed the 1 ms in one run of several, where counting
+// that run as 1 ms showed a wake-up of 1000 us in 4 `attncore explain` runs of 6). Where no
+// helper ever comes (the pool busy with another caller's job, or the process held to one CPU),
+// 1 ms: the model then expects no gain from a second thread, which the caller's taking every
+// task bounds (parallel_seconds). 0 with one core.
 double measure_dispatch_seconds() {
   if (affinity_threads() < 2) return 0;
   double best = HUGE_VAL;
@@ -174,10 +176,11 @@ double measure_dispatch_seconds() {
         std::this_thread::yield();  // the helper's own clock times it; on one CPU it can run
       }
     });
-    if (!started.load()) return 1e-3;  // no helper came
-    if (run >= 4) best = std::min(best, std::chrono::duration<double>(t_start - t0).count());
+    if (started.load() && run >= 4) {
+      best = std::min(best, std::chrono::duration<double>(t_start - t0).count());
+    }
   }
-  return best;
+  return best < HUGE_VAL ? best : 1e-3;  // (no helper came)
 }
 
 CostConstants measure_cost_constants() {
