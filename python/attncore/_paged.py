@@ -286,27 +286,41 @@ def _host_index(op, name, x):
     return np.array(array.numpy() if hasattr(array, "detach") else array, np.int64)
 
 
+# Block table rows checked at a time: the entries in use of that many rows at once, as numpy
+# arrays, so that a table broadcast over millions of rows is read a chunk at a time.
+_CHECKED_ROWS = 4096
+
+
 def _check_pages(op, lengths, table, k_shape):
     """Every sequence's keys 0:L_b lie in pages of the pool (checked for all sequences before
-    any is attended): L_b >= 0, within block_table's row, every page used in [0, num_pages).
-    Only the entries in use are read, row by row from the table as it is (int32, numpy or
-    torch): a table broadcast over its rows is never expanded."""
+    any is attended): L_b >= 0, within block_table's row, every page used in [0, num_pages);
+    the first sequence that breaks one is named. Only the columns in use of each chunk of rows
+    are read from the table as it is (int32, numpy or torch): a table broadcast over its rows
+    is never expanded whole."""
     if len(k_shape) != 4:
         raise ValueError(f"{op}: k has the wrong rank (rank={len(k_shape)}, expected 4: "
                          "[num_pages, page_size, Hkv, D])")
     num_pages, page_size = k_shape[0], k_shape[1]
-    for b, length in enumerate(lengths.tolist()):
-        pages = -(-length // page_size) if page_size else 0
-        if length < 0 or pages > table.shape[1]:
-            raise ValueError(f"{op}: sequence {b} has {length} keys (expected 0 <= keys <= "
-                             f"max_pages_per_seq * page_size={table.shape[1] * page_size})")
-        row = table[b, :pages]
-        row = np.asarray(row.numpy() if hasattr(row, "detach") else row, np.int64)
-        bad = np.flatnonzero((row < 0) | (row >= num_pages))
+    lengths = np.asarray(lengths, np.int64)
+    pages = -(-lengths // page_size) if page_size else np.zeros_like(lengths)
+    bad = np.flatnonzero((lengths < 0) | (pages > table.shape[1]))
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"{op}: sequence {b} has {int(lengths[b])} keys (expected 0 <= keys <= "
+                         f"max_pages_per_seq * page_size={table.shape[1] * page_size})")
+    for b0 in range(0, len(lengths), _CHECKED_ROWS):
+        used = pages[b0:b0 + _CHECKED_ROWS]
+        width = int(used.max()) if used.size else 0
+        if width == 0:
+            continue
+        rows = table[b0:b0 + len(used), :width]
+        rows = np.asarray(rows.numpy() if hasattr(rows, "detach") else rows, np.int64)
+        bad = np.argwhere((np.arange(width) < used[:, None]) & ((rows < 0) | (rows >= num_pages)))
         if bad.size:
-            raise ValueError(f"{op}: block_table names no page of the pool where sequence {b} "
-                             f"has keys (block_table[{b}][{bad[0]}]={row[bad[0]]}, expected 0 <= "
-                             f"page < num_pages={num_pages})")
+            i, j = (int(x) for x in bad[0])
+            raise ValueError(f"{op}: block_table names no page of the pool where sequence "
+                             f"{b0 + i} has keys (block_table[{b0 + i}][{j}]={rows[i, j]}, "
+                             f"expected 0 <= page < num_pages={num_pages})")
 
 
 def _check_max_seqlen(op, name, value, longest):
@@ -342,7 +356,7 @@ def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     pools k [num_pages, page_size, Hkv, D], v [.., Dv]; sequence b has queries
     cu_seqlens_q[b]:cu_seqlens_q[b+1] and keys 0:L_b of its pages block_table[b], L_b =
     seqused_k[b] or cu_seqlens_k[b+1] - cu_seqlens_k[b]. One flash_attn_with_kvcache call per
-    sequence with queries; rows past cu_seqlens_q[-1] get out 0 and lse -inf. max_seqlen_q /
+    query length, over the sequences of that length; rows past cu_seqlens_q[-1] get out 0 and lse -inf. max_seqlen_q /
     max_seqlen_k are checked as the library checks the non-paged call's (integers, at least the
     longest sequence, below 2^31); errors of the per-sequence calls name `op`. Returns (out,
     lse [Hq, total_q], S_dmask: empty, as without dropout)."""
@@ -415,17 +429,23 @@ def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     out = lib.zeros((total_q, heads_q, dim_v), dtype)
     lse = lib.empty((heads_q, total_q), "float64" if dtype == "float64" else "float32")
     lse[...] = -np.inf
-    for b in np.flatnonzero(np.diff(cu_q)).tolist():  # (sequences without queries: nothing)
-        q0, q1 = int(cu_q[b]), int(cu_q[b + 1])
+    # One call per query length over every sequence of that length (a decode batch: one call;
+    # sequences without queries: none), its queries gathered and its results scattered back.
+    query_lengths = np.diff(cu_q)
+    for length in np.unique(query_lengths[query_lengths > 0]).tolist():
+        seqs = np.flatnonzero(query_lengths == length)
+        rows = (cu_q[seqs][:, None] + np.arange(length)).reshape(-1)  # [n * length]
+        slopes = alibi_slopes
         if per_sequence:
-            slopes = alibi_slopes[b:b + 1]
+            slopes = [alibi_slopes[i] for i in seqs.tolist()] \
+                if isinstance(alibi_slopes, (list, tuple)) else alibi_slopes[seqs]
         try:
-            o_b, lse_b = flash_attn_with_kvcache(
-                q_arr[q0:q1][None], k, v, cache_seqlens=np.array([lengths[b]], np.int32),
-                block_table=table[b:b + 1], alibi_slopes=slopes, return_softmax_lse=True,
-                **kvcache_options)
+            o_g, lse_g = flash_attn_with_kvcache(  # [n, length, Hq, Dv], [n, Hq, length]
+                lib.reshape(q_arr[rows], (len(seqs), length) + tuple(q_arr.shape[1:])), k, v,
+                cache_seqlens=np.asarray(lengths[seqs], np.int32), block_table=table[seqs],
+                alibi_slopes=slopes, return_softmax_lse=True, **kvcache_options)
         except (ValueError, TypeError, NotImplementedError, MemoryError) as error:
             raise _naming(op, error) from None
-        out[q0:q1] = o_b[0]
-        lse[:, q0:q1] = lse_b[0]
+        out[rows] = lib.reshape(o_g, (len(rows), heads_q, dim_v))
+        lse[:, rows] = lib.reshape(lib.permute(lse_g, (1, 0, 2)), (heads_q, len(rows)))
     return give_back(out), give_back(lse), give_back(lib.empty((0,), dtype))

@@ -200,6 +200,33 @@ def test_varlen_paged_against_the_oracle(page_size):
                                         cu_k, 5, 10, dropout_p=0.1, block_table=table)
 
 
+@pytest.mark.parametrize("slopes_as", ["tensor", "list"])
+def test_varlen_paged_batches_of_mixed_lengths_against_the_oracle(slopes_as):
+    """Sequences of the same query length attend in one call: a batch of 1-, 3- and 7-row
+    sequences (and some without rows) with keys per sequence and ALiBi slopes per sequence
+    equals each sequence's oracle."""
+    gen = torch.Generator().manual_seed(5)
+    batch = 24
+    q_lens = torch.tensor([0, 1, 1, 1, 3, 7])[torch.randint(0, 6, (batch,), generator=gen)]
+    k_lens = (q_lens + torch.randint(0, 20, (batch,), generator=gen)).tolist()
+    cu_q = [0] + torch.cumsum(q_lens, 0).tolist()
+    k, v = randn(batch, 27, 2, 8, seed=1), randn(batch, 27, 2, 8, seed=2)
+    k_pool, v_pool, table = paged(k, v, 4, k_lens)
+    q = randn(cu_q[-1], 4, 8, seed=3)
+    slopes = torch.rand(batch, 4, generator=gen, dtype=torch.float64).float()
+    cu_k = torch.tensor([0] + np.cumsum(k_lens).tolist(), dtype=torch.int32)
+    out, lse, _ = attncore.flash_attn_varlen_func(
+        q, k_pool, v_pool, torch.tensor(cu_q, dtype=torch.int32), cu_k, 7, 27, causal=True,
+        block_table=table, return_attn_probs=True,
+        alibi_slopes=slopes.tolist() if slopes_as == "list" else slopes)
+    for b in range(batch):
+        rows = slice(cu_q[b], cu_q[b + 1])
+        ref_out, ref_lse = oracle(q[rows][None], k[b:b + 1], v[b:b + 1], [k_lens[b]], [0],
+                                  causal=True, alibi=slopes[b:b + 1].double())
+        assert_close(out[rows], ref_out[0], torch.float64, f"out {b}")
+        assert_close(lse[:, rows], ref_lse[0], torch.float64, f"lse {b}")
+
+
 def test_varlen_paged_checks_max_seqlen_and_names_itself():
     """flash_attn_varlen_func(block_table=...) checks max_seqlen_q / max_seqlen_k as the
     non-paged call does, and its per-sequence calls' errors name flash_attn_varlen_func."""
