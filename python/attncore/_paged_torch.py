@@ -194,6 +194,21 @@ class PagedAttention:
             raise ValueError(f"{op}: page_table is out of range (page_table[{b}][{j}]="
                              f"{int(pages[bad][0])}, expected -1 or a page index in "
                              f"[0, n_pages={self.n_pages})); nothing was erased")
+        # A page named twice, or one already free, would enter the free list twice and then be
+        # handed to two sequences.
+        row = self.page_table[b]
+        mapped = row != -1
+        values, order = row.sort(stable=True)
+        twice = _torch.zeros_like(mapped)
+        twice[order[1:]] = values[1:] == values[:-1]  # (each repeat after its first place)
+        twice &= mapped
+        free = mapped & _torch.isin(row, _torch.tensor(self.empty_pages, dtype=row.dtype))
+        if bool((twice | free).any()):
+            j = int((twice | free).nonzero()[0])
+            what = "twice" if twice[j] else "that is free"
+            raise ValueError(f"{op}: page_table maps a page {what} (page_table[{b}][{j}]="
+                             f"{int(row[j])}, expected each of the "
+                             "sequence's pages once, none of the free ones); nothing was erased")
         self.capacity[b] = 0
         self.empty_pages += pages.tolist()
         self.physical_to_logical[b, pages] = -1
@@ -235,7 +250,20 @@ class PagedAttention:
                              f"{int(input_pos[i, j])}, expected 0 <= position < capacity="
                              f"{int(rows[i])}); reserve first")
         logical = (input_pos // self.page_size).long()
+        if bool((logical >= self.page_table.shape[1]).any()):  # (capacity, public, written over)
+            i, j = (int(x) for x in (logical >= self.page_table.shape[1]).nonzero()[0])
+            raise ValueError(f"{op}: capacity is past the page table (capacity[{int(batch_idx[i])}]"
+                             f"={int(rows[i])}, expected <= n_pages * page_size="
+                             f"{self.n_pages * self.page_size})")
         physical = _torch.gather(self.page_table[batch_idx], 1, logical)
+        bad = (physical < 0) | (physical >= self.n_pages)  # (the public table, written over)
+        if bool(bad.any()):
+            i, j = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(f"{op}: page_table is out of range where input_pos writes "
+                             f"(page_table[{int(batch_idx[i])}][{int(logical[i, j])}]="
+                             f"{int(physical[i, j])} for input_pos[{i}][{j}]="
+                             f"{int(input_pos[i, j])}, expected a page index in [0, n_pages="
+                             f"{self.n_pages})); nothing was written")
         addr = (physical * self.page_size + input_pos % self.page_size).reshape(-1)
         if addr.unique().numel() != addr.numel():
             raise ValueError(f"{op}: input_pos writes one slot twice (expected distinct slots)")

@@ -387,6 +387,43 @@ def test_paged_attention_assign_refuses_caches_it_would_write_wrongly():
     assert not cache.any()
 
 
+def test_paged_attention_assign_and_erase_check_the_public_page_table():
+    """page_table and capacity are public tensors: assign refuses entries it would write
+    through (-1 wrapped around into another sequence's page) and a capacity past the table,
+    erase a page named twice or already free (it would be handed to two sequences)."""
+    attn = attncore.torch.PagedAttention(4, 4, 2)
+    attn.reserve(0, 4)
+    attn.reserve(1, 4)
+    page, free = int(attn.page_table[0, 0]), attn.empty_pages[0]
+    one = torch.full((1, 1, 1, 2), 7.0)
+    cache = torch.zeros(1, 1, 16, 2)
+    attn.page_table[0, 0] = -1
+    raises(ValueError, lambda: attn.assign([0], [[0]], one, one, cache, cache.clone()),
+           r"page_table is out of range where input_pos writes (page_table[0][0]=-1 for "
+           r"input_pos[0][0]=0, expected a page index in [0, n_pages=4)); nothing was written")
+    attn.page_table[0, 0] = 100
+    raises(ValueError, lambda: attn.assign([0], [[0]], one, one, cache, cache.clone()),
+           "page_table[0][0]=100 for input_pos[0][0]=0")
+    attn.page_table[0, 0] = page
+    attn.capacity[0] = 100
+    raises(ValueError, lambda: attn.assign([0], [[50]], one, one, cache, cache.clone()),
+           "capacity is past the page table (capacity[0]=100, expected <= n_pages * "
+           "page_size=16)")
+    assert not cache.any()
+    attn.capacity[0] = 4
+    attn.page_table[0, 1] = attn.page_table[0, 0]
+    raises(ValueError, lambda: attn.erase(0),
+           f"page_table maps a page twice (page_table[0][1]={page}, expected each of the "
+           "sequence's pages once, none of the free ones); nothing was erased")
+    attn.page_table[0, 1] = free
+    raises(ValueError, lambda: attn.erase(0), "page_table maps a page that is free "
+           f"(page_table[0][1]={free}")
+    attn.page_table[0, 1] = -1
+    attn.erase(0)
+    attn.erase(1)
+    assert sorted(attn.empty_pages) == [0, 1, 2, 3]
+
+
 def test_paged_attention_refuses_sizes_past_what_it_can_hold():
     raises(ValueError, lambda: attncore.torch.PagedAttention(8, 2 ** 62, 3),
            "n_pages * page_size is too large")
