@@ -243,6 +243,7 @@ py::object attend_kvcache(py::handle q, py::handle k_cache, py::handle v_cache, 
   const auto blens = length ? std::optional<std::optional<Borrowed>>(std::optional<Borrowed>{})
                             : index(cache_seqlens, "cache_seqlens");
   if (!blens || (!length && !blens->has_value())) return general;
+  if (length && batch == 0) return general;  // (whose check of the int no sequence would make)
   const attncore::KvCacheSeqs seqs{
       length ? TensorView::contiguous(lengths.data(), DType::i32, {batch}) : (*blens)->view(),
       view_of(*bidx), view_of(*bpad), view_of(*btable)};

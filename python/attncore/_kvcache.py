@@ -254,6 +254,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = capacity
     if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
         length = int_option(op, "cache_seqlens", cache_seqlens, -INT32_MAX - 1, INT32_MAX)
+        if not 0 <= length <= capacity:  # (also where no sequence would carry it: B = 0)
+            raise ValueError(f"{op}: cache_seqlens is out of range (cache_seqlens={length}, "
+                             f"expected 0 <= cache_seqlens <= capacity={capacity})")
         seqlens = np.full((batch,), length, np.int32)
     elif isinstance(cache_seqlens, (float, bool, np.floating, np.bool_)):
         raise TypeError(f"{op}: cache_seqlens is not an integer (type="

@@ -23,8 +23,13 @@ INT64_MAX = 2 ** 63 - 1
 
 def real_option(op, name, value):
     """A float option (scale, softcap, dropout_p) as a float: TypeError for anything but a real
-    number, ValueError past the float range. Its range is the library's to check."""
-    real = (hasattr(type(value), "__float__") and not isinstance(value, str)
+    number (bools too, as integer options refuse them), ValueError past the float range,
+    NotImplementedError for a tensor that requires grad (no gradient reaches it). Its range is
+    the library's to check."""
+    if getattr(value, "requires_grad", False):
+        raise NotImplementedError(f"{op}: {name} requires grad (requires_grad=True, expected a "
+                                  "number: no gradient flows to it); pass a float")
+    real = (hasattr(type(value), "__float__") and not isinstance(value, (str, bool, np.bool_))
             and (isinstance(value, numbers.Real) or not isinstance(value, numbers.Complex)))
     if real:
         try:

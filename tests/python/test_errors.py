@@ -217,6 +217,10 @@ WRONG_TYPE = {
     "dropout-list": (lambda: SDPA(q, k, v, dropout_p=[0.1]), r"dropout_p is not a real number"),
     "softcap-string": (lambda: FLASH(fq, fk, fk, softcap="1"),
                        r"^flash_attn_func: softcap is not a real number \(type=str"),
+    "softcap-bool": (lambda: FLASH(fq, fk, fk, softcap=True),
+                     r"^flash_attn_func: softcap is not a real number \(type=bool"),
+    "scale-numpy-bool": (lambda: SDPA(q, k, v, scale=np.True_),
+                         r"^scaled_dot_product_attention: scale is not a real number \(type=bool"),
     "enable-gqa-string": (lambda: SDPA(q, k, v, enable_gqa="no"),
                           r"^scaled_dot_product_attention: enable_gqa is not a bool"),
     "enable-gqa-none": (lambda: SDPA(q, k, v, enable_gqa=None),
@@ -425,6 +429,9 @@ UNSUPPORTED.update({
                      r"\(dlpack device_type=2"),
     "other-device-key": (lambda: SDPA(q, OtherDevice(), v),
                          r"^scaled_dot_product_attention: key is not in CPU memory"),
+    "scale-requires-grad": (lambda: SDPA(q, k, v, scale=torch.tensor(0.5, requires_grad=True)),
+                            r"^scaled_dot_product_attention: scale requires grad "
+                            r"\(requires_grad=True, expected a number"),
 })
 
 

@@ -281,3 +281,15 @@ def test_paged_cache_dtypes_and_positions_by_type():
     cache.reserve(0, 4)
     cache.assign(0, [0], torch.ones(1, 1, 8), torch.ones(1, 1, 8))
     assert view[0, 0].eq(1).all()
+
+
+def test_an_int_cache_seqlens_is_checked_without_sequences():
+    """An int cache_seqlens is broadcast over q's batch; out of range it is refused also where
+    that batch is empty (it was accepted then)."""
+    q, cache = np.zeros((0, 1, 1, 8), np.float32), np.zeros((0, 4, 1, 8), np.float32)
+    for length in (-5, 5):
+        with pytest.raises(ValueError, match=r"^flash_attn_with_kvcache: cache_seqlens is out of "
+                           rf"range \(cache_seqlens={length}, expected 0 <= cache_seqlens <= "
+                           r"capacity=4\)$"):
+            attncore.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=length)
+    assert attncore.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=4).shape == (0, 1, 1, 8)
