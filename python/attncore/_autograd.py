@@ -22,8 +22,10 @@ class _SecondDerivative(_torch.autograd.Function):
     derivative of them (a double backward through attention) raises NotImplementedError."""
 
     @staticmethod
-    def forward(ctx, *grads):
-        return grads
+    def forward(ctx, count, *tensors):
+        # The first `count` tensors are the gradients; the others (the call's inputs that
+        # require grad) are there only so that the gradients' graph reaches them.
+        return tensors[:count]
 
     @staticmethod
     def backward(ctx, *_):
@@ -46,9 +48,15 @@ def first_order(backward):
         if not _torch.is_grad_enabled():  # create_graph=False
             return grads
         given = [g for g in grads if isinstance(g, _torch.Tensor)]
-        if not given:
+        # The call's inputs (its saved tensors, dout) that require grad: the gradients' graph
+        # goes through _SecondDerivative to them, so that torch.autograd.grad(f(g), q) meets
+        # its error too (with detached leaves in their place q was not in that graph: torch's
+        # own RuntimeError, or None with allow_unused).
+        anchors = [t for t in (*ctx.saved_tensors, *args)
+                   if isinstance(t, _torch.Tensor) and t.requires_grad]
+        if not given or not anchors:
             return grads
-        marked = _SecondDerivative.apply(*(g.detach().requires_grad_() for g in given))
+        marked = _SecondDerivative.apply(len(given), *(g.detach() for g in given), *anchors)
         marked = iter(marked if isinstance(marked, tuple) else (marked,))
         return tuple(next(marked) if isinstance(g, _torch.Tensor) else g for g in grads)
     return wrapped

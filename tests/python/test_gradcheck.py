@@ -115,6 +115,11 @@ def test_second_derivatives_raise_instead_of_reading_zero(name):
     with pytest.raises(NotImplementedError, match=r"^backward: a second derivative is not "
                                                   r"supported \(create_graph=True"):
         gq.pow(2).sum().backward()
+    # torch.autograd.grad too, with respect to an input (its graph reaches q, k and v).
+    for wrt in (q, k):
+        for unused in (False, True):
+            with pytest.raises(NotImplementedError, match=r"^backward: a second derivative"):
+                torch.autograd.grad(gq.pow(2).sum(), wrt, allow_unused=unused)
 
 
 @pytest.mark.parametrize("name", list(_calls()))
