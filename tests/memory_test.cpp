@@ -254,6 +254,49 @@ TEST(Memory, AddressSpaceLimitIsTheLimit) {
             std::string::npos)
       << message;
 }
+
+// A backward with a bias gradient counts the f64 sums every backend keeps for it (8 bytes per
+// element of the mask's shape) with the backend's workspace: under RLIMIT_AS 1 GiB above what
+// the process holds, a mask whose sums pass that limit (its dbias, given, half as large, mapped
+// but never touched), which flash allocated midway through the call (out of memory while
+// running, outputs incomplete); now refused before anything is written.
+TEST(Memory, BiasGradientSumsAreCountedUpFront) {
+  if (status_kib("VmSize") < 0) GTEST_SKIP() << "no /proc/self/status here";
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_AS, &saved), 0);
+  const std::int64_t limit = vm_size_bytes() + (std::int64_t{1} << 30);
+  if (saved.rlim_cur != RLIM_INFINITY && static_cast<std::int64_t>(saved.rlim_cur) < limit) {
+    GTEST_SKIP() << "RLIMIT_AS is already lower";
+  }
+  // lq * lk elements of the mask: their f64 sums 8 MiB past the limit, dbias half of them.
+  const std::int64_t lk = 16384, d = 8, lq = (limit / 8 + (std::int64_t{1} << 20)) / lk + 1;
+  float zero = 0, row[8] = {};
+  const TensorView q = TensorView::strided(row, DType::f32, {1, 1, lq, d}, {0, 0, 0, 1});
+  const TensorView kv = TensorView::strided(row, DType::f32, {1, 1, lk, d}, {0, 0, 0, 1});
+  const TensorView lse = TensorView::strided(&zero, DType::f32, {1, 1, lq}, {0, 0, 0});
+  Tensor dq(DType::f32, {1, 1, lq, d}), dk(DType::f32, {1, 1, lk, d}),
+      dv(DType::f32, {1, 1, lk, d});
+  Tensor dbias(DType::f32, {1, 1, lq, lk});  // (untouched: mapped, not resident)
+  Options o;
+  o.mask = TensorView::strided(&zero, DType::f32, {1, 1, lq, lk}, {0, 0, 0, 0});
+  o.compute_dbias = true;
+  o.num_threads = 1;
+  rlimit lowered = saved;
+  lowered.rlim_cur = static_cast<rlim_t>(limit);
+  std::string message;
+  ASSERT_EQ(setrlimit(RLIMIT_AS, &lowered), 0);
+  try {
+    backward_into(q, q, kv, kv, q, lse, dq, dk, dv, dbias.view(), o, Backend::flash);
+  } catch (const OutOfMemory& e) {
+    message = e.what();
+  }
+  ASSERT_EQ(setrlimit(RLIMIT_AS, &saved), 0);
+  EXPECT_EQ(message.rfind("backward: the flash backend's workspace exceeds the memory this "
+                          "process may use (workspace=",
+                          0),
+            0u)
+      << message;
+}
 #endif
 
 // The cgroup limit: v2's memory.max and v1's memory.limit_in_bytes over the process's cgroup and

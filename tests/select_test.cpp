@@ -107,6 +107,27 @@ TEST(SelectReasons, FlashRejectsF64) {
                 reason);
 }
 
+// Flash scores in log2 units: a scale whose product with log2(e) overflows f32 gave wrong
+// outputs; auto takes math for it, and flash named refuses it.
+TEST(SelectReasons, FlashRejectsScalesPastItsLog2Units) {
+  const TensorView q = fake(DType::f32, {1, 2, 8, 16});
+  Options o;
+  o.scale = 3e38;
+  const Explanation e = explain_forward(q, q, q, o);
+  ASSERT_EQ(verdict_of(e, Backend::flash).reasons.size(), 1u);
+  EXPECT_EQ(
+      verdict_of(e, Backend::flash)
+          .reasons[0]
+          .rfind("flash: scale is too large for its log2 units (scale=3e+38, expected |scale| <= "
+                 "2.359e+38",
+                 0),
+      0u)
+      << verdict_of(e, Backend::flash).reasons[0];
+  EXPECT_EQ(e.chosen, Backend::math);
+  o.scale = 2.35e38;  // (its product with log2(e) is finite)
+  EXPECT_TRUE(verdict_of(explain_forward(q, q, q, o), Backend::flash).reasons.empty());
+}
+
 struct MathLimit {
   const char* name;
   std::int64_t lq, lk, d, dv;

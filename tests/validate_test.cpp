@@ -203,6 +203,9 @@ std::vector<BadInput> bad_inputs() {
       [](Call& c) { c.options.dropout_p = -0.1; });
   add("dropout_one", Op::forward, {"dropout_p=1"}, [](Call& c) { c.options.dropout_p = 1.0; });
   add("dropout_nan", Op::forward, {"dropout_p=nan"}, [](Call& c) { c.options.dropout_p = kNaN; });
+  // 1 in f32, as dropout compares it: it would keep nothing (1 - 2^-24 is taken).
+  add("dropout_one_in_f32", Op::forward, {"dropout_p is too close to 1", "1 - 2^-25"},
+      [](Call& c) { c.options.dropout_p = 1.0 - 0x1p-25; });
   add("window_left", Op::forward, {"window_left=-2"}, [](Call& c) { c.options.window_left = -2; });
   add("window_right", Op::forward, {"window_right=-5"},
       [](Call& c) { c.options.window_right = -5; });

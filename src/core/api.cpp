@@ -9,6 +9,7 @@
 
 #include "attncore/attncore.h"
 #include "core/cpu_info.h"
+#include "core/dbias.h"
 #include "core/exit_guard.h"
 #include "core/select.h"
 #include "core/sequence.h"
@@ -46,7 +47,10 @@ void guarded(const char* op, const char* stage, Fn&& fn) {
 void check_memory(const char* op, const detail::BackendEntry& backend, Pass pass, const Params& p,
                   const Launch& launch, double output_bytes) {
   const bool no_work = pass == Pass::forward ? p.empty_output() : p.empty_backward();
-  const double workspace = no_work ? 0 : backend.workspace_bytes(pass, p, launch);
+  const double workspace =
+      no_work ? 0
+              : backend.workspace_bytes(pass, p, launch) +
+                    (pass == Pass::backward ? detail::DbiasAccumulator::bytes(p) : 0);
   const MemoryLimit limit = memory_limit();
   if (workspace + output_bytes <= limit.bytes) return;
   const std::string name(name_of(backend.id));

@@ -25,6 +25,17 @@ class DbiasAccumulator {
     values_.assign(static_cast<std::size_t>(running), 0.0);
   }
 
+  // The bytes one takes for p (0 without a bias gradient), which every backend's backward
+  // makes: the memory check counts them with the backend's own workspace.
+  static double bytes(const Params& p) {
+    if (!p.compute_dbias) return 0;
+    double n = 8;
+    for (int d = 0; d < p.mask_original.rank; ++d) {
+      n *= static_cast<double>(p.mask_original.size(d));
+    }
+    return n;
+  }
+
   bool active() const { return !values_.empty(); }
   double* row(std::int64_t b, std::int64_t h, std::int64_t i) {
     return values_.data() + b * stride_[0] + h * stride_[1] + i * stride_[2];

@@ -3,6 +3,7 @@
 #include "core/validate.h"
 
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -110,6 +111,15 @@ void resolve_variant(const Checker& check, const Options& o, Params& p) {
   if (!(o.dropout_p >= 0.0 && o.dropout_p < 1.0)) {
     check.fail("dropout_p is out of range (dropout_p=" + fmt_double(o.dropout_p) +
                ", expected 0 <= dropout_p < 1)");
+  }
+  // Dropout compares each uniform with p in f32 (core/philox.h): from 1 - 2^-25 on, p rounds to
+  // 1 there and no element is ever kept.
+  if (static_cast<float>(o.dropout_p) >= 1.0f) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%.17g", o.dropout_p);  // (6 digits would print 1)
+    check.fail("dropout_p is too close to 1 (dropout_p=" + std::string(text) +
+               ", expected dropout_p < 1 - 2^-25: in f32, as dropout compares it, it is 1 and "
+               "would keep nothing)");
   }
   p.dropout.p = o.dropout_p;
   p.dropout.seed = o.seed;

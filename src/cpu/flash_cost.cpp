@@ -1,6 +1,7 @@
 // The flash backend's entry in the backend table: what it cannot run, its cost term (fitted
 // to its measured times; core/cost.h says how) and the kernel shapes the model reads.
 #include <cmath>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -153,6 +154,18 @@ void flash_can_use(Pass, const Params& p, std::vector<std::string>& reasons) {
     reasons.push_back(
         "flash: dtype f64 is not supported (dtype=f64, expected f32, bf16 or f16); math and "
         "reference run f64");
+  }
+  // Flash scores in log2 units, scale x log2(e) in f32: past FLT_MAX / log2(e) that factor is
+  // inf, and scores it turned to inf gave wrong outputs where the scores themselves were finite
+  // (scale 3e38 over keys of 1e-3: errors of 2, LSE 2.36e38 for 1.06e36).
+  constexpr double kMaxScale = 3.4028234663852886e38 / 1.4426950408889634;
+  if (std::abs(p.scale) > kMaxScale) {
+    char text[200];
+    std::snprintf(text, sizeof text,
+                  "flash: scale is too large for its log2 units (scale=%.4g, expected |scale| <= "
+                  "%.4g: scale x log2(e) within f32); math and reference take it",
+                  p.scale, kMaxScale);
+    reasons.push_back(text);
   }
 }
 

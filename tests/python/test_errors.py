@@ -66,6 +66,8 @@ INVALID = {
                              r"alibi_slopes has the wrong dtype \(dtype=i32, expected f32"),
     "dropout-one": (lambda: SDPA(q, k, v, dropout_p=1.0), r"dropout_p is out of range"),
     "dropout-negative": (lambda: SDPA(q, k, v, dropout_p=-0.1), r"dropout_p is out of range"),
+    "dropout-one-in-f32": (lambda: SDPA(q, k, v, dropout_p=1 - 2 ** -25),
+                           r"dropout_p is too close to 1 \(dropout_p=0.99999997"),
     "scale-nan": (lambda: SDPA(q, k, v, scale=float("nan")), r"scale is invalid \(scale=nan"),
     # Any finite scale is taken (<= 0 applied to q), so a bad one is named without "> 0".
     "scale-inf": (lambda: SDPA(q, k, v, scale=-float("inf")),
