@@ -109,6 +109,9 @@ def sdpa_kernel(backends, set_priority=False):
                                                                       backends) is not False:
         backends = [backends]
     try:
+        # (bytes and mappings: iterable, but of ints and of keys, not of backends)
+        if isinstance(backends, (bytes, bytearray, dict)):
+            raise TypeError
         backends = list(backends)
     except TypeError:
         raise TypeError(f"sdpa_kernel: backends is not a backend or a list of them "

@@ -57,7 +57,7 @@ def test_invalid_backends_raise_value_error():
         with pytest.raises(ValueError, match="^sdpa_kernel: "):
             with sdpa_kernel(bad):
                 pass
-    for bad in ([3], 3, None):
+    for bad in ([3], 3, None, b"math", {"flash": 1}):
         with pytest.raises(TypeError, match=r"^sdpa_kernel: backends? is not a backend"):
             with sdpa_kernel(bad):
                 pass
