@@ -494,6 +494,31 @@ TEST(SplitKv, Planner) {
   p.num_splits = 4;
   p.seq.lq = 17;
   EXPECT_EQ(detail::plan_kv_splits(p, layout, 64), 1);
+  // Planned parts hold at most 2^22 keys, on any CPU count (up to kMaxSplits parts).
+  p.num_splits = 0;
+  p.seq.lq = 1;
+  p.seq.lk = (std::int64_t{5} << 22) + 1;
+  EXPECT_EQ(detail::plan_kv_splits(p, layout, 1), 6);
+  p.heads_kv = p.batch = 64;
+  EXPECT_EQ(detail::plan_kv_splits(p, layout, 2), 6);  // (64 units would not split)
+  p.seq.lk = INT32_MAX;
+  EXPECT_EQ(detail::plan_kv_splits(p, layout, 2), kMaxSplits);
+}
+
+// A decode row of 2^26 keys of equal scores, V = 1, on one thread (K and V broadcast rows):
+// each planned part sums at most 2^22 keys' P V in f32, so the output is 1, where parts of 2^25
+// keys (two CPUs' split) stopped at 2^24 and gave 0.5.
+TEST(SplitKv, LongRowsAreCutBelowF32Saturation) {
+  const std::int64_t lk = std::int64_t{1} << 26;
+  float zero[8] = {}, one[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+  const TensorView q = TensorView::contiguous(zero, DType::f32, {1, 1, 1, 8});
+  const TensorView k = TensorView::strided(zero, DType::f32, {1, 1, lk, 8}, {0, 0, 0, 1});
+  const TensorView v = TensorView::strided(one, DType::f32, {1, 1, lk, 8}, {0, 0, 0, 1});
+  Options o;
+  o.num_threads = 1;
+  const ForwardResult r = forward(q, k, v, o, Backend::flash);
+  for (double x : read_view(r.out.view())) EXPECT_EQ(x, 1.0);
+  EXPECT_NEAR(read_view(r.lse.view())[0], std::log(static_cast<double>(lk)), 1e-5);
 }
 
 // Cancellation between parts: the flag set after the first task has run its parts stops the

@@ -23,8 +23,16 @@ namespace {
 // the second thread brings). Hq=4 (memory-bound) changed by under 5% either way at these sizes.
 constexpr std::int64_t kMinSplitKeys = 1024;
 
-// The parts of a dense or cache call's groups (every sequence the same).
-std::int64_t plan_call_splits(const Params& p, const FlashLayout& layout, int cpus) {
+// Planned parts hold at most this many keys: a part adds each key's P V into its rows'
+// running outputs in f32, which stop growing once they are 2^24 times the terms they add
+// (2^25 keys of equal scores gave 0.5 for 1.0 unsplit); 2^22 keeps a factor 4 from there. The
+// merge weighs the parts' outputs by their f64 LSEs. (Up to kMaxSplits parts: Lk past 2^30
+// gets parts of up to 2^23 keys.)
+constexpr std::int64_t kMaxPartKeys = std::int64_t{1} << 22;
+
+// The parts of a dense or cache call's groups (every sequence the same) that the CPUs ask
+// for, or the call's num_splits.
+std::int64_t splits_for_cpus(const Params& p, const FlashLayout& layout, int cpus) {
   // Split: calls whose kv groups are one work item each (group * Lq rows within one block of
   // rows: decode, GQA decode, short chunks), which read K/V in place (flash_reads_kv_in_place)
   // or pack each tile just before its use: a part reads only its own keys. Not split: groups
@@ -56,6 +64,15 @@ std::int64_t plan_call_splits(const Params& p, const FlashLayout& layout, int cp
   const std::int64_t min_tiles = (kMinSplitKeys + layout.key_tile - 1) / layout.key_tile;
   splits = std::min({splits, tiles / min_tiles, std::int64_t{kMaxSplits}});
   return std::max<std::int64_t>(splits, 1);
+}
+
+// The parts of a dense or cache call's groups: splits_for_cpus, and, unless the call names its
+// count, at least enough parts of at most kMaxPartKeys keys.
+std::int64_t plan_call_splits(const Params& p, const FlashLayout& layout, int cpus) {
+  const std::int64_t planned = splits_for_cpus(p, layout, cpus);
+  if (p.num_splits > 0 || p.group * p.seq.max_q() > layout.block_rows) return planned;
+  const std::int64_t needed = (p.seq.max_k() + kMaxPartKeys - 1) / kMaxPartKeys;
+  return std::max(planned, std::min(needed, std::int64_t{kMaxSplits}));
 }
 
 }  // namespace
