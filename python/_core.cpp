@@ -368,6 +368,8 @@ py::tuple explain_backward_varlen(py::handle dout, py::handle q, py::handle k, p
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "attncore's C++ library on Python arrays (used by the attncore package)";
+  // Key counts below which no split-KV part is planned (attncore/options.h).
+  m.attr("MIN_SPLIT_KEYS") = attncore::kMinSplitKeys;
 
   attncore_python::set_main_thread(
       py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>());

@@ -119,7 +119,7 @@ TEST(SelectReasons, FlashRejectsScalesPastItsLog2Units) {
       verdict_of(e, Backend::flash)
           .reasons[0]
           .rfind("flash: scale is too large for its log2 units (scale=3e+38, expected |scale| <= "
-                 "2.359e+38",
+                 "2.35865e+38",
                  0),
       0u)
       << verdict_of(e, Backend::flash).reasons[0];

@@ -144,8 +144,8 @@ TEST(Varlen, EmptyBatchesAndSequences) {
 }
 
 // Sequences without rows do no work however many heads their empty tensors claim: before, the
-// backward looped, or sized a list, per query head (2^61 of them here), and the reference's
-// workspace, sized by the key length, was refused for a batch of nothing.
+// backward looped, or sized a list, per query head (2^61 of them here); and the reference's
+// workspace, sized by the key length, was refused for a dense batch of nothing.
 TEST(Varlen, EmptySequencesOfHugeHeadCountsDoNoWork) {
   const std::int64_t heads = std::int64_t{1} << 61;
   float cell = 0;
@@ -163,13 +163,13 @@ TEST(Varlen, EmptySequencesOfHugeHeadCountsDoNoWork) {
     EXPECT_EQ(g.dq.view().numel(), 0);
     EXPECT_EQ(g.dk.view().numel(), 0);
   }
-  // A batch of nothing over a key length the reference's workspace could not hold (8 bytes
-  // per key and thread: 1.1e12 bytes).
-  s.max_seqlen_k = INT32_MAX;
+  // A dense batch of nothing over a key length the reference's workspace could not hold (8
+  // bytes per key and thread: 1.1e12 bytes), refused before.
+  const TensorView q0 = TensorView::contiguous(&cell, DType::f32, {0, 1, 1, 8});
+  const TensorView kv0 = TensorView::contiguous(&cell, DType::f32, {0, 1, INT32_MAX, 8});
   Options o;
   o.num_threads = 64;
-  const ForwardResult f = forward_varlen(q, kv, kv, s, o, Backend::reference);
-  EXPECT_EQ(f.lse.view().numel(), 0);
+  EXPECT_EQ(forward(q0, kv0, kv0, o, Backend::reference).lse.view().numel(), 0);
 }
 
 // Thousands of sequences, one of them long: every sequence matches its own dense call.

@@ -14,7 +14,8 @@ constexpr int kExitOk = 0;
 constexpr int kExitLibraryError = 1;
 constexpr int kExitUsage = 2;
 
-// A command line the program cannot run: reported with the usage text, exit code 2.
+// A command line the program cannot run: reported with a line on where the flags are listed,
+// exit code 2.
 struct UsageError {
   std::string message;
 };

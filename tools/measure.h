@@ -56,7 +56,7 @@ struct RunResult {
   double flops = 0, seconds = 0;
   double bwd_flops = 0, bwd_seconds = 0;
   std::optional<CheckResult> check;
-  double kv_bytes = 0;  // a cache call: the K/V bytes one call reads (each slot once)
+  double kv_bytes = 0;  // a cache call: the K/V bytes one call reads (each key some row sees, once)
 };
 
 // Times the forward (and with cfg.backward the backward) on cfg.backend, best of cfg.repeat

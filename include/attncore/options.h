@@ -23,6 +23,11 @@ inline constexpr int kMaxThreads = 1024;
 // planner stops at 128.
 inline constexpr int kMaxSplits = 256;
 
+// The fewest keys of a planned split part (src/cpu/flash_split_kv.cpp has its measurement): a
+// kv group of at most this many keys is never split unless num_splits forces it, so its bits
+// are the same in any batch, alone or not.
+inline constexpr int kMinSplitKeys = 1024;
+
 // The process-wide thread count of calls whose Options::num_threads is 0 (docs/design.md
 // section 8's order: Options::num_threads, else this setting, else ATTNCORE_NUM_THREADS, else
 // the CPUs the calling thread may run on). 1 to kMaxThreads sets it; 0 resets it (calls follow

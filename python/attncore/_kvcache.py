@@ -254,7 +254,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = capacity
     if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
         length = int_option(op, "cache_seqlens", cache_seqlens, -INT32_MAX - 1, INT32_MAX)
-        if not 0 <= length <= capacity:  # (also where no sequence would carry it: B = 0)
+        # (Checked here where no sequence would carry it to the library's check: B = 0.)
+        if batch == 0 and not 0 <= length <= capacity and (not paged or len(table.shape) == 2):
             raise ValueError(f"{op}: cache_seqlens is out of range (cache_seqlens={length}, "
                              f"expected 0 <= cache_seqlens <= capacity={capacity})")
         seqlens = np.full((batch,), length, np.int32)

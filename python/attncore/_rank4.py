@@ -23,13 +23,16 @@ INT64_MAX = 2 ** 63 - 1
 
 def real_option(op, name, value):
     """A float option (scale, softcap, dropout_p) as a float: TypeError for anything but a real
-    number (bools too, as integer options refuse them), ValueError past the float range,
-    NotImplementedError for a tensor that requires grad (no gradient reaches it). Its range is
-    the library's to check."""
-    if getattr(value, "requires_grad", False):
+    number (bools too, and arrays of bool, as integer options refuse them), ValueError past
+    the float range, NotImplementedError for a tensor that requires grad under grad mode (no
+    gradient reaches it). Its range is the library's to check."""
+    torch = _arrays._torch()
+    if (getattr(value, "requires_grad", False) and torch is not None
+            and torch.is_grad_enabled()):
         raise NotImplementedError(f"{op}: {name} requires grad (requires_grad=True, expected a "
                                   "number: no gradient flows to it); pass a float")
     real = (hasattr(type(value), "__float__") and not isinstance(value, (str, bool, np.bool_))
+            and str(getattr(value, "dtype", "")) not in ("bool", "torch.bool")
             and (isinstance(value, numbers.Real) or not isinstance(value, numbers.Complex)))
     if real:
         try:

@@ -162,9 +162,9 @@ void flash_can_use(Pass, const Params& p, std::vector<std::string>& reasons) {
   if (std::abs(p.scale) > kMaxScale) {
     char text[200];
     std::snprintf(text, sizeof text,
-                  "flash: scale is too large for its log2 units (scale=%.4g, expected |scale| <= "
-                  "%.4g: scale x log2(e) within f32); math and reference take it",
-                  p.scale, kMaxScale);
+                  "flash: scale is too large for its log2 units (scale=%.6g, expected |scale| <= "
+                  "%.6g: scale x log2(e) within f32); math and reference take it",
+                  p.scale, std::floor(kMaxScale / 1e33) * 1e33);  // (the bound rounded down)
     reasons.push_back(text);
   }
 }

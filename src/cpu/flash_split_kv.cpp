@@ -16,12 +16,12 @@ namespace attncore::detail {
 
 namespace {
 
-// Parts shorter than this many keys are not planned. Measured on this machine (2 cores, B=1
-// Hkv=1 D=128 f32 dense decode, `attncore run --num-splits`, medians of 9 interleaved runs on
-// 2 threads): Hq=32, Lk=2048: 0.209 ms unsplit, 0.164 ms in 2 parts of 1024 keys; Lk=1024:
-// 0.108 ms unsplit, 0.121 ms in 2 parts of 512 (the parts' start and the merge cost more than
-// the second thread brings). Hq=4 (memory-bound) changed by under 5% either way at these sizes.
-constexpr std::int64_t kMinSplitKeys = 1024;
+// Parts shorter than attncore::kMinSplitKeys (1024) keys are not planned. Measured on this
+// machine (2 cores, B=1 Hkv=1 D=128 f32 dense decode, `attncore run --num-splits`, medians of 9
+// interleaved runs on 2 threads): Hq=32, Lk=2048: 0.209 ms unsplit, 0.164 ms in 2 parts of 1024
+// keys; Lk=1024: 0.108 ms unsplit, 0.121 ms in 2 parts of 512 (the parts' start and the merge
+// cost more than the second thread brings). Hq=4 (memory-bound) changed by under 5% either way
+// at these sizes.
 
 // Planned parts hold at most this many keys: a part adds each key's P V into its rows'
 // running outputs in f32, which stop growing once they are 2^24 times the terms they add

@@ -223,6 +223,8 @@ WRONG_TYPE = {
                      r"^flash_attn_func: softcap is not a real number \(type=bool"),
     "scale-numpy-bool": (lambda: SDPA(q, k, v, scale=np.True_),
                          r"^scaled_dot_product_attention: scale is not a real number \(type=bool"),
+    "softcap-bool-tensor": (lambda: FLASH(fq, fk, fk, softcap=torch.tensor(True)),
+                            r"^flash_attn_func: softcap is not a real number \(type=Tensor"),
     "enable-gqa-string": (lambda: SDPA(q, k, v, enable_gqa="no"),
                           r"^scaled_dot_product_attention: enable_gqa is not a bool"),
     "enable-gqa-none": (lambda: SDPA(q, k, v, enable_gqa=None),
@@ -579,3 +581,13 @@ def test_integers_of_thousands_of_digits_are_named_short():
     assert number_text(np.int64(3_000_000_000)) == "3000000000"
     assert number_text(10**20) == "1e+20" and number_text(-(10**25)) == "-1e+25"
     assert number_text(99999 * 10**20) == "1e+25" and number_text(2.5) == "2.5"
+
+
+def test_a_scale_that_requires_grad_is_taken_under_no_grad():
+    """As the package's other refusals of grad: only under grad mode (no gradient is asked for
+    under torch.no_grad())."""
+    q = torch.randn(1, 2, 3, 8)
+    scale = torch.tensor(0.5, requires_grad=True)
+    with torch.no_grad():
+        out = attncore.torch.scaled_dot_product_attention(q, q, q, scale=scale)
+    assert torch.equal(out, attncore.torch.scaled_dot_product_attention(q, q, q, scale=0.5))

@@ -227,6 +227,38 @@ def test_varlen_paged_batches_of_mixed_lengths_against_the_oracle(slopes_as):
         assert_close(lse[:, rows], ref_lse[0], torch.float64, f"lse {b}")
 
 
+def test_varlen_paged_is_the_per_sequence_loop_and_the_dense_call_bit_for_bit():
+    """Paged varlen gives, bit for bit, what one cache call per sequence gives and what the
+    non-paged varlen call over the same keys gives (shuffled pages == dense; packed == the
+    per-sequence loop), with short sequences (one call per query length) and long ones
+    (planned split-KV, one call each) in one batch, on flash (automatic selection may take
+    another backend for a call of one short sequence)."""
+    gen = torch.Generator().manual_seed(7)
+    q_lens = [1, 1, 3, 1, 3, 1, 1]
+    k_lens = [5, 900, 40, 3000, 1024, 1025, 5000]
+    cu_q = [0] + np.cumsum(q_lens).tolist()
+    batch, capacity = len(q_lens), max(k_lens)
+    k = torch.randn(batch, capacity, 2, 16, generator=gen)
+    v = torch.randn(batch, capacity, 2, 16, generator=gen)
+    k_pool, v_pool, table = paged(k, v, 16, k_lens)
+    q = torch.randn(cu_q[-1], 4, 16, generator=gen)
+    cu_q32 = torch.tensor(cu_q, dtype=torch.int32)
+    cu_k = torch.tensor([0] + np.cumsum(k_lens).tolist(), dtype=torch.int32)
+    out = attncore.flash_attn_varlen_func(q, k_pool, v_pool, cu_q32, cu_k, 3, capacity,
+                                          causal=True, block_table=table, backend="flash")
+    packed_k = torch.cat([k[b, :k_lens[b]] for b in range(batch)])
+    packed_v = torch.cat([v[b, :k_lens[b]] for b in range(batch)])
+    dense = attncore.flash_attn_varlen_func(q, packed_k, packed_v, cu_q32, cu_k, 3, capacity,
+                                            causal=True, backend="flash")
+    assert torch.equal(out, dense)
+    for b in range(batch):
+        rows = slice(cu_q[b], cu_q[b + 1])
+        alone = attncore.flash_attn_with_kvcache(
+            q[rows][None], k_pool, v_pool, cache_seqlens=torch.tensor([k_lens[b]]).int(),
+            block_table=table[b:b + 1], causal=True, backend="flash")
+        assert torch.equal(out[rows], alone[0]), b
+
+
 def test_varlen_paged_checks_max_seqlen_and_names_itself():
     """flash_attn_varlen_func(block_table=...) checks max_seqlen_q / max_seqlen_k as the
     non-paged call does, and its per-sequence calls' errors name flash_attn_varlen_func."""
