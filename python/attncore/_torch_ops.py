@@ -111,7 +111,7 @@ def _checked(query, key, value, attn_mask, is_causal, enable_gqa):
 def _sdpa_autograd(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                    scale=None, enable_gqa=False):
     query, enable_gqa = _checked(query, key, value, attn_mask, is_causal, enable_gqa)
-    if attn_mask is not None and attn_mask.requires_grad:
+    if attn_mask is not None and attn_mask.requires_grad and _torch.is_grad_enabled():
         raise NotImplementedError(
             "attncore.scaled_dot_product_attention (torch operator): a float attn_mask that "
             "requires grad gets no gradient through the operator; call attncore.torch."

@@ -96,6 +96,10 @@ def test_mask_requiring_grad_is_refused():
     mask = randn(33, 33, seed=3, dtype=torch.float32, requires_grad=True)
     with pytest.raises(NotImplementedError, match="attn_mask"):
         torch.ops.attncore.scaled_dot_product_attention(*inputs(), mask)
+    with torch.no_grad():  # (no gradient asked for: it runs, as attncore.torch's function does)
+        out = torch.ops.attncore.scaled_dot_product_attention(*inputs(), mask)
+        assert torch.equal(out, attncore.torch.scaled_dot_product_attention(*inputs(),
+                                                                            attn_mask=mask))
 
 
 def test_inference_mode_runs_the_cpu_kernel():
