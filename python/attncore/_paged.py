@@ -352,12 +352,12 @@ def _naming(op, error, pools="k, v"):
     return RuntimeError(message)  # (not reached: Exception takes a message)
 
 
-def _attend_rows(op, lib, q_arr, k, v, rows, seqs, length, lengths, table, per_sequence_slopes,
-                 slopes, kvcache_options):
+def _attend_rows(op, lib, q_arr, k, v, rows, seqs, length, lengths, table, slopes, per_sequence,
+                 kvcache_options):
     """One flash_attn_with_kvcache call over sequences `seqs` (each of `length` queries, at
     q_arr's rows `rows`) of the paged varlen call: (out [n, length, Hq, Dv], lse [n, Hq,
-    length]). One sequence reads its queries, table row and slopes as views; several gather
-    them."""
+    length]). One sequence reads its queries, table row and slopes ([B, Hq] where
+    `per_sequence`) as views; several gather them."""
     b, first = int(seqs[0]), int(rows[0])
 
     def rows_of(x):  # x's rows of the sequences: a slice of one, a gathered copy of several
@@ -365,8 +365,8 @@ def _attend_rows(op, lib, q_arr, k, v, rows, seqs, length, lengths, table, per_s
             return x[b:b + 1]
         return [x[i] for i in seqs.tolist()] if isinstance(x, (list, tuple)) else x[seqs]
     queries = q_arr[first:first + length] if len(seqs) == 1 else q_arr[rows]
-    if per_sequence_slopes is not None:
-        slopes = rows_of(per_sequence_slopes)
+    if per_sequence:
+        slopes = rows_of(slopes)
     try:
         return flash_attn_with_kvcache(
             lib.reshape(queries, (len(seqs), length) + tuple(q_arr.shape[1:])), k, v,
@@ -383,10 +383,10 @@ def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     cu_seqlens_q[b]:cu_seqlens_q[b+1] and keys 0:L_b of its pages block_table[b], L_b =
     seqused_k[b] or cu_seqlens_k[b+1] - cu_seqlens_k[b]. One flash_attn_with_kvcache call per
     sequence with queries, or per query length over sequences short enough never to be split
-    (the same bits as one call each); rows past cu_seqlens_q[-1] get out 0 and lse -inf. max_seqlen_q /
-    max_seqlen_k are checked as the library checks the non-paged call's (integers, at least the
-    longest sequence, below 2^31); errors of the cache calls name `op`. Returns (out,
-    lse [Hq, total_q], S_dmask: empty, as without dropout)."""
+    (the same bits as one call each); rows past cu_seqlens_q[-1] get out 0 and lse -inf.
+    max_seqlen_q / max_seqlen_k are checked as the library checks the non-paged call's
+    (integers, at least the longest sequence, below 2^31); errors of the cache calls name `op`.
+    Returns (out, lse [Hq, total_q], S_dmask: empty, as without dropout)."""
     lib, q_arr, give_back = _arrays.adopt(q, op, "q")
     cu_q, cu_k = (_host_index(op, name, cu_seqlens_array(op, name, x)) for name, x in (
         ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)))
@@ -459,7 +459,7 @@ def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     # A call per sequence with queries, as the non-paged call plans each sequence's split-KV
     # alone, except that sequences of at most MIN_SPLIT_KEYS keys (never split, alone or in a
     # batch: the same bits) of one query length make one call together, their queries
-    # gathered and their results scattered back (20000 one-query sequences: 6.7 s -> 0.16 s).
+    # gathered and their results scattered back (20000 one-query sequences: 6.7 s -> 0.14 s).
     query_lengths = np.diff(cu_q)
     short = (query_lengths > 0) & (lengths <= _core.MIN_SPLIT_KEYS)
     calls = [np.flatnonzero(short & (query_lengths == n))
@@ -475,8 +475,7 @@ def varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             seqs = group[s0:s0 + per_call]
             rows = (cu_q[seqs][:, None] + np.arange(length)).reshape(-1)  # [n * length]
             o_g, lse_g = _attend_rows(op, lib, q_arr, k, v, rows, seqs, length, lengths, table,
-                                      alibi_slopes if per_sequence else None,
-                                      alibi_slopes, kvcache_options)
+                                      alibi_slopes, per_sequence, kvcache_options)
             out[rows] = lib.reshape(o_g, (len(rows), heads_q, dim_v))
             lse[:, rows] = lib.reshape(lib.permute(lse_g, (1, 0, 2)), (heads_q, len(rows)))
     return give_back(out), give_back(lse), give_back(lib.empty((0,), dtype))
