@@ -299,6 +299,37 @@ TEST(Memory, BiasGradientSumsAreCountedUpFront) {
 }
 #endif
 
+#if !defined(ATTNCORE_UNDER_ASAN)
+// A process that may start no more threads (RLIMIT_AS 4 MiB above what it holds: no room for a
+// thread's stack) still runs a call asked for 4 threads, on the threads the pool has (its
+// std::system_error escaped the call before). Its own process (ctest runs each test alone) has
+// started no worker yet; in a run of every test the pool may already hold them.
+TEST(Memory, CallsRunWhereNoThreadCanStart) {
+  if (status_kib("VmSize") < 0) GTEST_SKIP() << "no /proc/self/status here";
+  const Tensor q(DType::f32, {1, 4, 64, 32});
+  Tensor out(DType::f32, {1, 4, 64, 32});
+  Options o;
+  o.num_threads = 4;
+  const std::int64_t limit = vm_size_bytes() + (std::int64_t{4} << 20);
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_AS, &saved), 0);
+  if (saved.rlim_cur != RLIM_INFINITY && static_cast<std::int64_t>(saved.rlim_cur) < limit) {
+    GTEST_SKIP() << "RLIMIT_AS is already lower";
+  }
+  rlimit lowered = saved;
+  lowered.rlim_cur = static_cast<rlim_t>(limit);
+  std::string failure;
+  ASSERT_EQ(setrlimit(RLIMIT_AS, &lowered), 0);
+  try {
+    forward_into(q, q, q, out, std::nullopt, o, Backend::reference);
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  ASSERT_EQ(setrlimit(RLIMIT_AS, &saved), 0);
+  EXPECT_EQ(failure, "");
+}
+#endif
+
 // The cgroup limit: v2's memory.max and v1's memory.limit_in_bytes over the process's cgroup and
 // its ancestors, the smallest one; "max", v1's "unlimited" and missing files are no limit.
 TEST(Memory, CgroupLimitOverTheTree) {

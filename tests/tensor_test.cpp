@@ -113,6 +113,24 @@ TEST(TensorView, NumelWithAZeroDimIsZeroEvenWhenTheOthersOverflow) {
   EXPECT_EQ(TensorView::contiguous(nullptr, DType::f32, {kBig, kBig, 0}).numel(), 0);
 }
 
+// A rank past what shape holds (kMaxRank sizes) reads nothing past it: numel -1, the shape
+// named by its rank; a Tensor of a null shape is refused.
+TEST(TensorView, RanksPastTheArrayAreNeverRead) {
+  TensorView t = TensorView::contiguous(nullptr, DType::f32, {2, 3});
+  for (int rank : {-1, kMaxRank + 1, 9}) {
+    t.rank = rank;
+    EXPECT_EQ(t.numel(), -1);
+    EXPECT_EQ(t.shape_string(), "[rank=" + std::to_string(rank) + "]");
+  }
+  try {
+    Tensor bad(DType::f32, nullptr, 2);
+    ADD_FAILURE() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "Tensor: shape is null (shape=nullptr, rank=2, expected 2 sizes)");
+  }
+}
+
 TEST(Tensor, DefaultIsUndefined) {
   const Tensor t;
   EXPECT_FALSE(t.defined());

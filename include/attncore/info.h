@@ -29,7 +29,7 @@ ATTNCORE_API const char* version();
 // Threads a call with num_threads = 0 uses when set_num_threads (attncore/options.h) has set
 // none: ATTNCORE_NUM_THREADS if set, else the CPUs the calling thread may run on
 // (sched_getaffinity; at most kMaxThreads). Throws InvalidArgument when ATTNCORE_NUM_THREADS
-// is set to anything but an integer from 1 to kMaxThreads.
+// is set to anything but an integer from 1 to kMaxThreads (set empty, it counts as unset).
 ATTNCORE_API int default_num_threads();
 
 // The memory this process may use: the smallest of the physical memory, the memory limit of
@@ -43,8 +43,9 @@ struct MemoryLimit {
 };
 ATTNCORE_API MemoryLimit memory_limit();
 
-// Measured peak f32 FMA throughput of `threads` threads in GFLOP/s: independent FMA chains in
-// registers on the widest vector unit the CPU has, best of a few short runs (~0.1 s each).
+// Measured peak f32 FMA throughput of `threads` threads (<= 0: default_num_threads()) in
+// GFLOP/s: independent FMA chains in registers on the widest vector unit the CPU has, best of
+// a few short runs (~0.1 s each).
 ATTNCORE_API double measure_fma_peak_gflops(int threads);
 
 // Measured read bandwidth of `threads` threads (<= 0: default_num_threads()) in GB/s (10^9

@@ -32,13 +32,14 @@ struct ATTNCORE_API TensorView {
   static TensorView strided(void* data, DType dtype, std::initializer_list<std::int64_t> shape,
                             std::initializer_list<std::int64_t> strides);
 
+  // Dim d's size and stride, for 0 <= d < rank (unchecked).
   std::int64_t size(int d) const { return shape[static_cast<std::size_t>(d)]; }
   std::int64_t stride_of(int d) const { return stride[static_cast<std::size_t>(d)]; }
-  // Number of elements, or -1 when it does not fit in int64.
+  // Number of elements, or -1 when it does not fit in int64 (or rank is outside 0..kMaxRank).
   std::int64_t numel() const;
   // The same memory with dimensions d0 and d1 swapped (e.g. [B, L, H, D] <-> [B, H, L, D]).
   TensorView transposed(int d0, int d1) const;
-  // "[2, 8, 1024, 128]"
+  // "[2, 8, 1024, 128]" ("[rank=9]" for a rank outside 0..kMaxRank)
   std::string shape_string() const;
 };
 

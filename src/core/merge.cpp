@@ -203,6 +203,9 @@ MergeResult merge_attention_states(const TensorView& out_a, const TensorView& ls
                                   "process may use ") +
                       text + "; use merge_attention_states_into");
   }
+  if (cancel != nullptr && cancel->load()) {  // (read before the outputs are allocated, too)
+    throw Cancelled(detail::cancelled_message("merge_attention_states", /*started=*/false));
+  }
   MergeResult r;
   try {
     r.out = Tensor(out_a.dtype, out_a.shape.data(), out_a.rank);

@@ -71,6 +71,7 @@ std::int64_t TensorView::numel() const {
   // dim order against a negative one). Overflow is tested by the multiply itself: the calls'
   // overlap checks ask every view's numel, and a division per dim cost ~0.7 us of a small
   // Python append (perf).
+  if (rank < 0 || rank > kMaxRank) return -1;  // (no such view: shape holds kMaxRank sizes)
   std::int64_t n = 1;
   bool overflow = false;
   for (int d = 0; d < rank; ++d) {
@@ -95,6 +96,7 @@ TensorView TensorView::transposed(int d0, int d1) const {
 }
 
 std::string TensorView::shape_string() const {
+  if (rank < 0 || rank > kMaxRank) return "[rank=" + std::to_string(rank) + "]";
   std::ostringstream os;
   os << '[';
   for (int d = 0; d < rank; ++d) os << (d ? ", " : "") << shape[static_cast<std::size_t>(d)];
@@ -134,6 +136,10 @@ Tensor::Tensor(DType dtype, const std::int64_t* shape, int rank) {
   if (rank < 0 || rank > kMaxRank) {
     throw InvalidArgument("Tensor: rank is invalid (rank=" + std::to_string(rank) +
                           ", expected 0 to " + std::to_string(kMaxRank) + ")");
+  }
+  if (rank > 0 && shape == nullptr) {
+    throw InvalidArgument("Tensor: shape is null (shape=nullptr, rank=" + std::to_string(rank) +
+                          ", expected " + std::to_string(rank) + " sizes)");
   }
   view_ = make_view(nullptr, dtype, shape, nullptr, static_cast<std::size_t>(rank));
   for (int d = 0; d < rank; ++d) {

@@ -7,6 +7,7 @@
 #include <exception>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -24,11 +25,19 @@ class Pool {
   bool try_run(int num_tasks, int threads, const std::function<void(int)>& task) {
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
     if (!busy.owns_lock()) return false;
-    const int helpers = std::min(threads, num_tasks) - 1;
+    int helpers = std::min(threads, num_tasks) - 1;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       while (static_cast<int>(workers_.size()) < helpers) {
-        workers_.emplace_back([this, id = static_cast<int>(workers_.size())] { worker_loop(id); });
+        try {
+          workers_.emplace_back(
+              [this, id = static_cast<int>(workers_.size())] { worker_loop(id); });
+        } catch (const std::system_error&) {
+          // The process may start no more threads (a limit on processes or address space):
+          // the job runs on the helpers there are, the caller taking what they leave (its
+          // std::system_error escaped every call before).
+          helpers = static_cast<int>(workers_.size());
+        }
       }
       task_ = &task;
       num_tasks_ = num_tasks;
