@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -217,16 +218,41 @@ TEST(Memory, AllocatedOutputsPastTheMachineAreRefusedUpFront) {
 // A field of /proc/self/status in KiB.
 std::int64_t vm_size_bytes() { return status_kib("VmSize") * 1024; }
 
+// The address-space limit the RLIMIT_AS tests set: what the process holds plus `headroom`
+// bytes; 0 where it cannot be lowered to that here (no /proc/self/status, or a lower limit
+// already).
+std::int64_t address_limit(std::int64_t headroom) {
+  rlimit saved{};
+  if (status_kib("VmSize") < 0 || getrlimit(RLIMIT_AS, &saved) != 0) return 0;
+  const std::int64_t limit = vm_size_bytes() + headroom;
+  if (saved.rlim_cur != RLIM_INFINITY && static_cast<std::int64_t>(saved.rlim_cur) < limit) {
+    return 0;
+  }
+  return limit;
+}
+
+// What `call` throws (its what(); "" when it returns) under RLIMIT_AS `limit`, restored after.
+std::string error_under(std::int64_t limit, const std::function<void()>& call) {
+  rlimit saved{};
+  EXPECT_EQ(getrlimit(RLIMIT_AS, &saved), 0);
+  rlimit lowered = saved;
+  lowered.rlim_cur = static_cast<rlim_t>(limit);
+  EXPECT_EQ(setrlimit(RLIMIT_AS, &lowered), 0);
+  std::string message;
+  try {
+    call();
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  EXPECT_EQ(setrlimit(RLIMIT_AS, &saved), 0);
+  return message;
+}
+
 // RLIMIT_AS below the machine's memory is the limit a call is held to: a reference workspace
 // 1 GiB past it is refused, naming it.
 TEST(Memory, AddressSpaceLimitIsTheLimit) {
-  if (status_kib("VmSize") < 0) GTEST_SKIP() << "no /proc/self/status here";
-  rlimit saved{};
-  ASSERT_EQ(getrlimit(RLIMIT_AS, &saved), 0);
-  const std::int64_t limit = vm_size_bytes() + (std::int64_t{512} << 20);
-  if (saved.rlim_cur != RLIM_INFINITY && static_cast<std::int64_t>(saved.rlim_cur) < limit) {
-    GTEST_SKIP() << "RLIMIT_AS is already lower";
-  }
+  const std::int64_t limit = address_limit(std::int64_t{512} << 20);
+  if (limit == 0) GTEST_SKIP() << "RLIMIT_AS cannot be lowered here";
   float one = 0.5f;
   // The reference backend's forward workspace on one thread: 8 * (Lk + Dv) bytes.
   const std::int64_t lk = (limit + (std::int64_t{1} << 30)) / 8;
@@ -235,16 +261,8 @@ TEST(Memory, AddressSpaceLimitIsTheLimit) {
   Tensor out(DType::f32, {1, 1, 1, 64});
   Options options;
   options.num_threads = 1;
-  std::string message;
-  rlimit lowered = saved;
-  lowered.rlim_cur = static_cast<rlim_t>(limit);
-  ASSERT_EQ(setrlimit(RLIMIT_AS, &lowered), 0);
-  try {
-    forward_into(q, kv, kv, out, std::nullopt, options, Backend::reference);
-  } catch (const OutOfMemory& e) {
-    message = e.what();
-  }
-  ASSERT_EQ(setrlimit(RLIMIT_AS, &saved), 0);
+  const std::string message = error_under(
+      limit, [&] { forward_into(q, kv, kv, out, std::nullopt, options, Backend::reference); });
   EXPECT_EQ(message.rfind("forward: the reference backend's workspace exceeds the memory this "
                           "process may use (workspace=",
                           0),
@@ -261,13 +279,8 @@ TEST(Memory, AddressSpaceLimitIsTheLimit) {
 // but never touched), which flash allocated midway through the call (out of memory while
 // running, outputs incomplete); now refused before anything is written.
 TEST(Memory, BiasGradientSumsAreCountedUpFront) {
-  if (status_kib("VmSize") < 0) GTEST_SKIP() << "no /proc/self/status here";
-  rlimit saved{};
-  ASSERT_EQ(getrlimit(RLIMIT_AS, &saved), 0);
-  const std::int64_t limit = vm_size_bytes() + (std::int64_t{1} << 30);
-  if (saved.rlim_cur != RLIM_INFINITY && static_cast<std::int64_t>(saved.rlim_cur) < limit) {
-    GTEST_SKIP() << "RLIMIT_AS is already lower";
-  }
+  const std::int64_t limit = address_limit(std::int64_t{1} << 30);
+  if (limit == 0) GTEST_SKIP() << "RLIMIT_AS cannot be lowered here";
   // lq * lk elements of the mask: their f64 sums 8 MiB past the limit, dbias half of them.
   const std::int64_t lk = 16384, d = 8, lq = (limit / 8 + (std::int64_t{1} << 20)) / lk + 1;
   float zero = 0, row[8] = {};
@@ -281,52 +294,30 @@ TEST(Memory, BiasGradientSumsAreCountedUpFront) {
   o.mask = TensorView::strided(&zero, DType::f32, {1, 1, lq, lk}, {0, 0, 0, 0});
   o.compute_dbias = true;
   o.num_threads = 1;
-  rlimit lowered = saved;
-  lowered.rlim_cur = static_cast<rlim_t>(limit);
-  std::string message;
-  ASSERT_EQ(setrlimit(RLIMIT_AS, &lowered), 0);
-  try {
+  const std::string message = error_under(limit, [&] {
     backward_into(q, q, kv, kv, q, lse, dq, dk, dv, dbias.view(), o, Backend::flash);
-  } catch (const OutOfMemory& e) {
-    message = e.what();
-  }
-  ASSERT_EQ(setrlimit(RLIMIT_AS, &saved), 0);
+  });
   EXPECT_EQ(message.rfind("backward: the flash backend's workspace exceeds the memory this "
                           "process may use (workspace=",
                           0),
             0u)
       << message;
 }
-#endif
 
-#if !defined(ATTNCORE_UNDER_ASAN)
 // A process that may start no more threads (RLIMIT_AS 4 MiB above what it holds: no room for a
 // thread's stack) still runs a call asked for 4 threads, on the threads the pool has (its
 // std::system_error escaped the call before). Its own process (ctest runs each test alone) has
 // started no worker yet; in a run of every test the pool may already hold them.
 TEST(Memory, CallsRunWhereNoThreadCanStart) {
-  if (status_kib("VmSize") < 0) GTEST_SKIP() << "no /proc/self/status here";
   const Tensor q(DType::f32, {1, 4, 64, 32});
   Tensor out(DType::f32, {1, 4, 64, 32});
   Options o;
   o.num_threads = 4;
-  const std::int64_t limit = vm_size_bytes() + (std::int64_t{4} << 20);
-  rlimit saved{};
-  ASSERT_EQ(getrlimit(RLIMIT_AS, &saved), 0);
-  if (saved.rlim_cur != RLIM_INFINITY && static_cast<std::int64_t>(saved.rlim_cur) < limit) {
-    GTEST_SKIP() << "RLIMIT_AS is already lower";
-  }
-  rlimit lowered = saved;
-  lowered.rlim_cur = static_cast<rlim_t>(limit);
-  std::string failure;
-  ASSERT_EQ(setrlimit(RLIMIT_AS, &lowered), 0);
-  try {
-    forward_into(q, q, q, out, std::nullopt, o, Backend::reference);
-  } catch (const std::exception& e) {
-    failure = e.what();
-  }
-  ASSERT_EQ(setrlimit(RLIMIT_AS, &saved), 0);
-  EXPECT_EQ(failure, "");
+  const std::int64_t limit = address_limit(std::int64_t{4} << 20);
+  if (limit == 0) GTEST_SKIP() << "RLIMIT_AS cannot be lowered here";
+  EXPECT_EQ(
+      error_under(limit, [&] { forward_into(q, q, q, out, std::nullopt, o, Backend::reference); }),
+      "");
 }
 #endif
 
