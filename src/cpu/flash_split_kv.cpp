@@ -16,13 +16,6 @@ namespace attncore::detail {
 
 namespace {
 
-// Parts shorter than attncore::kMinSplitKeys (1024) keys are not planned. Measured on this
-// machine (2 cores, B=1 Hkv=1 D=128 f32 dense decode, `attncore run --num-splits`, medians of 9
-// interleaved runs on 2 threads): Hq=32, Lk=2048: 0.209 ms unsplit, 0.164 ms in 2 parts of 1024
-// keys; Lk=1024: 0.108 ms unsplit, 0.121 ms in 2 parts of 512 (the parts' start and the merge
-// cost more than the second thread brings). Hq=4 (memory-bound) changed by under 5% either way
-// at these sizes.
-
 // Planned parts hold at most this many keys: a part adds each key's P V into its rows'
 // running outputs in f32, which stop growing once they are 2^24 times the terms they add
 // (2^25 keys of equal scores gave 0.5 for 1.0 unsplit); 2^22 keeps a factor 4 from there. The
@@ -61,6 +54,12 @@ std::int64_t splits_for_cpus(const Params& p, const FlashLayout& layout, int cpu
   // twice that many, so that the last round of items leaves fewer cores idle.
   std::int64_t splits = (cpus + units - 1) / units;
   if (units * splits % cpus != 0) splits = (2 * cpus + units - 1) / units;
+  // Parts shorter than attncore::kMinSplitKeys (1024) keys are not planned. Measured on this
+  // machine (2 cores, B=1 Hkv=1 D=128 f32 dense decode, `attncore run --num-splits`, medians of
+  // 9 interleaved runs on 2 threads): Hq=32, Lk=2048: 0.209 ms unsplit, 0.164 ms in 2 parts of
+  // 1024 keys; Lk=1024: 0.108 ms unsplit, 0.121 ms in 2 parts of 512 (the parts' start and the
+  // merge cost more than the second thread brings). Hq=4 (memory-bound) changed by under 5%
+  // either way at these sizes.
   const std::int64_t min_tiles = (kMinSplitKeys + layout.key_tile - 1) / layout.key_tile;
   splits = std::min({splits, tiles / min_tiles, std::int64_t{kMaxSplits}});
   return std::max<std::int64_t>(splits, 1);
