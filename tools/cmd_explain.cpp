@@ -24,6 +24,13 @@ int cmd_explain(const std::vector<std::string>& args) {
     return kExitOk;
   }
   const RunConfig c = parse_run_flags(args);
+  for (const std::string& arg : args) {  // (run's flags that only a run reads)
+    for (const char* flag : {"--check", "--repeat"}) {
+      if (arg == flag || arg.starts_with(std::string(flag) + "=")) {
+        throw UsageError{std::string("explain does not take ") + flag + " (it runs nothing)"};
+      }
+    }
+  }
   if (c.is_varlen()) {
     throw UsageError{"explain does not take --varlen (the library explains dense calls)"};
   }
