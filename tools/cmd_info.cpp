@@ -35,6 +35,7 @@ int cmd_info(const std::vector<std::string>& args) {
   bool json = false;
   for (const std::string& a : args) {
     if (a != "--json") throw UsageError{"info takes only --json (got '" + a + "')"};
+    if (json) throw UsageError{"--json is given twice (expected each flag once)"};
     json = true;
   }
   const attncore::CpuInfo cpu = attncore::cpu_info();
