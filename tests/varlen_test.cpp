@@ -80,6 +80,26 @@ TEST(Varlen, ResultsDoNotDependOnTheThreadCount) {
   }
 }
 
+// Flash's forward of p (its options) on 1, 2 and 3 threads: the same bits each time, the first
+// equal to the loop over the sequences; that out and lse.
+std::pair<std::vector<double>, std::vector<double>> thread_count_free(const Packed& p) {
+  std::vector<double> out, lse;
+  for (int threads : {1, 2, 3}) {
+    Options o = p.options;
+    o.num_threads = threads;
+    const ForwardResult r = forward_varlen(p.q, p.k, p.v, p.seqs, o, Backend::flash);
+    if (threads == 1) {
+      out = read_view(r.out.view());
+      lse = read_view(r.lse.view());
+      EXPECT_TRUE(equals_sequence_loop(p, r, Backend::flash));
+      continue;
+    }
+    EXPECT_TRUE(same_bits(read_view(r.out.view()), out, "out, threads"));
+    EXPECT_TRUE(same_bits(read_view(r.lse.view()), lse, "lse, threads"));
+  }
+  return {out, lse};
+}
+
 // Decode-shaped sequences long enough to be split (split-KV, planned or forced): each one is
 // split as its own dense call would be, so the packed batch still equals the loop over its
 // sequences bit for bit, on any thread count.
@@ -90,20 +110,7 @@ TEST(Varlen, SplitKvDecodeEqualsThePerSequenceLoop) {
       Packed p = make_packed(batch, dtype, varlen_variants()[1], 70 + splits);
       p.options.num_splits = splits;
       SCOPED_TRACE(std::string(name_of(dtype)) + " num_splits " + std::to_string(splits));
-      std::vector<double> first_out, first_lse;
-      for (int threads : {1, 2, 3}) {
-        Options o = p.options;
-        o.num_threads = threads;
-        const ForwardResult r = forward_varlen(p.q, p.k, p.v, p.seqs, o, Backend::flash);
-        if (threads > 1) {
-          EXPECT_TRUE(same_bits(read_view(r.out.view()), first_out, "out, threads"));
-          EXPECT_TRUE(same_bits(read_view(r.lse.view()), first_lse, "lse, threads"));
-          continue;
-        }
-        first_out = read_view(r.out.view());
-        first_lse = read_view(r.lse.view());
-        EXPECT_TRUE(equals_sequence_loop(p, r, Backend::flash));
-      }
+      const auto [first_out, first_lse] = thread_count_free(p);
       if (splits == 3) {  // the parts ran: their merge rounds differently from one pass
         Options o = p.options;
         o.num_splits = 1;
@@ -126,18 +133,7 @@ TEST(Varlen, WideGroupDecodeIsThreadCountFree) {
     Packed p = make_packed(batch, dtype, varlen_variants()[1], 90);
     p.options.num_splits = 1;  // (the split driver, which the long sequence takes, has no panel)
     SCOPED_TRACE(name_of(dtype));
-    std::vector<double> first;
-    for (int threads : {1, 2, 3}) {
-      Options o = p.options;
-      o.num_threads = threads;
-      const ForwardResult r = forward_varlen(p.q, p.k, p.v, p.seqs, o, Backend::flash);
-      if (threads > 1) {
-        EXPECT_TRUE(same_bits(read_view(r.out.view()), first, "out, threads"));
-        continue;
-      }
-      first = read_view(r.out.view());
-      EXPECT_TRUE(equals_sequence_loop(p, r, Backend::flash));
-    }
+    thread_count_free(p);
   }
 }
 
