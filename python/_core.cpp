@@ -206,32 +206,37 @@ struct BorrowedSeqs {
   Borrowed cu_seqlens_q, cu_seqlens_k;
   std::optional<Borrowed> seqused_k;
   std::int64_t max_seqlen_q, max_seqlen_k;
+  std::optional<Borrowed> block_table;  // (forward only: k and v are then page pools)
 
   BorrowedSeqs(const char* op, py::handle cu_q, py::handle cu_k, py::handle used,
-               std::int64_t max_q, std::int64_t max_k)
+               std::int64_t max_q, std::int64_t max_k, py::handle table = py::none())
       : cu_seqlens_q(cu_q, op, "cu_seqlens_q", false),
         cu_seqlens_k(cu_k, op, "cu_seqlens_k", false),
         seqused_k(borrow_optional(used, op, "seqused_k", false)),
         max_seqlen_q(max_q),
-        max_seqlen_k(max_k) {}
+        max_seqlen_k(max_k),
+        block_table(borrow_optional(table, op, "block_table", false)) {}
 
   attncore::VarlenSeqs seqs() const {
-    return {cu_seqlens_q.view(), cu_seqlens_k.view(), view_of(seqused_k), max_seqlen_q,
-            max_seqlen_k};
+    return {cu_seqlens_q.view(), cu_seqlens_k.view(), view_of(seqused_k),
+            max_seqlen_q,        max_seqlen_k,        view_of(block_table)};
   }
 };
 
 // Packed q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv] with int32 cu_seqlens_q,
 // cu_seqlens_k [B + 1] and seqused_k [B] (or None); writes out [total_q, Hq, Dv] and, when
 // given, lse [Hq, total_q]. mask is passed on so that the library refuses it (Unsupported).
+// With an int32 block_table [B, max_pages_per_seq], k and v are page pools [num_pages,
+// page_size, Hkv, D] (attncore/varlen.h).
 void forward_varlen(py::handle q, py::handle k, py::handle v, py::handle cu_seqlens_q,
                     py::handle cu_seqlens_k, py::handle seqused_k, std::int64_t max_seqlen_q,
                     std::int64_t max_seqlen_k, py::handle out, py::handle lse, py::handle mask,
-                    py::handle alibi_slopes, const CallOptions& call) {
+                    py::handle alibi_slopes, const CallOptions& call, py::handle block_table) {
   constexpr const char* op = "forward";  // the library's name of the call, in messages
   last_call_addresses().clear();
   const Borrowed bq(q, op, "query", false), bk(k, op, "key", false), bv(v, op, "value", false);
-  const BorrowedSeqs seqs(op, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k);
+  const BorrowedSeqs seqs(op, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+                          block_table);
   const Borrowed bout(out, op, "out", true);
   const auto blse = borrow_optional(lse, op, "lse", true);
   const auto bmask = borrow_optional(mask, op, "mask", false, /*is_mask=*/true);
@@ -335,11 +340,12 @@ py::tuple explain_backward(py::handle dout, py::handle q, py::handle k, py::hand
 py::tuple explain_forward_varlen(py::handle q, py::handle k, py::handle v, py::handle cu_seqlens_q,
                                  py::handle cu_seqlens_k, py::handle seqused_k,
                                  std::int64_t max_seqlen_q, std::int64_t max_seqlen_k,
-                                 py::handle mask, py::handle alibi_slopes,
-                                 const CallOptions& call) {
+                                 py::handle mask, py::handle alibi_slopes, const CallOptions& call,
+                                 py::handle block_table) {
   constexpr const char* op = "forward";  // the library's name of the call, in messages
   const Borrowed bq(q, op, "query", false), bk(k, op, "key", false), bv(v, op, "value", false);
-  const BorrowedSeqs seqs(op, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k);
+  const BorrowedSeqs seqs(op, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+                          block_table);
   const auto bmask = borrow_optional(mask, op, "mask", false, /*is_mask=*/true);
   const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
   return explanation_tuple(attncore::explain_forward_varlen(
@@ -368,8 +374,6 @@ py::tuple explain_backward_varlen(py::handle dout, py::handle q, py::handle k, p
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "attncore's C++ library on Python arrays (used by the attncore package)";
-  // Key counts below which no split-KV part is planned (attncore/options.h).
-  m.attr("MIN_SPLIT_KEYS") = attncore::kMinSplitKeys;
 
   attncore_python::set_main_thread(
       py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>());
@@ -428,7 +432,8 @@ PYBIND11_MODULE(_core, m) {
   m.def("forward_varlen", &forward_varlen, py::arg("query"), py::arg("key"), py::arg("value"),
         py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("seqused_k").none(true),
         py::arg("max_seqlen_q"), py::arg("max_seqlen_k"), py::arg("out"), py::arg("lse").none(true),
-        py::arg("mask").none(true), py::arg("alibi_slopes").none(true), py::arg("options"));
+        py::arg("mask").none(true), py::arg("alibi_slopes").none(true), py::arg("options"),
+        py::arg("block_table").none(true) = py::none());
   m.def("backward_varlen", &backward_varlen, py::arg("dout"), py::arg("query"), py::arg("key"),
         py::arg("value"), py::arg("out"), py::arg("lse"), py::arg("cu_seqlens_q"),
         py::arg("cu_seqlens_k"), py::arg("seqused_k").none(true), py::arg("max_seqlen_q"),
@@ -442,7 +447,8 @@ PYBIND11_MODULE(_core, m) {
   m.def("explain_forward_varlen", &explain_forward_varlen, py::arg("query"), py::arg("key"),
         py::arg("value"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"),
         py::arg("seqused_k").none(true), py::arg("max_seqlen_q"), py::arg("max_seqlen_k"),
-        py::arg("mask").none(true), py::arg("alibi_slopes").none(true), py::arg("options"));
+        py::arg("mask").none(true), py::arg("alibi_slopes").none(true), py::arg("options"),
+        py::arg("block_table").none(true) = py::none());
   m.def("explain_backward_varlen", &explain_backward_varlen, py::arg("dout"), py::arg("query"),
         py::arg("key"), py::arg("value"), py::arg("out"), py::arg("lse"), py::arg("cu_seqlens_q"),
         py::arg("cu_seqlens_k"), py::arg("seqused_k").none(true), py::arg("max_seqlen_q"),

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -281,7 +282,7 @@ TEST(InvisibleKeys, VarlenPastSequsedK) {
   std::memcpy(cu_q_t.data(), cu_q.data(), 16);
   std::memcpy(cu_k_t.data(), cu_k.data(), 16);
   std::memcpy(used_t.data(), used.data(), 12);
-  VarlenSeqs seqs{cu_q_t, cu_k_t, used_t.view(), 200, 300};
+  VarlenSeqs seqs{cu_q_t, cu_k_t, used_t.view(), 200, 300, std::nullopt};
   std::vector<std::string> targets = simd_targets_supported();
   for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
     for (const std::string& target :

@@ -10,6 +10,22 @@
 // as in a batch padded to [B, Hq, max_seqlen_q, max_seqlen_k]. Buffers may hold more rows than
 // the sequences use: unused query rows get output 0 and LSE -inf, unused rows of dq, dk, dv get
 // 0. Tensor masks are not supported with varlen calls (Unsupported).
+//
+// Over page pools (VarlenSeqs::block_table, flash-attn's paged varlen call; forward only): k
+// and v are pools of pages, as a paged KV cache holds them (attncore/kvcache.h,
+// attncore/paged.h),
+//
+//   k   [num_pages, page_size, Hkv, D]   sequence b's keys are the first seqused_k[b] (else
+//   v   [num_pages, page_size, Hkv, Dv]  cu_seqlens_k[b+1] - cu_seqlens_k[b]) slots of its
+//                                        pages: slot s is row s % page_size of page
+//                                        block_table[b][s / page_size]
+//
+// of q's dtype, or bf16 / f16 under an f32 query. Every page a sequence's keys use must be a
+// page of the pool (-1 marks a page not mapped). The keys of a sequence may be cut into
+// split-KV parts as those of the same call without pages are: the results are bitwise those of
+// the call on the gathered keys. Dropout and the backward are not supported over pages
+// (Unsupported). One call serves a whole batch of prefill chunks and decode rows (continuous
+// batching).
 #pragma once
 
 #include <cstdint>
@@ -26,6 +42,8 @@ struct VarlenSeqs {
   std::optional<TensorView> seqused_k;  // i32 [B]: keys of sequence b actually used
   std::int64_t max_seqlen_q = 0;        // >= every query length (may be larger)
   std::int64_t max_seqlen_k = 0;        // >= every key length (may be larger)
+  // i32 [B, max_pages_per_seq], inner stride 1: k and v are page pools (above).
+  std::optional<TensorView> block_table;
 };
 
 // Forward into new tensors: out [total_q, Hq, Dv], lse [Hq, total_q].

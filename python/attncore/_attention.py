@@ -412,19 +412,23 @@ def dense_packed(op, sources, split, *, alibi_slopes, extra_outputs=None, **opti
 
 
 def varlen_packed(op, sources, split, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                  seqused_k, attn_mask, alibi_slopes, extra_outputs=None, **options):
+                  seqused_k, attn_mask, alibi_slopes, extra_outputs=None, block_table=None,
+                  **options):
     """A variable-length call on views split(*sources) = (q [total_q, Hq, D],
-    k [total_k, Hkv, D], v [total_k, Hkv, Dv]) with attention_varlen()'s options: a Packed.
-    sources and extra_outputs as for dense_packed."""
+    k [total_k, Hkv, D], v [total_k, Hkv, Dv]; with block_table page pools [num_pages,
+    page_size, Hkv, D], forward only) with attention_varlen()'s options: a Packed. sources and
+    extra_outputs as for dense_packed."""
     call = _resolve_call(op, draw_seed=True, **options)
     lib, give_back, late, sources = _adopt_sources(op, sources)
-    seqs = Seqs.of(op, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
+    seqs = Seqs.of(op, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                   block_table)
     mask = None if attn_mask is None else lib.asarray(attn_mask, op, "attn_mask")
     alibi = alibi_array(lib, op, alibi_slopes)
     if late.waiting:  # the call's checks before any source's copy
         _core.explain_forward_varlen(*(lib.to_core(x) for x in split(*sources)),
                                      *seqs.core_args(), core_or_none(lib, mask),
-                                     core_or_none(lib, alibi), call.checked_options())
+                                     core_or_none(lib, alibi), call.checked_options(),
+                                     block_table=seqs.block_table)
     if extra_outputs is not None:  # (stand-ins have the shapes and dtypes of their copies)
         _arrays.check_new_arrays(op, *extra_outputs(lib, split(*sources), seqs))
     sources = tuple(late.real(s) for s in sources)

@@ -14,7 +14,6 @@ from ._attention import attention, dense_packed, separate, varlen_packed
 from ._rank4 import (Call, DenseKernel, bool_option, check_blhd, check_sdpa_mask, forward4,
                      real_option, sdpa_enable_gqa, sdpa_kv_heads, sdpa_query_heads)
 from ._merge import refuse_grad
-from ._paged import varlen_paged
 from ._varlen import VarlenKernel
 
 
@@ -361,33 +360,19 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     op = "flash_attn_varlen_func"
     causal, return_attn_probs = _flash_flags(op, causal, deterministic, return_attn_probs)
-    if block_table is not None:
-        return _varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                             max_seqlen_k, seqused_k, block_table, alibi_slopes, dropout_p,
-                             return_attn_probs,
-                             dict(softmax_scale=softmax_scale, causal=causal,
-                                  window_size=window_size, softcap=softcap, backend=backend))
+    paged = block_table is not None
+    if paged:  # (page pools: forward only)
+        refuse_grad(op, (("q", q), ("k", k), ("v", v)))
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
-        _check_shape(op, name, x, "[total, H, D]", 3)
+        _check_shape(op, name, x, "[num_pages, page_size, H, D]" if paged and name != "q"
+                     else "[total, H, D]", 4 if paged and name != "q" else 3)
     r = varlen_packed(op, {"q": q, "k": k, "v": v}, separate, cu_seqlens_q, cu_seqlens_k,
                       max_seqlen_q, max_seqlen_k, seqused_k=seqused_k, attn_mask=None,
-                      alibi_slopes=alibi_slopes,
+                      alibi_slopes=alibi_slopes, block_table=block_table,
                       extra_outputs=_s_dmask_check(dropout_p, return_attn_probs),
                       **_flash_options(op, softmax_scale, causal, window_size, softcap,
                                        dropout_p, backend))
     return _varlen_result(r, return_attn_probs)
-
-
-def _varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                  seqused_k, block_table, alibi_slopes, dropout_p, return_attn_probs, options):
-    """flash_attn_varlen_func over page pools (_paged.varlen_paged), forward only."""
-    refuse_grad(op, (("q", q), ("k", k), ("v", v)))
-    if real_option(op, "dropout_p", dropout_p) != 0.0:
-        raise NotImplementedError(f"{op}: dropout is not supported with a paged KV cache "
-                                  f"(dropout_p={dropout_p}, expected 0)")
-    out, lse, s_dmask = varlen_paged(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                     max_seqlen_k, seqused_k, block_table, alibi_slopes, options)
-    return (out, lse, s_dmask) if return_attn_probs else out
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,

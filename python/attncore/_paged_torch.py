@@ -9,7 +9,7 @@ import torch as _torch
 from . import _arrays, _writes
 from ._kvcache import flash_attn_with_kvcache
 from ._merge import refuse_grad
-from ._paged import _index, _naming
+from ._paged import _index
 from ._rank4 import INT32_MAX, bool_option, int_option, scale_option
 
 
@@ -386,7 +386,7 @@ class PagedAttention:
                 cache_seqlens=lengths.to(_torch.int32), block_table=table,
                 softmax_scale=scale, causal=causal, **options)
         except (ValueError, TypeError, NotImplementedError, MemoryError) as error:
-            raise _naming(op, error, pools="k_cache, v_cache") from None
+            raise _naming(op, error) from None
         if options.get("return_softmax_lse"):
             return out[0].transpose(1, 2), out[1]
         return out.transpose(1, 2)
@@ -436,3 +436,16 @@ def _new_rows(op, options, batch, heads, dim, dim_v):
                              "flash_attn_with_kvcache's layout, with query's B and the caches' "
                              "H)")
     return shapes[0][1]
+
+
+def _naming(op, error):
+    """`error` (raised by a flash_attn_with_kvcache call `op` makes) with its message's leading
+    "<call>: " replaced by "<op>: ", so that it names the call the user made."""
+    head, sep, rest = str(error).partition(": ")
+    message = f"{op}: {rest}" if sep and " " not in head else str(error)
+    for kind in type(error).__mro__:  # its own type, else the nearest one built from a message
+        try:                          # (numpy's MemoryError subclass takes more arguments)
+            return kind(message)
+        except TypeError:
+            continue
+    return RuntimeError(message)  # (not reached: Exception takes a message)

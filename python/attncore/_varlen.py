@@ -115,22 +115,26 @@ def max_seqlen(op, name, value):
 
 class Seqs(typing.NamedTuple):
     """One varlen call's sequences: int32 cu_seqlens_q, cu_seqlens_k [B + 1], seqused_k [B] or
-    None, and the maximum lengths (which address dropout as a padded batch would)."""
+    None, the maximum lengths (which address dropout as a padded batch would), and an int32
+    block_table [B, max_pages_per_seq] or None (k and v are then page pools, forward only)."""
 
     cu_seqlens_q: object
     cu_seqlens_k: object
     seqused_k: object
     max_seqlen_q: int
     max_seqlen_k: int
+    block_table: object = None
 
     @classmethod
-    def of(cls, op, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None):
+    def of(cls, op, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None,
+           block_table=None):
         """The sequences of call `op` (named in errors)."""
         return cls(cu_seqlens_array(op, "cu_seqlens_q", cu_seqlens_q),
                    cu_seqlens_array(op, "cu_seqlens_k", cu_seqlens_k),
                    index_array(op, "seqused_k", seqused_k, 1, "[B]"),
                    max_seqlen(op, "max_seqlen_q", max_seqlen_q),
-                   max_seqlen(op, "max_seqlen_k", max_seqlen_k))
+                   max_seqlen(op, "max_seqlen_k", max_seqlen_k),
+                   index_array(op, "block_table", block_table, 2, "[B, max_pages_per_seq]"))
 
     @property
     def batch_size(self):
@@ -171,9 +175,10 @@ class VarlenKernel:
 
     def forward(self, lib, q, k, v):
         """(out [total_q, Hq, Dv] laid out like q, lse [Hq, total_q])."""
-        q_dims, v_dims = _dims(q, 3), _dims(v, 3)
+        q_dims = _dims(q, 3)
+        v_dims = _dims(v, 3 if self.seqs.block_table is None else 4)  # (page pools: rank 4)
         total_q, heads_q = q_dims[:2] if q_dims else (0, 0)
-        dim_v = v_dims[2] if v_dims else 0
+        dim_v = v_dims[-1] if v_dims else 0
         dtype = lib.dtype_name(q)
         _arrays.check_new_arrays("forward", ((total_q, heads_q, dim_v), dtype),
                                  ((heads_q, total_q), lse_dtype(dtype)))
@@ -183,7 +188,8 @@ class VarlenKernel:
         _core.forward_varlen(lib.to_core(times(q, self.call.q_factor, "forward")), lib.to_core(k),
                              lib.to_core(v), *self.seqs.core_args(), lib.to_core(out),
                              lib.to_core(lse), core_or_none(lib, self.mask),
-                             core_or_none(lib, self.alibi), self.call.core_options())
+                             core_or_none(lib, self.alibi), self.call.core_options(),
+                             block_table=self.seqs.block_table)
         return out, lse
 
     def backward(self, lib, dout, q, k, v, out, lse):

@@ -35,7 +35,9 @@ struct SeqSpan {
 // (flash-attn's cu_seqlens: sequence b has queries [cu_q[b], cu_q[b+1]) and keys
 // [cu_k[b], cu_k[b] + (used_k ? used_k[b] : cu_k[b+1] - cu_k[b]))), or a KV cache (lq queries
 // per sequence; sequence b's keys are slots [leftpad[b], cache_seqlens[b]) of cache row
-// cache_batch[b], or of row b; paged: of the pages its row of block_table names).
+// cache_batch[b], or of row b; paged: of the pages its row of block_table names). A varlen call
+// over page pools (block_table set) keeps its queries; its keys are slots [0, used_k[b] or
+// cu_k[b+1] - cu_k[b]) of the pages.
 struct SeqInfo {
   // Dense: the lengths of every sequence. Varlen: max_seqlen_q / max_seqlen_k as passed (they
   // may exceed the real maxima; dropout addresses elements with them). Cache: Lq and the
@@ -49,14 +51,15 @@ struct SeqInfo {
   const std::int32_t* cache_seqlens = nullptr;
   const std::int32_t* cache_batch = nullptr;
   const std::int32_t* cache_leftpad = nullptr;
-  // Paged cache only (null otherwise), validated: int32 [B, pages per sequence], row b at
-  // block_table + b * block_table_stride (elements); every page a sequence uses is a valid page
-  // of the pool. lk is then the capacity pages per sequence * page_size.
+  // Paged cache or varlen over page pools only (null otherwise), validated: int32 [B, pages
+  // per sequence], row b at block_table + b * block_table_stride (elements); every page a
+  // sequence uses is a valid page of the pool. A cache's lk is then the capacity pages per
+  // sequence * page_size.
   const std::int32_t* block_table = nullptr;
   std::int64_t block_table_stride = 0;
   std::int64_t page_size = 0;
   // Varlen and cache: the longest real sequence (sizes workspaces). Varlen: the rows of the
-  // buffers.
+  // buffers (keys over page pools: 0, none).
   std::int64_t longest_q = 0, longest_k = 0;
   std::int64_t rows_q = 0, rows_k = 0;
 
@@ -78,8 +81,11 @@ struct SeqInfo {
     }
     if (!varlen()) return {0, lq, 0, lk};
     const std::int64_t k0 = cu_k[b];
-    return {cu_q[b], cu_q[b + 1] - cu_q[b], k0,
-            used_k != nullptr ? std::int64_t{used_k[b]} : cu_k[b + 1] - k0};
+    const std::int64_t keys = used_k != nullptr ? std::int64_t{used_k[b]} : cu_k[b + 1] - k0;
+    if (block_table != nullptr) {
+      return {cu_q[b], cu_q[b + 1] - cu_q[b], 0, keys, -1, block_table + b * block_table_stride};
+    }
+    return {cu_q[b], cu_q[b + 1] - cu_q[b], k0, keys};
   }
 };
 

@@ -296,4 +296,17 @@ inline NamedView mask_view(const Options& o) { return {o.mask ? &*o.mask : nullp
 // (p's geometry and sequence info are set). validate.cpp.
 void resolve_variant(const Checker& check, const Options& o, Params& p);
 
+// Page pools (a paged KV cache, a varlen call over pages; validate_kvcache.cpp). The dtype of K
+// and V (named k_name, v_name): q's, or bf16 / f16 under an f32 query (docs/design.md section
+// 1.10); K and V share it.
+DType cache_dtype(const Checker& check, const TensorView& q, const TensorView& k,
+                  const TensorView& v, const char* k_name, const char* v_name);
+// The block table: int32 [B, pages per sequence], unit inner stride; sets seq's block table
+// fields. Its values are checked per sequence (check_pages).
+void block_table_of(const Checker& check, const TensorView& t, std::int64_t batch,
+                    std::int64_t page_size, SeqInfo& seq);
+// Every page sequence b uses (slots [start, end)) is a page of the pool.
+void check_pages(const Checker& check, const SeqInfo& seq, std::int64_t b, std::int64_t start,
+                 std::int64_t end, std::int64_t num_pages);
+
 }  // namespace attncore::detail

@@ -32,8 +32,8 @@ const std::int32_t* index_array(const Checker& check, const TensorView& t, const
   return static_cast<const std::int32_t*>(t.data);
 }
 
-// The block table of a paged cache: int32 [B, pages per sequence], unit inner stride; sets
-// seq's block table fields. Its values are checked per sequence (check_pages).
+}  // namespace
+
 void block_table_of(const Checker& check, const TensorView& t, std::int64_t batch,
                     std::int64_t page_size, SeqInfo& seq) {
   check.structure(t, "block_table");
@@ -56,7 +56,6 @@ void block_table_of(const Checker& check, const TensorView& t, std::int64_t batc
   seq.page_size = page_size;
 }
 
-// Every page sequence b uses (slots [start, end)) is a page of the pool.
 void check_pages(const Checker& check, const SeqInfo& seq, std::int64_t b, std::int64_t start,
                  std::int64_t end, std::int64_t num_pages) {
   if (start >= end) return;
@@ -72,22 +71,20 @@ void check_pages(const Checker& check, const SeqInfo& seq, std::int64_t b, std::
   }
 }
 
-// The dtype of the cache's K and V (docs/design.md section 1.10): q's, or bf16 / f16 under an
-// f32 query (engines keep the cache 16-bit and the rest of the model in f32). K and V share it.
+// (Engines keep the cache 16-bit and the rest of the model in f32.)
 DType cache_dtype(const Checker& check, const TensorView& q, const TensorView& k,
-                  const TensorView& v) {
+                  const TensorView& v, const char* k_name, const char* v_name) {
+  const std::string kn = k_name;
   check.floating_query(q);
   const bool mixed = q.dtype == DType::f32 && (k.dtype == DType::bf16 || k.dtype == DType::f16);
-  if (k.dtype != q.dtype && !mixed) {  // (k_cache first: a v_cache like it is then right)
-    check.fail("k_cache has the wrong dtype for the query (k_cache=" +
+  if (k.dtype != q.dtype && !mixed) {  // (K first: a V like it is then right)
+    check.fail(kn + " has the wrong dtype for the query (" + kn + "=" +
                std::string(name_of(k.dtype)) + ", query=" + std::string(name_of(q.dtype)) +
-               ", expected k_cache like query, or bf16 or f16 under an f32 query)");
+               ", expected " + kn + " like query, or bf16 or f16 under an f32 query)");
   }
-  check.dtype(v, "v_cache", k.dtype, " like k_cache");
+  check.dtype(v, v_name, k.dtype, (" like " + kn).c_str());
   return k.dtype;
 }
-
-}  // namespace
 
 Params validate_kvcache_forward(const ForwardArgs& a, const KvCacheSeqs& s, const Options& o,
                                 Backend backend, bool check_outputs) {
@@ -101,7 +98,7 @@ Params validate_kvcache_forward(const ForwardArgs& a, const KvCacheSeqs& s, cons
              paged ? "[num_pages, Hkv, page_size, Dv]" : "[B_cache, Hkv, capacity, Dv]");
   Params p;
   p.dtype = a.q.dtype;
-  p.kv_dtype = cache_dtype(check, a.q, a.k, a.v);
+  p.kv_dtype = cache_dtype(check, a.q, a.k, a.v, "k_cache", "v_cache");
   check.unit_last_stride(a.q, "query");
   check.unit_last_stride(a.k, "k_cache");
   check.unit_last_stride(a.v, "v_cache");

@@ -4,6 +4,7 @@
 #include <climits>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "attncore/error.h"
 #include "core/validate.h"
@@ -19,6 +20,15 @@ TensorView as_rank4(const TensorView& t) {
   r.rank = 4;
   r.shape = {1, t.shape[1], t.shape[0], t.shape[2]};
   r.stride = {0, t.stride[1], t.stride[0], t.stride[2]};
+  return r;
+}
+
+// A page pool [num_pages, page_size, H, D] in the rank-4 form of a paged cache's views,
+// [num_pages, H, page_size, D].
+TensorView pool_as_rank4(const TensorView& t) {
+  TensorView r = t;
+  std::swap(r.shape[1], r.shape[2]);
+  std::swap(r.stride[1], r.stride[2]);
   return r;
 }
 
@@ -90,31 +100,53 @@ void check_max(const Checker& check, std::int64_t max, std::int64_t longest, con
   }
 }
 
-// The checks of q, k, v, the sequences and the options; q, k, v are turned into rank-4 form.
+// The checks of q, k, v, the sequences and the options; q, k, v are turned into rank-4 form
+// (page pools into a paged cache's).
 Params resolve_varlen(const Checker& check, TensorView& q, TensorView& k, TensorView& v,
                       const VarlenSeqs& s, const Options& o, Backend backend) {
   check.backend(backend);
+  const bool paged = s.block_table.has_value();
+  const char* const k_layout = paged ? "[num_pages, page_size, Hkv, D]" : "[total_k, Hkv, D]";
   check.view(q, "query", 3, "[total_q, Hq, D]");
-  check.view(k, "key", 3, "[total_k, Hkv, D]");
-  check.view(v, "value", 3, "[total_k, Hkv, Dv]");
-  check.inputs(q, k, v);
-
+  check.view(k, "key", paged ? 4 : 3, k_layout);
+  check.view(v, "value", paged ? 4 : 3,
+             paged ? "[num_pages, page_size, Hkv, Dv]" : "[total_k, Hkv, Dv]");
   Params p;
   p.dtype = q.dtype;
-  p.kv_dtype = q.dtype;
+  if (paged) {
+    p.kv_dtype = cache_dtype(check, q, k, v, "key", "value");
+    check.unit_last_stride(q, "query");
+    check.unit_last_stride(k, "key");
+    check.unit_last_stride(v, "value");
+  } else {
+    check.inputs(q, k, v);
+    p.kv_dtype = q.dtype;
+  }
+  const int heads_dim = k.rank - 2;  // of k and v
   p.heads_q = q.size(1);
   p.head_dim = q.size(2);
-  p.heads_kv = k.size(1);
-  p.head_dim_v = v.size(2);
+  p.heads_kv = k.size(heads_dim);
+  p.head_dim_v = v.size(heads_dim + 1);
   check.dims(p);
-  if (p.heads_kv < 1 || p.heads_q % p.heads_kv != 0 || k.size(2) != p.head_dim) {
-    check.fail("key has shape " + k.shape_string() + ", expected [total_k, Hkv, " +
+  if (p.heads_kv < 1 || p.heads_q % p.heads_kv != 0 || k.size(heads_dim + 1) != p.head_dim) {
+    check.fail("key has shape " + k.shape_string() + ", expected " +
+               (paged ? "[num_pages, page_size, Hkv, " : "[total_k, Hkv, ") +
                std::to_string(p.head_dim) + "] with Hq % Hkv == 0 (Hq=" +
                std::to_string(p.heads_q) + ", Hkv=" + std::to_string(p.heads_kv) + ")");
   }
   check.group(p, o);
-  const std::int64_t v_expected[3] = {k.size(0), p.heads_kv, p.head_dim_v};
-  check.shape(v, "value", v_expected, "[total_k, Hkv, Dv] like key");
+  if (paged) {
+    const std::int64_t v_expected[4] = {k.size(0), k.size(1), p.heads_kv, p.head_dim_v};
+    check.shape(v, "value", v_expected, "[num_pages, page_size, Hkv, Dv] like key");
+    if (k.size(1) < 1) {
+      check.fail("key has shape " + k.shape_string() +
+                 ", expected [num_pages, page_size, Hkv, D] with page_size >= 1 (page_size=" +
+                 std::to_string(k.size(1)) + ")");
+    }
+  } else {
+    const std::int64_t v_expected[3] = {k.size(0), p.heads_kv, p.head_dim_v};
+    check.shape(v, "value", v_expected, "[total_k, Hkv, Dv] like key");
+  }
 
   // The sequences.
   check.structure(s.cu_seqlens_q, "cu_seqlens_q");
@@ -129,9 +161,10 @@ Params resolve_varlen(const Checker& check, TensorView& q, TensorView& k, Tensor
   seq.cu_q = static_cast<const std::int32_t*>(s.cu_seqlens_q.data);
   seq.cu_k = static_cast<const std::int32_t*>(s.cu_seqlens_k.data);
   seq.rows_q = q.size(0);
-  seq.rows_k = k.size(0);
+  seq.rows_k = paged ? 0 : k.size(0);  // (keys over pages: in no buffer of rows)
   seq.longest_q = check_offsets(check, seq.cu_q, p.batch, "cu_seqlens_q", seq.rows_q, "query");
-  seq.longest_k = check_offsets(check, seq.cu_k, p.batch, "cu_seqlens_k", seq.rows_k, "key");
+  seq.longest_k = check_offsets(check, seq.cu_k, p.batch, "cu_seqlens_k",
+                                paged ? INT64_MAX : seq.rows_k, "key");
   if (s.seqused_k.has_value()) {
     check_index_array(check, *s.seqused_k, "seqused_k", p.batch, "[B]");
     const auto* used = static_cast<const std::int32_t*>(s.seqused_k->data);
@@ -146,6 +179,22 @@ Params resolve_varlen(const Checker& check, TensorView& q, TensorView& k, Tensor
       seq.longest_k = std::max<std::int64_t>(seq.longest_k, used[b]);
     }
     seq.used_k = used;
+  }
+  if (paged) {  // every key of every sequence in a page of the pool
+    const std::int64_t page_size = k.size(1);
+    block_table_of(check, *s.block_table, p.batch, page_size, seq);
+    const std::int64_t capacity = s.block_table->size(1) * page_size;
+    for (std::int64_t b = 0; b < p.batch; ++b) {
+      const std::int64_t keys = seq.at(b).lk;
+      if (keys > capacity) {
+        check.fail(std::string(s.seqused_k ? "seqused_k" : "cu_seqlens_k") +
+                   " gives a sequence more keys than its pages hold (sequence " +
+                   std::to_string(b) + " has " + std::to_string(keys) +
+                   " keys, expected <= max_pages_per_seq * page_size=" + std::to_string(capacity) +
+                   ")");
+      }
+      check_pages(check, seq, b, 0, keys, k.size(0));
+    }
   }
   check_max(check, s.max_seqlen_q, seq.longest_q, "max_seqlen_q");
   check_max(check, s.max_seqlen_k, seq.longest_k, "max_seqlen_k");
@@ -162,9 +211,13 @@ Params resolve_varlen(const Checker& check, TensorView& q, TensorView& k, Tensor
   }
 
   q = as_rank4(q);
-  k = as_rank4(k);
-  v = as_rank4(v);
-  resolve_variant(check, o, p);
+  k = paged ? pool_as_rank4(k) : as_rank4(k);
+  v = paged ? pool_as_rank4(v) : as_rank4(v);
+  resolve_variant(check, o, p);  // (a dropout_p out of range first, as invalid)
+  if (paged && o.dropout_p != 0.0) {
+    check.unsupported("dropout is not supported over page pools (dropout_p=" +
+                      fmt_double(o.dropout_p) + ", expected 0 with block_table)");
+  }
   return p;
 }
 
@@ -213,13 +266,19 @@ Params validate_varlen_forward(ForwardArgs& a, const VarlenSeqs& seqs, const Opt
                   alibi_view(options),
                   {&seqs.cu_seqlens_q, "cu_seqlens_q"},
                   {&seqs.cu_seqlens_k, "cu_seqlens_k"},
-                  {seqs.seqused_k ? &*seqs.seqused_k : nullptr, "seqused_k"}});
+                  {seqs.seqused_k ? &*seqs.seqused_k : nullptr, "seqused_k"},
+                  {seqs.block_table ? &*seqs.block_table : nullptr, "block_table"}});
   return p;
 }
 
 Params validate_varlen_backward(BackwardArgs& a, const VarlenSeqs& seqs, const Options& options,
                                 Backend backend, bool check_outputs) {
   const Checker check("backward");
+  if (seqs.block_table.has_value()) {
+    check.unsupported(
+        "block_table is not supported by the backward (block_table=given, expected none: "
+        "attention over page pools is forward only)");
+  }
   Params p = resolve_varlen(check, a.q, a.k, a.v, seqs, options, backend);
   check_packed(check, a.dout, "dout", p.dtype, p.seq.rows_q, p.heads_q, p.head_dim_v,
                "[total_q, Hq, Dv]");

@@ -225,14 +225,13 @@ FlashForwardPlan plan_flash_forward(const Params& call, int threads, const Flash
   const std::int64_t dv_pad = round_up(call.head_dim_v, layout.dv_align);
   plan.panel_floats = round_up(tiles * layout.key_tile * (call.head_dim + dv_pad), 16);
   // Groups of one item each (decode, GQA decode, short chunks; a KV cache's sequences all have
-  // Lq rows, dense or cache alike): K/V read in place, or each tile packed just before its use
-  // into scratch (no panel), the groups spread over the threads. (Such a group's K/V packed
-  // whole into a shared panel first, by every thread, was read three times instead of once:
-  // a cache's GQA decode of more rows than a tile's, 8 on AVX2, took 1 GB of panel for 2^20
-  // keys, and one thread computed while the other waited.)
+  // Lq rows, a varlen call's at most max_seqlen_q): K/V read in place, or each tile packed just
+  // before its use into scratch (no panel), the groups spread over the threads. (Such a group's
+  // K/V packed whole into a shared panel first, by every thread, was read three times instead
+  // of once: a cache's GQA decode of more rows than a tile's, 8 on AVX2, took 1 GB of panel for
+  // 2^20 keys, and one thread computed while the other waited.)
   plan.on_the_fly =
-      (!call.seq.per_sequence() || call.seq.cache()) &&
-      (plan_items(call, layout).count == 1 || flash_in_place_items(call, layout.tile_rows) > 0);
+      plan_items(call, layout).count == 1 || flash_in_place_items(call, layout.tile_rows) > 0;
   const double dims = static_cast<double>(call.head_dim + call.head_dim_v);
   const double q_rows = call.seq.varlen() ? static_cast<double>(call.seq.cu_q[call.batch])
                                           : static_cast<double>(call.batch * call.seq.lq);

@@ -1,5 +1,6 @@
-// The inference cases: variable-length batches (forward and backward), KV caches (dense rows or
-// pages, with and without an append) and merge_attention_states.
+// The inference cases: variable-length batches (forward and backward; over page pools,
+// forward), KV caches (dense rows or pages, with and without an append) and
+// merge_attention_states.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -32,16 +33,42 @@ void fuzz_varlen(Reader& r) {
   VarlenSeqs seqs{acu_q.view, acu_k.view, std::nullopt,
                   max_q + r.range(0, 2) - (r.chance(6) ? 1 : 0), max_k + r.range(0, 2)};
   if (r.chance(100)) seqs.seqused_k = aused.view;
+  // Now and then the keys in page pools [num_pages, page_size, Hkv, D] named by a block table
+  // (forward only; now and then -1 or a page past the pool for a key in use: refused).
+  const bool paged = r.chance(64);
+  std::int64_t page_size = 1, per_seq = 0, num_pages = 0;
+  std::vector<std::int64_t> table;
+  if (paged) {
+    static constexpr std::int64_t kPageSizes[] = {1, 3, 16};
+    page_size = kPageSizes[r.byte() % std::size(kPageSizes)];
+    per_seq = std::max<std::int64_t>(
+        (max_k + page_size - 1) / page_size + r.range(0, 1) - (r.chance(4) ? 1 : 0), 0);
+    num_pages = r.range(1, s.b * per_seq + 2);
+    for (std::int64_t i = 0; i < s.b * per_seq; ++i)
+      table.push_back(r.chance(3) ? (r.chance(128) ? -1 : num_pages) : r.range(0, num_pages - 1));
+  }
+  Array atable = index_array(table);
+  if (paged) {
+    atable.view = TensorView::strided(atable.view.data, DType::i32, {s.b, per_seq},
+                                      {std::max<std::int64_t>(per_seq, 1), 1});
+    seqs.block_table = atable.view;
+  }
   const DType dtype = value_dtype(r);
+  const DType kv_dtype = paged && dtype == DType::f32 && r.chance(64) ? DType::bf16 : dtype;
+  const std::vector<std::int64_t> k_shape =
+      paged ? std::vector<std::int64_t>{num_pages, page_size, s.hkv, s.d}
+            : std::vector<std::int64_t>{total_k, s.hkv, s.d};
+  std::vector<std::int64_t> v_shape = k_shape;
+  v_shape.back() = s.dv;
   Array q = make_input(dtype, {total_q, s.hq, s.d}, layout(r), r, 1, 1.0);
-  Array k = make_input(dtype, {total_k, s.hkv, s.d}, layout(r), r, 2, 1.0);
-  Array v = make_input(dtype, {total_k, s.hkv, s.dv}, layout(r), r, 3, 1.0);
+  Array k = make_input(kv_dtype, k_shape, layout(r), r, 2, 1.0);
+  Array v = make_input(kv_dtype, v_shape, layout(r), r, 3, 1.0);
   Decoded o;
   decode_options(r, s, false, o);
   Array out = make_array(dtype, {total_q, s.hq, s.dv}, output_layout(r), 0xa5);
   Array lse = make_array(dtype == DType::f64 ? DType::f64 : DType::f32, {s.hq, total_q},
                          output_layout(r), 0xa5);
-  std::vector<Array*> inputs{&q, &k, &v, &acu_q, &acu_k, &aused};
+  std::vector<Array*> inputs{&q, &k, &v, &acu_q, &acu_k, &aused, &atable};
   if (o.alibi) inputs.push_back(&*o.alibi);
   if (o.mask) inputs.push_back(&*o.mask);
   CallSpec fwd{
@@ -50,7 +77,7 @@ void fuzz_varlen(Reader& r) {
       }};
   const std::vector<Run> runs = run_all_backends(fwd);
   check_forward(runs, dtype, value_bound(v, o.options), s.hq, s.dv, true);
-  if (runs.front().outcome != Outcome::ok || r.chance(128)) return;
+  if (paged || runs.front().outcome != Outcome::ok || r.chance(128)) return;
 
   // Backward from the reference's out and lse.
   Array ref_out = make_array(dtype, {total_q, s.hq, s.dv}, Layout::contiguous);

@@ -9,7 +9,7 @@ import torch
 
 import attncore
 import attncore.torch
-from attncore import _paged
+from attncore import _paged_torch
 from conftest import raises
 
 
@@ -55,14 +55,14 @@ def test_a_scale_at_most_zero_refuses_a_query_product_that_would_not_fit():
 
 
 def test_errors_of_the_per_sequence_calls_keep_their_kind():
-    # The paged varlen call and PagedAttention.forward rename the errors of the calls they
-    # make; numpy's MemoryError subclass (built from more than a message) stays a MemoryError.
+    # PagedAttention.forward renames the errors of the calls it makes; numpy's MemoryError
+    # subclass (built from more than a message) stays a MemoryError.
     error = np.core._exceptions._ArrayMemoryError((4,), np.dtype(np.float32))
-    renamed = _paged._naming("flash_attn_varlen_func", error)
+    renamed = _paged_torch._naming("PagedAttention.forward", error)
     assert isinstance(renamed, MemoryError), type(renamed)
     assert str(renamed) == str(error)  # (its message has no "<call>: " to rename)
-    renamed = _paged._naming("flash_attn_varlen_func", ValueError("forward: k_cache has shape"))
-    assert type(renamed) is ValueError and str(renamed) == "flash_attn_varlen_func: k has shape"
+    renamed = _paged_torch._naming("PagedAttention.forward", ValueError("forward: k_cache has"))
+    assert type(renamed) is ValueError and str(renamed) == "PagedAttention.forward: k_cache has"
 
 
 def test_rotary_tables_must_be_float_and_their_conversion_must_fit():

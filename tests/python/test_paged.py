@@ -259,9 +259,9 @@ def test_varlen_paged_is_the_per_sequence_loop_and_the_dense_call_bit_for_bit():
         assert torch.equal(out[rows], alone[0]), b
 
 
-def test_varlen_paged_checks_max_seqlen_and_names_itself():
-    """flash_attn_varlen_func(block_table=...) checks max_seqlen_q / max_seqlen_k as the
-    non-paged call does, and its per-sequence calls' errors name flash_attn_varlen_func."""
+def test_varlen_paged_checks_max_seqlen_as_the_packed_call():
+    """flash_attn_varlen_func(block_table=...) checks max_seqlen_q / max_seqlen_k and the
+    options as the non-paged call does (the library's call with page pools)."""
     lens = [10, 4, 7]
     k, v = randn(3, 12, 2, 8, seed=1), randn(3, 12, 2, 8, seed=2)
     k_pool, v_pool, table = paged(k, v, 4, lens)
@@ -274,26 +274,27 @@ def test_varlen_paged_checks_max_seqlen_and_names_itself():
                                                block_table=table, **kw)
 
     op = "^flash_attn_varlen_func: "
+    library = "^forward: "
     for bad in ("5", 5.0, None, True):
         with pytest.raises(TypeError, match=op + r"max_seqlen_q is not an integer"):
             call(bad, 10)
         with pytest.raises(TypeError, match=op + r"max_seqlen_k is not an integer"):
             call(5, bad)
-    with pytest.raises(ValueError, match=op + r"max_seqlen_q is smaller than a sequence "
+    with pytest.raises(ValueError, match=library + r"max_seqlen_q is smaller than a sequence "
                        r"\(max_seqlen_q=4, expected >= the longest sequence's 5\)"):
         call(4, 10)
-    with pytest.raises(ValueError, match=op + r"max_seqlen_k is smaller than a sequence "
+    with pytest.raises(ValueError, match=library + r"max_seqlen_k is smaller than a sequence "
                        r"\(max_seqlen_k=9, expected >= the longest sequence's 10\)"):
         call(5, 9)
-    with pytest.raises(ValueError, match=op + r"max_seqlen_k is too large"):
+    with pytest.raises(ValueError, match=library + r"max_seqlen_k is too large"):
         call(5, 2 ** 31)
     # seqused_k bounds the keys: 7 is then the longest; larger maxima are accepted.
     used = torch.tensor([5, 0, 7], dtype=torch.int32)
     assert torch.equal(call(5, 7, seqused_k=used), call(np.int64(9), 2 ** 31 - 1, seqused_k=used))
-    with pytest.raises(ValueError, match=op + r"max_seqlen_k is smaller .*sequence's 7\)"):
+    with pytest.raises(ValueError, match=library + r"max_seqlen_k is smaller .*sequence's 7\)"):
         call(5, 6, seqused_k=used)
-    # Options the per-sequence calls check: the message names the public call.
-    with pytest.raises(ValueError, match=op + r"window_left is invalid"):
+    # Options, checked as for the packed call.
+    with pytest.raises(ValueError, match=library + r"window_left is invalid"):
         call(5, 10, window_size=(-5, 0))
     with pytest.raises(ValueError, match=op + r"scale is invalid"):
         call(5, 10, softmax_scale=float("nan"))

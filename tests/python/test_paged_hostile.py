@@ -177,18 +177,23 @@ def varlen_args():
 
 
 @pytest.mark.parametrize("cu_k, fragment", [
-    (np.array([0.0, 8.5, 18.0]), "cu_seqlens_k has the wrong dtype (dtype=float64"),
-    (np.array([0, 8, 18], np.int64), "cu_seqlens_k has the wrong dtype (dtype=int64"),
-    (torch.tensor([0, 8, 18]), "cu_seqlens_k has the wrong dtype (dtype=int64"),
-    (np.array([2, 10, 20], np.int32), "cu_seqlens_k is not a valid offset array"),
-    (np.array([0, 8, 4], np.int32), "cu_seqlens_k is not a valid offset array"),
-    (np.array([0, 8, 40], np.int32), "sequence 1 has 32 keys"),
+    (np.array([0.0, 8.5, 18.0]), "forward: cu_seqlens_k has the wrong dtype (dtype=f64"),
+    (np.array([0, 8, 18], np.int64),
+     "flash_attn_varlen_func: cu_seqlens_k has the wrong dtype (dtype=int64"),
+    (torch.tensor([0, 8, 18]), "flash_attn_varlen_func: cu_seqlens_k has the wrong dtype "
+                               "(dtype=int64"),
+    (np.array([2, 10, 20], np.int32), "forward: cu_seqlens_k does not start at 0"),
+    (np.array([0, 8, 4], np.int32), "forward: cu_seqlens_k is decreasing"),
+    (np.array([0, 8, 40], np.int32), "forward: cu_seqlens_k gives a sequence more keys than its "
+                                     "pages hold (sequence 1 has 32 keys, expected <= "
+                                     "max_pages_per_seq * page_size=12)"),
 ])
 def test_varlen_paged_refuses_bad_offsets(cu_k, fragment):
+    # As the packed call refuses them: the library's checks, the same call.
     q, pool, table = varlen_args()
     raises(ValueError, lambda: attncore.flash_attn_varlen_func(
         q, pool, pool, np.array([0, 2, 5], np.int32), cu_k, 3, 10, block_table=table),
-        "flash_attn_varlen_func: " + fragment)
+        fragment)
 
 
 def test_varlen_paged_refuses_every_sequence_before_attending_any():
@@ -197,8 +202,7 @@ def test_varlen_paged_refuses_every_sequence_before_attending_any():
     bad[1, 2] = 6  # sequence 1's third page: past the pool of 6 pages
     raises(ValueError, lambda: attncore.flash_attn_varlen_func(
         q, pool, pool, np.array([0, 2, 5], np.int32), np.array([0, 8, 18], np.int32), 3, 10,
-        block_table=bad), "flash_attn_varlen_func: block_table names no page",
-        "block_table[1][2]=6")
+        block_table=bad), "forward: block_table names no page", "block_table[1][2]=6")
     raises(TypeError, lambda: attncore.flash_attn_varlen_func(
         q, pool, pool, ["a", "b", "c"], np.array([0, 8, 18], np.int32), 3, 10,
         block_table=table), "cu_seqlens_q")
@@ -554,8 +558,7 @@ def test_paged_attention_forward_names_the_callers_tensors_and_options():
 
 
 def test_varlen_paged_checks_every_argument_with_no_sequence():
-    # B = 0 makes no per-sequence call: the arguments are still checked, and named as the
-    # caller named them (k, v, not the kv-cache call's k_cache, v_cache).
+    # B = 0: the arguments are still checked.
     pool = torch.zeros(6, 4, 2, 8)
     none = torch.zeros(1, dtype=torch.int32)
     table = torch.zeros(0, 3, dtype=torch.int32)
@@ -564,7 +567,7 @@ def test_varlen_paged_checks_every_argument_with_no_sequence():
                                     none, 0, 0, block_table=table), "query", "dtype=i32")
     raises(ValueError, lambda: call(torch.zeros(5, 2, 8), torch.zeros(6, 4, 2, 11), pool, none,
                                     none, 0, 0, block_table=table),
-           "flash_attn_varlen_func: k has shape [6, 4, 2, 11]")
+           "forward: key has shape [6, 4, 2, 11], expected [num_pages, page_size, Hkv, 8]")
     raises(ValueError, lambda: call(torch.zeros(5, 2, 8), pool, pool, none, none, 0, 0,
                                     block_table=table, backend="cuda"), "backend='cuda'")
     out = call(torch.ones(5, 2, 8), pool, pool, none, none, 0, 0, block_table=table)
