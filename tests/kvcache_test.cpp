@@ -492,6 +492,29 @@ TEST(KvCache, AppendToNoSequencesAllocatesNothing) {
   }
 }
 
+// With rotary, a named backend that cannot run the call refuses it before the rotated query's
+// copy is made: here that copy (a broadcast query of 2^28 rows, 128 GiB) would be refused
+// for its size first.
+TEST(KvCache, AppendRefusesTheBackendBeforeCopyingTheQuery) {
+  double cell = 0;
+  const std::int64_t rows = std::int64_t{1} << 28;
+  const TensorView q = TensorView::strided(&cell, DType::f64, {1, 1, rows, 64}, {0, 0, 0, 1});
+  const Tensor cache(DType::f64, {1, 1, 4, 64}), v_cache(DType::f64, {1, 1, 4, 64});
+  const Tensor k_new(DType::f64, {1, 1, 1, 64});
+  const Tensor lens = int_tensor({2});
+  const Tensor cos(DType::f32, {4, 32}), sin(DType::f32, {4, 32});
+  KvCacheSeqs s;
+  s.cache_seqlens = lens.view();
+  const KvAppend a{k_new, k_new, cos.view(), sin.view(), false};
+  const std::string message =
+      error_message([&] { forward_kvcache(q, cache, v_cache, s, a, {}, Backend::flash); });
+  EXPECT_EQ(message.rfind("forward: backend flash cannot run this call", 0), 0u) << message;
+  EXPECT_NE(error_message([&] {
+              forward_kvcache(q, cache, v_cache, s, a, {}, Backend::math);
+            }).find("the query rotated for the append, a copy,"),
+            std::string::npos);
+}
+
 // The append's into form: the allocating form's cache, out and lse, bitwise (with rotary, over
 // a dense cache); outputs that share bytes with an array only the append reads, and every
 // other refusal, before anything is written.

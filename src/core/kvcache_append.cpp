@@ -328,12 +328,16 @@ Appending validate(const TensorView& q, const TensorView& k_cache, const TensorV
 template <class Attend>
 void attend_after_append(const Appending& a, const TensorView& q, const TensorView& k_cache,
                          const TensorView& v_cache, const KvAppend& append, const Options& options,
-                         Attend&& attend) {
+                         Backend backend, Attend&& attend) {
   const Params& p = a.p;
   const bool aligned =
       options.causal != Causal::none || options.window_left >= 0 || options.window_right >= 0;
   Tensor rotated;
-  if (a.rotary.cos != nullptr) rotated = rotated_query(p, q.dtype);
+  if (a.rotary.cos != nullptr) {
+    // A named backend that cannot run the call refuses it before the copy is made.
+    (void)explain_forward_kvcache(q, k_cache, v_cache, a.after, options, backend);
+    rotated = rotated_query(p, q.dtype);
+  }
   attend(a.rotary.cos != nullptr ? rotated.view() : q, [&] {
     if (p.dtype == DType::f64) {
       append_rows<double>(p, q, k_cache, v_cache, append, a.rotary, aligned, &rotated);
@@ -358,7 +362,7 @@ ForwardResult forward_kvcache(const TensorView& q, const TensorView& k_cache,
                               const KvAppend& append, const Options& options, Backend backend) {
   const Appending a = validate(q, k_cache, v_cache, seqs, append, options, backend);
   ForwardResult r;
-  attend_after_append(a, q, k_cache, v_cache, append, options,
+  attend_after_append(a, q, k_cache, v_cache, append, options, backend,
                       [&](const TensorView& query, const std::function<void()>& write) {
                         r = detail::forward_kvcache_with(query, k_cache, v_cache, a.after, options,
                                                          backend, write);
@@ -372,7 +376,7 @@ void forward_kvcache_into(const TensorView& q, const TensorView& k_cache, const 
                           Backend backend) {
   const Appending a = validate(q, k_cache, v_cache, seqs, append, options, backend);
   attend_after_append(
-      a, q, k_cache, v_cache, append, options,
+      a, q, k_cache, v_cache, append, options, backend,
       [&](const TensorView& query, const std::function<void()>& write) {
         detail::forward_kvcache_into_with(
             query, k_cache, v_cache, a.after, out, lse, options, backend, [&] {

@@ -37,13 +37,14 @@ struct PendingProduct {
 // (flash_direct_kv_products-inl.h); here each tile's steps, and the products left to run with
 // the next tile's scores.
 struct DirectKv : DirectKvProducts {
-  // q [kTileRows][D]: the rows' queries, unscaled, in f32 (zero rows past `rows`).
+  // q [rows_computed(rows)][D]: the rows' queries, unscaled, in f32 (zero rows past `rows`:
+  // the products compute those rows too; the rows after them are never read).
   ATTNCORE_TARGET static void load_queries(const Params& p, const ForwardArgs& a, std::int64_t b,
                                            const std::int64_t* head_of,
                                            const std::int64_t* index_of, std::int64_t rows,
                                            float* q) {
     const std::int64_t d = p.head_dim;
-    for (std::int64_t r = 0; r < kTileRows; ++r) {
+    for (std::int64_t r = 0; r < rows_computed(rows); ++r) {
       if (r < rows) {
         load_row(a.q.data, a.q.dtype, offset4(a.q, b, head_of[r], index_of[r], 0), d, q + r * d);
       } else {

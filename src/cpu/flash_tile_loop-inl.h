@@ -122,7 +122,9 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
     } else {
       Dot::load_queries(p, a, b, hx, index_of, rows, padded_rows, wx.q);
     }
-    for (std::int64_t e = 0; e < padded_rows * dv_pad; ++e) wx.out[e] = 0.0f;
+    // (In place, the rows the products compute: a decode item of 32 heads spent 3 of its 20
+    // us zeroing whole micro-tiles of rows, kTileRows of them for one row.)
+    for (std::int64_t e = 0; e < live_rows * dv_pad; ++e) wx.out[e] = 0.0f;
     for (std::int64_t r = 0; r < padded_rows; ++r) {
       wx.softmax[r] = SoftmaxState{};
       wx.alpha[r] = 1.0f;
