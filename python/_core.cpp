@@ -243,7 +243,11 @@ void forward_varlen(py::handle q, py::handle k, py::handle v, py::handle cu_seql
   const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
   const attncore::Options options = call.options(op, bmask, balibi, false);
   const attncore::Backend backend = backend_from_name(op, call.backend);
-  run_call(options, call_work(bq.view(), bk.view(), bv.view()), [&](const attncore::Options& o) {
+  // (Over page pools a sequence's keys are at most max_seqlen_k, whatever the pools hold.)
+  const double work = seqs.block_table
+                          ? call_work(bq.view(), static_cast<double>(max_seqlen_k), bv.view())
+                          : call_work(bq.view(), bk.view(), bv.view());
+  run_call(options, work, [&](const attncore::Options& o) {
     attncore::forward_varlen_into(bq.view(), bk.view(), bv.view(), seqs.seqs(), bout.view(),
                                   view_of(blse), o, backend);
   });

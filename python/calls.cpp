@@ -116,11 +116,15 @@ void set_main_thread(unsigned long ident) { main_thread_id = ident; }
 double call_work(const attncore::TensorView& q, const attncore::TensorView& k,
                  const attncore::TensorView& v) {
   const int key_rows = k.rank == 4 ? 2 : 0;
+  return call_work(q, static_cast<double>(k.rank > key_rows ? k.size(key_rows) : 0), v);
+}
+
+double call_work(const attncore::TensorView& q, double keys, const attncore::TensorView& v) {
   const double rows_q =
       q.rank > 0 && q.size(q.rank - 1) > 0
           ? static_cast<double>(q.numel()) / static_cast<double>(q.size(q.rank - 1))
           : 0.0;
-  return rows_q * static_cast<double>(k.rank > key_rows ? k.size(key_rows) : 0) *
+  return rows_q * keys *
          static_cast<double>((q.rank ? q.size(q.rank - 1) : 0) + (v.rank ? v.size(v.rank - 1) : 0));
 }
 

@@ -32,9 +32,11 @@ class GilReleased {
 void set_main_thread(unsigned long ident);
 
 // A bound on a call's work, in multiply-adds: every query row (q [..., Lq, D], or packed rows
-// [total_q, Hq, D]) against every row of k [..., Lk, D] (or [total_k, Hkv, D]), times D + Dv.
+// [total_q, Hq, D]) against every row of k [..., Lk, D] (or [total_k, Hkv, D]), times D + Dv;
+// or against `keys` keys (calls over page pools, whose rows are not the keys).
 double call_work(const attncore::TensorView& q, const attncore::TensorView& k,
                  const attncore::TensorView& v);
+double call_work(const attncore::TensorView& q, double keys, const attncore::TensorView& v);
 
 // Runs call(options) with the GIL released (the GIL is held on entry and on return). On the
 // main thread, a call whose work exceeds a threshold (calls.cpp: kInPlaceWork) runs on a runner

@@ -74,7 +74,11 @@ void run_kvcache(const TensorView& q, const TensorView& k, const TensorView& v,
                  const attncore::KvCacheSeqs& seqs, const std::optional<attncore::KvAppend>& append,
                  const TensorView& out, const std::optional<TensorView>& lse,
                  const attncore::Options& options, attncore::Backend backend) {
-  run_call(options, call_work(q, k, v), [&](const attncore::Options& o) {
+  // (A paged cache's keys per sequence: its block table's pages times the page size.)
+  const double keys = seqs.block_table ? static_cast<double>(seqs.block_table->size(1)) *
+                                             static_cast<double>(k.size(2))
+                                       : static_cast<double>(k.size(2));
+  run_call(options, call_work(q, keys, v), [&](const attncore::Options& o) {
     if (append) {
       attncore::forward_kvcache_into(q, k, v, seqs, *append, out, lse, o, backend);
     } else {

@@ -207,8 +207,7 @@ TEST(VarlenPaged, BadInputsAreRefusedBeforeAnyWork) {
                          good.block_table.data_as<std::int32_t>() + p.count() * per_seq);
   std::vector<int> bad = table;
   bad[2 * per_seq + 100] = -1;  // inside sequence 2's 2600 keys
-  with_table(bad,
-             "block_table names no page of the cache for slots in use (block_table[2][100]=-1");
+  with_table(bad, "block_table names no page of the pool for slots in use (block_table[2][100]=-1");
   bad = table;
   bad[6 * per_seq] = static_cast<int>(num_pages);
   with_table(bad, "block_table[6][0]=" + std::to_string(num_pages) +
@@ -230,8 +229,8 @@ TEST(VarlenPaged, BadInputsAreRefusedBeforeAnyWork) {
   std::fill_n(narrow.data_as<std::int32_t>(), p.count() * 2, 0);
   s.block_table = narrow.view();
   expect([&] { forward_varlen(p.q, good.k, good.v, s); },
-         "cu_seqlens_k gives a sequence more keys than its pages hold (sequence 0 has 40 keys, "
-         "expected <= max_pages_per_seq * page_size=8)");
+         "cu_seqlens_k gives sequence 0 more keys than its pages hold (keys=40, expected <= "
+         "max_pages_per_seq * page_size=8)");
   Tensor f32_table =
       make_tensor(DType::f32, {p.count(), per_seq},
                   std::vector<double>(static_cast<std::size_t>(p.count() * per_seq)));
@@ -268,6 +267,9 @@ TEST(VarlenPaged, BadInputsAreRefusedBeforeAnyWork) {
             }).find("forward: dropout is not supported over page pools (dropout_p=0.1"),
             std::string::npos);
   EXPECT_THROW(forward_varlen(p.q, good.k, good.v, good.seqs, dropout), Unsupported);
+  VarlenSeqs huge = good.seqs;  // (dropout would address more than 2^63 elements: still)
+  huge.max_seqlen_q = huge.max_seqlen_k = 2147483647;
+  EXPECT_THROW(forward_varlen(p.q, good.k, good.v, huge, dropout), Unsupported);
   const ForwardResult r = forward_varlen(p.q, good.k, good.v, good.seqs);
   EXPECT_THROW(backward_varlen(r.out, p.q, good.k, good.v, r.out, r.lse, good.seqs), Unsupported);
   EXPECT_NE(error_message([&] {

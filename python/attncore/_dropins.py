@@ -369,7 +369,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     r = varlen_packed(op, {"q": q, "k": k, "v": v}, separate, cu_seqlens_q, cu_seqlens_k,
                       max_seqlen_q, max_seqlen_k, seqused_k=seqused_k, attn_mask=None,
                       alibi_slopes=alibi_slopes, block_table=block_table,
-                      extra_outputs=_s_dmask_check(dropout_p, return_attn_probs),
+                      extra_outputs=None if paged else _s_dmask_check(dropout_p,
+                                                                      return_attn_probs),
                       **_flash_options(op, softmax_scale, causal, window_size, softcap,
                                        dropout_p, backend))
     return _varlen_result(r, return_attn_probs)

@@ -305,8 +305,9 @@ DType cache_dtype(const Checker& check, const TensorView& q, const TensorView& k
 // fields. Its values are checked per sequence (check_pages).
 void block_table_of(const Checker& check, const TensorView& t, std::int64_t batch,
                     std::int64_t page_size, SeqInfo& seq);
-// Every page sequence b uses (slots [start, end)) is a page of the pool.
+// Every page sequence b uses (slots [start, end)) is a page of the pool (named `pool` in the
+// message: "cache", "pool").
 void check_pages(const Checker& check, const SeqInfo& seq, std::int64_t b, std::int64_t start,
-                 std::int64_t end, std::int64_t num_pages);
+                 std::int64_t end, std::int64_t num_pages, const char* pool);
 
 }  // namespace attncore::detail

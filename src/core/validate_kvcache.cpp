@@ -57,16 +57,16 @@ void block_table_of(const Checker& check, const TensorView& t, std::int64_t batc
 }
 
 void check_pages(const Checker& check, const SeqInfo& seq, std::int64_t b, std::int64_t start,
-                 std::int64_t end, std::int64_t num_pages) {
+                 std::int64_t end, std::int64_t num_pages, const char* pool) {
   if (start >= end) return;
   const std::int32_t* row = seq.block_table + b * seq.block_table_stride;
   for (std::int64_t i = start / seq.page_size; i <= (end - 1) / seq.page_size; ++i) {
     if (row[i] < 0 || row[i] >= num_pages) {
-      check.fail("block_table names no page of the cache for slots in use (block_table[" +
-                 std::to_string(b) + "][" + std::to_string(i) + "]=" + std::to_string(row[i]) +
-                 ", expected 0 <= page < num_pages=" + std::to_string(num_pages) +
-                 " for sequence " + std::to_string(b) + "'s slots [" + std::to_string(start) +
-                 ", " + std::to_string(end) + "))");
+      check.fail("block_table names no page of the " + std::string(pool) +
+                 " for slots in use (block_table[" + std::to_string(b) + "][" + std::to_string(i) +
+                 "]=" + std::to_string(row[i]) + ", expected 0 <= page < num_pages=" +
+                 std::to_string(num_pages) + " for sequence " + std::to_string(b) + "'s slots [" +
+                 std::to_string(start) + ", " + std::to_string(end) + "))");
     }
   }
 }
@@ -170,7 +170,7 @@ Params validate_kvcache_forward(const ForwardArgs& a, const KvCacheSeqs& s, cons
                  "cache_seqlens[b]=" +
                  std::to_string(end) + ")");
     }
-    if (paged) check_pages(check, seq, b, start, end, cache_batch);
+    if (paged) check_pages(check, seq, b, start, end, cache_batch, "cache");
     seq.longest_k = std::max(seq.longest_k, end - start);
   }
   seq.longest_q = seq.lq;

@@ -187,13 +187,12 @@ Params resolve_varlen(const Checker& check, TensorView& q, TensorView& k, Tensor
     for (std::int64_t b = 0; b < p.batch; ++b) {
       const std::int64_t keys = seq.at(b).lk;
       if (keys > capacity) {
-        check.fail(std::string(s.seqused_k ? "seqused_k" : "cu_seqlens_k") +
-                   " gives a sequence more keys than its pages hold (sequence " +
-                   std::to_string(b) + " has " + std::to_string(keys) +
-                   " keys, expected <= max_pages_per_seq * page_size=" + std::to_string(capacity) +
-                   ")");
+        check.fail(std::string(s.seqused_k ? "seqused_k" : "cu_seqlens_k") + " gives sequence " +
+                   std::to_string(b) +
+                   " more keys than its pages hold (keys=" + std::to_string(keys) +
+                   ", expected <= max_pages_per_seq * page_size=" + std::to_string(capacity) + ")");
       }
-      check_pages(check, seq, b, 0, keys, k.size(0));
+      check_pages(check, seq, b, 0, keys, k.size(0), "pool");
     }
   }
   check_max(check, s.max_seqlen_q, seq.longest_q, "max_seqlen_q");
@@ -205,7 +204,7 @@ Params resolve_varlen(const Checker& check, TensorView& q, TensorView& k, Tensor
   // Dropout addresses B * Hq * max_seqlen_q * max_seqlen_k elements: they must fit in 2^63.
   const double elements = static_cast<double>(p.batch) * static_cast<double>(p.heads_q) *
                           static_cast<double>(seq.lq) * static_cast<double>(seq.lk);
-  if (o.dropout_p > 0.0 && elements >= 0x1p63) {
+  if (o.dropout_p > 0.0 && !paged && elements >= 0x1p63) {  // (over pools: Unsupported below)
     check.fail("dropout addresses too many elements (B * Hq * max_seqlen_q * max_seqlen_k=" +
                fmt_double(elements) + ", expected < 2^63)");
   }

@@ -30,8 +30,12 @@ void fuzz_varlen(Reader& r) {
   if (r.chance(6)) std::swap(cu_q[1], cu_q[s.b]);  // decreasing offsets
   const std::int64_t total_q = cu_q.back() + r.range(0, 2), total_k = cu_k.back() + r.range(0, 2);
   Array acu_q = index_array(cu_q), acu_k = index_array(cu_k), aused = index_array(used);
-  VarlenSeqs seqs{acu_q.view, acu_k.view, std::nullopt,
-                  max_q + r.range(0, 2) - (r.chance(6) ? 1 : 0), max_k + r.range(0, 2)};
+  VarlenSeqs seqs{acu_q.view,
+                  acu_k.view,
+                  std::nullopt,
+                  max_q + r.range(0, 2) - (r.chance(6) ? 1 : 0),
+                  max_k + r.range(0, 2),
+                  std::nullopt};
   if (r.chance(100)) seqs.seqused_k = aused.view;
   // Now and then the keys in page pools [num_pages, page_size, Hkv, D] named by a block table
   // (forward only; now and then -1 or a page past the pool for a key in use: refused).

@@ -106,6 +106,48 @@ def test_ctrl_c_stops_a_long_merge():
     assert predicted > 3 * elapsed
 
 
+PAGED_PROGRAM = """
+import time
+import numpy as np
+import attncore
+rng = np.random.default_rng(0)
+attncore.set_num_threads(1)
+q = rng.standard_normal((1, 64, 16), dtype=np.float32)
+pool = rng.standard_normal((1, 16, 1, 16), dtype=np.float32)
+def call(keys):  # one decode row over `keys` keys: pool page 0 named keys / 16 times
+    table = np.zeros((1, keys // 16), np.int32)
+    cu_k = np.array([0, keys], np.int32)
+    if {kvcache}:
+        attncore.flash_attn_with_kvcache(q[None], pool, pool, cache_seqlens=keys,
+                                         block_table=table)
+    else:
+        attncore.flash_attn_varlen_func(q, pool, pool, np.array([0, 1], np.int32), cu_k, 1,
+                                        keys, block_table=table)
+times = []
+for _ in range(3):
+    start = time.perf_counter()
+    call(1 << 19)
+    times.append(time.perf_counter() - start)
+predicted = sorted(times)[1] * 128  # the call below reads 128x the keys
+print(f"ready {{predicted:.3f}}", flush=True)
+start = time.perf_counter()
+try:
+    call(1 << 26)
+    print("finished", flush=True)
+except KeyboardInterrupt:
+    print(f"interrupted {{time.perf_counter() - start:.3f}}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("kvcache", [False, True])
+def test_ctrl_c_stops_a_long_call_over_pages(kvcache):
+    # Its work counted from the keys its sequences read, not from the rows of the pools (a
+    # pool of one page made it run in place, where Ctrl-C waited for its end).
+    predicted, elapsed = interrupt(PAGED_PROGRAM.format(kvcache=kvcache), 0.2)
+    print(f"interrupted after {elapsed:.3f} s of a call predicted at {predicted:.2f} s")
+    assert predicted > 3 * elapsed
+
+
 def test_calls_on_the_main_thread_and_others_agree():
     q = np.random.default_rng(1).standard_normal((2, 3, 40, 16), dtype=np.float32)
     out_main = attncore.attention(q, q, q)

@@ -184,9 +184,9 @@ def varlen_args():
                                "(dtype=int64"),
     (np.array([2, 10, 20], np.int32), "forward: cu_seqlens_k does not start at 0"),
     (np.array([0, 8, 4], np.int32), "forward: cu_seqlens_k is decreasing"),
-    (np.array([0, 8, 40], np.int32), "forward: cu_seqlens_k gives a sequence more keys than its "
-                                     "pages hold (sequence 1 has 32 keys, expected <= "
-                                     "max_pages_per_seq * page_size=12)"),
+    (np.array([0, 8, 40], np.int32), "forward: cu_seqlens_k gives sequence 1 more keys than its "
+                                     "pages hold (keys=32, expected <= max_pages_per_seq * "
+                                     "page_size=12)"),
 ])
 def test_varlen_paged_refuses_bad_offsets(cu_k, fragment):
     # As the packed call refuses them: the library's checks, the same call.
@@ -196,13 +196,25 @@ def test_varlen_paged_refuses_bad_offsets(cu_k, fragment):
         fragment)
 
 
+def test_varlen_paged_refuses_dropout_first():
+    # Not supported over page pools, whatever else the call asks for (max_seqlen past what
+    # dropout could address, S_dmask past the memory).
+    q, pool, table = varlen_args()
+    for probs in (False, True):
+        raises(NotImplementedError, lambda: attncore.flash_attn_varlen_func(
+            q, pool, pool, np.array([0, 2, 5], np.int32), np.array([0, 8, 18], np.int32),
+            2 ** 31 - 1, 2 ** 31 - 1, dropout_p=0.1, return_attn_probs=probs, block_table=table),
+            "forward: dropout is not supported over page pools (dropout_p=0.1")
+
+
 def test_varlen_paged_refuses_every_sequence_before_attending_any():
     q, pool, table = varlen_args()
     bad = table.copy()
     bad[1, 2] = 6  # sequence 1's third page: past the pool of 6 pages
     raises(ValueError, lambda: attncore.flash_attn_varlen_func(
         q, pool, pool, np.array([0, 2, 5], np.int32), np.array([0, 8, 18], np.int32), 3, 10,
-        block_table=bad), "forward: block_table names no page", "block_table[1][2]=6")
+        block_table=bad), "forward: block_table names no page of the pool",
+        "block_table[1][2]=6")
     raises(TypeError, lambda: attncore.flash_attn_varlen_func(
         q, pool, pool, ["a", "b", "c"], np.array([0, 8, 18], np.int32), 3, 10,
         block_table=table), "cu_seqlens_q")
