@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "attncore/attncore.h"
+#include "testing/problem.h"
 #include "testing/random.h"
 #include "testing/tensors.h"
 
@@ -205,12 +206,54 @@ inline ::testing::AssertionResult equals_sequence_loop(const Packed& p, const Fo
   return ::testing::AssertionSuccess();
 }
 
+// Every packed case: each batch of `list` with each variant (a seed of its own), on every backend
+// (flash on every SIMD target in f32, bf16 and f16; math and reference, which do not depend on
+// the target, in f32); f(p, backend, seed) checks one (seed: the next case's). The first
+// failure, with its case named.
+template <class F>
+::testing::AssertionResult all_packed_cases(const std::vector<Batch>& list, F&& f) {
+  const std::vector<std::string> targets = simd_targets_supported();
+  for (const std::string& target : targets) {
+    const ScopedTarget scope(target);
+    for (Backend backend : {Backend::flash, Backend::math, Backend::reference}) {
+      for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+        if (backend != Backend::flash && (dtype != DType::f32 || target != targets.front()))
+          continue;
+        std::uint64_t seed = 1;
+        for (const Batch& batch : list) {
+          for (const VarlenVariant& variant : varlen_variants()) {
+            const Packed p = make_packed(batch, dtype, variant, seed++);
+            ::testing::AssertionResult r = f(p, backend, seed);
+            if (!r) {
+              return r << " (" << target << " " << name_of(backend) << " " << name_of(dtype) << " "
+                       << variant.name << " batch " << seed << ")";
+            }
+          }
+        }
+      }
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// 24 decode rows around a 20-row chunk, 4 kv heads of 2 query heads each (the decode rows' groups
+// read K and V in place in runs of kv heads, the chunk's packs tiles), and a row past them.
+inline Batch decode_rows_around_a_chunk() {
+  Batch batch{{}, {}, {}, 1, 3, 8, 4, 32, 32};
+  for (int b = 0; b < 25; ++b) {
+    batch.lens_q.push_back(b == 12 ? 20 : 1);
+    batch.lens_k.push_back(b == 12 ? 100 : 30 + b);
+  }
+  return batch;
+}
+
 inline std::vector<Batch> batches() {
   std::vector<Batch> list;
   list.push_back({{5, 1, 17, 0, 9}, {5, 30, 3, 4, 0}, {}, 0, 0, 2, 1, 16, 16});
   list.push_back({{130, 7}, {129, 200}, {100, 150}, 3, 5, 4, 2, 40, 24});
   list.push_back({{1, 1, 1}, {300, 1, 64}, {}, 0, 2, 8, 2, 64, 64});  // decode-shaped
   list.push_back({{70}, {70}, {}, 2, 0, 3, 3, 59, 59});               // one sequence
+  list.push_back(decode_rows_around_a_chunk());
   return list;
 }
 

@@ -275,6 +275,61 @@ TEST(Varlen, FlashPlanBalancesThreads) {
   }
 }
 
+// A varlen batch of decode rows around a prefill chunk, its kv heads inside a key's row: the
+// decode rows' groups take runs of kv heads (every head once), the chunk's one head per item;
+// a max_seqlen_q above every real length plans as the real one does.
+TEST(Varlen, FlashPlanRunsDecodeRowsAmongChunks) {
+  const detail::FlashLayout layout = detail::flash_target_chosen().layout;
+  const Batch batch = decode_rows_around_a_chunk();
+  const Packed p = make_packed(batch, DType::f32, varlen_variants()[0], 1);
+  detail::Params params;
+  params.batch = p.count();
+  params.heads_q = batch.heads_q;
+  params.heads_kv = batch.heads_kv;
+  params.group = batch.heads_q / batch.heads_kv;
+  params.head_dim = params.head_dim_v = batch.dim;
+  params.seq.cu_q = p.cu_q.data();
+  params.seq.cu_k = p.cu_k.data();
+  params.seq.lq = params.seq.longest_q = p.max_q;
+  params.seq.lk = params.seq.longest_k = p.max_k;
+  params.seq.rows_q = p.rows_q;
+  params.seq.rows_k = p.rows_k;
+  for (int threads : {1, 2}) {
+    const detail::FlashForwardPlan plan =
+        detail::plan_flash_forward(params, threads, layout, /*heads_in_rows=*/true);
+    ASSERT_TRUE(plan.spread) << threads;
+    ASSERT_GT(plan.item_heads, 1) << threads;
+    std::vector<int> seen(static_cast<std::size_t>(params.batch * params.heads_kv), 0);
+    for (std::int64_t g : detail::run_order(plan, params)) {
+      const std::int64_t b = g / params.heads_kv, heads = plan.heads_of(params, b);
+      const bool decode = batch.lens_q[static_cast<std::size_t>(b)] == 1;
+      EXPECT_EQ(heads, decode ? plan.item_heads : 1) << b;
+      for (std::int64_t x = g; x < g + heads && x / params.heads_kv == b; ++x) {
+        ++seen[static_cast<std::size_t>(x)];
+      }
+    }
+    for (int n : seen) EXPECT_EQ(n, 1);
+  }
+  // Decode rows alone, with max_seqlen_q far above their one row: on the fly, runs of heads.
+  Batch decode;
+  decode.lens_q.assign(4, 1);
+  decode.lens_k.assign(4, 300);
+  decode.heads_q = decode.heads_kv = 4;
+  const Packed d = make_packed(decode, DType::f32, varlen_variants()[0], 2);
+  detail::Params dp = params;
+  dp.batch = d.count();
+  dp.heads_q = dp.heads_kv = 4;
+  dp.group = 1;
+  dp.seq.cu_q = d.cu_q.data();
+  dp.seq.cu_k = d.cu_k.data();
+  dp.seq.lq = 4096;  // max_seqlen_q as passed
+  dp.seq.longest_q = 1;
+  dp.seq.lk = dp.seq.longest_k = 300;
+  const detail::FlashForwardPlan plan = detail::plan_flash_forward(dp, 1, layout, true);
+  EXPECT_TRUE(plan.on_the_fly);
+  EXPECT_EQ(plan.item_heads, 4);
+}
+
 // The cost model prices a varlen call as the dense batch of the same sequences, query rows and
 // pairs: (3 x 5) + (1 x 30) + (17 x 3) = 96 pairs over 21 rows.
 TEST(Varlen, CostModelSeesTheDenseEquivalent) {

@@ -24,27 +24,10 @@ namespace attncore::test {
 namespace {
 
 TEST(Varlen, ForwardEqualsThePerSequenceLoopBitwise) {
-  std::vector<std::string> targets = simd_targets_supported();
-  for (const std::string& target : targets) {
-    const ScopedTarget scope(target);
-    for (Backend backend : {Backend::flash, Backend::math, Backend::reference}) {
-      for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
-        if (backend != Backend::flash && (dtype != DType::f32 || target != targets.front()))
-          continue;  // math and reference do not depend on the SIMD target
-        std::uint64_t seed = 1;
-        for (const Batch& batch : batches()) {
-          for (const VarlenVariant& variant : varlen_variants()) {
-            const Packed p = make_packed(batch, dtype, variant, seed++);
-            SCOPED_TRACE(target + " " + std::string(name_of(backend)) + " " +
-                         std::string(name_of(dtype)) + " " + variant.name + " batch " +
-                         std::to_string(seed));
-            const ForwardResult r = forward_varlen(p.q, p.k, p.v, p.seqs, p.options, backend);
-            ASSERT_TRUE(equals_sequence_loop(p, r, backend));
-          }
-        }
-      }
-    }
-  }
+  ASSERT_TRUE(all_packed_cases(batches(), [](const Packed& p, Backend backend, std::uint64_t) {
+    const ForwardResult r = forward_varlen(p.q, p.k, p.v, p.seqs, p.options, backend);
+    return equals_sequence_loop(p, r, backend);
+  }));
 }
 
 TEST(Varlen, ResultsDoNotDependOnTheThreadCount) {

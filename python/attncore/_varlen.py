@@ -1,8 +1,10 @@
 """The variable-length calls into attncore._core: Seqs (a call's index arrays and maximum
 lengths) and VarlenKernel (forward and backward on packed views q [total_q, Hq, D],
-k [total_k, Hkv, D], v [total_k, Hkv, Dv]; out [total_q, Hq, Dv], lse [Hq, total_q]).
+k [total_k, Hkv, D], v [total_k, Hkv, Dv]; out [total_q, Hq, Dv], lse [Hq, total_q]; with a
+block_table, forward only, k and v are page pools [num_pages, page_size, Hkv, D]).
 
-Index arrays (cu_seqlens_q, cu_seqlens_k [B + 1], seqused_k [B]) are int32 arrays of any
+Index arrays (cu_seqlens_q, cu_seqlens_k [B + 1], seqused_k [B], block_table [B,
+max_pages_per_seq]) are int32 arrays of any
 library the package takes, read in place where their last stride is 1 (else copied; a table
 that repeats one entry along its last dim, a broadcast the copy would expand, is refused); a list
 or tuple of ints becomes an int32 numpy array.

@@ -335,7 +335,9 @@ void attend_after_append(const Appending& a, const TensorView& q, const TensorVi
   Tensor rotated;
   if (a.rotary.cos != nullptr) {
     // A named backend that cannot run the call refuses it before the copy is made.
-    (void)explain_forward_kvcache(q, k_cache, v_cache, a.after, options, backend);
+    if (backend != Backend::automatic) {
+      (void)explain_forward_kvcache(q, k_cache, v_cache, a.after, options, backend);
+    }
     rotated = rotated_query(p, q.dtype);
   }
   attend(a.rotary.cos != nullptr ? rotated.view() : q, [&] {

@@ -118,13 +118,14 @@ struct Params {
   std::int64_t head_dim_v = 0;  // Dv
   std::int64_t group = 1;       // Hq / Hkv: query heads per key/value head
   DType dtype = DType::f32;     // of q and out (and dout, dq, dk, dv); of k and v but below
-  // Of k and v: dtype, except a KV cache's bf16 or f16 K/V under an f32 query (forward only;
-  // validate_kvcache.cpp). Backends read each view in its own dtype and compute in dtype's.
+  // Of k and v: dtype, except a KV cache's (or a varlen call's page pools') bf16 or f16 K/V
+  // under an f32 query (forward only; validate_kvcache.cpp, validate_varlen.cpp). Backends
+  // read each view in its own dtype and compute in dtype's.
   DType kv_dtype = DType::f32;
 
   // Sequence info: a resolved (per-sequence) Params is always dense; its keys may be paged.
   SeqInfo seq;
-  KvPages kv_pages;  // set only by resolve_sequence, for a sequence of a paged cache
+  KvPages kv_pages;  // set only by resolve_sequence, for a sequence whose keys are in pages
 
   // Variant: score modifiers and masks (docs/design.md section 1.2-1.3).
   double scale = 1.0;

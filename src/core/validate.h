@@ -19,7 +19,9 @@ Params validate_backward(const BackwardArgs& args, const Options& options, Backe
 
 // Variable-length calls (attncore/varlen.h). `args` holds the caller's packed views (q
 // [total_q, Hq, D], ..., lse [Hq, total_q]); on return they are in the rank-4 form of
-// core/params.h (a batch dim of stride 0). Nothing is read past the rows the buffers hold.
+// core/params.h (a batch dim of stride 0; page pools [num_pages, page_size, Hkv, D] as a paged
+// cache's views, [num_pages, Hkv, page_size, D]). Nothing is read past the rows the buffers
+// hold.
 Params validate_varlen_forward(ForwardArgs& args, const VarlenSeqs& seqs, const Options& options,
                                Backend backend, bool check_outputs);
 

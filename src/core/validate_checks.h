@@ -301,10 +301,12 @@ void resolve_variant(const Checker& check, const Options& o, Params& p);
 // 1.10); K and V share it.
 DType cache_dtype(const Checker& check, const TensorView& q, const TensorView& k,
                   const TensorView& v, const char* k_name, const char* v_name);
-// The block table: int32 [B, pages per sequence], unit inner stride; sets seq's block table
-// fields. Its values are checked per sequence (check_pages).
+// The block table: int32 [B, pages per sequence], unit inner stride, over pages of page_size >=
+// 1 slots (else the pool, named `pool`, of shape pool_shape, is refused in its layout); sets
+// seq's block table fields. Its values are checked per sequence (check_pages).
 void block_table_of(const Checker& check, const TensorView& t, std::int64_t batch,
-                    std::int64_t page_size, SeqInfo& seq);
+                    std::int64_t page_size, const char* pool, const std::string& pool_shape,
+                    const char* pool_layout, SeqInfo& seq);
 // Every page sequence b uses (slots [start, end)) is a page of the pool (named `pool` in the
 // message: "cache", "pool").
 void check_pages(const Checker& check, const SeqInfo& seq, std::int64_t b, std::int64_t start,

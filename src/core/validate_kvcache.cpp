@@ -35,7 +35,12 @@ const std::int32_t* index_array(const Checker& check, const TensorView& t, const
 }  // namespace
 
 void block_table_of(const Checker& check, const TensorView& t, std::int64_t batch,
-                    std::int64_t page_size, SeqInfo& seq) {
+                    std::int64_t page_size, const char* pool, const std::string& pool_shape,
+                    const char* pool_layout, SeqInfo& seq) {
+  if (page_size < 1) {
+    check.fail(std::string(pool) + " has shape " + pool_shape + ", expected " + pool_layout +
+               " with page_size >= 1 (page_size=" + std::to_string(page_size) + ")");
+  }
   check.structure(t, "block_table");
   if (t.dtype != DType::i32) {
     check.fail("block_table has the wrong dtype (dtype=" + std::string(name_of(t.dtype)) +
@@ -126,12 +131,8 @@ Params validate_kvcache_forward(const ForwardArgs& a, const KvCacheSeqs& s, cons
   seq.lq = a.q.size(2);
   seq.cache_seqlens = index_array(check, s.cache_seqlens, "cache_seqlens", p.batch);
   if (paged) {
-    if (rows < 1) {
-      check.fail("k_cache has shape " + a.k.shape_string() +
-                 ", expected [num_pages, Hkv, page_size, D] with page_size >= 1 (page_size=" +
-                 std::to_string(rows) + ")");
-    }
-    block_table_of(check, *s.block_table, p.batch, rows, seq);
+    block_table_of(check, *s.block_table, p.batch, rows, "k_cache", a.k.shape_string(),
+                   "[num_pages, Hkv, page_size, D]", seq);
     if (s.cache_batch_idx.has_value()) {
       check.unsupported(
           "cache_batch_idx is not supported with a paged cache (cache_batch_idx="

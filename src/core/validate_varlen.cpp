@@ -4,7 +4,6 @@
 #include <climits>
 #include <cstdint>
 #include <string>
-#include <utility>
 
 #include "attncore/error.h"
 #include "core/validate.h"
@@ -20,15 +19,6 @@ TensorView as_rank4(const TensorView& t) {
   r.rank = 4;
   r.shape = {1, t.shape[1], t.shape[0], t.shape[2]};
   r.stride = {0, t.stride[1], t.stride[0], t.stride[2]};
-  return r;
-}
-
-// A page pool [num_pages, page_size, H, D] in the rank-4 form of a paged cache's views,
-// [num_pages, H, page_size, D].
-TensorView pool_as_rank4(const TensorView& t) {
-  TensorView r = t;
-  std::swap(r.shape[1], r.shape[2]);
-  std::swap(r.stride[1], r.stride[2]);
   return r;
 }
 
@@ -138,11 +128,6 @@ Params resolve_varlen(const Checker& check, TensorView& q, TensorView& k, Tensor
   if (paged) {
     const std::int64_t v_expected[4] = {k.size(0), k.size(1), p.heads_kv, p.head_dim_v};
     check.shape(v, "value", v_expected, "[num_pages, page_size, Hkv, Dv] like key");
-    if (k.size(1) < 1) {
-      check.fail("key has shape " + k.shape_string() +
-                 ", expected [num_pages, page_size, Hkv, D] with page_size >= 1 (page_size=" +
-                 std::to_string(k.size(1)) + ")");
-    }
   } else {
     const std::int64_t v_expected[3] = {k.size(0), p.heads_kv, p.head_dim_v};
     check.shape(v, "value", v_expected, "[total_k, Hkv, Dv] like key");
@@ -182,14 +167,18 @@ Params resolve_varlen(const Checker& check, TensorView& q, TensorView& k, Tensor
   }
   if (paged) {  // every key of every sequence in a page of the pool
     const std::int64_t page_size = k.size(1);
-    block_table_of(check, *s.block_table, p.batch, page_size, seq);
+    block_table_of(check, *s.block_table, p.batch, page_size, "key", k.shape_string(),
+                   "[num_pages, page_size, Hkv, D]", seq);
     const std::int64_t capacity = s.block_table->size(1) * page_size;
     for (std::int64_t b = 0; b < p.batch; ++b) {
       const std::int64_t keys = seq.at(b).lk;
       if (keys > capacity) {
+        const std::string bs = std::to_string(b), next = std::to_string(b + 1);
         check.fail(std::string(s.seqused_k ? "seqused_k" : "cu_seqlens_k") + " gives sequence " +
-                   std::to_string(b) +
-                   " more keys than its pages hold (keys=" + std::to_string(keys) +
+                   bs + " more keys than its pages hold (" +
+                   (s.seqused_k ? "seqused_k[" + bs + "]="
+                                : "cu_seqlens_k[" + next + "] - cu_seqlens_k[" + bs + "]=") +
+                   std::to_string(keys) +
                    ", expected <= max_pages_per_seq * page_size=" + std::to_string(capacity) + ")");
       }
       check_pages(check, seq, b, 0, keys, k.size(0), "pool");
@@ -209,9 +198,11 @@ Params resolve_varlen(const Checker& check, TensorView& q, TensorView& k, Tensor
                fmt_double(elements) + ", expected < 2^63)");
   }
 
+  // (Page pools [num_pages, page_size, H, D] as a paged cache's views, [num_pages, H, page_size,
+  // D].)
   q = as_rank4(q);
-  k = paged ? pool_as_rank4(k) : as_rank4(k);
-  v = paged ? pool_as_rank4(v) : as_rank4(v);
+  k = paged ? k.transposed(1, 2) : as_rank4(k);
+  v = paged ? v.transposed(1, 2) : as_rank4(v);
   resolve_variant(check, o, p);  // (a dropout_p out of range first, as invalid)
   if (paged && o.dropout_p != 0.0) {
     check.unsupported("dropout is not supported over page pools (dropout_p=" +
@@ -275,8 +266,8 @@ Params validate_varlen_backward(BackwardArgs& a, const VarlenSeqs& seqs, const O
   const Checker check("backward");
   if (seqs.block_table.has_value()) {
     check.unsupported(
-        "block_table is not supported by the backward (block_table=given, expected none: "
-        "attention over page pools is forward only)");
+        "block_table is not supported (block_table=given, expected none); attention over page "
+        "pools is forward only");
   }
   Params p = resolve_varlen(check, a.q, a.k, a.v, seqs, options, backend);
   check_packed(check, a.dout, "dout", p.dtype, p.seq.rows_q, p.heads_q, p.head_dim_v,

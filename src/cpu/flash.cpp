@@ -169,9 +169,22 @@ bool flash_reads_kv_in_place(const Params& p, int tile_rows) {
 // 1.42 -> 4.56 / 1.85 -> 8.21, f32 2.46 -> 6.68 / 3.38 -> 14.24; Hq 8, Hkv 1 (split-KV) bf16
 // 2.08 -> 5.98 / 3.61 -> 7.51, f32 5.21 -> 5.21 / 9.40 -> 10.72. More rows pack: three such
 // items would read K and V three times.
-std::int64_t flash_in_place_items(const Params& p, int tile_rows) {
-  const std::int64_t rows = p.group * p.seq.lq;
+namespace {
+
+// flash_in_place_items of a group of `rows` rows.
+std::int64_t in_place_items(std::int64_t rows, int tile_rows) {
   return rows <= tile_rows ? 1 : rows <= 2 * tile_rows ? 2 : 0;
+}
+
+}  // namespace
+
+std::int64_t flash_in_place_items(const Params& p, int tile_rows) {
+  return in_place_items(p.group * p.seq.lq, tile_rows);
+}
+
+std::int64_t FlashForwardPlan::heads_of(const Params& call, std::int64_t b) const {
+  if (item_heads == 1 || !call.seq.varlen()) return item_heads;
+  return in_place_items(call.group * call.seq.at(b).lq, tile_rows) > 0 ? item_heads : 1;
 }
 
 namespace {
@@ -216,12 +229,16 @@ FlashForwardPlan plan_flash_forward(const Params& call, int threads, const Flash
   // Enough kv groups to keep every thread busy on whole groups (each thread packs its groups
   // into its own panel, no barrier between groups), and panels small next to the operands
   // (at most 1/8 of q, k, v and out together): groups are spread over the threads. Varlen
-  // groups are spread only when, handed out in this order to whichever thread is free, no
-  // thread gets more than 5% above its share (one sequence of 8192 among 63 of 16 with 32
-  // query heads on one kv head is one group: it runs with every thread on its items). Else the
-  // groups go one after the other, their packing and their items shared by all threads. A group
-  // with one item (decode) packs each tile just before its use, into scratch: no panel at all.
+  // groups of several items are spread only when, handed out in this order to whichever thread
+  // is free, no thread gets more than 5% above its share (one sequence of 8192 among 63 of 16
+  // with 32 query heads on one kv head is one group: it runs with every thread on its items).
+  // Else the groups go one after the other, their packing and their items shared by all
+  // threads. Groups of one item (decode; every sequence's, varlen or not) are always spread, and
+  // pack each tile just before its use, into scratch: no panel at all.
   const std::int64_t tiles = (call.seq.max_k() + layout.key_tile - 1) / layout.key_tile;
+  // (Varlen: planned on the longest sequence's rows, not on max_seqlen_q, which may be larger.)
+  Params longest = call;
+  longest.seq.lq = call.seq.max_q();
   const std::int64_t dv_pad = round_up(call.head_dim_v, layout.dv_align);
   plan.panel_floats = round_up(tiles * layout.key_tile * (call.head_dim + dv_pad), 16);
   // Groups of one item each (decode, GQA decode, short chunks; a KV cache's sequences all have
@@ -231,12 +248,17 @@ FlashForwardPlan plan_flash_forward(const Params& call, int threads, const Flash
   // of once: a cache's GQA decode of more rows than a tile's, 8 on AVX2, took 1 GB of panel for
   // 2^20 keys, and one thread computed while the other waited.)
   plan.on_the_fly =
-      plan_items(call, layout).count == 1 || flash_in_place_items(call, layout.tile_rows) > 0;
+      plan_items(longest, layout).count == 1 || flash_in_place_items(longest, layout.tile_rows) > 0;
   const double dims = static_cast<double>(call.head_dim + call.head_dim_v);
   const double q_rows = call.seq.varlen() ? static_cast<double>(call.seq.cu_q[call.batch])
                                           : static_cast<double>(call.batch * call.seq.lq);
-  const double k_rows = call.seq.varlen() ? static_cast<double>(call.seq.cu_k[call.batch])
-                                          : static_cast<double>(call.batch * call.seq.max_k());
+  // (Over page pools the keys of the sequences, which cu_seqlens_k only bounds.)
+  double k_rows = call.seq.varlen() ? static_cast<double>(call.seq.cu_k[call.batch])
+                                    : static_cast<double>(call.batch * call.seq.max_k());
+  if (call.seq.varlen() && call.seq.paged()) {
+    k_rows = 0;
+    for (std::int64_t b = 0; b < call.batch; ++b) k_rows += static_cast<double>(call.seq.at(b).lk);
+  }
   const double operand_floats = dims * (static_cast<double>(call.heads_q) * q_rows +
                                         static_cast<double>(call.heads_kv) * k_rows);
   const bool enough_groups = groups >= 2 * threads || groups % threads == 0;
@@ -258,10 +280,21 @@ FlashForwardPlan plan_flash_forward(const Params& call, int threads, const Flash
   // rows lie Hkv * D apart: no hardware prefetch stream, L1 set conflicts). All of a
   // sequence's heads when there are sequences (times parts) for every thread, else enough runs
   // per sequence for the threads. A head's bits do not depend on its run.
-  // (A group cut into two items of its rows: each item a run of heads over half the rows.)
-  const std::int64_t in_place = flash_in_place_items(call, layout.tile_rows);
-  if (plan.on_the_fly && heads_in_rows && in_place > 0) {
-    const std::int64_t batch = std::max<std::int64_t>(call.batch, 1) * plan.splits * in_place;
+  // (A group cut into two items of its rows: each item a run of heads over half the rows.) A
+  // varlen batch spread over the threads whose sequences are not all read in place (prefill
+  // chunks among decode rows): the runs of heads of those that are (heads_of). Against one head
+  // per item, a batch of one 256-row chunk over 256 keys and 63 decode rows over 4096 keys (Hq
+  // 32, Hkv 8, D 128, bf16, packed [total_k, Hkv, D], 1 thread): 250 ms against 105 ms for the
+  // decode rows alone and 15 for the chunk alone.
+  const std::int64_t in_place = flash_in_place_items(longest, layout.tile_rows);
+  plan.tile_rows = layout.tile_rows;
+  bool some_in_place = in_place > 0;
+  for (std::int64_t b = 0; !some_in_place && call.seq.varlen() && b < call.batch; ++b) {
+    some_in_place = in_place_items(call.group * call.seq.at(b).lq, layout.tile_rows) > 0;
+  }
+  if ((plan.on_the_fly || (plan.spread && call.seq.varlen())) && heads_in_rows && some_in_place) {
+    const std::int64_t batch =
+        std::max<std::int64_t>(call.batch, 1) * plan.splits * std::max<std::int64_t>(in_place, 1);
     const std::int64_t runs = std::clamp<std::int64_t>((threads + batch - 1) / batch, 1,
                                                        std::max<std::int64_t>(call.heads_kv, 1));
     plan.item_heads = std::clamp<std::int64_t>((call.heads_kv + runs - 1) / runs, 1, kMaxItemHeads);
@@ -269,10 +302,10 @@ FlashForwardPlan plan_flash_forward(const Params& call, int threads, const Flash
   return plan;
 }
 
-std::vector<std::int64_t> run_order(const FlashForwardPlan& plan, std::int64_t heads_kv) {
+std::vector<std::int64_t> run_order(const FlashForwardPlan& plan, const Params& call) {
   std::vector<std::int64_t> runs;
   for (std::int64_t g : plan.order) {
-    if (g % heads_kv % plan.item_heads == 0) runs.push_back(g);
+    if (g % call.heads_kv % plan.heads_of(call, g / call.heads_kv) == 0) runs.push_back(g);
   }
   return runs;
 }
@@ -326,7 +359,7 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
   // (core/sequence.h).
   if (plan.spread) {
     AlignedFloats panels(on_the_fly ? 1 : threads * panel_floats);
-    const std::vector<std::int64_t> runs_order = run_order(plan, call.heads_kv);
+    const std::vector<std::int64_t> runs_order = run_order(plan, call);
     const std::int64_t runs = static_cast<std::int64_t>(runs_order.size());
     std::atomic<std::int64_t> next{0};
     run_tasks(threads, threads, [&](int slot) {
@@ -339,11 +372,11 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
         const std::int64_t b = g / call.heads_kv, kv_head = g % call.heads_kv;
         const Sequence<ForwardArgs> s = resolve_sequence(call, call_args, b);
         const ItemPlan items = plan_items(s.p, layout);
-        if (plan.item_heads > 1) {  // the items of a run of heads (in place)
+        if (const std::int64_t heads = plan.heads_of(call, b); heads > 1) {  // a run (in place)
           for (std::int64_t i = 0; i < items.count; ++i) {
             if (i > 0) launch.check_cancel();
             FlashItem item = items.item(b, kv_head, i, s.p);
-            item.heads = std::min(plan.item_heads, call.heads_kv - kv_head);
+            item.heads = std::min(heads, call.heads_kv - kv_head);
             target.run_block(s.p, s.a, FlashPanel{nullptr, nullptr, dv_pad}, item, w);
           }
           continue;

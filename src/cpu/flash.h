@@ -166,13 +166,18 @@ struct FlashForwardPlan {
   std::int64_t item_heads = 1;
   // Split-KV parts of each group's keys (plan_kv_splits; 1: no split).
   std::int64_t splits = 1;
+  int tile_rows = 0;  // the layout's (which rows read K and V in place)
+  // Kv heads per item of sequence b's groups: item_heads where its rows read K and V in place,
+  // else 1 (a varlen batch's prefill chunks among its decode rows).
+  std::int64_t heads_of(const Params& call, std::int64_t b) const;
 };
 // heads_in_rows: K's and V's kv heads lie inside a key's row (stride over heads below the
 // stride over keys), so that items of several heads read memory in order.
 FlashForwardPlan plan_flash_forward(const Params& p, int threads, const FlashLayout& layout,
                                     bool heads_in_rows);
-// The plan's runs of item_heads kv heads, each by its first group, in the plan's order.
-std::vector<std::int64_t> run_order(const FlashForwardPlan& plan, std::int64_t heads_kv);
+// The plan's runs of kv heads (plan.heads_of each sequence), each by its first group, in the
+// plan's order.
+std::vector<std::int64_t> run_order(const FlashForwardPlan& plan, const Params& call);
 
 // Most kv heads in one item reading K/V in place (FlashItem::heads): a key's row of 32 f32
 // heads of D = 128 (16 KiB) read in order, the heads' scratch (q, S, O: 1.5 KiB a head for

@@ -148,10 +148,10 @@ void flash_forward_split(const Params& call, const Launch& launch, const Forward
     return r;
   };
 
-  // Items: each run (of plan.item_heads kv heads, by its first group in the plan's order) once
-  // per part of its sequence. Part s of `parts` of a sequence of `tiles` key tiles covers tiles
-  // [tiles * s / parts, tiles * (s + 1) / parts): a sequence shorter than the longest has
-  // shorter parts (or empty ones: output 0, LSE -inf, which merge to nothing). Each group is
+  // Items: each run (of plan.heads_of(its sequence) kv heads, by its first group in the plan's
+  // order) once per part of its sequence. Part s of `parts` of a sequence of `tiles` key tiles
+  // covers tiles [tiles * s / parts, tiles * (s + 1) / parts): a sequence shorter than the longest
+  // has shorter parts (or empty ones: output 0, LSE -inf, which merge to nothing). Each group is
   // one item of group * Lq rows (plan_kv_splits), with no panel (K/V read in place or packed
   // tile by tile into scratch): that item, for the run's heads, once per part.
   const std::vector<std::int64_t> splits_of = sequence_splits(call, layout, machine_threads());
@@ -163,7 +163,7 @@ void flash_forward_split(const Params& call, const Launch& launch, const Forward
     std::int64_t group, part, parts, row_item;
   };
   std::vector<Part> list;
-  for (std::int64_t g : run_order(plan, call.heads_kv)) {
+  for (std::int64_t g : run_order(plan, call)) {
     const std::int64_t parts = splits_of[static_cast<std::size_t>(g / call.heads_kv)];
     for (std::int64_t s = 0; s < parts; ++s) {
       for (std::int64_t i = 0; i < row_items; ++i) list.push_back({g, s, parts, i});
@@ -189,7 +189,7 @@ void flash_forward_split(const Params& call, const Launch& launch, const Forward
       const std::int64_t item_rows = (group_rows + items_of_rows - 1) / items_of_rows;
       FlashItem item{b, kv_head, row_item * item_rows,
                      std::min(item_rows, group_rows - row_item * item_rows)};
-      item.heads = std::min(plan.item_heads, call.heads_kv - kv_head);
+      item.heads = std::min(plan.heads_of(call, b), call.heads_kv - kv_head);
       item.key_begin = tiles * s / parts * layout.key_tile;
       item.key_end = tiles * (s + 1) / parts * layout.key_tile;
       target.run_block(seq.p, seq.a, panel, item, w);

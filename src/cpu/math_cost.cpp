@@ -144,7 +144,8 @@ double math_workspace_bytes(Pass pass, const Params& p, const Launch& launch) {
   const double threads = std::max(1, launch.threads), block = std::min(lq, kMathBlockRows);
   // K and V of one kv head in the compute type; per thread a block's q, scores and output.
   const double kv = lk * (d + dv);
-  // A paged cache: a sequence's K and V gathered out of the pages in their dtype (every head).
+  // Keys in pages (a paged cache, a varlen call over page pools): a sequence's K and V gathered
+  // out of the pages in their dtype (every head).
   const double gathered =
       p.seq.paged() ? static_cast<double>(p.heads_kv * size_of(p.kv_dtype)) * kv : 0;
   if (pass == Pass::forward) return gathered + element * (kv + threads * block * (d + lk + dv + 1));

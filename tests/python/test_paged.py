@@ -230,9 +230,8 @@ def test_varlen_paged_batches_of_mixed_lengths_against_the_oracle(slopes_as):
 def test_varlen_paged_is_the_per_sequence_loop_and_the_dense_call_bit_for_bit():
     """Paged varlen gives, bit for bit, what one cache call per sequence gives and what the
     non-paged varlen call over the same keys gives (shuffled pages == dense; packed == the
-    per-sequence loop), with short sequences (one call per query length) and long ones
-    (planned split-KV, one call each) in one batch, on flash (automatic selection may take
-    another backend for a call of one short sequence)."""
+    per-sequence loop), with short sequences and long ones (planned split-KV) in one batch, on
+    flash."""
     gen = torch.Generator().manual_seed(7)
     q_lens = [1, 1, 3, 1, 3, 1, 1]
     k_lens = [5, 900, 40, 3000, 1024, 1025, 5000]

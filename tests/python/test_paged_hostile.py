@@ -185,8 +185,8 @@ def varlen_args():
     (np.array([2, 10, 20], np.int32), "forward: cu_seqlens_k does not start at 0"),
     (np.array([0, 8, 4], np.int32), "forward: cu_seqlens_k is decreasing"),
     (np.array([0, 8, 40], np.int32), "forward: cu_seqlens_k gives sequence 1 more keys than its "
-                                     "pages hold (keys=32, expected <= max_pages_per_seq * "
-                                     "page_size=12)"),
+                                     "pages hold (cu_seqlens_k[2] - cu_seqlens_k[1]=32, "
+                                     "expected <= max_pages_per_seq * page_size=12)"),
 ])
 def test_varlen_paged_refuses_bad_offsets(cu_k, fragment):
     # As the packed call refuses them: the library's checks, the same call.
