@@ -247,6 +247,13 @@ inline Batch decode_rows_around_a_chunk() {
   return batch;
 }
 
+// A batch of decode rows and prefill chunks (continuous batching), one sequence long enough for
+// split-KV decode (the batch split, the chunk's group one item), one without queries and one
+// without keys.
+inline Batch mixed_batch() {
+  return {{1, 6, 1, 0, 13, 1, 1}, {40, 22, 2600, 7, 13, 0, 301}, {}, 2, 0, 4, 2, 32, 32};
+}
+
 inline std::vector<Batch> batches() {
   std::vector<Batch> list;
   list.push_back({{5, 1, 17, 0, 9}, {5, 30, 3, 4, 0}, {}, 0, 0, 2, 1, 16, 16});
@@ -254,6 +261,7 @@ inline std::vector<Batch> batches() {
   list.push_back({{1, 1, 1}, {300, 1, 64}, {}, 0, 2, 8, 2, 64, 64});  // decode-shaped
   list.push_back({{70}, {70}, {}, 2, 0, 3, 3, 59, 59});               // one sequence
   list.push_back(decode_rows_around_a_chunk());
+  list.push_back(mixed_batch());
   return list;
 }
 
