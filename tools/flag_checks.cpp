@@ -78,9 +78,29 @@ void check_threads_flag(const RunConfig& c) {
 }
 
 void check_cache_flags(const RunConfig& c, const GivenFlags& flags) {
-  for (const char* name : {"--new-tokens", "--page-size", "--pages-in-order"}) {
-    if (!c.is_cache() && given(flags, name)) {
-      throw UsageError{std::string(name) + " needs --cache-len"};
+  if (!c.is_cache() && given(flags, "--new-tokens")) {
+    throw UsageError{"--new-tokens needs --cache-len"};
+  }
+  for (const char* name : {"--page-size", "--pages-in-order"}) {
+    if (!c.is_cache() && !c.is_varlen() && given(flags, name)) {
+      throw UsageError{std::string(name) + " needs --cache-len or --varlen"};
+    }
+  }
+  if (c.is_varlen() && c.page_size > 0) {  // the varlen keys in pages (int32 entries)
+    if (given(flags, "--backward")) {
+      throw UsageError{
+          "--backward does not go with --varlen and --page-size (attention over "
+          "page pools is forward only)"};
+    }
+    const std::vector<std::int64_t>& keys = !c.seqused_k.empty()  ? c.seqused_k
+                                            : !c.varlen_k.empty() ? c.varlen_k
+                                                                  : c.varlen;
+    double pages = 0;
+    for (std::int64_t n : keys) pages += static_cast<double>(pages_per_sequence(n, c.page_size));
+    if (pages > kInt32Max) {
+      throw UsageError{
+          "--page-size: the pages of the batch pass 2^31 - 1 (block_table entries are "
+          "int32)"};
     }
   }
   if (c.pages_in_order && c.page_size == 0) {

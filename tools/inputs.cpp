@@ -1,8 +1,13 @@
 // Element access by dtype and the random inputs of a configured call.
 #include "inputs.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "measure.h"
@@ -77,6 +82,68 @@ Tensor offsets(const std::vector<std::int64_t>& lengths) {
   return t;
 }
 
+// A packed batch's pages (--varlen with --page-size): per sequence, and in all (at least one).
+struct VarlenPages {
+  std::int64_t per_seq = 1, total = 0;
+  explicit VarlenPages(const RunConfig& c) {
+    for (std::int64_t keys : c.used_k()) {
+      const std::int64_t n = pages_per_sequence(keys, c.page_size);
+      per_seq = std::max(per_seq, n);
+      total += n;
+    }
+    total = std::max<std::int64_t>(total, 1);
+  }
+};
+
+// Its page pools and block table, in bytes (doubles: flags can overflow int64).
+double varlen_pages_bytes(const RunConfig& c) {
+  if (!c.is_varlen() || c.page_size <= 0) return 0;
+  const VarlenPages pages(c);
+  return static_cast<double>(pages.total) * static_cast<double>(c.page_size) *
+             static_cast<double>(c.heads_kv) * static_cast<double>(c.head_dim + c.head_dim_v) *
+             static_cast<double>(attncore::size_of(c.dtype)) +
+         static_cast<double>(c.batch) * static_cast<double>(pages.per_seq) * sizeof(std::int32_t);
+}
+
+// The used keys of a packed batch (p.k, p.v) copied into page pools: sequence b's slot s is row
+// s % page_size of page block_table[b][s / page_size], the pages handed out in a shuffled order
+// (the run's seed), or one after the other with --pages-in-order; columns past a sequence's
+// pages are -1.
+void add_pages(const RunConfig& c, PreparedCall& p) {
+  const VarlenPages pages(c);
+  const std::int64_t ps = c.page_size;
+  std::vector<std::int32_t> order(static_cast<std::size_t>(pages.total));
+  std::iota(order.begin(), order.end(), 0);
+  Random rng(c.seed ^ 7);
+  for (std::size_t i = order.size(); i > 1 && !c.pages_in_order; --i) {
+    std::swap(order[i - 1], order[static_cast<std::size_t>(rng.next() % i)]);
+  }
+  p.block_table = Tensor(DType::i32, {c.batch, pages.per_seq});
+  auto* table = p.block_table.data_as<std::int32_t>();
+  std::fill_n(table, c.batch * pages.per_seq, -1);
+  p.k_pages = Tensor(c.dtype, {pages.total, ps, c.heads_kv, c.head_dim});
+  p.v_pages = Tensor(c.dtype, {pages.total, ps, c.heads_kv, c.head_dim_v});
+  const auto item = static_cast<std::int64_t>(attncore::size_of(c.dtype));
+  std::size_t next = 0;
+  std::int64_t k0 = 0;  // sequence b's first row of p.k, p.v
+  for (std::int64_t b = 0; b < c.batch; ++b) {
+    for (std::int64_t s = 0; s < c.used_k()[static_cast<std::size_t>(b)]; ++s) {
+      if (s % ps == 0) table[b * pages.per_seq + s / ps] = order[next++];
+      const std::int64_t slot = table[b * pages.per_seq + s / ps] * ps + s % ps;
+      for (auto [pool, packed, width] :
+           {std::tuple{&p.k_pages, &p.k, c.head_dim}, std::tuple{&p.v_pages, &p.v, c.head_dim_v}}) {
+        const std::int64_t row = c.heads_kv * width * item;
+        std::memcpy(static_cast<char*>(pool->data()) + slot * row,
+                    static_cast<const char*>(packed->data()) + (k0 + s) * row,
+                    static_cast<std::size_t>(row));
+      }
+    }
+    k0 += c.varlen_k[static_cast<std::size_t>(b)];
+  }
+  p.paged_seqs = p.seqs;
+  p.paged_seqs.block_table = p.block_table.view();
+}
+
 }  // namespace
 
 void require_memory(const char* op, const std::string& what, double bytes) {
@@ -110,6 +177,7 @@ PreparedCall prepare_call(const RunConfig& c, const char* op) {
     bytes += bytes_of(shapes.out) + bytes_of(shapes.q) + bytes_of(shapes.k) + bytes_of(shapes.v);
   }
   if (c.is_cache()) bytes += cache_bytes(c);
+  bytes += varlen_pages_bytes(c);
   require_memory(op, c.is_cache() ? "the KV cache and the call's tensors" : "the call's tensors",
                  bytes);
   PreparedCall p;
@@ -139,6 +207,7 @@ PreparedCall prepare_call(const RunConfig& c, const char* op) {
     }
     p.seqs.max_seqlen_q = c.seqlen_q;
     p.seqs.max_seqlen_k = c.seqlen_k;
+    if (c.page_size > 0) add_pages(c, p);
   }
   p.alibi = allocate_like(shapes.alibi);
   if (c.alibi) {

@@ -64,13 +64,23 @@ attncore::Tensor allocate_like(const attncore::TensorView& shape);
 
 // A configured call ready to run: q, k, v uniform in [-1, 1) (dout too with --backward), the
 // ALiBi slopes and the mask when configured, and the options viewing them. A packed batch
-// (cfg.is_varlen()) also has its int32 offsets and the VarlenSeqs viewing them.
+// (cfg.is_varlen()) also has its int32 offsets and the VarlenSeqs viewing them; with
+// cfg.page_size > 0 also its used keys copied into page pools [pages, page_size, Hkv, D] (in a
+// shuffled order, or in order) and the VarlenSeqs over them (the timed call's; the check's
+// reference runs on the packed keys).
 struct PreparedCall {
   RunConfig cfg;
   attncore::Tensor q, k, v, dout, mask, alibi;
   attncore::Options options;
   attncore::Tensor cu_seqlens_q, cu_seqlens_k, seqused_k;
   attncore::VarlenSeqs seqs;
+  attncore::Tensor k_pages, v_pages, block_table;
+  attncore::VarlenSeqs paged_seqs;
+  // The timed call's k, v and sequences: the pools where there are, else k, v and seqs.
+  bool paged() const { return paged_seqs.block_table.has_value(); }
+  const attncore::Tensor& call_k() const { return paged() ? k_pages : k; }
+  const attncore::Tensor& call_v() const { return paged() ? v_pages : v; }
+  const attncore::VarlenSeqs& call_seqs() const { return paged() ? paged_seqs : seqs; }
 };
 
 // `c` must be finished (RunConfig::finish). First refuses (require_memory, naming `op`: "run",

@@ -105,14 +105,16 @@ RunResult run_once(const PreparedCall& p) {
   // explaining the same call names the backend the timed calls run.
   r.backend = r.bwd_backend = c.backend;
   if (c.backend == Backend::automatic) {
-    r.backend = c.is_varlen()
-                    ? attncore::explain_forward_varlen(p.q, p.k, p.v, p.seqs, p.options).chosen
-                    : attncore::explain_forward(p.q, p.k, p.v, p.options).chosen;
+    r.backend = c.is_varlen() ? attncore::explain_forward_varlen(p.q, p.call_k(), p.call_v(),
+                                                                 p.call_seqs(), p.options)
+                                    .chosen
+                              : attncore::explain_forward(p.q, p.k, p.v, p.options).chosen;
   }
   r.flops = forward_flops(c);
   r.seconds = best_seconds(c.repeat, [&] {
-    if (c.is_varlen()) {
-      attncore::forward_varlen_into(p.q, p.k, p.v, p.seqs, out, lse.view(), p.options, c.backend);
+    if (c.is_varlen()) {  // (over page pools with --page-size)
+      attncore::forward_varlen_into(p.q, p.call_k(), p.call_v(), p.call_seqs(), out, lse.view(),
+                                    p.options, c.backend);
     } else {
       attncore::forward_into(p.q, p.k, p.v, out, lse.view(), p.options, c.backend);
     }

@@ -121,6 +121,7 @@ std::string RunConfig::shape_text() const {
   if (is_varlen()) {
     s << " Lq=" << join(varlen) << " Lk=" << join(varlen_k);
     if (!seqused_k.empty()) s << " seqused_k=" << join(seqused_k);
+    if (page_size > 0) s << " page_size=" << page_size << (pages_in_order ? " pages_in_order" : "");
   } else {
     s << " Lq=" << seqlen_q << " Lk=" << seqlen_k;
   }
@@ -151,6 +152,8 @@ void RunConfig::add_shape(JsonObject& j) const {
     j.add("total_k", total_k());
     j.add("max_seqlen_q", seqlen_q);
     j.add("max_seqlen_k", seqlen_k);
+    j.add("page_size", page_size);  // 0: packed keys, else page pools
+    j.add("pages_in_order", pages_in_order);
   } else {
     j.add("seqlen_q", seqlen_q);
     j.add("seqlen_k", seqlen_k);

@@ -75,7 +75,8 @@ struct RunConfig {
   // A KV-cache call: each sequence has cache_len keys in the cache and new_tokens new rows
   // (queries, and keys and values appended before attending: decode at 1, chunked prefill
   // above); page_size 0: a dense cache [B, capacity, Hkv, D], else pages of page_size in a
-  // shuffled pool (pages_in_order: each sequence's pages one after the other in the pool).
+  // shuffled pool (pages_in_order: each sequence's pages one after the other in the pool). A
+  // packed batch with page_size > 0 has its keys in such pools (VarlenSeqs::block_table).
   // finish() sets seqlen_q = new_tokens, seqlen_k = cache_len + new_tokens: the dense call the
   // cache call equals (what --check compares and the FLOPs count).
   std::int64_t cache_len = -1;  // -1: not a cache call
