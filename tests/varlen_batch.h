@@ -236,12 +236,13 @@ template <class F>
   return ::testing::AssertionSuccess();
 }
 
-// 24 decode rows around a 20-row chunk, 4 kv heads of 2 query heads each (the decode rows' groups
-// read K and V in place in runs of kv heads, the chunk's packs tiles), and a row past them.
+// 24 decode rows around a 40-row chunk, 4 kv heads of 2 query heads each (the decode rows'
+// groups read K and V in place in runs of kv heads; the chunk's 80 rows, more than one work
+// item, pack tiles into panels), and a row past them.
 inline Batch decode_rows_around_a_chunk() {
   Batch batch{{}, {}, {}, 1, 3, 8, 4, 32, 32};
   for (int b = 0; b < 25; ++b) {
-    batch.lens_q.push_back(b == 12 ? 20 : 1);
+    batch.lens_q.push_back(b == 12 ? 40 : 1);
     batch.lens_k.push_back(b == 12 ? 100 : 30 + b);
   }
   return batch;

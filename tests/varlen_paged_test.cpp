@@ -221,7 +221,12 @@ TEST(VarlenPaged, BadInputsAreRefusedBeforeAnyWork) {
                                                               std::to_string(per_seq) +
                                                               "], expected [7, max_pages_per_seq]");
 
-  // The pools: rank, shape, dtype.
+  // The pools: rank, shape, page size, dtype.
+  const Tensor no_slots = make_tensor(DType::f32, {num_pages, 0, 2, 32}, {});
+  expect([&] { forward_varlen(p.q, no_slots, no_slots, good.seqs); },
+         "key has shape [" + std::to_string(num_pages) +
+             ", 0, 2, 32], expected [num_pages, page_size, Hkv, D] with page_size >= 1 "
+             "(page_size=0)");
   expect([&] { forward_varlen(p.q, p.k, p.v, good.seqs); },
          "key has the wrong rank (rank=3, expected 4: [num_pages, page_size, Hkv, D])");
   const Tensor v_short =

@@ -185,7 +185,7 @@ constexpr Flag kFlags[] = {
      "more = chunked prefill"},
     {"--page-size", "P", kRun, &RunConfig::page_size,
      "with --cache-len: a paged cache of pages of P slots in shuffled\norder; 0 = a dense "
-     "cache; with --varlen: the keys in page pools so\n(attncore/varlen.h; forward)"},
+     "cache; with --varlen: the keys in such pages (attncore/\nvarlen.h; forward only)"},
     {"--pages-in-order", "", kRun, &RunConfig::pages_in_order,
      "with --page-size: each sequence's pages one after the other in\nthe pool, not "
      "shuffled"},

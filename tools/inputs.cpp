@@ -127,7 +127,10 @@ void add_pages(const RunConfig& c, PreparedCall& p) {
   std::size_t next = 0;
   std::int64_t k0 = 0;  // sequence b's first row of p.k, p.v
   for (std::int64_t b = 0; b < c.batch; ++b) {
-    for (std::int64_t s = 0; s < c.used_k()[static_cast<std::size_t>(b)]; ++s) {
+    // (A seqused_k past the sequence's keys, which the library refuses, copies only those.)
+    const std::int64_t keys =
+        std::min(c.used_k()[static_cast<std::size_t>(b)], c.varlen_k[static_cast<std::size_t>(b)]);
+    for (std::int64_t s = 0; s < keys; ++s) {
       if (s % ps == 0) table[b * pages.per_seq + s / ps] = order[next++];
       const std::int64_t slot = table[b * pages.per_seq + s / ps] * ps + s % ps;
       for (auto [pool, packed, width] :

@@ -28,7 +28,7 @@ std::vector<std::int64_t> sequence_splits(const Params& p, const FlashLayout& la
 // worth) of every row.
 std::int64_t split_workspace_floats(const Params& p, std::int64_t splits);
 
-// Runs a call whose plan has splits > 1 parts: items (run of plan.item_heads kv heads, part)
+// Runs a call whose plan has splits > 1 parts: items (run of plan.heads_of kv heads, part)
 // over the threads, groups taken in plan.order, each thread in the scratch scratch_of(slot)
 // gives; then the parts of each row merged into the outputs.
 void flash_forward_split(const Params& p, const Launch& launch, const ForwardArgs& args,
