@@ -1,8 +1,6 @@
 // `attncore run --cache-len N [--page-size P] [--new-tokens T]`: new tokens attending to a dense
 // or paged KV cache (attncore/kvcache.h), timed and checked (measure.h, run_cache).
 #include <cstring>
-#include <numeric>
-#include <utility>
 #include <vector>
 
 #include "attncore/kvcache.h"
@@ -85,15 +83,10 @@ double cache_bytes(const RunConfig& c) {
 
 RunResult run_cache(const PreparedCall& p) {
   const RunConfig& c = p.cfg;
-  // Pages in a shuffled order (Fisher-Yates on the run's seed), as an engine's pool ends up;
-  // with --pages-in-order, each sequence's pages one after the other.
+  // Each sequence's pages in the run's order (page_order): sequence b's page i is
+  // table[b * per_seq + i].
   const std::int64_t per_seq = pages_per_seq(c);
-  std::vector<std::int32_t> table(static_cast<std::size_t>(c.batch * per_seq));
-  std::iota(table.begin(), table.end(), 0);
-  Random rng(c.seed ^ 7);
-  for (std::size_t i = table.size(); i > 1 && !c.pages_in_order; --i) {
-    std::swap(table[i - 1], table[static_cast<std::size_t>(rng.next() % i)]);
-  }
+  const std::vector<std::int32_t> table = page_order(c.batch * per_seq, c);
   const Cache k = make_cache(c, p.k, table, per_seq);
   const Cache v = make_cache(c, p.v, table, per_seq);
   Tensor seqlens(DType::i32, {c.batch}), block_table;

@@ -112,12 +112,7 @@ double varlen_pages_bytes(const RunConfig& c) {
 void add_pages(const RunConfig& c, PreparedCall& p) {
   const VarlenPages pages(c);
   const std::int64_t ps = c.page_size;
-  std::vector<std::int32_t> order(static_cast<std::size_t>(pages.total));
-  std::iota(order.begin(), order.end(), 0);
-  Random rng(c.seed ^ 7);
-  for (std::size_t i = order.size(); i > 1 && !c.pages_in_order; --i) {
-    std::swap(order[i - 1], order[static_cast<std::size_t>(rng.next() % i)]);
-  }
+  const std::vector<std::int32_t> order = page_order(pages.total, c);
   p.block_table = Tensor(DType::i32, {c.batch, pages.per_seq});
   auto* table = p.block_table.data_as<std::int32_t>();
   std::fill_n(table, c.batch * pages.per_seq, -1);
@@ -148,6 +143,16 @@ void add_pages(const RunConfig& c, PreparedCall& p) {
 }
 
 }  // namespace
+
+std::vector<std::int32_t> page_order(std::int64_t count, const RunConfig& c) {
+  std::vector<std::int32_t> order(static_cast<std::size_t>(count));
+  std::iota(order.begin(), order.end(), 0);
+  Random rng(c.seed ^ 7);
+  for (std::size_t i = order.size(); i > 1 && !c.pages_in_order; --i) {
+    std::swap(order[i - 1], order[static_cast<std::size_t>(rng.next() % i)]);
+  }
+  return order;
+}
 
 void require_memory(const char* op, const std::string& what, double bytes) {
   const attncore::MemoryLimit limit = attncore::memory_limit();

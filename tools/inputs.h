@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "attncore/attncore.h"
 #include "attncore/varlen.h"
@@ -61,6 +62,10 @@ double bytes_of(const attncore::TensorView& t);
 
 // A new zero-filled tensor of `shape`'s dtype and shape; an empty tensor for a rank-0 view.
 attncore::Tensor allocate_like(const attncore::TensorView& shape);
+
+// Pool pages 0 .. count - 1 in the order a run hands them out: shuffled (Fisher-Yates on the
+// run's seed), as an engine's pool ends up, or in order with --pages-in-order.
+std::vector<std::int32_t> page_order(std::int64_t count, const RunConfig& c);
 
 // A configured call ready to run: q, k, v uniform in [-1, 1) (dout too with --backward), the
 // ALiBi slopes and the mask when configured, and the options viewing them. A packed batch
