@@ -102,15 +102,15 @@ TEST(Memory, FlashBackwardWorkspaceWithinOneCopyOfDq) {
       << " KiB";
 }
 
-// GQA decode over a cache with more query heads per kv head than a tile has rows (8 > AVX2's
-// 6), not split: its one work item packs each key tile just before its use, so no panel of the
-// group's K and V (128 MiB for these 2^18 keys, a stride-0 view holding one row) is made.
+// GQA decode over a cache with more query heads per kv head than two items read in place (20 >
+// 2 x 8), not split: its one work item packs each key tile just before its use, so no panel of
+// the group's K and V (128 MiB for these 2^18 keys, a stride-0 view holding one row) is made.
 TEST(Memory, CacheDecodeOfWideGroupsPacksNoPanel) {
 #if defined(ATTNCORE_UNDER_ASAN)
   GTEST_SKIP() << "AddressSanitizer's shadow memory and quarantine are part of the peak";
 #endif
   if (status_kib("VmHWM") < 0 || !reset_peak()) GTEST_SKIP() << "no /proc/self/status peak here";
-  const std::int64_t keys = std::int64_t{1} << 18, d = 64, hq = 8;
+  const std::int64_t keys = std::int64_t{1} << 18, d = 64, hq = 20;
   std::vector<float> row(static_cast<std::size_t>(d), 0.25f);
   // [B, Hkv, capacity, D] over one row of memory: every key the same.
   const TensorView kv = TensorView::strided(row.data(), DType::f32, {1, 1, keys, d}, {0, 0, 0, 1});

@@ -304,16 +304,22 @@ TEST(SplitKv, DenseCacheEveryVariantAndDtype) {
        .leftpad = {5, 100},
        .causal = Causal::lower_right,
        .window_left = 60},
-      // 16 query heads on one kv head: one item of 16 rows, packing each tile it reads.
-      {.name = "gqa 16 heads bf16",
+      // 20 query heads on one kv head: one item of 20 rows, packing each tile it reads.
+      {.name = "gqa 20 heads bf16",
        .dtype = DType::bf16,
-       .hq = 16,
+       .hq = 20,
        .hkv = 1,
        .seqlens = {1300, 40}},
-      // 8 and 12 query heads per kv head in decode: two items of half the rows, each reading
-      // K and V in place, where a micro-tile holds fewer rows (AVX2's 6, AVX-512's 8 for 12),
-      // runs of the two kv heads over [B, L, Hkv, D].
-      {.name = "gqa 8 heads two items bf16",
+      // 16 query heads: two items of 8 rows, each reading K and V in place.
+      {.name = "gqa 16 heads two items f16",
+       .dtype = DType::f16,
+       .hq = 16,
+       .hkv = 1,
+       .seqlens = {900, 40}},
+      // 8 query heads per kv head in decode: one item of 8 rows reading K and V in place, more
+      // than AVX2's 6-row micro-tile (its P . V in two halves of the rows), runs of the two kv
+      // heads over [B, L, Hkv, D]; 12: two items of 6 rows.
+      {.name = "gqa 8 heads one item bf16",
        .dtype = DType::bf16,
        .hq = 16,
        .hkv = 2,
@@ -373,12 +379,16 @@ TEST(SplitKv, PagedCacheEveryPageSize) {
   // start with two rows of one page are read as streams across the pages (AVX2).
   const CacheCase one_head{
       .name = "paged one head", .dtype = DType::f16, .hq = 1, .hkv = 1, .seqlens = {768, 200}};
-  // 8 query heads on one kv head: two items of half the rows on AVX2 (6-row micro-tiles).
-  const CacheCase eight_heads{.name = "paged 8 heads", .hq = 8, .hkv = 1, .seqlens = {700, 150}};
+  // 7 query heads on one kv head: one item of 7 rows (8 computed) on every target; 12: two
+  // items of 6 rows.
+  const CacheCase seven_heads{.name = "paged 7 heads", .hq = 7, .hkv = 1, .seqlens = {700, 150}};
+  const CacheCase twelve_heads{
+      .name = "paged 12 heads", .dtype = DType::bf16, .hq = 12, .hkv = 1, .seqlens = {500, 70}};
   for (std::int64_t page_size : {1, 3, 16, 256}) {
     check_cache_case(c, page_size);
     check_cache_case(one_head, page_size);
-    check_cache_case(eight_heads, page_size);
+    check_cache_case(seven_heads, page_size);
+    check_cache_case(twelve_heads, page_size);
   }
 }
 

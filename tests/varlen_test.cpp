@@ -105,18 +105,21 @@ TEST(Varlen, SplitKvDecodeEqualsThePerSequenceLoop) {
   }
 }
 
-// Decode of 8 query heads on each kv head (two in-place items of half the rows where a
-// micro-tile holds fewer: AVX2), many sequences of one row: whether the planner spreads the
-// groups over the threads depends on the thread count, and the items never get a panel either
-// way: the same bits on any thread count, equal to the loop over the sequences.
+// Decode of 8 query heads on each kv head (one in-place item of 8 rows, more than AVX2's
+// micro-tile) and of 12 (two in-place items of 6 rows), many sequences of one row: whether the
+// planner spreads the groups over the threads depends on the thread count, and the items never
+// get a panel either way: the same bits on any thread count, equal to the loop over the
+// sequences.
 TEST(Varlen, WideGroupDecodeIsThreadCountFree) {
-  Batch batch{std::vector<int>(24, 1), std::vector<int>(24, 700), {}, 0, 0, 16, 2, 64, 64};
-  batch.lens_k[5] = 3000;
-  for (DType dtype : {DType::f32, DType::bf16}) {
-    Packed p = make_packed(batch, dtype, varlen_variants()[1], 90);
-    p.options.num_splits = 1;  // (the split driver, which the long sequence takes, has no panel)
-    SCOPED_TRACE(name_of(dtype));
-    thread_count_free(p);
+  for (std::int64_t heads_q : {16, 24}) {
+    Batch batch{std::vector<int>(24, 1), std::vector<int>(24, 700), {}, 0, 0, heads_q, 2, 64, 64};
+    batch.lens_k[5] = 3000;
+    for (DType dtype : {DType::f32, DType::bf16}) {
+      Packed p = make_packed(batch, dtype, varlen_variants()[1], 90);
+      p.options.num_splits = 1;  // (the split driver, which the long sequence takes, has no panel)
+      SCOPED_TRACE(std::string(name_of(dtype)) + " heads_q " + std::to_string(heads_q));
+      thread_count_free(p);
+    }
   }
 }
 

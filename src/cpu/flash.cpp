@@ -159,21 +159,28 @@ ItemPlan plan_items(const Params& p, const FlashLayout& layout) {
 }  // namespace
 
 bool flash_reads_kv_in_place(const Params& p, int tile_rows) {
-  return p.group * p.seq.lq <= tile_rows;
+  return p.group * p.seq.lq <= flash_direct_rows(tile_rows);
 }
 
-// Two items reading K and V in place each read them once, where one item over every row packs
-// each tile before its products (the tile kernels' rows, packing 16-bit K/V to f32). Decode
-// over a cache (`attncore run --cache-len 16384`, D 128) on Zen 3 (AVX2: 8 rows over 6-row
-// tiles), in turns with the version before, K/V GB/s on 1 / 2 threads: Hq 64, Hkv 8, bf16
-// 1.42 -> 4.56 / 1.85 -> 8.21, f32 2.46 -> 6.68 / 3.38 -> 14.24; Hq 8, Hkv 1 (split-KV) bf16
-// 2.08 -> 5.98 / 3.61 -> 7.51, f32 5.21 -> 5.21 / 9.40 -> 10.72. More rows pack: three such
+// Up to flash_direct_rows rows, one item reads K and V in place once (AVX2's 7 or 8 rows were
+// two items of half the rows, each reading them: Zen 3, `attncore run --cache-len 16384`, D
+// 128, 5 rounds in turn, median time, two items -> one: Hq 64, Hkv 8, 1 thread f32 17.5 -> 13.8
+// ms, bf16 13.0 -> 11.4, pages of 16 bf16 13.6 -> 11.8; 2 threads f32 8.4 -> 7.4, bf16 8.6 ->
+// 5.9; Hq 56 f32 17.2 -> 13.3, bf16 12.6 -> 11.3; Hq 8, Hkv 1 (split-KV), 2 threads, f32 0.95 ->
+// 0.82, bf16 0.76 -> 0.70). Up to twice that many, two items reading K and V in place each read
+// them once, where one item over every row packs each tile before its products (the tile
+// kernels' rows, packing 16-bit K/V to f32): 8 rows over AVX2's 6-row tiles so, against one
+// packing item, K/V GB/s on 1 / 2 threads: Hq 64, Hkv 8, bf16 1.42 -> 4.56 / 1.85 -> 8.21, f32
+// 2.46 -> 6.68 / 3.38 -> 14.24; Hq 8, Hkv 1 (split-KV) bf16 2.08 -> 5.98 / 3.61 -> 7.51, f32
+// 5.21 -> 5.21 / 9.40 -> 10.72 (Hq 128, Hkv 8, 16 rows, two items of 8 against one packing:
+// bf16 13.5 -> 12.7 ms, f32 14.8 -> 13.6 over 8192 keys, 1 thread). More rows pack: three such
 // items would read K and V three times.
 namespace {
 
 // flash_in_place_items of a group of `rows` rows.
 std::int64_t in_place_items(std::int64_t rows, int tile_rows) {
-  return rows <= tile_rows ? 1 : rows <= 2 * tile_rows ? 2 : 0;
+  const std::int64_t most = flash_direct_rows(tile_rows);
+  return rows <= most ? 1 : rows <= 2 * most ? 2 : 0;
 }
 
 }  // namespace

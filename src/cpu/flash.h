@@ -55,12 +55,18 @@ struct FlashScratch {
   const Launch* launch = nullptr;
 };
 
-// The floats of one kv head's scratch of a DirectKv item, 64-byte aligned: q [tile_rows][D],
-// S [tile_rows][key_tile], O [tile_rows][dv_pad], softmax [tile_rows] (two floats each),
-// alpha [tile_rows].
-inline std::int64_t direct_head_floats(std::int64_t tile_rows, std::int64_t key_tile,
-                                       std::int64_t d, std::int64_t dv_pad) {
-  return (tile_rows * (d + key_tile + dv_pad + 3) + 15) / 16 * 16;
+// The most rows one work item reads K and V in place for (DirectKv): the micro-tile's, and at
+// least 8, so that a GQA group of 7 or 8 query heads per kv head (AVX2's tiles are 6 rows) reads
+// K and V once, not as two items of half its rows that read them twice (flash.cpp gives the
+// measurements).
+constexpr int flash_direct_rows(int tile_rows) { return tile_rows < 8 ? 8 : tile_rows; }
+// The floats of one kv head's scratch of a DirectKv item, 64-byte aligned, for R =
+// flash_direct_rows(tile_rows) rows: q [R][D], S [R][key_tile], O [R][dv_pad], softmax [R] (two
+// floats each), alpha [R].
+inline std::int64_t direct_head_floats(int tile_rows, std::int64_t key_tile, std::int64_t d,
+                                       std::int64_t dv_pad) {
+  const std::int64_t rows = flash_direct_rows(tile_rows);
+  return (rows * (d + key_tile + dv_pad + 3) + 15) / 16 * 16;
 }
 
 // One work item: `rows` (<= block_rows) consecutive query rows of the heads of one kv group.
@@ -185,14 +191,14 @@ std::vector<std::int64_t> run_order(const FlashForwardPlan& plan, const Params& 
 constexpr std::int64_t kMaxItemHeads = 32;
 
 // Whether the forward reads K and V in place instead of packing tiles: decode, each kv group's
-// rows (group * Lq) within one micro-tile of `tile_rows`, on f32 products for every dtype
+// rows (group * Lq) within flash_direct_rows(tile_rows), on f32 products for every dtype
 // (DirectKv, flash_direct_kv-inl.h), as one work item. flash_forward gives such a problem no
 // panel whatever the thread count.
 bool flash_reads_kv_in_place(const Params& p, int tile_rows);
-// The work items, each of at most `tile_rows` rows reading K and V in place, that a kv group's
-// rows are cut into (1 where flash_reads_kv_in_place; 2 for up to twice that many rows, the
-// rows halved: GQA decode of 8 rows on AVX2's 6-row tiles, 16 on AVX-512's 8), else 0 (the
-// group's tiles are packed).
+// The work items, each of at most flash_direct_rows(tile_rows) rows reading K and V in place,
+// that a kv group's rows are cut into (1 where flash_reads_kv_in_place; 2 for up to twice that
+// many rows, the rows halved: GQA decode of 9 to 16 rows), else 0 (the group's tiles are
+// packed).
 std::int64_t flash_in_place_items(const Params& p, int tile_rows);
 void flash_backward(const Params& p, const Launch& launch, const BackwardArgs& args);
 

@@ -82,7 +82,7 @@ double estimate_flash(Pass pass, const Params& p, const Launch& launch, const Co
   const double keys = !banded    ? lk_pad
                       : s.lq > 0 ? std::min(lk_pad, visible_pairs(p) / s.lq + tile / 2)
                                  : 0;
-  // Decode items of at most one micro-tile of rows read K and V in place (f32 tiles): their
+  // Decode items of at most flash_direct_rows rows read K and V in place (f32 tiles): their
   // rows are not padded, and no tile is packed; a group cut into two such items reads its K
   // and V twice.
   const double direct_items =

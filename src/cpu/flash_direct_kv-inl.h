@@ -31,7 +31,7 @@ struct PendingProduct {
   std::int64_t head_floats = 0;
 };
 
-// Decode-shaped items (one per kv group, at most kTileRows query rows) read K and V where they
+// Decode-shaped items (one per kv group, at most kDirectRows query rows) read K and V where they
 // lie, in f32, instead of packing each tile first: packing is most of such an item's work. The
 // scores are DirectKvScores' (flash_direct_kv_scores-inl.h), P . V DirectKvProducts'
 // (flash_direct_kv_products-inl.h); here each tile's steps, and the products left to run with

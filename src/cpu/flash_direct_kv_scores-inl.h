@@ -305,6 +305,11 @@ struct DirectKvScores : DirectKvStreams {
     if constexpr (kTileRows > 4) {
       if (rows <= 4) return score_rows<4>(k, at, block, dtype, d, q, s, parts, lead, ahead);
     }
+    if constexpr (kDirectRows > kTileRows) {
+      if (rows > kTileRows) {
+        return score_rows<kDirectRows>(k, at, block, dtype, d, q, s, parts, lead, ahead);
+      }
+    }
     score_rows<kTileRows>(k, at, block, dtype, d, q, s, parts, lead, ahead);
   }
   template <class T>
@@ -470,8 +475,8 @@ struct DirectKvScores : DirectKvStreams {
     float* rows_pairs = nullptr;
 #if ATTNCORE_BF16_DOT
     if (pairs && rows > 1 && d % (2 * kLanes) == 0 &&
-        kTileRows * kLanes * kLanes + heads * pair_rows * (d / 2) <= d * kKeyTile) {
-      rows_pairs = widened + kTileRows * kLanes * kLanes;
+        kDirectRows * kLanes * kLanes + heads * pair_rows * (d / 2) <= d * kKeyTile) {
+      rows_pairs = widened + kDirectRows * kLanes * kLanes;
       for (std::int64_t x = 0; x < heads; ++x) {
         for (std::int64_t r = 0; r < pair_rows; ++r) {
           const float* qr = q + x * head_floats + r * d;
@@ -503,7 +508,7 @@ struct DirectKvScores : DirectKvStreams {
         // 1.03; bf16 1.03, p16 1.01; f16 p16 1.05).
         const bool by_rows = rows > 1 && (!pairs || rows_pairs != nullptr) &&
                              (sizeof(T) == 2 || !near) &&
-                             kTileRows * kLanes * kLanes <= d * kKeyTile;
+                             kDirectRows * kLanes * kLanes <= d * kKeyTile;
         // AVX2, and AVX-512 where the decode plan says (group_k_spread, not on bf16 pairs), a
         // group's rows over several heads: score_rows prefetches their K (also: one head only).
         const bool in_rows =

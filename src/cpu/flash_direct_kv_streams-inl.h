@@ -19,16 +19,17 @@ namespace attncore::detail::ATTNCORE_TARGET_NS {
 
 // Which tiles are read as streams, and their scores (DirectKvScores derives from it).
 struct DirectKvStreams : DirectKvHeads {
-  // The rows the in-place products compute for an item of `rows` rows: 1, 2, 4 or kTileRows
-  // (the rows past `rows` have P = 0 and alpha = 1). Decode items have one row per query head
-  // of the group: computing kTileRows rows for MHA's one row made P . V 8x the work it is. GQA
-  // groups of 3-4 rows: 4 (GQA Hq=32 Hkv=8 Lk=16384, 1 thread, GB/s: bf16 17-18 with 4 against
-  // 14 with 8; f32, once each slice's V lines were all prefetched, % of the probe, Lk=4096/16384,
-  // interleaved: [B, Hkv, L, D] 78/60 with 8 against 89/66 with 4 in one run of 5 passes, 59/56
-  // against 63/60 in one of 3; [B, L, Hkv, D] and pages within 3 points either way).
+  // The rows the in-place products compute for an item of `rows` rows: 1, 2, 4, kTileRows or
+  // kDirectRows (the rows past `rows` have P = 0 and alpha = 1). Decode items have one row per
+  // query head of the group: computing kTileRows rows for MHA's one row made P . V 8x the work it
+  // is. GQA groups of 3-4 rows: 4 (GQA Hq=32 Hkv=8 Lk=16384, 1 thread, GB/s: bf16 17-18 with 4
+  // against 14 with 8; f32, once each slice's V lines were all prefetched, % of the probe,
+  // Lk=4096/16384, interleaved: [B, Hkv, L, D] 78/60 with 8 against 89/66 with 4 in one run of 5
+  // passes, 59/56 against 63/60 in one of 3; [B, L, Hkv, D] and pages within 3 points either way).
   ATTNCORE_TARGET static int rows_computed(std::int64_t rows) {
     if (rows <= 2) return rows <= 1 ? 1 : 2;
-    return rows <= 4 && kTileRows > 4 ? 4 : kTileRows;
+    if (rows <= 4 && kTileRows > 4) return 4;
+    return rows <= kTileRows ? kTileRows : kDirectRows;
   }
 
   // Whether score_tile_streams scores this tile: AVX2, or AVX-512 where the decode plan says

@@ -31,6 +31,8 @@ constexpr int kTileRows = ATTNCORE_TILE_ROWS;
 constexpr int kTileVectors =
     ATTNCORE_TILE_VECTORS;  // micro-tile width in vectors (QK: keys, PV: Dv)
 constexpr int kTileCols = kTileVectors * kLanes;
+// The most rows of a work item that reads K and V in place (flash.h).
+constexpr int kDirectRows = flash_direct_rows(kTileRows);
 // Rows per work item: 8 micro-tiles. 64 rows (AVX-512) keep q, S, O of a D=128 block at
 // 80 KiB, well inside L2, and give 2 threads 8 items at L = 256 per head.
 constexpr int kBlockRows = 8 * kTileRows;

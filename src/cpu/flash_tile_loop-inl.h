@@ -66,10 +66,10 @@ ATTNCORE_TARGET inline FlashScratch head_scratch(const FlashScratch& w, std::int
                                                  std::int64_t d, std::int64_t dv_pad) {
   FlashScratch h = w;
   h.q = w.heads + x * w.head_floats;
-  h.scores = h.q + kTileRows * d;
-  h.out = h.scores + kTileRows * kKeyTile;
-  h.softmax = reinterpret_cast<SoftmaxState*>(h.out + kTileRows * dv_pad);
-  h.alpha = h.out + kTileRows * (dv_pad + 2);
+  h.scores = h.q + kDirectRows * d;
+  h.out = h.scores + kDirectRows * kKeyTile;
+  h.softmax = reinterpret_cast<SoftmaxState*>(h.out + kDirectRows * dv_pad);
+  h.alpha = h.out + kDirectRows * (dv_pad + 2);
   return h;
 }
 
@@ -100,10 +100,10 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
     seen.add(band.row(index_of[r]));
   }
 
-  // A group's only item of at most one micro-tile of rows (decode) reads K and V in place;
+  // A group's only item of at most kDirectRows rows (decode) reads K and V in place;
   // flash.cpp gives every such problem no panel, whatever the thread count
   // (flash_reads_kv_in_place: the same rule).
-  const bool direct = Dot::kDirectDecode && panel.k_tiles == nullptr && rows <= kTileRows;
+  const bool direct = Dot::kDirectDecode && panel.k_tiles == nullptr && rows <= kDirectRows;
   const std::int64_t heads = direct ? item.heads : 1;
   // The rows the products compute: whole micro-tiles, or in place the few DirectKv computes.
   const std::int64_t live_rows = direct ? DirectKv::rows_computed(rows) : padded_rows;
@@ -125,7 +125,7 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
     // (In place, the rows the products compute: a decode item of 32 heads spent 3 of its 20
     // us zeroing whole micro-tiles of rows, kTileRows of them for one row.)
     for (std::int64_t e = 0; e < live_rows * dv_pad; ++e) wx.out[e] = 0.0f;
-    for (std::int64_t r = 0; r < padded_rows; ++r) {
+    for (std::int64_t r = 0; r < live_rows; ++r) {
       wx.softmax[r] = SoftmaxState{};
       wx.alpha[r] = 1.0f;
     }
@@ -307,8 +307,8 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
       if (direct) {
         // In place: the runs of keys between the ones left out, one after the other (the same
         // sums in the same order as one pass), the accumulator rescaled by the first call only.
-        float ones[kTileRows];
-        if (bad_count > 0) std::fill_n(ones, kTileRows, 1.0f);
+        float ones[kDirectRows];
+        if (bad_count > 0) std::fill_n(ones, kDirectRows, 1.0f);
         std::int64_t begin = 0;
         bool rescaled = false;
         for (std::int64_t n = 0; n <= bad_count; ++n) {
@@ -379,7 +379,7 @@ ATTNCORE_TARGET void run_block(const Params& p, const ForwardArgs& a, const Flas
 #if ATTNCORE_BF16_DOT
   // Decode items read bf16 K/V in place in f32 like every dtype (flash_reads_kv_in_place): each
   // K/V element is used once per row, too few times to pay for packing it into bf16 pairs.
-  const bool direct = panel.k_tiles == nullptr && item.rows <= kTileRows;
+  const bool direct = panel.k_tiles == nullptr && item.rows <= kDirectRows;
   if (p.dtype == DType::bf16 && !direct) return run_block_with<Bf16Dot>(p, a, panel, item, w);
 #endif
   run_block_with<F32Dot>(p, a, panel, item, w);
