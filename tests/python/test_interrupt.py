@@ -201,3 +201,40 @@ def test_a_child_made_by_fork_runs_main_thread_calls():
     result = subprocess.run([sys.executable, "-c", FORK_PROGRAM], env=env, capture_output=True,
                             text=True, timeout=120)
     assert result.stdout.split() == ["child", "0"], (result.stdout, result.stderr)
+
+
+RUNNER_PROGRAM = """
+import os
+import numpy as np
+import attncore
+attncore.set_num_threads(1)
+def threads():
+    return len(os.listdir("/proc/self/task"))
+q = np.ones((1, 1, 32, 64), np.float32)
+k, v = (np.ones((1, 16384, 32, 64), np.float32) for _ in range(2))  # 16384 slots
+k_pages, v_pages = k.reshape(1024, 16, 32, 64), v.reshape(1024, 16, 32, 64)  # pages of 16
+table = np.arange(1024, dtype=np.int32)[None]
+attncore.flash_attn_with_kvcache(q, k, v, cache_seqlens=1)
+before = threads()
+for used in (1, 100, np.array([200], np.int32)):  # decode over a few keys of the capacity
+    attncore.flash_attn_with_kvcache(q, k, v, cache_seqlens=used)
+    attncore.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=used, block_table=table)
+new = np.ones((1, 1, 32, 64), np.float32)  # an append of one row: 2 keys attended
+attncore.flash_attn_with_kvcache(q, k, v, k=new, v=new, cache_seqlens=1)
+few = threads()
+attncore.flash_attn_with_kvcache(q, k, v, cache_seqlens=16384)  # all of them
+print(before, few, threads(), flush=True)
+"""
+
+
+def test_calls_over_a_few_keys_of_a_large_cache_run_in_place():
+    # A call's work counts the keys it attends (cache_seqlens, and the rows it appends), not
+    # the cache's capacity: decode steps over a mostly empty cache run on the main thread, where
+    # handing each to the runner thread (made at the first call that needs it) cost ~110 us a
+    # call. The call over every slot is long enough for the runner.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    result = subprocess.run([sys.executable, "-c", RUNNER_PROGRAM], env=env, capture_output=True,
+                            text=True, timeout=120)
+    before, few, after = (int(n) for n in result.stdout.split())
+    assert few == before, (before, few, result.stderr)
+    assert after == before + 1, (before, after, result.stderr)
