@@ -3,7 +3,8 @@
 and the C++ call of the `attncore` program, in one run.
 
 The call is a decode step of a small model: q [1, 1, 1, 64], k and v [1, 1, 16, 64], float32
-(and the same step over a KV cache, with and without appending the step's key and value),
+(and the same step over a KV cache, with and without appending the step's key and value, and
+over the first 16 slots of a cache of 4096; and as a varlen batch of one sequence),
 one thread everywhere (attncore.set_num_threads(1), torch.set_num_threads(1)). The cases are
 timed in interleaved rounds (each round times every case once, over `--calls` calls) and the
 table gives each case's median over the rounds and its ratio to torch's own call without
@@ -61,6 +62,13 @@ def cases():
     v_cache = torch.cat([vt.transpose(1, 2), vt[:, :, :1].transpose(1, 2)], 1).contiguous()
     k_new, v_new = k_cache[:, 15:16].clone(), v_cache[:, 15:16].clone()
     with_kvcache = attncore.torch.flash_attn_with_kvcache
+    # The same 16 keys as the first of a cache of 4096 slots (an engine's cache, mostly empty).
+    k_large, v_large = (torch.cat([x, x.new_zeros(1, 4096 - 17, 1, 64)], 1)
+                        for x in (k_cache, v_cache))
+    # The step as a varlen batch of one sequence: q [1, 1, 64], k and v [16, 1, 64].
+    q_packed, k_packed, v_packed = q_flash[0], k_cache[0, :16], v_cache[0, :16]
+    cu_q, cu_k = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 16], dtype=torch.int32)
+    varlen = attncore.torch.flash_attn_varlen_func
 
     return {
         "torch's own": (lambda: theirs(qt, kt, vt), None),
@@ -72,6 +80,10 @@ def cases():
         "attncore.torch flash_attn_with_kvcache, appending": (
             lambda: with_kvcache(q_flash, k_cache, v_cache, k_new, v_new, cache_seqlens=15),
             "torch's own"),
+        "attncore.torch flash_attn_with_kvcache, 16 keys of 4096 slots": (
+            lambda: with_kvcache(q_flash, k_large, v_large, cache_seqlens=16), "torch's own"),
+        "attncore.torch flash_attn_varlen_func": (
+            lambda: varlen(q_packed, k_packed, v_packed, cu_q, cu_k, 1, 16), "torch's own"),
         "torch's own, inputs require grad": (lambda: theirs(qg, kg, vg), None),
         "attncore.torch, inputs require grad": (lambda: ours(qg, kg, vg),
                                                 "torch's own, inputs require grad"),

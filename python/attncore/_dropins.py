@@ -359,6 +359,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     slots of its pages; dropout is refused with it. Other options as flash_attn_func's.
     """
     op = "flash_attn_varlen_func"
+    if (alibi_slopes is None and type(causal) is bool and type(deterministic) is bool
+            and return_attn_probs is False):
+        # The fast path (attncore._core.attend_varlen: its comment says which calls it takes),
+        # None for the others. Its results are the general path's, bit for bit.
+        out = _core.attend_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, seqused_k, block_table, softmax_scale, causal,
+                                  window_size, softcap, dropout_p, backend, False)
+        if out is not None:
+            return out
     causal, return_attn_probs = _flash_flags(op, causal, deterministic, return_attn_probs)
     paged = block_table is not None
     if paged:  # (page pools: forward only)
