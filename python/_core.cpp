@@ -49,12 +49,14 @@ using attncore_python::lse_dtype_of;
 using attncore_python::new_array;
 using attncore_python::outputs_may_be_made;
 using attncore_python::plain_backend;
+using attncore_python::plain_flash_options;
 using attncore_python::plain_int;
 using attncore_python::plain_number;
 using attncore_python::plain_value_dtype;
 using attncore_python::plain_window;
 using attncore_python::run_call;
 using attncore_python::unit_last_stride;
+using attncore_python::varlen_work;
 using attncore_python::view_of;
 
 // q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv]; writes out [B, Hq, Lq, Dv] and, when
@@ -248,52 +250,38 @@ void forward_varlen(py::handle q, py::handle k, py::handle v, py::handle cu_seql
   const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
   const attncore::Options options = call.options(op, bmask, balibi, false);
   const attncore::Backend backend = backend_from_name(op, call.backend);
-  // (Over page pools a sequence's keys are at most max_seqlen_k, whatever the pools hold.)
-  const double work = seqs.block_table
-                          ? call_work(bq.view(), static_cast<double>(max_seqlen_k), bv.view())
-                          : call_work(bq.view(), bk.view(), bv.view());
-  run_call(options, work, [&](const attncore::Options& o) {
-    attncore::forward_varlen_into(bq.view(), bk.view(), bv.view(), seqs.seqs(), bout.view(),
-                                  view_of(blse), o, backend);
-  });
+  run_call(options, varlen_work(bq.view(), bk.view(), bv.view(), seqs.seqs()),
+           [&](const attncore::Options& o) {
+             attncore::forward_varlen_into(bq.view(), bk.view(), bv.view(), seqs.seqs(),
+                                           bout.view(), view_of(blse), o, backend);
+           });
 }
 
 // The fast path of flash_attn_varlen_func: one call on the caller's own arrays, q [total_q,
 // Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv] (with block_table page pools [num_pages,
-// page_size, Hkv, D]), all numpy arrays or all plain CPU torch tensors (borrowed.h) none of which
-// autograd would record, int32 index arrays (numpy or torch) whose last stride is 1, the maximum
-// lengths as Python ints, and options of plain Python types: scale None or a finite float > 0;
-// causal a bool (lower-right); window_size a tuple of two ints; softcap a number (<= 0: off);
-// dropout_p 0; backend None or a name. Makes out (laid out like q) and, with return_lse, lse
-// [Hq, total_q]; returns out or (out, lse). Returns None for any other call, and for outputs past
-// the memory this process may use: the package's general path, which checks and handles
+// page_size, Hkv, D]), all numpy arrays or all plain CPU torch tensors (borrowed.h) of value
+// dtypes, none of which autograd would record, int32 index arrays (numpy or torch) whose last
+// stride is 1, the maximum lengths as Python ints, no dropout, and flash-attn's options of plain
+// Python types (plain_flash_options). Makes out (laid out like q) and returns it. Returns None
+// for any other call, and for outputs past the memory this process may use (the LSE counted: the
+// general path makes it for every call): the package's general path, which checks and handles
 // everything, with the same bits. (A decode step of 4 sequences of 10 keys, Hq 32, Hkv 8, D 128,
-// 1 thread: 190 us through the general path, most of it its Python, against ~60 here.)
+// 1 thread: ~190 us through the general path, most of it its Python, against ~55-90 here.)
 py::object attend_varlen(py::handle q, py::handle k, py::handle v, py::handle cu_seqlens_q,
                          py::handle cu_seqlens_k, py::handle max_seqlen_q, py::handle max_seqlen_k,
-                         py::handle seqused_k, py::handle block_table, py::handle scale,
-                         bool causal, py::handle window_size, py::handle softcap,
-                         py::handle dropout_p, py::handle backend, bool return_lse) {
+                         py::handle seqused_k, py::handle block_table, py::handle softmax_scale,
+                         py::handle causal, py::handle window_size, py::handle softcap,
+                         py::handle dropout_p, py::handle backend) {
   constexpr const char* op = "forward";  // the library's name of the call, in messages
   const py::object general = py::none();
   attncore::Options options;
-  options.causal = causal ? attncore::Causal::lower_right : attncore::Causal::none;
-  if (!scale.is_none()) {
-    const auto s = plain_number(scale);
-    if (!s || !(*s > 0) || !std::isfinite(*s)) return general;
-    options.scale = *s;
-  }
-  const auto window = plain_window(window_size);
-  const auto cap = plain_number(softcap), p = plain_number(dropout_p);
+  attncore::Backend chosen = attncore::Backend::automatic;
+  const auto p = plain_number(dropout_p);
   const auto max_q = plain_int(max_seqlen_q, INT64_MIN, INT64_MAX),
              max_k = plain_int(max_seqlen_k, INT64_MIN, INT64_MAX);
-  if (!window || !cap || std::isnan(*cap) || !p || *p != 0.0 || !max_q || !max_k) return general;
-  options.window_left = window->first;
-  options.window_right = window->second;
-  options.softcap = *cap > 0 ? *cap : 0.0;
-  const auto backend_chosen = plain_backend(backend);
-  if (!backend_chosen) return general;
-  const attncore::Backend chosen = *backend_chosen;
+  if (!p || *p != 0.0 || !max_q || !max_k ||
+      !plain_flash_options(softmax_scale, causal, window_size, softcap, backend, options, chosen))
+    return general;
 
   last_call_addresses().clear();
   const bool paged = !block_table.is_none();
@@ -305,13 +293,12 @@ py::object attend_varlen(py::handle q, py::handle k, py::handle v, py::handle cu
   if (kind == ArrayKind::torch &&
       (bq->requires_grad() || bk->requires_grad() || bv->requires_grad()) && grad_enabled())
     return general;  // (the autograd record, or NotImplementedError over pools: the general path)
-  auto unit_last = [](const TensorView& x) {
-    return x.rank > 0 && (x.size(x.rank - 1) <= 1 || x.stride_of(x.rank - 1) == 1);
-  };
   const TensorView &cq = bq->view(), &ck = bk->view(), &cv = bv->view();
   const int kv_rank = paged ? 4 : 3;
   if (cq.rank != 3 || ck.rank != kv_rank || cv.rank != kv_rank ||
-      !plain_value_dtype(cq.dtype, kind) || !unit_last(cq) || !unit_last(ck) || !unit_last(cv))
+      !plain_value_dtype(cq.dtype, kind) || !plain_value_dtype(ck.dtype, kind) ||
+      !plain_value_dtype(cv.dtype, kind) || !unit_last_stride(cq) || !unit_last_stride(ck) ||
+      !unit_last_stride(cv))
     return general;
   // Index arrays: int32 of the rank the call takes, their last stride 1 (the general path copies
   // or refuses others); absent (an empty optional inside), or nullopt (declined).
@@ -319,7 +306,8 @@ py::object attend_varlen(py::handle q, py::handle k, py::handle v, py::handle cu
                    int rank) -> std::optional<std::optional<Borrowed>> {
     if (x.is_none()) return std::optional<Borrowed>{};
     auto b = Borrowed::plain(x, op, name);
-    if (!b || b->view().dtype != DType::i32 || b->view().rank != rank || !unit_last(b->view()))
+    if (!b || b->view().dtype != DType::i32 || b->view().rank != rank ||
+        !unit_last_stride(b->view()))
       return std::nullopt;
     return std::optional<Borrowed>(std::move(b));
   };
@@ -329,26 +317,18 @@ py::object attend_varlen(py::handle q, py::handle k, py::handle v, py::handle cu
   if (!cu_q || !cu_k || !used || !table || !*cu_q || !*cu_k) return general;
   const attncore::VarlenSeqs seqs{(*cu_q)->view(), (*cu_k)->view(), view_of(*used),
                                   *max_q,          *max_k,          view_of(*table)};
-  const TensorView &kv = ck, &vv = cv;
   const std::int64_t total_q = cq.size(0), heads_q = cq.size(1), dim_v = cv.size(kv_rank - 1);
   const double rows = static_cast<double>(total_q) * static_cast<double>(heads_q);
-  if (!outputs_may_be_made(rows, dim_v, cq.dtype, return_lse, [&] {
-        (void)attncore::explain_forward_varlen(cq, kv, vv, seqs, options, chosen);
+  if (!outputs_may_be_made(rows, dim_v, cq.dtype, true, [&] {
+        (void)attncore::explain_forward_varlen(cq, ck, cv, seqs, options, chosen);
       }))
     return general;
   const py::object out =
       new_array(kind, {total_q, heads_q, dim_v}, cq.dtype, {cq.stride_of(0), cq.stride_of(1), 1});
-  py::object lse = py::none();
-  if (return_lse) lse = new_array(kind, {heads_q, total_q}, lse_dtype_of(cq.dtype));
   const Borrowed bout(out, op, "out", true);
-  const auto blse = borrow_optional(lse, op, "lse", true);
-  // (Over page pools a sequence's keys are at most max_seqlen_k, whatever the pools hold.)
-  const double work =
-      paged ? call_work(cq, static_cast<double>(*max_k), vv) : call_work(cq, kv, vv);
-  run_call(options, work, [&](const attncore::Options& o) {
-    attncore::forward_varlen_into(cq, kv, vv, seqs, bout.view(), view_of(blse), o, chosen);
+  run_call(options, varlen_work(cq, ck, cv, seqs), [&](const attncore::Options& o) {
+    attncore::forward_varlen_into(cq, ck, cv, seqs, bout.view(), std::nullopt, o, chosen);
   });
-  if (return_lse) return py::make_tuple(out, lse);
   return out;
 }
 
@@ -369,11 +349,12 @@ void backward_varlen(py::handle dout, py::handle q, py::handle k, py::handle v, 
   const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
   const attncore::Options options = call.options(op, bmask, balibi, false);
   const attncore::Backend backend = backend_from_name(op, call.backend);
-  run_call(options, call_work(bq.view(), bk.view(), bv.view()), [&](const attncore::Options& o) {
-    attncore::backward_varlen_into(bdout.view(), bq.view(), bk.view(), bv.view(), bout.view(),
-                                   blse.view(), seqs.seqs(), bdq.view(), bdk.view(), bdv.view(), o,
-                                   backend);
-  });
+  run_call(options, varlen_work(bq.view(), bk.view(), bv.view(), seqs.seqs()),
+           [&](const attncore::Options& o) {
+             attncore::backward_varlen_into(bdout.view(), bq.view(), bk.view(), bv.view(),
+                                            bout.view(), blse.view(), seqs.seqs(), bdq.view(),
+                                            bdk.view(), bdv.view(), o, backend);
+           });
 }
 
 // Names of backends, in order.
@@ -540,8 +521,8 @@ PYBIND11_MODULE(_core, m) {
   m.def("attend_varlen", &attend_varlen, py::arg("query"), py::arg("key"), py::arg("value"),
         py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"),
         py::arg("max_seqlen_k"), py::arg("seqused_k").none(true), py::arg("block_table").none(true),
-        py::arg("scale").none(true), py::arg("causal"), py::arg("window_size"), py::arg("softcap"),
-        py::arg("dropout_p"), py::arg("backend").none(true), py::arg("return_lse"));
+        py::arg("softmax_scale").none(true), py::arg("causal"), py::arg("window_size"),
+        py::arg("softcap"), py::arg("dropout_p"), py::arg("backend").none(true));
   m.def("backward_varlen", &backward_varlen, py::arg("dout"), py::arg("query"), py::arg("key"),
         py::arg("value"), py::arg("out"), py::arg("lse"), py::arg("cu_seqlens_q"),
         py::arg("cu_seqlens_k"), py::arg("seqused_k").none(true), py::arg("max_seqlen_q"),

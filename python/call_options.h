@@ -2,6 +2,7 @@
 // names it passes (causal, backend), read into the library's terms with the package's messages.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -118,15 +119,41 @@ inline std::optional<attncore::Backend> plain_backend(py::handle x) {
   }
 }
 
+// The options of a flash-attn call on its fast path (attend_varlen, attend_kvcache) into
+// `options`: softmax_scale None or a finite number > 0, causal a bool (lower-right), window_size
+// a tuple of two ints from -1 on, softcap a number (<= 0: off), backend None or a name (into
+// `backend`). false for anything else: the general path reads it, or names what is wrong.
+inline bool plain_flash_options(py::handle softmax_scale, py::handle causal, py::handle window_size,
+                                py::handle softcap, py::handle backend, attncore::Options& options,
+                                attncore::Backend& chosen) {
+  if (!softmax_scale.is_none()) {
+    const auto s = plain_number(softmax_scale);
+    if (!s || !(*s > 0) || !std::isfinite(*s)) return false;
+    options.scale = *s;
+  }
+  if (causal.ptr() != Py_True && causal.ptr() != Py_False) return false;
+  options.causal = causal.ptr() == Py_True ? attncore::Causal::lower_right : attncore::Causal::none;
+  const auto window = plain_window(window_size);
+  const auto cap = plain_number(softcap);
+  const auto named = plain_backend(backend);
+  if (!window || window->first < -1 || window->second < -1 || !cap || std::isnan(*cap) || !named)
+    return false;
+  options.window_left = window->first;
+  options.window_right = window->second;
+  options.softcap = *cap > 0 ? *cap : 0.0;
+  chosen = *named;
+  return true;
+}
+
 // A value dtype the fast paths take from arrays of `kind` (bf16 from torch only: numpy has none).
 inline bool plain_value_dtype(attncore::DType dtype, ArrayKind kind) {
   using attncore::DType;
   return dtype == DType::f32 || dtype == DType::f64 || dtype == DType::f16 ||
          (dtype == DType::bf16 && kind == ArrayKind::torch);
 }
-// Whether a rank-4 view's last dim has unit stride (or at most one element).
+// Whether a view's last dim has unit stride (or at most one element; rank 0: no dim).
 inline bool unit_last_stride(const attncore::TensorView& x) {
-  return x.size(3) <= 1 || x.stride_of(3) == 1;
+  return x.rank == 0 || x.size(x.rank - 1) <= 1 || x.stride_of(x.rank - 1) == 1;
 }
 // The LSE's dtype for values of `dtype`: float64 for float64, else float32.
 inline attncore::DType lse_dtype_of(attncore::DType dtype) {

@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -126,6 +127,35 @@ double call_work(const attncore::TensorView& q, double keys, const attncore::Ten
           : 0.0;
   return rows_q * keys *
          static_cast<double>((q.rank ? q.size(q.rank - 1) : 0) + (v.rank ? v.size(v.rank - 1) : 0));
+}
+
+double varlen_work(const attncore::TensorView& q, const attncore::TensorView& k,
+                   const attncore::TensorView& v, const attncore::VarlenSeqs& seqs) {
+  const bool paged = seqs.block_table.has_value();
+  const double keys_bound = paged
+                                ? static_cast<double>(std::max<std::int64_t>(seqs.max_seqlen_k, 0))
+                            : k.rank > 0 ? static_cast<double>(k.size(0))
+                                         : 0.0;
+  const attncore::TensorView &cu_q = seqs.cu_seqlens_q, &cu_k = seqs.cu_seqlens_k;
+  auto index = [](const attncore::TensorView& x, std::int64_t n) {
+    return x.data != nullptr && x.dtype == attncore::DType::i32 && x.rank == 1 && x.size(0) == n;
+  };
+  const std::int64_t batch = cu_q.rank == 1 ? cu_q.size(0) - 1 : -1;
+  if (q.rank != 3 || v.rank < 1 || batch < 1 || batch > (1 << 16) || !index(cu_q, batch + 1) ||
+      !index(cu_k, batch + 1) || (seqs.seqused_k && !index(*seqs.seqused_k, batch)))
+    return call_work(q, keys_bound, v);
+  auto at = [](const attncore::TensorView& x, std::int64_t i) {
+    return static_cast<double>(static_cast<const std::int32_t*>(x.data)[i * x.stride_of(0)]);
+  };
+  const double total_q = static_cast<double>(q.size(0));
+  double pairs = 0;  // query rows x keys, summed over the sequences
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const double rows = std::clamp(at(cu_q, b + 1) - at(cu_q, b), 0.0, total_q);
+    const double keys = seqs.seqused_k ? at(*seqs.seqused_k, b) : at(cu_k, b + 1) - at(cu_k, b);
+    pairs += rows * std::clamp(keys, 0.0, keys_bound);
+  }
+  return pairs * static_cast<double>(q.size(1)) *
+         static_cast<double>(q.size(2) + v.size(v.rank - 1));
 }
 
 void run_call(attncore::Options options, double work,

@@ -8,6 +8,7 @@
 #include <functional>
 
 #include "attncore/attncore.h"
+#include "attncore/varlen.h"
 
 namespace attncore_python {
 
@@ -33,10 +34,16 @@ void set_main_thread(unsigned long ident);
 
 // A bound on a call's work, in multiply-adds: every query row (q [..., Lq, D], or packed rows
 // [total_q, Hq, D]) against every row of k [..., Lk, D] (or [total_k, Hkv, D]), times D + Dv;
-// or against `keys` keys (calls over page pools, whose rows are not the keys).
+// or against `keys` keys (a KV-cache call: the keys its sequences attend, on average).
 double call_work(const attncore::TensorView& q, const attncore::TensorView& k,
                  const attncore::TensorView& v);
 double call_work(const attncore::TensorView& q, double keys, const attncore::TensorView& v);
+// A variable-length call's work: each sequence's query rows against its keys (seqused_k[b],
+// else its cu_seqlens_k gap), times Hq and D + Dv. Index arrays the library will refuse (not
+// int32 [B + 1] and [B]), or more than 2^16 sequences (not read through), count every query
+// row against k's rows (over page pools: max_seqlen_k).
+double varlen_work(const attncore::TensorView& q, const attncore::TensorView& k,
+                   const attncore::TensorView& v, const attncore::VarlenSeqs& seqs);
 
 // Runs call(options) with the GIL released (the GIL is held on entry and on return). On the
 // main thread, a call whose work exceeds a threshold (calls.cpp: kInPlaceWork) runs on a runner

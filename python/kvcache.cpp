@@ -165,25 +165,12 @@ py::object attend_kvcache(py::handle q, py::handle k_cache, py::handle v_cache, 
   const py::object general = py::none();
   attncore::Options options;
   options.enable_gqa = true;
-  if (!softmax_scale.is_none()) {
-    const auto s = plain_number(softmax_scale);
-    if (!s || !(*s > 0) || !std::isfinite(*s)) return general;
-    options.scale = *s;
-  }
-  if (causal.ptr() != Py_True && causal.ptr() != Py_False) return general;
-  options.causal = causal.ptr() == Py_True ? attncore::Causal::lower_right : attncore::Causal::none;
-  const auto window = plain_window(window_size);
-  if (!window || window->first < -1 || window->second < -1) return general;
-  options.window_left = window->first;
-  options.window_right = window->second;
-  const auto cap = plain_number(softcap);
+  attncore::Backend chosen = attncore::Backend::automatic;
   const auto splits = plain_int(num_splits, INT32_MIN, INT32_MAX);
-  if (!cap || std::isnan(*cap) || !splits) return general;
-  options.softcap = *cap > 0 ? *cap : 0.0;
+  if (!splits ||
+      !plain_flash_options(softmax_scale, causal, window_size, softcap, backend, options, chosen))
+    return general;
   options.num_splits = static_cast<int>(*splits);
-  const auto backend_chosen = plain_backend(backend);
-  if (!backend_chosen) return general;
-  const attncore::Backend chosen = *backend_chosen;
 
   last_call_addresses().clear();
   const bool appending = !k_new.is_none();
@@ -232,9 +219,7 @@ py::object attend_kvcache(py::handle q, py::handle k_cache, py::handle v_cache, 
     auto b = same_kind(x, name);
     if (!b || !*b) return b;
     const TensorView& t = (*b)->view();
-    if (t.dtype != DType::i32 ||
-        (t.rank > 0 && t.size(t.rank - 1) > 1 && t.stride_of(t.rank - 1) != 1))
-      return std::nullopt;
+    if (t.dtype != DType::i32 || !unit_last_stride(t)) return std::nullopt;
     return b;
   };
   const auto bidx = index(cache_batch_idx, "cache_batch_idx");

@@ -365,7 +365,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         # None for the others. Its results are the general path's, bit for bit.
         out = _core.attend_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, seqused_k, block_table, softmax_scale, causal,
-                                  window_size, softcap, dropout_p, backend, False)
+                                  window_size, softcap, dropout_p, backend)
         if out is not None:
             return out
     causal, return_attn_probs = _flash_flags(op, causal, deterministic, return_attn_probs)

@@ -361,7 +361,7 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
     return;
   }
 
-  // Modes and order: plan_flash_forward. An item of at most one micro-tile of rows reads K and
+  // Modes and order: plan_flash_forward. An item of at most flash_direct_rows rows reads K and
   // V in place, without packing, and so never gets a panel (its bits must not depend on the
   // thread count). Items compute the same in every mode. Each group resolves its sequence once
   // (core/sequence.h).

@@ -47,7 +47,7 @@ struct FlashScratch {
   float* v_tile;          // [key_tile][dv_pad]; also a V tile with keys left out (careful path)
   float* probs16;         // [block_rows][key_tile / 2]: P rounded to bf16 pairs (bf16 dots)
   // Items reading K/V in place (DirectKv): each kv head x of the item has its own q, S, O,
-  // softmax states and alpha for its tile rows at heads + x * head_floats (direct_head_floats).
+  // softmax states and alpha for its rows at heads + x * head_floats (direct_head_floats).
   float* heads;
   std::int64_t head_floats;
   // The call's launch, whose cancel flag an item also reads between its key tiles (a decode

@@ -19,7 +19,7 @@ namespace {
 // D=128 (262144 packed elements, in cache) took 51 us in f32 and 23 us in bf16, 27 and 8 us
 // beyond the products (perf: pack_tile 54% and 46% of the call).
 constexpr double kFlashPackFlops[] = {25, 8};  // f32 tiles, bf16 pairs
-// flash forward, decode items of at most one micro-tile of rows on f32 tiles (DirectKv: K and V
+// flash forward, decode items of at most flash_direct_rows rows on f32 tiles (DirectKv: K and V
 // read in place, rows not padded): per K/V element, B=1 Hq=8 Lq=1 D=128 Lk=128 took 26.5 us
 // and Lk=1024 196 us (in cache, 240 GFLOP/s), 20.6 and 19.7 flops an element beyond the rest.
 constexpr double kFlashDirectFlops = 20;

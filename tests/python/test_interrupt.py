@@ -221,6 +221,9 @@ for used in (1, 100, np.array([200], np.int32)):  # decode over a few keys of th
     attncore.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=used, block_table=table)
 new = np.ones((1, 1, 32, 64), np.float32)  # an append of one row: 2 keys attended
 attncore.flash_attn_with_kvcache(q, k, v, k=new, v=new, cache_seqlens=1)
+# A varlen decode step: 4 sequences of 200 keys (each row against its own sequence's keys).
+packed, cu_q = k[0, :800], np.arange(5, dtype=np.int32)
+attncore.flash_attn_varlen_func(q[0].repeat(4, 0), packed, packed, cu_q, cu_q * 200, 1, 200)
 few = threads()
 attncore.flash_attn_with_kvcache(q, k, v, cache_seqlens=16384)  # all of them
 print(before, few, threads(), flush=True)
@@ -229,7 +232,8 @@ print(before, few, threads(), flush=True)
 
 def test_calls_over_a_few_keys_of_a_large_cache_run_in_place():
     # A call's work counts the keys it attends (cache_seqlens, and the rows it appends), not
-    # the cache's capacity: decode steps over a mostly empty cache run on the main thread, where
+    # the cache's capacity, and a varlen call's each sequence's rows against its own keys, not
+    # all the packed keys: decode steps over a mostly empty cache run on the main thread, where
     # handing each to the runner thread (made at the first call that needs it) cost ~110 us a
     # call. The call over every slot is long enough for the runner.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))

@@ -69,7 +69,7 @@ def _fast(q, k, v, cu_q, cu_k, options):
     return _core.attend_varlen(
         q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K), o.get("seqused_k"), o.get("block_table"),
         o.get("softmax_scale"), o.get("causal", False), o.get("window_size", (-1, -1)),
-        o.get("softcap", 0.0), 0.0, o.get("backend"), False)
+        o.get("softcap", 0.0), 0.0, o.get("backend"))
 
 
 def _general(q, k, v, cu_q, cu_k, options):
@@ -139,7 +139,7 @@ def test_declined_calls_take_the_general_path():
         return (attncore.torch.flash_attn_varlen_func(*args, max(LENS_Q), max(LENS_K), **kwargs),
                 _core.attend_varlen(*args, max(LENS_Q), max(LENS_K), kwargs.get("seqused_k"),
                                     None, kwargs.get("softmax_scale"), False, (-1, -1), 0.0, 0.0,
-                                    None, False))
+                                    None))
 
     # numpy cu_seqlens with torch arrays: taken (the library only reads them).
     out, verdict = through_both(q, k, v, cu_q.numpy(), cu_k.numpy())
@@ -157,15 +157,15 @@ def test_declined_calls_take_the_general_path():
     # A torch input that requires grad (the autograd record), dropout: the general path.
     qg = q.clone().requires_grad_()
     assert _core.attend_varlen(qg, k, v, cu_q, cu_k, 3, 30, None, None, None, False, (-1, -1),
-                               0.0, 0.0, None, False) is None
+                               0.0, 0.0, None) is None
     out = attncore.torch.flash_attn_varlen_func(qg, k, v, cu_q, cu_k, 3, 30)
     assert out.requires_grad
     _same_bits(out.detach(), plain)
     assert _core.attend_varlen(q, k, v, cu_q, cu_k, 3, 30, None, None, None, False, (-1, -1),
-                               0.0, 0.1, None, False) is None
+                               0.0, 0.1, None) is None
     # Calls the general path refuses: by name, as ever (int64 cu_seqlens: declined first).
     assert _core.attend_varlen(q, k, v, cu_q.long(), cu_k, 3, 30, None, None, None, False,
-                               (-1, -1), 0.0, 0.0, None, False) is None
+                               (-1, -1), 0.0, 0.0, None) is None
     with pytest.raises(ValueError, match="^flash_attn_varlen_func: cu_seqlens_q has the wrong"):
         attncore.torch.flash_attn_varlen_func(q, k, v, cu_q.long(), cu_k, 3, 30)
     with pytest.raises(TypeError, match="^flash_attn_varlen_func: causal"):
@@ -175,13 +175,16 @@ def test_declined_calls_take_the_general_path():
 
 
 def test_refusals_are_the_general_paths():
-    """A call the library refuses raises the same error on either path; outputs past the memory
-    this process may use are refused (MemoryError) by the general path."""
+    """A call the library refuses raises the same error on either path (a bool key: declined,
+    as the general path names its dtype); outputs past the memory this process may use are
+    refused (MemoryError) by the general path."""
     (q, k, v, cu_q, cu_k), options = _call("numpy", torch.float32)
     bad_cu = cu_q.copy()
     bad_cu[2] = 9  # past total_q
     heads = k[:, :1].repeat(3, 1)  # 3 kv heads for 4 query heads
-    for args in [(q, k, v, bad_cu, cu_k), (q, heads, v[:, :1].repeat(3, 1), cu_q, cu_k)]:
+    for args in [(q, k, v, bad_cu, cu_k), (q, heads, v[:, :1].repeat(3, 1), cu_q, cu_k),
+                 (torch.from_numpy(q), torch.from_numpy(k) > 0, torch.from_numpy(v),
+                  torch.from_numpy(cu_q), torch.from_numpy(cu_k))]:
         with pytest.raises(ValueError) as fast:
             attncore.flash_attn_varlen_func(*args, 3, 30)
         with pytest.raises(ValueError) as general:
@@ -190,3 +193,34 @@ def test_refusals_are_the_general_paths():
     big = np.broadcast_to(np.ones((1, 1, DIM), np.float32), (2 ** 40, HEADS_Q, DIM))
     with pytest.raises(MemoryError):
         attncore.flash_attn_varlen_func(big, k, v, cu_q, cu_k, 3, 30)
+
+
+LSE_PROGRAM = """
+import resource
+limit = 4 << 30  # memory_limit() follows RLIMIT_AS
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+import numpy as np
+import attncore
+rows = int(0.6 * limit / 4)  # out alone 0.6 of the limit; with the LSE the general path makes, 1.2
+q = np.broadcast_to(np.ones((1, 1, 1), np.float32), (rows, 1, 1))
+k = np.ones((1, 1, 1), np.float32)
+cu = np.array([0, 1], np.int32)
+for window in ((-1, -1), [-1, -1]):  # the fast path, then the general one
+    try:
+        attncore.flash_attn_varlen_func(q, k, k, cu, cu, 1, 1, window_size=window)
+        print("made", flush=True)
+    except MemoryError as e:
+        print("MemoryError", str(e).split(" (")[0], flush=True)
+"""
+
+
+def test_outputs_count_the_lse_the_general_path_makes():
+    # The general path makes the LSE of every call: the fast path counts it against the memory
+    # limit too, so that outputs past it are refused alike (the fast path made such an out).
+    import subprocess, sys, os
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    result = subprocess.run([sys.executable, "-c", LSE_PROGRAM], env=env, capture_output=True,
+                            text=True, timeout=120)
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2 and lines[0] == lines[1], (result.stdout, result.stderr)
+    assert lines[0].startswith("MemoryError forward: the outputs exceed"), lines
