@@ -203,7 +203,8 @@ std::int64_t forward_scratch_floats(const FlashLayout& layout, std::int64_t d, s
   return round_up(layout.block_rows * (d + layout.key_tile + dv_pad + 3) +
                       layout.key_tile * (d + dv_pad) + layout.block_rows * layout.key_tile / 2,
                   16) +
-         item_heads * direct_head_floats(layout.tile_rows, layout.key_tile, d, dv_pad);
+         item_heads *
+             direct_head_floats(flash_direct_rows(layout.tile_rows), layout.key_tile, d, dv_pad);
 }
 
 }  // namespace
@@ -339,17 +340,18 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
     float* tiles_base = base + r * (d + layout.key_tile + dv_pad + 3);
     static_assert(sizeof(SoftmaxState) == 2 * sizeof(float), "a row's state takes two floats");
     float* probs16 = tiles_base + layout.key_tile * (d + dv_pad);
-    return FlashScratch{base,
-                        base + r * d,
-                        base + r * (d + layout.key_tile),
-                        reinterpret_cast<SoftmaxState*>(base + r * (d + layout.key_tile + dv_pad)),
-                        base + r * (d + layout.key_tile + dv_pad + 2),
-                        tiles_base,
-                        tiles_base + layout.key_tile * d,
-                        probs16,
-                        base + round_up(probs16 + r * layout.key_tile / 2 - base, 16),
-                        direct_head_floats(layout.tile_rows, layout.key_tile, d, dv_pad),
-                        &launch};
+    return FlashScratch{
+        base,
+        base + r * d,
+        base + r * (d + layout.key_tile),
+        reinterpret_cast<SoftmaxState*>(base + r * (d + layout.key_tile + dv_pad)),
+        base + r * (d + layout.key_tile + dv_pad + 2),
+        tiles_base,
+        tiles_base + layout.key_tile * d,
+        probs16,
+        base + round_up(probs16 + r * layout.key_tile / 2 - base, 16),
+        direct_head_floats(flash_direct_rows(layout.tile_rows), layout.key_tile, d, dv_pad),
+        &launch};
   };
   AlignedFloats scratch(threads * scratch_floats);
 

@@ -47,7 +47,8 @@ struct FlashScratch {
   float* v_tile;          // [key_tile][dv_pad]; also a V tile with keys left out (careful path)
   float* probs16;         // [block_rows][key_tile / 2]: P rounded to bf16 pairs (bf16 dots)
   // Items reading K/V in place (DirectKv): each kv head x of the item has its own q, S, O,
-  // softmax states and alpha for its rows at heads + x * head_floats (direct_head_floats).
+  // softmax states and alpha for its rows at heads + x * head_floats (direct_head_floats: room
+  // for flash_direct_rows rows; an item spaces its heads by its own rows' floats).
   float* heads;
   std::int64_t head_floats;
   // The call's launch, whose cancel flag an item also reads between its key tiles (a decode
@@ -60,13 +61,19 @@ struct FlashScratch {
 // K and V once, not as two items of half its rows that read them twice (flash.cpp gives the
 // measurements).
 constexpr int flash_direct_rows(int tile_rows) { return tile_rows < 8 ? 8 : tile_rows; }
-// The floats of one kv head's scratch of a DirectKv item, 64-byte aligned, for R =
-// flash_direct_rows(tile_rows) rows: q [R][D], S [R][key_tile], O [R][dv_pad], softmax [R] (two
-// floats each), alpha [R].
-inline std::int64_t direct_head_floats(int tile_rows, std::int64_t key_tile, std::int64_t d,
+// Floats between the q, S and O of a DirectKv item's kv head (one cache line), so that a row's
+// q, S and O do not lie a multiple of 4 KiB apart (as 8 rows of D = 128 put them).
+constexpr std::int64_t kDirectSkew = 16;
+// The floats of one kv head's scratch of a DirectKv item of `rows` computed rows, 64-byte
+// aligned: q [rows][D], S [rows][key_tile], O [rows][dv_pad], softmax [rows] (two floats each),
+// alpha [rows], with kDirectSkew floats after q and after S. Sized per item (its rows), not for
+// the most rows an item takes, so that an item of 32 one-row heads (MHA) keeps its heads'
+// scratch in 55 KiB (D = 128) rather than 400. (Sized for 8 rows, MHA bf16 [B, L, Hkv, D] decode,
+// Hkv 32, 16384 keys, 1 thread, read 0.89-1.12x the time of the 6-row scratch before it in
+// rounds of 5-9 calls in turn: this hour's noise, which hid any effect of either form.)
+inline std::int64_t direct_head_floats(std::int64_t rows, std::int64_t key_tile, std::int64_t d,
                                        std::int64_t dv_pad) {
-  const std::int64_t rows = flash_direct_rows(tile_rows);
-  return (rows * (d + key_tile + dv_pad + 3) + 15) / 16 * 16;
+  return (rows * (d + key_tile + dv_pad + 3) + 2 * kDirectSkew + 15) / 16 * 16;
 }
 
 // One work item: `rows` (<= block_rows) consecutive query rows of the heads of one kv group.

@@ -60,16 +60,18 @@ ATTNCORE_TARGET __attribute__((noinline)) std::int64_t leave_out_hidden_keys(
   return count;
 }
 
-// A DirectKv item's scratch for its kv head x (FlashScratch::heads): q, S, O, the softmax
-// states and alpha of its rows; the widened block (k_tile) and the rest are shared.
+// A DirectKv item's scratch for its kv head x (FlashScratch::heads, w.head_floats apart): q, S,
+// O, the softmax states and alpha of its `rows` computed rows (direct_head_floats); the widened
+// block (k_tile) and the rest are shared.
 ATTNCORE_TARGET inline FlashScratch head_scratch(const FlashScratch& w, std::int64_t x,
-                                                 std::int64_t d, std::int64_t dv_pad) {
+                                                 std::int64_t rows, std::int64_t d,
+                                                 std::int64_t dv_pad) {
   FlashScratch h = w;
   h.q = w.heads + x * w.head_floats;
-  h.scores = h.q + kDirectRows * d;
-  h.out = h.scores + kDirectRows * kKeyTile;
-  h.softmax = reinterpret_cast<SoftmaxState*>(h.out + kDirectRows * dv_pad);
-  h.alpha = h.out + kDirectRows * (dv_pad + 2);
+  h.scores = h.q + rows * d + kDirectSkew;
+  h.out = h.scores + rows * kKeyTile + kDirectSkew;
+  h.softmax = reinterpret_cast<SoftmaxState*>(h.out + rows * dv_pad);
+  h.alpha = h.out + rows * (dv_pad + 2);
   return h;
 }
 
@@ -80,7 +82,7 @@ ATTNCORE_TARGET inline FlashScratch head_scratch(const FlashScratch& w, std::int
 // pass does).
 template <class Dot>
 ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const FlashPanel& panel,
-                                    const FlashItem& item, const FlashScratch& w) {
+                                    const FlashItem& item, const FlashScratch& scratch) {
   const std::int64_t d = p.head_dim, dv_pad = panel.dv_pad, lk = p.seq.lk, b = item.b;
   const std::int64_t rows = item.rows;
   const std::int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
@@ -107,9 +109,13 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   const std::int64_t heads = direct ? item.heads : 1;
   // The rows the products compute: whole micro-tiles, or in place the few DirectKv computes.
   const std::int64_t live_rows = direct ? DirectKv::rows_computed(rows) : padded_rows;
+  // In place, each kv head's scratch sized for the rows computed.
+  FlashScratch w = scratch;
+  if (direct) w.head_floats = direct_head_floats(live_rows, kKeyTile, d, dv_pad);
   // Scratch of kv head x (item.kv_head + x), and its rows' heads.
-  auto scratch_of = [&](std::int64_t x)
-                        ATTNCORE_TARGET { return direct ? head_scratch(w, x, d, dv_pad) : w; };
+  auto scratch_of = [&](std::int64_t x) ATTNCORE_TARGET {
+    return direct ? head_scratch(w, x, live_rows, d, dv_pad) : w;
+  };
   auto heads_of = [&](std::int64_t x, std::int64_t* of) ATTNCORE_TARGET {
     for (std::int64_t r = 0; r < rows; ++r) of[r] = head_of[r] + x * p.group;
   };
