@@ -50,6 +50,18 @@ def assert_close(actual, expected, dtype, what=""):
     assert worst <= TOLERANCE[dtype] * scale, f"{what}: max error {worst:.3g} (scale {scale:.3g})"
 
 
+def assert_same_bits(a, b):
+    """a and b (arrays or tensors, or tuples of them) of one type, shape and dtype, bit for bit
+    (bf16 compared as its bits)."""
+    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert type(x) is type(y) and tuple(x.shape) == tuple(y.shape) and x.dtype == y.dtype
+        x, y = torch.as_tensor(x), torch.as_tensor(y)
+        assert torch.equal(x.view(torch.int16) if x.dtype == torch.bfloat16 else x,
+                           y.view(torch.int16) if y.dtype == torch.bfloat16 else y)
+
+
 def next_torch_seed():
     """The dropout seed the next call on torch tensors draws (offset 0): one 64-bit value of
     torch's default CPU generator, read here without consuming it."""

@@ -10,7 +10,7 @@ import attncore
 import attncore.torch
 import reference
 from attncore import _core
-from conftest import assert_close, randn
+from conftest import assert_close, assert_same_bits, randn
 
 BATCH, HEADS_Q, HEADS_KV, DIM, CAPACITY, PAGE = 2, 4, 2, 16, 40, 8
 
@@ -130,16 +130,6 @@ def _oracle(q, k, v, options):
     return torch.stack(outs), torch.stack(lses)
 
 
-def _same_bits(a, b):
-    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert type(x) is type(y) and tuple(x.shape) == tuple(y.shape) and x.dtype == y.dtype
-        x, y = torch.as_tensor(x), torch.as_tensor(y)
-        assert torch.equal(x.view(torch.int8) if x.dtype == torch.bfloat16 else x,
-                           y.view(torch.int8) if y.dtype == torch.bfloat16 else y)
-
-
 @pytest.mark.parametrize("lib", ["numpy", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("case", CASES)
@@ -155,11 +145,11 @@ def test_fast_path_gives_the_general_paths_bits(lib, dtype, case):
         caches = [(k, v)] * 4
     fast = _fast(q, *caches[0], options)
     assert fast is not None, "the fast path declined a plain call"
-    _same_bits(fast, _general(q, *caches[1], options))
-    _same_bits(attncore.flash_attn_with_kvcache(q, *caches[2], **options), fast)
-    _same_bits(attncore.torch.flash_attn_with_kvcache(q, *caches[3], **options), fast)
+    assert_same_bits(fast, _general(q, *caches[1], options))
+    assert_same_bits(attncore.flash_attn_with_kvcache(q, *caches[2], **options), fast)
+    assert_same_bits(attncore.torch.flash_attn_with_kvcache(q, *caches[3], **options), fast)
     for written in caches[1:]:  # the appends wrote the same rows
-        _same_bits(tuple(written), tuple(caches[0]))
+        assert_same_bits(tuple(written), tuple(caches[0]))
     if not (new_rows or paged or options.get("backend")):  # against the float64 oracle
         out, lse = _oracle(q, k, v, options)
         fast = fast if isinstance(fast, tuple) else (fast,)
@@ -173,7 +163,7 @@ def test_fast_path_of_a_bf16_cache(query_dtype):
     (q, k, v), options = _call("torch", query_dtype, cache_dtype=torch.bfloat16)
     fast = _fast(q, k, v, options)
     assert fast is not None and fast.dtype == query_dtype
-    _same_bits(fast, _general(q, k, v, options))
+    assert_same_bits(fast, _general(q, k, v, options))
 
 
 def test_declined_calls_take_the_general_path():
@@ -183,12 +173,12 @@ def test_declined_calls_take_the_general_path():
     # scale of a numpy type: declined, then read by the general path alike.
     strided = torch.stack([options["cache_seqlens"]] * 2, 1)[:, 0]
     assert _fast(q, k, v, dict(options, cache_seqlens=strided)) is None
-    _same_bits(attncore.flash_attn_with_kvcache(q, k, v, **dict(options, cache_seqlens=strided)),
-               plain)
+    assert_same_bits(
+        attncore.flash_attn_with_kvcache(q, k, v, **dict(options, cache_seqlens=strided)), plain)
     numpy_lens = options["cache_seqlens"].numpy()
     assert _fast(q, k, v, dict(options, cache_seqlens=numpy_lens)) is None
-    _same_bits(attncore.flash_attn_with_kvcache(q, k, v, **dict(options,
-                                                                cache_seqlens=numpy_lens)), plain)
+    assert_same_bits(
+        attncore.flash_attn_with_kvcache(q, k, v, **dict(options, cache_seqlens=numpy_lens)), plain)
     assert _fast(q, k, v, dict(options, softmax_scale=np.float64(0.25))) is None
     # Calls the general path refuses: by name, as ever.
     with pytest.raises(TypeError, match="^flash_attn_with_kvcache: causal"):

@@ -1,7 +1,7 @@
-"""The fast path of flash_attn_varlen_func (attncore._core.attend_varlen): the calls it takes give
-the general path's bits and the float64 oracle's values within the dtype's tolerance; the calls it declines
-reach the general path, which handles or refuses them; a call the library refuses raises the
-general path's error."""
+"""The fast path of flash_attn_varlen_func (attncore._core.attend_varlen): the calls it takes
+give the general path's bits and the float64 oracle's values within the dtype's tolerance; the
+calls it declines reach the general path, which handles or refuses them; a call the library
+refuses raises the general path's error."""
 
 import numpy as np
 import pytest
@@ -11,7 +11,7 @@ import attncore
 import attncore.torch
 import reference
 from attncore import _core
-from conftest import assert_close, randn
+from conftest import assert_close, assert_same_bits, randn
 
 HEADS_Q, HEADS_KV, DIM, DIM_V, PAGE = 4, 2, 16, 12, 8
 LENS_Q, LENS_K = [1, 3, 0, 1], [30, 7, 12, 19]
@@ -100,13 +100,6 @@ def _oracle(q, k, v, cu_q, cu_k, options):
     return torch.cat(outs)
 
 
-def _same_bits(a, b):
-    assert type(a) is type(b) and tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
-    x, y = torch.as_tensor(a), torch.as_tensor(b)
-    assert torch.equal(x.view(torch.int16) if x.dtype == torch.bfloat16 else x,
-                       y.view(torch.int16) if y.dtype == torch.bfloat16 else y)
-
-
 @pytest.mark.parametrize("lib", ["numpy", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("case", CASES)
@@ -116,10 +109,10 @@ def test_fast_path_gives_the_general_paths_bits(lib, dtype, case):
     (q, k, v, cu_q, cu_k), options = _call(lib, dtype, paged=paged, **options)
     fast = _fast(q, k, v, cu_q, cu_k, options)
     assert fast is not None, "the fast path declined a plain call"
-    _same_bits(fast, _general(q, k, v, cu_q, cu_k, options))
+    assert_same_bits(fast, _general(q, k, v, cu_q, cu_k, options))
     for module in (attncore, attncore.torch):
-        _same_bits(module.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K),
-                                                 **options), fast)
+        assert_same_bits(module.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(LENS_Q),
+                                                       max(LENS_K), **options), fast)
     if not paged:
         assert_close(fast, _oracle(q, k, v, cu_q, cu_k, options), dtype, case)
 
@@ -128,7 +121,7 @@ def test_fast_path_of_bf16():
     (q, k, v, cu_q, cu_k), options = _call("torch", torch.bfloat16, causal=True)
     fast = _fast(q, k, v, cu_q, cu_k, options)
     assert fast is not None and fast.dtype == torch.bfloat16
-    _same_bits(fast, _general(q, k, v, cu_q, cu_k, options))
+    assert_same_bits(fast, _general(q, k, v, cu_q, cu_k, options))
 
 
 def test_declined_calls_take_the_general_path():
@@ -143,8 +136,8 @@ def test_declined_calls_take_the_general_path():
 
     # numpy cu_seqlens with torch arrays: taken (the library only reads them).
     out, verdict = through_both(q, k, v, cu_q.numpy(), cu_k.numpy())
-    _same_bits(verdict, plain)
-    _same_bits(out, plain)
+    assert_same_bits(verdict, plain)
+    assert_same_bits(out, plain)
     # cu_seqlens with a stride the library does not read, a scale of a numpy type: declined,
     # then read by the general path alike.
     for args, kwargs in [((q, k, v, torch.stack([cu_q] * 2, 1)[:, 0], cu_k), {}),
@@ -153,14 +146,14 @@ def test_declined_calls_take_the_general_path():
         assert verdict is None
         expected = plain if "softmax_scale" not in kwargs else _general(
             q, k, v, cu_q, cu_k, {"softmax_scale": 0.25})
-        _same_bits(out, expected)
+        assert_same_bits(out, expected)
     # A torch input that requires grad (the autograd record), dropout: the general path.
     qg = q.clone().requires_grad_()
     assert _core.attend_varlen(qg, k, v, cu_q, cu_k, 3, 30, None, None, None, False, (-1, -1),
                                0.0, 0.0, None) is None
     out = attncore.torch.flash_attn_varlen_func(qg, k, v, cu_q, cu_k, 3, 30)
     assert out.requires_grad
-    _same_bits(out.detach(), plain)
+    assert_same_bits(out.detach(), plain)
     assert _core.attend_varlen(q, k, v, cu_q, cu_k, 3, 30, None, None, None, False, (-1, -1),
                                0.0, 0.1, None) is None
     # Calls the general path refuses: by name, as ever (int64 cu_seqlens: declined first).

@@ -109,6 +109,14 @@ std::vector<double> rounded(std::vector<double> x, DType dtype) {
   return x;
 }
 
+TensorView index_of_dim(const TensorView& view, int dim, std::int64_t i) {
+  TensorView s = view;
+  s.data = static_cast<char*>(view.data) +
+           i * view.stride_of(dim) * static_cast<std::int64_t>(size_of(view.dtype));
+  s.shape[static_cast<std::size_t>(dim)] = 1;
+  return s;
+}
+
 std::vector<double> read_view(const TensorView& view) {
   std::int64_t n = 1;
   for (int d = 0; d < view.rank; ++d) n *= view.size(d);

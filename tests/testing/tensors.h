@@ -26,6 +26,9 @@ std::vector<double> rounded(std::vector<double> x, DType dtype);
 std::vector<double> read_view(const TensorView& view);
 // Writes `values` (row-major over view.shape) into the view's elements, converting to its dtype.
 void write_view(const TensorView& view, const std::vector<double>& values);
+// Index i of dim `dim` of `view`, kept as a dim of size 1 (batch row b of [B, H, L, D] as
+// [1, H, L, D]).
+TensorView index_of_dim(const TensorView& view, int dim, std::int64_t i);
 
 // A contiguous tensor of `shape` holding `values` converted to `dtype`.
 Tensor make_tensor(DType dtype, const std::vector<std::int64_t>& shape,
