@@ -62,6 +62,25 @@ def assert_same_bits(a, b):
                            y.view(torch.int16) if y.dtype == torch.bfloat16 else y)
 
 
+# The options of a flash-attn call that its fast-path tests run on every path.
+FLASH_OPTION_CASES = {
+    "plain": {},
+    "causal": {"causal": True},
+    "scale": {"softmax_scale": 0.3},
+    "window": {"window_size": (5, 0), "causal": True},
+    "softcap": {"softcap": 2.0},
+}
+
+
+def in_library(lib, arrays, options):
+    """(arrays, options) as numpy arrays where lib is "numpy" (torch tensors among the options
+    too), else as they are."""
+    if lib != "numpy":
+        return arrays, options
+    return ([x.numpy() for x in arrays],
+            {n: x.numpy() if isinstance(x, torch.Tensor) else x for n, x in options.items()})
+
+
 def next_torch_seed():
     """The dropout seed the next call on torch tensors draws (offset 0): one 64-bit value of
     torch's default CPU generator, read here without consuming it."""

@@ -10,7 +10,7 @@ import attncore
 import attncore.torch
 import reference
 from attncore import _core
-from conftest import assert_close, assert_same_bits, randn
+from conftest import FLASH_OPTION_CASES, assert_close, assert_same_bits, in_library, randn
 
 BATCH, HEADS_Q, HEADS_KV, DIM, CAPACITY, PAGE = 2, 4, 2, 16, 40, 8
 
@@ -33,20 +33,11 @@ def _call(lib, dtype, cache_dtype=None, seqlen_q=1, paged=False, **options):
     for name in ("cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table"):
         if isinstance(options.get(name), list):
             options[name] = torch.tensor(options[name], dtype=torch.int32)
-    arrays = [q, k, v]
-    if lib == "numpy":
-        arrays = [x.numpy() for x in arrays]
-        options = {n: x.numpy() if isinstance(x, torch.Tensor) else x
-                   for n, x in options.items()}
-    return arrays, options
+    return in_library(lib, [q, k, v], options)
 
 
 CASES = {
-    "plain": {},
-    "causal": {"causal": True},
-    "scale": {"softmax_scale": 0.3},
-    "window": {"window_size": (5, 0), "causal": True},
-    "softcap": {"softcap": 2.0},
+    **FLASH_OPTION_CASES,
     "int-seqlens": {"cache_seqlens": 33},
     "leftpad": {"cache_leftpad": [3, 0]},
     "batch-idx": {"cache_batch_idx": [1, 0]},

@@ -11,7 +11,7 @@ import attncore
 import attncore.torch
 import reference
 from attncore import _core
-from conftest import assert_close, assert_same_bits, randn
+from conftest import FLASH_OPTION_CASES, assert_close, assert_same_bits, in_library, randn
 
 HEADS_Q, HEADS_KV, DIM, DIM_V, PAGE = 4, 2, 16, 12, 8
 LENS_Q, LENS_K = [1, 3, 0, 1], [30, 7, 12, 19]
@@ -45,18 +45,11 @@ def _call(lib, dtype, paged=False, **options):
     arrays = [q, k, v, cu_q, cu_k]
     if "seqused_k" in options:
         options["seqused_k"] = torch.tensor(options["seqused_k"], dtype=torch.int32)
-    if lib == "numpy":
-        arrays = [x.numpy() for x in arrays]
-        options = {n: x.numpy() if isinstance(x, torch.Tensor) else x for n, x in options.items()}
-    return arrays, options
+    return in_library(lib, arrays, options)
 
 
 CASES = {
-    "plain": {},
-    "causal": {"causal": True},
-    "scale": {"softmax_scale": 0.3},
-    "window": {"window_size": (5, 0), "causal": True},
-    "softcap": {"softcap": 2.0},
+    **FLASH_OPTION_CASES,
     "seqused-k": {"seqused_k": [20, 7, 0, 19]},
     "paged": {"paged": True},
     "paged-causal": {"paged": True, "causal": True},
