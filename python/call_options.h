@@ -122,7 +122,7 @@ inline std::optional<attncore::Backend> plain_backend(py::handle x) {
 // The options of a flash-attn call on its fast path (attend_varlen, attend_kvcache) into
 // `options`: softmax_scale None or a finite number > 0, causal a bool (lower-right), window_size
 // a tuple of two ints from -1 on, softcap a number (<= 0: off), backend None or a name (into
-// `backend`). false for anything else: the general path reads it, or names what is wrong.
+// `chosen`). false for anything else: the general path reads it, or names what is wrong.
 inline bool plain_flash_options(py::handle softmax_scale, py::handle causal, py::handle window_size,
                                 py::handle softcap, py::handle backend, attncore::Options& options,
                                 attncore::Backend& chosen) {
