@@ -58,6 +58,7 @@ using attncore_python::run_call;
 using attncore_python::unit_last_stride;
 using attncore_python::varlen_work;
 using attncore_python::view_of;
+using attncore_python::weighed_work;
 
 // q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv]; writes out [B, Hq, Lq, Dv] and, when
 // given, lse [B, Hq, Lq]. mask: rank 2 or 4; alibi_slopes: [Hq] or [B, Hq].
@@ -72,7 +73,9 @@ void forward(py::handle q, py::handle k, py::handle v, py::handle out, py::handl
   const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
   const attncore::Options options = call.options(op, bmask, balibi, false);
   const attncore::Backend backend = backend_from_name(op, call.backend);
-  run_call(options, call_work(bq.view(), bk.view(), bv.view()), [&](const attncore::Options& o) {
+  const double work =
+      weighed_work(call_work(bq.view(), bk.view(), bv.view()), backend, bq.view().dtype);
+  run_call(options, work, [&](const attncore::Options& o) {
     attncore::forward_into(bq.view(), bk.view(), bv.view(), bout.view(), view_of(blse), o, backend);
   });
 }
@@ -179,7 +182,8 @@ py::object attend(py::handle q, py::handle k, py::handle v, py::handle mask, boo
   if (want_lse) lse = attncore_python::new_array(kind, {batch, heads_q, seqlen_q}, lse_dtype);
   const Borrowed bout(out, op, "out", true);
   const auto blse = borrow_optional(lse, op, "lse", true);
-  run_call(options, call_work(bhld(cq), bhld(ck), bhld(cv)), [&](const attncore::Options& o) {
+  const double work = weighed_work(call_work(bhld(cq), bhld(ck), bhld(cv)), chosen, dtype);
+  run_call(options, work, [&](const attncore::Options& o) {
     attncore::forward_into(bhld(cq), bhld(ck), bhld(cv), bhld(bout.view()), view_of(blse), o,
                            chosen);
   });
@@ -202,7 +206,9 @@ void backward(py::handle dout, py::handle q, py::handle k, py::handle v, py::han
   const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
   const attncore::Options options = call.options(op, bmask, balibi, bdbias.has_value());
   const attncore::Backend backend = backend_from_name(op, call.backend);
-  run_call(options, call_work(bq.view(), bk.view(), bv.view()), [&](const attncore::Options& o) {
+  const double work =
+      weighed_work(call_work(bq.view(), bk.view(), bv.view()), backend, bq.view().dtype);
+  run_call(options, work, [&](const attncore::Options& o) {
     attncore::backward_into(bdout.view(), bq.view(), bk.view(), bv.view(), bout.view(), blse.view(),
                             bdq.view(), bdk.view(), bdv.view(), view_of(bdbias), o, backend);
   });
@@ -250,11 +256,12 @@ void forward_varlen(py::handle q, py::handle k, py::handle v, py::handle cu_seql
   const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
   const attncore::Options options = call.options(op, bmask, balibi, false);
   const attncore::Backend backend = backend_from_name(op, call.backend);
-  run_call(options, varlen_work(bq.view(), bk.view(), bv.view(), seqs.seqs()),
-           [&](const attncore::Options& o) {
-             attncore::forward_varlen_into(bq.view(), bk.view(), bv.view(), seqs.seqs(),
-                                           bout.view(), view_of(blse), o, backend);
-           });
+  const double work = weighed_work(varlen_work(bq.view(), bk.view(), bv.view(), seqs.seqs()),
+                                   backend, bq.view().dtype);
+  run_call(options, work, [&](const attncore::Options& o) {
+    attncore::forward_varlen_into(bq.view(), bk.view(), bv.view(), seqs.seqs(), bout.view(),
+                                  view_of(blse), o, backend);
+  });
 }
 
 // The fast path of flash_attn_varlen_func: one call on the caller's own arrays, q [total_q,
@@ -327,7 +334,8 @@ py::object attend_varlen(py::handle q, py::handle k, py::handle v, py::handle cu
   const py::object out =
       new_array(kind, {total_q, heads_q, dim_v}, cq.dtype, {cq.stride_of(0), cq.stride_of(1), 1});
   const Borrowed bout(out, op, "out", true);
-  run_call(options, varlen_work(cq, ck, cv, seqs), [&](const attncore::Options& o) {
+  const double work = weighed_work(varlen_work(cq, ck, cv, seqs), chosen, cq.dtype);
+  run_call(options, work, [&](const attncore::Options& o) {
     attncore::forward_varlen_into(cq, ck, cv, seqs, bout.view(), std::nullopt, o, chosen);
   });
   return out;
@@ -350,7 +358,9 @@ void backward_varlen(py::handle dout, py::handle q, py::handle k, py::handle v, 
   const auto balibi = borrow_optional(alibi_slopes, op, "alibi_slopes", false);
   const attncore::Options options = call.options(op, bmask, balibi, false);
   const attncore::Backend backend = backend_from_name(op, call.backend);
-  run_call(options, varlen_work(bq.view(), bk.view(), bv.view(), seqs.seqs()),
+  const double work = weighed_work(varlen_work(bq.view(), bk.view(), bv.view(), seqs.seqs()),
+                                   backend, bq.view().dtype);
+  run_call(options, work,
            [&](const attncore::Options& o) {
              attncore::backward_varlen_into(bdout.view(), bq.view(), bk.view(), bv.view(),
                                             bout.view(), blse.view(), seqs.seqs(), bdq.view(),

@@ -95,11 +95,15 @@ class Runner {
 unsigned long main_thread_id = 0;  // Python's ident of the main thread (set_main_thread)
 bool runner_busy = false;          // main thread only: a signal handler's own call runs in place
 
-// Calls of at most this much work (call_work) run in place on the main thread too: handing a
-// call to the runner and back costs ~50 us (measured: a q [1, 1, 1, 64], k/v [1, 1, 16, 64]
-// call took 50 us through the runner against 3.6 us in place), and at the slowest backend's
-// 1.7 GFLOP/s (reference, fp64 loops) such a call ends within ~5 ms, well under kSignalPoll.
-constexpr double kInPlaceWork = 1 << 22;
+// Calls of at most this much work (weighed_work) run in place on the main thread too: handing a
+// call to the runner and back costs 50 us and more (a q [1, 1, 1, 64], k/v [1, 1, 16, 64] call
+// took 50 us through the runner against 3.6 us in place; on Zen 3, a decode step of Hq 32, Hkv
+// 8, D 128, bf16, 1 thread, over 1024 keys took 478-490 us at best and 541-742 at the median
+// through it, against 380-384 and 424-490 in place, two runs of 300 calls; over 4096 keys
+// 1674-1763 / 1819-2509 against 1577 / 1783-1848). At the fused backends' slowest, decode read
+// from memory at ~13 GB/s (4 bytes of K and V per unit of work), such a call ends within ~10
+// ms; the reference backend's and f64 work, weighed 8x, within ~20 ms at its 1.7 GFLOP/s.
+constexpr double kInPlaceWork = 1 << 25;
 
 }  // namespace
 
@@ -156,6 +160,11 @@ double varlen_work(const attncore::TensorView& q, const attncore::TensorView& k,
   }
   return pairs * static_cast<double>(q.size(1)) *
          static_cast<double>(q.size(2) + v.size(v.rank - 1));
+}
+
+double weighed_work(double work, attncore::Backend backend, attncore::DType dtype) {
+  const bool slowest = backend == attncore::Backend::reference || dtype == attncore::DType::f64;
+  return slowest ? 8.0 * work : work;
 }
 
 void run_call(attncore::Options options, double work,

@@ -38,6 +38,11 @@ void set_main_thread(unsigned long ident);
 double call_work(const attncore::TensorView& q, const attncore::TensorView& k,
                  const attncore::TensorView& v);
 double call_work(const attncore::TensorView& q, double keys, const attncore::TensorView& v);
+// What run_call weighs a call's work as: `work` (call_work, varlen_work) itself for the fused
+// backends (flash, math, or automatic over f32 and 16-bit values), 8x for the reference backend
+// or f64 values (fp64 loops, the slowest), so that a call run in place ends soon (calls.cpp:
+// kInPlaceWork).
+double weighed_work(double work, attncore::Backend backend, attncore::DType dtype);
 // A variable-length call's work: each sequence's query rows against its keys (seqused_k[b],
 // else its cu_seqlens_k gap), times Hq and D + Dv. Index arrays the library will refuse (not
 // int32 [B + 1] and [B]), or more than 2^16 sequences (not read through), count every query

@@ -102,13 +102,14 @@ void run_kvcache(const TensorView& q, const TensorView& k, const TensorView& v,
                  const TensorView& out, const std::optional<TensorView>& lse,
                  const attncore::Options& options, attncore::Backend backend) {
   const double keys = attended_keys(q, k, seqs, append);
-  run_call(options, call_work(q, keys, v), [&](const attncore::Options& o) {
-    if (append) {
-      attncore::forward_kvcache_into(q, k, v, seqs, *append, out, lse, o, backend);
-    } else {
-      attncore::forward_kvcache_into(q, k, v, seqs, out, lse, o, backend);
-    }
-  });
+  run_call(options, weighed_work(call_work(q, keys, v), backend, q.dtype),
+           [&](const attncore::Options& o) {
+             if (append) {
+               attncore::forward_kvcache_into(q, k, v, seqs, *append, out, lse, o, backend);
+             } else {
+               attncore::forward_kvcache_into(q, k, v, seqs, out, lse, o, backend);
+             }
+           });
 }
 void explain_kvcache(const TensorView& q, const TensorView& k, const TensorView& v,
                      const attncore::KvCacheSeqs& seqs,
@@ -311,15 +312,17 @@ void merge_states(py::handle out_a, py::handle lse_a, py::handle out_b, py::hand
   const Borrowed bob(out_b, op, "out_b", false), blb(lse_b, op, "lse_b", false);
   const Borrowed bout(out, op, "out", true), blse(lse, op, "lse", true);
   // Work for run_call (Ctrl-C on the main thread): a merged element costs about what 8
-  // multiply-adds of attention do (2^22 rows of Dv = 128 took ~3 s on one thread).
+  // multiply-adds of the reference backend do (2^22 rows of Dv = 128 took ~3 s on one thread).
   double elements = 1.0;
   for (int d = 0; d < boa.view().rank; ++d) elements *= static_cast<double>(boa.view().size(d));
   attncore::Options options;
   options.num_threads = num_threads;
-  run_call(options, 8.0 * elements, [&](const attncore::Options& o) {
-    attncore::merge_attention_states_into(boa.view(), bla.view(), bob.view(), blb.view(),
-                                          bout.view(), blse.view(), o.num_threads, o.cancel);
-  });
+  run_call(options, weighed_work(8.0 * elements, attncore::Backend::reference, DType::f32),
+           [&](const attncore::Options& o) {
+             attncore::merge_attention_states_into(boa.view(), bla.view(), bob.view(), blb.view(),
+                                                   bout.view(), blse.view(), o.num_threads,
+                                                   o.cancel);
+           });
 }
 
 // A PagedKvCache's array as a numpy array over the cache's own memory, which the array keeps

@@ -224,9 +224,14 @@ attncore.flash_attn_with_kvcache(q, k, v, k=new, v=new, cache_seqlens=1)
 # A varlen decode step: 4 sequences of 200 keys (each row against its own sequence's keys).
 packed, cu_q = k[0, :800], np.arange(5, dtype=np.int32)
 attncore.flash_attn_varlen_func(q[0].repeat(4, 0), packed, packed, cu_q, cu_q * 200, 1, 200)
+# 4096 keys: 2^24 multiply-adds (32 rows x 4096 keys x 128), which flash ends in a few ms.
+attncore.flash_attn_with_kvcache(q, k, v, cache_seqlens=4096)
 few = threads()
-attncore.flash_attn_with_kvcache(q, k, v, cache_seqlens=16384)  # all of them
-print(before, few, threads(), flush=True)
+# 2048 keys on the reference backend (fp64 loops, weighed 8x): long enough for the runner.
+attncore.flash_attn_with_kvcache(q, k, v, cache_seqlens=2048, backend="reference")
+reference = threads()
+attncore.flash_attn_with_kvcache(q, k, v, cache_seqlens=16384)  # all of them: the runner too
+print(before, few, reference, threads(), flush=True)
 """
 
 
@@ -234,11 +239,13 @@ def test_calls_over_a_few_keys_of_a_large_cache_run_in_place():
     # A call's work counts the keys it attends (cache_seqlens, and the rows it appends), not
     # the cache's capacity, and a varlen call's each sequence's rows against its own keys, not
     # all the packed keys: decode steps over a mostly empty cache run on the main thread, where
-    # handing each to the runner thread (made at the first call that needs it) cost ~110 us a
-    # call. The call over every slot is long enough for the runner.
+    # handing each to the runner thread (made at the first call that needs it) cost 100 us and
+    # more a call; so do calls of up to 2^25 multiply-adds on the fused backends. The reference
+    # backend's work weighs 8x, and the call over every slot is long enough for the runner.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     result = subprocess.run([sys.executable, "-c", RUNNER_PROGRAM], env=env, capture_output=True,
                             text=True, timeout=120)
-    before, few, after = (int(n) for n in result.stdout.split())
+    before, few, reference, after = (int(n) for n in result.stdout.split())
     assert few == before, (before, few, result.stderr)
-    assert after == before + 1, (before, after, result.stderr)
+    assert reference == before + 1 and after == reference, (before, reference, after,
+                                                            result.stderr)
