@@ -505,6 +505,19 @@ TEST(KvCache, AppendRefusesTheBackendBeforeCopyingTheQuery) {
               forward_kvcache(q, cache, v_cache, s, a, {}, Backend::math);
             }).find("the query rotated for the append, a copy,"),
             std::string::npos);
+  // The into form checks its outputs first: an out the call cannot write is InvalidArgument
+  // on every backend, flash too (which refused such a call as Unsupported for f64: the fuzzer).
+  const TensorView q1 = TensorView::strided(&cell, DType::f64, {1, 1, 1, 64}, {0, 0, 0, 1});
+  const Tensor wide(DType::f64, {1, 1, 1, 128});
+  const TensorView out =
+      TensorView::strided(wide.data(), DType::f64, {1, 1, 1, 64}, {128, 128, 128, 2});
+  for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
+    EXPECT_EQ(invalid_argument_message([&] {
+                forward_kvcache_into(q1, cache, v_cache, s, a, out, std::nullopt, {}, backend);
+              }).rfind("forward: out has a non-unit last stride", 0),
+              0u)
+        << name_of(backend);
+  }
 }
 
 // The append's into form: the allocating form's cache, out and lse, bitwise (with rotary, over

@@ -307,12 +307,19 @@ struct Appending {
   KvCacheSeqs after;
 };
 
+// With `out` (forward_kvcache_into), the outputs are checked here too: a named backend that
+// cannot run the call is asked before the rotated query's copy (attend_after_append), after
+// every check of the arguments (out's last stride was refused as Unsupported by flash for f64,
+// InvalidArgument by the reference backend: found by the fuzzer).
 Appending validate(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
                    const KvCacheSeqs& seqs, const KvAppend& append, const Options& options,
-                   Backend backend) {
+                   Backend backend, const TensorView* out = nullptr,
+                   const std::optional<TensorView>& lse = std::nullopt) {
   const Checker check("forward");
-  const detail::ForwardArgs args{q, k_cache, v_cache, {}, {}};
-  Appending a{detail::validate_kvcache_forward(args, seqs, options, backend, false), {}, {}, seqs};
+  const detail::ForwardArgs args{q, k_cache, v_cache, out != nullptr ? *out : TensorView{},
+                                 lse.value_or(TensorView{})};
+  Appending a{
+      detail::validate_kvcache_forward(args, seqs, options, backend, out != nullptr), {}, {}, seqs};
   const std::vector<std::int32_t> lengths =
       validate_append(check, a.p, q, k_cache, v_cache, seqs, append, options, &a.rotary);
   a.lengths = Tensor(DType::i32, {a.p.batch});
@@ -376,7 +383,7 @@ void forward_kvcache_into(const TensorView& q, const TensorView& k_cache, const 
                           const KvCacheSeqs& seqs, const KvAppend& append, const TensorView& out,
                           const std::optional<TensorView>& lse, const Options& options,
                           Backend backend) {
-  const Appending a = validate(q, k_cache, v_cache, seqs, append, options, backend);
+  const Appending a = validate(q, k_cache, v_cache, seqs, append, options, backend, &out, lse);
   attend_after_append(
       a, q, k_cache, v_cache, append, options, backend,
       [&](const TensorView& query, const std::function<void()>& write) {
