@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "attncore/attncore.h"
+#include "core/params.h"
 #include "cpu/flash.h"
 #include "testing/problem.h"
 #include "testing/random.h"
@@ -66,6 +67,21 @@ TEST(DecodeGroups, EachHeadHasItsBitsAloneInEveryGroupSize) {
           check_group(dtype, group, 300, heads_in_rows);
         }
       }
+    }
+  }
+}
+
+// How many in-place items a kv group's rows make: one up to 8 rows on 6-row tiles (AVX2, generic)
+// as on 8-row ones (AVX-512), two up to 16, none past (its tiles are packed).
+TEST(DecodeGroups, OneItemUpToEightRowsTwoUpToSixteen) {
+  detail::Params p;
+  p.seq.lq = 1;
+  for (int tile_rows : {6, 8}) {
+    for (std::int64_t group : {1, 4, 6, 7, 8, 9, 12, 16, 17, 64}) {
+      p.group = group;
+      const std::int64_t items = group <= 8 ? 1 : group <= 16 ? 2 : 0;
+      EXPECT_EQ(detail::flash_in_place_items(p, tile_rows), items)
+          << "group " << group << ", tile rows " << tile_rows;
     }
   }
 }
