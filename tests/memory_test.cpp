@@ -273,6 +273,36 @@ TEST(Memory, AddressSpaceLimitIsTheLimit) {
       << message;
 }
 
+// Requests under kUncheckedAddressSpace are held to physical memory and the cgroup limit only
+// (no getrlimit), larger ones to RLIMIT_AS as well; and under a limit lower than what the
+// process holds, a small call's allocations fail as OutOfMemory, not a crash.
+TEST(Memory, SmallRequestsSkipTheAddressSpaceLimit) {
+  const std::int64_t limit = address_limit(std::int64_t{64} << 20);
+  if (limit == 0) GTEST_SKIP() << "RLIMIT_AS cannot be lowered here";
+  std::string below, above;
+  error_under(limit, [&] {
+    below = detail::exceeded_memory_limit(detail::kUncheckedAddressSpace - 1) ? "refused" : "";
+    const auto exceeded = detail::exceeded_memory_limit(static_cast<double>(limit) + 1);
+    above = exceeded ? exceeded->name : "";
+  });
+  EXPECT_EQ(below, "");
+  EXPECT_EQ(above, "RLIMIT_AS");
+  // Nothing left to map: whichever allocation finds no room (the outputs', the workspace's)
+  // raises OutOfMemory.
+  const Tensor q(DType::f32, {1, 2, 256, 64});
+  bool out_of_memory = false;
+  const std::string message = error_under(vm_size_bytes() / 2, [&] {
+    Options o;
+    o.num_threads = 1;
+    try {
+      (void)forward(q, q, q, o, Backend::flash);
+    } catch (const OutOfMemory&) {
+      out_of_memory = true;
+    }
+  });
+  EXPECT_TRUE(out_of_memory) << message;
+}
+
 // A backward with a bias gradient counts the f64 sums every backend keeps for it (8 bytes per
 // element of the mask's shape) with the backend's workspace: under RLIMIT_AS 1 GiB above what
 // the process holds, a mask whose sums pass that limit (its dbias, given, half as large, mapped

@@ -36,7 +36,8 @@ ATTNCORE_API int default_num_threads();
 // its cgroup (v2 memory.max, v1 memory.limit_in_bytes, over the cgroup and its ancestors) and
 // RLIMIT_AS, with the name of the one that is smallest ("physical memory", "the cgroup limit",
 // "RLIMIT_AS"). The first two are read once per process; RLIMIT_AS at every call. A call whose
-// outputs and workspace exceed it is refused with OutOfMemory before anything is allocated.
+// outputs and workspace exceed it is refused with OutOfMemory before anything is allocated
+// (RLIMIT_AS is consulted for calls of 1 MiB or more: the library's code alone maps more).
 struct MemoryLimit {
   double bytes;
   const char* name;

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <functional>
 #include <new>
+#include <optional>
 #include <string>
 
 #include "attncore/attncore.h"
@@ -51,8 +52,10 @@ void check_memory(const char* op, const detail::BackendEntry& backend, Pass pass
       no_work ? 0
               : backend.workspace_bytes(pass, p, launch) +
                     (pass == Pass::backward ? detail::DbiasAccumulator::bytes(p) : 0);
-  const MemoryLimit limit = memory_limit();
-  if (workspace + output_bytes <= limit.bytes) return;
+  const std::optional<MemoryLimit> exceeded =
+      detail::exceeded_memory_limit(workspace + output_bytes);
+  if (!exceeded) return;
+  const MemoryLimit limit = *exceeded;
   const std::string name(name_of(backend.id));
   char text[200];
   if (output_bytes == 0) {

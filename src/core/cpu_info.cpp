@@ -14,6 +14,7 @@
 #include <cstring>
 #include <fstream>
 #include <latch>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <system_error>
@@ -455,25 +456,42 @@ double cgroup_memory_limit_bytes(const std::string& proc_self_cgroup, const std:
 
 }  // namespace detail
 
-void detail::refuse_past_memory_limit(double bytes, const std::string& what, const char* remedy) {
+namespace {
+
+// The physical memory and the cgroup limit, the smaller with its name: read once per process.
+MemoryLimit fixed_memory_limit() {
+  static const MemoryLimit limit = [] {
+    const double physical = detail::physical_memory_bytes();
+    std::ifstream file("/proc/self/cgroup");
+    std::stringstream text;
+    text << file.rdbuf();
+    const double cgroup = detail::cgroup_memory_limit_bytes(text.str(), "/sys/fs/cgroup");
+    return cgroup < physical ? MemoryLimit{cgroup, "the cgroup limit"}
+                             : MemoryLimit{physical, "physical memory"};
+  }();
+  return limit;
+}
+
+}  // namespace
+
+std::optional<MemoryLimit> detail::exceeded_memory_limit(double bytes) {
+  if (bytes < kUncheckedAddressSpace && bytes <= fixed_memory_limit().bytes) return std::nullopt;
   const MemoryLimit limit = memory_limit();
-  if (bytes <= limit.bytes) return;
+  if (bytes <= limit.bytes) return std::nullopt;
+  return limit;
+}
+
+void detail::refuse_past_memory_limit(double bytes, const std::string& what, const char* remedy) {
+  const std::optional<MemoryLimit> limit = exceeded_memory_limit(bytes);
+  if (!limit) return;
   char text[160];
-  std::snprintf(text, sizeof text, "(bytes=%.4g, expected <= %.4g bytes, %s)", bytes, limit.bytes,
-                limit.name);
+  std::snprintf(text, sizeof text, "(bytes=%.4g, expected <= %.4g bytes, %s)", bytes, limit->bytes,
+                limit->name);
   throw OutOfMemory(what + " exceeds the memory this process may use " + text + "; " + remedy);
 }
 
 MemoryLimit memory_limit() {
-  static const double physical = detail::physical_memory_bytes();
-  static const double cgroup = [] {
-    std::ifstream file("/proc/self/cgroup");
-    std::stringstream text;
-    text << file.rdbuf();
-    return detail::cgroup_memory_limit_bytes(text.str(), "/sys/fs/cgroup");
-  }();
-  MemoryLimit limit{physical, "physical memory"};
-  if (cgroup < limit.bytes) limit = {cgroup, "the cgroup limit"};
+  MemoryLimit limit = fixed_memory_limit();
 #if defined(__unix__)
   rlimit as{};
   if (getrlimit(RLIMIT_AS, &as) == 0 && as.rlim_cur != RLIM_INFINITY &&

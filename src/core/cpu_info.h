@@ -1,6 +1,7 @@
 // Measurements of the machine shared inside the library (the public ones are in attncore/info.h).
 #pragma once
 
+#include <optional>
 #include <string>
 
 #include "attncore/info.h"  // memory_limit
@@ -30,6 +31,17 @@ double physical_memory_bytes();
 // `proc_self_cgroup`, with the cgroup file systems mounted under `root` (/sys/fs/cgroup: v2 at
 // root or root/unified, v1's memory controller at root/memory); infinity when none is set.
 double cgroup_memory_limit_bytes(const std::string& proc_self_cgroup, const std::string& root);
+
+// Below this many bytes a request is held to the physical memory and the cgroup limit only,
+// not to RLIMIT_AS, whose system call memory_limit() makes at every call: four per decode call
+// (its two outputs, its workspace, its append), 0.5 us each on the Zen 3 of docs/decode.md
+// (a getrlimit loop), a quarter of a decode over 16 keys. A process running this library's code
+// already holds more address space than this (the code alone maps 1.4 MB), so under a lower
+// RLIMIT_AS the allocation itself fails, with OutOfMemory all the same.
+inline constexpr double kUncheckedAddressSpace = 1 << 20;
+
+// The limit `bytes` exceed (memory_limit, attncore/info.h), or nothing where they fit.
+std::optional<MemoryLimit> exceeded_memory_limit(double bytes);
 
 // Refuses, before the allocator sees it, memory of `bytes` past what this process may use
 // (memory_limit, attncore/info.h): throws OutOfMemory "<what> exceeds the memory this process

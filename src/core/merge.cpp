@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <new>
+#include <optional>
 #include <string>
 
 #include "attncore/error.h"
@@ -194,11 +195,10 @@ MergeResult merge_attention_states(const TensorView& out_a, const TensorView& ls
       static_cast<double>(rows) *
       (static_cast<double>(out_a.size(out_a.rank - 1)) * static_cast<double>(size_of(out_a.dtype)) +
        static_cast<double>(size_of(lse_dtype)));
-  const MemoryLimit limit = memory_limit();
-  if (bytes > limit.bytes) {
+  if (const auto limit = detail::exceeded_memory_limit(bytes)) {
     char text[160];
     std::snprintf(text, sizeof text, "(outputs=%.4g bytes, expected <= %.4g bytes, %s)", bytes,
-                  limit.bytes, limit.name);
+                  limit->bytes, limit->name);
     throw OutOfMemory(std::string("merge_attention_states: the outputs exceed the memory this "
                                   "process may use ") +
                       text + "; use merge_attention_states_into");

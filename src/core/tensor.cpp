@@ -7,6 +7,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -14,6 +15,7 @@
 #include "attncore/error.h"
 #include "attncore/info.h"
 #include "attncore/options.h"
+#include "core/cpu_info.h"
 #include "core/large_memory.h"
 
 namespace attncore {
@@ -158,10 +160,10 @@ Tensor::Tensor(DType dtype, const std::int64_t* shape, int rank) {
   // 64-byte aligned and rounded up to a whole cache line, as aligned_alloc requires.
   const std::size_t bytes = (static_cast<std::size_t>(n) * size_of(dtype) + 63) & ~std::size_t{63};
   // Refused before the allocator sees it, as the calls' memory checks refuse theirs.
-  if (const MemoryLimit limit = memory_limit(); static_cast<double>(bytes) > limit.bytes) {
+  if (const auto limit = detail::exceeded_memory_limit(static_cast<double>(bytes))) {
     char text[160];
     std::snprintf(text, sizeof text, "(bytes=%.4g, expected <= %.4g bytes, %s)",
-                  static_cast<double>(bytes), limit.bytes, limit.name);
+                  static_cast<double>(bytes), limit->bytes, limit->name);
     throw OutOfMemory("Tensor: shape " + view_.shape_string() +
                       " needs more memory than this process may use " + text);
   }
