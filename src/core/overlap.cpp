@@ -2,8 +2,8 @@
 #include "core/overlap.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
-#include <vector>
 
 namespace attncore::detail {
 
@@ -20,21 +20,24 @@ struct Term {
 Wide floor_div(Wide n, Wide d) { return n >= 0 ? n / d : -((-n + d - 1) / d); }
 Wide ceil_div(Wide n, Wide d) { return -floor_div(-n, d); }
 
+// At most one term per dimension of each of two views.
+constexpr int kMaxTerms = 2 * kMaxRank;
+
 // Whether sum_t k_t * terms[t].stride, k_t in [lo_t, hi_t], can lie in [low, high], trying
-// terms [t, end) (largest stride first). rest_min[t], rest_max[t]: the extremes terms [t, end)
-// reach. Counts the nodes it visits in `budget`; returns true when the budget runs out.
-bool reachable(const std::vector<Term>& terms, const std::vector<Wide>& rest_min,
-               const std::vector<Wide>& rest_max, std::size_t t, Wide low, Wide high,
-               long& budget) {
+// terms [t, count) (largest stride first). rest_min[t], rest_max[t]: the extremes terms
+// [t, count) reach. Counts the nodes it visits in `budget`; returns true when the budget runs
+// out.
+bool reachable(const Term* terms, int count, const Wide* rest_min, const Wide* rest_max, int t,
+               Wide low, Wide high, long& budget) {
   if (--budget < 0) return true;
-  if (t == terms.size()) return low <= 0 && 0 <= high;
+  if (t == count) return low <= 0 && 0 <= high;
   const Term& term = terms[t];
   // k * stride + (what the smaller terms make) in [low, high].
   const Wide k_lo = std::max(term.lo, ceil_div(low - rest_max[t + 1], term.stride));
   const Wide k_hi = std::min(term.hi, floor_div(high - rest_min[t + 1], term.stride));
   for (Wide k = k_lo; k <= k_hi; ++k) {
-    if (reachable(terms, rest_min, rest_max, t + 1, low - k * term.stride, high - k * term.stride,
-                  budget)) {
+    if (reachable(terms, count, rest_min, rest_max, t + 1, low - k * term.stride,
+                  high - k * term.stride, budget)) {
       return true;
     }
   }
@@ -46,36 +49,38 @@ std::int64_t element_bytes(const TensorView& t) {
 }
 
 // A sum of index differences times strides: sum_t k_t * stride_t with k_t in [lo_t, hi_t].
-// Terms of equal stride merge.
+// Terms of equal stride merge. Held in place: the checks of every call build a few (a decode
+// call's allocations were half of them).
 class StrideSum {
  public:
   void add(Wide stride, Wide lo, Wide hi) {
     if (stride == 0 || (lo == 0 && hi == 0)) return;
-    for (Term& t : terms_) {
-      if (t.stride == stride) {
-        t.lo += lo;
-        t.hi += hi;
+    for (int t = 0; t < count_; ++t) {
+      if (terms_[t].stride == stride) {
+        terms_[t].lo += lo;
+        terms_[t].hi += hi;
         return;
       }
     }
-    terms_.push_back({stride, lo, hi});
+    terms_[count_++] = {stride, lo, hi};
   }
 
   // Whether the sum can lie in [low, high]; true also when the search runs past its budget.
   bool reaches(Wide low, Wide high) {
-    std::sort(terms_.begin(), terms_.end(),
+    std::sort(terms_.begin(), terms_.begin() + count_,
               [](const Term& x, const Term& y) { return x.stride > y.stride; });
-    std::vector<Wide> rest_min(terms_.size() + 1, 0), rest_max(terms_.size() + 1, 0);
-    for (std::size_t t = terms_.size(); t-- > 0;) {
+    std::array<Wide, kMaxTerms + 1> rest_min{}, rest_max{};
+    for (int t = count_; t-- > 0;) {
       rest_min[t] = rest_min[t + 1] + terms_[t].lo * terms_[t].stride;
       rest_max[t] = rest_max[t + 1] + terms_[t].hi * terms_[t].stride;
     }
     long budget = 100000;  // nodes; far more than equal or nested strides take
-    return reachable(terms_, rest_min, rest_max, 0, low, high, budget);
+    return reachable(terms_.data(), count_, rest_min.data(), rest_max.data(), 0, low, high, budget);
   }
 
  private:
-  std::vector<Term> terms_;
+  std::array<Term, kMaxTerms> terms_{};
+  int count_ = 0;
 };
 
 }  // namespace
