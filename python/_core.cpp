@@ -134,7 +134,9 @@ py::object attend(py::handle q, py::handle k, py::handle v, py::handle mask, boo
                         attncore_python::grad_enabled();
   const TensorView &cq = bq->view(), &ck = bk->view(), &cv = bv->view();
   const DType dtype = cq.dtype;
+  // Keys and values of a dtype no call takes (a torch bool key): the general path names them.
   if (cq.rank != 4 || ck.rank != 4 || cv.rank != 4 || !plain_value_dtype(dtype, kind) ||
+      !plain_value_dtype(ck.dtype, kind) || !plain_value_dtype(cv.dtype, kind) ||
       ck.size(0) != cq.size(0) || cv.size(0) != cq.size(0) || !unit_last_stride(cq) ||
       !unit_last_stride(ck) || !unit_last_stride(cv))
     return general;

@@ -165,6 +165,26 @@ def test_declined_calls_take_the_general_path(case):
     assert_close(out, expected, torch.float64, case)
 
 
+@pytest.mark.parametrize("key", ["torch bool", "numpy int32"])
+def test_keys_of_no_value_dtype_get_the_general_paths_error(key):
+    """A key no call takes (a torch bool key; an int32 one) is declined, so both entries name
+    it as the general path does (flash_attn_func's fast path named a bool key differently)."""
+    q, k, v = _inputs("torch", torch.float32, heads_kv=4)
+    if key == "numpy int32":
+        q, k, v = q.numpy(), k.numpy().astype(np.int32), v.numpy()
+    else:
+        k = k > 0
+    assert _attend(q, k, v) is None
+    assert _attend(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), blhd=True) is None
+    for call in (lambda *a: attncore.scaled_dot_product_attention(*a, scale=0.5),
+                 lambda *a: attncore.flash_attn_func(*(x.swapaxes(1, 2) for x in a))):
+        with pytest.raises(ValueError) as error:
+            call(q, k, v)
+        with pytest.raises(ValueError) as general:
+            attncore.attention(q, k, v)
+        assert str(error.value) == str(general.value)
+
+
 @pytest.mark.parametrize("option", ["dropout", "string scale", "tuple-less window",
                                     "enum backend", "bool causal value"])
 def test_options_of_other_types_take_the_general_path(option):
