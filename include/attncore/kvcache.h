@@ -47,19 +47,19 @@
 namespace attncore {
 
 struct KvCacheSeqs {
-  TensorView cache_seqlens;                   // i32 [B]: 0 <= cache_seqlens[b] <= capacity
-  std::optional<TensorView> cache_batch_idx;  // i32 [B]: rows of the cache, 0 <= idx < B_cache
-  std::optional<TensorView> cache_leftpad;    // i32 [B]: 0 <= leftpad[b] <= cache_seqlens[b]
-  std::optional<TensorView> block_table;      // i32 [B, max_pages_per_seq]; -1 = unmapped
+  TensorView cache_seqlens{};                   // i32 [B]: 0 <= cache_seqlens[b] <= capacity
+  std::optional<TensorView> cache_batch_idx{};  // i32 [B]: rows of the cache, 0 <= idx < B_cache
+  std::optional<TensorView> cache_leftpad{};    // i32 [B]: 0 <= leftpad[b] <= cache_seqlens[b]
+  std::optional<TensorView> block_table{};      // i32 [B, max_pages_per_seq]; -1 = unmapped
 };
 
 struct KvAppend {
   // In the cache's dtype, or in q's (f32 over a 16-bit cache); v_new in k_new's.
-  TensorView k_new;  // [B, Hkv, L_new, D] (flash layout: transposed(1, 2))
-  TensorView v_new;  // [B, Hkv, L_new, Dv]
+  TensorView k_new{};  // [B, Hkv, L_new, D] (flash layout: transposed(1, 2))
+  TensorView v_new{};  // [B, Hkv, L_new, Dv]
   // Rotary tables, f32 [positions, rotary_dim / 2] both, or neither: rotary_dim = 2 x their
   // width, even and <= D; positions must cover every rotated position.
-  std::optional<TensorView> rotary_cos, rotary_sin;
+  std::optional<TensorView> rotary_cos{}, rotary_sin{};
   bool rotary_interleaved = false;
 };
 

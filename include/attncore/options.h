@@ -88,7 +88,7 @@ ATTNCORE_API Backend backend_from_name(std::string_view name);
 
 struct Options {
   // Multiplies q.k; default 1/sqrt(D). Must be finite and > 0.
-  std::optional<double> scale;
+  std::optional<double> scale{};
   Causal causal = Causal::none;
   // Sliding window, flash-attn semantics aligned lower-right; -1 = unbounded on that side:
   // key j is visible to query i iff i + Lk - Lq - window_left <= j <= i + Lk - Lq + window_right.
@@ -97,10 +97,10 @@ struct Options {
   // Softcap: s = softcap * tanh(s / softcap); 0 = off, else > 0.
   double softcap = 0.0;
   // ALiBi slopes, f32 [Hq] or [B, Hq]: s -= slope * |i + Lk - Lq - j|.
-  std::optional<TensorView> alibi_slopes;
+  std::optional<TensorView> alibi_slopes{};
   // Attention mask, rank 2 [Lq|1, Lk|1] or rank 4 [B|1, Hq|1, Lq|1, Lk|1].
   // bool: true = takes part; floating (any of f32, f64, bf16, f16): added to the scores.
-  std::optional<TensorView> mask;
+  std::optional<TensorView> mask{};
   // With an additive mask, backward also returns its gradient (reduced to the mask's shape);
   // forward ignores it, so one Options value serves both calls.
   bool compute_dbias = false;

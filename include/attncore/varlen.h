@@ -37,13 +37,13 @@
 namespace attncore {
 
 struct VarlenSeqs {
-  TensorView cu_seqlens_q;              // i32 [B + 1], from 0, non-decreasing, contiguous
-  TensorView cu_seqlens_k;              // i32 [B + 1], likewise
-  std::optional<TensorView> seqused_k;  // i32 [B]: keys of sequence b actually used
+  TensorView cu_seqlens_q{};              // i32 [B + 1], from 0, non-decreasing, contiguous
+  TensorView cu_seqlens_k{};              // i32 [B + 1], likewise
+  std::optional<TensorView> seqused_k{};  // i32 [B]: keys of sequence b actually used
   std::int64_t max_seqlen_q = 0;        // >= every query length (may be larger)
   std::int64_t max_seqlen_k = 0;        // >= every key length (may be larger)
   // i32 [B, max_pages_per_seq], inner stride 1: k and v are page pools (above).
-  std::optional<TensorView> block_table;
+  std::optional<TensorView> block_table{};
 };
 
 // Forward into new tensors: out [total_q, Hq, Dv], lse [Hq, total_q].
