@@ -69,11 +69,16 @@ void check_varlen_flags(const RunConfig& c, const GivenFlags& flags) {
   fits("--seqused-k", c.seqused_k);
 }
 
-void check_threads_flag(const RunConfig& c) {
+void check_limit_flags(const RunConfig& c) {
   if (c.threads > attncore::kMaxThreads) {
     throw UsageError{"--threads: " + std::to_string(c.threads) +
                      " is past the library's maximum (expected <= " +
                      std::to_string(attncore::kMaxThreads) + ")"};
+  }
+  if (c.num_splits > attncore::kMaxSplits) {
+    throw UsageError{"--num-splits: " + std::to_string(c.num_splits) +
+                     " is past the library's maximum (expected <= " +
+                     std::to_string(attncore::kMaxSplits) + ")"};
   }
 }
 

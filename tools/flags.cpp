@@ -482,7 +482,7 @@ RunConfig parse_run_flags(const std::vector<std::string>& args) {
   const GivenFlags flags = parse_flags(args, kRun, {c, unused});
   check_varlen_flags(c, flags);
   check_cache_flags(c, flags);
-  check_threads_flag(c);
+  check_limit_flags(c);
   c.finish();
   return c;
 }
@@ -498,7 +498,7 @@ BenchConfig parse_bench_flags(const std::vector<std::string>& args) {
     }
   }
   check_bench_mode_flags(flags);
-  check_threads_flag(c.run);
+  check_limit_flags(c.run);
   if (given(flags, "--points")) check_decode_points(c.sweep.points);
   if (c.sweep.varlen) {
     // One thread unless asked: the comparison is of kernels, not of thread scheduling.
