@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <utility>
 
 namespace attncore::detail {
 
@@ -83,6 +84,25 @@ class StrideSum {
   int count_ = 0;
 };
 
+// Whether the dims of size > 1, by stride from the largest, each step past all of the dims
+// within it (stride >= the next dim's stride x size, the next one's not 0): no two elements
+// coincide then (a contiguous view, or one of permuted or padded dims), with no search.
+bool nested_strides(const TensorView& t) {
+  std::array<std::pair<std::int64_t, std::int64_t>, kMaxRank> dims{};  // (stride, size)
+  int n = 0;
+  for (int d = 0; d < t.rank; ++d) {  // inserted in order, largest stride first
+    if (t.size(d) < 2) continue;
+    int i = n++;
+    for (; i > 0 && dims[i - 1].first < t.stride_of(d); --i) dims[i] = dims[i - 1];
+    dims[i] = {t.stride_of(d), t.size(d)};
+  }
+  for (int i = 0; i + 1 < n; ++i) {
+    const auto [inner_stride, inner_size] = dims[i + 1];
+    if (inner_stride == 0 || dims[i].first / inner_size < inner_stride) return false;
+  }
+  return n == 0 || dims[n - 1].first > 0;
+}
+
 }  // namespace
 
 ByteRange byte_range(const TensorView& t) {
@@ -113,6 +133,7 @@ bool views_overlap(const TensorView& a, const TensorView& b) {
 
 bool self_overlapping(const TensorView& t) {
   if (t.data == nullptr || t.numel() <= 1) return false;
+  if (nested_strides(t)) return false;
   // Two elements share an address iff some index difference d != 0 (|d_i| < size_i) has
   // sum_i d_i * stride_i = 0. Its first non-zero coordinate, p, can be taken positive.
   for (int p = 0; p < t.rank; ++p) {
