@@ -90,8 +90,9 @@ def _positions(op, x, reserved=None):
         raise TypeError(f"{op}: input_pos is not an integer array (dtype={array.dtype}, expected "
                         "int32 or int64)")
     if array.size and (array.min() < -INT32_MAX - 1 or array.max() > INT32_MAX):
-        raise ValueError(f"{op}: input_pos is out of range (max={array.max()}, expected int32 "
-                         "positions)")
+        i = int(np.argmax((array < -INT32_MAX - 1) | (array > INT32_MAX)))
+        raise ValueError(f"{op}: input_pos is out of range (input_pos[{i}]={array[i]}, expected "
+                         "int32 positions)")
     if array.dtype != np.int32 or not array.flags.c_contiguous:
         _arrays.check_copy(op, "input_pos", array.shape, "int32", "pass int32 positions")
     return np.ascontiguousarray(array, dtype=np.int32)

@@ -4,6 +4,8 @@ page bookkeeping and K/V layout ([1, H, n_pages * page_size, D]), attending thro
 flash_attn_with_kvcache with a block table. Imported by attncore.torch only (needs torch).
 """
 
+import operator
+
 import torch as _torch
 
 from . import _arrays, _writes
@@ -168,7 +170,13 @@ class PagedAttention:
         if not 0 <= n <= self.n_pages * self.page_size:
             raise ValueError(f"{op}: seq_len is out of range (seq_len={n}, expected 0 <= "
                              f"seq_len <= n_pages * page_size={self.n_pages * self.page_size})")
-        have = int(self.capacity[b])
+        # capacity, empty_pages and page_table are public, and may have been written over: each
+        # is checked before anything changes.
+        have, slots = int(self.capacity[b]), self.n_pages * self.page_size
+        if not 0 <= have <= slots or have % self.page_size:
+            raise ValueError(f"{op}: capacity is out of range (capacity[{b}]={have}, expected a "
+                             f"multiple of page_size={self.page_size} from 0 to n_pages * "
+                             f"page_size={slots}); nothing was reserved")
         if n <= have:
             return
         want = -(-(n - have) // self.page_size)
@@ -177,11 +185,29 @@ class PagedAttention:
                               f"are free (batch_idx={b}, seq_len={n}, expected at most "
                               f"{len(self.empty_pages)} pages); erase sequences first")
         start = have // self.page_size
-        pages = _torch.tensor(self.empty_pages[-want:], dtype=_torch.int64)
-        self.empty_pages = self.empty_pages[:-want]
+        taken = []
+        for page in self.empty_pages[-want:]:
+            try:
+                index = operator.index(page)
+            except TypeError:
+                index = -1
+            if not 0 <= index < self.n_pages or index in taken or \
+                    bool((self.physical_to_logical[:, index] != -1).any()):
+                raise ValueError(f"{op}: empty_pages holds a page that is not free (page="
+                                 f"{page!r}, expected distinct page indices in [0, n_pages="
+                                 f"{self.n_pages}) that no sequence maps); nothing was reserved")
+            taken.append(index)
+        mapped = (self.page_table[b, start:start + want] != -1).nonzero()
+        if mapped.numel():
+            j = start + int(mapped[0])
+            raise ValueError(f"{op}: page_table maps a page past the sequence's capacity "
+                             f"(page_table[{b}][{j}]={int(self.page_table[b, j])}, expected -1 "
+                             f"from capacity[{b}] / page_size={start} on); nothing was reserved")
+        pages = _torch.tensor(taken, dtype=_torch.int64)
         self.page_table[b, start:start + want] = pages
         self.physical_to_logical[b, pages] = _torch.arange(start, start + want)
         self.capacity[b] += want * self.page_size
+        self.empty_pages = self.empty_pages[:-want]
 
     def erase(self, batch_idx):
         """Returns sequence batch_idx's pages to the free list and unmaps them."""
@@ -203,12 +229,16 @@ class PagedAttention:
         twice[order[1:]] = values[1:] == values[:-1]  # (each repeat after its first place)
         twice &= mapped
         free = mapped & _torch.isin(row, _torch.tensor(self.empty_pages, dtype=row.dtype))
-        if bool((twice | free).any()):
-            j = int((twice | free).nonzero()[0])
-            what = "twice" if twice[j] else "that is free"
+        # A page reserve gave another sequence (or none) would be freed while that one holds it.
+        foreign = mapped & (self.physical_to_logical[b, row.clamp(min=0)] !=
+                            _torch.arange(row.numel()))
+        if bool((twice | free | foreign).any()):
+            j = int((twice | free | foreign).nonzero()[0])
+            what = "twice" if twice[j] else "that is free" if free[j] else \
+                "this sequence was not given"
             raise ValueError(f"{op}: page_table maps a page {what} (page_table[{b}][{j}]="
-                             f"{int(row[j])}, expected each of the "
-                             "sequence's pages once, none of the free ones); nothing was erased")
+                             f"{int(row[j])}, expected each of the sequence's pages once, at "
+                             "the place reserve gave it); nothing was erased")
         self.capacity[b] = 0
         self.empty_pages += pages.tolist()
         self.physical_to_logical[b, pages] = -1

@@ -273,6 +273,13 @@ def test_paged_cache_dtypes_and_positions_by_type():
     for positions in (None, "0", 0, bytearray(b"\x00")):
         raises(TypeError, lambda: cache.assign(0, positions, rows, rows),
                "PagedKVCache.assign: input_pos is not a sequence of positions")
+    # Positions past int32 are named by their place and value (the message gave the maximum).
+    rows2 = np.ones((2, 1, 8), np.float32)
+    for positions, named in (([0, -2 ** 32], "input_pos[1]=-4294967296"),
+                             (np.array([2 ** 40, 1], np.uint64), "input_pos[0]=1099511627776")):
+        raises(ValueError, lambda: cache.assign(0, positions, rows2, rows2),
+               f"PagedKVCache.assign: input_pos is out of range ({named}, expected int32 "
+               "positions)")
     # Views first read inside inference mode are normal tensors: assign runs outside it.
     cache = attncore.PagedKVCache(4, 4, 1, 8, 2, torch.float32)
     with torch.inference_mode():

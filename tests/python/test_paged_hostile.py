@@ -430,7 +430,7 @@ def test_paged_attention_assign_and_erase_check_the_public_page_table():
     attn.page_table[0, 1] = attn.page_table[0, 0]
     raises(ValueError, lambda: attn.erase(0),
            f"page_table maps a page twice (page_table[0][1]={page}, expected each of the "
-           "sequence's pages once, none of the free ones); nothing was erased")
+           "sequence's pages once, at the place reserve gave it); nothing was erased")
     attn.page_table[0, 1] = free
     raises(ValueError, lambda: attn.erase(0), "page_table maps a page that is free "
            f"(page_table[0][1]={free}")
@@ -632,6 +632,65 @@ def test_varlen_paged_returns_an_empty_s_dmask_as_without_pages():
                                                 return_attn_probs=True)[2]
         assert type(paged) is type(flat) and tuple(paged.shape) == (0,) == tuple(flat.shape)
         assert paged.dtype == flat.dtype
+
+
+def _paged_state(pa):
+    return (pa.page_table.clone(), pa.capacity.clone(), list(pa.empty_pages),
+            pa.physical_to_logical.clone())
+
+
+def _same_state(pa, state):
+    return (torch.equal(pa.page_table, state[0]) and torch.equal(pa.capacity, state[1]) and
+            pa.empty_pages == state[2] and torch.equal(pa.physical_to_logical, state[3]))
+
+
+@pytest.mark.parametrize("case", ["negative capacity", "capacity off a page", "page out of range",
+                                  "page in use", "page twice", "float page",
+                                  "table mapped past capacity"])
+def test_paged_attention_reserve_checks_the_public_state_reserving_nothing(case):
+    """reserve reads capacity, empty_pages and page_table, all public: written over, it raised
+    torch's errors after taking pages off the free list, or mapped a page in use to a second
+    sequence; now a ValueError in attncore's form, with nothing changed."""
+    pa = attncore.torch.PagedAttention(6, 4, 2)
+    pa.reserve(0, 4)
+    used = int(pa.page_table[0, 0])
+    if case == "negative capacity":
+        pa.capacity[0] = -5
+        message = "capacity is out of range (capacity[0]=-5, expected a multiple of page_size=4"
+    elif case == "capacity off a page":
+        pa.capacity[0] = 3
+        message = "capacity is out of range (capacity[0]=3"
+    elif case == "table mapped past capacity":
+        pa.page_table[0, 1] = pa.empty_pages[0]
+        message = "page_table maps a page past the sequence's capacity (page_table[0][1]="
+    else:
+        bad = {"page out of range": 100, "page in use": used, "page twice": pa.empty_pages[-1],
+               "float page": 1.5}[case]
+        pa.empty_pages[-2] = bad
+        message = f"empty_pages holds a page that is not free (page={bad!r}, expected distinct"
+    state = _paged_state(pa)
+    raises(ValueError, lambda: pa.reserve(0, 12), f"PagedAttention.reserve: {message}")
+    assert _same_state(pa, state)
+
+
+def test_paged_attention_erase_refuses_a_page_of_another_sequence():
+    """A page table row written to name another sequence's page: erase freed it while that
+    sequence held it (and reserve then gave it to a third); now refused, nothing erased."""
+    pa = attncore.torch.PagedAttention(4, 4, 3)
+    pa.reserve(0, 4)
+    pa.reserve(1, 4)
+    own, other = int(pa.page_table[0, 0]), int(pa.page_table[1, 0])
+    pa.page_table[0, 0] = other
+    state = _paged_state(pa)
+    raises(ValueError, lambda: pa.erase(0),
+           f"PagedAttention.erase: page_table maps a page this sequence was not given "
+           f"(page_table[0][0]={other}, expected each of the sequence's pages once, at the "
+           "place reserve gave it); nothing was erased")
+    assert _same_state(pa, state)
+    pa.page_table[0, 0] = own
+    pa.erase(0)
+    pa.reserve(2, 8)
+    assert other not in pa.page_table[2].tolist()
 
 
 def test_paged_attention_erase_refuses_a_table_entry_past_the_pages_erasing_nothing():
