@@ -36,7 +36,7 @@ using attncore::TensorView;
 // are then written, so borrowed as outputs), f32 rotary_cos, rotary_sin [positions,
 // rotary_dim / 2] when given.
 struct KvCall {
-  static constexpr const char* op = "forward_kvcache";  // the library's name, in messages
+  static constexpr const char* op = "forward";  // the library's name of the call, in messages
   KvCall(py::handle q, py::handle k_cache, py::handle v_cache, py::handle cache_seqlens,
          py::handle cache_batch_idx, py::handle cache_leftpad, py::handle block_table,
          py::handle k_new, py::handle v_new, py::handle rotary_cos, py::handle rotary_sin,

@@ -458,6 +458,17 @@ def test_extension_module_errors_name_the_call():
     with pytest.raises(ValueError, match=r"^forward: query has an unsupported element type "
                                          r"\(format='>f'"):
         SDPA(q.astype(">f4"), k, v)
+    # A KV-cache call's arrays likewise (they were named "forward_kvcache: ..."), the cache's,
+    # a new key's and an index array's alike.
+    fq, cache = np.ones((1, 1, 1, 8), np.float32), np.zeros((1, 8, 1, 8), np.float32)
+    new = np.ones((1, 1, 1, 8), np.float32)
+    for name, kwargs in (("k_cache", {"k_cache": cache.astype(">f4")}),
+                         ("k", {"k": new.astype(">f4"), "v": new}),
+                         ("cache_seqlens", {"cache_seqlens": np.array([1], ">i4")})):
+        call = {"q": fq, "k_cache": cache, "v_cache": cache, "cache_seqlens": 1, **kwargs}
+        with pytest.raises(ValueError, match=rf"^forward: {name} has an unsupported element "
+                                             r"type \(format='>"):
+            attncore.flash_attn_with_kvcache(**call)
     with pytest.raises(ValueError, match=r"^forward: query has an unsupported element type "
                                          r"\(dlpack code=5, bits=64, lanes=1, expected float32, "
                                          r"float64, float16 or bfloat16 for values, bool for "
