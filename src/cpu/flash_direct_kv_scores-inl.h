@@ -141,6 +141,9 @@ struct DirectKvScores : DirectKvStreams {
       const float* q, float* s, float* parts, std::int64_t lead, std::int64_t ahead) {
     constexpr int kKeys = kLanes == 8 && R == 4 ? 3 : kLanes / R > 0 ? kLanes / R : 1;
     constexpr int kLast = kLanes % kKeys;  // keys of a last, smaller group (0: none)
+    // A block of no keys (past the tile's last) reads nothing: `k` itself is no row of the
+    // sequence, and in a page pool it is page 0, which another sequence, or none, may hold.
+    if (block <= 0) return clear_past(0, R, s);
     // Whole vectors (D a multiple of kLanes) test nothing per load, and 16-bit K is widened as
     // its known dtype, with d and q in registers (with the dtype tested per load and both read
     // from the lambda's captures in the loop, GQA f16 decode, 1 thread, % of the probe,
@@ -155,7 +158,7 @@ struct DirectKvScores : DirectKvStreams {
       const T* next[G];  // (AVX-512) the rows lead_keys on, or null
 #pragma GCC unroll 16
       for (int j = 0; j < G; ++j) {
-        row[j] = j0 + j < block ? k + at[j0 + j] : block > 0 ? k + at[0] : k;
+        row[j] = k + at[j0 + j < block ? j0 + j : 0];
         next[j] =
             lead_keys > 0 && j0 + j + lead_keys < known_keys ? k + at[j0 + j + lead_keys] : nullptr;
       }
@@ -230,12 +233,11 @@ struct DirectKvScores : DirectKvStreams {
       const float* q_pairs, float* s, float* parts) {
     constexpr int kKeys = kLanes / R > 0 ? kLanes / R : 1;
     static_assert(kLanes % kKeys == 0, "whole groups of keys in a block");
+    if (block <= 0) return clear_past(0, R, s);  // (no key: nothing read, as score_rows)
     for (int j0 = 0; j0 < kLanes; j0 += kKeys) {
       const std::uint16_t* row[kKeys];
 #pragma GCC unroll 16
-      for (int j = 0; j < kKeys; ++j) {
-        row[j] = j0 + j < block ? k + at[j0 + j] : block > 0 ? k + at[0] : k;
-      }
+      for (int j = 0; j < kKeys; ++j) row[j] = k + at[j0 + j < block ? j0 + j : 0];
       __m512 acc[R][kKeys];
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
