@@ -140,6 +140,29 @@ TEST(PagedCache, AssignReadsAnyStrides) {
   EXPECT_EQ(length_of(strided_cache, 0), s);
 }
 
+// f64 rows into a 16-bit cache round once, to the cache's nearest even: through a float
+// rounded to nearest first, a value just past a tie fell on it and went the even way.
+TEST(PagedCache, AssignRoundsDoublesOnceTo16Bits) {
+  struct Case {
+    DType dtype;
+    double value, nearest;
+  };
+  for (const Case& c : {Case{DType::bf16, 1 + 0x1p-8 + 0x1p-40, 1 + 0x1p-7},
+                        Case{DType::bf16, -(1 + 0x1p-8 + 0x1p-40), -(1 + 0x1p-7)},
+                        Case{DType::bf16, 1 + 0x1p-8 - 0x1p-40, 1.0},
+                        Case{DType::f16, 1 + 0x1p-11 + 0x1p-40, 1 + 0x1p-10},
+                        Case{DType::f16, 0x1p-25 + 0x1p-60, 0x1p-24},  // past half a subnormal
+                        Case{DType::f16, 65520 - 0x1p-30, 65504}}) {   // below the tie to inf
+    SCOPED_TRACE(std::string(name_of(c.dtype)) + " " + std::to_string(c.value));
+    PagedKvCache cache(1, 1, 1, 1, 1, c.dtype, 1);
+    cache.reserve(0, 1);
+    const Tensor row = make_tensor(DType::f64, {1, 1, 1}, {c.value});
+    cache.assign(0, positions_of({0}), row, row);
+    EXPECT_EQ(read_view(cache.k_pages()), std::vector<double>{c.nearest});
+    EXPECT_EQ(read_view(cache.v_pages()), std::vector<double>{c.nearest});
+  }
+}
+
 TEST(PagedCache, ForkSharesPagesAndCopiesOnWrite) {
   const std::int64_t hkv = 1, d = 4, ps = 4;
   PagedKvCache c(6, ps, hkv, d, d, DType::f32, 3);

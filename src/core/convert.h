@@ -1,7 +1,9 @@
 // Reading and writing elements of any DType as float or double, and view addressing.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "attncore/dtype.h"
@@ -34,8 +36,31 @@ inline T load_element(const void* base, DType dtype, std::int64_t index) {
   return T(0);
 }
 
+// x as a float rounded to odd (toward zero, then the last bit set where that is inexact). A
+// float so rounded, rounded again to bf16 or f16 to nearest even, is x rounded so at once; a
+// float rounded to nearest first can land on a tie x was not on (1 + 2^-8 + 2^-40 would become
+// bf16 1.0, not 1.0078125). NaN stays NaN; past the float range, FLT_MAX, which both round to
+// inf.
+inline float round_to_odd_float(double x) {
+  float f = static_cast<float>(x);
+  if (x != x || static_cast<double>(f) == x) return f;
+  if (std::fabs(static_cast<double>(f)) > std::fabs(x)) f = std::nextafter(f, 0.0f);
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u |= 1u;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// value into element `index` of dtype at base: 16-bit dtypes rounded to nearest even from the
+// value itself (a double through round_to_odd_float).
 template <class T>
 inline void store_element(void* base, DType dtype, std::int64_t index, T value) {
+  if constexpr (std::is_same_v<T, double>) {
+    if (dtype == DType::bf16 || dtype == DType::f16) {
+      return store_element<float>(base, dtype, index, round_to_odd_float(value));
+    }
+  }
   switch (dtype) {
     case DType::f32:
       static_cast<float*>(base)[index] = static_cast<float>(value);
