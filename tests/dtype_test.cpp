@@ -12,6 +12,7 @@
 #include <limits>
 #include <vector>
 
+#include "core/convert.h"
 #include "testing/random.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -292,6 +293,58 @@ TEST(F16, ExactCases) {
   EXPECT_EQ(static_cast<float>(f16(0.25f)), 0.25f);
   EXPECT_EQ(f16::to_float(0x0001), std::ldexp(1.0f, -24));
   EXPECT_EQ(f16::to_float(0x7bff), 65504.0f);
+}
+
+// Doubles stored to bf16 and f16 (detail::store_element, src/core/convert.h) round once, to the
+// nearest even: the midpoint of each pair of neighbours (for every third pattern), nudged by
+// 2^-30 of itself either way (through a float rounded to nearest, such a value lands on the
+// midpoint and goes the even way), double subnormals and values past the float range.
+TEST(DType, DoublesRoundOnceTo16Bits) {
+  struct Format {
+    DType dtype;
+    std::vector<double> table;
+    double overflow;
+  };
+  for (const Format& f : {Format{DType::bf16, bf16_table(), std::ldexp(1.0, 128)},
+                          Format{DType::f16, f16_table(), 65536.0}}) {
+    std::vector<double> xs = {0.0,
+                              -0.0,
+                              5e-324,
+                              1e-310,
+                              1e-40,
+                              3e38,
+                              3.4e38,
+                              3.5e38,
+                              1e300,
+                              65519.9,
+                              65520.0,
+                              65520.1,
+                              0x1p-25,
+                              0x1p-25 + 0x1p-70,
+                              0x1p-134 + 0x1p-170,
+                              std::numeric_limits<double>::infinity()};
+    for (std::size_t b = 0; b + 1 < f.table.size(); b += 3) {
+      const double mid = (f.table[b] + f.table[b + 1]) / 2;  // exact in double
+      for (double x : {mid, mid * (1 + 0x1p-30), mid * (1 - 0x1p-30)}) xs.push_back(x);
+    }
+    for (const double magnitude : std::vector<double>(xs)) xs.push_back(-magnitude);
+    // (Stored into room for any dtype: the compiler sees every branch of store_element.)
+    auto stored = [&](double x) {
+      std::uint64_t slot = 0;
+      detail::store_element<double>(&slot, f.dtype, 0, x);
+      std::uint16_t bits;
+      std::memcpy(&bits, &slot, 2);
+      return bits;
+    };
+    for (const double x : xs) {
+      const std::uint16_t got = stored(x);
+      const auto want = static_cast<std::uint16_t>(nearest_even(std::fabs(x), f.table, f.overflow) |
+                                                   (std::signbit(x) ? 0x8000u : 0u));
+      ASSERT_EQ(got, want) << name_of(f.dtype) << " x = " << x << " (" << std::hexfloat << x << ")";
+    }
+    const std::uint16_t nan = stored(std::numeric_limits<double>::quiet_NaN());
+    EXPECT_TRUE(std::isnan(f.dtype == DType::bf16 ? bf16::to_float(nan) : f16::to_float(nan)));
+  }
 }
 
 TEST(DType, SizesAndNames) {

@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -173,6 +174,29 @@ TEST(Overlap, DenseOutputsThatShareMemoryAreRefused) {
   Tensor again(DType::f32, {2, 4, 9, 16});
   forward_into(c.q, c.k, c.v, again, std::nullopt, {}, Backend::reference);
   EXPECT_EQ(std::memcmp(again.data(), c.out.data(), 2 * 4 * 9 * 16 * sizeof(float)), 0);
+}
+
+// self_overlapping against every pair of element offsets, over every view of rank 3 with sizes
+// 1 to 3 and strides 0 to 7 (its search, and the nested strides it clears without one).
+TEST(Overlap, SelfOverlapMatchesEveryPairOfElements) {
+  std::vector<float> buffer(256, 0.0f);
+  for (int code = 0; code < 27 * 512; ++code) {
+    const std::int64_t sizes[3] = {1 + code % 3, 1 + code / 3 % 3, 1 + code / 9 % 3};
+    const std::int64_t strides[3] = {code / 27 % 8, code / 216 % 8, code / 1728 % 8};
+    std::vector<std::int64_t> offsets;
+    for (std::int64_t i = 0; i < sizes[0]; ++i)
+      for (std::int64_t j = 0; j < sizes[1]; ++j)
+        for (std::int64_t k = 0; k < sizes[2]; ++k)
+          offsets.push_back(i * strides[0] + j * strides[1] + k * strides[2]);
+    std::sort(offsets.begin(), offsets.end());
+    const bool coincide = std::adjacent_find(offsets.begin(), offsets.end()) != offsets.end();
+    const TensorView view =
+        TensorView::strided(buffer.data(), DType::f32, {sizes[0], sizes[1], sizes[2]},
+                            {strides[0], strides[1], strides[2]});
+    ASSERT_EQ(detail::self_overlapping(view), coincide)
+        << view.shape_string() << " strides " << strides[0] << ", " << strides[1] << ", "
+        << strides[2];
+  }
 }
 
 // An output whose own elements share addresses (found by the fuzzer: out [B, H, L, D] with row

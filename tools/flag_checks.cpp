@@ -70,16 +70,15 @@ void check_varlen_flags(const RunConfig& c, const GivenFlags& flags) {
 }
 
 void check_limit_flags(const RunConfig& c) {
-  if (c.threads > attncore::kMaxThreads) {
-    throw UsageError{"--threads: " + std::to_string(c.threads) +
-                     " is past the library's maximum (expected <= " +
-                     std::to_string(attncore::kMaxThreads) + ")"};
-  }
-  if (c.num_splits > attncore::kMaxSplits) {
-    throw UsageError{"--num-splits: " + std::to_string(c.num_splits) +
-                     " is past the library's maximum (expected <= " +
-                     std::to_string(attncore::kMaxSplits) + ")"};
-  }
+  auto at_most = [](const char* flag, std::int64_t value, std::int64_t maximum) {
+    if (value > maximum) {
+      throw UsageError{std::string(flag) + ": " + std::to_string(value) +
+                       " is past the library's maximum (expected <= " + std::to_string(maximum) +
+                       ")"};
+    }
+  };
+  at_most("--threads", c.threads, attncore::kMaxThreads);
+  at_most("--num-splits", c.num_splits, attncore::kMaxSplits);
 }
 
 void check_cache_flags(const RunConfig& c, const GivenFlags& flags) {

@@ -161,6 +161,13 @@ class PagedAttention:
                              f"batch_idx < max_batch_size={self.page_table.shape[0]})")
         return b
 
+    def _given(self, batch_idx, pages, logical):
+        """Whether reserve gave sequence batch_idx[i] page pages[i, j] as its logical page
+        logical[j] (or logical[i, j]): the public page table, written over, may name another's;
+        pages inside [0, n_pages)."""
+        return self.physical_to_logical[batch_idx[:, None], pages.clamp(0, self.n_pages - 1)] \
+            == logical
+
     def reserve(self, batch_idx, seq_len):
         """Maps free pages to sequence batch_idx until it holds at least seq_len slots (taken
         from the end of the free list, as torch's); MemoryError when too few are free,
@@ -185,25 +192,32 @@ class PagedAttention:
                               f"are free (batch_idx={b}, seq_len={n}, expected at most "
                               f"{len(self.empty_pages)} pages); erase sequences first")
         start = have // self.page_size
-        taken = []
-        for page in self.empty_pages[-want:]:
+        tail = self.empty_pages[-want:]
+        indices = []
+        for i, page in enumerate(tail):
             try:
-                index = operator.index(page)
+                indices.append(-1 if isinstance(page, bool) else operator.index(page))
             except TypeError:
-                index = -1
-            if not 0 <= index < self.n_pages or index in taken or \
-                    bool((self.physical_to_logical[:, index] != -1).any()):
-                raise ValueError(f"{op}: empty_pages holds a page that is not free (page="
-                                 f"{page!r}, expected distinct page indices in [0, n_pages="
-                                 f"{self.n_pages}) that no sequence maps); nothing was reserved")
-            taken.append(index)
+                indices.append(-1)
+        pages = _torch.tensor(indices, dtype=_torch.int64)
+        # Not free: outside the pool, listed twice, or given to a sequence (physical_to_logical;
+        # a search of every row of the table took 3 ms a call at 64 x 16000 pages).
+        bad = (pages < 0) | (pages >= self.n_pages)
+        bad |= (self.physical_to_logical[:, pages.clamp(0, self.n_pages - 1)] != -1).any(0)
+        order = pages.argsort(stable=True)
+        bad[order[1:]] |= pages[order[1:]] == pages[order[:-1]]
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"{op}: empty_pages holds a page that is not free (empty_pages"
+                             f"[{len(self.empty_pages) - want + i}]={tail[i]!r}, expected "
+                             f"distinct page indices in [0, n_pages={self.n_pages}) that no "
+                             "sequence maps); nothing was reserved")
         mapped = (self.page_table[b, start:start + want] != -1).nonzero()
         if mapped.numel():
             j = start + int(mapped[0])
             raise ValueError(f"{op}: page_table maps a page past the sequence's capacity "
                              f"(page_table[{b}][{j}]={int(self.page_table[b, j])}, expected -1 "
                              f"from capacity[{b}] / page_size={start} on); nothing was reserved")
-        pages = _torch.tensor(taken, dtype=_torch.int64)
         self.page_table[b, start:start + want] = pages
         self.physical_to_logical[b, pages] = _torch.arange(start, start + want)
         self.capacity[b] += want * self.page_size
@@ -230,8 +244,7 @@ class PagedAttention:
         twice &= mapped
         free = mapped & _torch.isin(row, _torch.tensor(self.empty_pages, dtype=row.dtype))
         # A page reserve gave another sequence (or none) would be freed while that one holds it.
-        foreign = mapped & (self.physical_to_logical[b, row.clamp(min=0)] !=
-                            _torch.arange(row.numel()))
+        foreign = mapped & ~self._given(_torch.tensor([b]), row[None], _torch.arange(row.numel()))[0]
         if bool((twice | free | foreign).any()):
             j = int((twice | free | foreign).nonzero()[0])
             what = "twice" if twice[j] else "that is free" if free[j] else \
@@ -294,6 +307,14 @@ class PagedAttention:
                              f"{int(physical[i, j])} for input_pos[{i}][{j}]="
                              f"{int(input_pos[i, j])}, expected a page index in [0, n_pages="
                              f"{self.n_pages})); nothing was written")
+        foreign = ~self._given(batch_idx, physical, logical)
+        if bool(foreign.any()):
+            i, j = (int(x) for x in foreign.nonzero()[0])
+            raise ValueError(f"{op}: page_table names a page this sequence was not given where "
+                             f"input_pos writes (page_table[{int(batch_idx[i])}]"
+                             f"[{int(logical[i, j])}]={int(physical[i, j])} for input_pos[{i}][{j}]="
+                             f"{int(input_pos[i, j])}, expected the page reserve gave it); "
+                             "nothing was written")
         addr = (physical * self.page_size + input_pos % self.page_size).reshape(-1)
         if addr.unique().numel() != addr.numel():
             raise ValueError(f"{op}: input_pos writes one slot twice (expected distinct slots)")

@@ -36,8 +36,9 @@ double cgroup_memory_limit_bytes(const std::string& proc_self_cgroup, const std:
 // not to RLIMIT_AS, whose system call memory_limit() makes at every call: four per decode call
 // (its two outputs, its workspace, its append), 0.5 us each on the Zen 3 of docs/decode.md
 // (a getrlimit loop), a quarter of a decode over 16 keys. A process running this library's code
-// already holds more address space than this (the code alone maps 1.4 MB), so under a lower
-// RLIMIT_AS the allocation itself fails, with OutOfMemory all the same.
+// already holds more address space than this (the code alone maps 1.4 MB), so only a limit
+// below what the process holds could refuse less; under one, the allocations come from memory
+// already mapped or raise OutOfMemory.
 inline constexpr double kUncheckedAddressSpace = 1 << 20;
 
 // The limit `bytes` exceed (memory_limit, attncore/info.h), or nothing where they fit.

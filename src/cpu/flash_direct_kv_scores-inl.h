@@ -120,7 +120,8 @@ struct DirectKvScores : DirectKvStreams {
   // group of keys at a time, each K vector loaded (widened) once for the R rows, every (row,
   // key) lane sum in its own register, formed in score_keys' order and summed across lanes by
   // reduce_sums (sum_parts over `parts`, R * kLanes * kLanes floats): the same bits. Keys past
-  // block read key c0's row (or k's first) and their scores are then set to 0. GQA Hq=32 Hkv=8
+  // block read key c0's row and their scores are then set to 0; a block of no keys reads
+  // nothing. GQA Hq=32 Hkv=8
   // decode, 1 thread, % of the probe, Lk=4096/16384, 5 interleaved passes, against one key at
   // a time with each row's q loaded per product: f16 [B, Hkv, L, D] 61/58 -> 64/62, [B, L, Hkv,
   // D] 43/54 -> 51/58, p16 53/49 -> 57/53; f32 from cache (Lk=1024) 54-56 -> 58-59 GB/s, from

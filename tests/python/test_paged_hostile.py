@@ -403,43 +403,6 @@ def test_paged_attention_assign_refuses_caches_it_would_write_wrongly():
     assert not cache.any()
 
 
-def test_paged_attention_assign_and_erase_check_the_public_page_table():
-    """page_table and capacity are public tensors: assign refuses entries it would write
-    through (-1 wrapped around into another sequence's page) and a capacity past the table,
-    erase a page named twice or already free (it would be handed to two sequences)."""
-    attn = attncore.torch.PagedAttention(4, 4, 2)
-    attn.reserve(0, 4)
-    attn.reserve(1, 4)
-    page, free = int(attn.page_table[0, 0]), attn.empty_pages[0]
-    one = torch.full((1, 1, 1, 2), 7.0)
-    cache = torch.zeros(1, 1, 16, 2)
-    attn.page_table[0, 0] = -1
-    raises(ValueError, lambda: attn.assign([0], [[0]], one, one, cache, cache.clone()),
-           r"page_table is out of range where input_pos writes (page_table[0][0]=-1 for "
-           r"input_pos[0][0]=0, expected a page index in [0, n_pages=4)); nothing was written")
-    attn.page_table[0, 0] = 100
-    raises(ValueError, lambda: attn.assign([0], [[0]], one, one, cache, cache.clone()),
-           "page_table[0][0]=100 for input_pos[0][0]=0")
-    attn.page_table[0, 0] = page
-    attn.capacity[0] = 100
-    raises(ValueError, lambda: attn.assign([0], [[50]], one, one, cache, cache.clone()),
-           "capacity is past the page table (capacity[0]=100, expected <= n_pages * "
-           "page_size=16)")
-    assert not cache.any()
-    attn.capacity[0] = 4
-    attn.page_table[0, 1] = attn.page_table[0, 0]
-    raises(ValueError, lambda: attn.erase(0),
-           f"page_table maps a page twice (page_table[0][1]={page}, expected each of the "
-           "sequence's pages once, at the place reserve gave it); nothing was erased")
-    attn.page_table[0, 1] = free
-    raises(ValueError, lambda: attn.erase(0), "page_table maps a page that is free "
-           f"(page_table[0][1]={free}")
-    attn.page_table[0, 1] = -1
-    attn.erase(0)
-    attn.erase(1)
-    assert sorted(attn.empty_pages) == [0, 1, 2, 3]
-
-
 def test_paged_attention_refuses_sizes_past_what_it_can_hold():
     raises(ValueError, lambda: attncore.torch.PagedAttention(8, 2 ** 62, 3),
            "n_pages * page_size is too large")
@@ -632,81 +595,6 @@ def test_varlen_paged_returns_an_empty_s_dmask_as_without_pages():
                                                 return_attn_probs=True)[2]
         assert type(paged) is type(flat) and tuple(paged.shape) == (0,) == tuple(flat.shape)
         assert paged.dtype == flat.dtype
-
-
-def _paged_state(pa):
-    return (pa.page_table.clone(), pa.capacity.clone(), list(pa.empty_pages),
-            pa.physical_to_logical.clone())
-
-
-def _same_state(pa, state):
-    return (torch.equal(pa.page_table, state[0]) and torch.equal(pa.capacity, state[1]) and
-            pa.empty_pages == state[2] and torch.equal(pa.physical_to_logical, state[3]))
-
-
-@pytest.mark.parametrize("case", ["negative capacity", "capacity off a page", "page out of range",
-                                  "page in use", "page twice", "float page",
-                                  "table mapped past capacity"])
-def test_paged_attention_reserve_checks_the_public_state_reserving_nothing(case):
-    """reserve reads capacity, empty_pages and page_table, all public: written over, it raised
-    torch's errors after taking pages off the free list, or mapped a page in use to a second
-    sequence; now a ValueError in attncore's form, with nothing changed."""
-    pa = attncore.torch.PagedAttention(6, 4, 2)
-    pa.reserve(0, 4)
-    used = int(pa.page_table[0, 0])
-    if case == "negative capacity":
-        pa.capacity[0] = -5
-        message = "capacity is out of range (capacity[0]=-5, expected a multiple of page_size=4"
-    elif case == "capacity off a page":
-        pa.capacity[0] = 3
-        message = "capacity is out of range (capacity[0]=3"
-    elif case == "table mapped past capacity":
-        pa.page_table[0, 1] = pa.empty_pages[0]
-        message = "page_table maps a page past the sequence's capacity (page_table[0][1]="
-    else:
-        bad = {"page out of range": 100, "page in use": used, "page twice": pa.empty_pages[-1],
-               "float page": 1.5}[case]
-        pa.empty_pages[-2] = bad
-        message = f"empty_pages holds a page that is not free (page={bad!r}, expected distinct"
-    state = _paged_state(pa)
-    raises(ValueError, lambda: pa.reserve(0, 12), f"PagedAttention.reserve: {message}")
-    assert _same_state(pa, state)
-
-
-def test_paged_attention_erase_refuses_a_page_of_another_sequence():
-    """A page table row written to name another sequence's page: erase freed it while that
-    sequence held it (and reserve then gave it to a third); now refused, nothing erased."""
-    pa = attncore.torch.PagedAttention(4, 4, 3)
-    pa.reserve(0, 4)
-    pa.reserve(1, 4)
-    own, other = int(pa.page_table[0, 0]), int(pa.page_table[1, 0])
-    pa.page_table[0, 0] = other
-    state = _paged_state(pa)
-    raises(ValueError, lambda: pa.erase(0),
-           f"PagedAttention.erase: page_table maps a page this sequence was not given "
-           f"(page_table[0][0]={other}, expected each of the sequence's pages once, at the "
-           "place reserve gave it); nothing was erased")
-    assert _same_state(pa, state)
-    pa.page_table[0, 0] = own
-    pa.erase(0)
-    pa.reserve(2, 8)
-    assert other not in pa.page_table[2].tolist()
-
-
-def test_paged_attention_erase_refuses_a_table_entry_past_the_pages_erasing_nothing():
-    pa = attncore.torch.PagedAttention(4, 2, 1)
-    pa.reserve(torch.tensor(0), torch.tensor(4))
-    held = pa.page_table[0, 1].item()
-    pa.page_table[0, 1] = 99  # the public table, written by a caller
-    state = (pa.capacity.clone(), list(pa.empty_pages), pa.physical_to_logical.clone())
-    raises(ValueError, lambda: pa.erase(torch.tensor(0)),
-           "PagedAttention.erase: page_table is out of range (page_table[0][1]=99, expected -1 "
-           "or a page index in [0, n_pages=4)); nothing was erased")
-    assert torch.equal(pa.capacity, state[0]) and pa.empty_pages == state[1]
-    assert torch.equal(pa.physical_to_logical, state[2])
-    pa.page_table[0, 1] = held
-    pa.erase(torch.tensor(0))
-    assert sorted(pa.empty_pages) == [0, 1, 2, 3] and int(pa.capacity[0]) == 0
 
 
 class _Integer:
