@@ -299,22 +299,20 @@ class PagedAttention:
                              f"={int(rows[i])}, expected <= n_pages * page_size="
                              f"{self.n_pages * self.page_size})")
         physical = _torch.gather(self.page_table[batch_idx], 1, logical)
-        bad = (physical < 0) | (physical >= self.n_pages)  # (the public table, written over)
+        # The public table, written over: an entry out of range, or naming a page reserve did
+        # not give this sequence there.
+        outside = (physical < 0) | (physical >= self.n_pages)
+        bad = outside | ~self._given(batch_idx, physical, logical)
         if bool(bad.any()):
             i, j = (int(x) for x in bad.nonzero()[0])
-            raise ValueError(f"{op}: page_table is out of range where input_pos writes "
-                             f"(page_table[{int(batch_idx[i])}][{int(logical[i, j])}]="
-                             f"{int(physical[i, j])} for input_pos[{i}][{j}]="
-                             f"{int(input_pos[i, j])}, expected a page index in [0, n_pages="
-                             f"{self.n_pages})); nothing was written")
-        foreign = ~self._given(batch_idx, physical, logical)
-        if bool(foreign.any()):
-            i, j = (int(x) for x in foreign.nonzero()[0])
-            raise ValueError(f"{op}: page_table names a page this sequence was not given where "
-                             f"input_pos writes (page_table[{int(batch_idx[i])}]"
-                             f"[{int(logical[i, j])}]={int(physical[i, j])} for input_pos[{i}][{j}]="
-                             f"{int(input_pos[i, j])}, expected the page reserve gave it); "
-                             "nothing was written")
+            what, expected = (("is out of range", f"a page index in [0, n_pages={self.n_pages})")
+                              if outside[i, j] else
+                              ("names a page this sequence was not given",
+                               "the page reserve gave it"))
+            raise ValueError(f"{op}: page_table {what} where input_pos writes (page_table"
+                             f"[{int(batch_idx[i])}][{int(logical[i, j])}]={int(physical[i, j])} "
+                             f"for input_pos[{i}][{j}]={int(input_pos[i, j])}, expected "
+                             f"{expected}); nothing was written")
         addr = (physical * self.page_size + input_pos % self.page_size).reshape(-1)
         if addr.unique().numel() != addr.numel():
             raise ValueError(f"{op}: input_pos writes one slot twice (expected distinct slots)")
