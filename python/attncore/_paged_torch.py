@@ -194,7 +194,7 @@ class PagedAttention:
         start = have // self.page_size
         tail = self.empty_pages[-want:]
         indices = []
-        for i, page in enumerate(tail):
+        for page in tail:
             try:
                 indices.append(-1 if isinstance(page, bool) else operator.index(page))
             except TypeError:
@@ -244,7 +244,8 @@ class PagedAttention:
         twice &= mapped
         free = mapped & _torch.isin(row, _torch.tensor(self.empty_pages, dtype=row.dtype))
         # A page reserve gave another sequence (or none) would be freed while that one holds it.
-        foreign = mapped & ~self._given(_torch.tensor([b]), row[None], _torch.arange(row.numel()))[0]
+        given = self._given(_torch.tensor([b]), row[None], _torch.arange(row.numel()))[0]
+        foreign = mapped & ~given
         if bool((twice | free | foreign).any()):
             j = int((twice | free | foreign).nonzero()[0])
             what = "twice" if twice[j] else "that is free" if free[j] else \

@@ -50,8 +50,8 @@ std::int64_t element_bytes(const TensorView& t) {
 }
 
 // A sum of index differences times strides: sum_t k_t * stride_t with k_t in [lo_t, hi_t].
-// Terms of equal stride merge. Held in place: the checks of every call build a few (a decode
-// call's allocations were half of them).
+// Terms of equal stride merge. Held in place: the checks of every call build a few (14 of a
+// decode call's 36 heap allocations were theirs).
 class StrideSum {
  public:
   void add(Wide stride, Wide lo, Wide hi) {
