@@ -193,10 +193,7 @@ struct DirectKvScores : DirectKvStreams {
         }
       }
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 16
-        for (int j = 0; j < G; ++j) store(parts + (r * kLanes + j0 + j) * kLanes, acc[r][j]);
-      }
+      for (int r = 0; r < R; ++r) put_group<G>(acc[r], j0, parts + r * kLanes * kLanes);
     };
     auto keys = [&](auto whole, auto known) ATTNCORE_TARGET {
       for (int j0 = 0; j0 + kKeys <= kLanes; j0 += kKeys) {
@@ -219,7 +216,7 @@ struct DirectKvScores : DirectKvStreams {
     } else {
       with_known(std::false_type{});
     }
-    sum_parts(parts, R, kKeyTile, s);
+    sum_groups<kKeys>(parts, R, kKeyTile, s);
     clear_past(block, R, s);
   }
 #if ATTNCORE_BF16_DOT
@@ -260,14 +257,9 @@ struct DirectKvScores : DirectKvStreams {
         }
       }
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 16
-        for (int j = 0; j < kKeys; ++j) {
-          _mm512_storeu_ps(parts + (r * kLanes + j0 + j) * kLanes, acc[r][j]);
-        }
-      }
+      for (int r = 0; r < R; ++r) put_group<kKeys>(acc[r], j0, parts + r * kLanes * kLanes);
     }
-    sum_parts(parts, R, kKeyTile, s);
+    sum_groups<kKeys>(parts, R, kKeyTile, s);
     clear_past(block, R, s);
   }
 #endif

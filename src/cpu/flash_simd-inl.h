@@ -119,12 +119,21 @@ constexpr int halving_source(int lane, int upper) {
   const int slot = lane / half, i = lane % half + upper * half;
   return slot < keys ? slot * kGroup + i : kLanes + (slot - keys) * kGroup + i;
 }
-template <int kGroup, int... kLane>
+template <int kGroup, int kPairs, int... kLane>
 ATTNCORE_TARGET inline void halving_stage(Vec* v, std::integer_sequence<int, kLane...>) {
-  for (int i = 0; i < kGroup / 2; ++i) {  // kGroup vectors in, kGroup / 2 out
+  for (int i = 0; i < kPairs; ++i) {  // 2 kPairs vectors in, kPairs out
     const Vec x = v[2 * i], y = v[2 * i + 1];
     v[i] = __builtin_shufflevector(x, y, halving_source<kGroup>(kLane, 0)...) +
            __builtin_shufflevector(x, y, halving_source<kGroup>(kLane, 1)...);
+  }
+}
+// The stages from kGroup down to 2 over v [kGroup] (each of kLanes / kGroup keys' kGroup
+// partial sums), into v[0].
+template <int kGroup>
+ATTNCORE_TARGET inline void halving_stages(Vec* v) {
+  if constexpr (kGroup > 1) {
+    halving_stage<kGroup, kGroup / 2>(v, std::make_integer_sequence<int, kLanes>{});
+    halving_stages<kGroup / 2>(v);
   }
 }
 ATTNCORE_TARGET inline Vec reduce_sums(Vec (&v)[kLanes]) {
@@ -155,13 +164,32 @@ ATTNCORE_TARGET inline Vec reduce_sums(Vec (&v)[kLanes]) {
       _mm256_shuffle_ps(quarter[0], quarter[1], _MM_SHUFFLE(3, 1, 3, 1));
   return _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 #else
-  constexpr auto lanes = std::make_integer_sequence<int, kLanes>{};
-  if constexpr (kLanes >= 16) halving_stage<16>(v, lanes);
-  if constexpr (kLanes >= 8) halving_stage<8>(v, lanes);
-  halving_stage<4>(v, lanes);
-  halving_stage<2>(v, lanes);
+  halving_stages<kLanes>(v);
   return v[0];
 #endif
+}
+
+// reduce_sums in two steps, for sums formed a group of G keys at a time (G a power of 2 that
+// divides kLanes; not on AVX2, whose reduce_sums orders its stages otherwise): reduce_group<G>
+// takes a group's G vectors (keys j0 .. j0 + G - 1, j0 a multiple of G) through reduce_sums'
+// first log2(G) stages, which pair those keys only, into one vector (its keys' kLanes / G
+// partial sums each); reduce_groups<G> takes the kLanes / G such vectors, in key order,
+// through the rest. Lane j is reduce_sums' (so reduce_sum's) bits: reduce_sums_test.
+template <int G, int kGroup = kLanes>
+ATTNCORE_TARGET inline Vec reduce_group(Vec* v) {
+  static_assert(ATTNCORE_LANES != 8 && G >= 1 && kLanes % G == 0, "a group of reduce_sums");
+  if constexpr (G > 1) {
+    halving_stage<kGroup, G / 2>(v, std::make_integer_sequence<int, kLanes>{});
+    return reduce_group<G / 2, kGroup / 2>(v);
+  } else {
+    return v[0];
+  }
+}
+template <int G>
+ATTNCORE_TARGET inline Vec reduce_groups(Vec* v) {
+  static_assert(ATTNCORE_LANES != 8 && kLanes % G == 0, "a group of reduce_sums");
+  halving_stages<kLanes / G>(v);
+  return v[0];
 }
 
 // 2^x for a vector: x = n + f with n integral and |f| <= 1/2, 2^f by a degree-5 polynomial
