@@ -14,8 +14,10 @@
 #include <string>
 
 #include "attncore/info.h"
-#include "cpu/flash_simd-inl.h"
+// The target's macros, then the kernels' inline code compiled for it.
 #include "cpu/target_avx512.h"
+//
+#include "cpu/flash_simd-inl.h"
 
 namespace attncore::detail::avx512 {
 namespace {

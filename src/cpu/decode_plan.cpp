@@ -14,7 +14,8 @@ namespace {
 // process, the plans' calls in turn).
 const DecodePlan kPlans[] = {
     // Zen 4 (AMD family 0x19, which also holds Zen 3), and every CPU not named below (not
-    // measured). AVX-512 runs none of AVX2's schemes here (not measured on Zen 4 or Zen 5). On Zen
+    // measured). AVX-512 runs one of AVX2's schemes here, f32 rows' key groups over several
+    // heads; the others ran slower on Zen 4 (below; not measured on Zen 5). On Zen
     // 3 (AVX2, probe 18-20 GB/s) the plans tried (this one, zen5's, no near
     // K, no V leads, near K into L1) read within the run-to-run noise of each other (5-10
     // points), bound by the AVX2 kernels' instructions as much as by memory: it keeps this
@@ -46,15 +47,20 @@ const DecodePlan kPlans[] = {
     //   f16 74/74 -> 84/85, 78/79 -> 75/83, 79/76 -> 82/76. One f32 row's (8 keys ahead), 9 and
     //   11 passes: 73/74 -> 81/83, 71/71 -> 78/80 (4 or 16 keys into L2 as 8; earlier kernels
     //   had read no more with it in L2).
-    {"zen4", false, 12288, true, 8, 64, false, false, false, false, false, false, false, true, 4096,
-     false},
+    // - One f32 row per head over several heads (MHA [B, L, Hkv, D], pages) scored 4 keys at a
+    //   time head after head (heads_key_groups_f32; AVX-512 kernels, Hq = Hkv = 32, 1 thread, the
+    //   two in turn in one process, median speed ratio of 9 rounds): Lk = 16384 [B, L, Hkv, D]
+    //   1.07, p16 1.09; Lk = 4096 1.07, 1.10. 16-bit K widened so ran slower (f16 0.95-0.97),
+    //   and the one pass of P . V across heads (heads_one_pass) too (0.86-0.91, f32 and bf16).
+    {"zen4", false, 12288, true, 8, 64, false, false, true, false, false, false, false, false, true,
+     4096, false},
     // Zen 5 (AMD family 0x1A and later). Near K rows into L1, f32 rows also 3 KiB ahead, a
     // block's first (MHA f32 82/81 -> 88/86, GQA f32 76/65 -> 80/72 and 68/62 -> 78/73 in two
     // runs of 9 passes against once; 16-bit rows ran slower twice: bf16 97/92 -> 89/88); no V
     // prefetch for an f32 row (80/79 against 78/76 at 8 keys); other V into L1 (as measured
     // there before the plans).
-    {"zen5", true, 3072, false, 0, 0, true, false, false, false, false, false, false, true, 4096,
-     false},
+    {"zen5", true, 3072, false, 0, 0, true, false, false, false, false, false, false, false, true,
+     4096, false},
     // Intel (GenuineIntel; measured on one Xeon with AVX512-FP16 and AMX, family 6 model 0xA7
     // as its hypervisor reports it, probe 16 GB/s on 1 thread). Zen 4's prefetches: no placement
     // moved decode there (the zen5 plan and none at all within 0.93-1.04 of them, MHA and GQA,
@@ -104,8 +110,8 @@ const DecodePlan kPlans[] = {
     //   bench --decode against the commit before, separate processes in turn, 4 rounds, median
     //   ratio, Lk = 4096/16384: bf16 BLHD 1.02/1.05, p16 1.04/1.04; f16 BLHD 1.06/1.07, p16
     //   1.05/1.03; f32 BLHD 1.01/1.01, p16 0.98/1.00.
-    {"intel", false, 12288, true, 8, 64, false, true, true, true, true, true, true, false, 4096,
-     true},
+    {"intel", false, 12288, true, 8, 64, false, true, true, true, true, true, true, true, false,
+     4096, true},
 };
 
 std::atomic<const DecodePlan*> scoped{nullptr};

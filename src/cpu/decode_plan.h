@@ -5,6 +5,7 @@
 // element as the others do, so every plan gives the same bits.
 #pragma once
 
+#include <cstddef>
 #include <string>
 
 namespace attncore::detail {
@@ -33,9 +34,11 @@ struct DecodePlan {
   // and V read at once: DirectKvStreams::score_tile_streams); AVX2 always does.
   bool one_row_streams;
   // One query row per head over several heads (MHA [B, L, Hkv, D], pages): scores 4 keys at a
-  // time head after head (DirectKvHeads::score_heads_key_groups), and P . V of a chunk of keys
-  // for every head in one pass (DirectKv::accumulate_heads); AVX2 always does both.
-  bool heads_key_groups;
+  // time head after head (DirectKvHeads::score_heads_key_groups), for f32 K, and for 16-bit K
+  // widened in registers (not on bf16 pairs); and P . V of a chunk of keys for every head in one
+  // pass (DirectKv::accumulate_heads); AVX2 always does all three.
+  bool heads_key_groups_f32;
+  bool heads_key_groups_16bit;
   bool heads_one_pass;
   // A group's 2 to 4 query rows over one head whose rows lie together (GQA [B, Hkv, L, D]) score
   // each whole key tile as 4 sequential streams, as one row's streams do
@@ -59,6 +62,12 @@ struct DecodePlan {
   // (DirectKvScores::score_rows; AVX2 always prefetches a group's rows before its products).
   int group_k_ahead_bytes;
   bool group_k_spread;
+
+  // Whether one row per head over several heads scores K of this element size (4: f32, 2:
+  // 16-bit widened) by score_heads_key_groups.
+  bool heads_key_groups(std::size_t element_bytes) const {
+    return element_bytes == 4 ? heads_key_groups_f32 : heads_key_groups_16bit;
+  }
 };
 
 // The plan for a CPU: `vendor` as cpuid gives it ("AuthenticAMD", ...) and its x86 family

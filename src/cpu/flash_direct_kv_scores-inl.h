@@ -433,7 +433,7 @@ struct DirectKvScores : DirectKvStreams {
 #endif
       for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
         const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
-        if (kLanes == 8 || (q_pairs == nullptr && plan.heads_key_groups)) {
+        if (kLanes == 8 || (q_pairs == nullptr && plan.heads_key_groups(sizeof(T)))) {
           if constexpr (sizeof(T) == 4) {
             score_heads_key_groups(k, k_at + c0, block, F32{}, d, heads, k_step, head_floats, q,
                                    s + c0, widened, 0, ahead - c0);

@@ -64,7 +64,8 @@ struct DirectKvStreams : DirectKvHeads {
                                                        std::int64_t rows, bool pairs, DType dtype) {
     const DecodePlan& plan = decode_plan();
     const std::int64_t r = rows_computed(rows);
-    return kLanes == 16 && plan.heads_overlap && plan.heads_key_groups && heads > 1 &&
+    return kLanes == 16 && plan.heads_overlap &&
+           plan.heads_key_groups(dtype == DType::f32 ? 4 : 2) && heads > 1 &&
            (rows == 1 || (r <= 4 && dtype != DType::f32)) && !pairs && d % kLanes == 0 &&
            heads * (r * kLanes * kLanes + d / 2) <= d * kKeyTile;
   }
