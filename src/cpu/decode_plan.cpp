@@ -52,8 +52,14 @@ const DecodePlan kPlans[] = {
     //   two in turn in one process, median speed ratio of 9 rounds): Lk = 16384 [B, L, Hkv, D]
     //   1.07, p16 1.09; Lk = 4096 1.07, 1.10. 16-bit K widened so ran slower (f16 0.95-0.97),
     //   and the one pass of P . V across heads (heads_one_pass) too (0.86-0.91, f32 and bf16).
+    // - A GQA group's K over several heads (GQA [B, L, Hkv, D], pages) prefetched line by line
+    //   through the products (group_k_spread; not on bf16 pairs), the same A/B, Hq = 32, Hkv =
+    //   8, Lk = 16384: f32 [B, L, Hkv, D] 1.06-1.07, p16 1.07; f16 1.04, 1.04 (bf16 pairs 1.00);
+    //   then 6 KiB or 8 KiB ahead instead of 4: 1.00-1.04, 2 KiB 0.93-0.95. A group's rows over
+    //   one head as 4 streams (rows_streams, GQA [B, Hkv, L, D]): f32 0.93, f16 0.88, bf16 1.00;
+    //   with their P . V run with the next tile's streams (rows_overlap) 0.70, 0.82, 1.00.
     {"zen4", false, 12288, true, 8, 64, false, false, true, false, false, false, false, false, true,
-     4096, false},
+     4096, true},
     // Zen 5 (AMD family 0x1A and later). Near K rows into L1, f32 rows also 3 KiB ahead, a
     // block's first (MHA f32 82/81 -> 88/86, GQA f32 76/65 -> 80/72 and 68/62 -> 78/73 in two
     // runs of 9 passes against once; 16-bit rows ran slower twice: bf16 97/92 -> 89/88); no V
