@@ -53,8 +53,9 @@ const DecodePlan kPlans[] = {
     //   1.07, p16 1.09; Lk = 4096 1.07, 1.10. 16-bit K widened so ran slower (f16 0.95-0.97),
     //   and the one pass of P . V across heads (heads_one_pass) too (0.86-0.91, f32 and bf16).
     // - A GQA group's K over several heads (GQA [B, L, Hkv, D], pages) prefetched line by line
-    //   through the products (group_k_spread; not on bf16 pairs), the same A/B, Hq = 32, Hkv =
-    //   8, Lk = 16384: f32 [B, L, Hkv, D] 1.06-1.07, p16 1.07; f16 1.04, 1.04 (bf16 pairs 1.00);
+    //   through the products (group_k_spread), the same A/B, Hq = 32, Hkv = 8, Lk = 16384: f32
+    //   [B, L, Hkv, D] 1.06-1.07, p16 1.07; f16 1.04, 1.04; bf16 pairs (once their scores took
+    //   the prefetch too) 1.02-1.03 (in separate processes 1.05, 1.03);
     //   then 6 KiB or 8 KiB ahead instead of 4: 1.00-1.04, 2 KiB 0.93-0.95. A group's rows over
     //   one head as 4 streams (rows_streams, GQA [B, Hkv, L, D]): f32 0.93, f16 0.88, bf16 1.00;
     //   with their P . V run with the next tile's streams (rows_overlap) 0.70, 0.82, 1.00.
