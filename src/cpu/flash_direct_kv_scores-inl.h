@@ -500,13 +500,14 @@ struct DirectKvScores : DirectKvStreams {
       const std::int64_t ldk = block >= 2 ? even_stride(k_at + c0, block) : d;
       for (std::int64_t x = 0; x < heads; ++x) {
         const T* kx = k + x * k_step;
-        // AVX2, f32 rows of one head lying together, the block's evenly apart, several rows
-        // (GQA [B, Hkv, L, D]): the
-        // block's K prefetches spread over its rows' score_keys calls below (each row's share of
-        // the keys before it), not all before the first: Zen 3, 1 thread, Lk=16384, in-process
-        // A/B (median speed ratio of 11 rounds, two runs): 1.03, 1.07 (only the 12 KiB ones
-        // spread so: 1.05; also 24 KiB ahead: 1.04; 16-bit rows of one head, their prefetches
-        // spread over score_rows' groups of keys, then pairs: 0.98-1.02).
+        // f32 rows of one head lying together, the block's evenly apart, several rows (GQA [B,
+        // Hkv, L, D]): the block's K prefetches spread over its rows' score_keys calls below
+        // (each row's share of the keys before it), not all before the first: Zen 3 (AVX2), 1
+        // thread, Lk=16384, in-process A/B (median speed ratio of 11 rounds, two runs): 1.03,
+        // 1.07 (only the 12 KiB ones spread so: 1.05; also 24 KiB ahead: 1.04; 16-bit rows of
+        // one head, their prefetches spread over score_rows' groups of keys, then pairs:
+        // 0.98-1.02). Zen 4 (AVX-512), Hq=32 Hkv=8, separate processes in turn, 9-11 rounds:
+        // Lk=16384 1.06, 1.07; Lk=4096 1.02, 1.03.
         // AVX2, several rows over several heads (GQA [B, L, Hkv, D], pages): score_rows issues
         // the same prefetches, each group of keys (then two for 3-4 rows) its own before it (Zen 3,
         // 1 thread, Lk=16384,
@@ -518,7 +519,7 @@ struct DirectKvScores : DirectKvStreams {
         // AVX2, and AVX-512 where the decode plan says (group_k_spread), a group's rows over
         // several heads: score_rows (score_rows_pairs) prefetches their K.
         const bool in_rows = heads > 1 && by_rows && (kLanes == 8 || plan.group_k_spread);
-        const bool spread = kLanes == 8 && sizeof(T) == 4 && near && rows > 1 && ldk != 0;
+        const bool spread = sizeof(T) == 4 && near && rows > 1 && ldk != 0;
         if (!spread && !in_rows) {
           prefetch_block(kx, k_at, c0, 0, kLanes, lead, also, interleaved, near_l1, ahead, d);
         }
