@@ -6,14 +6,10 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 
-#include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <random>
-#include <sstream>
-#include <string>
 
-#include "attncore/info.h"
+#include "testing/lane_sums.h"
 // The target's macros, then the kernels' inline code compiled for it.
 #include "cpu/target_avx512.h"
 //
@@ -22,20 +18,10 @@
 namespace attncore::detail::avx512 {
 namespace {
 
-bool runs_avx512() {
-  const CpuInfo cpu = cpu_info();
-  std::istringstream features(ATTNCORE_TARGET_FEATURES);
-  for (std::string f; features >> f;) {
-    if (!cpu.has(f)) return false;
-  }
-  return true;
-}
-
-// values [kLanes keys][kLanes]: lane j of the two steps with groups of G keys, and of
-// reduce_sums, and reduce_sum of key j's vector, as bits.
+// values [kLanes keys][kLanes]: lane j of the two steps with groups of G keys (grouped), and
+// reduce_sum of key j's vector (one_by_one), as bits; reduce_sums itself must give the latter.
 template <int G>
-ATTNCORE_TARGET void sums(const float* values, std::uint32_t* grouped, std::uint32_t* at_once,
-                          std::uint32_t* one_by_one) {
+ATTNCORE_TARGET void sums(const float* values, std::uint32_t* grouped, std::uint32_t* one_by_one) {
   Vec groups[kLanes / G];
   for (int j0 = 0; j0 < kLanes; j0 += G) {
     Vec v[G];
@@ -45,48 +31,25 @@ ATTNCORE_TARGET void sums(const float* values, std::uint32_t* grouped, std::uint
   float out[kLanes];
   store(out, reduce_groups<G>(groups));
   std::memcpy(grouped, out, sizeof out);
-  Vec all[kLanes];
-  for (int j = 0; j < kLanes; ++j) all[j] = load(values + j * kLanes);
-  store(out, reduce_sums(all));
-  std::memcpy(at_once, out, sizeof out);
   for (int j = 0; j < kLanes; ++j) {
     const float s = reduce_sum(load(values + j * kLanes));
     std::memcpy(one_by_one + j, &s, sizeof s);
   }
-}
-
-template <int G>
-void check_groups_of() {
-  std::mt19937 rng(11 + G);
-  std::uniform_real_distribution<float> mantissa(-1.0f, 1.0f);
-  std::uniform_int_distribution<int> exponent(-20, 20);
-  int order_sensitive = 0;  // lanes whose plain-order sum differs: the data can tell orders
-  for (int round = 0; round < 200; ++round) {
-    float values[kLanes * kLanes];
-    for (float& x : values) x = std::ldexp(mantissa(rng), exponent(rng));
-    std::uint32_t grouped[kLanes], at_once[kLanes], one_by_one[kLanes];
-    sums<G>(values, grouped, at_once, one_by_one);
-    for (int j = 0; j < kLanes; ++j) {
-      ASSERT_EQ(grouped[j], one_by_one[j])
-          << "groups of " << G << ", round " << round << ", lane " << j;
-      ASSERT_EQ(at_once[j], one_by_one[j]) << "round " << round << ", lane " << j;
-      float plain = 0.0f;
-      for (int i = 0; i < kLanes; ++i) plain += values[j * kLanes + i];
-      std::uint32_t plain_bits;
-      std::memcpy(&plain_bits, &plain, sizeof plain);
-      order_sensitive += plain_bits != one_by_one[j];
-    }
-  }
-  EXPECT_GT(order_sensitive, 100);
+  Vec all[kLanes];
+  for (int j = 0; j < kLanes; ++j) all[j] = load(values + j * kLanes);
+  store(out, reduce_sums(all));
+  ASSERT_EQ(std::memcmp(out, one_by_one, sizeof out), 0) << "reduce_sums";
 }
 
 TEST(ReduceSums, Avx512GroupsOfKeysHaveReduceSumsBits) {
-  if (!runs_avx512()) GTEST_SKIP() << "this CPU lacks some of: " ATTNCORE_TARGET_FEATURES;
-  check_groups_of<1>();
-  check_groups_of<2>();
-  check_groups_of<4>();
-  check_groups_of<8>();
-  check_groups_of<16>();
+  if (!test::cpu_runs(ATTNCORE_TARGET_FEATURES)) {
+    GTEST_SKIP() << "this CPU lacks some of: " ATTNCORE_TARGET_FEATURES;
+  }
+  test::expect_equal_lane_sums(kLanes, 12, sums<1>);
+  test::expect_equal_lane_sums(kLanes, 13, sums<2>);
+  test::expect_equal_lane_sums(kLanes, 15, sums<4>);
+  test::expect_equal_lane_sums(kLanes, 19, sums<8>);
+  test::expect_equal_lane_sums(kLanes, 27, sums<16>);
 }
 
 }  // namespace

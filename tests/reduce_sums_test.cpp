@@ -5,31 +5,19 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 
-#include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <random>
-#include <sstream>
-#include <string>
 
-#include "attncore/info.h"
+#include "testing/lane_sums.h"
+// The target's macros, then the kernels' inline code compiled for it.
 #include "cpu/target_avx2.h"
+//
 #include "cpu/flash_simd-inl.h"
 
 namespace attncore::detail::avx2 {
 namespace {
 
-// Whether this CPU runs the avx2 target (the features it is compiled for).
-bool runs_avx2() {
-  const CpuInfo cpu = cpu_info();
-  std::istringstream features(ATTNCORE_TARGET_FEATURES);
-  for (std::string f; features >> f;) {
-    if (!cpu.has(f)) return false;
-  }
-  return true;
-}
-
-// Lane j of reduce_sums(v) and reduce_sum(v[j]) for v [kLanes][kLanes], as bits.
+// Lane j of reduce_sums(v) (at_once) and reduce_sum(v[j]) (one_by_one) for v [kLanes][kLanes].
 ATTNCORE_TARGET void both(const float* values, std::uint32_t* at_once, std::uint32_t* one_by_one) {
   Vec v[kLanes];
   for (int j = 0; j < kLanes; ++j) v[j] = load(values + j * kLanes);
@@ -43,26 +31,10 @@ ATTNCORE_TARGET void both(const float* values, std::uint32_t* at_once, std::uint
 }
 
 TEST(ReduceSums, Avx2LanesHaveReduceSumsBits) {
-  if (!runs_avx2()) GTEST_SKIP() << "this CPU lacks some of: " ATTNCORE_TARGET_FEATURES;
-  std::mt19937 rng(7);
-  std::uniform_real_distribution<float> mantissa(-1.0f, 1.0f);
-  std::uniform_int_distribution<int> exponent(-20, 20);
-  int order_sensitive = 0;  // lanes whose sum in plain order differs: the data can tell orders
-  for (int round = 0; round < 200; ++round) {
-    float values[kLanes * kLanes];
-    for (float& x : values) x = std::ldexp(mantissa(rng), exponent(rng));
-    std::uint32_t at_once[kLanes], one_by_one[kLanes];
-    both(values, at_once, one_by_one);
-    for (int j = 0; j < kLanes; ++j) {
-      ASSERT_EQ(at_once[j], one_by_one[j]) << "round " << round << ", lane " << j;
-      float plain = 0.0f;
-      for (int i = 0; i < kLanes; ++i) plain += values[j * kLanes + i];
-      std::uint32_t plain_bits;
-      std::memcpy(&plain_bits, &plain, sizeof plain);
-      order_sensitive += plain_bits != one_by_one[j];
-    }
+  if (!test::cpu_runs(ATTNCORE_TARGET_FEATURES)) {
+    GTEST_SKIP() << "this CPU lacks some of: " ATTNCORE_TARGET_FEATURES;
   }
-  EXPECT_GT(order_sensitive, 100);
+  test::expect_equal_lane_sums(kLanes, 7, both);
 }
 
 }  // namespace
