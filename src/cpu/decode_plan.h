@@ -59,7 +59,8 @@ struct DecodePlan {
   // A GQA group's K rows over several heads prefetched this many bytes of each head ahead, into
   // L2 (DirectKvScores::scores): each block's rows before its scores, or, with
   // group_k_spread (AVX-512), each line as the products read the same line of their key's row
-  // (DirectKvScores::score_rows; AVX2 always prefetches a group's rows before its products).
+  // (DirectKvScores::score_rows, score_rows_pairs; AVX2 always prefetches a group's rows
+  // before its products).
   int group_k_ahead_bytes;
   bool group_k_spread;
 

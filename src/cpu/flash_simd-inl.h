@@ -174,7 +174,7 @@ ATTNCORE_TARGET inline Vec reduce_sums(Vec (&v)[kLanes]) {
 // takes a group's G vectors (keys j0 .. j0 + G - 1, j0 a multiple of G) through reduce_sums'
 // first log2(G) stages, which pair those keys only, into one vector (its keys' kLanes / G
 // partial sums each); reduce_groups<G> takes the kLanes / G such vectors, in key order,
-// through the rest. Lane j is reduce_sums' (so reduce_sum's) bits: reduce_sums_test.
+// through the rest. Lane j is reduce_sums' (so reduce_sum's) bits: reduce_groups_test.
 template <int G, int kGroup = kLanes>
 ATTNCORE_TARGET inline Vec reduce_group(Vec* v) {
   static_assert(ATTNCORE_LANES != 8 && G >= 1 && kLanes % G == 0, "a group of reduce_sums");
