@@ -34,11 +34,13 @@ struct DecodePlan {
   // and V read at once: DirectKvStreams::score_tile_streams); AVX2 always does.
   bool one_row_streams;
   // One query row per head over several heads (MHA [B, L, Hkv, D], pages): scores 4 keys at a
-  // time head after head (DirectKvHeads::score_heads_key_groups), for f32 K, and for 16-bit K
-  // widened in registers (not on bf16 pairs); and P . V of a chunk of keys for every head in one
-  // pass (DirectKv::accumulate_heads); AVX2 always does all three.
+  // time head after head (DirectKvHeads::score_heads_key_groups), for f32 K, for 16-bit K
+  // widened in registers, and on bf16 pairs (AVX512-BF16: score_heads_key_groups_pairs); and P .
+  // V of a chunk of keys for every head in one pass (DirectKv::accumulate_heads); AVX2 always
+  // does the first two and the third (it has no pairs).
   bool heads_key_groups_f32;
   bool heads_key_groups_16bit;
+  bool heads_key_groups_pairs;
   bool heads_one_pass;
   // A group's 2 to 4 query rows over one head whose rows lie together (GQA [B, Hkv, L, D]) score
   // each whole key tile as 4 sequential streams, as one row's streams do

@@ -222,6 +222,55 @@ struct DirectKvHeads {
     }
   }
 
+#if ATTNCORE_BF16_DOT
+  // score_heads_key_groups (one row per head) on bf16 pairs: q_pairs [heads][d / 2], D a
+  // multiple of 2 * kLanes; each (head, key) lane sum formed as score_keys_pairs forms it, so
+  // each score the one score_heads_by_key gives it (the same bits).
+  ATTNCORE_TARGET static void score_heads_key_groups_pairs(
+      const std::uint16_t* k, const std::int64_t* at, std::int64_t block, std::int64_t d,
+      std::int64_t heads, std::int64_t k_step, std::int64_t head_floats, const float* q_pairs,
+      float* s, float* parts, std::int64_t lead, std::int64_t ahead) {
+    constexpr int kKeys = 4;
+    for (int j0 = 0; j0 < kLanes; j0 += kKeys) {
+      const std::uint16_t* row[kKeys];
+      const std::uint16_t* next[kKeys];
+#pragma GCC unroll 8
+      for (int j = 0; j < kKeys; ++j) {
+        row[j] = j0 + j < block ? k + at[j0 + j] : block > 0 ? k + at[0] : nullptr;
+        next[j] = lead > 0 && j0 + j + lead < ahead ? k + at[j0 + j + lead] : nullptr;
+      }
+      const bool any = j0 < block;  // (a group wholly past the block: scores 0, nothing read)
+      for (std::int64_t x = 0; x < heads; ++x) {
+        __m512 acc[kKeys];
+#pragma GCC unroll 8
+        for (int j = 0; j < kKeys; ++j) acc[j] = _mm512_setzero_ps();
+        const float* qx = q_pairs + x * (d / 2);
+        const std::int64_t off = x * k_step;
+        for (std::int64_t e0 = 0; any && e0 < d; e0 += 2 * kLanes) {  // (one line of each row)
+#pragma GCC unroll 8
+          for (int j = 0; j < kKeys; ++j) {
+            if (next[j] != nullptr) __builtin_prefetch(next[j] + off + e0, 0, 2);
+          }
+          const __m512i qv = _mm512_loadu_si512(qx + e0 / 2);
+#pragma GCC unroll 8
+          for (int j = 0; j < kKeys; ++j) {
+            const __m512i kv = _mm512_loadu_si512(row[j] + off + e0);
+            acc[j] = _mm512_dpbf16_ps(acc[j], reinterpret_cast<const __m512bh&>(qv),
+                                      reinterpret_cast<const __m512bh&>(kv));
+          }
+        }
+        Vec sums[kKeys];
+#pragma GCC unroll 8
+        for (int j = 0; j < kKeys; ++j) sums[j] = j0 + j < block ? Vec(acc[j]) : Vec{};
+        put_group<kKeys>(sums, j0, parts + x * kLanes * kLanes);
+      }
+    }
+    for (std::int64_t x = 0; x < heads; ++x) {
+      sum_groups<kKeys>(parts + x * kLanes * kLanes, 1, kKeyTile, s + x * head_floats);
+    }
+  }
+#endif
+
   // score_heads_by_key for 16-bit K widened in registers (f16, or bf16 under an f32 query): the
   // lane sums of kLanes heads at a time kept in registers and summed across lanes together,
   // reduce_sums giving head x0 + x's score in lane x (the bits of reduce_sum'ing each), into

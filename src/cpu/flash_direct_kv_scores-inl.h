@@ -424,7 +424,8 @@ struct DirectKvScores : DirectKvStreams {
     // 68/65; 2 threads (% of the 2-thread probe) BLHD 76/64 -> 86/78, p16 71/60 -> 89/73, p256
     // 73/64 -> 87/76. Pairs need D a multiple of 2 * kLanes and the queries as pairs, after
     // the partial sums in `widened`. AVX2, and AVX-512 where the decode plan says
-    // (heads_key_groups) and not on pairs: score_heads_key_groups, 4 keys at a time.
+    // (heads_key_groups_f32, _16bit, _pairs): score_heads_key_groups (on pairs
+    // score_heads_key_groups_pairs), 4 keys at a time.
     const bool by_key = heads > 1 && rows == 1 && d % kLanes == 0 &&
                         (sizeof(T) == 4 || !pairs || d % (2 * kLanes) == 0) &&
                         heads * kLanes * kLanes + heads * d / 2 <= d * kKeyTile;
@@ -444,6 +445,15 @@ struct DirectKvScores : DirectKvStreams {
 #endif
       for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
         const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
+#if ATTNCORE_BF16_DOT
+        if constexpr (sizeof(T) == 2) {
+          if (q_pairs != nullptr && plan.heads_key_groups_pairs) {
+            score_heads_key_groups_pairs(k, k_at + c0, block, d, heads, k_step, head_floats,
+                                         q_pairs, s + c0, widened, kByKeyLead, ahead - c0);
+            continue;
+          }
+        }
+#endif
         if (kLanes == 8 || (q_pairs == nullptr && plan.heads_key_groups(sizeof(T)))) {
           if constexpr (sizeof(T) == 4) {
             score_heads_key_groups(k, k_at + c0, block, F32{}, d, heads, k_step, head_floats, q,
