@@ -14,8 +14,9 @@ namespace {
 // process, the plans' calls in turn).
 const DecodePlan kPlans[] = {
     // Zen 4 (AMD family 0x19, which also holds Zen 3), and every CPU not named below (not
-    // measured). AVX-512 runs one of AVX2's schemes here, f32 rows' key groups over several
-    // heads; the others ran slower on Zen 4 (below; not measured on Zen 5). On Zen
+    // measured). AVX-512 runs some of AVX2's schemes here: key groups over several heads for
+    // f32 rows (and on bf16 pairs, which AVX2 lacks), and a group's K prefetches spread among its
+    // products; the others ran slower on Zen 4 (below; not measured on Zen 5). On Zen
     // 3 (AVX2, probe 18-20 GB/s) the plans tried (this one, zen5's, no near
     // K, no V leads, near K into L1) read within the run-to-run noise of each other (5-10
     // points), bound by the AVX2 kernels' instructions as much as by memory: it keeps this
@@ -57,8 +58,10 @@ const DecodePlan kPlans[] = {
     //   Lk = 4096 [B, L, Hkv, D] 1.04.
     // - A GQA group's K over several heads (GQA [B, L, Hkv, D], pages) prefetched line by line
     //   through the products (group_k_spread), the same A/B, Hq = 32, Hkv = 8, Lk = 16384: f32
-    //   [B, L, Hkv, D] 1.06-1.07, p16 1.07; f16 1.04, 1.04; bf16 pairs (once their scores took
-    //   the prefetch too) 1.02-1.03 (in separate processes 1.05, 1.03);
+    //   [B, L, Hkv, D] 1.06-1.07, p16 1.07; f16 1.04, 1.04 (in separate processes f32 1.08,
+    //   1.08, f16 1.02, 1.03); bf16 pairs (once their scores took the prefetch too) 1.02-1.03
+    //   (in separate processes 1.05, 1.03); f32 rows of one head ([B, Hkv, L, D]) spreading their
+    //   block's K prefetches over the rows' scores likewise (DirectKvScores::scores) 1.02-1.07;
     //   then 6 KiB or 8 KiB ahead instead of 4: 1.00-1.04, 2 KiB 0.93-0.95. A group's rows over
     //   one head as 4 streams (rows_streams, GQA [B, Hkv, L, D]): f32 0.93, f16 0.88, bf16 1.00;
     //   with their P . V run with the next tile's streams (rows_overlap) 0.70, 0.82, 1.00.

@@ -37,7 +37,7 @@ struct DecodePlan {
   // time head after head (DirectKvHeads::score_heads_key_groups), for f32 K, for 16-bit K
   // widened in registers, and on bf16 pairs (AVX512-BF16: score_heads_key_groups_pairs); and P .
   // V of a chunk of keys for every head in one pass (DirectKv::accumulate_heads); AVX2 always
-  // does the first two and the third (it has no pairs).
+  // does the first two and the one pass (it has no pairs).
   bool heads_key_groups_f32;
   bool heads_key_groups_16bit;
   bool heads_key_groups_pairs;
@@ -52,7 +52,7 @@ struct DecodePlan {
   // One query row per head over several heads (MHA [B, L, Hkv, D], pages, AVX-512), and a GQA
   // group's 16-bit rows likewise: each tile's P . V run with the next tile's scores, head by
   // head, 4 keys at a time (K and V read at once: DirectKv::heads_with_product); only with
-  // heads_key_groups (the order of those scores).
+  // the key groups for K's width (the order of those scores), never on bf16 pairs.
   bool heads_overlap;
   // A GQA group's 3 or more rows over several heads (GQA [B, L, Hkv, D], pages, AVX-512): each
   // chunk of P . V also prefetches its head's next chunk of V rows (kHeadVAhead bytes, into L2:
@@ -62,7 +62,8 @@ struct DecodePlan {
   // L2 (DirectKvScores::scores): each block's rows before its scores, or, with
   // group_k_spread (AVX-512), each line as the products read the same line of their key's row
   // (DirectKvScores::score_rows, score_rows_pairs; AVX2 always prefetches a group's rows
-  // before its products).
+  // before its products); with it, too, a group's f32 rows over one head ([B, Hkv, L, D]) spread
+  // each block's K prefetches over the rows' scores, as AVX2 always does (DirectKvScores::scores).
   int group_k_ahead_bytes;
   bool group_k_spread;
 

@@ -20,8 +20,9 @@ using F32 = std::integral_constant<DType, DType::f32>;
 using F16 = std::integral_constant<DType, DType::f16>;
 using Bf16 = std::integral_constant<DType, DType::bf16>;
 
-// 16-bit K scored key by key across heads (score_heads_by_key and, on AVX2,
-// score_heads_key_groups below): the rows this many keys
+// 16-bit K scored key by key across heads (score_heads_by_key and, on AVX2, and on bf16 pairs
+// where the decode plan says, the key groups below, whose lead was not measured apart): the
+// rows this many keys
 // on prefetched into L2, line by line as the products read theirs: bench --decode MHA Hkv=32, 1
 // thread, % of the probe, Lk=4096/16384, 7 interleaved passes: bf16 [B, L, Hkv, D] 69/70 ->
 // 74/74, p16 69/59 -> 79/65; f16 66/64 -> 67/65, p16 61/54 -> 64/58 (8 and 32 keys within
@@ -150,18 +151,20 @@ struct DirectKvHeads {
   // one head after another, each step of a head's row multiplied with kKeys keys' rows (one query
   // load, kKeys multiply-add chains: one key's chain alone left each step waiting on its latency),
   // so that K is read as kKeys streams in address order; each (key, head) lane sum formed as
-  // score_keys forms it, into `parts` ([heads][kLanes keys][kLanes]) and summed by sum_parts
-  // (the same bits). With `lead` > 0, each line read prefetches the same line of the key
-  // `lead` keys on, into L2 (16-bit: kByKeyLead; f32: none, as on AVX-512). Zen 3, 1 thread,
-  // % of the probe, Lk=16384, two runs of 3 interleaved passes against score_heads_by_key (f32)
-  // and score_heads_widened (16-bit): BLHD f32 69/71 -> 81/77, bf16 50/49 -> 55/57, f16 50/44
+  // score_keys forms it, into `parts` ([heads][kLanes keys][kLanes]; AVX-512: a vector per group
+  // of keys, put_group) and summed by sum_groups (the same bits). With `lead` > 0, each line read
+  // prefetches the same line of the key `lead` keys on, into L2 (16-bit: kByKeyLead; f32: none, as
+  // on AVX-512). Zen 3, 1 thread, % of the probe, Lk=16384, two runs of 3 interleaved passes
+  // against score_heads_by_key (f32) and score_heads_widened (16-bit): BLHD f32 69/71 -> 81/77,
+  // bf16 50/49 -> 55/57, f16 50/44
   // -> 56/57, p16 f32 70/55 -> 67/78, bf16 47/46 -> 48/46 (8 keys at once within the noise of
   // 4, 2 lower for f32: 62-64 against 68-72); kLanes heads' chains interleaved instead, each
   // step of the rows for every head in turn (K no longer read in address order): lower, f32
   // BLHD 56/64 -> 47/49, p16 61/61 -> 48/43.
   // R rows per head (a GQA group's, rows d apart from q + x * head_floats; S row r of head x at
   // x * head_floats + r * kKeyTile): each K vector loaded (widened) once for the R rows, their
-  // (row, key) lane sums in registers, `parts` [heads][R][kLanes keys][kLanes]; each score the
+  // (row, key) lane sums in registers, `parts` [heads][R][kLanes keys][kLanes] (put_group); each
+  // score the
   // one score_rows gives it (the same bits). `between(x, j0, kKeys)` runs after head x's scores
   // of keys j0 .. j0 + kKeys - 1 (DirectKv::heads_with_product: that head's P . V of the tile
   // before).

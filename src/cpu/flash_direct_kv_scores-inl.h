@@ -119,7 +119,8 @@ struct DirectKvScores : DirectKvStreams {
   // keys c < block, at k + at[c], into s[r * kKeyTile + c] for c < kLanes (0 past block): a
   // group of keys at a time, each K vector loaded (widened) once for the R rows, every (row,
   // key) lane sum in its own register, formed in score_keys' order and summed across lanes by
-  // reduce_sums (sum_parts over `parts`, R * kLanes * kLanes floats): the same bits. Keys past
+  // reduce_sums' stages (put_group and sum_groups over `parts`, R * kLanes * kLanes floats):
+  // the same bits. Keys past
   // block read key c0's row and their scores are then set to 0; a block of no keys reads
   // nothing. GQA Hq=32 Hkv=8
   // decode, 1 thread, % of the probe, Lk=4096/16384, 5 interleaved passes, against one key at
@@ -387,8 +388,8 @@ struct DirectKvScores : DirectKvStreams {
     // and at least 32 keys: MHA f32 75/76 -> 83/82, bf16 88/86 -> 97/94, f16 80/81 -> 88/85, GQA
     // f32 63/58 -> 65/60, bf16 67/66 -> 68/69; 4, 5 and 8 KiB within 3 points of 6, 12 KiB between
     // 6 and 16). Several heads (memory read in order): as many bytes of each head's rows as the
-    // core's decode plan says (group_k_ahead_bytes: 4 KiB; GQA's on Intel line by line through
-    // the products, group_k_spread), into L2 (bench
+    // core's decode plan says (group_k_ahead_bytes: 4 KiB; GQA's on Intel and Zen 4 line by line
+    // through the products, group_k_spread), into L2 (bench
     // --decode, BLHD Hkv=32 Lk=4096/16384, 1 thread, GB/s: f32 8 keys 26.0-26.4, 32 keys 24.7-25.5,
     // none 25.2-26.2, 32 keys into L1 21.3-23.3; bf16 16 keys 22.4-26.1, 8 keys 21.7-22.7).
     const DecodePlan& plan = decode_plan();
@@ -529,7 +530,8 @@ struct DirectKvScores : DirectKvStreams {
         // AVX2, and AVX-512 where the decode plan says (group_k_spread), a group's rows over
         // several heads: score_rows (score_rows_pairs) prefetches their K.
         const bool in_rows = heads > 1 && by_rows && (kLanes == 8 || plan.group_k_spread);
-        const bool spread = sizeof(T) == 4 && near && rows > 1 && ldk != 0;
+        const bool spread =
+            sizeof(T) == 4 && near && rows > 1 && ldk != 0 && (kLanes == 8 || plan.group_k_spread);
         if (!spread && !in_rows) {
           prefetch_block(kx, k_at, c0, 0, kLanes, lead, also, interleaved, near_l1, ahead, d);
         }
