@@ -49,6 +49,20 @@ struct DirectKvHeads {
     }
   }
 
+  // The rows of a group of G keys of a block (from key j0; keys past `block` read key 0's row,
+  // none where the block has no key) and the rows `lead` keys on (null past `ahead`, the rows
+  // resolved, or with no lead), for the key groups below.
+  template <int G, class T>
+  ATTNCORE_TARGET __attribute__((always_inline)) static inline void group_rows(
+      const T* k, const std::int64_t* at, int j0, std::int64_t block, std::int64_t lead,
+      std::int64_t ahead, const T* (&row)[G], const T* (&next)[G]) {
+#pragma GCC unroll 8
+    for (int j = 0; j < G; ++j) {
+      row[j] = j0 + j < block ? k + at[j0 + j] : block > 0 ? k + at[0] : nullptr;
+      next[j] = lead > 0 && j0 + j + lead < ahead ? k + at[j0 + j + lead] : nullptr;
+    }
+  }
+
   // The same from sums formed a group of G keys at a time (G divides kLanes): put_group keeps one
   // row's lane sums of keys j0 .. j0 + G - 1 (j0 a multiple of G) in that row's parts
   // (kLanes * kLanes floats), as reduce_group's one vector at slot j0 / G (AVX2: each key's
@@ -178,11 +192,7 @@ struct DirectKvHeads {
     for (int j0 = 0; j0 < kLanes; j0 += kKeys) {
       const T* row[kKeys];
       const T* next[kKeys];
-#pragma GCC unroll 8
-      for (int j = 0; j < kKeys; ++j) {
-        row[j] = j0 + j < block ? k + at[j0 + j] : block > 0 ? k + at[0] : nullptr;
-        next[j] = lead > 0 && j0 + j + lead < ahead ? k + at[j0 + j + lead] : nullptr;
-      }
+      group_rows(k, at, j0, block, lead, ahead, row, next);
       const bool any = j0 < block;  // (a group wholly past the block: scores 0, nothing read)
       for (std::int64_t x = 0; x < heads; ++x) {
         Vec acc[R][kKeys];
@@ -237,11 +247,7 @@ struct DirectKvHeads {
     for (int j0 = 0; j0 < kLanes; j0 += kKeys) {
       const std::uint16_t* row[kKeys];
       const std::uint16_t* next[kKeys];
-#pragma GCC unroll 8
-      for (int j = 0; j < kKeys; ++j) {
-        row[j] = j0 + j < block ? k + at[j0 + j] : block > 0 ? k + at[0] : nullptr;
-        next[j] = lead > 0 && j0 + j + lead < ahead ? k + at[j0 + j + lead] : nullptr;
-      }
+      group_rows(k, at, j0, block, lead, ahead, row, next);
       const bool any = j0 < block;  // (a group wholly past the block: scores 0, nothing read)
       for (std::int64_t x = 0; x < heads; ++x) {
         __m512 acc[kKeys];
