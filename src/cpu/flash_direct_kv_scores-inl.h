@@ -157,13 +157,8 @@ struct DirectKvScores : DirectKvStreams {
       const std::int64_t dd = d, lead_keys = lead, known_keys = ahead;
       const float* qq = q;
       const T* row[G];
-      const T* next[G];  // (AVX-512) the rows lead_keys on, or null
-#pragma GCC unroll 16
-      for (int j = 0; j < G; ++j) {
-        row[j] = k + at[j0 + j < block ? j0 + j : 0];
-        next[j] =
-            lead_keys > 0 && j0 + j + lead_keys < known_keys ? k + at[j0 + j + lead_keys] : nullptr;
-      }
+      const T* next[G];  // the rows lead_keys on, or null
+      group_rows(k, at, j0, block, lead_keys, known_keys, row, next);  // (block > 0 here)
       for (int j = 0; kLanes == 8 && j < G; ++j) {
         if (next[j] != nullptr) prefetch_lines<2>(next[j], dd);
       }
@@ -239,11 +234,7 @@ struct DirectKvScores : DirectKvStreams {
     for (int j0 = 0; j0 < kLanes; j0 += kKeys) {
       const std::uint16_t* row[kKeys];
       const std::uint16_t* next[kKeys];  // the rows `lead` keys on, or null (as score_rows)
-#pragma GCC unroll 16
-      for (int j = 0; j < kKeys; ++j) {
-        row[j] = k + at[j0 + j < block ? j0 + j : 0];
-        next[j] = lead > 0 && j0 + j + lead < ahead ? k + at[j0 + j + lead] : nullptr;
-      }
+      group_rows(k, at, j0, block, lead, ahead, row, next);  // (block > 0 here)
       __m512 acc[R][kKeys];
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
