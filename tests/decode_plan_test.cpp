@@ -113,9 +113,9 @@ TEST(DecodePlan, EveryPlanGivesTheSameBits) {
   const DecodePlan* known = detail::decode_plans(&machines);
   std::vector<DecodePlan> plans(known, known + machines);
   plans.push_back({"far", true, 1 << 30, true, 1000, 100000, true, true, true, true, true, true,
-                   true, true, true, true, 1 << 30, true});
-  plans.push_back({"far_l2", false, 1 << 30, false, 100000, 1000, false, false, false, false, false,
-                   false, false, false, false, false, 1, false});
+                   1 << 30, true, true, true, true, 1 << 30, true});
+  plans.push_back({"far_l2", false, 1 << 30, false, 100000, 1000, false, false, true, false, false,
+                   false, 100000, false, false, false, false, 1, false});
   // D = 128: a whole 8-vector column slice on AVX-512 (the heads' one pass, heads_one_pass).
   for (const std::int64_t dim : {64, 128}) {
     expect_same_bits(plans, dim);

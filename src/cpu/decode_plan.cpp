@@ -56,6 +56,10 @@ const DecodePlan kPlans[] = {
     //   bf16 pairs so (heads_key_groups_pairs; against each key's score of every head in turn,
     //   a reduce_sum each), the same A/B: Lk = 16384 [B, L, Hkv, D] 1.05, p16 1.06, p256 1.06;
     //   Lk = 4096 [B, L, Hkv, D] 1.04.
+    //   Then the f32 rows' K prefetched 32 keys on into L2, line by line through the key groups
+    //   (heads_f32_k_lead), against none, the same A/B, 5 rounds: D = 128, Lk = 16384: [B, L,
+    //   Hkv, D] 1.06-1.08, p16 1.06-1.07, p256 1.05; Lk = 4096: 1.07, p16 1.07; D = 64, Hkv = 8,
+    //   Lk = 65536: 1.31-1.33 (8, 16, 24, 48 and 64 keys within 0.03 of 32 at D = 128).
     // - A GQA group's K over several heads (GQA [B, L, Hkv, D], pages) prefetched line by line
     //   through the products (group_k_spread), the same A/B, Hq = 32, Hkv = 8, Lk = 16384: f32
     //   [B, L, Hkv, D] 1.06-1.07, p16 1.07; f16 1.04, 1.04 (in separate processes f32 1.08,
@@ -65,15 +69,15 @@ const DecodePlan kPlans[] = {
     //   then 6 KiB or 8 KiB ahead instead of 4: 1.00-1.04, 2 KiB 0.93-0.95. A group's rows over
     //   one head as 4 streams (rows_streams, GQA [B, Hkv, L, D]): f32 0.93, f16 0.88, bf16 1.00;
     //   with their P . V run with the next tile's streams (rows_overlap) 0.70, 0.82, 1.00.
-    {"zen4", false, 12288, true, 8, 64, false, false, true, false, true, false, false, false, false,
-     true, 4096, true},
+    {"zen4", false, 12288, true, 8, 64, false, false, true, false, true, false, 32, false, false,
+     false, true, 4096, true},
     // Zen 5 (AMD family 0x1A and later). Near K rows into L1, f32 rows also 3 KiB ahead, a
     // block's first (MHA f32 82/81 -> 88/86, GQA f32 76/65 -> 80/72 and 68/62 -> 78/73 in two
     // runs of 9 passes against once; 16-bit rows ran slower twice: bf16 97/92 -> 89/88); no V
     // prefetch for an f32 row (80/79 against 78/76 at 8 keys); other V into L1 (as measured
     // there before the plans).
-    {"zen5", true, 3072, false, 0, 0, true, false, false, false, false, false, false, false, false,
-     true, 4096, false},
+    {"zen5", true, 3072, false, 0, 0, true, false, false, false, false, false, 0, false, false,
+     false, true, 4096, false},
     // Intel (GenuineIntel; measured on one Xeon with AVX512-FP16 and AMX, family 6 model 0xA7
     // as its hypervisor reports it, probe 16 GB/s on 1 thread). Zen 4's prefetches: no placement
     // moved decode there (the zen5 plan and none at all within 0.93-1.04 of them, MHA and GQA,
@@ -123,7 +127,7 @@ const DecodePlan kPlans[] = {
     //   bench --decode against the commit before, separate processes in turn, 4 rounds, median
     //   ratio, Lk = 4096/16384: bf16 BLHD 1.02/1.05, p16 1.04/1.04; f16 BLHD 1.06/1.07, p16
     //   1.05/1.03; f32 BLHD 1.01/1.01, p16 0.98/1.00.
-    {"intel", false, 12288, true, 8, 64, false, true, true, true, false, true, true, true, true,
+    {"intel", false, 12288, true, 8, 64, false, true, true, true, false, true, 0, true, true, true,
      false, 4096, true},
 };
 

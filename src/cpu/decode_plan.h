@@ -42,6 +42,9 @@ struct DecodePlan {
   bool heads_key_groups_16bit;
   bool heads_key_groups_pairs;
   bool heads_one_pass;
+  // Those f32 rows' key groups on AVX-512 prefetch K rows this many keys on into L2, line by
+  // line as the products read theirs (0: none; AVX2 prefetches none: kByKeyLead).
+  int heads_f32_k_lead;
   // A group's 2 to 4 query rows over one head whose rows lie together (GQA [B, Hkv, L, D]) score
   // each whole key tile as 4 sequential streams, as one row's streams do
   // (DirectKvStreams::score_tile_streams<R>).

@@ -26,7 +26,8 @@ using Bf16 = std::integral_constant<DType, DType::bf16>;
 // on prefetched into L2, line by line as the products read theirs: bench --decode MHA Hkv=32, 1
 // thread, % of the probe, Lk=4096/16384, 7 interleaved passes: bf16 [B, L, Hkv, D] 69/70 ->
 // 74/74, p16 69/59 -> 79/65; f16 66/64 -> 67/65, p16 61/54 -> 64/58 (8 and 32 keys within
-// noise of 16; f32 rows ran 2-4 points slower with it, and have none).
+// noise of 16; f32 rows ran 2-4 points slower with it, and on AVX2 have none; on AVX-512 their
+// key groups take the decode plan's lead, DecodePlan::heads_f32_k_lead).
 constexpr std::int64_t kByKeyLead = 16;
 
 // Nothing to run between the groups of keys of score_tile_streams or score_heads_key_groups.

@@ -27,6 +27,15 @@ constexpr std::int64_t kVLead = 32;
 // --decode, BLHD Hkv=32 Lk=4096/16384, 1 thread, GB/s: bf16 8 KiB (32 keys) 25.6-26.5, 4 KiB
 // 22.4-26.8, none 19.6-21.2; f32 8 KiB (16 keys) 24.2-26.4, 16 KiB 21.4-25.0, none 24.4-26.2.
 constexpr std::int64_t kHeadVAhead = 8192;
+// Each of those rows prefetched by at most this many chunks of keys (the ones furthest from it),
+// not by every chunk whose window it is in. Zen 4, MHA, 1 thread, in one process, the calls in
+// turn, 5 rounds, median speed ratio against every chunk: D = 64 (a window of 32 f32 rows or 64
+// 16-bit rows, prefetched up to 8 and 4 times), Hkv = 8, Lk = 65536, [B, L, Hkv, D]: f32 1.28,
+// bf16 1.13, f16 1.14, p16 f32 1.29, and Hkv = 32, Lk = 16384, f32 1.39 (each row once: f32
+// 1.31, bf16 1.15; 4 times: 1.20, 1.00); D = 128 (16 f32 rows, 4 times before; 32 16-bit rows,
+// twice, as still), Hkv = 32, Lk = 16384: f32 [B, L, Hkv, D] 1.03, p16 1.04, bf16 and f16
+// 0.99-1.01 (once: f32 0.93, bf16 p16 0.94). Not measured on Zen 5 or Intel's cores.
+constexpr std::int64_t kHeadVTimes = 2;
 
 // How far ahead of P . V the V rows of a one-head item are prefetched, in keys: into L1 and
 // into L2 (`ahead`, the rows known, for none; on AVX2 a group's rows use `l1` only, also over
@@ -44,7 +53,8 @@ struct VLead {
 struct DirectKvProducts : DirectKvScores {
   // Keys per chunk of P . V across the kv heads of a multi-head item (flash_tile_loop-inl.h),
   // each chunk prefetching the next kHeadVAhead bytes of its head's V rows (so each row is
-  // prefetched kHeadVAhead / row bytes / chunk times, which ran faster than once): bench
+  // prefetched kHeadVAhead / row bytes / chunk times, up to kHeadVTimes: more ran faster than
+  // once at D = 128, where f32 rows were prefetched 4 times): bench
   // --decode, 1 thread, % of the probe, Lk=4096/16384, interleaved, MHA f32 [B, L, Hkv, D]
   // 69/71 with 16 keys, 67/78 with 4, 67/66 with 2; p16 66/65 -> 78/74, p256 71/70 -> 77/77;
   // bf16 BLHD 73/69 -> 52/51 and f16 66/61 -> 50/48 with 4 (also with each row prefetched
@@ -445,6 +455,8 @@ struct DirectKvProducts : DirectKvScores {
     const std::int64_t prefetched = kLanes == 8 || (rows > 2 && !plan.group_v_next_chunk)
                                         ? 0
                                         : std::clamp<std::int64_t>(ahead - keys, 0, next);
+    // Of them, the far end's: the rows no more than kHeadVTimes chunks have asked for before.
+    const std::int64_t from = std::clamp<std::int64_t>(next - kHeadVTimes * keys, 0, prefetched);
     // One head per item, nothing prefetched for the next chunk (V one sequential stream): V rows
     // kVLead keys on, into L1 (or L2: the core's decode plan), as P . V runs (one f32 row, MHA:
     // as far as the plan says), and into L2 as far as the plan says (decode_plan.h; 0: not).
@@ -463,11 +475,11 @@ struct DirectKvProducts : DirectKvScores {
                          keys_or_none(plan.v_far), true, plan.v_into_l1};
     if (a.v.dtype == DType::f32) {
       const float* v = static_cast<const float*>(a.v.data) + v_shift;
-      if (prefetched > 0) prefetch_rows(p, v, at + keys, prefetched);
+      if (prefetched > from) prefetch_rows(p, v, at + keys + from, prefetched - from);
       accumulate_rows(p, v, at, ahead, lead, a.v.dtype, keys, rows, probs, dv_pad, alpha, out);
     } else {
       const std::uint16_t* v = static_cast<const std::uint16_t*>(a.v.data) + v_shift;
-      if (prefetched > 0) prefetch_rows(p, v, at + keys, prefetched);
+      if (prefetched > from) prefetch_rows(p, v, at + keys + from, prefetched - from);
       accumulate_rows(p, v, at, ahead, lead, a.v.dtype, keys, rows, probs, dv_pad, alpha, out);
     }
   }

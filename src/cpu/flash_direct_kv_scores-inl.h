@@ -407,7 +407,8 @@ struct DirectKvScores : DirectKvStreams {
     const bool interleaved = plan.near_k_f32_also_interleaved;
     const std::int64_t d_pad = (d + kLanes - 1) / kLanes * kLanes;
     // One row per head, several heads: key by key, K prefetched as the products run (16-bit:
-    // kByKeyLead) or not at all (f32) (bench --decode MHA 1 thread, % of the probe,
+    // kByKeyLead; f32 on AVX-512 as far as the decode plan says, heads_f32_k_lead; else not at
+    // all) (bench --decode MHA 1 thread, % of the probe,
     // Lk=4096/16384, interleaved with head by head: f32 [B, L, Hkv, D] 65/65 -> 73/73, p16
     // 61/59 -> 68/67, p256 63/65 -> 73/72, with each key's rows of every head prefetched `lead`
     // keys on in a burst per block 61/61; bf16 pairs BLHD 63/61 -> 66/66, p16 63/56 -> 69/59,
@@ -449,7 +450,8 @@ struct DirectKvScores : DirectKvStreams {
         if (kLanes == 8 || (q_pairs == nullptr && plan.heads_key_groups(sizeof(T)))) {
           if constexpr (sizeof(T) == 4) {
             score_heads_key_groups(k, k_at + c0, block, F32{}, d, heads, k_step, head_floats, q,
-                                   s + c0, widened, 0, ahead - c0);
+                                   s + c0, widened, kLanes == 16 ? plan.heads_f32_k_lead : 0,
+                                   ahead - c0);
           } else if (dtype == DType::f16) {
             score_heads_key_groups(k, k_at + c0, block, F16{}, d, heads, k_step, head_floats, q,
                                    s + c0, widened, kByKeyLead, ahead - c0);
