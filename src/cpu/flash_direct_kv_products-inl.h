@@ -34,7 +34,9 @@ constexpr std::int64_t kHeadVAhead = 8192;
 // bf16 1.13, f16 1.14, p16 f32 1.29, and Hkv = 32, Lk = 16384, f32 1.39 (each row once: f32
 // 1.31, bf16 1.15; 4 times: 1.20, 1.00); D = 128 (16 f32 rows, 4 times before; 32 16-bit rows,
 // twice, as still), Hkv = 32, Lk = 16384: f32 [B, L, Hkv, D] 1.03, p16 1.04, bf16 and f16
-// 0.99-1.01 (once: f32 0.93, bf16 p16 0.94). Not measured on Zen 5 or Intel's cores.
+// 0.99-1.01 (once: f32 0.93, bf16 p16 0.94). A GQA group's rows over several heads at D = 128
+// prefetch as before (16 keys a chunk: 16 f32 or 32 16-bit rows); other head sizes there, Zen 5
+// and Intel's cores: not measured.
 constexpr std::int64_t kHeadVTimes = 2;
 
 // How far ahead of P . V the V rows of a one-head item are prefetched, in keys: into L1 and
