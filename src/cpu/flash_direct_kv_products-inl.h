@@ -70,10 +70,15 @@ struct DirectKvProducts : DirectKvScores {
   // bf16 p16 74/74/56 -> 79/87/59, f16 p16 75/66/76 -> 83/83/63. GQA BLHD (Hkv=8) within the
   // noise either way with that prefetch (f32 59/55/47 without it, 44/48/58 with); a 16-bit
   // group's rows now prefetch their head's next chunk in accumulate instead (tile_accumulate).
+  // AVX-512 too takes one row's 16-bit V 8 keys at a time since each row's next-chunk prefetch
+  // is capped (kHeadVTimes): Zen 4, Hkv = 32, in one process, the calls in turn, median speed
+  // ratio against 16 keys, Lk = 16384, 9 rounds: bf16 [B, L, Hkv, D] 1.03, p16 1.07, f16 p256
+  // 1.03; Lk = 4096 bf16 [B, L, Hkv, D] and f16 p16 1.00; 5 rounds: f16 [B, L, Hkv, D] 1.02,
+  // p16 1.04-1.13 (4 keys 0.97-1.02, 32 keys 0.82-0.83; 8 keys with the prefetch of every
+  // chunk's whole window, 4 times a row, 0.93-1.01).
   ATTNCORE_TARGET static std::int64_t head_chunk(DType dtype, std::int64_t rows) {
     if (rows > 1) return 16;
-    if (dtype == DType::f32) return 4;
-    return kLanes == 8 ? 8 : 16;
+    return dtype == DType::f32 ? 4 : 8;
   }
 
   // V rows c < count of one head (at v + v_at[c]) into L2: the next chunk of P . V with
