@@ -75,9 +75,12 @@ struct DirectKvProducts : DirectKvScores {
   // ratio against 16 keys, Lk = 16384, 9 rounds: bf16 [B, L, Hkv, D] 1.03, p16 1.07, f16 p256
   // 1.03; Lk = 4096 bf16 [B, L, Hkv, D] and f16 p16 1.00; 5 rounds: f16 [B, L, Hkv, D] 1.02,
   // p16 1.04-1.13 (4 keys 0.97-1.02, 32 keys 0.82-0.83; 8 keys with the prefetch of every
-  // chunk's whole window, 4 times a row, 0.93-1.01).
+  // chunk's whole window, 4 times a row, 0.93-1.01). A GQA group's f32 rows likewise take 8
+  // keys on AVX-512 (16-bit rows 16): Zen 4, Hq = 32, Hkv = 8, the same A/B, 9 rounds, Lk =
+  // 16384: [B, L, Hkv, D] 1.06-1.08, p16 1.06-1.07, p256 1.07; Lk = 4096: 1.06, p16 1.07 (4
+  // keys 1.02-1.03, 32 keys 0.92; 16-bit rows in 8 keys 0.97, in 32 0.95-0.96).
   ATTNCORE_TARGET static std::int64_t head_chunk(DType dtype, std::int64_t rows) {
-    if (rows > 1) return 16;
+    if (rows > 1) return kLanes == 16 && dtype == DType::f32 ? 8 : 16;
     return dtype == DType::f32 ? 4 : 8;
   }
 
