@@ -114,6 +114,8 @@ TEST(DecodePlan, EveryPlanGivesTheSameBits) {
   std::vector<DecodePlan> plans(known, known + machines);
   plans.push_back({"far", true, 1 << 30, true, 1000, 100000, true, true, true, true, true, true,
                    1 << 30, true, true, true, true, 1 << 30, true});
+  // (far_l2 scores f32 rows over several heads by key groups, so that their K lead, far past a
+  // tile's rows, runs here too; zen5 keeps the path without them.)
   plans.push_back({"far_l2", false, 1 << 30, false, 100000, 1000, false, false, true, false, false,
                    false, 100000, false, false, false, false, 1, false});
   // D = 128: a whole 8-vector column slice on AVX-512 (the heads' one pass, heads_one_pass).

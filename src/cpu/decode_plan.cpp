@@ -94,7 +94,8 @@ const DecodePlan kPlans[] = {
     // - Several heads, [B, L, Hkv, D], avx512: key groups alone f32 1.09, bf16 1.06, f16 1.07;
     //   the one pass alone 1.12, 1.07, 1.08; both 1.20, 1.12, 1.17 (then 16-bit with P . V in
     //   chunks of 8 or 32 keys instead of 16, K prefetched 32 keys on or not at all: 1.01-1.05,
-    //   within the noise). Several heads' one pass run chunk by chunk with the next tile's
+    //   within the noise; 16-bit chunks are 8 keys since, as measured on Zen 4: head_chunk).
+    //   Several heads' one pass run chunk by chunk with the next tile's
     //   scores of each 16-key block: 0.98-1.04, not kept.
     // - A GQA group's rows (Hkv = 8, [B, Hkv, L, D], avx512), their K as 4 streams: f32 1.07,
     //   bf16 1.13, f16 1.15 (from L2, Hq = 4 Hkv = 1 Lk = 512-1024 in a loop: bf16 1.10, f32

@@ -43,7 +43,8 @@ struct DecodePlan {
   bool heads_key_groups_pairs;
   bool heads_one_pass;
   // Those f32 rows' key groups on AVX-512 prefetch K rows this many keys on into L2, line by
-  // line as the products read theirs (0: none; AVX2 prefetches none: kByKeyLead).
+  // line as the products read theirs (0: none; AVX2 prefetches none: kByKeyLead; nor do the
+  // key groups that run with P . V, heads_overlap).
   int heads_f32_k_lead;
   // A group's 2 to 4 query rows over one head whose rows lie together (GQA [B, Hkv, L, D]) score
   // each whole key tile as 4 sequential streams, as one row's streams do
@@ -58,8 +59,9 @@ struct DecodePlan {
   // the key groups for K's width (the order of those scores), never on bf16 pairs.
   bool heads_overlap;
   // A GQA group's 3 or more rows over several heads (GQA [B, L, Hkv, D], pages, AVX-512): each
-  // chunk of P . V also prefetches its head's next chunk of V rows (kHeadVAhead bytes, into L2:
-  // DirectKv::tile_accumulate), besides each column slice's lines 16 keys on.
+  // chunk of P . V also prefetches its head's next chunk of V rows (the far end of the next
+  // kHeadVAhead bytes, into L2: DirectKv::tile_accumulate), besides each column slice's lines 16
+  // keys on.
   bool group_v_next_chunk;
   // A GQA group's K rows over several heads prefetched this many bytes of each head ahead, into
   // L2 (DirectKvScores::scores): each block's rows before its scores, or, with

@@ -168,10 +168,10 @@ struct DirectKvHeads {
   // so that K is read as kKeys streams in address order; each (key, head) lane sum formed as
   // score_keys forms it, into `parts` ([heads][kLanes keys][kLanes]; AVX-512: a vector per group
   // of keys, put_group) and summed by sum_groups (the same bits). With `lead` > 0, each line read
-  // prefetches the same line of the key `lead` keys on, into L2 (16-bit: kByKeyLead; f32: none, as
-  // on AVX-512). Zen 3, 1 thread, % of the probe, Lk=16384, two runs of 3 interleaved passes
-  // against score_heads_by_key (f32) and score_heads_widened (16-bit): BLHD f32 69/71 -> 81/77,
-  // bf16 50/49 -> 55/57, f16 50/44
+  // prefetches the same line of the key `lead` keys on, into L2 (16-bit: kByKeyLead; f32: none on
+  // AVX2, on AVX-512 the decode plan's heads_f32_k_lead). Zen 3, 1 thread, % of the probe,
+  // Lk=16384, two runs of 3 interleaved passes against score_heads_by_key (f32) and
+  // score_heads_widened (16-bit): BLHD f32 69/71 -> 81/77, bf16 50/49 -> 55/57, f16 50/44
   // -> 56/57, p16 f32 70/55 -> 67/78, bf16 47/46 -> 48/46 (8 keys at once within the noise of
   // 4, 2 lower for f32: 62-64 against 68-72); kLanes heads' chains interleaved instead, each
   // step of the rows for every head in turn (K no longer read in address order): lower, f32

@@ -28,15 +28,18 @@ constexpr std::int64_t kVLead = 32;
 // 22.4-26.8, none 19.6-21.2; f32 8 KiB (16 keys) 24.2-26.4, 16 KiB 21.4-25.0, none 24.4-26.2.
 constexpr std::int64_t kHeadVAhead = 8192;
 // Each of those rows prefetched by at most this many chunks of keys (the ones furthest from it),
-// not by every chunk whose window it is in. Zen 4, MHA, 1 thread, in one process, the calls in
-// turn, 5 rounds, median speed ratio against every chunk: D = 64 (a window of 32 f32 rows or 64
-// 16-bit rows, prefetched up to 8 and 4 times), Hkv = 8, Lk = 65536, [B, L, Hkv, D]: f32 1.28,
-// bf16 1.13, f16 1.14, p16 f32 1.29, and Hkv = 32, Lk = 16384, f32 1.39 (each row once: f32
-// 1.31, bf16 1.15; 4 times: 1.20, 1.00); D = 128 (16 f32 rows, 4 times before; 32 16-bit rows,
-// twice, as still), Hkv = 32, Lk = 16384: f32 [B, L, Hkv, D] 1.03, p16 1.04, bf16 and f16
-// 0.99-1.01 (once: f32 0.93, bf16 p16 0.94). A GQA group's rows over several heads at D = 128
-// prefetch as before (16 keys a chunk: 16 f32 or 32 16-bit rows); other head sizes there, Zen 5
-// and Intel's cores: not measured.
+// not by every chunk whose window it is in; but a tile's first chunk also takes the rows the tile
+// before could not reach (none resolves more than kRowLead rows past its end: 16-bit rows of D =
+// 32, 128 in a window, separate processes in turn, 7 rounds, 1.03; D = 128 0.995-1.015). Zen 4,
+// MHA, 1 thread, in one process, the calls in turn, 5 rounds, median speed ratio against every
+// chunk: D = 64 (a window of 32 f32 rows or 64 16-bit rows, prefetched up to 8 and 4 times), Hkv =
+// 8, Lk = 65536, [B, L, Hkv, D]: f32 1.28, bf16 1.13, f16 1.14, p16 f32 1.29, and Hkv = 32, Lk =
+// 16384, f32 1.39 (each row once: f32 1.31, bf16 1.15; 4 times: 1.20, 1.00); D = 128 (16 f32 rows,
+// 4 times before; 32 16-bit rows, twice, as still), Hkv = 32, Lk = 16384: f32 [B, L, Hkv, D] 1.03,
+// p16 1.04, bf16 and f16 0.99-1.01 (once: f32 0.93, bf16 p16 0.94). A GQA group's 16-bit rows over
+// several heads at D = 128 prefetch as before (chunks of 16 keys, 32 rows a window); their f32
+// rows, now in chunks of 8 keys (head_chunk), ask for each of their 16 rows twice; other head sizes
+// there, Zen 5 and Intel's cores: not measured.
 constexpr std::int64_t kHeadVTimes = 2;
 
 // How far ahead of P . V the V rows of a one-head item are prefetched, in keys: into L1 and
@@ -270,10 +273,11 @@ struct DirectKvProducts : DirectKvScores {
   // GQA Hq=32 Hkv=8 Lk=16384 [B, Hkv, L, D], median/best of 15 rounds: 318/288 -> 280/248,
   // 275/246 -> 226/211 in another run of 11 ([B, L, Hkv, D] and pages, whose chunks are a
   // head's 16 keys: 8 within noise, and kept at 16; their cut tiles, run head by head with
-  // lead.one_head set, take 8). AVX-512 likewise (a slice of 4 vectors, the lines of 4 of each
-  // row): Zen 4, Hkv = 8, [B, Hkv, L, D], in one process, the calls in turn, 9 rounds, median
-  // speed ratio against 32 keys: Hq = 32 Lk = 16384 1.15, Lk = 4096 1.14; Hq = 48 1.10, Hq = 64
-  // 1.09 (16 keys 0.96, 64 keys 1.00; 16-bit rows in 8 keys 0.94-0.96, 16 keys 0.99-1.01).
+  // lead.one_head set, take 8). Every target likewise (on AVX-512, 4 rows: a slice of 4 vectors,
+  // the lines of 4 of each row; the generic target not measured): Zen 4, Hkv = 8, [B, Hkv, L, D],
+  // in one process, the calls in turn, 9 rounds, median speed ratio against 32 keys: Hq = 32 Lk =
+  // 16384 1.15, Lk = 4096 1.14; Hq = 48 1.10, Hq = 64 1.09 (16 keys 0.96, 64 keys 1.00; 16-bit rows
+  // in 8 keys 0.94-0.96, 16 keys 0.99-1.01).
   template <class T, int R>
   ATTNCORE_TARGET static void accumulate_chunks(const Params& p, const T* v,
                                                 const std::int64_t* v_at, std::int64_t ahead,
@@ -468,8 +472,12 @@ struct DirectKvProducts : DirectKvScores {
     const std::int64_t prefetched = kLanes == 8 || (rows > 2 && !plan.group_v_next_chunk)
                                         ? 0
                                         : std::clamp<std::int64_t>(ahead - keys, 0, next);
-    // Of them, the far end's: the rows no more than kHeadVTimes chunks have asked for before.
-    const std::int64_t from = std::clamp<std::int64_t>(next - kHeadVTimes * keys, 0, prefetched);
+    // Of them, the far end's, the rows fewer than kHeadVTimes chunks have asked for before; a
+    // tile's first chunk also those kRowLead or more rows into the tile, past what the tile
+    // before it resolved.
+    const std::int64_t far = next - kHeadVTimes * keys;
+    const std::int64_t from =
+        std::max<std::int64_t>(begin == 0 ? std::min(far, kRowLead - keys) : far, 0);
     // One head per item, nothing prefetched for the next chunk (V one sequential stream): V rows
     // kVLead keys on, into L1 (or L2: the core's decode plan), as P . V runs (one f32 row, MHA:
     // as far as the plan says), and into L2 as far as the plan says (decode_plan.h; 0: not).
