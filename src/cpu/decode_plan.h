@@ -27,7 +27,8 @@ struct DecodePlan {
   // (0: not; on AVX2 not for a GQA group's rows: flash_direct_kv_products-inl.h).
   int v_far;
   // V rows prefetched f32_row_v_lead or kVLead keys ahead (GQA on AVX-512: also each column
-  // slice's 16 keys ahead) into L1, else into L2.
+  // slice's 16 keys ahead, except a group's 16-bit rows over one head with v_far) into L1, else
+  // into L2.
   bool v_into_l1;
   // One query row over one head whose rows lie together (MHA [B, Hkv, L, D]) scores each whole
   // key tile as 4 sequential streams, with the P . V of the tile before it run between them (K
@@ -68,7 +69,8 @@ struct DecodePlan {
   // group_k_spread (AVX-512), each line as the products read the same line of their key's row
   // (DirectKvScores::score_rows, score_rows_pairs; AVX2 always prefetches a group's rows
   // before its products); with it, too, a group's f32 rows over one head ([B, Hkv, L, D]) spread
-  // each block's K prefetches over the rows' scores, as AVX2 always does (DirectKvScores::scores).
+  // each block's K prefetches over the rows' scores, as AVX2 always does, and its 16-bit rows
+  // there prefetch K line by line through the products, 6 KiB ahead (DirectKvScores::scores).
   int group_k_ahead_bytes;
   bool group_k_spread;
 

@@ -45,12 +45,14 @@ constexpr std::int64_t kHeadVTimes = 2;
 // How far ahead of P . V the V rows of a one-head item are prefetched, in keys: into L1 and
 // into L2 (`ahead`, the rows known, for none; on AVX2 a group's rows use `l1` only, also over
 // several heads: DirectKv::accumulate); whether the item is one head's (its V one sequential
-// stream); and whether the prefetches `l1` names (and, on AVX-512, GQA's column slices') go
-// into L1, or into L2 instead where the core's decode plan says so (v_into_l1).
+// stream); whether the prefetches `l1` names (and, on AVX-512, GQA's column slices') go
+// into L1, or into L2 instead where the core's decode plan says so (v_into_l1); and whether a
+// GQA group's column slices prefetch their lines 16 keys on (AVX-512: DirectKv::accumulate).
 struct VLead {
   std::int64_t l1, l2;
   bool one_head;
   bool into_l1;
+  bool slices;
 };
 
 // P . V of DirectKv items: one row, a group's rows, or one row per head over several heads,
@@ -176,7 +178,7 @@ struct DirectKvProducts : DirectKvScores {
           if constexpr (!kSlicedLead) {
             // GQA: this slice's lines of the row 16 keys on. (Each branch written out: through a
             // lambda, GCC 12 ran decode 2x slower.)
-            if (R > 2 && c + 16 < ahead) {
+            if (R > 2 && lead.slices && c + 16 < ahead) {
               if (lead.into_l1) {
                 prefetch_slice_lines<3>(v + v_at[c + 16] + e0,
                                         std::min<std::int64_t>(kCols, dv - e0), e0 == 0);
@@ -298,7 +300,7 @@ struct DirectKvProducts : DirectKvScores {
     float ones[kRows];
     std::fill_n(ones, kRows, 1.0f);
     for (std::int64_t c = 0; c < keys; c += chunk) {
-      const VLead none{ahead - c, ahead - c, lead.one_head, lead.into_l1};
+      const VLead none{ahead - c, ahead - c, lead.one_head, lead.into_l1, lead.slices};
       for (int r = 0; r < R; r += kRows) {
         accumulate<T, kRows>(p, v, v_at + c, ahead - c, r == 0 ? lead : none, dtype,
                              std::min(chunk, keys - c), probs + r * kKeyTile + c, dv_pad,
@@ -489,11 +491,18 @@ struct DirectKvProducts : DirectKvScores {
     // bf16 BLHD 202/161 -> 173/142, p16 242/233 -> 204/186; f32 BLHD 246/212 -> 256/229 and
     // 238/210 -> 248/215, p16 (Lk=4096) 250/203 -> 251/211).
     const bool group_lead = kLanes == 8 && rows > 2 && a.v.dtype != DType::f32;
+    // A group's 16-bit rows over one head, where the plan prefetches V far ahead (v_far), leave
+    // their column slices' prefetches out: the far one has brought those lines into L2 already
+    // (Zen 4, Hq = 32, Hkv = 8, [B, Hkv, L, D], 1 thread, in one process with 256 MiB read
+    // before each call, 7 rounds, median speed ratio: f16 Lk = 16384 1.016, 4096 1.015; bf16
+    // 1.047, 1.033; without the 32-key lead too 0.91-0.96; f32, which keeps them, 1.01-1.03,
+    // and 0.97 from L3; over several heads, [B, L, Hkv, D] and p16: 1.00-1.01, f32 0.99-1.00).
+    const bool slices = next > 0 || a.v.dtype == DType::f32 || plan.v_far == 0;
     const VLead lead =
-        next > 0 ? VLead{group_lead ? keys : ahead, ahead, false, plan.v_into_l1}
+        next > 0 ? VLead{group_lead ? keys : ahead, ahead, false, plan.v_into_l1, slices}
                  : VLead{rows > 1 || a.v.dtype != DType::f32 ? kVLead
                                                              : keys_or_none(plan.f32_row_v_lead),
-                         keys_or_none(plan.v_far), true, plan.v_into_l1};
+                         keys_or_none(plan.v_far), true, plan.v_into_l1, slices};
     if (a.v.dtype == DType::f32) {
       const float* v = static_cast<const float*>(a.v.data) + v_shift;
       if (prefetched > from) prefetch_rows(p, v, at + keys + from, prefetched - from);
