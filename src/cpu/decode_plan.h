@@ -70,7 +70,8 @@ struct DecodePlan {
   // (DirectKvScores::score_rows, score_rows_pairs; AVX2 always prefetches a group's rows
   // before its products); with it, too, a group's f32 rows over one head ([B, Hkv, L, D]) spread
   // each block's K prefetches over the rows' scores, as AVX2 always does, and its 16-bit rows
-  // there prefetch K line by line through the products, 6 KiB ahead (DirectKvScores::scores).
+  // there prefetch K line by line through the products, 6 KiB (at most kRowLead keys) ahead
+  // (DirectKvScores::scores).
   int group_k_ahead_bytes;
   bool group_k_spread;
 

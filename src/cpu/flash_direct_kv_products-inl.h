@@ -491,13 +491,16 @@ struct DirectKvProducts : DirectKvScores {
     // bf16 BLHD 202/161 -> 173/142, p16 242/233 -> 204/186; f32 BLHD 246/212 -> 256/229 and
     // 238/210 -> 248/215, p16 (Lk=4096) 250/203 -> 251/211).
     const bool group_lead = kLanes == 8 && rows > 2 && a.v.dtype != DType::f32;
-    // A group's 16-bit rows over one head, where the plan prefetches V far ahead (v_far), leave
-    // their column slices' prefetches out: the far one has brought those lines into L2 already
-    // (Zen 4, Hq = 32, Hkv = 8, [B, Hkv, L, D], 1 thread, in one process with 256 MiB read
-    // before each call, 7 rounds, median speed ratio: f16 Lk = 16384 1.016, 4096 1.015; bf16
-    // 1.047, 1.033; without the 32-key lead too 0.91-0.96; f32, which keeps them, 1.01-1.03,
-    // and 0.97 from L3; over several heads, [B, L, Hkv, D] and p16: 1.00-1.01, f32 0.99-1.00).
-    const bool slices = next > 0 || a.v.dtype == DType::f32 || plan.v_far == 0;
+    // A group's 16-bit rows over one head whose rows lie together, on AVX-512 where the plan
+    // prefetches V far ahead into L2 (v_far; the slices' then go into L2 too), leave their
+    // column slices' prefetches out: the far one has brought those lines into L2 already (Zen
+    // 4, Hq = 32, Hkv = 8, [B, Hkv, L, D], 1 thread, in one process with 256 MiB read before
+    // each call, 7 rounds, median speed ratio: f16 Lk = 16384 1.016, 4096 1.015; bf16 1.047,
+    // 1.033; without the 32-key lead too 0.86-0.93; f32, which keeps them, 1.01-1.03, and 0.97
+    // from L3; over several heads, [B, L, Hkv, D] and p16: 1.00-1.01, f32 0.99-1.00).
+    const bool together = ahead < 2 || at[1] - at[0] == p.head_dim_v;
+    const bool slices = next > 0 || a.v.dtype == DType::f32 || kLanes != 16 || plan.v_far == 0 ||
+                        plan.v_into_l1 || !together;
     const VLead lead =
         next > 0 ? VLead{group_lead ? keys : ahead, ahead, false, plan.v_into_l1, slices}
                  : VLead{rows > 1 || a.v.dtype != DType::f32 ? kVLead

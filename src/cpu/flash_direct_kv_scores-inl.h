@@ -522,12 +522,14 @@ struct DirectKvScores : DirectKvStreams {
                              kDirectRows * kLanes * kLanes <= d * kKeyTile;
         // AVX2, and AVX-512 where the decode plan says (group_k_spread), a group's rows over
         // several heads: score_rows (score_rows_pairs) prefetches their K; on AVX-512 a group's
-        // 16-bit rows over one head too, `lead` (6 KiB) ahead, not all of a block's before it
-        // (Zen 4, Hq = 32, Hkv = 8, [B, Hkv, L, D], 1 thread, in one process with 256 MiB read
-        // before each call, 7 rounds, median speed ratio: f16 Lk = 16384 1.05, 4096 1.05; bf16
-        // 1.02, 1.01; from L2, Lk 256 -> 1024, TSC ticks per key: f16 73 -> 69, bf16 60 -> 56;
-        // 8, 16, 32 or 48 keys ahead for 24: 0.71-0.97 in runs without the eviction).
-        const bool in_rows = (heads > 1 || (sizeof(T) == 2 && kLanes == 16)) && by_rows &&
+        // 16-bit rows over one head whose rows lie together too, `lead` (6 KiB, at most kRowLead
+        // keys) ahead, not all of a block's before it (Zen 4, Hq = 32, Hkv = 8, [B, Hkv, L, D], 1
+        // thread, in one process with 256 MiB read before each call, 7 rounds, median speed
+        // ratio: f16 Lk = 16384 1.05, 4096 1.05; bf16 1.02, 1.01; from L2, Lk 256 -> 1024, TSC
+        // ticks per key: f16 73 -> 69, bf16 60 -> 56; 8, 16, 32 or 48 keys ahead for 24:
+        // 0.71-0.97 in runs without the eviction; on Intel's cores, whose plan reads groups of up
+        // to 4 rows as streams, groups of more: not measured).
+        const bool in_rows = (heads > 1 || (sizeof(T) == 2 && kLanes == 16 && near)) && by_rows &&
                              (kLanes == 8 || plan.group_k_spread);
         const bool spread =
             sizeof(T) == 4 && near && rows > 1 && ldk != 0 && (kLanes == 8 || plan.group_k_spread);
