@@ -107,17 +107,22 @@ void expect_same_bits(const std::vector<DecodePlan>& plans, std::int64_t dim) {
 // and 4: each of the group kernels' row counts, 3 rows padded to 4 among them), f32,
 // bf16, f16 and an f32 query over a bf16 cache; Lk not a multiple of a block or a tile. Besides
 // the machines' plans, plans whose distances reach far past a tile's rows: a prefetch address
-// taken from past the rows a tile resolved would read past them (the sanitizers' builds).
+// taken from past the rows a tile resolved would read past them (the sanitizers' builds); and a
+// plan with none of the schemes.
 TEST(DecodePlan, EveryPlanGivesTheSameBits) {
   int machines = 0;
   const DecodePlan* known = detail::decode_plans(&machines);
   std::vector<DecodePlan> plans(known, known + machines);
-  plans.push_back({"far", true, 1 << 30, true, 1000, 100000, true, true, true, true, true, true,
-                   1 << 30, true, true, true, true, 1 << 30, true});
+  plans.push_back({"far", true, 1 << 30, true, 1000, 100000, true, true,    true, true,
+                   true,  true, 1 << 30, true, true, true,   true, 1 << 30, true, true});
   // (far_l2 scores f32 rows over several heads by key groups, so that their K lead, far past a
-  // tile's rows, runs here too; zen5 keeps the path without them.)
-  plans.push_back({"far_l2", false, 1 << 30, false, 100000, 1000, false, false, true, false, false,
-                   false, 100000, false, false, false, false, 1, false});
+  // tile's rows, runs here too.)
+  plans.push_back({"far_l2", false, 1 << 30, false, 100000, 1000,  false, false, true,  false,
+                   false,    false, 100000,  false, false,  false, false, 1,     false, false});
+  // None of AVX-512's schemes, no prefetch a plan can turn off: the paths no machine's plan
+  // takes (f32 rows over several heads key by key among them).
+  plans.push_back({"none", false, 0, false, 0,     0,     false, false, false, false,
+                   false,  false, 0, false, false, false, false, 0,     false, false});
   // D = 128: a whole 8-vector column slice on AVX-512 (the heads' one pass, heads_one_pass).
   for (const std::int64_t dim : {64, 128}) {
     expect_same_bits(plans, dim);

@@ -69,15 +69,31 @@ const DecodePlan kPlans[] = {
     //   then 6 KiB or 8 KiB ahead instead of 4: 1.00-1.04, 2 KiB 0.93-0.95. A group's rows over
     //   one head as 4 streams (rows_streams, GQA [B, Hkv, L, D]): f32 0.93, f16 0.88, bf16 1.00;
     //   with their P . V run with the next tile's streams (rows_overlap) 0.70, 0.82, 1.00.
-    {"zen4", false, 12288, true, 8, 64, false, false, true, false, true, false, 32, false, false,
-     false, true, 4096, true},
+    {"zen4", false, 12288, true,  8,     64,    false, false, true, false,
+     true,   false, 32,    false, false, false, true,  4096,  true, true},
     // Zen 5 (AMD family 0x1A and later). Near K rows into L1, f32 rows also 3 KiB ahead, a
     // block's first (MHA f32 82/81 -> 88/86, GQA f32 76/65 -> 80/72 and 68/62 -> 78/73 in two
     // runs of 9 passes against once; 16-bit rows ran slower twice: bf16 97/92 -> 89/88); no V
     // prefetch for an f32 row (80/79 against 78/76 at 8 keys); other V into L1 (as measured
-    // there before the plans).
-    {"zen5", true, 3072, false, 0, 0, true, false, false, false, false, false, 0, false, false,
-     false, true, 4096, false},
+    // there before the plans). Then, on Zen 5 (family 0x1A model 2, probe 36.7 GB/s on 1 thread),
+    // Hq = 32, 1 thread, in one process with 256 MiB read before each call, 7 rounds, median speed
+    // ratio, Lk = 4096/16384:
+    // - Zen 4's schemes added: one f32 row per head over several heads scored 4 keys at a time
+    //   head after head (heads_key_groups_f32), its P . V with the next tile's scores
+    //   (heads_overlap), and a GQA group's K over several heads, and its 16-bit rows over one
+    //   head, prefetched line by line through the products (group_k_spread): MHA f32 [B, L, Hkv,
+    //   D] 1.49/1.55, p16 1.56/1.57, p256 1.55/1.56 (key groups alone 1.24-1.25, then the overlap
+    //   1.13-1.20 on them, the one pass instead 1.15-1.16); GQA (Hkv = 8) f16 1.10-1.17 but p16
+    //   1.04/0.99, bf16 [B, L, Hkv, D] 1.04/1.06, p16 1.14/1.08, p256 1.02/1.11, f32 0.97-1.04;
+    //   the rest 0.98-1.03. A GQA group's f32 rows over one head ([B, Hkv, L, D]) spreading
+    //   their K prefetches (group_f32_near_spread, Zen 4's): 0.98/0.93, 0.91-0.93 in two earlier
+    //   runs, not kept; the f32 key groups' K lead (heads_f32_k_lead) 8 to 64 keys: 0.91-0.95;
+    //   16-bit key groups or the one pass: f16 0.85-0.94, bf16 0.92-1.03; bf16 pairs 0.95-1.01.
+    //   Each of the zen4 plan's other prefetches (MHA [B, Hkv, L, D]: near K into L2, V into L2
+    //   or 64 keys on, an f32 row's V 8 keys on, f32 K not also 3 KiB on): 0.93-1.05 of this
+    //   one, inside this machine's noise then (this plan against itself: 0.94-1.09).
+    {"zen5", true,  3072, false, 0,     0,    true, false, true, false,
+     false,  false, 0,    false, false, true, true, 4096,  true, false},
     // Intel (GenuineIntel; measured on one Xeon with AVX512-FP16 and AMX, family 6 model 0xA7
     // as its hypervisor reports it, probe 16 GB/s on 1 thread). Zen 4's prefetches: no placement
     // moved decode there (the zen5 plan and none at all within 0.93-1.04 of them, MHA and GQA,
@@ -128,8 +144,8 @@ const DecodePlan kPlans[] = {
     //   bench --decode against the commit before, separate processes in turn, 4 rounds, median
     //   ratio, Lk = 4096/16384: bf16 BLHD 1.02/1.05, p16 1.04/1.04; f16 BLHD 1.06/1.07, p16
     //   1.05/1.03; f32 BLHD 1.01/1.01, p16 0.98/1.00.
-    {"intel", false, 12288, true, 8, 64, false, true, true, true, false, true, 0, true, true, true,
-     false, 4096, true},
+    {"intel", false, 12288, true, 8,    64,   false, true, true, true,
+     false,   true,  0,     true, true, true, false, 4096, true, true},
 };
 
 std::atomic<const DecodePlan*> scoped{nullptr};

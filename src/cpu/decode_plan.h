@@ -68,12 +68,14 @@ struct DecodePlan {
   // L2 (DirectKvScores::scores): each block's rows before its scores, or, with
   // group_k_spread (AVX-512), each line as the products read the same line of their key's row
   // (DirectKvScores::score_rows, score_rows_pairs; AVX2 always prefetches a group's rows
-  // before its products); with it, too, a group's f32 rows over one head ([B, Hkv, L, D]) spread
-  // each block's K prefetches over the rows' scores, as AVX2 always does, and its 16-bit rows
-  // there prefetch K line by line through the products, 6 KiB (at most kRowLead keys) ahead
+  // before its products); with it, too, a group's 16-bit rows over one head ([B, Hkv, L, D])
+  // prefetch K line by line through the products, 6 KiB (at most kRowLead keys) ahead
   // (DirectKvScores::scores).
   int group_k_ahead_bytes;
   bool group_k_spread;
+  // A group's f32 rows over one head whose rows lie together ([B, Hkv, L, D]) spread each
+  // block's K prefetches over the rows' scores, not all before the first (AVX2 always does).
+  bool group_f32_near_spread;
 
   // Whether one row per head over several heads scores K of this element size (4: f32, 2:
   // 16-bit widened) by score_heads_key_groups.

@@ -531,8 +531,8 @@ struct DirectKvScores : DirectKvStreams {
         // to 4 rows as streams, groups of more: not measured).
         const bool in_rows = (heads > 1 || (sizeof(T) == 2 && kLanes == 16 && near)) && by_rows &&
                              (kLanes == 8 || plan.group_k_spread);
-        const bool spread =
-            sizeof(T) == 4 && near && rows > 1 && ldk != 0 && (kLanes == 8 || plan.group_k_spread);
+        const bool spread = sizeof(T) == 4 && near && rows > 1 && ldk != 0 &&
+                            (kLanes == 8 || plan.group_f32_near_spread);
         if (!spread && !in_rows) {
           prefetch_block(kx, k_at, c0, 0, kLanes, lead, also, interleaved, near_l1, ahead, d);
         }
