@@ -113,16 +113,43 @@ TEST(DecodePlan, EveryPlanGivesTheSameBits) {
   int machines = 0;
   const DecodePlan* known = detail::decode_plans(&machines);
   std::vector<DecodePlan> plans(known, known + machines);
-  plans.push_back({"far", true, 1 << 30, true, 1000, 100000, true, true,    true, true,
-                   true,  true, 1 << 30, true, true, true,   true, 1 << 30, true, true});
+  plans.push_back({.name = "far",
+                   .near_k_into_l1 = true,
+                   .near_k_f32_also_bytes = 1 << 30,
+                   .near_k_f32_also_interleaved = true,
+                   .f32_row_v_lead = 1000,
+                   .v_far = 100000,
+                   .v_into_l1 = true,
+                   .one_row_streams = true,
+                   .heads_key_groups_f32 = true,
+                   .heads_key_groups_16bit = true,
+                   .heads_key_groups_pairs = true,
+                   .heads_one_pass = true,
+                   .heads_f32_k_lead = 1 << 30,
+                   .rows_streams = true,
+                   .rows_overlap = true,
+                   .heads_overlap = true,
+                   .group_v_next_chunk = true,
+                   .group_k_ahead_bytes = 1 << 30,
+                   .group_k_spread = true,
+                   .group_f32_near_spread = true});
   // (far_l2 scores f32 rows over several heads by key groups, so that their K lead, far past a
   // tile's rows, runs here too.)
-  plans.push_back({"far_l2", false, 1 << 30, false, 100000, 1000,  false, false, true,  false,
-                   false,    false, 100000,  false, false,  false, false, 1,     false, false});
-  // None of AVX-512's schemes, no prefetch a plan can turn off: the paths no machine's plan
-  // takes (f32 rows over several heads key by key among them).
-  plans.push_back({"none", false, 0, false, 0,     0,     false, false, false, false,
-                   false,  false, 0, false, false, false, false, 0,     false, false});
+  DecodePlan far_l2{};  // (every field not set here false or 0)
+  far_l2.name = "far_l2";
+  far_l2.near_k_f32_also_bytes = 1 << 30;
+  far_l2.f32_row_v_lead = 100000;
+  far_l2.v_far = 1000;
+  far_l2.heads_key_groups_f32 = true;
+  far_l2.heads_f32_k_lead = 100000;
+  far_l2.group_k_ahead_bytes = 1;
+  plans.push_back(far_l2);
+  // None of AVX-512's schemes, no prefetch a plan can turn off (every field but the name false
+  // or 0): the paths no machine's plan takes (f32 rows over several heads key by key among
+  // them).
+  DecodePlan none{};
+  none.name = "none";
+  plans.push_back(none);
   // D = 128: a whole 8-vector column slice on AVX-512 (the heads' one pass, heads_one_pass).
   for (const std::int64_t dim : {64, 128}) {
     expect_same_bits(plans, dim);

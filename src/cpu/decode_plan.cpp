@@ -69,8 +69,26 @@ const DecodePlan kPlans[] = {
     //   then 6 KiB or 8 KiB ahead instead of 4: 1.00-1.04, 2 KiB 0.93-0.95. A group's rows over
     //   one head as 4 streams (rows_streams, GQA [B, Hkv, L, D]): f32 0.93, f16 0.88, bf16 1.00;
     //   with their P . V run with the next tile's streams (rows_overlap) 0.70, 0.82, 1.00.
-    {"zen4", false, 12288, true,  8,     64,    false, false, true, false,
-     true,   false, 32,    false, false, false, true,  4096,  true, true},
+    {.name = "zen4",
+     .near_k_into_l1 = false,
+     .near_k_f32_also_bytes = 12288,
+     .near_k_f32_also_interleaved = true,
+     .f32_row_v_lead = 8,
+     .v_far = 64,
+     .v_into_l1 = false,
+     .one_row_streams = false,
+     .heads_key_groups_f32 = true,
+     .heads_key_groups_16bit = false,
+     .heads_key_groups_pairs = true,
+     .heads_one_pass = false,
+     .heads_f32_k_lead = 32,
+     .rows_streams = false,
+     .rows_overlap = false,
+     .heads_overlap = false,
+     .group_v_next_chunk = true,
+     .group_k_ahead_bytes = 4096,
+     .group_k_spread = true,
+     .group_f32_near_spread = true},
     // Zen 5 (AMD family 0x1A and later). Near K rows into L1, f32 rows also 3 KiB ahead, a
     // block's first (MHA f32 82/81 -> 88/86, GQA f32 76/65 -> 80/72 and 68/62 -> 78/73 in two
     // runs of 9 passes against once; 16-bit rows ran slower twice: bf16 97/92 -> 89/88); no V
@@ -92,8 +110,26 @@ const DecodePlan kPlans[] = {
     //   Each of the zen4 plan's other prefetches (MHA [B, Hkv, L, D]: near K into L2, V into L2
     //   or 64 keys on, an f32 row's V 8 keys on, f32 K not also 3 KiB on): 0.93-1.05 of this
     //   one, inside this machine's noise then (this plan against itself: 0.94-1.09).
-    {"zen5", true,  3072, false, 0,     0,    true, false, true, false,
-     false,  false, 0,    false, false, true, true, 4096,  true, false},
+    {.name = "zen5",
+     .near_k_into_l1 = true,
+     .near_k_f32_also_bytes = 3072,
+     .near_k_f32_also_interleaved = false,
+     .f32_row_v_lead = 0,
+     .v_far = 0,
+     .v_into_l1 = true,
+     .one_row_streams = false,
+     .heads_key_groups_f32 = true,
+     .heads_key_groups_16bit = false,
+     .heads_key_groups_pairs = false,
+     .heads_one_pass = false,
+     .heads_f32_k_lead = 0,
+     .rows_streams = false,
+     .rows_overlap = false,
+     .heads_overlap = true,
+     .group_v_next_chunk = true,
+     .group_k_ahead_bytes = 4096,
+     .group_k_spread = true,
+     .group_f32_near_spread = false},
     // Intel (GenuineIntel; measured on one Xeon with AVX512-FP16 and AMX, family 6 model 0xA7
     // as its hypervisor reports it, probe 16 GB/s on 1 thread). Zen 4's prefetches: no placement
     // moved decode there (the zen5 plan and none at all within 0.93-1.04 of them, MHA and GQA,
@@ -144,8 +180,26 @@ const DecodePlan kPlans[] = {
     //   bench --decode against the commit before, separate processes in turn, 4 rounds, median
     //   ratio, Lk = 4096/16384: bf16 BLHD 1.02/1.05, p16 1.04/1.04; f16 BLHD 1.06/1.07, p16
     //   1.05/1.03; f32 BLHD 1.01/1.01, p16 0.98/1.00.
-    {"intel", false, 12288, true, 8,    64,   false, true, true, true,
-     false,   true,  0,     true, true, true, false, 4096, true, true},
+    {.name = "intel",
+     .near_k_into_l1 = false,
+     .near_k_f32_also_bytes = 12288,
+     .near_k_f32_also_interleaved = true,
+     .f32_row_v_lead = 8,
+     .v_far = 64,
+     .v_into_l1 = false,
+     .one_row_streams = true,
+     .heads_key_groups_f32 = true,
+     .heads_key_groups_16bit = true,
+     .heads_key_groups_pairs = false,
+     .heads_one_pass = true,
+     .heads_f32_k_lead = 0,
+     .rows_streams = true,
+     .rows_overlap = true,
+     .heads_overlap = true,
+     .group_v_next_chunk = false,
+     .group_k_ahead_bytes = 4096,
+     .group_k_spread = true,
+     .group_f32_near_spread = true},
 };
 
 std::atomic<const DecodePlan*> scoped{nullptr};
