@@ -499,8 +499,9 @@ struct DirectKvProducts : DirectKvScores {
     // 1.033; without the 32-key lead too 0.86-0.93; f32, which keeps them, 1.01-1.03, and 0.97
     // from L3; over several heads, [B, L, Hkv, D] and p16: 1.00-1.01, f32 0.99-1.00).
     const bool together = ahead < 2 || at[1] - at[0] == p.head_dim_v;
-    const bool slices = next > 0 || a.v.dtype == DType::f32 || kLanes != 16 || plan.v_far == 0 ||
-                        plan.v_into_l1 || !together;
+    const bool far_covers_slices = kLanes == 16 && next <= 0 && a.v.dtype != DType::f32 &&
+                                   plan.v_far != 0 && !plan.v_into_l1 && together;
+    const bool slices = !far_covers_slices;
     const VLead lead =
         next > 0 ? VLead{group_lead ? keys : ahead, ahead, false, plan.v_into_l1, slices}
                  : VLead{rows > 1 || a.v.dtype != DType::f32 ? kVLead
