@@ -121,6 +121,7 @@ TEST(DecodePlan, EveryPlanGivesTheSameBits) {
                    .v_far = 100000,
                    .v_into_l1 = true,
                    .one_row_streams = true,
+                   .one_row_paired = false,
                    .heads_key_groups_f32 = true,
                    .heads_key_groups_16bit = true,
                    .heads_key_groups_pairs = true,
@@ -147,6 +148,11 @@ TEST(DecodePlan, EveryPlanGivesTheSameBits) {
   // None of AVX-512's schemes, no prefetch a plan can turn off (every field but the name false
   // or 0): the paths no machine's plan takes (f32 rows over several heads key by key among
   // them).
+  // One row's tiles read key by key, K and V at once (AVX-512; no machine's plan but Zen 5's).
+  DecodePlan paired{};
+  paired.name = "paired";
+  paired.one_row_paired = true;
+  plans.push_back(paired);
   DecodePlan none{};
   none.name = "none";
   plans.push_back(none);

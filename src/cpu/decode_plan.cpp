@@ -77,6 +77,7 @@ const DecodePlan kPlans[] = {
      .v_far = 64,
      .v_into_l1 = false,
      .one_row_streams = false,
+     .one_row_paired = false,
      .heads_key_groups_f32 = true,
      .heads_key_groups_16bit = false,
      .heads_key_groups_pairs = true,
@@ -110,6 +111,11 @@ const DecodePlan kPlans[] = {
     //   Each of the zen4 plan's other prefetches (MHA [B, Hkv, L, D]: near K into L2, V into L2
     //   or 64 keys on, an f32 row's V 8 keys on, f32 K not also 3 KiB on): 0.93-1.05 of this
     //   one, inside this machine's noise then (this plan against itself: 0.94-1.09).
+    // - One row of one head ([B, Hkv, L, D]) scored key by key, each key followed by the previous
+    //   tile's P . V of the same key (one_row_paired; K and V read as one stream each, at once,
+    //   each prefetched 2 KiB ahead into L1): Lk = 16384, 9 rounds: f32 1.09, bf16 1.19, f16
+    //   1.22 (flash_direct_kv_streams-inl.h: the A/Bs behind its order and its prefetches). One
+    //   row's 4 streams (one_row_streams) instead: f32 0.94, bf16 0.94, f16 0.86.
     {.name = "zen5",
      .near_k_into_l1 = true,
      .near_k_f32_also_bytes = 3072,
@@ -118,6 +124,7 @@ const DecodePlan kPlans[] = {
      .v_far = 0,
      .v_into_l1 = true,
      .one_row_streams = false,
+     .one_row_paired = true,
      .heads_key_groups_f32 = true,
      .heads_key_groups_16bit = false,
      .heads_key_groups_pairs = false,
@@ -188,6 +195,7 @@ const DecodePlan kPlans[] = {
      .v_far = 64,
      .v_into_l1 = false,
      .one_row_streams = true,
+     .one_row_paired = false,
      .heads_key_groups_f32 = true,
      .heads_key_groups_16bit = true,
      .heads_key_groups_pairs = false,

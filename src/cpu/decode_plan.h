@@ -34,6 +34,10 @@ struct DecodePlan {
   // key tile as 4 sequential streams, with the P . V of the tile before it run between them (K
   // and V read at once: DirectKvStreams::score_tile_streams); AVX2 always does.
   bool one_row_streams;
+  // Such a row's whole tiles scored key by key instead, each key's score followed by the
+  // previous tile's P . V of the same key (K and V read as one stream each, at once:
+  // DirectKvStreams::score_tile_paired); AVX-512 only, before one_row_streams.
+  bool one_row_paired;
   // One query row per head over several heads (MHA [B, L, Hkv, D], pages): scores 4 keys at a
   // time head after head (DirectKvHeads::score_heads_key_groups), for f32 K, for 16-bit K
   // widened in registers, and on bf16 pairs (AVX512-BF16: score_heads_key_groups_pairs); and P .

@@ -123,6 +123,38 @@ struct DirectKv : DirectKvProducts {
     });
   }
 
+  // A tile's scores by score_tile_paired (tile_paired), with the pending product of the tile
+  // before it (out scaled by its alpha first, as accumulate scales it); on bf16 pairs the query
+  // made pairs first, in `widened`.
+  // (Built for AVX-512 only: tile_paired is false elsewhere.)
+  ATTNCORE_TARGET static void paired_with_product(
+      [[maybe_unused]] const Params& p, [[maybe_unused]] const ForwardArgs& a,
+      [[maybe_unused]] const TileRows& k_rows, [[maybe_unused]] const PendingProduct& run,
+      [[maybe_unused]] const float* q, [[maybe_unused]] bool pairs, [[maybe_unused]] float* s,
+      [[maybe_unused]] float* widened, [[maybe_unused]] float* out) {
+    if constexpr (kLanes == 16) {
+      const std::int64_t d = p.head_dim, dv = p.head_dim_v;
+      rescale(out, dv, run.alpha[0]);
+#if ATTNCORE_BF16_DOT
+      if (pairs) {
+        for (std::int64_t e0 = 0; e0 < d; e0 += 2 * kLanes) {
+          const __m512bh qv = _mm512_cvtne2ps_pbh(load(q + e0 + kLanes), load(q + e0));
+          std::memcpy(widened + e0 / 2, &qv, sizeof qv);
+        }
+        return score_tile_paired<true>(static_cast<const std::uint16_t*>(a.k.data), k_rows.at,
+                                       k_rows.count, d, Bf16{}, q, widened, s,
+                                       static_cast<const std::uint16_t*>(a.v.data),
+                                       run.v_rows->at, run.v_rows->count, run.keys, run.probs,
+                                       out);
+      }
+#endif
+      with_kv(a, [&](auto k, auto v, auto known) ATTNCORE_TARGET {
+        score_tile_paired<false>(k, k_rows.at, k_rows.count, d, known, q, nullptr, s, v,
+                                 run.v_rows->at, run.v_rows->count, run.keys, run.probs, out);
+      });
+    }
+  }
+
   // A tile's scores over several heads by score_heads_key_groups (heads_key_groups_overlap),
   // each head's P . V of the previous tile run after its scores of each group of keys
   // (RowsProduct over that head's row; out scaled by each head's alpha first, as
@@ -225,6 +257,9 @@ struct DirectKv : DirectKvProducts {
       if (run.heads > 1 && cols >= run.keys &&
           heads_key_groups_overlap(p.head_dim, heads, rows, pairs, a.k.dtype)) {
         return heads_with_product(p, a, k_rows, run, keys, cols, q, s, widened, dv_pad, out);
+      }
+      if (tile_paired(p.head_dim, p.head_dim_v, keys, heads, rows, pairs, k_rows.at)) {
+        return paired_with_product(p, a, k_rows, run, q, pairs, s, widened, out);
       }
       if (tile_streams(p.head_dim, keys, heads, rows, pairs, k_rows.at) ||
           tile_rows_streams(p.head_dim, keys, heads, rows, pairs, k_rows.at)) {

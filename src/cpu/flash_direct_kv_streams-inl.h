@@ -70,6 +70,106 @@ struct DirectKvStreams : DirectKvHeads {
            heads * (r * kLanes * kLanes + d / 2) <= d * kKeyTile;
   }
 
+  // Whether score_tile_paired scores this tile with the previous one's P . V: AVX-512 where the
+  // decode plan says (one_row_paired); one row of one head, a whole tile of rows that lie
+  // together ([B, Hkv, L, D]), D a multiple of kLanes (of 2 * kLanes on bf16 pairs), Dv of
+  // kPairedVectors vectors (128: each output vector a register of its own, no test per key;
+  // other sizes read as before).
+  static constexpr int kPairedVectors = 8;
+  ATTNCORE_TARGET static bool tile_paired(std::int64_t d, std::int64_t dv, std::int64_t keys,
+                                          std::int64_t heads, std::int64_t rows, bool pairs,
+                                          const std::int64_t* k_at) {
+    return kLanes == 16 && decode_plan().one_row_paired && heads == 1 && rows == 1 &&
+           d % (pairs ? 2 * kLanes : kLanes) == 0 && dv == kPairedVectors * kLanes &&
+           keys == kKeyTile && k_at[1] - k_at[0] == d;
+  }
+
+  // One row of one head against a whole key tile (s [kKeyTile]), key by key, each key's score
+  // followed by the previous tile's product of the same key (its P in `probs`, which may be s
+  // itself: each P is read before that key's score is written), so that K and V are read as one
+  // sequential stream each, at once: out [kPairedVectors * kLanes] (scaled by the previous
+  // tile's alpha) += P [pv_keys] . V, in registers.
+  // Each score is score_keys' (score_keys_pairs' with `q_pairs`, the query as bf16 pairs, d / 2
+  // floats): one accumulator over the key's vectors in order, summed across lanes by
+  // reduce_sum, which is reduce_sums' lane for the key; each output element takes its keys in
+  // order as accumulate<T, 1> does: the same bits.
+  // Zen 5, MHA Hq = Hkv = 32, D = 128, Lk = 16384, 1 thread, in one process with 256 MiB read
+  // before each call: a scratch loop of this order read 0.97-0.99 of a plain read of the same
+  // K and V (8 accumulators, one stream), where a tile's scores and then its P . V read 0.87-0.95
+  // and 4 or 16 keys of K then as many of V 0.77-0.85; its scores in one accumulator per key,
+  // each key's sum kept for reduce_sums at the end of the tile (stored): 0.75-0.78, summed by
+  // reduce_sum at once: 0.91; its outputs through memory key by key: 0.94 of them in registers.
+  // K and V rows are prefetched kPairedLeadBytes of each ahead (of the rows known: k_ahead and
+  // v_ahead, TileRows::count), into L1. Against none, the same A/B in the library, median speed
+  // ratio of 11 rounds, Lk = 4096/16384: f32 (4 keys) 1.17/1.13 over the tiles' scores then their
+  // P . V (the zen5 plan before), where the order alone gave 1.05-1.09; f16 (8 keys) 1.15/1.11
+  // (alone 1.03); bf16 on pairs 1.00/1.01 either way (1 KiB: f32 1.16-1.17, f16 1.02-1.09,
+  // bf16 0.92-0.94; 4 KiB: f32 1.09-1.13, f16 1.10-1.12, bf16 0.97; K alone 0.97, V alone 1.02).
+  static constexpr std::int64_t kPairedLeadBytes = 2048;
+  static constexpr std::int64_t paired_lead(std::int64_t row_bytes) {
+    return std::clamp<std::int64_t>(kPairedLeadBytes / row_bytes, 1, kRowLead);
+  }
+  template <bool kPairs, class T, class Known>
+  ATTNCORE_TARGET static void score_tile_paired(const T* k, const std::int64_t* k_at,
+                                                std::int64_t k_ahead, std::int64_t d, Known known,
+                                                const float* q,
+                                                [[maybe_unused]] const float* q_pairs, float* s,
+                                                const T* v, const std::int64_t* v_at,
+                                                std::int64_t v_ahead, std::int64_t pv_keys,
+                                                const float* probs, float* out) {
+    Vec o[kPairedVectors];
+#pragma GCC unroll 8
+    for (int x = 0; x < kPairedVectors; ++x) o[x] = load(out + x * kLanes);
+    constexpr std::int64_t kDv = kPairedVectors * kLanes;
+    const std::int64_t k_lead = paired_lead(d * static_cast<std::int64_t>(sizeof(T)));
+    const std::int64_t v_lead = paired_lead(kDv * static_cast<std::int64_t>(sizeof(T)));
+    for (int j = 0; j < kKeyTile; ++j) {
+      const T* row = k + k_at[j];
+      if (j + k_lead < k_ahead) prefetch_lines<3>(k + k_at[j + k_lead], d);
+      if (j + v_lead < v_ahead) prefetch_lines<3>(v + v_at[j + v_lead], kDv);
+      Vec acc = {};
+#if ATTNCORE_BF16_DOT
+      if constexpr (kPairs) {
+        __m512 sum = acc;
+        const auto step = [&](std::int64_t e0) ATTNCORE_TARGET {
+          const __m512i qv = _mm512_loadu_si512(q_pairs + e0 / 2);
+          const __m512i kv = _mm512_loadu_si512(row + e0);
+          sum = _mm512_dpbf16_ps(sum, reinterpret_cast<const __m512bh&>(qv),
+                                 reinterpret_cast<const __m512bh&>(kv));
+        };
+        if (d == kPairedVectors * kLanes) {
+#pragma GCC unroll 4
+          for (int e0 = 0; e0 < kPairedVectors * kLanes; e0 += 2 * kLanes) step(e0);
+        } else {
+          for (std::int64_t e0 = 0; e0 < d; e0 += 2 * kLanes) step(e0);
+        }
+        acc = sum;
+      } else
+#endif
+      if (d == kPairedVectors * kLanes) {
+#pragma GCC unroll 8
+        for (int e0 = 0; e0 < kPairedVectors * kLanes; e0 += kLanes) {
+          acc = fmadd(load(q + e0), load_part(row + e0, kLanes, known), acc);
+        }
+      } else {
+        for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
+          acc = fmadd(load(q + e0), load_part(row + e0, kLanes, known), acc);
+        }
+      }
+      if (j < pv_keys) {
+        const T* v_row = v + v_at[j];
+        const Vec weight = splat(probs[j]);
+#pragma GCC unroll 8
+        for (int x = 0; x < kPairedVectors; ++x) {
+          o[x] = fmadd(weight, load_part(v_row + x * kLanes, kLanes, known), o[x]);
+        }
+      }
+      s[j] = reduce_sum(acc);
+    }
+#pragma GCC unroll 8
+    for (int x = 0; x < kPairedVectors; ++x) store(out + x * kLanes, o[x]);
+  }
+
   // The scores of R rows (q [R][d]: one row, or a GQA group's) against a whole key tile of one
   // head (s [R][kKeyTile]), the keys at k + k_at[c], kStreams keys kKeyTile / kStreams apart at
   // a time: each of their rows read in order with one query load per row for all of them (each

@@ -166,7 +166,7 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   // A group's 2 to 4 rows likewise where the decode plan says (rows_overlap; their scores by
   // score_tile_streams<R>, RowsProduct between them).
   const DecodePlan& plan = decode_plan();
-  const bool overlap_rows = rows == 1 ? kLanes == 8 || plan.one_row_streams
+  const bool overlap_rows = rows == 1 ? kLanes == 8 || plan.one_row_streams || plan.one_row_paired
                                       : DirectKv::rows_computed(rows) <= 4 && plan.rows_overlap;
   const bool overlap = direct && overlap_rows && heads == 1 && p.head_dim % kLanes == 0 &&
                        p.head_dim_v % kLanes == 0 && a.k.dtype == a.v.dtype;
