@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -37,15 +38,17 @@ TEST(DecodePlan, ChosenByTheCore) {
   EXPECT_EQ(&detail::decode_plan(), &detail::decode_plan_for(cpu.vendor, cpu.family));
 }
 
-// Each plan of `plans` against the first, on every SIMD target this CPU runs, heads of `dim`.
-void expect_same_bits(const std::vector<DecodePlan>& plans, std::int64_t dim) {
+// Each plan of `plans` against the first, on every SIMD target this CPU runs, heads of `dim` (K)
+// and `dim_v` (V), over the cache in three layouts: [B, Hkv, L, D], [B, L, Hkv, D] and pages of 16
+// keys ([pages, 16, Hkv, D], handed out in reverse). Sequence 0 holds 3 whole tiles (a tile whose
+// P . V runs with the next one's scores, twice, and after the last), sequence 1 ends in part of
+// one.
+void expect_same_bits(const std::vector<DecodePlan>& plans, std::int64_t dim, std::int64_t dim_v) {
   const int count = static_cast<int>(plans.size());
-  const std::int64_t batch = 2, hkv = 2, capacity = 301;
-  const std::vector<int> lens = {301, 170};
+  const std::int64_t batch = 2, hkv = 2, capacity = 384, page = 16;
+  const std::vector<int> lens = {384, 301};
   Tensor seqlens(DType::i32, {batch});
   for (std::int64_t b = 0; b < batch; ++b) seqlens.data_as<std::int32_t>()[b] = lens[b];
-  KvCacheSeqs seqs;
-  seqs.cache_seqlens = seqlens.view();
   struct Types {
     DType q, kv;
   };
@@ -54,16 +57,23 @@ void expect_same_bits(const std::vector<DecodePlan>& plans, std::int64_t dim) {
     const auto values = [&](std::int64_t n, std::uint64_t seed) {
       return rounded(random_vector(n, seed), types.kv);
     };
-    // [B, Hkv, L, D] and [B, L, Hkv, D] caches holding the same values.
-    const std::vector<double> k = values(batch * hkv * capacity * dim, 1);
-    const std::vector<double> v = values(batch * hkv * capacity * dim, 2);
-    const Tensor k_outer = make_tensor(types.kv, {batch, hkv, capacity, dim}, k);
-    const Tensor v_outer = make_tensor(types.kv, {batch, hkv, capacity, dim}, v);
-    const auto heads_inner = [&](const Tensor& t) {
-      return make_tensor(types.kv, {batch, capacity, hkv, dim},
+    // [B, Hkv, L, D], [B, L, Hkv, D] and paged caches holding the same values.
+    const Tensor k_outer =
+        make_tensor(types.kv, {batch, hkv, capacity, dim}, values(batch * hkv * capacity * dim, 1));
+    const Tensor v_outer = make_tensor(types.kv, {batch, hkv, capacity, dim_v},
+                                       values(batch * hkv * capacity * dim_v, 2));
+    const auto heads_inner = [&](const Tensor& t, std::int64_t width) {
+      return make_tensor(types.kv, {batch, capacity, hkv, width},
                          read_view(t.view().transposed(1, 2)));
     };
-    const Tensor k_inner = heads_inner(k_outer), v_inner = heads_inner(v_outer);
+    const Tensor k_inner = heads_inner(k_outer, dim), v_inner = heads_inner(v_outer, dim_v);
+    const PagedPool k_pool =
+        paged_values(read_view(k_inner.view()), batch, capacity, hkv * dim, page);
+    const PagedPool v_pool =
+        paged_values(read_view(v_inner.view()), batch, capacity, hkv * dim_v, page);
+    const Tensor k_pages = make_tensor(types.kv, {k_pool.num_pages, page, hkv, dim}, k_pool.values);
+    const Tensor v_pages =
+        make_tensor(types.kv, {v_pool.num_pages, page, hkv, dim_v}, v_pool.values);
     for (std::int64_t group : {1, 2, 4}) {
       for (std::int64_t lq : {1, 3}) {
         const Tensor q =
@@ -77,13 +87,21 @@ void expect_same_bits(const std::vector<DecodePlan>& plans, std::int64_t dim) {
           std::vector<double> want;
           for (int n = 0; n < count; ++n) {
             const detail::ScopedDecodePlan plan(plans[n]);
-            for (bool inner : {false, true}) {
+            for (const char* layout : {"[B, Hkv, L, D]", "[B, L, Hkv, D]", "pages"}) {
               SCOPED_TRACE(std::string(name_of(types.q)) + " over " +
                            std::string(name_of(types.kv)) + " " + target + " plan " +
                            plans[n].name + " group " + std::to_string(group) + " lq " +
-                           std::to_string(lq) + (inner ? " [B, L, Hkv, D]" : " [B, Hkv, L, D]"));
-              const TensorView kc = inner ? k_inner.view().transposed(1, 2) : k_outer.view();
-              const TensorView vc = inner ? v_inner.view().transposed(1, 2) : v_outer.view();
+                           std::to_string(lq) + " " + layout);
+              const bool paged = layout[0] == 'p', inner = layout[4] == 'L';
+              KvCacheSeqs seqs;
+              seqs.cache_seqlens = seqlens.view();
+              if (paged) seqs.block_table = k_pool.block_table.view();
+              const TensorView kc = paged   ? k_pages.view().transposed(1, 2)
+                                    : inner ? k_inner.view().transposed(1, 2)
+                                            : k_outer.view();
+              const TensorView vc = paged   ? v_pages.view().transposed(1, 2)
+                                    : inner ? v_inner.view().transposed(1, 2)
+                                            : v_outer.view();
               const ForwardResult got = forward_kvcache(q, kc, vc, seqs, o, Backend::flash);
               std::vector<double> bits = read_view(got.out.view());
               const std::vector<double> lse = read_view(got.lse.view());
@@ -101,14 +119,14 @@ void expect_same_bits(const std::vector<DecodePlan>& plans, std::int64_t dim) {
   }
 }
 
-// Decode and a 3-row chunk over a cache whose one head's keys lie together ([B, Hkv, L, D]) and
-// with a key's heads together ([B, L, Hkv, D]), the plans' prefetches and schemes differing in
-// both (one row's streams, several heads' key groups and one pass); MHA and GQA (groups of 2
-// and 4: each of the group kernels' row counts, 3 rows padded to 4 among them), f32,
-// bf16, f16 and an f32 query over a bf16 cache; Lk not a multiple of a block or a tile. Besides
-// the machines' plans, plans whose distances reach far past a tile's rows: a prefetch address
-// taken from past the rows a tile resolved would read past them (the sanitizers' builds); and a
-// plan with none of the schemes.
+// Decode and a 3-row chunk over a cache whose one head's keys lie together ([B, Hkv, L, D]),
+// with a key's heads together ([B, L, Hkv, D]) and in pages, the plans' prefetches and schemes
+// differing in each (one row's streams or its key-by-key order, several heads' key groups and
+// one pass); MHA and GQA (groups of 2 and 4: each of the group kernels' row counts, 3 rows padded
+// to 4 among them), f32, bf16, f16 and an f32 query over a bf16 cache; Lk a multiple of a tile and
+// not of a block. Besides the machines' plans, plans whose distances reach far past a tile's
+// rows: a prefetch address taken from past the rows a tile resolved would read past them (the
+// sanitizers' builds); a plan with none of the schemes; and one with only the key-by-key order.
 TEST(DecodePlan, EveryPlanGivesTheSameBits) {
   int machines = 0;
   const DecodePlan* known = detail::decode_plans(&machines);
@@ -148,17 +166,48 @@ TEST(DecodePlan, EveryPlanGivesTheSameBits) {
   // None of AVX-512's schemes, no prefetch a plan can turn off (every field but the name false
   // or 0): the paths no machine's plan takes (f32 rows over several heads key by key among
   // them).
+  DecodePlan none{};
+  none.name = "none";
+  plans.push_back(none);
   // One row's tiles read key by key, K and V at once (AVX-512; no machine's plan but Zen 5's).
   DecodePlan paired{};
   paired.name = "paired";
   paired.one_row_paired = true;
   plans.push_back(paired);
-  DecodePlan none{};
-  none.name = "none";
-  plans.push_back(none);
-  // D = 128: a whole 8-vector column slice on AVX-512 (the heads' one pass, heads_one_pass).
-  for (const std::int64_t dim : {64, 128}) {
-    expect_same_bits(plans, dim);
+  // D = 128: a whole 8-vector column slice on AVX-512 (the heads' one pass, heads_one_pass), and
+  // the only Dv one row's key-by-key order takes (one_row_paired), also under D = 64.
+  for (const auto& [dim, dim_v] : {std::pair{64, 64}, std::pair{128, 128}, std::pair{64, 128}}) {
+    expect_same_bits(plans, dim, dim_v);
+  }
+}
+
+// A spec names a machine's plan and sets any of its fields; an unknown plan or field, or a value
+// out of range, is refused with the spec in the message.
+TEST(DecodePlan, SpecsSetFieldsAndRefuseWhatTheyDoNotName) {
+  const DecodePlan zen5 = detail::decode_plan_from_spec("zen5");
+  EXPECT_STREQ(zen5.name, "zen5");
+  EXPECT_TRUE(zen5.one_row_paired);
+  const DecodePlan changed = detail::decode_plan_from_spec("zen5,one_row_paired=0,v_far=64");
+  EXPECT_FALSE(changed.one_row_paired);
+  EXPECT_EQ(changed.v_far, 64);
+  EXPECT_EQ(changed.group_k_ahead_bytes, zen5.group_k_ahead_bytes);
+  // Every field a spec may set, once each (all of DecodePlan's but its name).
+  std::vector<std::string> fields = detail::decode_plan_field_names();
+  EXPECT_EQ(fields.size(), 20u);
+  for (const std::string& field : fields) {
+    EXPECT_NO_THROW(detail::decode_plan_from_spec("zen4," + field + "=1")) << field;
+  }
+  std::sort(fields.begin(), fields.end());
+  EXPECT_EQ(std::adjacent_find(fields.begin(), fields.end()), fields.end());
+  for (const char* bad :
+       {"zen9", "", "zen5,no_such_field=1", "zen5,v_far", "zen5,v_far=", "zen5,v_far=-1",
+        "zen5,v_far=1x", "zen5,one_row_paired=2", "zen5,v_far=99999999999"}) {
+    try {
+      detail::decode_plan_from_spec(bad);
+      ADD_FAILURE() << "accepted " << bad;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("decode_plan_from_spec: "), std::string::npos) << bad;
+    }
   }
 }
 

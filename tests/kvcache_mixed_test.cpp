@@ -40,31 +40,6 @@ std::vector<double> cache_values(DType dtype, std::int64_t capacity, std::int64_
   return x;
 }
 
-// The same values as a paged pool [num_pages, page_size, H, width]: sequence b's page i is pool
-// page (num_pages - 1 - (b * per_seq + i)) (the pages in reverse), one spare page of NaN first.
-struct Pool {
-  std::vector<double> values;
-  Tensor block_table;  // i32 [B, per_seq]
-  std::int64_t num_pages;
-};
-
-Pool paged_values(const std::vector<double>& dense, std::int64_t batch, std::int64_t capacity,
-                  std::int64_t row, std::int64_t page_size) {
-  const std::int64_t per_seq = (capacity + page_size - 1) / page_size;
-  const std::int64_t num_pages = batch * per_seq + 1;
-  std::vector<double> pool(static_cast<std::size_t>(num_pages * page_size * row), kNaN);
-  std::vector<double> table;
-  for (std::int64_t b = 0; b < batch; ++b)
-    for (std::int64_t i = 0; i < per_seq; ++i) {
-      const std::int64_t page = num_pages - 1 - (b * per_seq + i);
-      table.push_back(static_cast<double>(page));
-      for (std::int64_t r = 0; r < page_size && i * page_size + r < capacity; ++r)
-        std::copy_n(dense.begin() + (b * capacity + i * page_size + r) * row, row,
-                    pool.begin() + (page * page_size + r) * row);
-    }
-  return {pool, make_tensor(DType::i32, {batch, per_seq}, table), num_pages};
-}
-
 TEST(KvCacheMixed, EqualsTheWidenedF32CacheAndTheReference) {
   const std::int64_t hq = 4, d = 72, capacity = 160;
   const std::vector<double> seqlens = {150, 37}, leftpad = {3, 0};
@@ -77,7 +52,7 @@ TEST(KvCacheMixed, EqualsTheWidenedF32CacheAndTheReference) {
       for (std::int64_t page_size : {0, 1, 16}) {  // 0: dense
         // The cache in its 16-bit dtype and widened to f32, as [B or pages, Hkv, slots, D].
         Tensor k16, v16, k32, v32;
-        Pool kp, vp;
+        PagedPool kp, vp;
         KvCacheSeqs seqs;
         seqs.cache_seqlens = lens_t.view();
         seqs.cache_leftpad = pad_t.view();
@@ -176,7 +151,7 @@ TEST(KvCacheMixed, AppendRoundsNewRowsOnceAfterRotary) {
           KvCacheSeqs seqs;
           seqs.cache_seqlens = lens_t.view();
           seqs.cache_leftpad = pad_t.view();
-          Pool kp, vp;
+          PagedPool kp, vp;
           if (page_size > 0) {
             kp = paged_values(k, 2, capacity, hkv * d, page_size);
             vp = paged_values(v, 2, capacity, hkv * d, page_size);

@@ -1,8 +1,11 @@
 #include "cpu/decode_plan.h"
 
 #include <atomic>
+#include <cstdlib>
 #include <iterator>
+#include <limits>
 
+#include "attncore/error.h"
 #include "attncore/info.h"
 
 namespace attncore::detail {
@@ -212,7 +215,93 @@ const DecodePlan kPlans[] = {
 
 std::atomic<const DecodePlan*> scoped{nullptr};
 
+// Every field of DecodePlan but its name, each a flag or a number.
+struct Field {
+  const char* name;
+  bool DecodePlan::*flag;
+  int DecodePlan::*number;
+};
+constexpr Field kFields[] = {
+    {"near_k_into_l1", &DecodePlan::near_k_into_l1, nullptr},
+    {"near_k_f32_also_bytes", nullptr, &DecodePlan::near_k_f32_also_bytes},
+    {"near_k_f32_also_interleaved", &DecodePlan::near_k_f32_also_interleaved, nullptr},
+    {"f32_row_v_lead", nullptr, &DecodePlan::f32_row_v_lead},
+    {"v_far", nullptr, &DecodePlan::v_far},
+    {"v_into_l1", &DecodePlan::v_into_l1, nullptr},
+    {"one_row_streams", &DecodePlan::one_row_streams, nullptr},
+    {"one_row_paired", &DecodePlan::one_row_paired, nullptr},
+    {"heads_key_groups_f32", &DecodePlan::heads_key_groups_f32, nullptr},
+    {"heads_key_groups_16bit", &DecodePlan::heads_key_groups_16bit, nullptr},
+    {"heads_key_groups_pairs", &DecodePlan::heads_key_groups_pairs, nullptr},
+    {"heads_one_pass", &DecodePlan::heads_one_pass, nullptr},
+    {"heads_f32_k_lead", nullptr, &DecodePlan::heads_f32_k_lead},
+    {"rows_streams", &DecodePlan::rows_streams, nullptr},
+    {"rows_overlap", &DecodePlan::rows_overlap, nullptr},
+    {"heads_overlap", &DecodePlan::heads_overlap, nullptr},
+    {"group_v_next_chunk", &DecodePlan::group_v_next_chunk, nullptr},
+    {"group_k_ahead_bytes", nullptr, &DecodePlan::group_k_ahead_bytes},
+    {"group_k_spread", &DecodePlan::group_k_spread, nullptr},
+    {"group_f32_near_spread", &DecodePlan::group_f32_near_spread, nullptr},
+};
+
+std::string plan_names() {
+  std::string names;
+  for (const DecodePlan& plan : kPlans) names += std::string(names.empty() ? "" : ", ") + plan.name;
+  return names;
+}
+
 }  // namespace
+
+DecodePlan decode_plan_from_spec(const std::string& spec) {
+  const std::size_t end = spec.find(',');
+  const std::string base = spec.substr(0, end);
+  const DecodePlan* found = nullptr;
+  for (const DecodePlan& plan : kPlans) {
+    if (base == plan.name) found = &plan;
+  }
+  if (found == nullptr) {
+    throw InvalidArgument("decode_plan_from_spec: plan '" + base +
+                          "' is not one of the machines' plans (spec=" + spec +
+                          ", expected one of " + plan_names() + ")");
+  }
+  DecodePlan plan = *found;
+  for (std::size_t at = end; at != std::string::npos;) {
+    const std::size_t next = spec.find(',', at + 1);
+    const std::string item = spec.substr(at + 1, next == std::string::npos ? next : next - at - 1);
+    at = next;
+    const std::size_t eq = item.find('=');
+    const std::string name = item.substr(0, eq);
+    const Field* field = nullptr;
+    for (const Field& f : kFields) {
+      if (name == f.name) field = &f;
+    }
+    if (field == nullptr || eq == std::string::npos) {
+      throw InvalidArgument("decode_plan_from_spec: item '" + item +
+                            "' is not field=value with a field of DecodePlan (spec=" + spec +
+                            ", expected fields of decode_plan.h, e.g. v_far=64)");
+    }
+    const std::string text = item.substr(eq + 1);
+    char* parsed_end = nullptr;
+    const long value = std::strtol(text.c_str(), &parsed_end, 10);
+    const long most = field->flag != nullptr ? 1 : std::numeric_limits<int>::max();
+    if (text.empty() || *parsed_end != '\0' || value < 0 || value > most) {
+      throw InvalidArgument("decode_plan_from_spec: " + name + " is out of range (" + name + "=" +
+                            text + ", expected an integer from 0 to " + std::to_string(most) + ")");
+    }
+    if (field->flag != nullptr) {
+      plan.*(field->flag) = value != 0;
+    } else {
+      plan.*(field->number) = static_cast<int>(value);
+    }
+  }
+  return plan;
+}
+
+std::vector<std::string> decode_plan_field_names() {
+  std::vector<std::string> names;
+  for (const Field& field : kFields) names.emplace_back(field.name);
+  return names;
+}
 
 const DecodePlan& decode_plan_for(const std::string& vendor, int family) {
   if (vendor == "AuthenticAMD" && family >= 0x1A) return kPlans[1];

@@ -7,11 +7,13 @@
 
 #include <cstddef>
 #include <string>
+#include <vector>
 
 namespace attncore::detail {
 
 struct DecodePlan {
   const char* name;
+  // (Each field below is also in decode_plan.cpp's table of the fields a spec may set.)
   // K rows of one head lying together ([B, Hkv, L, D]), prefetched 6 KiB ahead into L1 (else
   // L2); f32 rows also this many bytes ahead, into the same level (0: not), those prefetches
   // either each just before the one of the row 6 KiB ahead (interleaved) or all of a block of
@@ -34,9 +36,11 @@ struct DecodePlan {
   // key tile as 4 sequential streams, with the P . V of the tile before it run between them (K
   // and V read at once: DirectKvStreams::score_tile_streams); AVX2 always does.
   bool one_row_streams;
-  // Such a row's whole tiles scored key by key instead, each key's score followed by the
-  // previous tile's P . V of the same key (K and V read as one stream each, at once:
-  // DirectKvStreams::score_tile_paired); AVX-512 only, before one_row_streams.
+  // One query row over one head (any layout) has each tile's P . V wait for the next tile's
+  // scores, and where that tile's first two rows lie together and Dv = 128 scores it key by
+  // key, each key's score followed by the previous tile's P . V of the same key (K and V read
+  // as one stream each, at once: DirectKvStreams::score_tile_paired); AVX-512 only, taken
+  // before one_row_streams.
   bool one_row_paired;
   // One query row per head over several heads (MHA [B, L, Hkv, D], pages): scores 4 keys at a
   // time head after head (DirectKvHeads::score_heads_key_groups), for f32 K, for 16-bit K
@@ -98,6 +102,15 @@ const DecodePlan& decode_plan();
 
 // The plans there are (for tests: every plan must give the same bits).
 const DecodePlan* decode_plans(int* count);
+
+// The plan a spec names, for tuning (bench/decode_plans.cpp): a plan of decode_plans() by name,
+// then any of its fields set, each as ",field=value" (a flag 0 or 1), e.g.
+// "zen5,one_row_paired=0,v_far=64". The plan keeps its base's name. Throws InvalidArgument
+// naming an unknown plan or field, or a value out of range.
+DecodePlan decode_plan_from_spec(const std::string& spec);
+
+// The fields a spec may set, in the order DecodePlan declares them (all of them but the name).
+std::vector<std::string> decode_plan_field_names();
 
 // Makes `plan` (a plan of decode_plans() or any other) the one decode_plan() returns while
 // in scope: tests. (A call running meanwhile may mix plans, which changes no value.)

@@ -131,10 +131,11 @@ struct DirectKv : DirectKvProducts {
       [[maybe_unused]] const Params& p, [[maybe_unused]] const ForwardArgs& a,
       [[maybe_unused]] const TileRows& k_rows, [[maybe_unused]] const PendingProduct& run,
       [[maybe_unused]] const float* q, [[maybe_unused]] bool pairs, [[maybe_unused]] float* s,
-      [[maybe_unused]] float* widened, [[maybe_unused]] float* out) {
+      [[maybe_unused]] float* widened, [[maybe_unused]] std::int64_t dv_pad,
+      [[maybe_unused]] float* out) {
     if constexpr (kLanes == 16) {
-      const std::int64_t d = p.head_dim, dv = p.head_dim_v;
-      rescale(out, dv, run.alpha[0]);
+      const std::int64_t d = p.head_dim;
+      rescale(out, dv_pad, run.alpha[0]);
 #if ATTNCORE_BF16_DOT
       if (pairs) {
         for (std::int64_t e0 = 0; e0 < d; e0 += 2 * kLanes) {
@@ -241,8 +242,9 @@ struct DirectKv : DirectKvProducts {
 
   // The scores of a key tile of K rows resolved (TileRows) of the item's first kv head, in the
   // input's dtype, for `heads` heads (DirectKvScores::scores).
-  // A pending product (one row, one head: PendingProduct) runs with the scores where
-  // score_tile_streams scores the tile, else before them; either way it is no longer pending.
+  // A pending product (PendingProduct) runs with the scores where score_tile_paired,
+  // score_tile_streams or score_heads_key_groups scores the tile, else before them; either way
+  // it is no longer pending.
   ATTNCORE_TARGET static void tile_scores(const Params& p, const ForwardArgs& a,
                                           const TileRows& k_rows, std::int64_t heads,
                                           std::int64_t head_floats, std::int64_t keys,
@@ -259,7 +261,7 @@ struct DirectKv : DirectKvProducts {
         return heads_with_product(p, a, k_rows, run, keys, cols, q, s, widened, dv_pad, out);
       }
       if (tile_paired(p.head_dim, p.head_dim_v, keys, heads, rows, pairs, k_rows.at)) {
-        return paired_with_product(p, a, k_rows, run, q, pairs, s, widened, out);
+        return paired_with_product(p, a, k_rows, run, q, pairs, s, widened, dv_pad, out);
       }
       if (tile_streams(p.head_dim, keys, heads, rows, pairs, k_rows.at) ||
           tile_rows_streams(p.head_dim, keys, heads, rows, pairs, k_rows.at)) {

@@ -1,9 +1,10 @@
-// DirectKv's whole key tiles of one head read as 4 sequential K streams, for one SIMD target:
-// the scores of one row or a GQA group's rows (score_tile_streams), and the previous tile's
-// P . V run between their groups of keys (RowsProduct, which also runs between the groups of
-// keys of several heads' scores: DirectKv::heads_with_product), so that K and V are read at
-// once. AVX2 reads one row so always; AVX-512 where the core's decode plan says
-// (decode_plan.h). (The rest of the scores: flash_direct_kv_scores-inl.h.)
+// DirectKv's whole key tiles of one head read with the previous tile's P . V, so that K and V
+// are read at once, for one SIMD target: as 4 sequential K streams, the scores of one row or a
+// GQA group's rows (score_tile_streams), P . V run between their groups of keys (RowsProduct,
+// which also runs between the groups of keys of several heads' scores:
+// DirectKv::heads_with_product); or key by key, one row's (score_tile_paired), each key's P . V
+// after its score. AVX2 reads one row as streams always; AVX-512 either way where the core's
+// decode plan says (decode_plan.h). (The rest of the scores: flash_direct_kv_scores-inl.h.)
 #pragma once
 
 #include <algorithm>
@@ -71,8 +72,8 @@ struct DirectKvStreams : DirectKvHeads {
   }
 
   // Whether score_tile_paired scores this tile with the previous one's P . V: AVX-512 where the
-  // decode plan says (one_row_paired); one row of one head, a whole tile of rows that lie
-  // together ([B, Hkv, L, D]), D a multiple of kLanes (of 2 * kLanes on bf16 pairs), Dv of
+  // decode plan says (one_row_paired); one row of one head, a whole tile whose first rows lie
+  // together ([B, Hkv, L, D], or a page of it: the rows are read through k_at), D a multiple of kLanes (of 2 * kLanes on bf16 pairs), Dv of
   // kPairedVectors vectors (128: each output vector a register of its own, no test per key;
   // other sizes read as before).
   static constexpr int kPairedVectors = 8;

@@ -148,11 +148,12 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   const KeyRange span = seen.span();
   const std::int64_t first_key = std::max(span.begin, item.key_begin);
   const std::int64_t end_key = std::min(span.end, item.key_end);
-  // AVX2 (and AVX-512 where the decode plan says: one_row_streams), one row of one kv head read
-  // in place: each tile's P . V (no key left out) waits for the next tile's scores and runs with
-  // them (DirectKv::tile_scores), so that K and V are read as concurrent streams, each tile's V
-  // rows in one of two buffers (its P stays in S, which score_tile_streams writes after its last
-  // group). MHA [B, Hkv, L, D], Zen 3, 1 thread, % of the probe, Lk=16384, three runs of 3
+  // AVX2 (and AVX-512 where the decode plan says: one_row_streams, one_row_paired), one row of
+  // one kv head read in place: each tile's P . V (no key left out) waits for the next tile's
+  // scores and runs with them (DirectKv::tile_scores), so that K and V are read as concurrent
+  // streams, each tile's V rows in one of two buffers (its P stays in S, which
+  // score_tile_streams writes after its last group, score_tile_paired key by key after reading
+  // that key's P). MHA [B, Hkv, L, D], Zen 3, 1 thread, % of the probe, Lk=16384, three runs of 3
   // interleaved passes (scratch harness, huge pages) against P . V after each tile's scores: f32
   // 85/82/81 -> 99/86/93, bf16 75/73/68 -> 81/76/81, f16 78/80/71 -> 89/78/75 (the scores' 4 keys
   // adjacent instead of 32 apart: f32 60/61/61, 16-bit within noise of the base; P . V in two
@@ -161,8 +162,9 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
   // keys of V after its 4 scored keys (f32 BLHD 91-101 -> 78-93, 16-bit within noise or lower) or
   // every head's after each group of 4 keys (within noise); GQA rows with each 8-key block's P . V
   // after it is scored (f32 46-59 -> 44-55, 16-bit within noise), also without the GQA product's V
-  // prefetches. (Where the next tile is not scored by score_tile_streams, as over [B, L, Hkv, D] or
-  // the last tile, the product runs before its scores: the same work, later.)
+  // prefetches. (Where the next tile is not scored by score_tile_streams or score_tile_paired, as
+  // over [B, L, Hkv, D] or the last tile, the product runs before its scores: the same work,
+  // later.)
   // A group's 2 to 4 rows likewise where the decode plan says (rows_overlap; their scores by
   // score_tile_streams<R>, RowsProduct between them).
   const DecodePlan& plan = decode_plan();

@@ -1,6 +1,7 @@
 // Conversions between std::vector<double> and attncore tensors / strided views; test layouts.
 #include "testing/tensors.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -257,6 +258,26 @@ std::string error_message(const std::function<void()>& f) { return message_of<Er
 
 std::string invalid_argument_message(const std::function<void()>& f) {
   return message_of<InvalidArgument>(f);
+}
+
+PagedPool paged_values(const std::vector<double>& dense, std::int64_t batch, std::int64_t capacity,
+                       std::int64_t row, std::int64_t page_size) {
+  const std::int64_t per_seq = (capacity + page_size - 1) / page_size;
+  const std::int64_t num_pages = batch * per_seq + 1;
+  std::vector<double> pool(static_cast<std::size_t>(num_pages * page_size * row),
+                           std::numeric_limits<double>::quiet_NaN());
+  std::vector<double> table;
+  for (std::int64_t b = 0; b < batch; ++b) {
+    for (std::int64_t i = 0; i < per_seq; ++i) {
+      const std::int64_t page = num_pages - 1 - (b * per_seq + i);
+      table.push_back(static_cast<double>(page));
+      for (std::int64_t r = 0; r < page_size && i * page_size + r < capacity; ++r) {
+        std::copy_n(dense.begin() + (b * capacity + i * page_size + r) * row, row,
+                    pool.begin() + (page * page_size + r) * row);
+      }
+    }
+  }
+  return {pool, make_tensor(DType::i32, {batch, per_seq}, table), num_pages};
 }
 
 }  // namespace attncore::test

@@ -34,6 +34,17 @@ TensorView index_of_dim(const TensorView& view, int dim, std::int64_t i);
 Tensor make_tensor(DType dtype, const std::vector<std::int64_t>& shape,
                    const std::vector<double>& values);
 
+// `dense` [B, capacity, row] (a cache's slots, each `row` values: [B, L, Hkv, D]) as a paged pool
+// [num_pages, page_size, row]: sequence b's page i is pool page num_pages - 1 - (b * per_seq + i)
+// (the pages in reverse), and page 0 a spare one of NaN; slots past capacity in a last page NaN.
+struct PagedPool {
+  std::vector<double> values;
+  Tensor block_table;  // i32 [B, per_seq]
+  std::int64_t num_pages;
+};
+PagedPool paged_values(const std::vector<double>& dense, std::int64_t batch, std::int64_t capacity,
+                       std::int64_t row, std::int64_t page_size);
+
 // How a [B, H, L, D] operand sits in memory.
 enum class Layout {
   bhsd,    // contiguous [B, H, L, D] (torch)
