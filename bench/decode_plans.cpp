@@ -32,6 +32,7 @@
 
 #include "attncore/attncore.h"
 #include "attncore/kvcache.h"
+#include "cache_fill.h"
 #include "cpu/decode_plan.h"
 
 namespace {
@@ -193,13 +194,7 @@ int run(const Config& c) {
   std::unique_ptr<void, Free> memory(std::aligned_alloc(kAlign, size));
   if (!memory) throw std::runtime_error("cannot allocate " + std::to_string(size) + " bytes");
   madvise(memory.get(), size, MADV_HUGEPAGE);
-  // 16-bit halves read as moderate normal numbers by every dtype (as bench --decode fills them).
-  auto* halves = static_cast<std::uint16_t*>(memory.get());
-  std::uint32_t state = 12345;
-  for (std::size_t i = 0; i < size / 2; ++i) {
-    state = state * 1664525u + 1013904223u;
-    halves[i] = static_cast<std::uint16_t>(0x3C00u | ((state >> 8) & 0x83FFu));
-  }
+  attncore_tools::fill_cache_halves(memory.get(), size);  // (as bench --decode fills its caches)
   char* k_data = static_cast<char*>(memory.get());
   char* v_data = k_data + elements * element;
   const std::int64_t pages = paged ? l / page : 0;

@@ -29,6 +29,7 @@
 
 #include "attncore/attncore.h"
 #include "attncore/kvcache.h"
+#include "cache_fill.h"
 #include "commands.h"
 #include "flags.h"
 #include "inputs.h"
@@ -107,10 +108,9 @@ std::int64_t eviction_bytes() {
 }
 
 // Memory for the largest point's K and V, 2 MiB aligned with the huge-page hint the probe's
-// buffer gets too (the kernels and the probe see the same kind of pages), filled once with
-// 16-bit halves that are moderate normal numbers read as f16 (1 to 2), as bf16 (2^-7 to 1) and,
-// in pairs, as f32 (2^-7 to 1): every dtype's view of the bytes is finite. And the buffer whose
-// read evicts them (evict_caches).
+// buffer gets too (the kernels and the probe see the same kind of pages), filled once
+// (fill_cache_halves: every dtype's view of the bytes finite). And the buffer whose read evicts
+// them (evict_caches).
 struct CacheMemory {
   struct Free {
     void operator()(void* p) const { std::free(p); }
@@ -128,12 +128,7 @@ struct CacheMemory {
     data.reset(std::aligned_alloc(kAlign, std::max(size, kAlign)));
     if (!data) throw attncore::OutOfMemory("bench --decode: cannot allocate the caches");
     madvise(data.get(), size, MADV_HUGEPAGE);
-    auto* halves = static_cast<std::uint16_t*>(data.get());
-    std::uint32_t state = 12345;
-    for (std::size_t i = 0; i < size / 2; ++i) {
-      state = state * 1664525u + 1013904223u;
-      halves[i] = static_cast<std::uint16_t>(0x3C00u | ((state >> 8) & 0x83FFu));
-    }
+    fill_cache_halves(data.get(), size);
   }
   // Reads the eviction buffer on `threads` threads, each all of it (the calls that follow run on
   // as many, whose cores' own caches it must reach; each thread's sum kept in a volatile of its
