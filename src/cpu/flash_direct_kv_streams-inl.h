@@ -73,9 +73,9 @@ struct DirectKvStreams : DirectKvHeads {
 
   // Whether score_tile_paired scores this tile with the previous one's P . V: AVX-512 where the
   // decode plan says (one_row_paired); one row of one head, a whole tile whose first rows lie
-  // together ([B, Hkv, L, D], or a page of it: the rows are read through k_at), D a multiple of kLanes (of 2 * kLanes on bf16 pairs), Dv of
-  // kPairedVectors vectors (128: each output vector a register of its own, no test per key;
-  // other sizes read as before).
+  // together ([B, Hkv, L, D], or a page of it: the rows are read through k_at), D a multiple of
+  // kLanes (of 2 * kLanes on bf16 pairs), Dv of kPairedVectors vectors (128: each output vector
+  // a register of its own, no test per key; other sizes read as before).
   static constexpr int kPairedVectors = 8;
   ATTNCORE_TARGET static bool tile_paired(std::int64_t d, std::int64_t dv, std::int64_t keys,
                                           std::int64_t heads, std::int64_t rows, bool pairs,
@@ -95,17 +95,18 @@ struct DirectKvStreams : DirectKvHeads {
   // reduce_sum, which is reduce_sums' lane for the key; each output element takes its keys in
   // order as accumulate<T, 1> does: the same bits.
   // Zen 5, MHA Hq = Hkv = 32, D = 128, Lk = 16384, 1 thread, in one process with 256 MiB read
-  // before each call: a scratch loop of this order read 0.97-0.99 of a plain read of the same
+  // before each call: a scratch loop of this order read 0.96-1.06 of a plain read of the same
   // K and V (8 accumulators, one stream), where a tile's scores and then its P . V read 0.87-0.95
-  // and 4 or 16 keys of K then as many of V 0.77-0.85; its scores in one accumulator per key,
+  // and 2 to 16 keys of K then as many of V 0.74-0.93; its scores in one accumulator per key,
   // each key's sum kept for reduce_sums at the end of the tile (stored): 0.75-0.78, summed by
   // reduce_sum at once: 0.91; its outputs through memory key by key: 0.94 of them in registers.
   // K and V rows are prefetched kPairedLeadBytes of each ahead (of the rows known: k_ahead and
-  // v_ahead, TileRows::count), into L1. Against none, the same A/B in the library, median speed
-  // ratio of 11 rounds, Lk = 4096/16384: f32 (4 keys) 1.17/1.13 over the tiles' scores then their
-  // P . V (the zen5 plan before), where the order alone gave 1.05-1.09; f16 (8 keys) 1.15/1.11
-  // (alone 1.03); bf16 on pairs 1.00/1.01 either way (1 KiB: f32 1.16-1.17, f16 1.02-1.09,
-  // bf16 0.92-0.94; 4 KiB: f32 1.09-1.13, f16 1.10-1.12, bf16 0.97; K alone 0.97, V alone 1.02).
+  // v_ahead, TileRows::count), into L1. The same A/B in the library against the plan before (a
+  // tile's scores, then its P . V), median speed ratio of 11 rounds, Lk = 4096/16384: f32 (4 keys
+  // ahead) 1.17/1.16, f16 (8 keys) 1.15/1.11, bf16 on pairs 1.00/1.01, where the order with no
+  // prefetch gave f32 1.05-1.09, f16 1.02-1.03, bf16 0.93-0.98 (4 KiB ahead: f32 1.13-1.16, f16
+  // 1.10-1.12, bf16 0.97-0.98; 16-bit 1 KiB: f16 1.02-1.09, bf16 0.92-0.94; K alone 8 keys 0.97,
+  // V alone 1.02).
   static constexpr std::int64_t kPairedLeadBytes = 2048;
   static constexpr std::int64_t paired_lead(std::int64_t row_bytes) {
     return std::clamp<std::int64_t>(kPairedLeadBytes / row_bytes, 1, kRowLead);
