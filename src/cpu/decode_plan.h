@@ -84,6 +84,11 @@ struct DecodePlan {
   // A group's f32 rows over one head whose rows lie together ([B, Hkv, L, D]) spread each
   // block's K prefetches over the rows' scores, not all before the first (AVX2 always does).
   bool group_f32_near_spread;
+  // A GQA group's K rows prefetched line by line through its scores (DirectKvScores::score_rows,
+  // score_rows_pairs: group_k_spread) into L1 instead of L2; and its next chunk of V rows over
+  // several heads (DirectKvProducts::tile_accumulate: group_v_next_chunk) likewise.
+  bool group_k_into_l1;
+  bool group_next_chunk_v_into_l1;
 
   // Whether one row per head over several heads scores K of this element size (4: f32, 2:
   // 16-bit widened) by score_heads_key_groups.

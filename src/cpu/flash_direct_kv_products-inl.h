@@ -95,8 +95,13 @@ struct DirectKvProducts : DirectKvScores {
   ATTNCORE_TARGET __attribute__((always_inline)) static void prefetch_rows(const Params& p,
                                                                            const T* v,
                                                                            const std::int64_t* v_at,
-                                                                           std::int64_t count) {
-    for (std::int64_t c = 0; c < count; ++c) prefetch_lines<2>(v + v_at[c], p.head_dim_v);
+                                                                           std::int64_t count,
+                                                                           bool into_l1) {
+    if (into_l1) {
+      for (std::int64_t c = 0; c < count; ++c) prefetch_lines<3>(v + v_at[c], p.head_dim_v);
+    } else {
+      for (std::int64_t c = 0; c < count; ++c) prefetch_lines<2>(v + v_at[c], p.head_dim_v);
+    }
   }
 
   // O [R][dv_pad] = alpha O + P . V[j0 .. j0 + keys) for the first R rows: V rows read once per
@@ -477,6 +482,7 @@ struct DirectKvProducts : DirectKvScores {
     // Of them, the far end's, the rows fewer than kHeadVTimes chunks have asked for before; a
     // tile's first chunk also those kRowLead or more rows into the tile, past what the tile
     // before it resolved.
+    const bool group_l1 = rows > 1 && plan.group_next_chunk_v_into_l1;
     const std::int64_t far = next - kHeadVTimes * keys;
     const std::int64_t from =
         std::max<std::int64_t>(begin == 0 ? std::min(far, kRowLead - keys) : far, 0);
@@ -509,11 +515,11 @@ struct DirectKvProducts : DirectKvScores {
                          keys_or_none(plan.v_far), true, plan.v_into_l1, slices};
     if (a.v.dtype == DType::f32) {
       const float* v = static_cast<const float*>(a.v.data) + v_shift;
-      if (prefetched > from) prefetch_rows(p, v, at + keys + from, prefetched - from);
+      if (prefetched > from) prefetch_rows(p, v, at + keys + from, prefetched - from, group_l1);
       accumulate_rows(p, v, at, ahead, lead, a.v.dtype, keys, rows, probs, dv_pad, alpha, out);
     } else {
       const std::uint16_t* v = static_cast<const std::uint16_t*>(a.v.data) + v_shift;
-      if (prefetched > from) prefetch_rows(p, v, at + keys + from, prefetched - from);
+      if (prefetched > from) prefetch_rows(p, v, at + keys + from, prefetched - from, group_l1);
       accumulate_rows(p, v, at, ahead, lead, a.v.dtype, keys, rows, probs, dv_pad, alpha, out);
     }
   }

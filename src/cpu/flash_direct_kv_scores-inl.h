@@ -146,6 +146,7 @@ struct DirectKvScores : DirectKvStreams {
     // A block of no keys (past the tile's last) reads nothing: `k` itself is no row of the
     // sequence, and in a page pool it is page 0, which another sequence, or none, may hold.
     if (block <= 0) return clear_past(0, R, s);
+    const bool into_l1 = decode_plan().group_k_into_l1;
     // Whole vectors (D a multiple of kLanes) test nothing per load, and 16-bit K is widened as
     // its known dtype, with d and q in registers (with the dtype tested per load and both read
     // from the lambda's captures in the loop, GQA f16 decode, 1 thread, % of the probe,
@@ -155,6 +156,7 @@ struct DirectKvScores : DirectKvStreams {
     auto group = [&](auto keys_in_group, int j0, auto whole, auto known) ATTNCORE_TARGET {
       constexpr int G = decltype(keys_in_group)::value;
       const std::int64_t dd = d, lead_keys = lead, known_keys = ahead;
+      const bool k_into_l1 = into_l1;
       const float* qq = q;
       const T* row[G];
       const T* next[G];  // the rows lead_keys on, or null
@@ -178,7 +180,13 @@ struct DirectKvScores : DirectKvStreams {
         if (kLanes == 16 && (e0 * static_cast<std::int64_t>(sizeof(T))) % 64 == 0) {
 #pragma GCC unroll 16
           for (int j = 0; j < G; ++j) {
-            if (next[j] != nullptr) __builtin_prefetch(next[j] + e0, 0, 2);
+            if (next[j] != nullptr) {
+              if (k_into_l1) {
+                __builtin_prefetch(next[j] + e0, 0, 3);
+              } else {
+                __builtin_prefetch(next[j] + e0, 0, 2);
+              }
+            }
           }
         }
 #pragma GCC unroll 16
@@ -231,6 +239,7 @@ struct DirectKvScores : DirectKvStreams {
     constexpr int kKeys = kLanes / R > 0 ? kLanes / R : 1;
     static_assert(kLanes % kKeys == 0, "whole groups of keys in a block");
     if (block <= 0) return clear_past(0, R, s);  // (no key: nothing read, as score_rows)
+    const bool into_l1 = decode_plan().group_k_into_l1;
     for (int j0 = 0; j0 < kLanes; j0 += kKeys) {
       const std::uint16_t* row[kKeys];
       const std::uint16_t* next[kKeys];  // the rows `lead` keys on, or null (as score_rows)
@@ -244,7 +253,13 @@ struct DirectKvScores : DirectKvStreams {
       for (std::int64_t e0 = 0; e0 < d; e0 += 2 * kLanes) {  // (one 64-byte line of each row)
 #pragma GCC unroll 16
         for (int j = 0; j < kKeys; ++j) {
-          if (next[j] != nullptr) __builtin_prefetch(next[j] + e0, 0, 2);
+          if (next[j] != nullptr) {
+            if (into_l1) {
+              __builtin_prefetch(next[j] + e0, 0, 3);
+            } else {
+              __builtin_prefetch(next[j] + e0, 0, 2);
+            }
+          }
         }
         __m512i qv[R];
 #pragma GCC unroll 16
