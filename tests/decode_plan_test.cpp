@@ -153,7 +153,7 @@ TEST(DecodePlan, EveryPlanGivesTheSameBits) {
                    .group_k_spread = true,
                    .group_f32_near_spread = true,
                    .group_k_into_l1 = true,
-                   .group_next_chunk_v_into_l1 = true});
+                   .group_f32_next_v_into_l1 = true});
   // (far_l2 scores f32 rows over several heads by key groups, so that their K lead, far past a
   // tile's rows, runs here too.)
   DecodePlan far_l2{};  // (every field not set here false or 0)

@@ -94,7 +94,7 @@ const DecodePlan kPlans[] = {
      .group_k_spread = true,
      .group_f32_near_spread = true,
      .group_k_into_l1 = false,
-     .group_next_chunk_v_into_l1 = false},
+     .group_f32_next_v_into_l1 = false},
     // Zen 5 (AMD family 0x1A and later). Near K rows into L1, f32 rows also 3 KiB ahead, a
     // block's first (MHA f32 82/81 -> 88/86, GQA f32 76/65 -> 80/72 and 68/62 -> 78/73 in two
     // runs of 9 passes against once; 16-bit rows ran slower twice: bf16 97/92 -> 89/88); no V
@@ -122,15 +122,15 @@ const DecodePlan kPlans[] = {
     //   1.22 (flash_direct_kv_streams-inl.h: the A/Bs behind its order and its prefetches). One
     //   row's 4 streams (one_row_streams) instead: f32 0.94, bf16 0.94, f16 0.86.
     // - A GQA group's K over several heads, prefetched line by line through its scores, and its
-    //   next chunk of V rows, into L1 instead of L2 (group_k_into_l1, group_next_chunk_v_into_l1;
-    //   Hq = 32, Hkv = 8, 9-11 rounds): f32 [B, L, Hkv, D] 1.21-1.22 (K alone 1.12, V alone
-    //   1.08), p256 1.21, p16 1.09 (1.02 in a first run); Lk = 4096: 1.21, p16 1.17; 2 threads
-    //   1.07-1.10; from L2 and L3 1.00 (what it gains is the loads' overlap with the arithmetic).
-    //   bf16 (pair dots) and f16 0.96-1.03; groups of 2 or 8 f32 rows 1.00-1.01; over one head
-    //   ([B, Hkv, L, D]) 0.99-1.01. (A prefetcht1 costs here where a prefetcht0 does not: a
-    //   scratch loop of 4 multiply-adds per line read from L2 or L3 at 0.74-0.78 of its speed
-    //   with a prefetcht1 per line 4 KiB ahead, or 8 KiB with a prefetcht0 2 KiB ahead, and at
-    //   1.01-1.14 with a prefetcht0 4 KiB ahead.) The next chunk of V for one row per head
+    //   next chunk of V rows, into L1 instead of L2 (group_k_into_l1, group_f32_next_v_into_l1;
+    //   Hq = 32, Hkv = 8, 9-11 rounds): f32 [B, L, Hkv, D] 1.21-1.22 (K alone 1.12, V alone 1.08),
+    //   p256 1.21, p16 1.09 (1.02 in a first run); Lk = 4096: 1.21, p16 1.17; 2 threads 1.07-1.10;
+    //   from L2 and L3 1.00 (what it gains is the loads' overlap with the arithmetic); groups of 2
+    //   or 8 f32 rows 1.00-1.01; over one head ([B, Hkv, L, D]) 0.99-1.01. 16-bit groups: K so
+    //   0.99-1.03, V so 0.97-0.99 (f32 rows only). (A prefetcht1 costs here where a prefetcht0 does
+    //   not: a scratch loop of 4 multiply-adds per line read from L2 or L3 at 0.74-0.78 of its
+    //   speed with a prefetcht1 per line 4 KiB ahead, or 8 KiB with a prefetcht0 2 KiB ahead, and
+    //   at 1.01-1.14 with a prefetcht0 4 KiB ahead.) The next chunk of V for one row per head
     //   (16-bit MHA over several heads) into L1 read 0.93, and stays in L2.
     {.name = "zen5",
      .near_k_into_l1 = true,
@@ -154,7 +154,7 @@ const DecodePlan kPlans[] = {
      .group_k_spread = true,
      .group_f32_near_spread = false,
      .group_k_into_l1 = true,
-     .group_next_chunk_v_into_l1 = true},
+     .group_f32_next_v_into_l1 = true},
     // Intel (GenuineIntel; measured on one Xeon with AVX512-FP16 and AMX, family 6 model 0xA7
     // as its hypervisor reports it, probe 16 GB/s on 1 thread). Zen 4's prefetches: no placement
     // moved decode there (the zen5 plan and none at all within 0.93-1.04 of them, MHA and GQA,
@@ -227,7 +227,7 @@ const DecodePlan kPlans[] = {
      .group_k_spread = true,
      .group_f32_near_spread = true,
      .group_k_into_l1 = false,
-     .group_next_chunk_v_into_l1 = false},
+     .group_f32_next_v_into_l1 = false},
 };
 
 std::atomic<const DecodePlan*> scoped{nullptr};
@@ -260,7 +260,7 @@ constexpr Field kFields[] = {
     {"group_k_spread", &DecodePlan::group_k_spread, nullptr},
     {"group_f32_near_spread", &DecodePlan::group_f32_near_spread, nullptr},
     {"group_k_into_l1", &DecodePlan::group_k_into_l1, nullptr},
-    {"group_next_chunk_v_into_l1", &DecodePlan::group_next_chunk_v_into_l1, nullptr},
+    {"group_f32_next_v_into_l1", &DecodePlan::group_f32_next_v_into_l1, nullptr},
 };
 
 std::string plan_names() {

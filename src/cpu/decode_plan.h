@@ -85,10 +85,11 @@ struct DecodePlan {
   // block's K prefetches over the rows' scores, not all before the first (AVX2 always does).
   bool group_f32_near_spread;
   // A GQA group's K rows prefetched line by line through its scores (DirectKvScores::score_rows,
-  // score_rows_pairs: group_k_spread) into L1 instead of L2; and its next chunk of V rows over
-  // several heads (DirectKvProducts::tile_accumulate: group_v_next_chunk) likewise.
+  // score_rows_pairs: group_k_spread) into L1 instead of L2; and the next chunk of V rows of a
+  // group's f32 rows over several heads (DirectKvProducts::tile_accumulate: group_v_next_chunk)
+  // likewise.
   bool group_k_into_l1;
-  bool group_next_chunk_v_into_l1;
+  bool group_f32_next_v_into_l1;
 
   // Whether one row per head over several heads scores K of this element size (4: f32, 2:
   // 16-bit widened) by score_heads_key_groups.

@@ -482,7 +482,7 @@ struct DirectKvProducts : DirectKvScores {
     // Of them, the far end's, the rows fewer than kHeadVTimes chunks have asked for before; a
     // tile's first chunk also those kRowLead or more rows into the tile, past what the tile
     // before it resolved.
-    const bool group_l1 = rows > 1 && plan.group_next_chunk_v_into_l1;
+    const bool group_l1 = rows > 1 && a.v.dtype == DType::f32 && plan.group_f32_next_v_into_l1;
     const std::int64_t far = next - kHeadVTimes * keys;
     const std::int64_t from =
         std::max<std::int64_t>(begin == 0 ? std::min(far, kRowLead - keys) : far, 0);
