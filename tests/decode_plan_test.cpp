@@ -153,6 +153,7 @@ TEST(DecodePlan, EveryPlanGivesTheSameBits) {
                    .group_k_spread = true,
                    .group_f32_near_spread = true,
                    .group_k_into_l1 = true,
+                   .group_16bit_v_next_at_jumps = true,
                    .group_f32_next_v_into_l1 = true});
   // (far_l2 scores f32 rows over several heads by key groups, so that their K lead, far past a
   // tile's rows, runs here too.)
@@ -195,7 +196,7 @@ TEST(DecodePlan, SpecsSetFieldsAndRefuseWhatTheyDoNotName) {
   EXPECT_EQ(changed.group_k_ahead_bytes, zen5.group_k_ahead_bytes);
   // Every field a spec may set, once each (all of DecodePlan's but its name).
   std::vector<std::string> fields = detail::decode_plan_field_names();
-  EXPECT_EQ(fields.size(), 22u);
+  EXPECT_EQ(fields.size(), 23u);
   for (const std::string& field : fields) {
     EXPECT_NO_THROW(detail::decode_plan_from_spec("zen4," + field + "=1")) << field;
   }

@@ -94,6 +94,7 @@ const DecodePlan kPlans[] = {
      .group_k_spread = true,
      .group_f32_near_spread = true,
      .group_k_into_l1 = false,
+     .group_16bit_v_next_at_jumps = false,
      .group_f32_next_v_into_l1 = false},
     // Zen 5 (AMD family 0x1A and later). Near K rows into L1, f32 rows also 3 KiB ahead, a
     // block's first (MHA f32 82/81 -> 88/86, GQA f32 76/65 -> 80/72 and 68/62 -> 78/73 in two
@@ -132,6 +133,10 @@ const DecodePlan kPlans[] = {
     //   speed with a prefetcht1 per line 4 KiB ahead, or 8 KiB with a prefetcht0 2 KiB ahead, and
     //   at 1.01-1.14 with a prefetcht0 4 KiB ahead.) The next chunk of V for one row per head
     //   (16-bit MHA over several heads) into L1 read 0.93, and stays in L2.
+    // - A GQA group's 16-bit rows over several heads prefetching their next chunk of V only where
+    //   its rows do not go on evenly from the chunk's (group_16bit_v_next_at_jumps; 9 rounds):
+    //   bf16 [B, L, Hkv, D] 1.09, p256 1.08, p16 1.00; f16 1.10, 1.07, 1.03. (Not at all: the
+    //   same where rows go on evenly, p16 0.98-0.99; f32 rows need it: 0.85-0.88 without.)
     {.name = "zen5",
      .near_k_into_l1 = true,
      .near_k_f32_also_bytes = 3072,
@@ -154,6 +159,7 @@ const DecodePlan kPlans[] = {
      .group_k_spread = true,
      .group_f32_near_spread = false,
      .group_k_into_l1 = true,
+     .group_16bit_v_next_at_jumps = true,
      .group_f32_next_v_into_l1 = true},
     // Intel (GenuineIntel; measured on one Xeon with AVX512-FP16 and AMX, family 6 model 0xA7
     // as its hypervisor reports it, probe 16 GB/s on 1 thread). Zen 4's prefetches: no placement
@@ -227,6 +233,7 @@ const DecodePlan kPlans[] = {
      .group_k_spread = true,
      .group_f32_near_spread = true,
      .group_k_into_l1 = false,
+     .group_16bit_v_next_at_jumps = false,
      .group_f32_next_v_into_l1 = false},
 };
 
@@ -260,6 +267,7 @@ constexpr Field kFields[] = {
     {"group_k_spread", &DecodePlan::group_k_spread, nullptr},
     {"group_f32_near_spread", &DecodePlan::group_f32_near_spread, nullptr},
     {"group_k_into_l1", &DecodePlan::group_k_into_l1, nullptr},
+    {"group_16bit_v_next_at_jumps", &DecodePlan::group_16bit_v_next_at_jumps, nullptr},
     {"group_f32_next_v_into_l1", &DecodePlan::group_f32_next_v_into_l1, nullptr},
 };
 

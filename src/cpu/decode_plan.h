@@ -89,6 +89,9 @@ struct DecodePlan {
   // group's f32 rows over several heads (DirectKvProducts::tile_accumulate: group_v_next_chunk)
   // likewise.
   bool group_k_into_l1;
+  // A group's 16-bit rows over several heads prefetch their next chunk of V (group_v_next_chunk)
+  // only where its rows do not go on evenly from the chunk's (a page boundary).
+  bool group_16bit_v_next_at_jumps;
   bool group_f32_next_v_into_l1;
 
   // Whether one row per head over several heads scores K of this element size (4: f32, 2:
