@@ -136,7 +136,9 @@ const DecodePlan kPlans[] = {
     // - A GQA group's 16-bit rows over several heads prefetching their next chunk of V only where
     //   its rows do not go on evenly from the chunk's (group_16bit_v_next_at_jumps; 9 rounds):
     //   bf16 [B, L, Hkv, D] 1.09, p256 1.08, p16 1.00; f16 1.10, 1.07, 1.03. (Not at all: the
-    //   same where rows go on evenly, p16 0.98-0.99; f32 rows need it: 0.85-0.88 without.)
+    //   same where rows go on evenly, p16 0.98-0.99; f32 rows need it: 0.85-0.88 without.) Then
+    //   each such row prefetched by one chunk, not two (11 rounds): p16 bf16 1.03, f16 1.03, from
+    //   L3 1.06 (the flag's whole effect, against the plan without it: p256 1.08-1.09).
     {.name = "zen5",
      .near_k_into_l1 = true,
      .near_k_f32_also_bytes = 3072,

@@ -90,7 +90,8 @@ struct DecodePlan {
   // likewise.
   bool group_k_into_l1;
   // A group's 16-bit rows over several heads prefetch their next chunk of V (group_v_next_chunk)
-  // only where its rows do not go on evenly from the chunk's (a page boundary).
+  // only where its rows do not go on evenly from the chunk's (a page boundary), each row by one
+  // chunk (not kHeadVTimes).
   bool group_16bit_v_next_at_jumps;
   bool group_f32_next_v_into_l1;
 

@@ -470,8 +470,9 @@ struct DirectKvProducts : DirectKvScores {
                                               const float* alpha, float* out) {
     const std::int64_t* at = v_rows.at + begin;
     const std::int64_t ahead = v_rows.count - begin;
-    // The next chunk's rows of this head (several heads), into L2, here, except for a group's 3
-    // or more rows where the core's decode plan says not (group_v_next_chunk; accumulate's
+    // The next chunk's rows of this head (several heads), into L2 (a group's f32 rows into L1
+    // where the core's decode plan says: group_f32_next_v_into_l1), here, except for a group's 3
+    // or more rows where the plan says not (group_v_next_chunk; accumulate's
     // column slices prefetch their lines 16 keys on anyway); AVX2: none here, for one row per
     // head or a group's rows alike (head_chunk; a 16-bit group's rows prefetch it in
     // accumulate: group_lead below).
@@ -482,15 +483,15 @@ struct DirectKvProducts : DirectKvScores {
     const std::int64_t window = std::clamp<std::int64_t>(ahead - keys, 0, next);
     const bool evenly = window > 0 && keys >= 2 &&
                         at[keys + window - 1] - at[0] == (keys + window - 1) * (at[1] - at[0]);
-    const bool skip = (rows > 2 && !plan.group_v_next_chunk) ||
-                      (rows > 1 && a.v.dtype != DType::f32 && plan.group_16bit_v_next_at_jumps &&
-                       evenly);
+    const bool at_jumps =
+        rows > 1 && a.v.dtype != DType::f32 && plan.group_16bit_v_next_at_jumps;
+    const bool skip = (rows > 2 && !plan.group_v_next_chunk) || (at_jumps && evenly);
     const std::int64_t prefetched = kLanes == 8 || skip ? 0 : window;
-    // Of them, the far end's, the rows fewer than kHeadVTimes chunks have asked for before; a
-    // tile's first chunk also those kRowLead or more rows into the tile, past what the tile
-    // before it resolved.
     const bool group_l1 = rows > 1 && a.v.dtype == DType::f32 && plan.group_f32_next_v_into_l1;
-    const std::int64_t far = next - kHeadVTimes * keys;
+    // Of them, the far end's, the rows fewer than kHeadVTimes chunks (at_jumps: one) have asked
+    // for before; a tile's first chunk also those kRowLead or more rows into the tile, past what
+    // the tile before it resolved.
+    const std::int64_t far = next - (at_jumps ? 1 : kHeadVTimes) * keys;
     const std::int64_t from =
         std::max<std::int64_t>(begin == 0 ? std::min(far, kRowLead - keys) : far, 0);
     // One head per item, nothing prefetched for the next chunk (V one sequential stream): V rows
