@@ -481,11 +481,11 @@ struct DirectKvProducts : DirectKvScores {
     // in the next chunk): where they do, the column slices' prefetches 16 keys on cover them.
     const DecodePlan& plan = decode_plan();
     const std::int64_t window = std::clamp<std::int64_t>(ahead - keys, 0, next);
-    const bool evenly = window > 0 && keys >= 2 &&
-                        at[keys + window - 1] - at[0] == (keys + window - 1) * (at[1] - at[0]);
     const bool at_jumps =
         rows > 1 && a.v.dtype != DType::f32 && plan.group_16bit_v_next_at_jumps;
-    const bool skip = (rows > 2 && !plan.group_v_next_chunk) || (at_jumps && evenly);
+    const bool skip = (rows > 2 && !plan.group_v_next_chunk) ||
+                      (at_jumps && window > 0 && keys >= 2 &&
+                       at[keys + window - 1] - at[0] == (keys + window - 1) * (at[1] - at[0]));
     const std::int64_t prefetched = kLanes == 8 || skip ? 0 : window;
     const bool group_l1 = rows > 1 && a.v.dtype == DType::f32 && plan.group_f32_next_v_into_l1;
     // Of them, the far end's, the rows fewer than kHeadVTimes chunks (at_jumps: one) have asked
