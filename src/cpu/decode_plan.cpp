@@ -126,19 +126,23 @@ const DecodePlan kPlans[] = {
     //   next chunk of V rows, into L1 instead of L2 (group_k_into_l1, group_f32_next_v_into_l1;
     //   Hq = 32, Hkv = 8, 9-11 rounds): f32 [B, L, Hkv, D] 1.21-1.22 (K alone 1.12, V alone 1.08),
     //   p256 1.21, p16 1.09 (1.02 in a first run); Lk = 4096: 1.21, p16 1.17; 2 threads 1.07-1.10;
-    //   from L2 and L3 1.00 (what it gains is the loads' overlap with the arithmetic); groups of 2
-    //   or 8 f32 rows 1.00-1.01; over one head ([B, Hkv, L, D]) 0.99-1.01. 16-bit groups: K so
-    //   0.99-1.03, V so 0.97-0.99 (f32 rows only). (A prefetcht1 costs here where a prefetcht0 does
-    //   not: a scratch loop of 4 multiply-adds per line read from L2 or L3 at 0.74-0.78 of its
-    //   speed with a prefetcht1 per line 4 KiB ahead, or 8 KiB with a prefetcht0 2 KiB ahead, and
-    //   at 1.01-1.14 with a prefetcht0 4 KiB ahead.) The next chunk of V for one row per head
-    //   (16-bit MHA over several heads) into L1 read 0.93, and stays in L2.
+    //   from L2 and L3 1.00 (what it gains is the loads' overlap with the arithmetic); over one
+    //   head ([B, Hkv, L, D]) 0.99-1.01. 16-bit groups: K so 0.99-1.03, V so 0.97-0.99 (f32 rows
+    //   only). (A prefetcht1 costs here where a prefetcht0 does not: a scratch loop of 4
+    //   multiply-adds per line read from L2 or L3 at 0.74-0.78 of its speed with a prefetcht1 per
+    //   line 4 KiB ahead, or 8 KiB with a prefetcht0 2 KiB ahead, and at 1.01-1.14 with a
+    //   prefetcht0 4 KiB ahead.) The next chunk of V for one row per head (16-bit MHA over several
+    //   heads) into L1 read 0.93, and stays in L2.
     // - A GQA group's 16-bit rows over several heads prefetching their next chunk of V only where
-    //   its rows do not go on evenly from the chunk's (group_16bit_v_next_at_jumps; 9 rounds):
-    //   bf16 [B, L, Hkv, D] 1.09, p256 1.08, p16 1.00; f16 1.10, 1.07, 1.03. (Not at all: the
-    //   same where rows go on evenly, p16 0.98-0.99; f32 rows need it: 0.85-0.88 without.) Then
-    //   each such row prefetched by one chunk, not two (11 rounds): p16 bf16 1.03, f16 1.03, from
-    //   L3 1.06 (the flag's whole effect, against the plan without it: p256 1.08-1.09).
+    //   its rows do not go on evenly from the chunk's (group_16bit_v_next_at_jumps; 9 rounds): bf16
+    //   [B, L, Hkv, D] 1.09, p256 1.08, p16 1.00; f16 1.10, 1.07, 1.03. (Not at all: the same where
+    //   rows go on evenly, p16 0.98-0.99; f32 rows need it: 0.85-0.88 without.) Then each such row
+    //   prefetched by one chunk, not two (11 rounds): p16 bf16 1.03, f16 1.03, from L3 1.06 (the
+    //   flag's whole effect, against the plan without it: p256 1.08-1.09). The three flags for
+    //   groups of 3 or more rows only: groups of 8 (Hq = 32, Hkv = 4), all three against none, 9
+    //   rounds: f32 [B, L, Hkv, D] 1.16, p16 1.21; bf16 1.09, 1.06; f16 1.10, 1.04; groups of 2
+    //   (Hq = 16, Hkv = 8), whose products prefetch no column slices: f16 [B, L, Hkv, D] 0.69, bf16
+    //   0.73 with the next chunk of V left to them, and with K and f32 V into L1 0.96-1.01.
     {.name = "zen5",
      .near_k_into_l1 = true,
      .near_k_f32_also_bytes = 3072,

@@ -84,15 +84,14 @@ struct DecodePlan {
   // A group's f32 rows over one head whose rows lie together ([B, Hkv, L, D]) spread each
   // block's K prefetches over the rows' scores, not all before the first (AVX2 always does).
   bool group_f32_near_spread;
-  // A GQA group's K rows prefetched line by line through its scores (DirectKvScores::score_rows,
-  // score_rows_pairs: group_k_spread) into L1 instead of L2; and the next chunk of V rows of a
-  // group's f32 rows over several heads (DirectKvProducts::tile_accumulate: group_v_next_chunk)
-  // likewise.
+  // A GQA group's 3 or more rows: their K prefetched line by line through their scores
+  // (DirectKvScores::score_rows, score_rows_pairs: group_k_spread) into L1 instead of L2.
   bool group_k_into_l1;
-  // A group's 16-bit rows over several heads prefetch their next chunk of V (group_v_next_chunk)
-  // only where its rows do not go on evenly from the chunk's (a page boundary), each row by one
-  // chunk (not kHeadVTimes).
+  // Those 16-bit rows over several heads prefetch their next chunk of V (group_v_next_chunk) only
+  // where its rows do not go on evenly from the chunk's (a page boundary), each row by one chunk
+  // (not kHeadVTimes); their column slices' prefetches take the rest (DirectKvProducts).
   bool group_16bit_v_next_at_jumps;
+  // Those f32 rows over several heads prefetch their next chunk of V into L1 instead of L2.
   bool group_f32_next_v_into_l1;
 
   // Whether one row per head over several heads scores K of this element size (4: f32, 2:

@@ -476,18 +476,19 @@ struct DirectKvProducts : DirectKvScores {
     // column slices prefetch their lines 16 keys on anyway); AVX2: none here, for one row per
     // head or a group's rows alike (head_chunk; a 16-bit group's rows prefetch it in
     // accumulate: group_lead below).
-    // A group's 16-bit rows, where the plan says (group_16bit_v_next_at_jumps), only where the
-    // next chunk's rows do not go on evenly from this chunk's (a page boundary between them, or
-    // in the next chunk): where they do, the column slices' prefetches 16 keys on cover them.
+    // A group's 3 or more 16-bit rows, where the plan says (group_16bit_v_next_at_jumps), only
+    // where the next chunk's rows do not go on evenly from this chunk's (a page boundary between
+    // them, or in the next chunk): where they do, the column slices' prefetches 16 keys on cover
+    // them (accumulate; 2 rows have none).
     const DecodePlan& plan = decode_plan();
     const std::int64_t window = std::clamp<std::int64_t>(ahead - keys, 0, next);
     const bool at_jumps =
-        rows > 1 && a.v.dtype != DType::f32 && plan.group_16bit_v_next_at_jumps;
+        rows > 2 && a.v.dtype != DType::f32 && plan.group_16bit_v_next_at_jumps;
     const bool skip = (rows > 2 && !plan.group_v_next_chunk) ||
                       (at_jumps && window > 0 && keys >= 2 &&
                        at[keys + window - 1] - at[0] == (keys + window - 1) * (at[1] - at[0]));
     const std::int64_t prefetched = kLanes == 8 || skip ? 0 : window;
-    const bool group_l1 = rows > 1 && a.v.dtype == DType::f32 && plan.group_f32_next_v_into_l1;
+    const bool group_l1 = rows > 2 && a.v.dtype == DType::f32 && plan.group_f32_next_v_into_l1;
     // Of them, the far end's, the rows fewer than kHeadVTimes chunks (at_jumps: one) have asked
     // for before; a tile's first chunk also those kRowLead or more rows into the tile, past what
     // the tile before it resolved.

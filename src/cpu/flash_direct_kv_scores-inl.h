@@ -146,7 +146,7 @@ struct DirectKvScores : DirectKvStreams {
     // A block of no keys (past the tile's last) reads nothing: `k` itself is no row of the
     // sequence, and in a page pool it is page 0, which another sequence, or none, may hold.
     if (block <= 0) return clear_past(0, R, s);
-    const bool into_l1 = decode_plan().group_k_into_l1;
+    const bool into_l1 = R > 2 && decode_plan().group_k_into_l1;  // (2 rows: into L2)
     // Whole vectors (D a multiple of kLanes) test nothing per load, and 16-bit K is widened as
     // its known dtype, with d and q in registers (with the dtype tested per load and both read
     // from the lambda's captures in the loop, GQA f16 decode, 1 thread, % of the probe,
@@ -239,7 +239,7 @@ struct DirectKvScores : DirectKvStreams {
     constexpr int kKeys = kLanes / R > 0 ? kLanes / R : 1;
     static_assert(kLanes % kKeys == 0, "whole groups of keys in a block");
     if (block <= 0) return clear_past(0, R, s);  // (no key: nothing read, as score_rows)
-    const bool into_l1 = decode_plan().group_k_into_l1;
+    const bool into_l1 = R > 2 && decode_plan().group_k_into_l1;  // (2 rows: into L2)
     for (int j0 = 0; j0 < kLanes; j0 += kKeys) {
       const std::uint16_t* row[kKeys];
       const std::uint16_t* next[kKeys];  // the rows `lead` keys on, or null (as score_rows)
