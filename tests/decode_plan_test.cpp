@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -210,6 +211,63 @@ TEST(DecodePlan, SpecsSetFieldsAndRefuseWhatTheyDoNotName) {
       ADD_FAILURE() << "accepted " << bad;
     } catch (const InvalidArgument& e) {
       EXPECT_NE(std::string(e.what()).find("decode_plan_from_spec: "), std::string::npos) << bad;
+    }
+  }
+}
+
+// Each field a spec may set sets the member of its own name and no other: this test's own map
+// from DecodePlan's members to their names against decode_plan.cpp's table (a name there tied
+// to another member of the same type would set the wrong one).
+TEST(DecodePlan, EachSpecFieldSetsItsOwnMember) {
+  struct Member {
+    const char* name;
+    bool DecodePlan::*flag;
+    int DecodePlan::*number;
+  };
+  const Member members[] = {
+      {"near_k_into_l1", &DecodePlan::near_k_into_l1, nullptr},
+      {"near_k_f32_also_bytes", nullptr, &DecodePlan::near_k_f32_also_bytes},
+      {"near_k_f32_also_interleaved", &DecodePlan::near_k_f32_also_interleaved, nullptr},
+      {"f32_row_v_lead", nullptr, &DecodePlan::f32_row_v_lead},
+      {"v_far", nullptr, &DecodePlan::v_far},
+      {"v_into_l1", &DecodePlan::v_into_l1, nullptr},
+      {"one_row_streams", &DecodePlan::one_row_streams, nullptr},
+      {"one_row_paired", &DecodePlan::one_row_paired, nullptr},
+      {"heads_key_groups_f32", &DecodePlan::heads_key_groups_f32, nullptr},
+      {"heads_key_groups_16bit", &DecodePlan::heads_key_groups_16bit, nullptr},
+      {"heads_key_groups_pairs", &DecodePlan::heads_key_groups_pairs, nullptr},
+      {"heads_one_pass", &DecodePlan::heads_one_pass, nullptr},
+      {"heads_f32_k_lead", nullptr, &DecodePlan::heads_f32_k_lead},
+      {"rows_streams", &DecodePlan::rows_streams, nullptr},
+      {"rows_overlap", &DecodePlan::rows_overlap, nullptr},
+      {"heads_overlap", &DecodePlan::heads_overlap, nullptr},
+      {"group_v_next_chunk", &DecodePlan::group_v_next_chunk, nullptr},
+      {"group_k_ahead_bytes", nullptr, &DecodePlan::group_k_ahead_bytes},
+      {"group_k_spread", &DecodePlan::group_k_spread, nullptr},
+      {"group_f32_near_spread", &DecodePlan::group_f32_near_spread, nullptr},
+      {"group_k_into_l1", &DecodePlan::group_k_into_l1, nullptr},
+      {"group_16bit_v_next_at_jumps", &DecodePlan::group_16bit_v_next_at_jumps, nullptr},
+      {"group_f32_next_v_into_l1", &DecodePlan::group_f32_next_v_into_l1, nullptr},
+  };
+  ASSERT_EQ(std::size(members), detail::decode_plan_field_names().size());
+  const auto values = [&](const DecodePlan& plan) {
+    std::vector<long> out;
+    for (const Member& m : members) {
+      out.push_back(m.flag != nullptr ? plan.*(m.flag) : plan.*(m.number));
+    }
+    return out;
+  };
+  for (const char* base_name : {"zen4", "zen5"}) {
+    const DecodePlan base = detail::decode_plan_from_spec(base_name);
+    const std::vector<long> before = values(base);
+    for (std::size_t i = 0; i < std::size(members); ++i) {
+      const long want = members[i].flag != nullptr ? !before[i] : before[i] + 1;
+      const std::string spec =
+          std::string(base_name) + "," + members[i].name + "=" + std::to_string(want);
+      const std::vector<long> after = values(detail::decode_plan_from_spec(spec));
+      for (std::size_t j = 0; j < std::size(members); ++j) {
+        EXPECT_EQ(after[j], j == i ? want : before[j]) << spec << " set " << members[j].name;
+      }
     }
   }
 }
