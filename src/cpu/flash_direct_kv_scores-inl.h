@@ -180,13 +180,7 @@ struct DirectKvScores : DirectKvStreams {
         if (kLanes == 16 && (e0 * static_cast<std::int64_t>(sizeof(T))) % 64 == 0) {
 #pragma GCC unroll 16
           for (int j = 0; j < G; ++j) {
-            if (next[j] != nullptr) {
-              if (k_into_l1) {
-                __builtin_prefetch(next[j] + e0, 0, 3);
-              } else {
-                __builtin_prefetch(next[j] + e0, 0, 2);
-              }
-            }
+            if (next[j] != nullptr) prefetch_line(next[j] + e0, k_into_l1);
           }
         }
 #pragma GCC unroll 16
@@ -253,13 +247,7 @@ struct DirectKvScores : DirectKvStreams {
       for (std::int64_t e0 = 0; e0 < d; e0 += 2 * kLanes) {  // (one 64-byte line of each row)
 #pragma GCC unroll 16
         for (int j = 0; j < kKeys; ++j) {
-          if (next[j] != nullptr) {
-            if (into_l1) {
-              __builtin_prefetch(next[j] + e0, 0, 3);
-            } else {
-              __builtin_prefetch(next[j] + e0, 0, 2);
-            }
-          }
+          if (next[j] != nullptr) prefetch_line(next[j] + e0, into_l1);
         }
         __m512i qv[R];
 #pragma GCC unroll 16

@@ -61,6 +61,17 @@ ATTNCORE_TARGET __attribute__((always_inline)) inline void prefetch_after(const 
 #endif
 }
 
+// A prefetch of the line holding p into L1, or into L2 where into_l1 is false (a level the
+// decode plan chooses at run time).
+template <class T>
+ATTNCORE_TARGET __attribute__((always_inline)) inline void prefetch_line(const T* p, bool into_l1) {
+  if (into_l1) {
+    __builtin_prefetch(p, 0, 3);
+  } else {
+    __builtin_prefetch(p, 0, 2);
+  }
+}
+
 // The cache lines of n elements from p, each once (by address), into L1 (kLocality 3) or L2 (2).
 template <int kLocality, class T>
 ATTNCORE_TARGET __attribute__((always_inline)) inline void prefetch_lines(const T* p,
