@@ -195,9 +195,9 @@ TEST(DecodePlan, SpecsSetFieldsAndRefuseWhatTheyDoNotName) {
   EXPECT_FALSE(changed.one_row_paired);
   EXPECT_EQ(changed.v_far, 64);
   EXPECT_EQ(changed.group_k_ahead_bytes, zen5.group_k_ahead_bytes);
-  // Every field a spec may set, once each (all of DecodePlan's but its name).
+  // Every field a spec may set, once each (all of DecodePlan's but its name: their count,
+  // EachSpecFieldSetsItsOwnMember).
   std::vector<std::string> fields = detail::decode_plan_field_names();
-  EXPECT_EQ(fields.size(), 23u);
   for (const std::string& field : fields) {
     EXPECT_NO_THROW(detail::decode_plan_from_spec("zen4," + field + "=1")) << field;
   }
