@@ -39,14 +39,15 @@ TEST(DecodePlan, ChosenByTheCore) {
   EXPECT_EQ(&detail::decode_plan(), &detail::decode_plan_for(cpu.vendor, cpu.family));
 }
 
-// Each plan of `plans` against the first, on every SIMD target this CPU runs, heads of `dim` (K)
-// and `dim_v` (V), over the cache in three layouts: [B, Hkv, L, D], [B, L, Hkv, D] and pages of 16
+// Each plan of `plans` against the first, on every SIMD target this CPU runs, `hkv` kv heads of
+// `dim` (K) and `dim_v` (V), over the cache in three layouts: [B, Hkv, L, D], [B, L, Hkv, D] and pages of 16
 // keys ([pages, 16, Hkv, D], handed out in reverse). Sequence 0 holds 3 whole tiles (a tile whose
 // P . V runs with the next one's scores, twice, and after the last), sequence 1 ends in part of
 // one.
-void expect_same_bits(const std::vector<DecodePlan>& plans, std::int64_t dim, std::int64_t dim_v) {
+void expect_same_bits(const std::vector<DecodePlan>& plans, std::int64_t dim, std::int64_t dim_v,
+                      std::int64_t hkv) {
   const int count = static_cast<int>(plans.size());
-  const std::int64_t batch = 2, hkv = 2, capacity = 384, page = 16;
+  const std::int64_t batch = 2, capacity = 384, page = 16;
   const std::vector<int> lens = {384, 301};
   Tensor seqlens(DType::i32, {batch});
   for (std::int64_t b = 0; b < batch; ++b) seqlens.data_as<std::int32_t>()[b] = lens[b];
@@ -146,6 +147,8 @@ TEST(DecodePlan, EveryPlanGivesTheSameBits) {
                    .heads_key_groups_pairs = true,
                    .heads_one_pass = true,
                    .heads_f32_k_lead = 1 << 30,
+                   .heads_16bit_k_lead = 1 << 30,
+                   .heads_v_by_key = true,
                    .rows_streams = true,
                    .rows_overlap = true,
                    .heads_overlap = true,
@@ -165,6 +168,7 @@ TEST(DecodePlan, EveryPlanGivesTheSameBits) {
   far_l2.v_far = 1000;
   far_l2.heads_key_groups_f32 = true;
   far_l2.heads_f32_k_lead = 100000;
+  far_l2.heads_16bit_k_lead = 100000;
   far_l2.group_k_ahead_bytes = 1;
   plans.push_back(far_l2);
   // None of AVX-512's schemes, no prefetch a plan can turn off (every field but the name false
@@ -181,8 +185,11 @@ TEST(DecodePlan, EveryPlanGivesTheSameBits) {
   // D = 128: a whole 8-vector column slice on AVX-512 (the heads' one pass, heads_one_pass), and
   // the only Dv one row's key-by-key order takes (one_row_paired), also under D = 64.
   for (const auto& [dim, dim_v] : {std::pair{64, 64}, std::pair{128, 128}, std::pair{64, 128}}) {
-    expect_same_bits(plans, dim, dim_v);
+    expect_same_bits(plans, dim, dim_v, 2);
   }
+  // 5 kv heads: the widened 16-bit scores over several heads take 4 heads' products at a time
+  // (a whole group, then one head with the group's others left out).
+  expect_same_bits(plans, 128, 128, 5);
 }
 
 // A spec names a machine's plan and sets any of its fields; an unknown plan or field, or a value
@@ -238,6 +245,8 @@ TEST(DecodePlan, EachSpecFieldSetsItsOwnMember) {
       {"heads_key_groups_pairs", &DecodePlan::heads_key_groups_pairs, nullptr},
       {"heads_one_pass", &DecodePlan::heads_one_pass, nullptr},
       {"heads_f32_k_lead", nullptr, &DecodePlan::heads_f32_k_lead},
+      {"heads_16bit_k_lead", nullptr, &DecodePlan::heads_16bit_k_lead},
+      {"heads_v_by_key", &DecodePlan::heads_v_by_key, nullptr},
       {"rows_streams", &DecodePlan::rows_streams, nullptr},
       {"rows_overlap", &DecodePlan::rows_overlap, nullptr},
       {"heads_overlap", &DecodePlan::heads_overlap, nullptr},

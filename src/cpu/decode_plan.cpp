@@ -72,6 +72,11 @@ const DecodePlan kPlans[] = {
     //   then 6 KiB or 8 KiB ahead instead of 4: 1.00-1.04, 2 KiB 0.93-0.95. A group's rows over
     //   one head as 4 streams (rows_streams, GQA [B, Hkv, L, D]): f32 0.93, f16 0.88, bf16 1.00;
     //   with their P . V run with the next tile's streams (rows_overlap) 0.70, 0.82, 1.00.
+    // - (Before the plans, on Zen 3, AVX2's kernels:) 16-bit K of one row per head over several
+    //   heads, scored key by key, prefetched 16 keys on into L2 (heads_16bit_k_lead): bench
+    //   --decode MHA Hkv = 32, 1 thread, % of the probe, Lk = 4096/16384, 7 interleaved passes,
+    //   against none: bf16 [B, L, Hkv, D] 69/70 -> 74/74, p16 69/59 -> 79/65; f16 66/64 ->
+    //   67/65, p16 61/54 -> 64/58 (8 and 32 keys within noise of 16).
     {.name = "zen4",
      .near_k_into_l1 = false,
      .near_k_f32_also_bytes = 12288,
@@ -86,6 +91,8 @@ const DecodePlan kPlans[] = {
      .heads_key_groups_pairs = true,
      .heads_one_pass = false,
      .heads_f32_k_lead = 32,
+     .heads_16bit_k_lead = 16,
+     .heads_v_by_key = false,
      .rows_streams = false,
      .rows_overlap = false,
      .heads_overlap = false,
@@ -157,9 +164,11 @@ const DecodePlan kPlans[] = {
      .heads_key_groups_pairs = false,
      .heads_one_pass = false,
      .heads_f32_k_lead = 0,
+     .heads_16bit_k_lead = 4,
+     .heads_v_by_key = true,
      .rows_streams = false,
      .rows_overlap = false,
-     .heads_overlap = true,
+     .heads_overlap = false,
      .group_v_next_chunk = true,
      .group_k_ahead_bytes = 4096,
      .group_k_spread = true,
@@ -231,6 +240,8 @@ const DecodePlan kPlans[] = {
      .heads_key_groups_pairs = false,
      .heads_one_pass = true,
      .heads_f32_k_lead = 0,
+     .heads_16bit_k_lead = 16,
+     .heads_v_by_key = false,
      .rows_streams = true,
      .rows_overlap = true,
      .heads_overlap = true,
@@ -265,6 +276,8 @@ constexpr Field kFields[] = {
     {"heads_key_groups_pairs", &DecodePlan::heads_key_groups_pairs, nullptr},
     {"heads_one_pass", &DecodePlan::heads_one_pass, nullptr},
     {"heads_f32_k_lead", nullptr, &DecodePlan::heads_f32_k_lead},
+    {"heads_16bit_k_lead", nullptr, &DecodePlan::heads_16bit_k_lead},
+    {"heads_v_by_key", &DecodePlan::heads_v_by_key, nullptr},
     {"rows_streams", &DecodePlan::rows_streams, nullptr},
     {"rows_overlap", &DecodePlan::rows_overlap, nullptr},
     {"heads_overlap", &DecodePlan::heads_overlap, nullptr},

@@ -52,9 +52,18 @@ struct DecodePlan {
   bool heads_key_groups_pairs;
   bool heads_one_pass;
   // Those f32 rows' key groups on AVX-512 prefetch K rows this many keys on into L2, line by
-  // line as the products read theirs (0: none; AVX2 prefetches none: kByKeyLead; nor do the
-  // key groups that run with P . V, heads_overlap).
+  // line as the products read theirs (0: none; AVX2 prefetches none; nor do the key groups
+  // that run with P . V, heads_overlap).
   int heads_f32_k_lead;
+  // Their 16-bit K rows (scored key by key, by the key groups or on bf16 pairs) likewise
+  // prefetched this many keys on into L2, line by line (0: none; with heads_overlap its own
+  // lead, DirectKv::heads_overlap_lead).
+  int heads_16bit_k_lead;
+  // One row per head over several heads (MHA [B, L, Hkv, D], pages), AVX-512: P . V key after
+  // key, each key's row of every head in turn with every head's output in L1, V read in address
+  // order and prefetched only where its rows jump (a page boundary: DirectKvHeads::
+  // accumulate_by_key); taken before heads_one_pass, not with heads_overlap.
+  bool heads_v_by_key;
   // A group's 2 to 4 query rows over one head whose rows lie together (GQA [B, Hkv, L, D]) score
   // each whole key tile as 4 sequential streams, as one row's streams do
   // (DirectKvStreams::score_tile_streams<R>).

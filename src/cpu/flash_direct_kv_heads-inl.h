@@ -1,7 +1,8 @@
 // DirectKv's scores of one row per head across several kv heads, for one SIMD target: MHA
 // decode where a key's row holds every head ([B, L, Hkv, D], pages), K read in address order,
 // key by key (AVX2 and Intel's cores: a few keys at a time, also for a GQA group's rows per
-// head) (flash_direct_kv_scores-inl.h holds the rest of the scores).
+// head) (flash_direct_kv_scores-inl.h holds the rest of the scores); and their P . V key by key
+// (accumulate_by_key).
 #pragma once
 
 #include <algorithm>
@@ -19,16 +20,6 @@ namespace attncore::detail::ATTNCORE_TARGET_NS {
 using F32 = std::integral_constant<DType, DType::f32>;
 using F16 = std::integral_constant<DType, DType::f16>;
 using Bf16 = std::integral_constant<DType, DType::bf16>;
-
-// 16-bit K scored key by key across heads (score_heads_by_key and, on AVX2, and on bf16 pairs
-// where the decode plan says, the key groups below, whose lead was not measured apart): the
-// rows this many keys
-// on prefetched into L2, line by line as the products read theirs: bench --decode MHA Hkv=32, 1
-// thread, % of the probe, Lk=4096/16384, 7 interleaved passes: bf16 [B, L, Hkv, D] 69/70 ->
-// 74/74, p16 69/59 -> 79/65; f16 66/64 -> 67/65, p16 61/54 -> 64/58 (8 and 32 keys within
-// noise of 16; f32 rows ran 2-4 points slower with it, and on AVX2 have none; on AVX-512 their
-// key groups take the decode plan's lead, DecodePlan::heads_f32_k_lead).
-constexpr std::int64_t kByKeyLead = 16;
 
 // Nothing to run between the groups of keys of score_tile_streams or score_heads_key_groups.
 struct NoWork {
@@ -168,8 +159,9 @@ struct DirectKvHeads {
   // so that K is read as kKeys streams in address order; each (key, head) lane sum formed as
   // score_keys forms it, into `parts` ([heads][kLanes keys][kLanes]; AVX-512: a vector per group
   // of keys, put_group) and summed by sum_groups (the same bits). With `lead` > 0, each line read
-  // prefetches the same line of the key `lead` keys on, into L2 (16-bit: kByKeyLead; f32: none on
-  // AVX2, on AVX-512 the decode plan's heads_f32_k_lead). Zen 3, 1 thread, % of the probe,
+  // prefetches the same line of the key `lead` keys on, into L2 (16-bit: the decode plan's
+  // heads_16bit_k_lead; f32: none on AVX2, on AVX-512 the plan's heads_f32_k_lead). Zen 3, 1
+  // thread, % of the probe,
   // Lk=16384, two runs of 3 interleaved passes against score_heads_by_key (f32) and
   // score_heads_widened (16-bit): BLHD f32 69/71 -> 81/77, bf16 50/49 -> 55/57, f16 50/44
   // -> 56/57, p16 f32 70/55 -> 67/78, bf16 47/46 -> 48/46 (8 keys at once within the noise of
@@ -288,7 +280,12 @@ struct DirectKvHeads {
   // --decode MHA f16, % of the probe, Lk=4096/16384, interleaved against one reduce_sum per
   // score, 7 passes on 1 thread: BLHD 60/66 -> 65/71, p16 67/60 -> 70/62, p256 70/67 -> 78/71;
   // 5 on 2 threads: BLHD 81/78 -> 88/76, p16 84/77 -> 88/75, p256 92/80 -> 97/79. bf16 pairs
-  // ran 12-18 points slower that way, f32 1-2).
+  // ran 12-18 points slower that way, f32 1-2). The products of kChains heads at a time run
+  // interleaved, one multiply-add chain each (their rows lie together: K still read in address
+  // order), where each head's chain alone left the core waiting on its latency: Zen 5, f16 [B,
+  // L, Hkv, D], Hkv = 32, 1 thread, in one process against each head in turn: from L2 (Lk = 48)
+  // 1.18, from memory (Lk = 16384) 1.03.
+  static constexpr int kChains = 4;
   template <DType kDtype, class T>
   ATTNCORE_TARGET static void score_heads_widened(const T* k, const std::int64_t* at,
                                                   std::int64_t block, std::int64_t d,
@@ -305,21 +302,29 @@ struct DirectKvHeads {
         Vec acc[kLanes];
 #pragma GCC unroll 16
         for (int x = 0; x < kLanes; ++x) acc[x] = Vec{};
-#pragma GCC unroll 16
-        for (int x = 0; x < kLanes; ++x) {
-          if (x < n) {
-            const T* kx = row + (x0 + x) * k_step;
-            const T* ahead_row = next != nullptr ? next + (x0 + x) * k_step : nullptr;
-            const float* qx = q + (x0 + x) * head_floats;
-            Vec sum = acc[x];
-            for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
-              if (ahead_row != nullptr && (e0 * sizeof(T)) % 64 == 0) {
-                __builtin_prefetch(ahead_row + e0, 0, 2);
+#pragma GCC unroll 4
+        for (int xg = 0; xg < kLanes; xg += kChains) {
+          if (xg >= n) continue;
+          // (a group past the last head repeats it, its sums left out: no test per step)
+          std::int64_t off[kChains];
+#pragma GCC unroll 4
+          for (int h = 0; h < kChains; ++h) off[h] = x0 + std::min<std::int64_t>(xg + h, n - 1);
+          Vec sum[kChains] = {};
+          for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
+            if (next != nullptr && (e0 * sizeof(T)) % 64 == 0) {
+#pragma GCC unroll 4
+              for (int h = 0; h < kChains; ++h) {
+                __builtin_prefetch(next + off[h] * k_step + e0, 0, 2);
               }
-              sum = fmadd(load(qx + e0), load_part(kx + e0, kLanes, kDtype), sum);
             }
-            acc[x] = sum;
+#pragma GCC unroll 4
+            for (int h = 0; h < kChains; ++h) {
+              sum[h] = fmadd(load(q + off[h] * head_floats + e0),
+                             load_part(row + off[h] * k_step + e0, kLanes, kDtype), sum[h]);
+            }
           }
+#pragma GCC unroll 4
+          for (int h = 0; h < kChains; ++h) acc[xg + h] = xg + h < n ? sum[h] : Vec{};
         }
         Vec t[kLanes];
 #pragma GCC unroll 16
@@ -329,6 +334,51 @@ struct DirectKvHeads {
     }
     for (std::int64_t x = 0; x < heads; ++x) {
       for (int j = 0; j < kLanes; ++j) s[x * head_floats + j] = by_key[j * heads_pad + x];
+    }
+  }
+
+  // P . V of one row per head for every head of a multi-head item (MHA [B, L, Hkv, D], pages),
+  // over a tile's keys [0, keys), key after key, each key's row of every head in turn: V read
+  // in address order as one stream, which the hardware prefetcher streams, every head's output
+  // (out + x * head_floats, dv floats, dv a multiple of kLanes) in L1 instead of registers. Head
+  // x's out = its alpha (alpha + x * head_floats; with alpha null, 1) times out plus its P (probs
+  // + x * head_floats) times its V rows (v + v_at[c] + x * v_step), each element's products in
+  // key order, as accumulate<T, 1> forms them (the same bits). Where the rows jump (a page
+  // boundary), the row kJumpLead keys on, whole, into L2 (never a row at or past `ahead`, the
+  // rows resolved). Zen 5, Hq = Hkv = 32, 1 thread, in one process against chunks of keys head
+  // by head with each head's next chunk prefetched (tile_accumulate), with 16-bit K 4 keys on:
+  // f16 [B, L, Hkv, D] 1.21, p16 1.11, p256 1.22-1.24, from L3 (Lk = 512) 1.49; bf16 1.16-1.19,
+  // p16 1.11 (with the jump's prefetch 1.13; without either, V prefetched nowhere: 0.84),
+  // p256 1.19; f32 (its scores' key groups not run with P . V, heads_overlap) 1.21, p16 1.13,
+  // p256 1.13.
+  static constexpr std::int64_t kJumpLead = 2;
+  template <class T, class Known>
+  ATTNCORE_TARGET static void accumulate_by_key(const T* v, const std::int64_t* v_at,
+                                               std::int64_t keys, std::int64_t ahead,
+                                               std::int64_t heads, std::int64_t v_step,
+                                               std::int64_t dv, const float* probs, float* out,
+                                               const float* alpha, std::int64_t head_floats) {
+    for (std::int64_t x = 0; alpha != nullptr && x < heads; ++x) {
+      float* ox = out + x * head_floats;
+      const Vec scale = splat(alpha[x * head_floats]);
+      for (std::int64_t e0 = 0; e0 < dv; e0 += kLanes) store(ox + e0, load(ox + e0) * scale);
+    }
+    const std::int64_t step = keys > 1 ? v_at[1] - v_at[0] : 0;
+    for (std::int64_t c = 0; c < keys; ++c) {
+      const std::int64_t far = c + kJumpLead;
+      if (far < ahead && v_at[far] - v_at[far - 1] != step) {
+        prefetch_lines<2>(v + v_at[far], (heads - 1) * v_step + dv);
+      }
+      const T* row = v + v_at[c];
+      for (std::int64_t x = 0; x < heads; ++x) {
+        const Vec weight = splat(probs[x * head_floats + c]);
+        float* ox = out + x * head_floats;
+        const T* vx = row + x * v_step;
+#pragma GCC unroll 8
+        for (std::int64_t e0 = 0; e0 < dv; e0 += kLanes) {
+          store(ox + e0, fmadd(weight, load_part(vx + e0, kLanes, Known{}), load(ox + e0)));
+        }
+      }
     }
   }
 };

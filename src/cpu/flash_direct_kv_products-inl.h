@@ -350,6 +350,14 @@ struct DirectKvProducts : DirectKvScores {
   // row within kHeadVAhead (wider rows, which tile_accumulate prefetches as one head's, keep
   // that path).
   static constexpr std::int64_t kMaxChunk = 16;
+  // Whether it takes the tile's keys one after another instead, every head's output in L1
+  // (DirectKvHeads::accumulate_by_key): AVX-512 where the decode plan says (heads_v_by_key),
+  // one row per head, Dv a whole number of vectors.
+  ATTNCORE_TARGET static bool heads_by_key(const Params& p, std::int64_t heads, std::int64_t rows,
+                                           std::int64_t dv_pad) {
+    return kLanes == 16 && decode_plan().heads_v_by_key && heads > 1 &&
+           rows_computed(rows) == 1 && p.head_dim_v == dv_pad;
+  }
   ATTNCORE_TARGET static bool heads_in_one_pass(const Params& p, DType v_dtype, std::int64_t heads,
                                                 std::int64_t rows, std::int64_t dv_pad) {
     return (kLanes == 8 || decode_plan().heads_one_pass) && heads > 1 && rows_computed(rows) == 1 &&
@@ -428,7 +436,8 @@ struct DirectKvProducts : DirectKvScores {
 
   // A tile's P . V over its keys [0, keys) for `heads` kv heads (P, alpha and out those of the
   // first head, each head's head_floats floats after the one before): one head's in one call;
-  // several heads' in chunks of head_chunk keys, each chunk for every head (V read in order
+  // several heads' key by key where the decode plan says (heads_by_key), else in chunks of
+  // head_chunk keys, each chunk for every head (V read in order
   // with the heads inside a key's row; heads_in_one_pass: in one pass, accumulate_heads), the
   // head's next chunk of V prefetched (tile_accumulate), each head's accumulator rescaled by
   // its first chunk only: the same sums in the same order as one call.
@@ -442,6 +451,23 @@ struct DirectKvProducts : DirectKvScores {
     std::fill_n(ones, kDirectRows, 1.0f);
     const std::int64_t v_ahead =
         kHeadVAhead / (p.head_dim_v * static_cast<std::int64_t>(size_of(a.v.dtype)));
+    if (heads_by_key(p, heads, rows, dv_pad)) {
+      const std::int64_t* at = v_rows.at;
+      const std::int64_t ahead = v_rows.count, v_step = a.v.stride[1], dv = dv_pad;
+      if (a.v.dtype == DType::f32) {
+        accumulate_by_key<float, F32>(static_cast<const float*>(a.v.data), at, keys, ahead, heads,
+                                      v_step, dv, probs, out, alpha, head_floats);
+      } else if (a.v.dtype == DType::f16) {
+        accumulate_by_key<std::uint16_t, F16>(static_cast<const std::uint16_t*>(a.v.data), at,
+                                              keys, ahead, heads, v_step, dv, probs, out, alpha,
+                                              head_floats);
+      } else {
+        accumulate_by_key<std::uint16_t, Bf16>(static_cast<const std::uint16_t*>(a.v.data), at,
+                                               keys, ahead, heads, v_step, dv, probs, out, alpha,
+                                               head_floats);
+      }
+      return;
+    }
     const std::int64_t step = heads > 1 ? head_chunk(a.v.dtype, rows) : kKeyTile;
     const bool one_pass = heads_in_one_pass(p, a.v.dtype, heads, rows, dv_pad);
     for (std::int64_t c = 0; c == 0 || c < keys; c += step) {

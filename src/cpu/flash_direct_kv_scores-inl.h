@@ -410,8 +410,8 @@ struct DirectKvScores : DirectKvStreams {
     const bool interleaved = plan.near_k_f32_also_interleaved;
     const std::int64_t d_pad = (d + kLanes - 1) / kLanes * kLanes;
     // One row per head, several heads: key by key, K prefetched as the products run (16-bit:
-    // kByKeyLead; f32 on AVX-512 as far as the decode plan says, heads_f32_k_lead; else not at
-    // all) (bench --decode MHA 1 thread, % of the probe,
+    // the decode plan's heads_16bit_k_lead; f32 on AVX-512 as far as it says, heads_f32_k_lead;
+    // else not at all) (bench --decode MHA 1 thread, % of the probe,
     // Lk=4096/16384, interleaved with head by head: f32 [B, L, Hkv, D] 65/65 -> 73/73, p16
     // 61/59 -> 68/67, p256 63/65 -> 73/72, with each key's rows of every head prefetched `lead`
     // keys on in a burst per block 61/61; bf16 pairs BLHD 63/61 -> 66/66, p16 63/56 -> 69/59,
@@ -439,13 +439,14 @@ struct DirectKvScores : DirectKvStreams {
         }
       }
 #endif
+      const std::int64_t k16_lead = plan.heads_16bit_k_lead;
       for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
         const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
 #if ATTNCORE_BF16_DOT
         if constexpr (sizeof(T) == 2) {
           if (q_pairs != nullptr && plan.heads_key_groups_pairs) {
             score_heads_key_groups_pairs(k, k_at + c0, block, d, heads, k_step, head_floats,
-                                         q_pairs, s + c0, widened, kByKeyLead, ahead - c0);
+                                         q_pairs, s + c0, widened, k16_lead, ahead - c0);
             continue;
           }
         }
@@ -457,26 +458,26 @@ struct DirectKvScores : DirectKvStreams {
                                    ahead - c0);
           } else if (dtype == DType::f16) {
             score_heads_key_groups(k, k_at + c0, block, F16{}, d, heads, k_step, head_floats, q,
-                                   s + c0, widened, kByKeyLead, ahead - c0);
+                                   s + c0, widened, k16_lead, ahead - c0);
           } else {
             score_heads_key_groups(k, k_at + c0, block, Bf16{}, d, heads, k_step, head_floats, q,
-                                   s + c0, widened, kByKeyLead, ahead - c0);
+                                   s + c0, widened, k16_lead, ahead - c0);
           }
         } else {
           if constexpr (sizeof(T) == 2) {
             if (q_pairs == nullptr) {  // (the dtype a constant: no test per load)
               if (dtype == DType::f16) {
                 score_heads_widened<DType::f16>(k, k_at + c0, block, d, heads, k_step, head_floats,
-                                                q, s + c0, widened, kByKeyLead, ahead - c0);
+                                                q, s + c0, widened, k16_lead, ahead - c0);
               } else {
                 score_heads_widened<DType::bf16>(k, k_at + c0, block, d, heads, k_step, head_floats,
-                                                 q, s + c0, widened, kByKeyLead, ahead - c0);
+                                                 q, s + c0, widened, k16_lead, ahead - c0);
               }
               continue;
             }
           }
           score_heads_by_key(k, k_at + c0, block, dtype, d, heads, k_step, head_floats, q, q_pairs,
-                             s + c0, widened, sizeof(T) == 2 ? kByKeyLead : 0, ahead - c0);
+                             s + c0, widened, sizeof(T) == 2 ? k16_lead : 0, ahead - c0);
         }
       }
       return;
