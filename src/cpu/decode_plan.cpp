@@ -92,6 +92,7 @@ const DecodePlan kPlans[] = {
      .heads_one_pass = false,
      .heads_f32_k_lead = 32,
      .heads_16bit_k_lead = 16,
+     .heads_16bit_k_into_l1 = false,
      .heads_v_by_key = false,
      .rows_streams = false,
      .rows_overlap = false,
@@ -150,6 +151,18 @@ const DecodePlan kPlans[] = {
     //   rounds: f32 [B, L, Hkv, D] 1.16, p16 1.21; bf16 1.09, 1.06; f16 1.10, 1.04; groups of 2
     //   (Hq = 16, Hkv = 8), whose products prefetch no column slices: f16 [B, L, Hkv, D] 0.69, bf16
     //   0.73 with the next chunk of V left to them, and with K and f32 V into L1 0.96-1.01.
+    // - One row per head over several heads (MHA [B, L, Hkv, D], pages): P . V key after key,
+    //   every head's output in L1, V read in address order and prefetched only at page jumps
+    //   (heads_v_by_key), f32 scores' key groups no longer run with P . V (heads_overlap off),
+    //   16-bit K 4 keys on into L2 instead of 16 (heads_16bit_k_lead; 2 to 4 alike, none
+    //   0.62-0.75 for f16, 0.96-1.00 for bf16 pairs): Hq = Hkv = 32, Lk = 16384, 7 rounds, against
+    //   the plan before: f32 [B, L, Hkv, D] 1.11, p16 1.07, p256 1.14; bf16 1.18, 1.11, 1.17;
+    //   f16 1.12, 1.05, 1.22 (flash_direct_kv_heads-inl.h: accumulate_by_key). Then that K 1 key
+    //   on into L1 (heads_16bit_k_into_l1; 9 rounds): f16 [B, L, Hkv, D] 1.05, p16 1.04, p256
+    //   1.09, from L3 (Lk = 512) 1.07; bf16 1.05, 1.05, from L3 1.03 (2 keys into L1 0.99-1.05,
+    //   into L2 0.95-1.03). A GQA group's rows so, key after key (1, 2 or 4 keys at a time, each
+    //   head's 4 rows' outputs through L1, no V prefetch): f32 [B, L, Hkv, D] 0.72-0.90, f16
+    //   0.76-0.89, bf16 0.76-0.91, not kept.
     {.name = "zen5",
      .near_k_into_l1 = true,
      .near_k_f32_also_bytes = 3072,
@@ -164,7 +177,8 @@ const DecodePlan kPlans[] = {
      .heads_key_groups_pairs = false,
      .heads_one_pass = false,
      .heads_f32_k_lead = 0,
-     .heads_16bit_k_lead = 4,
+     .heads_16bit_k_lead = 1,
+     .heads_16bit_k_into_l1 = true,
      .heads_v_by_key = true,
      .rows_streams = false,
      .rows_overlap = false,
@@ -241,6 +255,7 @@ const DecodePlan kPlans[] = {
      .heads_one_pass = true,
      .heads_f32_k_lead = 0,
      .heads_16bit_k_lead = 16,
+     .heads_16bit_k_into_l1 = false,
      .heads_v_by_key = false,
      .rows_streams = true,
      .rows_overlap = true,
@@ -277,6 +292,7 @@ constexpr Field kFields[] = {
     {"heads_one_pass", &DecodePlan::heads_one_pass, nullptr},
     {"heads_f32_k_lead", nullptr, &DecodePlan::heads_f32_k_lead},
     {"heads_16bit_k_lead", nullptr, &DecodePlan::heads_16bit_k_lead},
+    {"heads_16bit_k_into_l1", &DecodePlan::heads_16bit_k_into_l1, nullptr},
     {"heads_v_by_key", &DecodePlan::heads_v_by_key, nullptr},
     {"rows_streams", &DecodePlan::rows_streams, nullptr},
     {"rows_overlap", &DecodePlan::rows_overlap, nullptr},

@@ -56,9 +56,11 @@ struct DecodePlan {
   // that run with P . V, heads_overlap).
   int heads_f32_k_lead;
   // Their 16-bit K rows (scored key by key, by the key groups or on bf16 pairs) likewise
-  // prefetched this many keys on into L2, line by line (0: none; with heads_overlap its own
-  // lead, DirectKv::heads_overlap_lead).
+  // prefetched this many keys on, line by line (0: none; with heads_overlap its own lead,
+  // DirectKv::heads_overlap_lead), key by key into L1 where heads_16bit_k_into_l1 says, else
+  // into L2.
   int heads_16bit_k_lead;
+  bool heads_16bit_k_into_l1;
   // One row per head over several heads (MHA [B, L, Hkv, D], pages), AVX-512: P . V key after
   // key, each key's row of every head in turn with every head's output in L1, V read in address
   // order and prefetched only where its rows jump (a page boundary: DirectKvHeads::

@@ -114,7 +114,7 @@ struct DirectKvHeads {
                                                  std::int64_t head_floats, const float* q,
                                                  [[maybe_unused]] const float* q_pairs, float* s,
                                                  float* parts, std::int64_t lead,
-                                                 std::int64_t ahead) {
+                                                 std::int64_t ahead, [[maybe_unused]] bool into_l1) {
     for (std::int64_t j = 0; j < kLanes; ++j) {
       const T* row = k + (j < block ? at[j] : 0);
       [[maybe_unused]] const T* next = lead > 0 && j + lead < ahead ? k + at[j + lead] : nullptr;
@@ -127,7 +127,7 @@ struct DirectKvHeads {
             const float* qx = q_pairs + x * (d / 2);
             __m512 sum = acc;
             for (std::int64_t e0 = 0; e0 < d; e0 += 2 * kLanes) {
-              if (next != nullptr) __builtin_prefetch(next + x * k_step + e0, 0, 2);
+              if (next != nullptr) prefetch_line(next + x * k_step + e0, into_l1);
               const __m512i qv = _mm512_loadu_si512(qx + e0 / 2);
               const __m512i kv = _mm512_loadu_si512(kx + e0);
               sum = _mm512_dpbf16_ps(sum, reinterpret_cast<const __m512bh&>(qv),
@@ -292,7 +292,7 @@ struct DirectKvHeads {
                                                   std::int64_t heads, std::int64_t k_step,
                                                   std::int64_t head_floats, const float* q,
                                                   float* s, float* by_key, std::int64_t lead,
-                                                  std::int64_t ahead) {
+                                                  std::int64_t ahead, bool into_l1) {
     const std::int64_t heads_pad = (heads + kLanes - 1) / kLanes * kLanes;
     for (std::int64_t j = 0; j < kLanes; ++j) {
       const T* row = k + (j < block ? at[j] : 0);
@@ -314,7 +314,7 @@ struct DirectKvHeads {
             if (next != nullptr && (e0 * sizeof(T)) % 64 == 0) {
 #pragma GCC unroll 4
               for (int h = 0; h < kChains; ++h) {
-                __builtin_prefetch(next + off[h] * k_step + e0, 0, 2);
+                prefetch_line(next + off[h] * k_step + e0, into_l1);
               }
             }
 #pragma GCC unroll 4

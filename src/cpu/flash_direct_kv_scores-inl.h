@@ -440,6 +440,7 @@ struct DirectKvScores : DirectKvStreams {
       }
 #endif
       const std::int64_t k16_lead = plan.heads_16bit_k_lead;
+      const bool k16_l1 = plan.heads_16bit_k_into_l1;
       for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
         const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
 #if ATTNCORE_BF16_DOT
@@ -468,16 +469,16 @@ struct DirectKvScores : DirectKvStreams {
             if (q_pairs == nullptr) {  // (the dtype a constant: no test per load)
               if (dtype == DType::f16) {
                 score_heads_widened<DType::f16>(k, k_at + c0, block, d, heads, k_step, head_floats,
-                                                q, s + c0, widened, k16_lead, ahead - c0);
+                                                q, s + c0, widened, k16_lead, ahead - c0, k16_l1);
               } else {
                 score_heads_widened<DType::bf16>(k, k_at + c0, block, d, heads, k_step, head_floats,
-                                                 q, s + c0, widened, k16_lead, ahead - c0);
+                                                 q, s + c0, widened, k16_lead, ahead - c0, k16_l1);
               }
               continue;
             }
           }
           score_heads_by_key(k, k_at + c0, block, dtype, d, heads, k_step, head_floats, q, q_pairs,
-                             s + c0, widened, sizeof(T) == 2 ? k16_lead : 0, ahead - c0);
+                             s + c0, widened, sizeof(T) == 2 ? k16_lead : 0, ahead - c0, k16_l1);
         }
       }
       return;
