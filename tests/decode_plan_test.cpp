@@ -40,10 +40,10 @@ TEST(DecodePlan, ChosenByTheCore) {
 }
 
 // Each plan of `plans` against the first, on every SIMD target this CPU runs, `hkv` kv heads of
-// `dim` (K) and `dim_v` (V), over the cache in three layouts: [B, Hkv, L, D], [B, L, Hkv, D] and pages of 16
-// keys ([pages, 16, Hkv, D], handed out in reverse). Sequence 0 holds 3 whole tiles (a tile whose
-// P . V runs with the next one's scores, twice, and after the last), sequence 1 ends in part of
-// one.
+// `dim` (K) and `dim_v` (V), over the cache in three layouts: [B, Hkv, L, D], [B, L, Hkv, D] and
+// pages of 16 keys ([pages, 16, Hkv, D], handed out in reverse). Sequence 0 holds 3 whole tiles
+// (a tile whose P . V runs with the next one's scores, twice, and after the last), sequence 1
+// ends in part of one.
 void expect_same_bits(const std::vector<DecodePlan>& plans, std::int64_t dim, std::int64_t dim_v,
                       std::int64_t hkv) {
   const int count = static_cast<int>(plans.size());
