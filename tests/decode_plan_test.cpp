@@ -40,12 +40,13 @@ TEST(DecodePlan, ChosenByTheCore) {
 }
 
 // Each plan of `plans` against the first, on every SIMD target this CPU runs, `hkv` kv heads of
-// `dim` (K) and `dim_v` (V), over the cache in three layouts: [B, Hkv, L, D], [B, L, Hkv, D] and
-// pages of 16 keys ([pages, 16, Hkv, D], handed out in reverse). Sequence 0 holds 3 whole tiles
+// `dim` (K) and `dim_v` (V), query groups of each size of `groups`, over the cache in three
+// layouts: [B, Hkv, L, D], [B, L, Hkv, D] and pages of 16 keys ([pages, 16, Hkv, D], handed out
+// in reverse). Sequence 0 holds 3 whole tiles
 // (a tile whose P . V runs with the next one's scores, twice, and after the last), sequence 1
 // ends in part of one.
 void expect_same_bits(const std::vector<DecodePlan>& plans, std::int64_t dim, std::int64_t dim_v,
-                      std::int64_t hkv) {
+                      std::int64_t hkv, const std::vector<std::int64_t>& groups) {
   const int count = static_cast<int>(plans.size());
   const std::int64_t batch = 2, capacity = 384, page = 16;
   const std::vector<int> lens = {384, 301};
@@ -76,7 +77,7 @@ void expect_same_bits(const std::vector<DecodePlan>& plans, std::int64_t dim, st
     const Tensor k_pages = make_tensor(types.kv, {k_pool.num_pages, page, hkv, dim}, k_pool.values);
     const Tensor v_pages =
         make_tensor(types.kv, {v_pool.num_pages, page, hkv, dim_v}, v_pool.values);
-    for (std::int64_t group : {1, 2, 4}) {
+    for (std::int64_t group : groups) {
       for (std::int64_t lq : {1, 3}) {
         const Tensor q =
             make_tensor(types.q, {batch, hkv * group, lq, dim},
@@ -159,7 +160,8 @@ TEST(DecodePlan, EveryPlanGivesTheSameBits) {
                    .group_f32_near_spread = true,
                    .group_k_into_l1 = true,
                    .group_16bit_v_next_at_jumps = true,
-                   .group_f32_next_v_into_l1 = true});
+                   .group_f32_next_v_into_l1 = true,
+                   .group_f32_by_key = true});
   // (far_l2 scores f32 rows over several heads by key groups, so that their K lead, far past a
   // tile's rows, runs here too.)
   DecodePlan far_l2{};  // (every field not set here false or 0)
@@ -186,11 +188,12 @@ TEST(DecodePlan, EveryPlanGivesTheSameBits) {
   // D = 128: a whole 8-vector column slice on AVX-512 (the heads' one pass, heads_one_pass), and
   // the only Dv one row's key-by-key order takes (one_row_paired), also under D = 64.
   for (const auto& [dim, dim_v] : {std::pair{64, 64}, std::pair{128, 128}, std::pair{64, 128}}) {
-    expect_same_bits(plans, dim, dim_v, 2);
+    expect_same_bits(plans, dim, dim_v, 2, {1, 2, 4});
   }
-  // 5 kv heads: the widened 16-bit scores over several heads take 4 heads' products at a time
-  // (a whole group, then one head with the group's others left out).
-  expect_same_bits(plans, 128, 128, 5);
+  // 5 kv heads: the widened 16-bit scores over several heads take 4 heads' products at a time,
+  // and a group's f32 rows key by key 8 / R heads' (a whole group, then a part of one); groups
+  // of 3 rows (computed as 4) and of 8.
+  expect_same_bits(plans, 128, 128, 5, {1, 3, 8});
 }
 
 // A spec names a machine's plan and sets any of its fields; an unknown plan or field, or a value
@@ -259,6 +262,7 @@ TEST(DecodePlan, EachSpecFieldSetsItsOwnMember) {
       {"group_k_into_l1", &DecodePlan::group_k_into_l1, nullptr},
       {"group_16bit_v_next_at_jumps", &DecodePlan::group_16bit_v_next_at_jumps, nullptr},
       {"group_f32_next_v_into_l1", &DecodePlan::group_f32_next_v_into_l1, nullptr},
+      {"group_f32_by_key", &DecodePlan::group_f32_by_key, nullptr},
   };
   ASSERT_EQ(std::size(members), detail::decode_plan_field_names().size());
   const auto values = [&](const DecodePlan& plan) {

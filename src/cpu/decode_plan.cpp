@@ -103,7 +103,8 @@ const DecodePlan kPlans[] = {
      .group_f32_near_spread = true,
      .group_k_into_l1 = false,
      .group_16bit_v_next_at_jumps = false,
-     .group_f32_next_v_into_l1 = false},
+     .group_f32_next_v_into_l1 = false,
+     .group_f32_by_key = false},
     // Zen 5 (AMD family 0x1A and later). Near K rows into L1, f32 rows also 3 KiB ahead, a
     // block's first (MHA f32 82/81 -> 88/86, GQA f32 76/65 -> 80/72 and 68/62 -> 78/73 in two
     // runs of 9 passes against once; 16-bit rows ran slower twice: bf16 97/92 -> 89/88); no V
@@ -160,9 +161,12 @@ const DecodePlan kPlans[] = {
     //   f16 1.12, 1.05, 1.22 (flash_direct_kv_heads-inl.h: accumulate_by_key). Then that K 1 key
     //   on into L1 (heads_16bit_k_into_l1; 9 rounds): f16 [B, L, Hkv, D] 1.05, p16 1.04, p256
     //   1.09, from L3 (Lk = 512) 1.07; bf16 1.05, 1.05, from L3 1.03 (2 keys into L1 0.99-1.05,
-    //   into L2 0.95-1.03). A GQA group's rows so, key after key (1, 2 or 4 keys at a time, each
-    //   head's 4 rows' outputs through L1, no V prefetch): f32 [B, L, Hkv, D] 0.72-0.90, f16
-    //   0.76-0.89, bf16 0.76-0.91, not kept.
+    //   into L2 0.95-1.03). A GQA group's P . V so, key after key (1, 2 or 4 keys at a time,
+    //   each head's 4 rows' outputs through L1, no V prefetch): f32 [B, L, Hkv, D] 0.72-0.90,
+    //   f16 0.76-0.89, bf16 0.76-0.91, not kept. Its f32 scores key by key (group_f32_by_key):
+    //   Hkv = 8, [B, L, Hkv, D] 1.20-1.21, p16 1.25, p256 1.20-1.21 (DirectKvHeads::
+    //   score_rows_by_key); its scores by key groups across heads (4 keys, 4 rows, as
+    //   heads_overlap's) instead: f32 1.03-1.05, f16 0.99-1.02.
     {.name = "zen5",
      .near_k_into_l1 = true,
      .near_k_f32_also_bytes = 3072,
@@ -189,7 +193,8 @@ const DecodePlan kPlans[] = {
      .group_f32_near_spread = false,
      .group_k_into_l1 = true,
      .group_16bit_v_next_at_jumps = true,
-     .group_f32_next_v_into_l1 = true},
+     .group_f32_next_v_into_l1 = true,
+     .group_f32_by_key = true},
     // Intel (GenuineIntel; measured on one Xeon with AVX512-FP16 and AMX, family 6 model 0xA7
     // as its hypervisor reports it, probe 16 GB/s on 1 thread). Zen 4's prefetches: no placement
     // moved decode there (the zen5 plan and none at all within 0.93-1.04 of them, MHA and GQA,
@@ -266,7 +271,8 @@ const DecodePlan kPlans[] = {
      .group_f32_near_spread = true,
      .group_k_into_l1 = false,
      .group_16bit_v_next_at_jumps = false,
-     .group_f32_next_v_into_l1 = false},
+     .group_f32_next_v_into_l1 = false,
+     .group_f32_by_key = false},
 };
 
 std::atomic<const DecodePlan*> scoped{nullptr};
@@ -304,6 +310,7 @@ constexpr Field kFields[] = {
     {"group_k_into_l1", &DecodePlan::group_k_into_l1, nullptr},
     {"group_16bit_v_next_at_jumps", &DecodePlan::group_16bit_v_next_at_jumps, nullptr},
     {"group_f32_next_v_into_l1", &DecodePlan::group_f32_next_v_into_l1, nullptr},
+    {"group_f32_by_key", &DecodePlan::group_f32_by_key, nullptr},
 };
 
 std::string plan_names() {

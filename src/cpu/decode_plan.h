@@ -104,6 +104,9 @@ struct DecodePlan {
   bool group_16bit_v_next_at_jumps;
   // Those f32 rows over several heads prefetch their next chunk of V into L1 instead of L2.
   bool group_f32_next_v_into_l1;
+  // A GQA group's f32 rows over several heads (AVX-512): scored key by key, each key's row of
+  // every head in turn, K read in address order (DirectKvHeads::score_rows_by_key).
+  bool group_f32_by_key;
 
   // Whether one row per head over several heads scores K of this element size (4: f32, 2:
   // 16-bit widened) by score_heads_key_groups.

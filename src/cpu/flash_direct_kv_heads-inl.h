@@ -2,7 +2,7 @@
 // decode where a key's row holds every head ([B, L, Hkv, D], pages), K read in address order,
 // key by key (AVX2 and Intel's cores: a few keys at a time, also for a GQA group's rows per
 // head) (flash_direct_kv_scores-inl.h holds the rest of the scores); and their P . V key by key
-// (accumulate_by_key).
+// (accumulate_by_key); and a GQA group's f32 rows' scores key by key (score_rows_by_key).
 #pragma once
 
 #include <algorithm>
@@ -335,6 +335,80 @@ struct DirectKvHeads {
     }
     for (std::int64_t x = 0; x < heads; ++x) {
       for (int j = 0; j < kLanes; ++j) s[x * head_floats + j] = by_key[j * heads_pad + x];
+    }
+  }
+
+  // A GQA group's R query rows per head over several heads ([B, L, Hkv, D], pages) against a
+  // block of keys c < block, key by key, each key's row of every head in turn: K read in address
+  // order as one stream, each K vector loaded once for the head's R rows (rows d apart from q +
+  // x * head_floats), the products of 8 / R heads at a time interleaved (8 multiply-add chains),
+  // the lane sums of kLanes / R heads' rows summed across lanes together by reduce_sums (each
+  // score the one score_rows gives it: the same bits), into `by_key` [kLanes keys][heads
+  // rounded up to kLanes / R][R], then copied to each head's S (row r of head x at x *
+  // head_floats + r * kKeyTile; 0 past `block`). Each line read prefetches the same line of the
+  // key `lead` keys on into L1 (at[j + lead] for j + lead < ahead). R divides kLanes. Zen 5,
+  // f32, Hq = 32, Hkv = 8, Lk = 16384, 1 thread, in one process against score_rows head by head
+  // (K 4 KiB of each head ahead), 7-9 rounds, K 2 keys on: [B, L, Hkv, D] 1.20-1.21 (1 key on
+  // 1.14, 3 keys 1.14, 4 keys 1.13, 6-8 keys 1.12-1.13, none 0.78), p16 1.25, p256 1.20-1.21,
+  // from L3 (Lk = 2048) 1.06, 2 threads 1.07; groups of 8 rows (Hkv = 4) 1.06, of 2 (Hq = 16)
+  // 1.22. f16 0.88-0.93 (the widening makes it bound by its instructions: not taken).
+  template <int R, class T, class Known>
+  ATTNCORE_TARGET static void score_rows_by_key(const T* k, const std::int64_t* at,
+                                                std::int64_t block, Known known, std::int64_t d,
+                                                std::int64_t heads, std::int64_t k_step,
+                                                std::int64_t head_floats, const float* q, float* s,
+                                                float* by_key, std::int64_t lead,
+                                                std::int64_t ahead) {
+    static_assert(kLanes % R == 0, "whole heads in a vector of sums");
+    constexpr int kHeads = kLanes / R;                  // heads per reduce_sums
+    constexpr int kAtOnce = R >= 8 ? 1 : 8 / R;  // heads whose chains interleave
+    const std::int64_t width = (heads + kHeads - 1) / kHeads * kHeads * R;
+    for (std::int64_t j = 0; j < block; ++j) {
+      const T* row = k + at[j];
+      const T* next = lead > 0 && j + lead < ahead ? k + at[j + lead] : nullptr;
+      for (std::int64_t x0 = 0; x0 < heads; x0 += kHeads) {
+        Vec acc[kLanes];
+#pragma GCC unroll 16
+        for (int i = 0; i < kLanes; ++i) acc[i] = Vec{};
+#pragma GCC unroll 8
+        for (int xg = 0; xg < kHeads; xg += kAtOnce) {
+          if (x0 + xg >= heads) break;
+          // (heads past the last repeat it, their sums left out: no test per step)
+          std::int64_t x[kAtOnce];
+#pragma GCC unroll 8
+          for (int h = 0; h < kAtOnce; ++h) x[h] = std::min<std::int64_t>(x0 + xg + h, heads - 1);
+          Vec sum[kAtOnce][R] = {};
+          for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
+            if (next != nullptr && (e0 * sizeof(T)) % 64 == 0) {
+#pragma GCC unroll 8
+              for (int h = 0; h < kAtOnce; ++h) prefetch_line(next + x[h] * k_step + e0, true);
+            }
+#pragma GCC unroll 8
+            for (int h = 0; h < kAtOnce; ++h) {
+              const Vec kv = load_part(row + x[h] * k_step + e0, kLanes, known);
+              const float* qx = q + x[h] * head_floats + e0;
+#pragma GCC unroll 16
+              for (int r = 0; r < R; ++r) sum[h][r] = fmadd(load(qx + r * d), kv, sum[h][r]);
+            }
+          }
+#pragma GCC unroll 8
+          for (int h = 0; h < kAtOnce; ++h) {
+#pragma GCC unroll 16
+            for (int r = 0; r < R; ++r) {
+              acc[(xg + h) * R + r] = x0 + xg + h < heads ? sum[h][r] : Vec{};
+            }
+          }
+        }
+        store(by_key + j * width + x0 * R, reduce_sums(acc));
+      }
+    }
+    for (std::int64_t x = 0; x < heads; ++x) {
+      for (int r = 0; r < R; ++r) {
+        float* sx = s + x * head_floats + r * kKeyTile;
+        for (std::int64_t j = 0; j < kLanes; ++j) {
+          sx[j] = j < block ? by_key[j * width + x * R + r] : 0.0f;
+        }
+      }
     }
   }
 

@@ -504,6 +504,29 @@ struct DirectKvScores : DirectKvStreams {
       }
     }
 #endif
+    // A group's f32 rows over several heads key by key where the decode plan says
+    // (group_f32_by_key), K 2 keys on into L1 (score_rows_by_key has the measurements).
+    const int computed = rows_computed(rows);
+    if constexpr (sizeof(T) == 4 && kLanes == 16) {
+      const std::int64_t width = (heads * computed + kLanes - 1) / kLanes * kLanes;
+      if (plan.group_f32_by_key && heads > 1 && rows > 1 && d % kLanes == 0 &&
+          kLanes * width <= d * kKeyTile) {
+        for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
+          const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
+          const auto by_key = [&](auto rows_constant) ATTNCORE_TARGET {
+            score_rows_by_key<decltype(rows_constant)::value>(
+                k, k_at + c0, block, F32{}, d, heads, k_step, head_floats, q, s + c0, widened,
+                2, ahead - c0);
+          };
+          switch (computed) {
+            case 2: by_key(std::integral_constant<int, 2>{}); break;
+            case 4: by_key(std::integral_constant<int, 4>{}); break;
+            default: by_key(std::integral_constant<int, kDirectRows>{});
+          }
+        }
+        return;
+      }
+    }
     for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
       const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
       const std::int64_t ldk = block >= 2 ? even_stride(k_at + c0, block) : d;
