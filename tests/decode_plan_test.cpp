@@ -148,8 +148,8 @@ TEST(DecodePlan, EveryPlanGivesTheSameBits) {
                    .heads_key_groups_pairs = true,
                    .heads_one_pass = true,
                    .heads_f32_k_lead = 1 << 30,
-                   .heads_16bit_k_lead = 1 << 30,
-                   .heads_16bit_k_into_l1 = true,
+                   .heads_16bit_lead = 1 << 30,
+                   .heads_16bit_into_l1 = true,
                    .heads_v_by_key = true,
                    .rows_streams = true,
                    .rows_overlap = true,
@@ -171,7 +171,7 @@ TEST(DecodePlan, EveryPlanGivesTheSameBits) {
   far_l2.v_far = 1000;
   far_l2.heads_key_groups_f32 = true;
   far_l2.heads_f32_k_lead = 100000;
-  far_l2.heads_16bit_k_lead = 100000;
+  far_l2.heads_16bit_lead = 100000;
   far_l2.group_k_ahead_bytes = 1;
   plans.push_back(far_l2);
   // None of AVX-512's schemes, no prefetch a plan can turn off (every field but the name false
@@ -249,8 +249,8 @@ TEST(DecodePlan, EachSpecFieldSetsItsOwnMember) {
       {"heads_key_groups_pairs", &DecodePlan::heads_key_groups_pairs, nullptr},
       {"heads_one_pass", &DecodePlan::heads_one_pass, nullptr},
       {"heads_f32_k_lead", nullptr, &DecodePlan::heads_f32_k_lead},
-      {"heads_16bit_k_lead", nullptr, &DecodePlan::heads_16bit_k_lead},
-      {"heads_16bit_k_into_l1", &DecodePlan::heads_16bit_k_into_l1, nullptr},
+      {"heads_16bit_lead", nullptr, &DecodePlan::heads_16bit_lead},
+      {"heads_16bit_into_l1", &DecodePlan::heads_16bit_into_l1, nullptr},
       {"heads_v_by_key", &DecodePlan::heads_v_by_key, nullptr},
       {"rows_streams", &DecodePlan::rows_streams, nullptr},
       {"rows_overlap", &DecodePlan::rows_overlap, nullptr},

@@ -73,7 +73,7 @@ const DecodePlan kPlans[] = {
     //   one head as 4 streams (rows_streams, GQA [B, Hkv, L, D]): f32 0.93, f16 0.88, bf16 1.00;
     //   with their P . V run with the next tile's streams (rows_overlap) 0.70, 0.82, 1.00.
     // - (Before the plans, on Zen 3, AVX2's kernels:) 16-bit K of one row per head over several
-    //   heads, scored key by key, prefetched 16 keys on into L2 (heads_16bit_k_lead): bench
+    //   heads, scored key by key, prefetched 16 keys on into L2 (heads_16bit_lead): bench
     //   --decode MHA Hkv = 32, 1 thread, % of the probe, Lk = 4096/16384, 7 interleaved passes,
     //   against none: bf16 [B, L, Hkv, D] 69/70 -> 74/74, p16 69/59 -> 79/65; f16 66/64 ->
     //   67/65, p16 61/54 -> 64/58 (8 and 32 keys within noise of 16).
@@ -91,8 +91,8 @@ const DecodePlan kPlans[] = {
      .heads_key_groups_pairs = true,
      .heads_one_pass = false,
      .heads_f32_k_lead = 32,
-     .heads_16bit_k_lead = 16,
-     .heads_16bit_k_into_l1 = false,
+     .heads_16bit_lead = 16,
+     .heads_16bit_into_l1 = false,
      .heads_v_by_key = false,
      .rows_streams = false,
      .rows_overlap = false,
@@ -155,13 +155,14 @@ const DecodePlan kPlans[] = {
     // - One row per head over several heads (MHA [B, L, Hkv, D], pages): P . V key after key,
     //   every head's output in L1, V read in address order and prefetched only at page jumps
     //   (heads_v_by_key), f32 scores' key groups no longer run with P . V (heads_overlap off),
-    //   16-bit K 4 keys on into L2 instead of 16 (heads_16bit_k_lead; 2 to 4 alike, none
+    //   16-bit K 4 keys on into L2 instead of 16 (heads_16bit_lead; 2 to 4 alike, none
     //   0.62-0.75 for f16, 0.96-1.00 for bf16 pairs): Hq = Hkv = 32, Lk = 16384, 7 rounds, against
     //   the plan before: f32 [B, L, Hkv, D] 1.11, p16 1.07, p256 1.14; bf16 1.18, 1.11, 1.17;
     //   f16 1.12, 1.05, 1.22 (flash_direct_kv_heads-inl.h: accumulate_by_key). Then that K 1 key
-    //   on into L1 (heads_16bit_k_into_l1; 9 rounds): f16 [B, L, Hkv, D] 1.05, p16 1.04, p256
+    //   on into L1 (heads_16bit_into_l1; 9 rounds): f16 [B, L, Hkv, D] 1.05, p16 1.04, p256
     //   1.09, from L3 (Lk = 512) 1.07; bf16 1.05, 1.05, from L3 1.03 (2 keys into L1 0.99-1.05,
-    //   into L2 0.95-1.03). A GQA group's P . V so, key after key (1, 2 or 4 keys at a time,
+    //   into L2 0.95-1.03); then their V so too (7 rounds): bf16 1.04, 1.09, p256 1.07; f16
+    //   1.03, 1.07-1.09, p256 1.04. A GQA group's P . V so, key after key (1, 2 or 4 keys at a time,
     //   each head's 4 rows' outputs through L1, no V prefetch): f32 [B, L, Hkv, D] 0.72-0.90,
     //   f16 0.76-0.89, bf16 0.76-0.91, not kept. Its f32 scores key by key (group_f32_by_key):
     //   Hkv = 8, [B, L, Hkv, D] 1.20-1.21, p16 1.25, p256 1.20-1.21 (DirectKvHeads::
@@ -181,8 +182,8 @@ const DecodePlan kPlans[] = {
      .heads_key_groups_pairs = false,
      .heads_one_pass = false,
      .heads_f32_k_lead = 0,
-     .heads_16bit_k_lead = 1,
-     .heads_16bit_k_into_l1 = true,
+     .heads_16bit_lead = 1,
+     .heads_16bit_into_l1 = true,
      .heads_v_by_key = true,
      .rows_streams = false,
      .rows_overlap = false,
@@ -259,8 +260,8 @@ const DecodePlan kPlans[] = {
      .heads_key_groups_pairs = false,
      .heads_one_pass = true,
      .heads_f32_k_lead = 0,
-     .heads_16bit_k_lead = 16,
-     .heads_16bit_k_into_l1 = false,
+     .heads_16bit_lead = 16,
+     .heads_16bit_into_l1 = false,
      .heads_v_by_key = false,
      .rows_streams = true,
      .rows_overlap = true,
@@ -297,8 +298,8 @@ constexpr Field kFields[] = {
     {"heads_key_groups_pairs", &DecodePlan::heads_key_groups_pairs, nullptr},
     {"heads_one_pass", &DecodePlan::heads_one_pass, nullptr},
     {"heads_f32_k_lead", nullptr, &DecodePlan::heads_f32_k_lead},
-    {"heads_16bit_k_lead", nullptr, &DecodePlan::heads_16bit_k_lead},
-    {"heads_16bit_k_into_l1", &DecodePlan::heads_16bit_k_into_l1, nullptr},
+    {"heads_16bit_lead", nullptr, &DecodePlan::heads_16bit_lead},
+    {"heads_16bit_into_l1", &DecodePlan::heads_16bit_into_l1, nullptr},
     {"heads_v_by_key", &DecodePlan::heads_v_by_key, nullptr},
     {"rows_streams", &DecodePlan::rows_streams, nullptr},
     {"rows_overlap", &DecodePlan::rows_overlap, nullptr},

@@ -55,15 +55,15 @@ struct DecodePlan {
   // line as the products read theirs (0: none; AVX2 prefetches none; nor do the key groups
   // that run with P . V, heads_overlap).
   int heads_f32_k_lead;
-  // Their 16-bit K rows (scored key by key, by the key groups or on bf16 pairs) likewise
-  // prefetched this many keys on, line by line (0: none; with heads_overlap its own lead,
-  // DirectKv::heads_overlap_lead), key by key into L1 where heads_16bit_k_into_l1 says, else
-  // into L2.
-  int heads_16bit_k_lead;
-  bool heads_16bit_k_into_l1;
+  // Their 16-bit K rows (scored key by key, by the key groups or on bf16 pairs), and their
+  // 16-bit V rows with heads_v_by_key, likewise prefetched this many keys on, line by line (0:
+  // none; with heads_overlap its own lead, DirectKv::heads_overlap_lead), key by key into L1
+  // where heads_16bit_into_l1 says, else into L2.
+  int heads_16bit_lead;
+  bool heads_16bit_into_l1;
   // One row per head over several heads (MHA [B, L, Hkv, D], pages), AVX-512: P . V key after
   // key, each key's row of every head in turn with every head's output in L1, V read in address
-  // order and prefetched only where its rows jump (a page boundary: DirectKvHeads::
+  // order, f32 rows prefetched only where its rows jump (a page boundary: DirectKvHeads::
   // accumulate_by_key); taken before heads_one_pass, not with heads_overlap.
   bool heads_v_by_key;
   // A group's 2 to 4 query rows over one head whose rows lie together (GQA [B, Hkv, L, D]) score

@@ -161,7 +161,7 @@ struct DirectKvHeads {
   // score_keys forms it, into `parts` ([heads][kLanes keys][kLanes]; AVX-512: a vector per group
   // of keys, put_group) and summed by sum_groups (the same bits). With `lead` > 0, each line read
   // prefetches the same line of the key `lead` keys on, into L2 (16-bit: the decode plan's
-  // heads_16bit_k_lead; f32: none on AVX2, on AVX-512 the plan's heads_f32_k_lead). Zen 3, 1
+  // heads_16bit_lead; f32: none on AVX2, on AVX-512 the plan's heads_f32_k_lead). Zen 3, 1
   // thread, % of the probe,
   // Lk=16384, two runs of 3 interleaved passes against score_heads_by_key (f32) and
   // score_heads_widened (16-bit): BLHD f32 69/71 -> 81/77, bf16 50/49 -> 55/57, f16 50/44
@@ -419,20 +419,24 @@ struct DirectKvHeads {
   // x's out = its alpha (alpha + x * head_floats; with alpha null, 1) times out plus its P (probs
   // + x * head_floats) times its V rows (v + v_at[c] + x * v_step), each element's products in
   // key order, as accumulate<T, 1> forms them (the same bits). Where the rows jump (a page
-  // boundary), the row kJumpLead keys on, whole, into L2 (never a row at or past `ahead`, the
-  // rows resolved). Zen 5, Hq = Hkv = 32, 1 thread, in one process against chunks of keys head
+  // boundary), the row kJumpLead keys on, whole, into L2; with `lead` > 0 (16-bit V: the decode
+  // plan's heads_16bit_lead), each head's row `lead` keys on too, line by line as its products
+  // run, into L1 or L2 (into_l1); never a row at or past `ahead`, the rows resolved. Zen 5, Hq = Hkv = 32, 1 thread, in one process against chunks of keys head
   // by head with each head's next chunk prefetched (tile_accumulate), with 16-bit K 4 keys on:
   // f16 [B, L, Hkv, D] 1.21, p16 1.11, p256 1.22-1.24, from L3 (Lk = 512) 1.49; bf16 1.16-1.19,
   // p16 1.11 (with the jump's prefetch 1.13; without either, V prefetched nowhere: 0.84),
   // p256 1.19; f32 (its scores' key groups not run with P . V, heads_overlap) 1.21, p16 1.13,
-  // p256 1.13.
+  // p256 1.13. Then 16-bit rows also 1 key on into L1, line by line (7 rounds): bf16 [B, L, Hkv,
+  // D] 1.04, p16 1.09, p256 1.07; f16 1.03, p16 1.07-1.09, p256 1.04, from L3 1.05 (2 keys
+  // 0.99-1.08; f32 rows so 0.92, 2 keys 0.87).
   static constexpr std::int64_t kJumpLead = 2;
   template <class T, class Known>
   ATTNCORE_TARGET static void accumulate_by_key(const T* v, const std::int64_t* v_at,
                                                std::int64_t keys, std::int64_t ahead,
                                                std::int64_t heads, std::int64_t v_step,
                                                std::int64_t dv, const float* probs, float* out,
-                                               const float* alpha, std::int64_t head_floats) {
+                                               const float* alpha, std::int64_t head_floats,
+                                               std::int64_t lead, bool into_l1) {
     for (std::int64_t x = 0; alpha != nullptr && x < heads; ++x) {
       float* ox = out + x * head_floats;
       const Vec scale = splat(alpha[x * head_floats]);
@@ -449,10 +453,14 @@ struct DirectKvHeads {
           prefetch_lines<2>(v + v_at[far], (heads - 1) * v_step + dv);
         }
         const T* row = v + v_at[c];
+        const T* next = lead > 0 && c + lead < ahead ? v + v_at[c + lead] : nullptr;
         for (std::int64_t x = 0; x < heads; ++x) {
           const Vec weight = splat(probs[x * head_floats + c]);
           float* ox = out + x * head_floats;
           const T* vx = row + x * v_step;
+          for (std::int64_t e0 = 0; next != nullptr && e0 < n; e0 += 64 / sizeof(T)) {
+            prefetch_line(next + x * v_step + e0, into_l1);
+          }
 #pragma GCC unroll 8
           for (std::int64_t e0 = 0; e0 < n; e0 += kLanes) {
             store(ox + e0, fmadd(weight, load_part(vx + e0, kLanes, Known{}), load(ox + e0)));

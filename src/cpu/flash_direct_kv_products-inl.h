@@ -454,17 +454,20 @@ struct DirectKvProducts : DirectKvScores {
     if (heads_by_key(p, heads, rows, dv_pad)) {
       const std::int64_t* at = v_rows.at;
       const std::int64_t ahead = v_rows.count, v_step = a.v.stride[1], dv = dv_pad;
+      const DecodePlan& plan = decode_plan();
+      const std::int64_t lead = plan.heads_16bit_lead;
+      const bool l1 = plan.heads_16bit_into_l1;
       if (a.v.dtype == DType::f32) {
         accumulate_by_key<float, F32>(static_cast<const float*>(a.v.data), at, keys, ahead, heads,
-                                      v_step, dv, probs, out, alpha, head_floats);
+                                      v_step, dv, probs, out, alpha, head_floats, 0, false);
       } else if (a.v.dtype == DType::f16) {
         accumulate_by_key<std::uint16_t, F16>(static_cast<const std::uint16_t*>(a.v.data), at,
                                               keys, ahead, heads, v_step, dv, probs, out, alpha,
-                                              head_floats);
+                                              head_floats, lead, l1);
       } else {
         accumulate_by_key<std::uint16_t, Bf16>(static_cast<const std::uint16_t*>(a.v.data), at,
                                                keys, ahead, heads, v_step, dv, probs, out, alpha,
-                                               head_floats);
+                                               head_floats, lead, l1);
       }
       return;
     }

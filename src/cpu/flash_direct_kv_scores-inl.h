@@ -410,7 +410,7 @@ struct DirectKvScores : DirectKvStreams {
     const bool interleaved = plan.near_k_f32_also_interleaved;
     const std::int64_t d_pad = (d + kLanes - 1) / kLanes * kLanes;
     // One row per head, several heads: key by key, K prefetched as the products run (16-bit:
-    // the decode plan's heads_16bit_k_lead; f32 on AVX-512 as far as it says, heads_f32_k_lead;
+    // the decode plan's heads_16bit_lead; f32 on AVX-512 as far as it says, heads_f32_k_lead;
     // else not at all) (bench --decode MHA 1 thread, % of the probe,
     // Lk=4096/16384, interleaved with head by head: f32 [B, L, Hkv, D] 65/65 -> 73/73, p16
     // 61/59 -> 68/67, p256 63/65 -> 73/72, with each key's rows of every head prefetched `lead`
@@ -439,8 +439,8 @@ struct DirectKvScores : DirectKvStreams {
         }
       }
 #endif
-      const std::int64_t k16_lead = plan.heads_16bit_k_lead;
-      const bool k16_l1 = plan.heads_16bit_k_into_l1;
+      const std::int64_t k16_lead = plan.heads_16bit_lead;
+      const bool k16_l1 = plan.heads_16bit_into_l1;
       for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
         const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
 #if ATTNCORE_BF16_DOT
