@@ -162,8 +162,8 @@ const DecodePlan kPlans[] = {
     //   on into L1 (heads_16bit_into_l1; 9 rounds): f16 [B, L, Hkv, D] 1.05, p16 1.04, p256
     //   1.09, from L3 (Lk = 512) 1.07; bf16 1.05, 1.05, from L3 1.03 (2 keys into L1 0.99-1.05,
     //   into L2 0.95-1.03); then their V so too (7 rounds): bf16 1.04, 1.09, p256 1.07; f16
-    //   1.03, 1.07-1.09, p256 1.04. A GQA group's P . V so, key after key (1, 2 or 4 keys at a time,
-    //   each head's 4 rows' outputs through L1, no V prefetch): f32 [B, L, Hkv, D] 0.72-0.90,
+    //   1.03, 1.07-1.09, p256 1.04. A GQA group's P . V so, key after key (1, 2 or 4 keys at a
+    //   time, each head's 4 rows' outputs through L1, no V prefetch): f32 [B, L, Hkv, D] 0.72-0.90,
     //   f16 0.76-0.89, bf16 0.76-0.91, not kept. Its f32 scores key by key (group_f32_by_key):
     //   Hkv = 8, [B, L, Hkv, D] 1.20-1.21, p16 1.25, p256 1.20-1.21 (DirectKvHeads::
     //   score_rows_by_key); its scores by key groups across heads (4 keys, 4 rows, as

@@ -412,23 +412,23 @@ struct DirectKvHeads {
     }
   }
 
-  // P . V of one row per head for every head of a multi-head item (MHA [B, L, Hkv, D], pages),
-  // over a tile's keys [0, keys), key after key, each key's row of every head in turn: V read
-  // in address order as one stream, which the hardware prefetcher streams, every head's output
-  // (out + x * head_floats, dv floats, dv a multiple of kLanes) in L1 instead of registers. Head
-  // x's out = its alpha (alpha + x * head_floats; with alpha null, 1) times out plus its P (probs
-  // + x * head_floats) times its V rows (v + v_at[c] + x * v_step), each element's products in
-  // key order, as accumulate<T, 1> forms them (the same bits). Where the rows jump (a page
-  // boundary), the row kJumpLead keys on, whole, into L2; with `lead` > 0 (16-bit V: the decode
-  // plan's heads_16bit_lead), each head's row `lead` keys on too, line by line as its products
-  // run, into L1 or L2 (into_l1); never a row at or past `ahead`, the rows resolved. Zen 5, Hq = Hkv = 32, 1 thread, in one process against chunks of keys head
-  // by head with each head's next chunk prefetched (tile_accumulate), with 16-bit K 4 keys on:
-  // f16 [B, L, Hkv, D] 1.21, p16 1.11, p256 1.22-1.24, from L3 (Lk = 512) 1.49; bf16 1.16-1.19,
-  // p16 1.11 (with the jump's prefetch 1.13; without either, V prefetched nowhere: 0.84),
-  // p256 1.19; f32 (its scores' key groups not run with P . V, heads_overlap) 1.21, p16 1.13,
-  // p256 1.13. Then 16-bit rows also 1 key on into L1, line by line (7 rounds): bf16 [B, L, Hkv,
-  // D] 1.04, p16 1.09, p256 1.07; f16 1.03, p16 1.07-1.09, p256 1.04, from L3 1.05 (2 keys
-  // 0.99-1.08; f32 rows so 0.92, 2 keys 0.87).
+  // P . V of one row per head for every head of a multi-head item (MHA [B, L, Hkv, D], pages), over
+  // a tile's keys [0, keys), key after key, each key's row of every head in turn: V read in address
+  // order as one stream, which the hardware prefetcher streams, every head's output (out + x *
+  // head_floats, dv floats, dv a multiple of kLanes) in L1 instead of registers. Head x's out = its
+  // alpha (alpha + x * head_floats; with alpha null, 1) times out plus its P (probs + x *
+  // head_floats) times its V rows (v + v_at[c] + x * v_step), each element's products in key order,
+  // as accumulate<T, 1> forms them (the same bits). Where the rows jump (a page boundary), the row
+  // kJumpLead keys on, whole, into L2; with `lead` > 0 (16-bit V: the decode plan's
+  // heads_16bit_lead), each head's row `lead` keys on too, line by line as its products run, into
+  // L1 or L2 (into_l1); never a row at or past `ahead`, the rows resolved. Zen 5, Hq = Hkv = 32, 1
+  // thread, in one process against chunks of keys head by head with each head's next chunk
+  // prefetched (tile_accumulate), with 16-bit K 4 keys on: f16 [B, L, Hkv, D] 1.21, p16 1.11, p256
+  // 1.22-1.24, from L3 (Lk = 512) 1.49; bf16 1.16-1.19, p16 1.11 (with the jump's prefetch 1.13;
+  // without either, V prefetched nowhere: 0.84), p256 1.19; f32 (its scores' key groups not run
+  // with P . V, heads_overlap) 1.21, p16 1.13, p256 1.13. Then 16-bit rows also 1 key on into L1,
+  // line by line (7 rounds): bf16 [B, L, Hkv, D] 1.04, p16 1.09, p256 1.07; f16 1.03, p16
+  // 1.07-1.09, p256 1.04, from L3 1.05 (2 keys 0.99-1.08; f32 rows so 0.92, 2 keys 0.87).
   static constexpr std::int64_t kJumpLead = 2;
   template <class T, class Known>
   ATTNCORE_TARGET static void accumulate_by_key(const T* v, const std::int64_t* v_at,
