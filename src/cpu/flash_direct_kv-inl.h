@@ -167,8 +167,8 @@ struct DirectKv : DirectKvProducts {
   // each), median speed ratio of 5 rounds, against K 16 keys ahead (heads_16bit_lead, as
   // scores leads it) and V not prefetched: bf16 [B, L, Hkv, D] 1.05 and 1.05, p16 1.06; f16
   // 1.05, p16 1.06 (K 4 keys, V 2-4: 1.04-1.05; K 1-3, V 1-3 within 1% of 2 and 2; V alone
-  // 0.99-1.00, K 4 keys alone 1.01-1.02). f32, which prefetches neither: V 2 or 4 keys ahead 0.99, K and V 4
-  // keys 0.98. bench --decode against the commit before, separate processes in turn, 3 rounds,
+  // 0.99-1.00, K 4 keys alone 1.01-1.02). f32, which prefetches neither: V 2 or 4 keys ahead
+  // 0.99, K and V 4 keys 0.98. bench --decode against the commit before, separate processes in turn, 3 rounds,
   // median ratio, Lk = 4096/16384: bf16 BLHD 1.06/1.06, f16 p16 1.05/1.06, f32 BLHD and p16
   // 1.00-1.01 (with f32's V rows passed as known but not prefetched, f32 read 0.97: its products
   // then tested the lead per key). (A plain read with the FMAs of such a kernel after each 256-byte
