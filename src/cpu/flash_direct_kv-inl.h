@@ -163,23 +163,23 @@ struct DirectKv : DirectKvProducts {
   // line as the products read the same line of their key's row), and V rows as many keys
   // ahead, into L2; f32 rows neither.
   // On the Intel Xeon (the core whose plan overlaps: decode_plan.cpp), MHA Hq = Hkv = 32, Lk =
-  // 16384, 1 thread, K/V on huge pages, in-process A/B (the calls in turn, 1 GiB read before
-  // each), median speed ratio of 5 rounds, against K 16 keys ahead (heads_16bit_lead, as
-  // scores leads it) and V not prefetched: bf16 [B, L, Hkv, D] 1.05 and 1.05, p16 1.06; f16
-  // 1.05, p16 1.06 (K 4 keys, V 2-4: 1.04-1.05; K 1-3, V 1-3 within 1% of 2 and 2; V alone
-  // 0.99-1.00, K 4 keys alone 1.01-1.02). f32, which prefetches neither: V 2 or 4 keys ahead
-  // 0.99, K and V 4 keys 0.98. bench --decode against the commit before, separate processes in turn, 3 rounds,
-  // median ratio, Lk = 4096/16384: bf16 BLHD 1.06/1.06, f16 p16 1.05/1.06, f32 BLHD and p16
-  // 1.00-1.01 (with f32's V rows passed as known but not prefetched, f32 read 0.97: its products
-  // then tested the lead per key). (A plain read with the FMAs of such a kernel after each 256-byte
-  // row reached 16-17 GB/s with each line of both prefetched 4 keys ahead into L2, 14 with K's
-  // alone: the core keeps too few misses in flight for the loads the products wait on.)
-  // The lead: 2 keys where a key's rows of the item's heads take 8 KiB or more (as 32 16-bit
-  // heads of D = 128), else 3. Fewer heads (a small model's, or a tensor-parallel shard's),
-  // the same in-process A/B, Hq = Hkv, against 2 keys: Hkv = 8, Lk = 16384, bf16 [B, L, Hkv,
-  // D] 1.21 (71 -> 86% of the probe) and 1.21, f16 p16 1.28 (65 -> 84%), 4 keys 1.12-1.17; Hkv = 4,
-  // Lk = 32768, bf16 1.03 (4 keys 1.02, 8 keys 0.89); Hkv = 16, Lk = 8192, 3 or 4 keys 1.00;
-  // Hkv = 32, Lk = 4096, 3 keys: bf16 0.99, f16 p16 1.00.
+  // 16384, 1 thread, K/V on huge pages, in-process A/B (the calls in turn, 1 GiB read before each),
+  // median speed ratio of 5 rounds, against K 16 keys ahead (heads_16bit_lead, as scores leads it)
+  // and V not prefetched: bf16 [B, L, Hkv, D] 1.05 and 1.05, p16 1.06; f16 1.05, p16 1.06 (K 4
+  // keys, V 2-4: 1.04-1.05; K 1-3, V 1-3 within 1% of 2 and 2; V alone 0.99-1.00, K 4 keys alone
+  // 1.01-1.02). f32, which prefetches neither: V 2 or 4 keys ahead 0.99, K and V 4 keys 0.98. bench
+  // --decode against the commit before, separate processes in turn, 3 rounds, median ratio, Lk =
+  // 4096/16384: bf16 BLHD 1.06/1.06, f16 p16 1.05/1.06, f32 BLHD and p16 1.00-1.01 (with f32's V
+  // rows passed as known but not prefetched, f32 read 0.97: its products then tested the lead per
+  // key). (A plain read with the FMAs of such a kernel after each 256-byte row reached 16-17 GB/s
+  // with each line of both prefetched 4 keys ahead into L2, 14 with K's alone: the core keeps too
+  // few misses in flight for the loads the products wait on.)
+  // The lead: 2 keys where a key's rows of the item's heads take 8 KiB or more (as 32 16-bit heads
+  // of D = 128), else 3. Fewer heads (a small model's, or a tensor-parallel shard's), the same
+  // in-process A/B, Hq = Hkv, against 2 keys: Hkv = 8, Lk = 16384, bf16 [B, L, Hkv, D] 1.21 (71 ->
+  // 86% of the probe) and 1.21, f16 p16 1.28 (65 -> 84%), 4 keys 1.12-1.17; Hkv = 4, Lk = 32768,
+  // bf16 1.03 (4 keys 1.02, 8 keys 0.89); Hkv = 16, Lk = 8192, 3 or 4 keys 1.00; Hkv = 32, Lk =
+  // 4096, 3 keys: bf16 0.99, f16 p16 1.00.
   ATTNCORE_TARGET static std::int64_t heads_overlap_lead(std::int64_t heads, std::int64_t d,
                                                          std::int64_t element_bytes) {
     return heads * d * element_bytes >= 8192 ? 2 : 3;
