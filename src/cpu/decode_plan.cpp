@@ -156,7 +156,7 @@ const DecodePlan kPlans[] = {
     //   every head's output in L1, V read in address order and prefetched only at page jumps
     //   (heads_v_by_key), f32 scores' key groups no longer run with P . V (heads_overlap off),
     //   16-bit K 4 keys on into L2 instead of 16 (heads_16bit_lead; 2 to 4 alike, none
-    //   0.62-0.75 for f16, 0.96-1.00 for bf16 pairs): Hq = Hkv = 32, Lk = 16384, 7 rounds, against
+    //   0.62-0.75 for f16, 0.92-1.00 for bf16 pairs): Hq = Hkv = 32, Lk = 16384, 7 rounds, against
     //   the plan before: f32 [B, L, Hkv, D] 1.11, p16 1.07, p256 1.14; bf16 1.18, 1.11, 1.17;
     //   f16 1.12, 1.05, 1.22 (flash_direct_kv_heads-inl.h: accumulate_by_key). Then that K 1 key
     //   on into L1 (heads_16bit_into_l1; 9 rounds): f16 [B, L, Hkv, D] 1.05, p16 1.04, p256
