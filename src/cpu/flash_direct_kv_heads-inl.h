@@ -351,7 +351,9 @@ struct DirectKvHeads {
   // (K 4 KiB of each head ahead), 7-9 rounds, K 2 keys on: [B, L, Hkv, D] 1.20-1.21 (1 key on
   // 1.14, 3 keys 1.14, 4 keys 1.13, 6-8 keys 1.12-1.13, none 0.78), p16 1.25, p256 1.20-1.21,
   // from L3 (Lk = 2048) 1.06, 2 threads 1.07; groups of 8 rows (Hkv = 4) 1.06, of 2 (Hq = 16)
-  // 1.22. f16 0.88-0.93 (the widening makes it bound by its instructions: not taken).
+  // 1.22. f16 so: 0.94-0.95 over `[B, L, Hkv, D]` and pages of 256 (the widening makes it bound
+  // by its instructions), taken over pages of 32 keys or fewer, K 8 keys on: p16 1.12-1.14 (4
+  // keys 1.08-1.16, 16 keys 1.12), 2 threads 1.10, p32 1.05, p64 1.00.
   template <int R, class T, class Known>
   ATTNCORE_TARGET static void score_rows_by_key(const T* k, const std::int64_t* at,
                                                 std::int64_t block, Known known, std::int64_t d,

@@ -347,6 +347,14 @@ struct DirectKvScores : DirectKvStreams {
   // Otherwise a block of keys not evenly spaced (a page boundary inside it), or 16-bit with
   // several rows, is first copied (widened) into `widened` ([kLanes][d rounded up to kLanes]
   // floats) and read from there by every row (the same values, so the same scores).
+  // Whether a tile's rows (k_at[0 .. keys)) jump to another page every 32 keys or sooner, on
+  // average: pages of 32 keys or fewer.
+  static bool jumps_often(const std::int64_t* k_at, std::int64_t keys) {
+    if (keys < 2) return false;
+    std::int64_t jumps = 0;
+    for (std::int64_t c = 1; c < keys; ++c) jumps += k_at[c] - k_at[c - 1] != k_at[1] - k_at[0];
+    return jumps > 0 && jumps * 32 >= keys - 32;
+  }
   template <class T>
   ATTNCORE_TARGET static void scores(const Params& p, const T* k, const std::int64_t* k_at,
                                      std::int64_t ahead, DType dtype, std::int64_t keys,
@@ -504,25 +512,38 @@ struct DirectKvScores : DirectKvStreams {
       }
     }
 #endif
-    // A group's f32 rows over several heads key by key where the decode plan says
-    // (group_f32_by_key), K 2 keys on into L1 (score_rows_by_key has the measurements).
+    // A group's rows over several heads key by key where the decode plan says: f32 rows
+    // (group_f32_by_key), K 2 keys on into L1, and widened 16-bit rows over pages of 32 keys or
+    // fewer (group_16bit_by_key_small_pages), K 8 keys on (score_rows_by_key: the measurements).
     const int computed = rows_computed(rows);
-    if constexpr (sizeof(T) == 4 && kLanes == 16) {
+    if constexpr (kLanes == 16) {
       const std::int64_t width = (heads * computed + kLanes - 1) / kLanes * kLanes;
-      if (plan.group_f32_by_key && heads > 1 && rows > 1 && d % kLanes == 0 &&
+      const bool f32 = sizeof(T) == 4 && plan.group_f32_by_key;
+      const bool small_pages = sizeof(T) == 2 && !pairs &&
+                               plan.group_16bit_by_key_small_pages && jumps_often(k_at, keys);
+      if ((f32 || small_pages) && heads > 1 && rows > 1 && d % kLanes == 0 &&
           kLanes * width <= d * kKeyTile) {
-        for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
-          const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
-          const auto by_key = [&](auto rows_constant) ATTNCORE_TARGET {
+        const auto by_key = [&](auto rows_constant, auto known) ATTNCORE_TARGET {
+          for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
+            const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
             score_rows_by_key<decltype(rows_constant)::value>(
-                k, k_at + c0, block, F32{}, d, heads, k_step, head_floats, q, s + c0, widened,
-                2, ahead - c0);
-          };
-          switch (computed) {
-            case 2: by_key(std::integral_constant<int, 2>{}); break;
-            case 4: by_key(std::integral_constant<int, 4>{}); break;
-            default: by_key(std::integral_constant<int, kDirectRows>{});
+                k, k_at + c0, block, known, d, heads, k_step, head_floats, q, s + c0, widened,
+                sizeof(T) == 4 ? 2 : 8, ahead - c0);
           }
+        };
+        const auto with_rows = [&](auto known) ATTNCORE_TARGET {
+          switch (computed) {
+            case 2: return by_key(std::integral_constant<int, 2>{}, known);
+            case 4: return by_key(std::integral_constant<int, 4>{}, known);
+            default: return by_key(std::integral_constant<int, kDirectRows>{}, known);
+          }
+        };
+        if constexpr (sizeof(T) == 4) {
+          with_rows(F32{});
+        } else if (dtype == DType::f16) {
+          with_rows(F16{});
+        } else {
+          with_rows(Bf16{});
         }
         return;
       }
