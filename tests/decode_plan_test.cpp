@@ -161,8 +161,8 @@ TEST(DecodePlan, EveryPlanGivesTheSameBits) {
                    .group_k_into_l1 = true,
                    .group_16bit_v_next_at_jumps = true,
                    .group_f32_next_v_into_l1 = true,
-                   .group_f32_by_key = true,
-                   .group_16bit_by_key_small_pages = true});
+                   .group_by_key = true,
+                   .group_widened_by_key_small_pages = true});
   // (far_l2 scores f32 rows over several heads by key groups, so that their K lead, far past a
   // tile's rows, runs here too.)
   DecodePlan far_l2{};  // (every field not set here false or 0)
@@ -263,8 +263,8 @@ TEST(DecodePlan, EachSpecFieldSetsItsOwnMember) {
       {"group_k_into_l1", &DecodePlan::group_k_into_l1, nullptr},
       {"group_16bit_v_next_at_jumps", &DecodePlan::group_16bit_v_next_at_jumps, nullptr},
       {"group_f32_next_v_into_l1", &DecodePlan::group_f32_next_v_into_l1, nullptr},
-      {"group_f32_by_key", &DecodePlan::group_f32_by_key, nullptr},
-      {"group_16bit_by_key_small_pages", &DecodePlan::group_16bit_by_key_small_pages, nullptr},
+      {"group_by_key", &DecodePlan::group_by_key, nullptr},
+      {"group_widened_by_key_small_pages", &DecodePlan::group_widened_by_key_small_pages, nullptr},
   };
   ASSERT_EQ(std::size(members), detail::decode_plan_field_names().size());
   const auto values = [&](const DecodePlan& plan) {

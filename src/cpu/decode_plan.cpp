@@ -104,8 +104,8 @@ const DecodePlan kPlans[] = {
      .group_k_into_l1 = false,
      .group_16bit_v_next_at_jumps = false,
      .group_f32_next_v_into_l1 = false,
-     .group_f32_by_key = false,
-     .group_16bit_by_key_small_pages = false},
+     .group_by_key = false,
+     .group_widened_by_key_small_pages = false},
     // Zen 5 (AMD family 0x1A and later). Near K rows into L1, f32 rows also 3 KiB ahead, a
     // block's first (MHA f32 82/81 -> 88/86, GQA f32 76/65 -> 80/72 and 68/62 -> 78/73 in two
     // runs of 9 passes against once; 16-bit rows ran slower twice: bf16 97/92 -> 89/88); no V
@@ -165,12 +165,13 @@ const DecodePlan kPlans[] = {
     //   into L2 0.95-1.03); then their V so too (7 rounds): bf16 1.04, 1.09, p256 1.07; f16
     //   1.03, 1.07-1.09, p256 1.04. A GQA group's P . V so, key after key (1, 2 or 4 keys at a
     //   time, each head's 4 rows' outputs through L1, no V prefetch): f32 [B, L, Hkv, D] 0.72-0.90,
-    //   f16 0.76-0.89, bf16 0.76-0.91, not kept. Its f32 scores key by key (group_f32_by_key):
+    //   f16 0.76-0.89, bf16 0.76-0.91, not kept. Its f32 scores key by key (group_by_key):
     //   Hkv = 8, [B, L, Hkv, D] 1.20-1.21, p16 1.25, p256 1.20-1.21 (DirectKvHeads::
     //   score_rows_by_key); its scores by key groups across heads (4 keys, 4 rows, as
-    //   heads_overlap's) instead: f32 1.03-1.05, f16 0.99-1.02. Its f16 scores key by key over
-    //   pages of 32 keys or fewer (group_16bit_by_key_small_pages): p16 1.12, p32 1.05 (p64
-    //   1.00, `[B, L, Hkv, D]` and p256 0.94-0.95: not there).
+    //   heads_overlap's) instead: f32 1.03-1.05, f16 0.99-1.02. Its bf16 scores on pairs key by
+    //   key too: [B, L, Hkv, D] 1.05, p16 1.16, p256 1.09; its f16 scores key by key over pages
+    //   of 32 keys or fewer (group_widened_by_key_small_pages): p16 1.12, p32 1.05 (p64 1.00,
+    //   [B, L, Hkv, D] and p256 0.94-0.95: not there); 16-bit groups of 8 rows 0.90-0.97: not so.
     {.name = "zen5",
      .near_k_into_l1 = true,
      .near_k_f32_also_bytes = 3072,
@@ -198,8 +199,8 @@ const DecodePlan kPlans[] = {
      .group_k_into_l1 = true,
      .group_16bit_v_next_at_jumps = true,
      .group_f32_next_v_into_l1 = true,
-     .group_f32_by_key = true,
-     .group_16bit_by_key_small_pages = true},
+     .group_by_key = true,
+     .group_widened_by_key_small_pages = true},
     // Intel (GenuineIntel; measured on one Xeon with AVX512-FP16 and AMX, family 6 model 0xA7
     // as its hypervisor reports it, probe 16 GB/s on 1 thread). Zen 4's prefetches: no placement
     // moved decode there (the zen5 plan and none at all within 0.93-1.04 of them, MHA and GQA,
@@ -277,8 +278,8 @@ const DecodePlan kPlans[] = {
      .group_k_into_l1 = false,
      .group_16bit_v_next_at_jumps = false,
      .group_f32_next_v_into_l1 = false,
-     .group_f32_by_key = false,
-     .group_16bit_by_key_small_pages = false},
+     .group_by_key = false,
+     .group_widened_by_key_small_pages = false},
 };
 
 std::atomic<const DecodePlan*> scoped{nullptr};
@@ -316,8 +317,8 @@ constexpr Field kFields[] = {
     {"group_k_into_l1", &DecodePlan::group_k_into_l1, nullptr},
     {"group_16bit_v_next_at_jumps", &DecodePlan::group_16bit_v_next_at_jumps, nullptr},
     {"group_f32_next_v_into_l1", &DecodePlan::group_f32_next_v_into_l1, nullptr},
-    {"group_f32_by_key", &DecodePlan::group_f32_by_key, nullptr},
-    {"group_16bit_by_key_small_pages", &DecodePlan::group_16bit_by_key_small_pages, nullptr},
+    {"group_by_key", &DecodePlan::group_by_key, nullptr},
+    {"group_widened_by_key_small_pages", &DecodePlan::group_widened_by_key_small_pages, nullptr},
 };
 
 std::string plan_names() {

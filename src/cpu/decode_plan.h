@@ -104,12 +104,12 @@ struct DecodePlan {
   bool group_16bit_v_next_at_jumps;
   // Those f32 rows over several heads prefetch their next chunk of V into L1 instead of L2.
   bool group_f32_next_v_into_l1;
-  // A GQA group's f32 rows over several heads (AVX-512): scored key by key, each key's row of
-  // every head in turn, K read in address order (DirectKvHeads::score_rows_by_key); and its
-  // widened 16-bit rows (not on bf16 pairs) so where the tile's rows lie in pages of 32 keys or
-  // fewer (DirectKvScores::jumps_often).
-  bool group_f32_by_key;
-  bool group_16bit_by_key_small_pages;
+  // A GQA group's f32 rows, and its bf16 rows on pair dot products, over several heads
+  // (AVX-512): scored key by key, each key's row of every head in turn, K read in address order
+  // (DirectKvHeads::score_rows_by_key); and its widened 16-bit rows so where the tile's rows lie
+  // in pages of 32 keys or fewer (DirectKvScores::jumps_often); 16-bit rows in groups of up to 4.
+  bool group_by_key;
+  bool group_widened_by_key_small_pages;
 
   // Whether one row per head over several heads scores K of this element size (4: f32, 2:
   // 16-bit widened) by score_heads_key_groups.

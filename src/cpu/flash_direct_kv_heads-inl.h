@@ -353,12 +353,18 @@ struct DirectKvHeads {
   // from L3 (Lk = 2048) 1.06, 2 threads 1.07; groups of 8 rows (Hkv = 4) 1.06, of 2 (Hq = 16)
   // 1.22. f16 so: 0.94-0.95 over `[B, L, Hkv, D]` and pages of 256 (the widening makes it bound
   // by its instructions), taken over pages of 32 keys or fewer, K 8 keys on: p16 1.12-1.14 (4
-  // keys 1.08-1.16, 16 keys 1.12), 2 threads 1.10, p32 1.05, p64 1.00.
+  // keys 1.08-1.16, 16 keys 1.12), 2 threads 1.10, p32 1.05, p64 1.00; groups of 2 rows (Hq =
+  // 16) p16 1.08. bf16 on pair dot products, K 8 keys on: [B, L, Hkv, D] 1.05, p16 1.16-1.19, p32
+  // 1.17, p64 1.11, p256 1.07-1.09, from L3 0.99; groups of 2 rows 1.12. 16-bit groups of 8 rows
+  // (Hkv = 4) so: f16 p16 0.92, bf16 p16 0.97, [B, L, Hkv, D] 0.90 (not taken).
+  // With `q_pairs` (bf16 K, a bf16 query: AVX512-BF16), the rows' queries as bf16 pairs
+  // ([heads][R][d / 2]), each lane sum formed on pair dot products as score_rows_pairs forms it.
   template <int R, class T, class Known>
   ATTNCORE_TARGET static void score_rows_by_key(const T* k, const std::int64_t* at,
                                                 std::int64_t block, Known known, std::int64_t d,
                                                 std::int64_t heads, std::int64_t k_step,
-                                                std::int64_t head_floats, const float* q, float* s,
+                                                std::int64_t head_floats, const float* q,
+                                                [[maybe_unused]] const float* q_pairs, float* s,
                                                 float* by_key, std::int64_t lead,
                                                 std::int64_t ahead) {
     static_assert(kLanes % R == 0, "whole heads in a vector of sums");
@@ -380,17 +386,37 @@ struct DirectKvHeads {
 #pragma GCC unroll 8
           for (int h = 0; h < kAtOnce; ++h) x[h] = std::min<std::int64_t>(x0 + xg + h, heads - 1);
           Vec sum[kAtOnce][R] = {};
-          for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
-            if (next != nullptr && (e0 * sizeof(T)) % 64 == 0) {
+#if ATTNCORE_BF16_DOT
+          if (sizeof(T) == 2 && q_pairs != nullptr) {
+            for (std::int64_t e0 = 0; e0 < d; e0 += 2 * kLanes) {  // (one line of each row)
 #pragma GCC unroll 8
-              for (int h = 0; h < kAtOnce; ++h) prefetch_line(next + x[h] * k_step + e0, true);
-            }
-#pragma GCC unroll 8
-            for (int h = 0; h < kAtOnce; ++h) {
-              const Vec kv = load_part(row + x[h] * k_step + e0, kLanes, known);
-              const float* qx = q + x[h] * head_floats + e0;
+              for (int h = 0; h < kAtOnce; ++h) {
+                if (next != nullptr) prefetch_line(next + x[h] * k_step + e0, true);
+                const __m512i kv = _mm512_loadu_si512(row + x[h] * k_step + e0);
+                const float* qx = q_pairs + (x[h] * R) * (d / 2) + e0 / 2;
 #pragma GCC unroll 16
-              for (int r = 0; r < R; ++r) sum[h][r] = fmadd(load(qx + r * d), kv, sum[h][r]);
+                for (int r = 0; r < R; ++r) {
+                  const __m512i qv = _mm512_loadu_si512(qx + r * (d / 2));
+                  sum[h][r] = Vec(_mm512_dpbf16_ps(sum[h][r], reinterpret_cast<const __m512bh&>(qv),
+                                                   reinterpret_cast<const __m512bh&>(kv)));
+                }
+              }
+            }
+          } else
+#endif
+          {
+            for (std::int64_t e0 = 0; e0 < d; e0 += kLanes) {
+              if (next != nullptr && (e0 * sizeof(T)) % 64 == 0) {
+#pragma GCC unroll 8
+                for (int h = 0; h < kAtOnce; ++h) prefetch_line(next + x[h] * k_step + e0, true);
+              }
+#pragma GCC unroll 8
+              for (int h = 0; h < kAtOnce; ++h) {
+                const Vec kv = load_part(row + x[h] * k_step + e0, kLanes, known);
+                const float* qx = q + x[h] * head_floats + e0;
+#pragma GCC unroll 16
+                for (int r = 0; r < R; ++r) sum[h][r] = fmadd(load(qx + r * d), kv, sum[h][r]);
+              }
             }
           }
 #pragma GCC unroll 8

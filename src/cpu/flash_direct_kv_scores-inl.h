@@ -512,23 +512,27 @@ struct DirectKvScores : DirectKvStreams {
       }
     }
 #endif
-    // A group's rows over several heads key by key where the decode plan says: f32 rows
-    // (group_f32_by_key), K 2 keys on into L1, and widened 16-bit rows over pages of 32 keys or
-    // fewer (group_16bit_by_key_small_pages), K 8 keys on (score_rows_by_key: the measurements).
+    // A group's rows over several heads key by key where the decode plan says: f32 rows and
+    // bf16 rows on pairs (group_by_key), and widened 16-bit rows over pages of 32 keys or fewer
+    // (group_widened_by_key_small_pages), 16-bit rows in groups of up to 4; K 2 keys on into L1
+    // for f32, 8 for 16-bit (score_rows_by_key: the measurements).
     const int computed = rows_computed(rows);
     if constexpr (kLanes == 16) {
       const std::int64_t width = (heads * computed + kLanes - 1) / kLanes * kLanes;
-      const bool f32 = sizeof(T) == 4 && plan.group_f32_by_key;
-      const bool small_pages = sizeof(T) == 2 && !pairs &&
-                               plan.group_16bit_by_key_small_pages && jumps_often(k_at, keys);
-      if ((f32 || small_pages) && heads > 1 && rows > 1 && d % kLanes == 0 &&
-          kLanes * width <= d * kKeyTile) {
+      // (16-bit rows: groups of up to 4; on pairs, the sums before the rows' pairs in `widened`)
+      const bool by_key =
+          sizeof(T) == 4 ? plan.group_by_key
+          : computed > 4 ? false
+          : pairs        ? plan.group_by_key && rows_pairs != nullptr
+                         : plan.group_widened_by_key_small_pages && jumps_often(k_at, keys);
+      if (by_key && heads > 1 && rows > 1 && d % kLanes == 0 &&
+          kLanes * width <= (pairs ? kDirectRows * kLanes * kLanes : d * kKeyTile)) {
         const auto by_key = [&](auto rows_constant, auto known) ATTNCORE_TARGET {
           for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
             const std::int64_t block = std::clamp<std::int64_t>(keys - c0, 0, kLanes);
             score_rows_by_key<decltype(rows_constant)::value>(
-                k, k_at + c0, block, known, d, heads, k_step, head_floats, q, s + c0, widened,
-                sizeof(T) == 4 ? 2 : 8, ahead - c0);
+                k, k_at + c0, block, known, d, heads, k_step, head_floats, q, rows_pairs,
+                s + c0, widened, sizeof(T) == 4 ? 2 : 8, ahead - c0);
           }
         };
         const auto with_rows = [&](auto known) ATTNCORE_TARGET {
