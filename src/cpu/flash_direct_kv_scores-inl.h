@@ -347,6 +347,17 @@ struct DirectKvScores : DirectKvStreams {
   // Otherwise a block of keys not evenly spaced (a page boundary inside it), or 16-bit with
   // several rows, is first copied (widened) into `widened` ([kLanes][d rounded up to kLanes]
   // floats) and read from there by every row (the same values, so the same scores).
+  // fn(known) with K's dtype (T's, or for 16-bit `dtype`) as a constant: no test per load.
+  template <class T, class Fn>
+  ATTNCORE_TARGET static void with_known(DType dtype, const Fn& fn) {
+    if constexpr (sizeof(T) == 4) {
+      fn(F32{});
+    } else if (dtype == DType::f16) {
+      fn(F16{});
+    } else {
+      fn(Bf16{});
+    }
+  }
   // Whether a tile's rows (k_at[0 .. keys)) jump to another page every 32 keys or sooner, on
   // average: pages of 32 keys or fewer.
   static bool jumps_often(const std::int64_t* k_at, std::int64_t keys) {
@@ -370,18 +381,11 @@ struct DirectKvScores : DirectKvStreams {
                              ? rows_computed(rows)
                              : 0;
     if (streamed > 0) {
-      auto with_rows = [&](auto known) ATTNCORE_TARGET {
+      with_known<T>(dtype, [&](auto known) ATTNCORE_TARGET {
         if (streamed == 1) return score_tile_streams<1>(k, k_at, d, known, q, s, widened);
         if (streamed == 2) return score_tile_streams<2>(k, k_at, d, known, q, s, widened);
         score_tile_streams<4>(k, k_at, d, known, q, s, widened);
-      };
-      if constexpr (sizeof(T) == 4) {
-        with_rows(F32{});
-      } else if (dtype == DType::f16) {
-        with_rows(F16{});
-      } else {
-        with_rows(Bf16{});
-      }
+      });
       return;
     }
     // K rows prefetched this far ahead (AVX2's whole tiles of one row: not at all, below): one
@@ -535,20 +539,13 @@ struct DirectKvScores : DirectKvStreams {
                 s + c0, widened, sizeof(T) == 4 ? 2 : 8, ahead - c0);
           }
         };
-        const auto with_rows = [&](auto known) ATTNCORE_TARGET {
+        with_known<T>(dtype, [&](auto known) ATTNCORE_TARGET {
           switch (computed) {
             case 2: return by_key(std::integral_constant<int, 2>{}, known);
             case 4: return by_key(std::integral_constant<int, 4>{}, known);
             default: return by_key(std::integral_constant<int, kDirectRows>{}, known);
           }
-        };
-        if constexpr (sizeof(T) == 4) {
-          with_rows(F32{});
-        } else if (dtype == DType::f16) {
-          with_rows(F16{});
-        } else {
-          with_rows(Bf16{});
-        }
+        });
         return;
       }
     }
