@@ -2,7 +2,7 @@
 // decode where a key's row holds every head ([B, L, Hkv, D], pages), K read in address order,
 // key by key (AVX2 and Intel's cores: a few keys at a time, also for a GQA group's rows per
 // head) (flash_direct_kv_scores-inl.h holds the rest of the scores); and their P . V key by key
-// (accumulate_by_key); and a GQA group's f32 rows' scores key by key (score_rows_by_key).
+// (accumulate_by_key); and a GQA group's rows' scores key by key (score_rows_by_key).
 #pragma once
 
 #include <algorithm>

@@ -323,6 +323,25 @@ struct DirectKvScores : DirectKvStreams {
     }
   }
 
+  // fn(known) with K's dtype (T's, or for 16-bit `dtype`) as a constant: no test per load.
+  template <class T, class Fn>
+  ATTNCORE_TARGET static void with_known(DType dtype, const Fn& fn) {
+    if constexpr (sizeof(T) == 4) {
+      fn(F32{});
+    } else if (dtype == DType::f16) {
+      fn(F16{});
+    } else {
+      fn(Bf16{});
+    }
+  }
+  // Whether a tile's rows (k_at[0 .. keys)) jump to another page every 32 keys or sooner, on
+  // average: pages of 32 keys or fewer.
+  static bool jumps_often(const std::int64_t* k_at, std::int64_t keys) {
+    if (keys < 2) return false;
+    std::int64_t jumps = 0;
+    for (std::int64_t c = 1; c < keys; ++c) jumps += k_at[c] - k_at[c - 1] != k_at[1] - k_at[0];
+    return jumps > 0 && jumps * 32 >= keys - 32;
+  }
   // S [rows][kKeyTile] = q . K[j0 + c]^T for c < keys, 0 for keys <= c < cols, kLanes keys at
   // a time (score_block), for each of `heads` kv heads: head x's K rows lie x * k_step
   // elements after head 0's, its q and S head_floats floats after head 0's. Key j0 + c of head
@@ -347,25 +366,6 @@ struct DirectKvScores : DirectKvStreams {
   // Otherwise a block of keys not evenly spaced (a page boundary inside it), or 16-bit with
   // several rows, is first copied (widened) into `widened` ([kLanes][d rounded up to kLanes]
   // floats) and read from there by every row (the same values, so the same scores).
-  // fn(known) with K's dtype (T's, or for 16-bit `dtype`) as a constant: no test per load.
-  template <class T, class Fn>
-  ATTNCORE_TARGET static void with_known(DType dtype, const Fn& fn) {
-    if constexpr (sizeof(T) == 4) {
-      fn(F32{});
-    } else if (dtype == DType::f16) {
-      fn(F16{});
-    } else {
-      fn(Bf16{});
-    }
-  }
-  // Whether a tile's rows (k_at[0 .. keys)) jump to another page every 32 keys or sooner, on
-  // average: pages of 32 keys or fewer.
-  static bool jumps_often(const std::int64_t* k_at, std::int64_t keys) {
-    if (keys < 2) return false;
-    std::int64_t jumps = 0;
-    for (std::int64_t c = 1; c < keys; ++c) jumps += k_at[c] - k_at[c - 1] != k_at[1] - k_at[0];
-    return jumps > 0 && jumps * 32 >= keys - 32;
-  }
   template <class T>
   ATTNCORE_TARGET static void scores(const Params& p, const T* k, const std::int64_t* k_at,
                                      std::int64_t ahead, DType dtype, std::int64_t keys,
@@ -524,12 +524,12 @@ struct DirectKvScores : DirectKvStreams {
     if constexpr (kLanes == 16) {
       const std::int64_t width = (heads * computed + kLanes - 1) / kLanes * kLanes;
       // (16-bit rows: groups of up to 4; on pairs, the sums before the rows' pairs in `widened`)
-      const bool by_key =
+      const bool rows_by_key =
           sizeof(T) == 4 ? plan.group_by_key
           : computed > 4 ? false
           : pairs        ? plan.group_by_key && rows_pairs != nullptr
                          : plan.group_widened_by_key_small_pages && jumps_often(k_at, keys);
-      if (by_key && heads > 1 && rows > 1 && d % kLanes == 0 &&
+      if (rows_by_key && heads > 1 && rows > 1 && d % kLanes == 0 &&
           kLanes * width <= (pairs ? kDirectRows * kLanes * kLanes : d * kKeyTile)) {
         const auto by_key = [&](auto rows_constant, auto known) ATTNCORE_TARGET {
           for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
