@@ -42,9 +42,8 @@ TEST(DecodePlan, ChosenByTheCore) {
 // Each plan of `plans` against the first, on every SIMD target this CPU runs, `hkv` kv heads of
 // `dim` (K) and `dim_v` (V), query groups of each size of `groups`, over the cache in three
 // layouts: [B, Hkv, L, D], [B, L, Hkv, D] and pages of 16 keys ([pages, 16, Hkv, D], handed out
-// in reverse). Sequence 0 holds 3 whole tiles
-// (a tile whose P . V runs with the next one's scores, twice, and after the last), sequence 1
-// ends in part of one.
+// in reverse). Sequence 0 holds 3 whole tiles (a tile whose P . V runs with the next one's
+// scores, twice, and after the last), sequence 1 ends in part of one.
 void expect_same_bits(const std::vector<DecodePlan>& plans, std::int64_t dim, std::int64_t dim_v,
                       std::int64_t hkv, const std::vector<std::int64_t>& groups) {
   const int count = static_cast<int>(plans.size());
@@ -192,8 +191,8 @@ TEST(DecodePlan, EveryPlanGivesTheSameBits) {
     expect_same_bits(plans, dim, dim_v, 2, {1, 2, 4});
   }
   // 5 kv heads: the widened 16-bit scores over several heads take 4 heads' products at a time,
-  // and a group's f32 rows key by key 8 / R heads' (a whole group, then a part of one); groups
-  // of 3 rows (computed as 4) and of 8.
+  // and a group's rows key by key 8 / R heads' (a whole group, then a part of one); groups of 3
+  // rows (computed as 4) and of 8.
   expect_same_bits(plans, 128, 128, 5, {1, 3, 8});
 }
 

@@ -342,6 +342,7 @@ struct DirectKvScores : DirectKvStreams {
     for (std::int64_t c = 1; c < keys; ++c) jumps += k_at[c] - k_at[c - 1] != k_at[1] - k_at[0];
     return jumps > 0 && jumps * 32 >= keys - 32;
   }
+
   // S [rows][kKeyTile] = q . K[j0 + c]^T for c < keys, 0 for keys <= c < cols, kLanes keys at
   // a time (score_block), for each of `heads` kv heads: head x's K rows lie x * k_step
   // elements after head 0's, its q and S head_floats floats after head 0's. Key j0 + c of head
