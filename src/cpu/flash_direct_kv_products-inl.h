@@ -447,10 +447,6 @@ struct DirectKvProducts : DirectKvScores {
                                                      const float* probs, std::int64_t dv_pad,
                                                      const float* alpha, float* out,
                                                      std::int64_t head_floats) {
-    float ones[kDirectRows];
-    std::fill_n(ones, kDirectRows, 1.0f);
-    const std::int64_t v_ahead =
-        kHeadVAhead / (p.head_dim_v * static_cast<std::int64_t>(size_of(a.v.dtype)));
     if (heads_by_key(p, heads, rows, dv_pad)) {
       const std::int64_t* at = v_rows.at;
       const std::int64_t ahead = v_rows.count, v_step = a.v.stride[1], dv = dv_pad;
@@ -471,6 +467,10 @@ struct DirectKvProducts : DirectKvScores {
       }
       return;
     }
+    float ones[kDirectRows];
+    std::fill_n(ones, kDirectRows, 1.0f);
+    const std::int64_t v_ahead =
+        kHeadVAhead / (p.head_dim_v * static_cast<std::int64_t>(size_of(a.v.dtype)));
     const std::int64_t step = heads > 1 ? head_chunk(a.v.dtype, rows) : kKeyTile;
     const bool one_pass = heads_in_one_pass(p, a.v.dtype, heads, rows, dv_pad);
     for (std::int64_t c = 0; c == 0 || c < keys; c += step) {
