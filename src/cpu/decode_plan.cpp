@@ -251,6 +251,17 @@ const DecodePlan kPlans[] = {
     //   bench --decode against the commit before, separate processes in turn, 4 rounds, median
     //   ratio, Lk = 4096/16384: bf16 BLHD 1.02/1.05, p16 1.04/1.04; f16 BLHD 1.06/1.07, p16
     //   1.05/1.03; f32 BLHD 1.01/1.01, p16 0.98/1.00.
+    // - (2026-12-02, probe 16.1-17.3 GB/s.) One row of one head scored key by key with the tile
+    //   before's P . V of the same key (one_row_paired, Zen 5's; taken before the streams), MHA
+    //   [B, Hkv, L, D], 9 rounds, Lk = 4096/16384: bf16 1.03/1.05, f16 1.02/1.02, f32 1.00/0.99;
+    //   2 threads bf16 1.04, f32 0.99; from L3 (Lk = 512) f16 1.02. Zen 5's other schemes, each
+    //   against this plan (5 rounds, Lk = 16384): MHA [B, L, Hkv, D] and p16 P . V key by key
+    //   (heads_v_by_key, without heads_overlap) 0.86-0.95, with its 16-bit leads 0.85-0.95; GQA
+    //   (Hkv = 8) f32 scores key by key (group_by_key) [B, L, Hkv, D] 1.02, p16 0.90; f16 and bf16
+    //   so over p16 0.98-1.00; a group's K into L1 (group_k_into_l1) 0.97-1.01; its next chunk of V
+    //   (group_v_next_chunk, with or without group_16bit_v_next_at_jumps) 0.98-1.01; the zen5 plan
+    //   whole 0.72-1.03 (GQA [B, Hkv, L, D] 0.72-0.75). Without heads_overlap, GQA 16-bit [B, L,
+    //   Hkv, D] 0.87-0.88, p16 0.92-0.94: a group's rows keep it here.
     {.name = "intel",
      .near_k_into_l1 = false,
      .near_k_f32_also_bytes = 12288,
@@ -259,7 +270,7 @@ const DecodePlan kPlans[] = {
      .v_far = 64,
      .v_into_l1 = false,
      .one_row_streams = true,
-     .one_row_paired = false,
+     .one_row_paired = true,
      .heads_key_groups_f32 = true,
      .heads_key_groups_16bit = true,
      .heads_key_groups_pairs = false,
