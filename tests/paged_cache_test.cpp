@@ -405,6 +405,18 @@ TEST(PagedCache, BadArguments) {
   EXPECT_EQ(error_message([&] { c.fork(0, 1, 1); }),
             "PagedKvCache::fork: dst is not empty (capacity=4, length=0, expected 0 and 0); "
             "erase it first");
+  // src's live length written over by the caller: named as such, whatever prefix_len is.
+  c.erase(1);
+  auto* lengths = static_cast<std::int32_t*>(c.seqlens().data);
+  for (const std::int32_t bad : {-7, 9}) {
+    lengths[0] = bad;
+    EXPECT_EQ(error_message([&] { c.fork(0, 1, 0); }),
+              "PagedKvCache::fork: src's length is out of range (length=" + std::to_string(bad) +
+                  ", expected 0 <= length <= its capacity=8)");
+  }
+  lengths[0] = 8;
+  c.fork(0, 1, 8);
+  EXPECT_EQ(length_of(c, 1), 8);
 }
 
 

@@ -258,6 +258,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if batch == 0 and not 0 <= length <= capacity and (not paged or len(table.shape) == 2):
             raise ValueError(f"{op}: cache_seqlens is out of range (cache_seqlens={length}, "
                              f"expected 0 <= cache_seqlens <= capacity={capacity})")
+        # (B int32 entries: a broadcast batch of empty outputs, Lq = 0, passes the outputs'
+        # check above however large it is.)
+        _arrays.check_copy(op, "cache_seqlens", (batch,), "int32",
+                           "pass cache_seqlens as an int32 array of B entries, or a smaller batch")
         seqlens = np.full((batch,), length, np.int32)
     elif isinstance(cache_seqlens, (float, bool, np.floating, np.bool_)):
         raise TypeError(f"{op}: cache_seqlens is not an integer (type="

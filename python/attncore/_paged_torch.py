@@ -194,11 +194,12 @@ class PagedAttention:
         start = have // self.page_size
         tail = self.empty_pages[-want:]
         indices = []
-        for page in tail:
+        for page in tail:  # (anything but a page index in the pool reads as -1: not free)
             try:
-                indices.append(-1 if isinstance(page, bool) else operator.index(page))
+                index = -1 if isinstance(page, bool) else operator.index(page)
             except TypeError:
-                indices.append(-1)
+                index = -1
+            indices.append(index if 0 <= index < self.n_pages else -1)
         pages = _torch.tensor(indices, dtype=_torch.int64)
         # Not free: outside the pool, listed twice, or given to a sequence (physical_to_logical;
         # a search of every row of the table took 3 ms a call at 64 x 16000 pages).
@@ -405,22 +406,37 @@ class PagedAttention:
             raise ValueError(f"{op}: v_cache has shape {list(caches[1].shape)}, expected [1, "
                              f"{heads}, {slots}, Dv] ([1, H, n_pages * page_size, Dv] with "
                              "k_cache's H)")
-        batch_idx = (_torch.arange(batch) if batch_idx is None
-                     else _integers(op, "batch_idx", batch_idx, (batch,), "[B] like query"))
-        for b in batch_idx.tolist():
-            self._batch(op, b)
+        # Each query row's sequence gets its row of the page table (B x n_pages entries, int64
+        # until narrowed): refused before anything of B entries is made, since a broadcast
+        # query of empty rows (Lq = 0) has empty outputs however large B is.
+        _arrays.check_copy(op, "page_table[batch_idx]", (batch, self.n_pages), "int64",
+                           "attend fewer query rows at once")
+        sequences = self.page_table.shape[0]
+        if batch_idx is None:
+            if batch > sequences:
+                raise ValueError(f"{op}: query has more rows than the cache has sequences (B="
+                                 f"{batch}, expected B <= max_batch_size={sequences}, the "
+                                 "default batch_idx being 0..B-1); pass batch_idx")
+            batch_idx = _torch.arange(batch)
+        else:
+            batch_idx = _integers(op, "batch_idx", batch_idx, (batch,), "[B] like query")
+            outside = (batch_idx < 0) | (batch_idx >= sequences)
+            if bool(outside.any()):
+                self._batch(op, int(batch_idx[outside][0]))  # (raises)
         lengths = _integers(op, "kv_len", kv_len, (batch,), "[B] like query")
         if batch and (int(lengths.min()) < 0 or int(lengths.max()) > INT32_MAX):
             raise ValueError(f"{op}: kv_len is out of range (kv_len={lengths.tolist()[:8]}, "
                              "expected 0 <= kv_len[b] <= the sequence's capacity)")
         new = _new_rows(op, options, batch, heads, dim, caches[1].shape[3])
-        for i, (b, n) in enumerate(zip(batch_idx.tolist(), lengths.tolist())):
-            if n + new > int(self.capacity[b]):
-                what = f"kv_len[{i}]={n}" if not new else f"kv_len[{i}] + L_new={n + new}"
-                raise ValueError(f"{op}: kv_len{' with the new rows' if new else ''} is past "
-                                 f"what the sequence reserved ({what}, batch_idx[{i}]={b}, "
-                                 f"expected <= its capacity={int(self.capacity[b])}); reserve "
-                                 "first")
+        capacity = _torch.as_tensor(self.capacity)[batch_idx]
+        past = (lengths + new > capacity).nonzero()
+        if past.numel():
+            i = int(past[0])
+            b, n = int(batch_idx[i]), int(lengths[i])
+            what = f"kv_len[{i}]={n}" if not new else f"kv_len[{i}] + L_new={n + new}"
+            raise ValueError(f"{op}: kv_len{' with the new rows' if new else ''} is past "
+                             f"what the sequence reserved ({what}, batch_idx[{i}]={b}, "
+                             f"expected <= its capacity={int(capacity[i])}); reserve first")
         rows = self.page_table[batch_idx]  # int64, narrowed to the library's int32 below
         if rows.numel() and (int(rows.min()) < -1 or int(rows.max()) > INT32_MAX):
             i, j = (int(x) for x in ((rows < -1) | (rows > INT32_MAX)).nonzero()[0])

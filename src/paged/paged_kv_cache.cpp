@@ -385,16 +385,19 @@ void PagedKvCache::fork(std::int64_t src, std::int64_t dst, std::int64_t prefix_
     check.fail("dst is not empty (capacity=" + std::to_string(s.mapped(dst) * s.page_size) +
                ", length=" + std::to_string(s.length(dst)) + ", expected 0 and 0); erase it first");
   }
+  // (The live lengths are the caller's to write: src's is checked before prefix_len is
+  // measured by it.)
   const std::int64_t length = s.length(src);
+  const std::int64_t capacity = s.mapped(src) * s.page_size;
+  if (length < 0 || length > capacity) {
+    check.fail("src's length is out of range (length=" + std::to_string(length) +
+               ", expected 0 <= length <= its capacity=" + std::to_string(capacity) + ")");
+  }
   if (prefix_len < 0 || prefix_len > length) {
     check.fail("prefix_len is out of range (prefix_len=" + std::to_string(prefix_len) +
                ", expected 0 <= prefix_len <= the length of src=" + std::to_string(length) + ")");
   }
   const std::int64_t pages = (prefix_len + s.page_size - 1) / s.page_size;
-  if (pages > s.mapped(src)) {  // src's length was written past what it reserved
-    check.fail("src's length passes its pages (length=" + std::to_string(length) +
-               ", expected <= capacity=" + std::to_string(s.mapped(src) * s.page_size) + ")");
-  }
   const std::int32_t* from = s.row(src);
   std::int32_t* to = s.row(dst);
   for (std::int64_t i = 0; i < pages; ++i) {

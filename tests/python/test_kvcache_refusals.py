@@ -300,3 +300,21 @@ def test_an_int_cache_seqlens_is_checked_without_sequences():
                            r"capacity=4\)$"):
             attncore.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=length)
     assert attncore.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=4).shape == (0, 1, 1, 8)
+
+
+def test_an_int_cache_seqlens_over_a_huge_broadcast_batch_is_refused_before_its_lengths():
+    """An int cache_seqlens becomes B int32 lengths; a broadcast query of empty rows (Lq = 0)
+    has empty outputs for any B, so the lengths are what a huge B would allocate: refused in
+    attncore's form, naming cache_seqlens, before they are made (numpy raised its own error for
+    B = 2^33 and filled 1 GiB for B = 2^28)."""
+    batch = 2 ** 36
+    q = np.broadcast_to(np.zeros((1, 0, 2, 8), np.float32), (batch, 0, 2, 8))
+    cache = np.broadcast_to(np.zeros((1, 8, 1, 8), np.float32), (batch, 8, 1, 8))
+    raises(MemoryError, lambda: attncore.flash_attn_with_kvcache(q, cache, cache,
+                                                                 cache_seqlens=3),
+           f"flash_attn_with_kvcache: cache_seqlens needs a contiguous copy larger than the "
+           f"memory this process may use (shape=[{batch}]",
+           "pass cache_seqlens as an int32 array of B entries, or a smaller batch")
+    small = 3
+    assert attncore.flash_attn_with_kvcache(q[:small], cache[:small], cache[:small],
+                                            cache_seqlens=3).shape == (small, 0, 2, 8)

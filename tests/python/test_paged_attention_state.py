@@ -157,3 +157,51 @@ def test_paged_attention_a_table_entry_naming_another_sequences_page_is_refused(
     raises(ValueError, lambda: pa.assign([0], [[2]], one, one, cache, cache.clone()),
            f"page_table[0][1]={free} for input_pos[0][0]=2")
     raises(ValueError, lambda: pa.erase(0), "page_table maps a page this sequence was not given")
+
+
+def test_reserve_refuses_an_empty_pages_entry_past_int64():
+    """empty_pages is a public list: an int past int64 in it is a page that is not free, refused
+    as any other such entry (torch.tensor raised its own overflow error)."""
+    pa = attncore.torch.PagedAttention(4, 4, 2)
+    pa.empty_pages[-1] = 2 ** 70
+    state = _paged_state(pa)
+    raises(ValueError, lambda: pa.reserve(0, 4),
+           f"PagedAttention.reserve: empty_pages holds a page that is not free (empty_pages[3]="
+           f"{2 ** 70}, expected distinct page indices in [0, n_pages=4) that no sequence maps); "
+           "nothing was reserved")
+    assert _same_state(pa, state)
+
+
+def test_forward_checks_a_batch_before_anything_of_its_size():
+    """A broadcast query of empty rows (Lq = 0) has empty outputs for any B; forward gathers a
+    page table row per query row (B x n_pages), refused in attncore's form past the memory
+    before anything of B entries is made (a Python loop over B, then a bare MemoryError, before);
+    without batch_idx, B past max_batch_size is named as such; batch_idx and kv_len are checked
+    as whole tensors."""
+    pa = attncore.torch.PagedAttention(4, 4, 2)
+    pa.reserve(0, 4)
+    cache = torch.zeros(1, 2, 16, 8)
+    batch = 2 ** 36
+    q = torch.zeros(1, 2, 0, 8).expand(batch, 2, 0, 8)
+    kv_len = torch.zeros(1, dtype=torch.int32).expand(batch)
+    idx = torch.zeros(1, dtype=torch.int64).expand(batch)
+    for call in (lambda: pa.forward(q, cache, cache, kv_len, batch_idx=idx),
+                 lambda: pa.forward(q, cache, cache, kv_len)):
+        raises(MemoryError, call,
+               "PagedAttention.forward: page_table[batch_idx] needs a contiguous copy larger "
+               f"than the memory this process may use (shape=[{batch}, 4]",
+               "attend fewer query rows at once")
+    q3 = torch.zeros(3, 2, 1, 8)
+    raises(ValueError, lambda: pa.forward(q3, cache, cache, torch.tensor([1, 1, 1])),
+           "PagedAttention.forward: query has more rows than the cache has sequences (B=3, "
+           "expected B <= max_batch_size=2, the default batch_idx being 0..B-1); pass batch_idx")
+    raises(ValueError, lambda: pa.forward(q3, cache, cache, torch.tensor([1, 1, 1]),
+                                          batch_idx=torch.tensor([0, 2, -1])),
+           "PagedAttention.forward: batch_idx is out of range (batch_idx=2, expected 0 <= "
+           "batch_idx < max_batch_size=2)")
+    raises(ValueError, lambda: pa.forward(q3, cache, cache, torch.tensor([1, 5, 1]),
+                                          batch_idx=torch.tensor([0, 0, 0])),
+           "PagedAttention.forward: kv_len is past what the sequence reserved (kv_len[1]=5, "
+           "batch_idx[1]=0, expected <= its capacity=4); reserve first")
+    out = pa.forward(q3, cache, cache, torch.tensor([1, 4, 2]), batch_idx=torch.tensor([0, 0, 0]))
+    assert out.shape == (3, 2, 1, 8)
