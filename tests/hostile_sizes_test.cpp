@@ -63,6 +63,26 @@ TEST(HostileSizes, RotaryWidthAtInt64sLimit) {
   }
 }
 
+// A rotary table whose rows lie past int64's byte offsets is refused as such, before the
+// overlap check measures its bytes (which computed the overflowing offset first: UBSan).
+TEST(HostileSizes, RotaryTableStridesPastInt64) {
+  Cache c;
+  const TensorView q = broadcast(DType::f32, {1, 1, 1, 4}, {0, 0, 0, 1});
+  KvAppend a;
+  a.k_new = a.v_new = broadcast(DType::f32, {1, 1, 1, 4}, {0, 0, 0, 1});
+  a.rotary_sin = broadcast(DType::f32, {16, 2}, {2, 1});
+  a.rotary_cos = broadcast(DType::f32, {16, 2}, {INT64_MAX / 4, 1});
+  const std::string want = "rotary_cos spans too much memory";
+  EXPECT_NE(invalid_argument_message([&] {
+              forward_kvcache(q, c.kc(), c.vc(), c.seqs(), a);
+            }).find(want),
+            std::string::npos);
+  EXPECT_NE(invalid_argument_message([&] {
+              explain_forward_kvcache(q, c.kc(), c.vc(), c.seqs(), a);
+            }).find(want),
+            std::string::npos);
+}
+
 TEST(HostileSizes, NewRowsAtInt64sLimit) {
   Cache c(1);  // D = 1: k_new's element count fits in int64 at any length
   static_cast<std::int32_t*>(c.lens.data())[0] = 3;

@@ -6,7 +6,9 @@
 //   out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b
 //
 // A side with LSE -inf contributes nothing (whatever its output holds); both -inf give output 0
-// and LSE -inf. The outputs may be of any rank and layout: out_a, out_b, out [..., Dv] of one
+// and LSE -inf. An LSE of NaN or +inf gives NaN in that row (attncore gives -inf to a row with no
+// visible key, where flash-attn's CUDA kernels write +inf: replace it with -inf before merging
+// such results). The outputs may be of any rank and layout: out_a, out_b, out [..., Dv] of one
 // shape and dtype (f32, bf16, f16 or f64), each LSE shaped as the output without its last dim
 // (f32; f64 for f64 outputs), any non-negative strides (the last dim's too). So dense
 // [B, Hq, Lq, Dv] with LSE [B, Hq, Lq], flash-layout [B, Lq, Hq, Dv] with LSE [B, Hq, Lq]

@@ -198,6 +198,10 @@ std::vector<std::int32_t> validate_append(const Checker& check, const Params& p,
                ", rotary_sin=" + std::string(a.rotary_sin ? "given" : "none") +
                ", expected both or neither)");
   }
+  if (a.rotary_cos.has_value()) {  // (each view whole before separate measures its bytes)
+    check.view(*a.rotary_cos, "rotary_cos", 2, "[positions, rotary_dim / 2]");
+    check.view(*a.rotary_sin, "rotary_sin", 2, "[positions, rotary_dim / 2]");
+  }
   // The caches are written: neither may share a byte with the other (the values would
   // overwrite the keys) or with an array the call reads (an index array inside a cache would
   // change under the append, which then writes where it no longer checked).
@@ -216,8 +220,6 @@ std::vector<std::int32_t> validate_append(const Checker& check, const Params& p,
   if (!a.rotary_cos.has_value()) return lengths;
   const TensorView& cos = *a.rotary_cos;
   const TensorView& sin = *a.rotary_sin;
-  check.view(cos, "rotary_cos", 2, "[positions, rotary_dim / 2]");
-  check.view(sin, "rotary_sin", 2, "[positions, rotary_dim / 2]");
   check.dtype(cos, "rotary_cos", DType::f32, "");
   check.dtype(sin, "rotary_sin", DType::f32, "");
   check.shape(sin, "rotary_sin", cos.shape.data(), "like rotary_cos");
