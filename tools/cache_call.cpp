@@ -48,7 +48,9 @@ Cache make_cache(const RunConfig& c, const Tensor& src, const std::vector<std::i
   Cache cache;
   cache.storage = Tensor(src.dtype(), {paged ? c.batch * per_seq : c.batch, slots, heads, width});
   const auto item = static_cast<std::int64_t>(attncore::size_of(src.dtype()));
-  for (std::int64_t b = 0; b < c.batch; ++b)
+  // (An empty cache copies nothing: with --cache-len 0 the batch can be as large as the memory
+  // check lets the lengths be.)
+  for (std::int64_t b = 0; b < c.batch && c.cache_len > 0; ++b)
     for (std::int64_t h = 0; h < heads; ++h)
       for (std::int64_t s = 0; s < c.cache_len; ++s) {
         const std::int64_t row =
@@ -76,9 +78,13 @@ double cache_bytes(const RunConfig& c) {
   // The shuffled table and the block table copied from it: int32 [B, pages_per_seq] each.
   const double tables = 2.0 * static_cast<double>(c.batch) * static_cast<double>(pages_per_seq(c)) *
                         sizeof(std::int32_t);
+  // Per sequence, however empty the cache: its int32 length, and the library's own entries of
+  // the call's plan (a length, a work estimate, a part count and an append row: 36 bytes), so
+  // that a huge --batch over an empty cache is refused here.
+  const double sequences = static_cast<double>(c.batch) * (sizeof(std::int32_t) + 36.0);
   return slots * static_cast<double>(c.heads_kv) * widths *
              static_cast<double>(attncore::size_of(c.dtype)) +
-         tables;
+         tables + sequences;
 }
 
 RunResult run_cache(const PreparedCall& p) {

@@ -455,8 +455,8 @@ int cmd_bench(const std::vector<std::string>& args) {
     return kExitOk;
   }
   const BenchConfig bc = parse_bench_flags(args);
+  attncore::set_simd_target(bc.run.simd);  // (an unknown target refused before any file is made)
   check_outputs(bc.sweep);
-  attncore::set_simd_target(bc.run.simd);
   if (bc.sweep.select) return bench_select(bc);
   if (bc.sweep.varlen) return bench_varlen(bc);
   if (bc.sweep.decode) return bench_decode(bc);

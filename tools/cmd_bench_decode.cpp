@@ -300,7 +300,6 @@ double median(std::vector<double> v) {
 void check_decode_points(const std::string& points) { parse_points(points); }
 
 int bench_decode(const BenchConfig& bc) {
-  if (bc.run.threads > 2) throw UsageError{"bench --decode: --threads takes 1 or 2"};
   const std::vector<PointFields> wanted =
       bc.sweep.points.empty() ? std::vector<PointFields>{} : parse_points(bc.sweep.points);
   const double max_bytes = bc.sweep.max_kv_gib * 1024.0 * 1024.0 * 1024.0;

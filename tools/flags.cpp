@@ -500,6 +500,11 @@ BenchConfig parse_bench_flags(const std::vector<std::string>& args) {
   check_bench_mode_flags(flags);
   check_limit_flags(c.run);
   if (given(flags, "--points")) check_decode_points(c.sweep.points);
+  // (Here with the other flags, before bench creates its output files.)
+  if (c.sweep.decode && c.run.threads > 2) {
+    throw UsageError{"bench --decode: --threads takes 0, 1 or 2 (--threads=" +
+                     std::to_string(c.run.threads) + ")"};
+  }
   if (c.sweep.varlen) {
     // One thread unless asked: the comparison is of kernels, not of thread scheduling.
     if (!given(flags, "--threads")) c.run.threads = 1;
