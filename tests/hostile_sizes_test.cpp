@@ -44,43 +44,36 @@ struct Cache {
   TensorView vc() const { return v.view().transposed(1, 2); }
 };
 
-TEST(HostileSizes, RotaryWidthAtInt64sLimit) {
+// Rotary tables at int64's limits: widths past any head dim, and rows whose byte offsets pass
+// int64 (refused as such before the overlap check measures their bytes, which computed the
+// overflowing offset first: UBSan).
+TEST(HostileSizes, RotaryTablesAtInt64sLimit) {
   Cache c;
   const TensorView q = broadcast(DType::f32, {1, 1, 1, 4}, {0, 0, 0, 1});
   KvAppend a;
   a.k_new = a.v_new = broadcast(DType::f32, {1, 1, 1, 4}, {0, 0, 0, 1});
-  for (const std::int64_t half : {std::int64_t{1} << 62, INT64_MAX}) {
-    a.rotary_cos = a.rotary_sin = broadcast(DType::f32, {1, half}, {0, 0});
-    const std::string want = "rotary_cos has the wrong width";
+  const TensorView wide = broadcast(DType::f32, {1, std::int64_t{1} << 62}, {0, 0});
+  const TensorView widest = broadcast(DType::f32, {1, INT64_MAX}, {0, 0});
+  const TensorView far = broadcast(DType::f32, {16, 2}, {INT64_MAX / 4, 1});
+  const TensorView near = broadcast(DType::f32, {16, 2}, {2, 1});
+  const struct {
+    TensorView cos, sin;
+    const char* want;
+  } cases[] = {{wide, wide, "rotary_cos has the wrong width"},
+               {widest, widest, "rotary_cos has the wrong width"},
+               {far, near, "rotary_cos spans too much memory"}};
+  for (const auto& t : cases) {
+    a.rotary_cos = t.cos;
+    a.rotary_sin = t.sin;
     EXPECT_NE(invalid_argument_message([&] {
                 forward_kvcache(q, c.kc(), c.vc(), c.seqs(), a);
-              }).find(want),
+              }).find(t.want),
               std::string::npos);
     EXPECT_NE(invalid_argument_message([&] {
                 explain_forward_kvcache(q, c.kc(), c.vc(), c.seqs(), a);
-              }).find(want),
+              }).find(t.want),
               std::string::npos);
   }
-}
-
-// A rotary table whose rows lie past int64's byte offsets is refused as such, before the
-// overlap check measures its bytes (which computed the overflowing offset first: UBSan).
-TEST(HostileSizes, RotaryTableStridesPastInt64) {
-  Cache c;
-  const TensorView q = broadcast(DType::f32, {1, 1, 1, 4}, {0, 0, 0, 1});
-  KvAppend a;
-  a.k_new = a.v_new = broadcast(DType::f32, {1, 1, 1, 4}, {0, 0, 0, 1});
-  a.rotary_sin = broadcast(DType::f32, {16, 2}, {2, 1});
-  a.rotary_cos = broadcast(DType::f32, {16, 2}, {INT64_MAX / 4, 1});
-  const std::string want = "rotary_cos spans too much memory";
-  EXPECT_NE(invalid_argument_message([&] {
-              forward_kvcache(q, c.kc(), c.vc(), c.seqs(), a);
-            }).find(want),
-            std::string::npos);
-  EXPECT_NE(invalid_argument_message([&] {
-              explain_forward_kvcache(q, c.kc(), c.vc(), c.seqs(), a);
-            }).find(want),
-            std::string::npos);
 }
 
 TEST(HostileSizes, NewRowsAtInt64sLimit) {
