@@ -104,11 +104,24 @@ double parse_double(std::string_view flag, std::string_view text) {
 }
 
 int parse_count(std::string_view flag, std::string_view text, std::int64_t min_value) {
-  constexpr std::int64_t kMaxCount = 1 << 20;  // far above any sane thread or repeat count
-  const std::int64_t v = parse_int(flag, text, min_value);
-  if (v > kMaxCount)
+  // The library's own maximum where it has one (check_limit_flags names the same), else a cap
+  // far above any sane repeat or pass count.
+  constexpr std::int64_t kMaxCount = 1 << 20;
+  const std::int64_t most = flag == "--threads"      ? attncore::kMaxThreads
+                            : flag == "--num-splits" ? attncore::kMaxSplits
+                                                     : kMaxCount;
+  const std::string range =
+      "an integer from " + std::to_string(min_value) + " to " + std::to_string(most);
+  const auto v = parse_number<std::int64_t>(flag, text, "an integer", range);
+  if (v < min_value) {
+    throw UsageError{std::string(flag) + ": " + std::string(text) + " is below the minimum " +
+                     std::to_string(min_value)};
+  }
+  if (v > most) {
     throw UsageError{std::string(flag) + ": " + std::string(text) +
-                     " is too large (expected <= " + std::to_string(kMaxCount) + ")"};
+                     (most == kMaxCount ? " is too large" : " is past the library's maximum") +
+                     " (expected <= " + std::to_string(most) + ")"};
+  }
   return static_cast<int>(v);
 }
 
