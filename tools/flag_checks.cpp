@@ -79,6 +79,15 @@ void check_limit_flags(const RunConfig& c) {
   };
   at_most("--threads", c.threads, attncore::kMaxThreads);
   at_most("--num-splits", c.num_splits, attncore::kMaxSplits);
+  // A name no build has is a bad flag; one this build has but this CPU cannot run is the
+  // library's to refuse (set_simd_target), as a run-time error.
+  const std::vector<std::string> known = attncore::simd_targets_compiled();
+  if (!c.simd.empty() && std::find(known.begin(), known.end(), c.simd) == known.end()) {
+    std::string names;
+    for (const std::string& name : known) names += (names.empty() ? "" : ", ") + name;
+    throw UsageError{"--simd: unknown target '" + c.simd + "' (expected one of " + names +
+                     " compiled into this build)"};
+  }
 }
 
 void check_cache_flags(const RunConfig& c, const GivenFlags& flags) {
