@@ -69,16 +69,7 @@ void check_varlen_flags(const RunConfig& c, const GivenFlags& flags) {
   fits("--seqused-k", c.seqused_k);
 }
 
-void check_limit_flags(const RunConfig& c) {
-  auto at_most = [](const char* flag, std::int64_t value, std::int64_t maximum) {
-    if (value > maximum) {
-      throw UsageError{std::string(flag) + ": " + std::to_string(value) +
-                       " is past the library's maximum (expected <= " + std::to_string(maximum) +
-                       ")"};
-    }
-  };
-  at_most("--threads", c.threads, attncore::kMaxThreads);
-  at_most("--num-splits", c.num_splits, attncore::kMaxSplits);
+void check_simd_flag(const RunConfig& c) {
   // A name no build has is a bad flag; one this build has but this CPU cannot run is the
   // library's to refuse (set_simd_target), as a run-time error.
   const std::vector<std::string> known = attncore::simd_targets_compiled();

@@ -19,10 +19,9 @@ void check_varlen_flags(const RunConfig& c, const GivenFlags& flags);
 // The KV-cache flags of run: --new-tokens and --page-size need --cache-len, which takes the
 // place of the dense lengths and of the packed batch; the cache is forward only.
 void check_cache_flags(const RunConfig& c, const GivenFlags& flags);
-// --threads and --num-splits within the library's maximums (attncore::kMaxThreads,
-// attncore::kMaxSplits), and --simd one of the targets compiled in, refused before any work
-// (bench measures the machine first).
-void check_limit_flags(const RunConfig& c);
+// --simd one of the targets compiled in, refused before any work (bench measures the machine
+// first). (--threads and --num-splits take the library's maximums as they are parsed.)
+void check_simd_flag(const RunConfig& c);
 // bench runs one of its modes (the sweep, --select, --varlen, --decode); a flag the mode given
 // has nothing to act on, or a second mode, is refused rather than silently ignored.
 void check_bench_mode_flags(const GivenFlags& flags);

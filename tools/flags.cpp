@@ -103,24 +103,22 @@ double parse_double(std::string_view flag, std::string_view text) {
                               "0 or a magnitude from 4.9e-324 to 1.8e308, a double's range");
 }
 
-int parse_count(std::string_view flag, std::string_view text, std::int64_t min_value) {
-  // The library's own maximum where it has one (check_limit_flags names the same), else a cap
-  // far above any sane repeat or pass count.
-  constexpr std::int64_t kMaxCount = 1 << 20;
-  const std::int64_t most = flag == "--threads"      ? attncore::kMaxThreads
-                            : flag == "--num-splits" ? attncore::kMaxSplits
-                                                     : kMaxCount;
+// Counts: far above any sane repeat or pass count (Flag::max's default).
+constexpr std::int64_t kMaxCount = 1 << 20;
+
+int parse_count(std::string_view flag, std::string_view text, std::int64_t min_value,
+                std::int64_t max_value) {
   const std::string range =
-      "an integer from " + std::to_string(min_value) + " to " + std::to_string(most);
+      "an integer from " + std::to_string(min_value) + " to " + std::to_string(max_value);
   const auto v = parse_number<std::int64_t>(flag, text, "an integer", range);
   if (v < min_value) {
     throw UsageError{std::string(flag) + ": " + std::string(text) + " is below the minimum " +
                      std::to_string(min_value)};
   }
-  if (v > most) {
-    throw UsageError{std::string(flag) + ": " + std::string(text) +
-                     (most == kMaxCount ? " is too large" : " is past the library's maximum") +
-                     " (expected <= " + std::to_string(most) + ")"};
+  if (v > max_value) {
+    const char* past = max_value == kMaxCount ? " is too large" : " is past the library's maximum";
+    throw UsageError{std::string(flag) + ": " + std::string(text) + past + " (expected <= " +
+                     std::to_string(max_value) + ")"};
   }
   return static_cast<int>(v);
 }
@@ -168,6 +166,7 @@ struct Flag {
   // (none for switches and files).
   std::string_view shown_default = "";
   std::int64_t min = 0;  // counts (int fields): the smallest value accepted
+  std::int64_t max = kMaxCount;  // and the largest (the library's maximum where it has one)
 };
 
 // Sizes (integer fields and lists of them) accept 0 in run and explain (empty problems are
@@ -220,10 +219,12 @@ constexpr Flag kFlags[] = {
     {"--backend", "B", kRun, &RunConfig::backend, "auto, reference, math or flash"},
     {"--backward", "", kBoth, &RunConfig::backward, "also time the backward (with a random dout)"},
     {"--threads", "N", kBoth, &RunConfig::threads,
-     "threads (at most 1024), 0 = ATTNCORE_NUM_THREADS or the CPUs this\nprocess may run on"},
+     "threads (at most 1024), 0 = ATTNCORE_NUM_THREADS or the CPUs this\nprocess may run on",
+     "", 0, attncore::kMaxThreads},
     {"--num-splits", "N", kRun, &RunConfig::num_splits,
      "flash's split-KV decode: parts per kv group's keys, 0 = planned\nfrom the CPU count, 1 = "
-     "no split, up to 256 forced"},
+     "no split, up to 256 forced",
+     "", 0, attncore::kMaxSplits},
     {"--simd", "T", kBoth, &RunConfig::simd,
      "the flash kernels' SIMD target: avx512bf16, avx512, avx2 or generic\n(`attncore info` "
      "lists this CPU's)",
@@ -295,7 +296,7 @@ T parse_value(const Flag& f, FlagSet command, std::string_view text) {
   } else if constexpr (std::is_same_v<T, std::int64_t>) {
     return parse_int(f.name, text, min_size(command));
   } else if constexpr (std::is_same_v<T, int>) {
-    return parse_count(f.name, text, f.min);
+    return parse_count(f.name, text, f.min, f.max);
   } else if constexpr (std::is_same_v<T, double>) {
     return parse_double(f.name, text);
   } else if constexpr (std::is_same_v<T, std::uint64_t>) {
@@ -495,7 +496,7 @@ RunConfig parse_run_flags(const std::vector<std::string>& args) {
   const GivenFlags flags = parse_flags(args, kRun, {c, unused});
   check_varlen_flags(c, flags);
   check_cache_flags(c, flags);
-  check_limit_flags(c);
+  check_simd_flag(c);
   c.finish();
   return c;
 }
@@ -511,7 +512,7 @@ BenchConfig parse_bench_flags(const std::vector<std::string>& args) {
     }
   }
   check_bench_mode_flags(flags);
-  check_limit_flags(c.run);
+  check_simd_flag(c.run);
   if (given(flags, "--points")) check_decode_points(c.sweep.points);
   // (Here with the other flags, before bench creates its output files.)
   if (c.sweep.decode && c.run.threads > 2) {
