@@ -450,7 +450,7 @@ void write_json_object(const std::string& file, const JsonObject& j) {
 }
 
 int cmd_bench(const std::vector<std::string>& args) {
-  if (asks_for_help(args)) {
+  if (asks_for_bench_help(args)) {
     std::fputs(bench_usage_text().c_str(), stdout);
     return kExitOk;
   }

@@ -19,7 +19,7 @@ namespace attncore_tools {
 using attncore::Backend;
 
 int cmd_explain(const std::vector<std::string>& args) {
-  if (asks_for_help(args)) {
+  if (asks_for_run_help(args)) {
     std::fputs(usage_text().c_str(), stdout);
     return kExitOk;
   }

@@ -128,7 +128,7 @@ int run(const RunConfig& c) {
 }  // namespace
 
 int cmd_run(const std::vector<std::string>& args) {
-  if (asks_for_help(args)) {
+  if (asks_for_run_help(args)) {
     std::fputs(usage_text().c_str(), stdout);
     return kExitOk;
   }

@@ -385,21 +385,40 @@ std::string shown_default(const Flag& f, const Target& defaults) {
 // ---------------------------------------------------------------------------------------------
 // Parsing and usage.
 
+// One argument read against a command's flags: its name (up to a '=': --flag=value), the value
+// written after the '=', and the command's flag of that name (nullptr: none).
+struct Argument {
+  std::string_view name;
+  std::optional<std::string_view> inline_value;
+  const Flag* flag = nullptr;
+};
+
+Argument read_argument(std::string_view arg, FlagSet command) {
+  Argument a{arg, std::nullopt, nullptr};
+  if (const auto eq = arg.find('='); arg.starts_with("--") && eq != std::string_view::npos) {
+    a.inline_value = arg.substr(eq + 1);
+    a.name = arg.substr(0, eq);
+  }
+  for (const Flag& f : kFlags) {
+    if ((f.commands & command) != 0 && a.name == f.name) a.flag = &f;
+  }
+  return a;
+}
+
+// Whether args[i + 1] is the value of args[i], read as `a`: a flag that takes a value, given
+// without '=', and a next argument that does not start with "--" (a value never does).
+bool value_follows(const Argument& a, const std::vector<std::string>& args, std::size_t i) {
+  return a.flag != nullptr && !a.flag->value_name.empty() && !a.inline_value &&
+         i + 1 < args.size() && !std::string_view(args[i + 1]).starts_with("--");
+}
+
 // Reads `args` into `into` (which holds the command's defaults) and returns the flags given.
-// --flag value and --flag=value; a value never starts with "--".
+// --flag value and --flag=value.
 GivenFlags parse_flags(const std::vector<std::string>& args, FlagSet command, const Target& into) {
   GivenFlags seen;
   for (std::size_t i = 0; i < args.size(); ++i) {
-    std::string_view arg = args[i];
-    std::optional<std::string_view> inline_value;  // --flag=value
-    if (const auto eq = arg.find('='); arg.starts_with("--") && eq != std::string_view::npos) {
-      inline_value = arg.substr(eq + 1);
-      arg = arg.substr(0, eq);
-    }
-    const Flag* flag = nullptr;
-    for (const Flag& f : kFlags) {
-      if ((f.commands & command) != 0 && arg == f.name) flag = &f;
-    }
+    const Argument a = read_argument(args[i], command);
+    const Flag* flag = a.flag;
     if (flag == nullptr) {
       throw UsageError{(command == kBench ? "unknown bench flag '" : "unknown argument '") +
                        args[i] + "'"};
@@ -409,21 +428,30 @@ GivenFlags parse_flags(const std::vector<std::string>& args, FlagSet command, co
     }
     seen.push_back(flag->name);
     if (flag->value_name.empty()) {
-      if (inline_value) throw UsageError{std::string(arg) + " takes no value"};
+      if (a.inline_value) throw UsageError{std::string(a.name) + " takes no value"};
       land(*flag, command, {}, into);
       continue;
     }
     std::string_view value;
-    if (inline_value) {
-      value = *inline_value;
-    } else if (i + 1 < args.size() && !std::string_view(args[i + 1]).starts_with("--")) {
+    if (a.inline_value) {
+      value = *a.inline_value;
+    } else if (value_follows(a, args, i)) {
       value = args[++i];
     } else {
-      throw UsageError{std::string(arg) + " needs a value"};
+      throw UsageError{std::string(a.name) + " needs a value"};
     }
     land(*flag, command, value, into);
   }
   return seen;
+}
+
+// Whether `args` ask for the command's usage text: a --help or -h that is no flag's value.
+bool asks_for_help(const std::vector<std::string>& args, FlagSet command) {
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--help" || args[i] == "-h") return true;
+    if (value_follows(read_argument(args[i], command), args, i)) ++i;
+  }
+  return false;
 }
 
 // The flag lines of a command's usage text: "  --name VALUE" in a 27-column field, then the
@@ -483,11 +511,10 @@ std::vector<std::string_view> split(std::string_view text, char separator) {
   }
 }
 
-bool asks_for_help(const std::vector<std::string>& args) {
-  for (const std::string& a : args) {
-    if (a == "--help" || a == "-h") return true;
-  }
-  return false;
+bool asks_for_run_help(const std::vector<std::string>& args) { return asks_for_help(args, kRun); }
+
+bool asks_for_bench_help(const std::vector<std::string>& args) {
+  return asks_for_help(args, kBench);
 }
 
 RunConfig parse_run_flags(const std::vector<std::string>& args) {

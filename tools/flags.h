@@ -13,8 +13,11 @@ namespace attncore_tools {
 // The parts of `text` between the separators: "a,,b" gives "a", "", "b"; "" gives "".
 std::vector<std::string_view> split(std::string_view text, char separator);
 
-// Whether the arguments ask for the command's usage text (--help or -h anywhere).
-bool asks_for_help(const std::vector<std::string>& args);
+// Whether the arguments of `run` or `explain` (run's flags), or of `bench`, ask for the command's
+// usage text: a --help or -h that is no flag's value ("--cache-len -h" gives "-h" to --cache-len,
+// which refuses it as bad usage).
+bool asks_for_run_help(const std::vector<std::string>& args);
+bool asks_for_bench_help(const std::vector<std::string>& args);
 
 // The flags of `run` and `explain`; the config comes back finished (RunConfig::finish).
 RunConfig parse_run_flags(const std::vector<std::string>& args);
