@@ -13,11 +13,13 @@
 //                         against every backend over a sweep of shapes
 //
 // Exit codes (docs/design.md section 7): 0 success, 1 library error (its message on stderr,
-// after "attncore: "; also a failed check and an output file that cannot be written), 2 bad
-// usage. When a command's output is JSON on stdout (run, explain and info --json, bench --json
-// -), stdout holds exactly one JSON object, also when the command fails (then with an `error`
-// field); diagnostics go to stderr.
+// after "attncore: "; also a failed check, and an output file or standard output that cannot be
+// written), 2 bad usage. When a command's output is JSON on stdout (run, explain and info
+// --json, bench --json -), stdout holds exactly one JSON object, also when the command fails
+// (then with an `error` field); diagnostics go to stderr.
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <new>
 #include <string>
@@ -92,6 +94,36 @@ int fail(int code, const std::string& message, bool json) {
   return code;
 }
 
+// The command's exit code, a failure reported by `fail`.
+int run_command(const std::vector<std::string>& args) {
+  const bool json = json_on_stdout(args);
+  try {
+    return dispatch(args);
+  } catch (const UsageError& e) {
+    return fail(kExitUsage, e.message, json);
+  } catch (const CheckFailed& e) {
+    return fail(kExitLibraryError, e.message, json);
+  } catch (const std::bad_alloc&) {
+    return fail(kExitLibraryError, "out of memory", json);
+  } catch (const std::exception& e) {  // attncore::Error and the rest
+    return fail(kExitLibraryError, e.what(), json);
+  }
+}
+
+// Output that did not reach standard output (a full disk, /dev/full, a closed descriptor) is a
+// failure, reported on stderr: exit code 1, or the command's own when it failed already.
+int check_stdout(int code) {
+  errno = 0;
+  const bool flushed = std::fflush(stdout) == 0;
+  const int error = errno;
+  if (flushed && !std::ferror(stdout)) return code;
+  std::fprintf(stderr,
+               "attncore: standard output cannot be written (expected a stream this process may "
+               "write%s%s)\n",
+               error != 0 ? ": " : "", error != 0 ? std::strerror(error) : "");
+  return code != kExitOk ? code : kExitLibraryError;
+}
+
 }  // namespace
 
 void print_json_object(const JsonObject& j) {
@@ -105,16 +137,5 @@ void print_json_object(const JsonObject& j) {
 int main(int argc, char** argv) {
   using namespace attncore_tools;
   const std::vector<std::string> args(argv + 1, argv + argc);
-  const bool json = json_on_stdout(args);
-  try {
-    return dispatch(args);
-  } catch (const UsageError& e) {
-    return fail(kExitUsage, e.message, json);
-  } catch (const CheckFailed& e) {
-    return fail(kExitLibraryError, e.message, json);
-  } catch (const std::bad_alloc&) {
-    return fail(kExitLibraryError, "out of memory", json);
-  } catch (const std::exception& e) {  // attncore::Error and the rest
-    return fail(kExitLibraryError, e.what(), json);
-  }
+  return check_stdout(run_command(args));
 }

@@ -10,6 +10,8 @@
 #                              null), key~regex (the value matches)
 #   -DNO_CR=ON                 optional: neither stdout nor stderr holds a carriage return (no
 #                              progress line when they are not a terminal)
+#   -DSTDOUT_FILE=<file>       optional: stdout goes to this file (/dev/full: every write fails)
+#                              instead of being read (STDOUT_REGEX and JSON_CHECKS then see "")
 cmake_minimum_required(VERSION 3.25)
 
 # Sets `out_var` to the length of the JSON value that opens `text` with '{' (0 if it never
@@ -47,8 +49,14 @@ function(json_object_length text out_var)
 endfunction()
 
 separate_arguments(args UNIX_COMMAND "${ARGS}")
-execute_process(COMMAND "${EXE}" ${args}
-  RESULT_VARIABLE code OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(DEFINED STDOUT_FILE AND NOT STDOUT_FILE STREQUAL "")
+  execute_process(COMMAND "${EXE}" ${args}
+    RESULT_VARIABLE code OUTPUT_FILE "${STDOUT_FILE}" ERROR_VARIABLE err)
+  set(out "")
+else()
+  execute_process(COMMAND "${EXE}" ${args}
+    RESULT_VARIABLE code OUTPUT_VARIABLE out ERROR_VARIABLE err)
+endif()
 set(what "attncore ${ARGS}")
 set(report "\n--- stdout ---\n${out}\n--- stderr ---\n${err}")
 
