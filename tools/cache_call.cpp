@@ -1,5 +1,7 @@
 // `attncore run --cache-len N [--page-size P] [--new-tokens T]`: new tokens attending to a dense
 // or paged KV cache (attncore/kvcache.h), timed and checked (measure.h, run_cache).
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -34,19 +36,20 @@ std::int64_t cache_slots(const RunConfig& c) { return c.page_size > 0 ? c.page_s
 // The cache of one of K or V: rows [0, cache_len) of each sequence of `src`
 // ([B, H, cache_len + T, width], contiguous) at slot s of sequence b, which is row s of cache row
 // b (dense: [B, capacity, H, width]) or row s % P of page table[b][s / P] (paged:
-// [pages, P, H, width]). Returns the cache in the library's [.., H, .., width] order.
+// [pages, P, H, width]; `table` holds p.block_table's [B, per_seq] entries). Returns the cache in
+// the library's [.., H, .., width] order.
 struct Cache {
   Tensor storage;
   TensorView view;  // transposed(1, 2): [B or pages, H, capacity or P, width]
 };
 
-Cache make_cache(const RunConfig& c, const Tensor& src, const std::vector<std::int32_t>& table,
+Cache make_cache(const RunConfig& c, const Tensor& src, const std::int32_t* table,
                  std::int64_t per_seq) {
   const std::int64_t heads = src.size(1), width = src.size(3), capacity = c.seqlen_k;
   const bool paged = c.page_size > 0;
   const std::int64_t slots = cache_slots(c);
   Cache cache;
-  cache.storage = Tensor(src.dtype(), {paged ? c.batch * per_seq : c.batch, slots, heads, width});
+  cache.storage = allocate_like(cache_storage(c, width, nullptr));
   const auto item = static_cast<std::int64_t>(attncore::size_of(src.dtype()));
   // (An empty cache copies nothing: with --cache-len 0 the batch can be as large as the memory
   // check lets the lengths be.)
@@ -54,9 +57,7 @@ Cache make_cache(const RunConfig& c, const Tensor& src, const std::vector<std::i
     for (std::int64_t h = 0; h < heads; ++h)
       for (std::int64_t s = 0; s < c.cache_len; ++s) {
         const std::int64_t row =
-            paged ? table[static_cast<std::size_t>(b * per_seq + s / c.page_size)] * slots +
-                        s % c.page_size
-                  : b * slots + s;
+            paged ? table[b * per_seq + s / c.page_size] * slots + s % c.page_size : b * slots + s;
         std::memcpy(static_cast<char*>(cache.storage.data()) + ((row * heads + h) * width) * item,
                     static_cast<const char*>(src.data()) +
                         (((b * heads + h) * capacity + s) * width) * item,
@@ -68,42 +69,47 @@ Cache make_cache(const RunConfig& c, const Tensor& src, const std::vector<std::i
 
 }  // namespace
 
+TensorView cache_storage(const RunConfig& c, std::int64_t width, void* data) {
+  const std::int64_t rows = c.page_size > 0 ? c.batch * pages_per_seq(c) : c.batch;
+  return TensorView::contiguous(data, c.dtype, {rows, cache_slots(c), c.heads_kv, width});
+}
+
 double cache_bytes(const RunConfig& c) {
-  // make_cache's storage: [B (dense) or B * pages_per_seq (paged), cache_slots, Hkv, D or Dv],
-  // in double (flags can overflow int64).
-  const double rows = static_cast<double>(c.batch) *
-                      (c.page_size > 0 ? static_cast<double>(pages_per_seq(c)) : 1.0);
-  const double slots = rows * static_cast<double>(cache_slots(c));
-  const double widths = static_cast<double>(c.head_dim + c.head_dim_v);
-  // The shuffled table and the block table copied from it: int32 [B, pages_per_seq] each.
+  // make_cache's storage (cache_storage, its bytes in double: flags can overflow int64).
+  const double caches = bytes_of(cache_storage(c, c.head_dim, nullptr)) +
+                        bytes_of(cache_storage(c, c.head_dim_v, nullptr));
+  // The shuffled order and the block table copied from it: int32 [B, pages_per_seq] each.
   const double tables = 2.0 * static_cast<double>(c.batch) * static_cast<double>(pages_per_seq(c)) *
                         sizeof(std::int32_t);
   // Per sequence, however empty the cache: its int32 length, and the library's own entries of
   // the call's plan (a length, a work estimate, a part count and an append row: 36 bytes), so
   // that a huge --batch over an empty cache is refused here.
   const double sequences = static_cast<double>(c.batch) * (sizeof(std::int32_t) + 36.0);
-  return slots * static_cast<double>(c.heads_kv) * widths *
-             static_cast<double>(attncore::size_of(c.dtype)) +
-         tables + sequences;
+  return caches + tables + sequences;
+}
+
+void add_cache_seqs(PreparedCall& p) {
+  const RunConfig& c = p.cfg;
+  p.cache_seqlens = Tensor(DType::i32, {c.batch});
+  std::fill_n(p.cache_seqlens.data_as<std::int32_t>(), c.batch,
+              static_cast<std::int32_t>(c.cache_len));
+  p.cache_seqs.cache_seqlens = p.cache_seqlens;
+  if (c.page_size > 0) {
+    const std::int64_t per_seq = pages_per_seq(c);
+    const std::vector<std::int32_t> order = page_order(c.batch * per_seq, c);
+    p.block_table = Tensor(DType::i32, {c.batch, per_seq});
+    std::copy(order.begin(), order.end(), p.block_table.data_as<std::int32_t>());
+    p.cache_seqs.block_table = p.block_table.view();
+  }
 }
 
 RunResult run_cache(const PreparedCall& p) {
   const RunConfig& c = p.cfg;
-  // Each sequence's pages in the run's order (page_order): sequence b's page i is
-  // table[b * per_seq + i].
   const std::int64_t per_seq = pages_per_seq(c);
-  const std::vector<std::int32_t> table = page_order(c.batch * per_seq, c);
+  const std::int32_t* table = c.page_size > 0 ? p.block_table.data_as<std::int32_t>() : nullptr;
   const Cache k = make_cache(c, p.k, table, per_seq);
   const Cache v = make_cache(c, p.v, table, per_seq);
-  Tensor seqlens(DType::i32, {c.batch}), block_table;
-  std::fill_n(seqlens.data_as<std::int32_t>(), c.batch, static_cast<std::int32_t>(c.cache_len));
-  attncore::KvCacheSeqs seqs;
-  seqs.cache_seqlens = seqlens;
-  if (c.page_size > 0) {
-    block_table = Tensor(DType::i32, {c.batch, per_seq});
-    std::copy(table.begin(), table.end(), block_table.data_as<std::int32_t>());
-    seqs.block_table = block_table.view();
-  }
+  const attncore::KvCacheSeqs& seqs = p.cache_seqs;
   // The new tokens: the last new_tokens rows of p.k / p.v, appended in place by every call.
   const attncore::KvAppend append{rows(p.k, c.cache_len, c.new_tokens),
                                   rows(p.v, c.cache_len, c.new_tokens), std::nullopt, std::nullopt,

@@ -95,39 +95,54 @@ struct VarlenPages {
   }
 };
 
+// Its pool of K (width D) or V (width Dv) pages over `data`: [pages, page_size, Hkv, width].
+TensorView pool_view(const RunConfig& c, std::int64_t width, void* data) {
+  return TensorView::contiguous(data, c.dtype,
+                                {VarlenPages(c).total, c.page_size, c.heads_kv, width});
+}
+
 // Its page pools and block table, in bytes (doubles: flags can overflow int64).
 double varlen_pages_bytes(const RunConfig& c) {
   if (!c.is_varlen() || c.page_size <= 0) return 0;
-  const VarlenPages pages(c);
-  return static_cast<double>(pages.total) * static_cast<double>(c.page_size) *
-             static_cast<double>(c.heads_kv) * static_cast<double>(c.head_dim + c.head_dim_v) *
-             static_cast<double>(attncore::size_of(c.dtype)) +
-         static_cast<double>(c.batch) * static_cast<double>(pages.per_seq) * sizeof(std::int32_t);
+  return bytes_of(pool_view(c, c.head_dim, nullptr)) +
+         bytes_of(pool_view(c, c.head_dim_v, nullptr)) +
+         static_cast<double>(c.batch) * static_cast<double>(VarlenPages(c).per_seq) *
+             sizeof(std::int32_t);
 }
 
-// The used keys of a packed batch (p.k, p.v) copied into page pools: sequence b's slot s is row
-// s % page_size of page block_table[b][s / page_size], the pages handed out in a shuffled order
-// (the run's seed), or one after the other with --pages-in-order; columns past a sequence's
-// pages are -1.
-void add_pages(const RunConfig& c, PreparedCall& p) {
+// A packed batch's block table, and its sequences over the pools (p.paged_seqs): sequence b's
+// used slot s is row s % page_size of page block_table[b][s / page_size], the pages handed out
+// in a shuffled order (the run's seed), or one after the other with --pages-in-order; columns
+// past a sequence's pages are -1.
+void add_block_table(const RunConfig& c, PreparedCall& p) {
   const VarlenPages pages(c);
-  const std::int64_t ps = c.page_size;
   const std::vector<std::int32_t> order = page_order(pages.total, c);
   p.block_table = Tensor(DType::i32, {c.batch, pages.per_seq});
   auto* table = p.block_table.data_as<std::int32_t>();
   std::fill_n(table, c.batch * pages.per_seq, -1);
-  p.k_pages = Tensor(c.dtype, {pages.total, ps, c.heads_kv, c.head_dim});
-  p.v_pages = Tensor(c.dtype, {pages.total, ps, c.heads_kv, c.head_dim_v});
-  const auto item = static_cast<std::int64_t>(attncore::size_of(c.dtype));
   std::size_t next = 0;
+  for (std::int64_t b = 0; b < c.batch; ++b) {
+    const std::int64_t n = pages_per_sequence(c.used_k()[static_cast<std::size_t>(b)], c.page_size);
+    for (std::int64_t i = 0; i < n; ++i) table[b * pages.per_seq + i] = order[next++];
+  }
+  p.paged_seqs = p.seqs;
+  p.paged_seqs.block_table = p.block_table.view();
+}
+
+// The pools of a packed batch: its used keys (p.k, p.v) copied to the slots the block table
+// maps them to. After check_call: the library has checked that no sequence uses more keys than
+// it has.
+void fill_pages(const RunConfig& c, PreparedCall& p) {
+  p.k_pages = allocate_like(pool_view(c, c.head_dim, nullptr));
+  p.v_pages = allocate_like(pool_view(c, c.head_dim_v, nullptr));
+  const std::int64_t ps = c.page_size, per_seq = p.block_table.size(1);
+  const auto* table = p.block_table.data_as<const std::int32_t>();
+  const auto item = static_cast<std::int64_t>(attncore::size_of(c.dtype));
   std::int64_t k0 = 0;  // sequence b's first row of p.k, p.v
   for (std::int64_t b = 0; b < c.batch; ++b) {
-    // (A seqused_k past the sequence's keys, which the library refuses, copies only those.)
-    const std::int64_t keys =
-        std::min(c.used_k()[static_cast<std::size_t>(b)], c.varlen_k[static_cast<std::size_t>(b)]);
+    const std::int64_t keys = c.used_k()[static_cast<std::size_t>(b)];
     for (std::int64_t s = 0; s < keys; ++s) {
-      if (s % ps == 0) table[b * pages.per_seq + s / ps] = order[next++];
-      const std::int64_t slot = table[b * pages.per_seq + s / ps] * ps + s % ps;
+      const std::int64_t slot = table[b * per_seq + s / ps] * ps + s % ps;
       for (auto [pool, packed, width] :
            {std::tuple{&p.k_pages, &p.k, c.head_dim}, std::tuple{&p.v_pages, &p.v, c.head_dim_v}}) {
         const std::int64_t row = c.heads_kv * width * item;
@@ -138,8 +153,6 @@ void add_pages(const RunConfig& c, PreparedCall& p) {
     }
     k0 += c.varlen_k[static_cast<std::size_t>(b)];
   }
-  p.paged_seqs = p.seqs;
-  p.paged_seqs.block_table = p.block_table.view();
 }
 
 }  // namespace
@@ -174,7 +187,7 @@ Tensor allocate_like(const TensorView& t) {
   return t.rank > 0 ? Tensor(t.dtype, t.shape.data(), t.rank) : Tensor();
 }
 
-PreparedCall prepare_call(const RunConfig& c, const char* op) {
+PreparedCall check_call(const RunConfig& c, const char* op) {
   // Dense [B, H, L, D] or packed [total, H, D] (RunConfig::views).
   const CallViews shapes = c.views(nullptr);
   // Inputs (dout with --backward) and the outputs run_once allocates (dq, dk, dv: q, k, v's).
@@ -190,16 +203,13 @@ PreparedCall prepare_call(const RunConfig& c, const char* op) {
                  bytes);
   PreparedCall p;
   p.cfg = c;
-  p.q = allocate_like(shapes.q);
-  p.k = allocate_like(shapes.k);
-  p.v = allocate_like(shapes.v);
-  // Inputs in [-1, 1): scores of size ~sqrt(D)/3 * scale, a realistic softmax spread.
-  fill_uniform(p.q, c.seed, 1, -1, 1);
-  fill_uniform(p.k, c.seed, 2, -1, 1);
-  fill_uniform(p.v, c.seed, 3, -1, 1);
-  if (c.backward) {
-    p.dout = allocate_like(shapes.out);
-    fill_uniform(p.dout, c.seed, 4, -1, 1);
+  p.alibi = allocate_like(shapes.alibi);
+  if (c.alibi) {
+    // The ALiBi paper's slopes: a geometric sequence starting at 2^(-8/Hq).
+    for (std::int64_t h = 0; h < c.heads_q; ++h) {
+      store(p.alibi, h,
+            std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(c.heads_q)));
+    }
   }
   if (c.is_varlen()) {
     p.cu_seqlens_q = offsets(c.varlen);
@@ -215,16 +225,52 @@ PreparedCall prepare_call(const RunConfig& c, const char* op) {
     }
     p.seqs.max_seqlen_q = c.seqlen_q;
     p.seqs.max_seqlen_k = c.seqlen_k;
-    if (c.page_size > 0) add_pages(c, p);
+    if (c.page_size > 0) add_block_table(c, p);
   }
-  p.alibi = allocate_like(shapes.alibi);
-  if (c.alibi) {
-    // The ALiBi paper's slopes: a geometric sequence starting at 2^(-8/Hq).
-    for (std::int64_t h = 0; h < c.heads_q; ++h) {
-      store(p.alibi, h,
-            std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(c.heads_q)));
+  if (c.is_cache()) add_cache_seqs(p);
+
+  // The views point at one element of the widest dtype (aligned for every dtype); the library
+  // reads none of their data. A named backend that cannot run the call is refused here too.
+  static double no_data;
+  const CallViews w = c.views(&no_data);
+  const attncore::Options o = c.options(p.alibi, w.mask);
+  if (c.is_cache()) {
+    (void)attncore::explain_forward_kvcache(
+        w.q, cache_storage(c, c.head_dim, &no_data).transposed(1, 2),
+        cache_storage(c, c.head_dim_v, &no_data).transposed(1, 2), p.cache_seqs, o, c.backend);
+  } else if (c.is_varlen()) {
+    const bool paged = p.paged();
+    (void)attncore::explain_forward_varlen(w.q, paged ? pool_view(c, c.head_dim, &no_data) : w.k,
+                                           paged ? pool_view(c, c.head_dim_v, &no_data) : w.v,
+                                           p.call_seqs(), o, c.backend);
+    if (c.backward) {
+      (void)attncore::explain_backward_varlen(w.out, w.q, w.k, w.v, w.out, w.lse, p.seqs, o,
+                                              c.backend);
+    }
+  } else {
+    (void)attncore::explain_forward(w.q, w.k, w.v, o, c.backend);
+    if (c.backward) {
+      (void)attncore::explain_backward(w.out, w.q, w.k, w.v, w.out, w.lse, o, c.backend);
     }
   }
+  return p;
+}
+
+PreparedCall prepare_call(const RunConfig& c, const char* op) {
+  PreparedCall p = check_call(c, op);
+  const CallViews shapes = c.views(nullptr);
+  p.q = allocate_like(shapes.q);
+  p.k = allocate_like(shapes.k);
+  p.v = allocate_like(shapes.v);
+  // Inputs in [-1, 1): scores of size ~sqrt(D)/3 * scale, a realistic softmax spread.
+  fill_uniform(p.q, c.seed, 1, -1, 1);
+  fill_uniform(p.k, c.seed, 2, -1, 1);
+  fill_uniform(p.v, c.seed, 3, -1, 1);
+  if (c.backward) {
+    p.dout = allocate_like(shapes.out);
+    fill_uniform(p.dout, c.seed, 4, -1, 1);
+  }
+  if (p.paged()) fill_pages(c, p);
   p.mask = allocate_like(shapes.mask);
   if (c.mask == MaskKind::boolean) {
     Random rng(c.seed ^ 5);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "attncore/attncore.h"
+#include "attncore/kvcache.h"
 #include "attncore/varlen.h"
 #include "run_config.h"
 
@@ -72,15 +73,19 @@ std::vector<std::int32_t> page_order(std::int64_t count, const RunConfig& c);
 // (cfg.is_varlen()) also has its int32 offsets and the VarlenSeqs viewing them; with
 // cfg.page_size > 0 also its used keys copied into page pools [pages, page_size, Hkv, D] (in a
 // shuffled order, or in order) and the VarlenSeqs over them (the timed call's; the check's
-// reference runs on the packed keys).
+// reference runs on the packed keys). A KV-cache call (cfg.is_cache()) also has its lengths and,
+// paged, its block table (add_cache_seqs); run_cache makes the caches.
 struct PreparedCall {
   RunConfig cfg;
   attncore::Tensor q, k, v, dout, mask, alibi;
   attncore::Options options;
   attncore::Tensor cu_seqlens_q, cu_seqlens_k, seqused_k;
   attncore::VarlenSeqs seqs;
-  attncore::Tensor k_pages, v_pages, block_table;
+  attncore::Tensor k_pages, v_pages;
+  attncore::Tensor block_table;  // int32 [B, pages per sequence]: the packed batch's or the cache's
   attncore::VarlenSeqs paged_seqs;
+  attncore::Tensor cache_seqlens;
+  attncore::KvCacheSeqs cache_seqs;
   // The timed call's k, v and sequences: the pools where there are, else k, v and seqs.
   bool paged() const { return paged_seqs.block_table.has_value(); }
   const attncore::Tensor& call_k() const { return paged() ? k_pages : k; }
@@ -88,9 +93,20 @@ struct PreparedCall {
   const attncore::VarlenSeqs& call_seqs() const { return paged() ? paged_seqs : seqs; }
 };
 
-// `c` must be finished (RunConfig::finish). First refuses (require_memory, naming `op`: "run",
-// "bench") a call whose tensors the program allocates (its inputs here, the outputs run_once
-// allocates, a KV-cache call's caches: cache_bytes) pass the memory this process may use.
+// A configured call checked before any of its large tensors (q, k, v, dout, the mask, a packed
+// batch's page pools, a cache call's caches, the outputs) is made; `c` must be finished
+// (RunConfig::finish). First refuses (require_memory, naming `op`: "run", "bench") a call whose
+// tensors the program allocates (its inputs, the outputs run_once allocates, a KV-cache call's
+// caches: cache_bytes) pass the memory this process may use. Then makes the small arrays the
+// library reads when it validates the call (the ALiBi slopes, a packed batch's offsets, used
+// keys and block table, a cache call's lengths and block table) and has the library validate
+// the call on them and on views of the large tensors that point at no data (explain_forward and
+// its kin, with cfg.backend; the backward too with cfg.backward): a call the library refuses
+// fails here, with the library's message, before anything large is made. Returns the call with
+// those arrays only.
+PreparedCall check_call(const RunConfig& c, const char* op);
+
+// check_call, then the rest of the call: its inputs, mask and page pools.
 PreparedCall prepare_call(const RunConfig& c, const char* op);
 
 }  // namespace attncore_tools

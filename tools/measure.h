@@ -69,8 +69,16 @@ RunResult run_once(const PreparedCall& p);
 // each timed call (at the same slots every time), and the result is checked against p as the
 // dense call it equals.
 RunResult run_cache(const PreparedCall& p);
-// The bytes run_cache allocates for a cache call: its K and V caches (cache_rows of slots each)
-// and page tables.
+// The bytes a cache call allocates beside its tensors: its K and V caches (cache_storage), the
+// page order and block table, and its lengths.
 double cache_bytes(const RunConfig& c);
+// A cache call's K (width D) or V (width Dv) cache over `data`, as run_cache holds it:
+// [B (dense) or B * pages per sequence (paged), slots (capacity or page size), Hkv, width],
+// contiguous; the library takes its transposed(1, 2).
+attncore::TensorView cache_storage(const RunConfig& c, std::int64_t width, void* data);
+// A cache call's int32 arrays into p, from p.cfg: p.cache_seqlens (cache_len for each sequence)
+// and, paged, p.block_table (each sequence's pages in the run's order, page_order), both viewed
+// by p.cache_seqs.
+void add_cache_seqs(PreparedCall& p);
 
 }  // namespace attncore_tools

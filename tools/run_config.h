@@ -103,8 +103,9 @@ struct RunConfig {
   // configuration asks for them).
   attncore::Options options(const attncore::TensorView& alibi,
                             const attncore::TensorView& mask) const;
-  // Contiguous views of the call's tensors, all over `data`: `attncore explain` passes one f64
-  // (it validates shapes and reads no data), prepare_call takes the shapes of its tensors.
+  // Contiguous views of the call's tensors, all over `data`: `attncore explain` and check_call
+  // pass one f64 (the library validates their shapes and reads none of q, k, v, out, lse and the
+  // mask), check_call and prepare_call take the shapes of the tensors they make.
   CallViews views(void* data) const;
 
   // "B=1 Hq=8 Hkv=8 Lq=1024 Lk=1024 D=64 Dv=64"; packed: "B=2 Hq=8 Hkv=8 Lq=300,2 Lk=1,2 ..."

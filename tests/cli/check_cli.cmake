@@ -12,6 +12,9 @@
 #                              progress line when they are not a terminal)
 #   -DSTDOUT_FILE=<file>       optional: stdout goes to this file (/dev/full: every write fails)
 #                              instead of being read (STDOUT_REGEX and JSON_CHECKS then see "")
+#   -DDATA_LIMIT=<KiB>         optional: the program runs under this RLIMIT_DATA (sh's ulimit -d),
+#                              which the memory checks (attncore::memory_limit) do not read: an
+#                              allocation past it fails instead of being refused up front
 cmake_minimum_required(VERSION 3.25)
 
 # Sets `out_var` to the length of the JSON value that opens `text` with '{' (0 if it never
@@ -49,12 +52,16 @@ function(json_object_length text out_var)
 endfunction()
 
 separate_arguments(args UNIX_COMMAND "${ARGS}")
+set(command "${EXE}" ${args})
+if(DEFINED DATA_LIMIT AND NOT DATA_LIMIT STREQUAL "")
+  set(command sh -c "ulimit -d ${DATA_LIMIT} && exec \"$0\" \"$@\"" ${command})
+endif()
 if(DEFINED STDOUT_FILE AND NOT STDOUT_FILE STREQUAL "")
-  execute_process(COMMAND "${EXE}" ${args}
+  execute_process(COMMAND ${command}
     RESULT_VARIABLE code OUTPUT_FILE "${STDOUT_FILE}" ERROR_VARIABLE err)
   set(out "")
 else()
-  execute_process(COMMAND "${EXE}" ${args}
+  execute_process(COMMAND ${command}
     RESULT_VARIABLE code OUTPUT_VARIABLE out ERROR_VARIABLE err)
 endif()
 set(what "attncore ${ARGS}")
