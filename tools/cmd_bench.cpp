@@ -281,6 +281,40 @@ int bench_varlen(const BenchConfig& bc) {
   const bool json_to_stdout = bc.sweep.json == "-";
   std::FILE* const table = json_to_stdout ? stderr : stdout;
   const int threads = bc.run.resolved_threads();
+  // The calls of one dtype and causal kind: (a) packed, (b) dense and (c) padded (its
+  // key-padding mask is added once it is prepared), on flash, forward and backward. The shared
+  // flags (Hq, Hkv, D, repeat, threads) come with bc.run.
+  struct VarlenCalls {
+    RunConfig packed, dense, padded;
+  };
+  auto calls_of = [&](DType dtype, Causal causal) {
+    RunConfig base = bc.run;
+    base.dtype = dtype;
+    base.causal = causal;
+    base.backend = Backend::flash;
+    base.threads = threads;
+    base.backward = true;
+    base.check = false;
+    VarlenCalls calls{base, base, base};
+    calls.packed.varlen = lengths;
+    calls.packed.varlen_k.clear();
+    calls.packed.seqused_k.clear();
+    calls.packed.finish();
+    calls.dense.batch = batch;
+    calls.dense.seqlen_q = calls.dense.seqlen_k = dense_len;
+    calls.padded.batch = batch;
+    calls.padded.seqlen_q = calls.padded.seqlen_k = longest;
+    return calls;
+  };
+  // Every call is checked before anything is measured (check_call): one refused fails at once.
+  for (DType dtype : bc.sweep.dtypes) {
+    for (Causal causal : bc.sweep.causals) {
+      const VarlenCalls calls = calls_of(dtype, causal);
+      for (const RunConfig* c : {&calls.packed, &calls.dense, &calls.padded}) {
+        (void)check_call(*c, "bench");
+      }
+    }
+  }
   Progress progress;
   progress.show("measuring the FMA peak ...");
   const double peak = fma_peak_gflops(threads);
@@ -314,39 +348,21 @@ int bench_varlen(const BenchConfig& bc) {
   std::vector<VarlenRow> rows;
   for (DType dtype : bc.sweep.dtypes) {
     for (Causal causal : bc.sweep.causals) {
-      // The shared flags (Hq, Hkv, D, repeat, threads) come with bc.run.
-      RunConfig base = bc.run;
-      base.dtype = dtype;
-      base.causal = causal;
-      base.backend = Backend::flash;
-      base.threads = threads;
-      base.backward = true;
-      base.check = false;
+      const VarlenCalls calls = calls_of(dtype, causal);
       auto show = [&](const char* what) {
         progress.showf("%s %s %s ...", std::string(name_of(dtype)).c_str(),
                        std::string(name_of(causal)).c_str(), what);
       };
       show("varlen");
-      RunConfig packed = base;
-      packed.varlen = lengths;
-      packed.varlen_k.clear();
-      packed.seqused_k.clear();
-      packed.finish();
-      const RunResult a = run_once(prepare_call(packed, "bench"));
+      const RunResult a = run_once(prepare_call(calls.packed, "bench"));
 
       show("dense");
-      RunConfig dense = base;
-      dense.batch = batch;
-      dense.seqlen_q = dense.seqlen_k = dense_len;
-      const RunResult b = run_once(prepare_call(dense, "bench"));
+      const RunResult b = run_once(prepare_call(calls.dense, "bench"));
 
       show("padded");
-      RunConfig padded = base;
-      padded.batch = batch;
-      padded.seqlen_q = padded.seqlen_k = longest;
       RunResult c;
       {
-        PreparedCall p = prepare_call(padded, "bench");
+        PreparedCall p = prepare_call(calls.padded, "bench");
         p.mask = attncore::Tensor(DType::b8, {batch, 1, 1, longest});  // true: a real key
         for (std::int64_t s = 0; s < batch; ++s) {
           for (std::int64_t j = 0; j < lengths[static_cast<std::size_t>(s)]; ++j) {
@@ -463,11 +479,34 @@ int cmd_bench(const std::vector<std::string>& args) {
   // --json -: the JSON object alone on stdout, the table on stderr.
   std::FILE* const table = bc.sweep.json == "-" ? stderr : stdout;
   const int threads = bc.run.resolved_threads();
+  const std::vector<Backend> backends = {Backend::math, Backend::flash};
+  // The call at one point; the shared flags (B, Hq, Hkv, D, repeat, backward) come with bc.run.
+  auto point = [&](DType dtype, Causal causal, std::int64_t seqlen, Backend backend) {
+    RunConfig c = bc.run;
+    c.seqlen_q = seqlen;
+    c.seqlen_k = seqlen;
+    c.dtype = dtype;
+    c.causal = causal;
+    c.backend = backend;
+    c.threads = threads;
+    return c;
+  };
+  // Every point is checked before anything is measured (check_call), in the order they are
+  // measured: a length whose tensors would not fit, or a call the library refuses, fails at
+  // once, not after the points before it.
+  for (DType dtype : bc.sweep.dtypes) {
+    for (Causal causal : bc.sweep.causals) {
+      for (std::int64_t seqlen : bc.sweep.seqlens) {
+        for (Backend backend : backends) {
+          (void)check_call(point(dtype, causal, seqlen, backend), "bench");
+        }
+      }
+    }
+  }
   Progress progress;
   progress.show("measuring the FMA peak ...");
   const double peak = fma_peak_gflops(threads);
   progress.clear();
-  const std::vector<Backend> backends = {Backend::math, Backend::flash};
   const std::size_t total =
       bc.sweep.seqlens.size() * bc.sweep.dtypes.size() * bc.sweep.causals.size() * backends.size();
   std::fprintf(table,
@@ -493,14 +532,7 @@ int cmd_bench(const std::vector<std::string>& args) {
                          static_cast<long long>(seqlen), std::string(name_of(dtype)).c_str(),
                          std::string(name_of(causal)).c_str(),
                          std::string(name_of(backend)).c_str());
-          // The shared flags (B, Hq, Hkv, D, repeat, backward) come with bc.run.
-          RunConfig c = bc.run;
-          c.seqlen_q = seqlen;
-          c.seqlen_k = seqlen;
-          c.dtype = dtype;
-          c.causal = causal;
-          c.backend = backend;
-          c.threads = threads;
+          const RunConfig c = point(dtype, causal, seqlen, backend);
           const RunResult r = run_once(prepare_call(c, "bench"));
           if (backend == Backend::math) {
             math_seconds = r.seconds;
