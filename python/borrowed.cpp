@@ -188,6 +188,11 @@ Borrowed::Borrowed(py::handle obj, const char* op, const char* name, bool writab
   } else if (torch != nullptr && (type == torch->tensor || type == torch->parameter) &&
              from_torch(obj)) {
     kind_ = ArrayKind::torch;
+  } else if (torch != nullptr && (type == torch->tensor || type == torch->parameter) &&
+             method<kIsNeg>(obj).ptr() == Py_True) {
+    // (torch 1.13 exports such a view's memory through DLPack without its negation.)
+    throw InvalidArgument(what + " is a lazily negated view (is_neg=True, expected a resolved " +
+                          "tensor); pass its .resolve_neg()");
   } else if (py::hasattr(obj, "__dlpack__")) {
     from_dlpack(obj, what, is_mask);
   } else {

@@ -62,6 +62,12 @@ def first_order(backward):
     return wrapped
 
 
+def checked_dout(lib, dout):
+    """The gradient of the output as the kernels read it: a lazily negated view resolved (as
+    every input is: _arrays.asarray), a last stride other than 1 copied."""
+    return lib.unit_last_stride(lib.asarray(dout, "backward", "dout"), "backward", "dout")
+
+
 class AttentionFunction(_torch.autograd.Function):
     """(out [B, Hq, Lq, Dv], lse [B, Hq, Lq]) of rank-4 views q [B, Hq, Lq, D],
     k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv], mask [B|1, Hq|1, Lq|1, Lk|1] or None, alibi slopes or
@@ -98,7 +104,7 @@ class AttentionFunction(_torch.autograd.Function):
         query, key, value, mask, alibi_slopes, out, lse = ctx.saved_tensors
         lib = _arrays.TORCH
         want_dbias = ctx.needs_input_grad[3]
-        dout = lib.unit_last_stride(dout, "backward", "dout")
+        dout = checked_dout(lib, dout)
         dq, dk, dv, dbias = backward4(lib, dout, query, key, value, out, lse, mask,
                                       alibi_slopes, ctx.call, want_dbias)
         return dq, dk, dv, dbias, None, None
@@ -128,7 +134,7 @@ class PackedAttentionFunction(_torch.autograd.Function):
         specs = [(tuple(s.shape), lib.dtype_name(s)) for s in sources]
         _arrays.check_new_arrays("backward", *specs)  # (a broadcast source: a large gradient)
         grads = [_arrays.empty_in_order_of(lib, s, *spec) for s, spec in zip(sources, specs)]
-        dout = lib.unit_last_stride(dout, "backward", "dout")
+        dout = checked_dout(lib, dout)
         ctx.kernel.backward_into(lib, dout, *ctx.split(*sources), out, lse, *ctx.split(*grads))
         needed = ctx.needs_input_grad[2:]
         return (None, None) + tuple(g if need else None for g, need in zip(grads, needed))
@@ -158,7 +164,7 @@ class FastAttentionFunction(_torch.autograd.Function):
         query, key, value, mask, out, lse = ctx.saved_tensors
         lib = _arrays.TORCH
         four = (lambda x: x.transpose(1, 2)) if ctx.blhd else (lambda x: x)
-        dout = lib.unit_last_stride(four(dout), "backward", "dout")
+        dout = checked_dout(lib, four(dout))
         dq, dk, dv, dbias = backward4(lib, dout, four(query),
                                       four(key), four(value), four(out), lse, mask, None,
                                       ctx.call, ctx.needs_input_grad[3])

@@ -95,3 +95,37 @@ def test_batch_dims_that_do_not_broadcast_are_refused():
     with pytest.raises(ValueError, match="key has leading dims \\[3\\], expected them to "
                                          "broadcast with query's \\[2\\]"):
         attncore.scaled_dot_product_attention(q, k, k)
+
+
+@pytest.mark.parametrize("call", ["sdpa", "sdpa float mask", "flash_attn alibi",
+                                  "flash_attn_varlen"])
+def test_a_lazily_negated_output_gradient_is_read_negated(call):
+    """backward(gradient=g._neg_view()) gives the gradients of -g, as torch's own ops do, on
+    every autograd path (the plain call, a float mask that requires grad, packed sources): the
+    negation is resolved, never read as the plain memory."""
+    q, k, v = (randn(1, 2, 5, 8, seed=i, dtype=torch.float32) for i in range(3))
+    g = randn(1, 2, 5, 8, seed=4, dtype=torch.float32)
+    mask = randn(5, 5, seed=5, dtype=torch.float32)
+
+    def grads(dout):
+        leaf = q.clone().requires_grad_()
+        m = mask.clone().requires_grad_()
+        if call == "sdpa":
+            out = attncore.torch.scaled_dot_product_attention(leaf, k, v)
+        elif call == "sdpa float mask":
+            out = attncore.torch.scaled_dot_product_attention(leaf, k, v, attn_mask=m)
+        elif call == "flash_attn alibi":  # [B, L, H, D]: q's 5 rows of 2 heads
+            out = attncore.torch.flash_attn_func(leaf.transpose(1, 2), k.transpose(1, 2),
+                                                 v.transpose(1, 2), alibi_slopes=torch.ones(2))
+            dout = dout.transpose(1, 2)
+        else:  # [total, H, D]: sequences of 2 and 3 rows
+            cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+            out = attncore.torch.flash_attn_varlen_func(
+                leaf[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, 3, 3)
+            dout = dout[0].transpose(0, 1)
+        out.backward(dout)
+        return leaf.grad
+
+    negated = grads(torch._neg_view(g))
+    assert negated.abs().sum() > 0
+    torch.testing.assert_close(negated, grads(-g), rtol=0, atol=0)
