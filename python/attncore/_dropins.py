@@ -10,7 +10,7 @@ import numbers
 import numpy as np
 
 from . import _arrays, _core, _nested
-from ._attention import attention, dense_packed, separate, varlen_packed
+from ._attention import attention, dense_packed, explain, separate, varlen_packed
 from ._rank4 import (Call, DenseKernel, bool_option, check_blhd, check_sdpa_mask, forward4,
                      real_option, sdpa_enable_gqa, sdpa_kv_heads, sdpa_query_heads)
 from ._merge import refuse_grad
@@ -52,7 +52,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         query_lib, query, _ = _arrays.adopt(query, op, "query")
         check_sdpa_mask(op, is_causal, mask_lib.dtype_name(mask), query_lib.dtype_name(query))
     enable_gqa = sdpa_enable_gqa(op, key, value, enable_gqa)
-    key, value = sdpa_kv_heads(op, query, key, value, enable_gqa)
+    key, value = sdpa_kv_heads(
+        op, query, key, value, enable_gqa,
+        lambda k, v: explain(query, k, v, scale=scale, causal=causal, attn_mask=attn_mask,
+                             dropout_p=dropout_p, enable_gqa=enable_gqa, backend=backend, _op=op))
     query = sdpa_query_heads(op, query, key, value, enable_gqa)
     return attention(query, key, value, layout="bhld", scale=scale, causal=causal,
                      attn_mask=attn_mask, dropout_p=dropout_p, enable_gqa=enable_gqa,

@@ -108,14 +108,16 @@ def sdpa_enable_gqa(op, key, value, enable_gqa):
     return enable_gqa or _kv_heads(op, key, value) == {1}
 
 
-def sdpa_kv_heads(op, query, key, value, enable_gqa):
+def sdpa_kv_heads(op, query, key, value, enable_gqa, check):
     """torch's scaled_dot_product_attention with enable_gqa takes key and value of different head
     counts that each divide the query's (its math path repeats both to the query's heads): here
     each is repeated head by head to their least common multiple, which the query's heads
     divide, so every query head meets the key and value heads it meets in torch; only what has
     fewer heads than that multiple is copied (as its distinct elements: _arrays.repeat_heads).
-    Heads that do not divide the query's: ValueError. Else (key, value), whose shapes the
-    library checks."""
+    Heads that do not divide the query's: ValueError. Before any copy, check(key, value) runs
+    the call's checks on stand-ins of the repeated ones (no memory of their size): a call
+    refused for any reason copies nothing. Else (key, value), whose shapes the library
+    checks."""
     if enable_gqa is not True:
         return key, value
     shapes = [_arrays.shape_of(x, op, name) for x, name in ((query, "query"), (key, "key"),
@@ -130,14 +132,13 @@ def sdpa_kv_heads(op, query, key, value, enable_gqa):
                          f"(Hq={heads_q}, Hk={heads_k}, Hv={heads_v}, expected Hq % Hk == 0 and "
                          "Hq % Hv == 0 with enable_gqa)")
     common = math.lcm(heads_k, heads_v)
-    repeated = []
-    for x, name, heads in ((key, "key", heads_k), (value, "value", heads_v)):
-        if heads != common:
-            lib, x, _ = _arrays.adopt(x, op, name)
-            x = _arrays.repeat_heads(lib, x, common // heads, op, name,
-                                     "pass key and value with one head count")
-        repeated.append(x)
-    return tuple(repeated)
+    kv = [(_arrays.adopt(x, op, name), name, heads)
+          for x, name, heads in ((key, "key", heads_k), (value, "value", heads_v))]
+    check(*(lib.standin(x, tuple(x.shape[:-3]) + (common,) + tuple(x.shape[-2:]))
+            if heads != common else x for (lib, x, _), _, heads in kv))
+    return tuple(_arrays.repeat_heads(lib, x, common // heads, op, name,
+                                      "pass key and value with one head count")
+                 if heads != common else x for (lib, x, _), name, heads in kv)
 
 
 def _heads(shape):

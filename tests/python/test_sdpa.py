@@ -142,6 +142,22 @@ def test_gqa_heads_repeated_as_their_distinct_elements():
         attncore.scaled_dot_product_attention(q[:, :6], k, v, enable_gqa=True)
 
 
+def test_gqa_heads_are_repeated_only_after_the_calls_checks(monkeypatch):
+    """Key and value of different head counts are repeated (copied) only once the call has
+    passed every check: a call refused for its dropout, scale, backend or mask copies nothing."""
+    def no_copy(*args):
+        raise AssertionError("the heads were repeated before the call's checks")
+    monkeypatch.setattr(attncore._arrays, "repeat_heads", no_copy)
+    q, k, v = randn(1, 8, 2, 16, seed=1), randn(1, 2, 5, 16, seed=2), randn(1, 4, 5, 16, seed=3)
+    for kwargs, error, message in [
+            ({"dropout_p": 2.0}, ValueError, "dropout_p"),
+            ({"scale": float("nan")}, ValueError, "scale"),
+            ({"backend": "nope"}, ValueError, "nope"),
+            ({"attn_mask": torch.zeros(3, 4)}, ValueError, "mask")]:
+        with pytest.raises(error, match=message):
+            attncore.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
+
+
 @pytest.mark.parametrize("dtype,backend", BACKENDS, ids=lambda x: str(x))
 def test_mqa_broadcasts_without_enable_gqa(dtype, backend):
     check_sdpa(dtype, backend, *_variant_inputs(7, 9, heads_q=4, heads_kv=1))
