@@ -308,6 +308,9 @@ FlashForwardPlan plan_flash_forward(const Params& call, int threads, const Flash
                                                        std::max<std::int64_t>(call.heads_kv, 1));
     plan.item_heads = std::clamp<std::int64_t>((call.heads_kv + runs - 1) / runs, 1, kMaxItemHeads);
   }
+  const std::int64_t units = plan.spread || plan.splits > 1 ? groups * plan.splits * 2
+                                                             : plan_items(longest, layout).count;
+  plan.workers = static_cast<int>(std::clamp<std::int64_t>(units, 1, std::max(threads, 1)));
   return plan;
 }
 
@@ -327,10 +330,11 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
   // Sized for the longest sequence (varlen) or every sequence (dense).
   const std::int64_t tiles = (call.seq.max_k() + layout.key_tile - 1) / layout.key_tile;
   const std::int64_t dv_pad = round_up(call.head_dim_v, layout.dv_align);
-  const int threads = std::max(1, launch.threads);
   const bool heads_in_rows = call_args.k.stride[1] < call_args.k.stride[2] &&
                              call_args.v.stride[1] < call_args.v.stride[2];
-  const FlashForwardPlan plan = plan_flash_forward(call, threads, layout, heads_in_rows);
+  const FlashForwardPlan plan =
+      plan_flash_forward(call, std::max(1, launch.threads), layout, heads_in_rows);
+  const int threads = plan.workers;
   const std::int64_t scratch_floats = forward_scratch_floats(layout, d, dv_pad, plan.item_heads);
   const std::int64_t panel_floats = plan.panel_floats;
   const bool on_the_fly = plan.on_the_fly;
@@ -372,7 +376,7 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
     const std::vector<std::int64_t> runs_order = run_order(plan, call);
     const std::int64_t runs = static_cast<std::int64_t>(runs_order.size());
     std::atomic<std::int64_t> next{0};
-    run_tasks(threads, threads, [&](int slot) {
+    run_tasks(static_cast<int>(std::min<std::int64_t>(threads, runs)), threads, [&](int slot) {
       float* k_tiles = on_the_fly ? nullptr : panels.get() + slot * panel_floats;
       float* v_rows = on_the_fly ? nullptr : k_tiles + tiles * layout.key_tile * d;
       const FlashScratch w = scratch_of(scratch.get() + slot * scratch_floats);
@@ -444,18 +448,18 @@ void flash_forward(const Params& call, const Launch& launch, const ForwardArgs& 
 double flash_workspace_bytes(Pass pass, const Params& p, const Launch& launch) {
   if (pass == Pass::forward && p.empty_output()) return 0;  // flash_forward returns at once
   const FlashLayout& layout = flash_target_chosen().layout;
-  const double threads = std::max(1, launch.threads);
   const double max_q = static_cast<double>(p.seq.max_q()),
                max_k = static_cast<double>(p.seq.max_k());
   const double dims = static_cast<double>(p.head_dim + p.head_dim_v) + 128;
   // A bound first, in doubles: sizes past it are refused before any int64 size is formed.
   const double bound =
       (max_q * static_cast<double>(p.group) + max_k + layout.key_tile + layout.block_rows) * dims *
-      (threads + 1) * 16.0 * static_cast<double>(p.batch * p.heads_kv + 1);
+      (std::max(1, launch.threads) + 1.0) * 16.0 * static_cast<double>(p.batch * p.heads_kv + 1);
   if (!(bound < 0x1p50)) return bound;
   if (pass == Pass::forward) {
     // (At most the scratch of items of several heads, whatever the layout.)
-    const FlashForwardPlan plan = plan_flash_forward(p, launch.threads, layout, true);
+    const FlashForwardPlan plan = plan_flash_forward(p, std::max(1, launch.threads), layout, true);
+    const double threads = plan.workers;
     const double scratch = static_cast<double>(forward_scratch_floats(
         layout, p.head_dim, round_up(p.head_dim_v, layout.dv_align), plan.item_heads));
     const double panels = plan.on_the_fly ? 0

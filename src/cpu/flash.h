@@ -180,6 +180,10 @@ struct FlashForwardPlan {
   // Split-KV parts of each group's keys (plan_kv_splits; 1: no split).
   std::int64_t splits = 1;
   int tile_rows = 0;  // the layout's (which rows read K and V in place)
+  // The threads given scratch (and a panel each where spread): the call's threads, but no more
+  // than its groups (times split parts and the two items of a group's halves), or than one
+  // group's items where groups go one after the other.
+  int workers = 1;
   // Kv heads per item of sequence b's groups: item_heads where its rows read K and V in place,
   // else 1 (a varlen batch's prefill chunks among its decode rows).
   std::int64_t heads_of(const Params& call, std::int64_t b) const;

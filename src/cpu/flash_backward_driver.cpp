@@ -260,10 +260,12 @@ BackwardSizes backward_sizes(const Params& p, const FlashLayout& layout, bool db
 
 double flash_backward_workspace_bytes(const Params& p, const Launch& launch) {
   const FlashLayout& layout = flash_target_chosen().layout;
-  const double threads = std::max(1, launch.threads);
   const double max_k = static_cast<double>(p.seq.max_k());
   const BackwardSizes z = backward_sizes(p, layout, p.compute_dbias);
   const double kv_runs = static_cast<double>(p.batch * p.heads_kv * z.plan.runs);
+  // (As flash_backward: no more threads' scratch than there are items.)
+  const double threads = std::min(static_cast<double>(std::max(1, launch.threads)),
+                                  std::max(1.0, kv_runs * static_cast<double>(z.plan.parts)));
   const double dq_parts = z.plan.parts > 1 ? kv_runs * static_cast<double>(z.plan.parts) *
                                                  static_cast<double>(z.rows * z.shape.d_pad)
                                            : 0;
@@ -318,12 +320,14 @@ void flash_backward(const Params& p, const Launch& launch, const BackwardArgs& a
   const std::int64_t run_heads = z.plan.run_heads, runs = z.plan.runs, parts = z.plan.parts;
   const std::int64_t* sizes = z.sizes;
   // Items own their dQ rows; dBias rows are shared only when the mask broadcasts over batch or
-  // heads, and then one thread runs the items in order.
-  const int threads = dbias.shared_across(p) ? 1 : std::max(1, launch.threads);
+  // heads, and then one thread runs the items in order. No more threads than items: a thread
+  // past them would get only its scratch (O(Lq x D)) and an idle OS thread.
   const std::int64_t kv_runs = p.batch * p.heads_kv * runs;
+  const std::int64_t items = kv_runs * parts;
+  const std::int64_t most = dbias.shared_across(p) ? 1 : std::max<std::int64_t>(items, 1);
+  const int threads = static_cast<int>(std::clamp<std::int64_t>(launch.threads, 1, most));
   const std::int64_t item_dq = rows * shape.d_pad;  // [run_heads][lq_pad][d_pad]
   AlignedFloats dq_parts(parts > 1 ? kv_runs * parts * item_dq : 1);
-  const std::int64_t items = kv_runs * parts;
   AlignedFloats scratch(threads * per_thread);
   KvTileReducer reducer(p, a, runs, shape.d_pad, shape.dv_pad, tile, key_rows, target.narrow);
   // The heads of run r of (b, kv head): [first, last).
@@ -334,7 +338,7 @@ void flash_backward(const Params& p, const Launch& launch, const BackwardArgs& a
   };
   const std::vector<std::int64_t> order = flash_backward_order(p, runs, parts);
   std::atomic<std::int64_t> next{0};
-  run_tasks(static_cast<int>(std::min<std::int64_t>(threads, items)), threads, [&](int slot) {
+  run_tasks(threads, threads, [&](int slot) {
     FlashBackwardScratch w = shape;
     float* at = scratch.get() + slot * per_thread;
     float** fields[] = {&w.dq,      &w.delta, &w.k_t,  &w.k_rows, &w.v_t, &w.dk, &w.dv,   &w.q_rows,

@@ -170,7 +170,7 @@ void flash_forward_split(const Params& call, const Launch& launch, const Forward
     }
   }
   const auto items = static_cast<std::int64_t>(list.size());
-  const int threads = std::max(1, launch.threads);
+  const int threads = plan.workers;  // (each with its scratch: scratch_of)
   std::atomic<std::int64_t> next{0};
   run_tasks(static_cast<int>(std::min<std::int64_t>(threads, items)), threads, [&](int slot) {
     const FlashScratch w = scratch_of(slot);

@@ -75,3 +75,24 @@ def test_the_setting_changes_neither_torch_nor_the_bits():
         attncore.set_num_threads(0)
     assert torch.get_num_threads() == torch_threads
     np.testing.assert_array_equal(one, two)
+
+
+def test_a_call_starts_no_more_threads_than_its_work_items():
+    """set_num_threads(1024) and a call of one row over one key: its work is one item, so no
+    thread of the pool starts (each would get nothing but its scratch and an idle OS thread);
+    a call of 8 kv groups starts at most 7 helpers. The forward and the backward alike."""
+    code = ("import numpy as np, os, torch\n"
+            "a.set_num_threads(1024)\n"
+            "tasks = lambda: len(os.listdir('/proc/self/task'))\n"
+            "before = tasks()\n"
+            "q = np.ones((1, 1, 1, 8), np.float32)\n"
+            "a.attention(q, q, q, backend='flash')\n"
+            "t = torch.ones(1, 1, 1, 8, requires_grad=True)\n"
+            "a.torch.scaled_dot_product_attention(t, t, t, backend='flash').sum().backward()\n"
+            "print(tasks() - before)\n"
+            "x = np.ones((1, 8, 1, 64), np.float32)\n"
+            "a.attention(x, x, x, backend='flash')\n"
+            "print(tasks() - before)\n")
+    one, eight = (int(n) for n in _threads_in_child(code))
+    assert one == 0
+    assert 0 <= eight <= 7
