@@ -279,5 +279,56 @@ TEST(ScoreRange, MasksOfF32sExtremeValues) {
   }
 }
 
+// Scores that overflow f32 from finite terms (scale 1e38 times q.k of 10, or an additive mask
+// of 3e38 on a score of 1e38) are held at FLT_MAX on the unfused backends, as flash holds its
+// own: the row's weight goes to them, where an infinity once gave math inf - inf = NaN in every
+// output. Keys' q.k: 10, 1, 2, -10 (scaled: 1e39 past f32, 1e38, 2e38, -1e39 held at -FLT_MAX,
+// weight 0). The f64 oracle gives the row to key 0, and with key 0 masked out to key 2; with
+// an additive 3e38 on key 1 (4e38, past f32) keys 0 and 1 share it where scores are held (the
+// oracle, in f64, gives it to key 0: distinct scores past the limit count as equal).
+TEST(ScoreRange, ScoresThatOverflowF32AreHeld) {
+  const std::int64_t lk = 4, d = 8;
+  const std::vector<double> dots = {10, 1, 2, -10};
+  std::vector<double> q(static_cast<std::size_t>(d)), k(static_cast<std::size_t>(lk * d));
+  std::vector<double> v(static_cast<std::size_t>(lk * d));
+  q[0] = 1.0;
+  for (std::int64_t j = 0; j < lk; ++j) {
+    k[static_cast<std::size_t>(j * d)] = dots[static_cast<std::size_t>(j)];
+    for (std::int64_t e = 0; e < d; ++e)
+      v[static_cast<std::size_t>(j * d + e)] = static_cast<double>(1 + j * d + e);
+  }
+  auto row = [&](std::int64_t j) {
+    return std::vector<double>(v.begin() + j * d, v.begin() + (j + 1) * d);
+  };
+  std::vector<double> shared(static_cast<std::size_t>(d));
+  for (std::int64_t e = 0; e < d; ++e) shared[e] = (row(0)[e] + row(1)[e]) / 2;
+  const Tensor tq = make_tensor(DType::f32, {1, 1, 1, d}, q);
+  const Tensor tk = make_tensor(DType::f32, {1, 1, lk, d}, k);
+  const Tensor tv = make_tensor(DType::f32, {1, 1, lk, d}, v);
+  const Tensor masked = make_tensor(DType::f32, {1, lk}, {-INFINITY, 0, 0, 0});
+  const Tensor raised = make_tensor(DType::f32, {1, lk}, {0, 3e38, 0, 0});
+  struct Case {
+    const char* name;
+    const Tensor* mask;
+    std::vector<double> want;
+  };
+  const Case cases[] = {{"no mask", nullptr, row(0)},
+                        {"key 0 masked", &masked, row(2)},
+                        {"key 1 raised by 3e38", &raised, shared}};
+  for (const Case& c : cases) {
+    Options o;
+    o.scale = 1e38;
+    if (c.mask != nullptr) o.mask = c.mask->view();
+    for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
+      if (backend == Backend::reference && c.mask == &raised) continue;  // (f64: no overflow)
+      const ForwardResult f = forward(tq, tk, tv, o, backend);
+      const std::string label = std::string(name_of(backend)) + ", " + c.name;
+      EXPECT_TRUE(all_close(read_view(f.out), c.want, 1e-6, label));
+      const double lse = read_view(f.lse)[0];
+      EXPECT_TRUE(std::isfinite(lse) || backend == Backend::reference) << label << ": " << lse;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace attncore::test

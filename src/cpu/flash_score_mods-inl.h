@@ -65,10 +65,10 @@ ATTNCORE_TARGET inline void apply_score_mods(const Params& p, std::int64_t b, st
     if (p.mask_kind == MaskKind::additive) {
       if (p.mask.dtype == DType::f32 && stride == 1) {
         const float* m = static_cast<const float*>(p.mask.data) + base;
-        for (std::int64_t c = 0; c < keys; ++c) s[c] += m[c];
+        for (std::int64_t c = 0; c < keys; ++c) add_bias(s[c], m[c]);
       } else {
         for (std::int64_t c = 0; c < keys; ++c) {
-          s[c] += load_element<float>(p.mask.data, p.mask.dtype, base + c * stride);
+          add_bias(s[c], load_element<float>(p.mask.data, p.mask.dtype, base + c * stride));
         }
       }
     } else {

@@ -216,15 +216,17 @@ ATTNCORE_TARGET inline Vec exp2v(Vec x) {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-// x * factor (scores into log2 units), a finite x's product held within +-FLT_MAX: scores past
-// FLT_MAX / log2 e, as an additive mask of f32's lowest value makes them, became infinities,
-// which softmax reads as keys masked out (a row masked with such values alone gave 0 and LSE
-// -inf, where torch averages its values). Infinite and NaN x give their products.
-ATTNCORE_TARGET inline float to_log2(float x, float factor) {
+// x * factor (scores times the scale, or into log2 units), a finite x's product held within
+// +-FLT_MAX: scores past FLT_MAX / log2 e, as an additive mask of f32's lowest value makes
+// them, became infinities, which softmax reads as keys masked out (a row masked with such
+// values alone gave 0 and LSE -inf, where torch averages its values), and a scale of 1e38
+// times q.k of 10 an infinity that a -inf mask made NaN. Infinite and NaN x give their
+// products. (The unfused backends hold theirs alike: policy/score_mod.h, held.)
+ATTNCORE_TARGET inline float held_product(float x, float factor) {
   const float y = x * factor;
   return std::isfinite(x) ? std::clamp(y, -FLT_MAX, FLT_MAX) : y;
 }
-ATTNCORE_TARGET inline Vec to_log2(Vec x, float factor) {
+ATTNCORE_TARGET inline Vec held_product(Vec x, float factor) {
   const Vec y = x * factor;
   const Vec held = y < -FLT_MAX ? splat(-FLT_MAX) : y > FLT_MAX ? splat(FLT_MAX) : y;
   return x - x == Vec{} ? held : y;  // (x - x: 0 where x is finite, NaN elsewhere)

@@ -236,7 +236,8 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
         float row_scale = score_scale;  // S * row_scale is the score of docs/design.md section 1.2
         if (scale_first) {
           if (row_scale != 1.0f) {
-            for (std::int64_t c = 0; c < cols; c += kLanes) store(s + c, load(s + c) * row_scale);
+            for (std::int64_t c = 0; c < cols; c += kLanes)
+              store(s + c, held_product(load(s + c), row_scale));
             row_scale = 1.0f;
           }
           if (has_mods) apply_score_mods(p, b, h, i, j0, keys, s);
@@ -261,7 +262,7 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
         Vec vmx = load(s);
         for (std::int64_t c = kLanes; c < cols; c += kLanes) vmx = vmax(load(s + c), vmx);
         SoftmaxState& state = wx.softmax[r];
-        const float new_max = state.next_max(to_log2(reduce_max(vmx), factor));
+        const float new_max = state.next_max(held_product(reduce_max(vmx), factor));
         if (new_max == -INFINITY) {  // nothing visible yet: P = 0, nothing to rescale
           for (std::int64_t c = 0; c < cols; ++c) s[c] = 0.0f;
           wx.alpha[r] = 1.0f;
@@ -278,11 +279,11 @@ ATTNCORE_TARGET void run_block_with(const Params& p, const ForwardArgs& a, const
         // to ulp(max) / 2 in its exponent) stays in its P. (Rounding from 2^22 on, as before,
         // put that error into rows of scores past ~2.9e6: scores 1e7 - j, j = 0..7, gave 0.623
         // for 0.579.)
-        // (Scores past +-FLT_MAX / factor held at +-FLT_MAX there, to_log2: such scores of one
+        // (Scores past +-FLT_MAX / factor held at +-FLT_MAX there, held_product: such scores of one
         // row share it equally, where f32 softmax gives it to the largest of them alone.)
         if (!(std::fabs(new_max) < 0x1p28f)) {
           for (std::int64_t c = 0; c < cols; c += kLanes)
-            store(s + c, to_log2(load(s + c), factor));
+            store(s + c, held_product(load(s + c), factor));
           factor = 1.0f;
         }
         const float alpha = state.alpha(new_max, exp2);

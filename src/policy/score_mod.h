@@ -10,7 +10,9 @@
 // inlined, they take the caller's ISA and leave no baseline copy.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <limits>
 
 #define ATTNCORE_POLICY_INLINE inline __attribute__((always_inline))
 
@@ -46,6 +48,23 @@ inline std::int64_t alibi_distance(std::int64_t i, std::int64_t j, std::int64_t 
 template <class T, class C>
 ATTNCORE_POLICY_INLINE void alibi(T& s, C slope, const T& distance) {
   s += -slope * distance;
+}
+
+// y, a score of finite terms, held within T's range where their product or sum overflowed:
+// +-max instead of an infinity, which a -inf mask would meet as NaN and its row's softmax as
+// inf - inf (scale 1e38 times q.k of 10 in f32). Such scores of one row share its weight
+// equally (README, "Known limits"). Scalars (float, double).
+template <class T>
+ATTNCORE_POLICY_INLINE T held(T y) {
+  return std::isinf(y) ? std::copysign(std::numeric_limits<T>::max(), y) : y;
+}
+
+// The additive bias's term: s += bias, held where both were finite (a -inf bias masks the key).
+template <class T>
+ATTNCORE_POLICY_INLINE void add_bias(T& s, T bias) {
+  const bool finite = std::isfinite(s) && std::isfinite(bias);
+  s += bias;
+  if (finite) s = held(s);
 }
 
 }  // namespace attncore::detail

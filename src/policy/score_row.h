@@ -18,8 +18,10 @@
 namespace attncore::detail {
 
 // s[j], j in [0, Lk): on entry <q_i, k_j>; on return the score of docs/design.md section 1
-// (scale, softcap, ALiBi, additive mask) or -inf where a mask hides key j. When `dcap` is not
-// null it receives d(score)/d(scale * q.k), the softcap derivative (0 where masked).
+// (scale, softcap, ALiBi, additive mask) or -inf where a mask hides key j; the scaled score of
+// a finite q.k, and its sum with a finite bias, held within T's range (policy/score_mod.h).
+// When `dcap` is not null it receives d(score)/d(scale * q.k), the softcap derivative (0
+// where masked).
 template <class T>
 void finish_scores(const Params& p, const CausalWindowMask& causal_window, std::int64_t b,
                    std::int64_t h, std::int64_t i, T* s, T* dcap) {
@@ -32,7 +34,10 @@ void finish_scores(const Params& p, const CausalWindowMask& causal_window, std::
     for (std::int64_t j = 0; j < p.seq.lk; ++j) dcap[j] = T(0);
   }
   if (p.softcap == 0.0 && !p.alibi && p.mask_kind == MaskKind::none) {
-    for (std::int64_t j = visible.begin; j < visible.end; ++j) s[j] *= scale;  // the common case
+    for (std::int64_t j = visible.begin; j < visible.end; ++j) {  // the common case
+      const T x = s[j] * scale;
+      s[j] = std::isfinite(s[j]) ? held(x) : x;
+    }
     if (dcap) {
       for (std::int64_t j = visible.begin; j < visible.end; ++j) dcap[j] = T(1);
     }
@@ -45,6 +50,7 @@ void finish_scores(const Params& p, const CausalWindowMask& causal_window, std::
   const std::int64_t mask_row = p.mask_kind == MaskKind::none ? 0 : offset4(p.mask, b, h, i, 0);
   for (std::int64_t j = visible.begin; j < visible.end; ++j) {
     T x = scale * s[j];
+    if (std::isfinite(s[j])) x = held(x);
     if (cap != T(0) && cap != std::numeric_limits<T>::infinity()) {  // see flash's apply_softcap
       softcap(x, cap, inv_cap, [](T& y) { y = std::tanh(y); });
       if (dcap) softcap_derivative(x, inv_cap, dcap[j]);
@@ -55,7 +61,7 @@ void finish_scores(const Params& p, const CausalWindowMask& causal_window, std::
     if (p.mask_kind != MaskKind::none) {
       const T m = load_element<T>(p.mask.data, p.mask.dtype, mask_row + j * p.mask.stride[3]);
       if (p.mask_kind == MaskKind::additive) {
-        x += m;
+        add_bias(x, m);
       } else if (m == T(0)) {
         x = kNegInf;
       }
