@@ -150,6 +150,14 @@ std::FILE* open_output(const char* flag, const std::string& file, const char* mo
   return f;
 }
 
+// Closes `file`, written through f: a write that failed (a full disk) or a close that did is
+// the command's failure (its file incomplete), not a silent exit 0.
+void close_output(const char* flag, const std::string& file, std::FILE* f) {
+  const bool failed = std::ferror(f) != 0;
+  const int error = errno;
+  if (std::fclose(f) != 0 || failed) throw cannot_write(flag, file, failed ? error : errno);
+}
+
 // Refuses, before anything is measured, an output file the command could not write at its end.
 void check_outputs(const BenchSweep& s) {
   const std::pair<const char*, const std::string*> outputs[] = {
@@ -175,7 +183,7 @@ void write_csv(const BenchConfig& bc, const std::vector<BenchRow>& rows, int thr
                  r.pass, threads, r.seconds, r.gflops, peak > 0 ? 100 * r.gflops / peak : 0.0,
                  r.speedup);
   }
-  std::fclose(f);
+  close_output("--csv", bc.sweep.csv, f);
 }
 
 void write_json(const BenchConfig& bc, const std::vector<BenchRow>& rows, int threads,
@@ -462,7 +470,7 @@ void write_json_object(const std::string& file, const JsonObject& j) {
   if (file == "-") return print_json_object(j);
   std::FILE* f = open_output("--json", file, "w");
   std::fprintf(f, "%s\n", j.str().c_str());
-  std::fclose(f);
+  close_output("--json", file, f);
 }
 
 int cmd_bench(const std::vector<std::string>& args) {

@@ -11,6 +11,7 @@
 #include "commands.h"
 #include "constants.h"
 #include "flags.h"
+#include "inputs.h"
 #include "json.h"
 #include "run_config.h"
 
@@ -40,10 +41,12 @@ int cmd_explain(const std::vector<std::string>& args) {
   }
   attncore::set_simd_target(c.simd);
   // The views point at one element of the widest dtype (so aligned for every dtype): explain
-  // validates shapes and strides and reads no data.
+  // validates shapes and strides and reads none of their data, but the ALiBi slopes it reads
+  // (a view of that one element gave it Hq floats past it).
   static double no_data;
   const CallViews w = c.views(&no_data);
-  const attncore::Options options = c.options(w.alibi, w.mask);
+  const attncore::Tensor slopes = alibi_slopes(c);
+  const attncore::Options options = c.options(slopes, w.mask);
   std::optional<attncore::BackendScope> only;  // --backend B: B alone is considered
   if (c.backend != Backend::automatic) only.emplace(std::vector<Backend>{c.backend});
   const attncore::Explanation e =

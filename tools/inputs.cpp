@@ -187,6 +187,18 @@ Tensor allocate_like(const TensorView& t) {
   return t.rank > 0 ? Tensor(t.dtype, t.shape.data(), t.rank) : Tensor();
 }
 
+Tensor alibi_slopes(const RunConfig& c) {
+  Tensor slopes = allocate_like(c.views(nullptr).alibi);
+  if (c.alibi) {
+    // The ALiBi paper's slopes: a geometric sequence starting at 2^(-8/Hq).
+    for (std::int64_t h = 0; h < c.heads_q; ++h) {
+      store(slopes, h,
+            std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(c.heads_q)));
+    }
+  }
+  return slopes;
+}
+
 PreparedCall check_call(const RunConfig& c, const char* op) {
   // Dense [B, H, L, D] or packed [total, H, D] (RunConfig::views).
   const CallViews shapes = c.views(nullptr);
@@ -203,14 +215,7 @@ PreparedCall check_call(const RunConfig& c, const char* op) {
                  bytes);
   PreparedCall p;
   p.cfg = c;
-  p.alibi = allocate_like(shapes.alibi);
-  if (c.alibi) {
-    // The ALiBi paper's slopes: a geometric sequence starting at 2^(-8/Hq).
-    for (std::int64_t h = 0; h < c.heads_q; ++h) {
-      store(p.alibi, h,
-            std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(c.heads_q)));
-    }
-  }
+  p.alibi = alibi_slopes(c);
   if (c.is_varlen()) {
     p.cu_seqlens_q = offsets(c.varlen);
     p.cu_seqlens_k = offsets(c.varlen_k);

@@ -106,6 +106,10 @@ struct PreparedCall {
 // those arrays only.
 PreparedCall check_call(const RunConfig& c, const char* op);
 
+// The call's ALiBi slopes (f32 [Hq] with --alibi, else no tensor), which the library reads when
+// it validates the call.
+attncore::Tensor alibi_slopes(const RunConfig& c);
+
 // check_call, then the rest of the call: its inputs, mask and page pools.
 PreparedCall prepare_call(const RunConfig& c, const char* op);
 

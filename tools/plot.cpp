@@ -204,7 +204,8 @@ bool Image::write_png(const std::string& path) const {
   chunk(png, "IEND", {});
   std::ofstream file(path, std::ios::binary);
   file.write(reinterpret_cast<const char*>(png.data()), static_cast<std::streamsize>(png.size()));
-  return static_cast<bool>(file);
+  file.close();  // (a full disk may show only as the buffer is written)
+  return !file.fail();
 }
 
 std::string format_number(double v) {
