@@ -265,7 +265,17 @@ def alibi_array(lib, op, slopes):
     if is_slope_list(slopes):
         array = _arrays.NUMPY.asarray(slopes, op, "alibi_slopes")
         if array.dtype.kind in "iuf":
-            array = array.astype(np.float32)
+            with np.errstate(over="ignore"):
+                narrowed = array.astype(np.float32)
+            # A finite number past float32's range, named as given (not as its cast, inf).
+            past = np.flatnonzero(np.isfinite(array) & ~np.isfinite(narrowed))
+            if past.size:
+                at = np.unravel_index(int(past[0]), array.shape)
+                name = "alibi_slopes" + "".join(f"[{int(n)}]" for n in at)
+                raise ValueError(f"{op}: alibi_slopes holds a slope past float32's range "
+                                 f"({name}={array[at].item()!r}, expected |slope| <= "
+                                 f"{float(np.finfo(np.float32).max):.8g})")
+            array = narrowed
         return lib.asarray(array, op, "alibi_slopes")
     return lib.asarray(slopes, op, "alibi_slopes")
 

@@ -129,6 +129,12 @@ _COUNT_PIECE = 1 << 23
 def _row_counts(mask):
     """The True elements of each row of a bool [B, L] mask, int64 [B], counted in pieces."""
     batch, seqlen = mask.shape
+    # A broadcast dim (stride 0) is counted once: rows alike, or each row's columns alike (a
+    # mask expanded to 2^30 elements took 8 s to count).
+    if batch > 1 and mask.stride(0) == 0:
+        return _row_counts(mask[:1]).expand(batch).clone()
+    if seqlen > 1 and mask.stride(1) == 0:
+        return mask[:, 0].to(torch.int64) * seqlen
     counts = torch.zeros(batch, dtype=torch.int64, device=mask.device)
     columns = max(1, min(seqlen, _COUNT_PIECE))
     rows = max(1, _COUNT_PIECE // columns)

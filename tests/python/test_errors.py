@@ -4,6 +4,7 @@ and unsupported combinations NotImplementedError, all in the library's message f
 interpreter."""
 
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -152,6 +153,10 @@ INVALID = {
                     r"alibi_slopes has shape \[3\], expected \[4\] or \[2, 4\]"),
     "alibi-dtype": (lambda: FLASH(fq, fk, fk, alibi_slopes=bhld(4, dtype=np.float64)),
                     r"alibi_slopes has the wrong dtype \(dtype=f64, expected f32"),
+    # A listed slope past float32's range, named as given (not as its cast, inf).
+    "alibi-list-past-f32": (lambda: FLASH(fq, fk, fk, alibi_slopes=[1.0, 1e300, 1.0, 1.0]),
+                            r"alibi_slopes holds a slope past float32's range "
+                            r"\(alibi_slopes\[1\]=1e\+300, expected \|slope\| <= 3.4028235e\+38\)"),
     # attncore's own API
     "causal-name": (lambda: attncore.attention(q, k, v, causal="diagonal"), r"causal is invalid"),
     "layout": (lambda: attncore.attention(q, k, v, layout="bshd"), r"layout is invalid"),
@@ -183,6 +188,15 @@ def test_invalid_arguments_raise_value_error(case):
     with pytest.raises(ValueError, match=message) as error:
         call()
     assert type(error.value) is ValueError and FORM.match(str(error.value)), str(error.value)
+
+
+def test_slopes_past_float32_are_refused_without_a_warning():
+    """numpy's cast of 1e300 to float32 warns of an overflow and gives inf; the slope is
+    checked first, and named as given."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match=r"\(alibi_slopes\[0\]\[1\]=-1e\+39, expected"):
+            FLASH(fq, fk, fk, alibi_slopes=[[1.0, -1e39, 1.0, 1.0]])
 
 
 def _enter(context):

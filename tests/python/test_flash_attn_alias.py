@@ -325,3 +325,17 @@ def test_softcap_at_or_below_zero_is_off():
     assert torch.equal(
         fa.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, softcap=-2.0),
         fa.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens))
+
+
+def test_unpad_input_counts_broadcast_masks_once():
+    """A mask broadcast over the batch or along each row (stride 0) is counted once per
+    distinct element (a mask expanded to 2^30 elements took 8 s to count before the refusal of
+    its outputs): the same results as from the mask made contiguous."""
+    from attncore.bert_padding import unpad_input
+    hidden = torch.randn(3, 5, 2)
+    row = torch.tensor([[True, True, False, True, False]])
+    column = torch.tensor([[True], [False], [True]])
+    for mask in (row.expand(3, 5), column.expand(3, 5)):
+        assert mask.stride().count(0) == 1
+        for got, want in zip(unpad_input(hidden, mask), unpad_input(hidden, mask.contiguous())):
+            assert (got == want) if isinstance(want, int) else torch.equal(got, want)
