@@ -196,8 +196,9 @@ def _checked_tensor(x, op, name):
                                   "expected cpu); attncore has CPU backends only")
     if getattr(x, "is_nested", False):
         raise NotImplementedError(f"{op}: {name} is a nested tensor (is_nested=True, expected a "
-                                  "dense tensor); scaled_dot_product_attention takes nested "
-                                  "query, key and value")
+                                  "dense tensor); the function "
+                                  "attncore.torch.scaled_dot_product_attention takes nested "
+                                  "query, key and value, all three")
     if x.is_quantized:
         raise ValueError(f"{op}: {name} is a quantized tensor (dtype="
                          f"{str(x.dtype).removeprefix('torch.')}, expected float32, float64, "

@@ -42,6 +42,8 @@ def _check_heads(op, query, key, value):
     [Hkv, *, Ev]."""
     (heads_q, _, dim), key_shape, value_shape = (list(x[0].shape) for x in (query, key, value))
     heads = key_shape[0]
+    if heads_q == 0:  # (as the library names it for dense calls)
+        raise ValueError(f"{op}: query has no heads (Hq=0, expected Hq >= 1)")
     if key_shape[2] != dim or heads == 0 or heads_q % heads:
         raise ValueError(f"{op}: key has components of shape {key_shape}, expected [Hkv, *, "
                          f"{dim}] ([B, Hkv, *, E] nested) with Hq % Hkv == 0 (Hq={heads_q}, "
