@@ -16,7 +16,7 @@ import typing
 
 import numpy as np
 
-from . import _arrays, _core, _random
+from . import _arrays, _copies, _core, _random
 from ._rank4 import (INT32_MAX, Call, DenseKernel, alibi_array, backward4, bool_option,
                      core_or_none, forward4, int_option, lse_dtype, pair, real_option,
                      scale_option, times)
@@ -78,7 +78,7 @@ class _Form:
 
     An input the library cannot read in place (its last stride is not 1, or its batch dims do
     not fold into one) is copied only after the call's checks: until then the form holds a
-    stand-in (late: _arrays.LateCopies)."""
+    stand-in (late: _copies.LateCopies)."""
 
     def __init__(self, lib, op, layout, query, key, value):
         if not isinstance(layout, str):
@@ -88,7 +88,7 @@ class _Form:
             raise ValueError(f"{op}: layout is invalid (layout={layout!r}, expected 'bhld' "
                              "([..., H, L, D]) or 'blhd' ([..., L, H, D]))")
         self.lib, self.op, self.layout = lib, op, layout
-        self.late = _arrays.LateCopies(op)
+        self.late = _copies.LateCopies(op)
         # (L, D) in layout bhld: one sequence, one head; unbatched when all three are (the
         # result then has no batch or head dim; else it has the batch dims they broadcast to).
         self.caller_ranks = (query.ndim, key.ndim, value.ndim)
@@ -372,7 +372,7 @@ def _adopt_sources(op, sources, forward=True):
         _arrays.refuse_lost_gradients(lib, op, rest)
     arrays = (first,) + tuple(lib.asarray(s, op, name) for name, s in rest)
     names = (first_name,) + tuple(name for name, _ in rest)
-    late = _arrays.LateCopies(op)
+    late = _copies.LateCopies(op)
     return lib, give_back, late, tuple(late.unit_last_stride(lib, s, name)
                                        for name, s in zip(names, arrays))
 
@@ -401,7 +401,7 @@ def dense_packed(op, sources, split, *, alibi_slopes, extra_outputs=None, **opti
         _core.explain_forward(*(lib.to_core(x) for x in split(*sources)), None,
                               core_or_none(lib, alibi), call.checked_options())
     if extra_outputs is not None:  # (stand-ins have the shapes and dtypes of their copies)
-        _arrays.check_new_arrays(op, *extra_outputs(lib, split(*sources), None))
+        _copies.check_new_arrays(op, *extra_outputs(lib, split(*sources), None))
     sources = tuple(late.real(s) for s in sources)
     q4, k4, _ = views = split(*sources)
     batch, heads_q, seqlen_q, _ = q4.shape
@@ -430,7 +430,7 @@ def varlen_packed(op, sources, split, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
                                      core_or_none(lib, alibi), call.checked_options(),
                                      block_table=seqs.block_table)
     if extra_outputs is not None:  # (stand-ins have the shapes and dtypes of their copies)
-        _arrays.check_new_arrays(op, *extra_outputs(lib, split(*sources), seqs))
+        _copies.check_new_arrays(op, *extra_outputs(lib, split(*sources), seqs))
     sources = tuple(late.real(s) for s in sources)
     q, _, _ = views = split(*sources)
     heads_q = q.shape[1] if q.ndim == 3 else 0

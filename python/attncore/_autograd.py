@@ -13,7 +13,7 @@ import functools
 
 import torch as _torch
 
-from . import _arrays
+from . import _arrays, _copies
 from ._rank4 import Call, backward4, forward4
 
 
@@ -132,7 +132,7 @@ class PackedAttentionFunction(_torch.autograd.Function):
         *sources, out, lse = ctx.saved_tensors
         lib = _arrays.TORCH
         specs = [(tuple(s.shape), lib.dtype_name(s)) for s in sources]
-        _arrays.check_new_arrays("backward", *specs)  # (a broadcast source: a large gradient)
+        _copies.check_new_arrays("backward", *specs)  # (a broadcast source: a large gradient)
         grads = [_arrays.empty_in_order_of(lib, s, *spec) for s, spec in zip(sources, specs)]
         dout = checked_dout(lib, dout)
         ctx.kernel.backward_into(lib, dout, *ctx.split(*sources), out, lse, *ctx.split(*grads))

@@ -9,7 +9,7 @@ import numbers
 
 import numpy as np
 
-from . import _arrays, _core, _nested
+from . import _arrays, _copies, _core, _nested
 from ._attention import attention, dense_packed, explain, separate, varlen_packed
 from ._rank4 import (Call, DenseKernel, bool_option, check_blhd, check_sdpa_mask, forward4,
                      real_option, sdpa_enable_gqa, sdpa_kv_heads, sdpa_query_heads)
@@ -211,7 +211,7 @@ def _keep_mask(op, lib, call, batch, heads, seqlen_q, seqlen_k):
     makes out[b, h, i, j] = keep_ij / (Lk (1 - p)), exactly 0 where dropped."""
     if seqlen_k == 0:
         return lib.zeros((batch, heads, seqlen_q, 0), "bool")
-    _arrays.check_new_arrays(op, ((seqlen_k, seqlen_k), "float32"))
+    _copies.check_new_arrays(op, ((seqlen_k, seqlen_k), "float32"))
     zero = lib.zeros((1, 1, 1, 1), "float32")
     q = lib.broadcast_to(zero, (batch, heads, seqlen_q, 1))
     k = lib.broadcast_to(zero, (batch, heads, seqlen_k, 1))
@@ -231,7 +231,7 @@ def _probs_dense(r):
     dtype = lib.dtype_name(q4)
     if seqlen_k == 0:
         return lib.zeros((batch, heads_q, seqlen_q, 0), dtype)
-    _arrays.check_new_arrays(r.op, ((seqlen_k, seqlen_k), dtype),
+    _copies.check_new_arrays(r.op, ((seqlen_k, seqlen_k), dtype),
                              ((batch, heads_q, seqlen_q, seqlen_k), dtype))
     v = lib.broadcast_to(_eye(lib, seqlen_k, dtype), (batch, heads_kv, seqlen_k, seqlen_k))
     kernel = DenseKernel(r.kernel.alibi, _without_dropout(r.kernel.call))
@@ -246,7 +246,7 @@ def _probs_varlen(r):
     cu_q, cu_k, used = seqs.lengths()
     batch, heads_q, heads_kv = len(cu_q) - 1, q.shape[1], k.shape[1]
     dtype = lib.dtype_name(q)
-    _arrays.check_new_arrays(r.op,
+    _copies.check_new_arrays(r.op,
                              ((batch, heads_q, seqs.max_seqlen_q, seqs.max_seqlen_k), dtype),
                              ((k.shape[0], 1, seqs.max_seqlen_k), dtype))
     probs = lib.zeros((batch, heads_q, seqs.max_seqlen_q, seqs.max_seqlen_k), dtype)

@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from . import _arrays, _core, _writes
+from . import _arrays, _copies, _core, _writes
 from ._attention import _resolve_call
 from ._merge import refuse_grad
 from ._rank4 import (INT32_MAX, alibi_array, bool_option, check_blhd, int_option,
@@ -112,7 +112,7 @@ def _float32(lib, x, op, name):
                          "dtype: rotary tables are taken as float32)")
     if dtype == "float32":
         return x
-    _arrays.check_copy(op, name, tuple(x.shape), "float32", "pass it as float32")
+    _copies.check_copy(op, name, tuple(x.shape), "float32", "pass it as float32")
     return x.detach().float() if lib.is_torch else x.astype(np.float32)
 
 
@@ -220,8 +220,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                              "v_cache's Dv)")
     lib, q_arr, give_back = adopted("q", q)
     # Inputs the library cannot read in place are copied after its checks (check_forward_kvcache,
-    # on stand-ins: _arrays.LateCopies); an append's caches are written in place, never copied.
-    late = _arrays.LateCopies(op)
+    # on stand-ins: _copies.LateCopies); an append's caches are written in place, never copied.
+    late = _copies.LateCopies(op)
     if appending:
         k_lib, kc = _writable_cache(op, "k_cache", k_cache)
         v_lib, vc = _writable_cache(op, "v_cache", v_cache)
@@ -241,7 +241,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     dtype = lib.dtype_name(q_arr)
     # The outputs first: a batch of broadcast inputs can be too large for them, and index
     # arrays broadcast over it are copied below (B entries each).
-    _arrays.check_new_arrays(op, ((batch, seqlen_q, heads_q, dim_v), dtype),
+    _copies.check_new_arrays(op, ((batch, seqlen_q, heads_q, dim_v), dtype),
                              ((batch, heads_q, seqlen_q), lse_dtype(dtype)))
     table = index_array(op, "block_table", block_table)
     if paged and len(table.shape) == 2:
@@ -260,7 +260,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                              f"expected 0 <= cache_seqlens <= capacity={capacity})")
         # (B int32 entries: a broadcast batch of empty outputs, Lq = 0, passes the outputs'
         # check above however large it is.)
-        _arrays.check_copy(op, "cache_seqlens", (batch,), "int32",
+        _copies.check_copy(op, "cache_seqlens", (batch,), "int32",
                            "pass cache_seqlens as an int32 array of B entries, or a smaller batch")
         seqlens = np.full((batch,), length, np.int32)
     elif isinstance(cache_seqlens, (float, bool, np.floating, np.bool_)):

@@ -6,7 +6,7 @@ Below the drop-ins: it only needs _arrays and _core.
 
 import sys
 
-from . import _arrays, _core
+from . import _arrays, _copies, _core
 from ._rank4 import INT32_MAX, int_option, lse_dtype
 
 
@@ -59,7 +59,7 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, *, num_threads=0):
                              "; 0 = default")
     shape = tuple(a.shape)
     dtype = lib.dtype_name(a)
-    _arrays.check_new_arrays(op, (shape, dtype), (shape[:-1], lse_dtype(dtype)))
+    _copies.check_new_arrays(op, (shape, dtype), (shape[:-1], lse_dtype(dtype)))
     out = _arrays.empty_in_order_of(lib, a, shape, dtype) if shape else lib.empty(shape, dtype)
     lse_shape = shape[:-1]
     lse_strides = (tuple(lse_lib.strides(la)) if tuple(la.shape) == lse_shape

@@ -11,7 +11,7 @@ import typing
 
 import numpy as np
 
-from . import _arrays, _core, _writes
+from . import _arrays, _copies, _core, _writes
 from ._merge import refuse_grad
 from ._rank4 import INT32_MAX, int_option
 
@@ -94,7 +94,7 @@ def _positions(op, x, reserved=None):
         raise ValueError(f"{op}: input_pos is out of range (input_pos[{i}]={array[i]}, expected "
                          "int32 positions)")
     if array.dtype != np.int32 or not array.flags.c_contiguous:
-        _arrays.check_copy(op, "input_pos", array.shape, "int32", "pass int32 positions")
+        _copies.check_copy(op, "input_pos", array.shape, "int32", "pass int32 positions")
     return np.ascontiguousarray(array, dtype=np.int32)
 
 

@@ -8,7 +8,7 @@ import operator
 
 import torch as _torch
 
-from . import _arrays, _writes
+from . import _arrays, _copies, _writes
 from ._kvcache import flash_attn_with_kvcache
 from ._merge import refuse_grad
 from ._paged import _index
@@ -146,7 +146,7 @@ class PagedAttention:
                              f"page_size={self.page_size}, expected n_pages * page_size <= "
                              f"{INT32_MAX}: positions are int32)")
         # page_table and physical_to_logical (int64), and the free list (a list of ints)
-        _arrays.check_new_arrays(op, ((max_batch_size, self.n_pages), "int64"),
+        _copies.check_new_arrays(op, ((max_batch_size, self.n_pages), "int64"),
                                  ((max_batch_size, self.n_pages), "int64"),
                                  ((self.n_pages, 4), "int64"))
         self.page_table = -_torch.ones((max_batch_size, self.n_pages), dtype=_torch.int64)
@@ -409,7 +409,7 @@ class PagedAttention:
         # Each query row's sequence gets its row of the page table (B x n_pages entries, int64
         # until narrowed): refused before anything of B entries is made, since a broadcast
         # query of empty rows (Lq = 0) has empty outputs however large B is.
-        _arrays.check_copy(op, "page_table[batch_idx]", (batch, self.n_pages), "int64",
+        _copies.check_copy(op, "page_table[batch_idx]", (batch, self.n_pages), "int64",
                            "attend fewer query rows at once")
         sequences = self.page_table.shape[0]
         if batch_idx is None:

@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _arrays, _core
+from . import _arrays, _copies, _core
 
 INT32_MAX = 2 ** 31 - 1
 INT64_MAX = 2 ** 63 - 1
@@ -113,7 +113,7 @@ def sdpa_kv_heads(op, query, key, value, enable_gqa, check):
     counts that each divide the query's (its math path repeats both to the query's heads): here
     each is repeated head by head to their least common multiple, which the query's heads
     divide, so every query head meets the key and value heads it meets in torch; only what has
-    fewer heads than that multiple is copied (as its distinct elements: _arrays.repeat_heads).
+    fewer heads than that multiple is copied (as its distinct elements: _copies.repeat_heads).
     Heads that do not divide the query's: ValueError. Before any copy, check(key, value) runs
     the call's checks on stand-ins of the repeated ones (no memory of their size): a call
     refused for any reason copies nothing. Else (key, value), whose shapes the library
@@ -136,7 +136,7 @@ def sdpa_kv_heads(op, query, key, value, enable_gqa, check):
           for x, name, heads in ((key, "key", heads_k), (value, "value", heads_v))]
     check(*(lib.standin(x, tuple(x.shape[:-3]) + (common,) + tuple(x.shape[-2:]))
             if heads != common else x for (lib, x, _), _, heads in kv))
-    return tuple(_arrays.repeat_heads(lib, x, common // heads, op, name,
+    return tuple(_copies.repeat_heads(lib, x, common // heads, op, name,
                                       "pass key and value with one head count")
                  if heads != common else x for (lib, x, _), name, heads in kv)
 
@@ -295,7 +295,7 @@ def forward4(lib, q4, k4, v4, mask4, alibi, call, out_dtype=None):
     k4 [B, Hkv, Lk, D], v4 [B, Hkv, Lk, Dv], mask4 [B|1, Hq|1, Lq|1, Lk|1]."""
     batch, heads_q, seqlen_q, _ = q4.shape
     dtype = lib.dtype_name(q4)
-    _arrays.check_new_arrays("forward",
+    _copies.check_new_arrays("forward",
                              ((batch, heads_q, seqlen_q, v4.shape[-1]), out_dtype or dtype),
                              ((batch, heads_q, seqlen_q), lse_dtype(dtype)))
     out = _arrays.empty_in_order_of(lib, q4, (batch, heads_q, seqlen_q, v4.shape[-1]),
@@ -311,7 +311,7 @@ def backward4(lib, dout4, q4, k4, v4, out4, lse3, mask4, alibi, call, want_dbias
     """dq, dk, dv (shaped and laid out like q4, k4, v4) and dbias (mask4's shape, or None) of
     forward4's call; dout4 and out4 [B, Hq, Lq, Dv], lse3 [B, Hq, Lq]."""
     dtype = lib.dtype_name(q4)
-    _arrays.check_new_arrays("backward", *((tuple(x.shape), dtype) for x in (q4, k4, v4)),
+    _copies.check_new_arrays("backward", *((tuple(x.shape), dtype) for x in (q4, k4, v4)),
                              *([(tuple(mask4.shape), lib.dtype_name(mask4))] if want_dbias else []))
     dq, dk, dv = (_arrays.empty_in_order_of(lib, x, tuple(x.shape), dtype)
                   for x in (q4, k4, v4))
@@ -336,7 +336,7 @@ def times(x, factor, op, name="query"):
     if factor == 1:
         return x
     lib = _arrays.NUMPY if isinstance(x, np.ndarray) else _arrays.TORCH
-    _arrays.check_copy(op, name, tuple(x.shape), lib.dtype_name(x), "a scale <= 0 is applied "
+    _copies.check_copy(op, name, tuple(x.shape), lib.dtype_name(x), "a scale <= 0 is applied "
                        "as the query times its sign: pass a positive scale, or the query "
                        "scaled by it")
     return x * factor

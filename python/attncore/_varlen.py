@@ -18,7 +18,7 @@ import typing
 
 import numpy as np
 
-from . import _arrays, _core
+from . import _arrays, _copies, _core
 from ._rank4 import core_or_none, int_option, lse_dtype, times
 
 
@@ -182,7 +182,7 @@ class VarlenKernel:
         total_q, heads_q = q_dims[:2] if q_dims else (0, 0)
         dim_v = v_dims[-1] if v_dims else 0
         dtype = lib.dtype_name(q)
-        _arrays.check_new_arrays("forward", ((total_q, heads_q, dim_v), dtype),
+        _copies.check_new_arrays("forward", ((total_q, heads_q, dim_v), dtype),
                                  ((heads_q, total_q), lse_dtype(dtype)))
         out = (_arrays.empty_in_order_of(lib, q, (total_q, heads_q, dim_v), dtype) if q_dims
                else lib.empty((0, 0, 0), dtype))
@@ -197,7 +197,7 @@ class VarlenKernel:
     def backward(self, lib, dout, q, k, v, out, lse):
         """(dq, dk, dv), shaped and laid out like q, k, v."""
         dtype = lib.dtype_name(q)
-        _arrays.check_new_arrays("backward", *((tuple(x.shape), dtype) for x in (q, k, v)))
+        _copies.check_new_arrays("backward", *((tuple(x.shape), dtype) for x in (q, k, v)))
         grads = [_arrays.empty_in_order_of(lib, x, tuple(x.shape), dtype) if _dims(x, 3)
                  else lib.empty((0, 0, 0), dtype) for x in (q, k, v)]
         self.backward_into(lib, dout, q, k, v, out, lse, *grads)

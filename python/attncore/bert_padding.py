@@ -18,7 +18,7 @@ non-negative ints; new tensors past the memory this process may use raise Memory
 
 import torch
 
-from . import _arrays
+from . import _copies
 from ._rank4 import INT32_MAX, int_option
 
 
@@ -75,7 +75,7 @@ def _indices(op, indices, values, values_name, rows, rows_text, distinct=False):
                          f"{values.shape[0]}: one per row of {values_name})")
     # (Their int64 copy, and the copies torch's min, max and unique make of a broadcast one,
     # refused first where they would not fit: MemoryError in attncore's form.)
-    _arrays.check_copy(op, "indices", (indices.shape[0],), "int64", "pass fewer indices")
+    _copies.check_copy(op, "indices", (indices.shape[0],), "int64", "pass fewer indices")
     indices = indices.long()
     if indices.numel():
         low, high = int(indices.min()), int(indices.max())
@@ -97,7 +97,7 @@ def index_first_axis(input, indices):
     input = _tensor(op, "input", input, 1, "[N, ...]")
     indices = _indices(op, indices, None, "input", input.shape[0], "N")
     _on_device_of(op, "indices", indices, input, "input")
-    _arrays.check_new_arrays(op, ((indices.shape[0],) + tuple(input.shape[1:]),
+    _copies.check_new_arrays(op, ((indices.shape[0],) + tuple(input.shape[1:]),
                                   _dtype_name(input)))
     return input.index_select(0, indices)
 
@@ -107,7 +107,7 @@ def _put_rows(op, values, values_name, indices, rows, rows_text):
     [n, ...]; errors name `op`, values as values_name and rows as rows_text."""
     values = _tensor(op, values_name, values, 1, "[total, ...]")
     shape = (rows,) + tuple(values.shape[1:])
-    _arrays.check_new_arrays(op, (shape, _dtype_name(values)))
+    _copies.check_new_arrays(op, (shape, _dtype_name(values)))
     indices = _indices(op, indices, values, values_name, rows, rows_text, distinct=True)
     _on_device_of(op, "indices", indices, values, values_name)
     return values.new_zeros(shape).index_copy(0, indices, values)
@@ -175,7 +175,7 @@ def unpad_input(hidden_states, attention_mask, unused_mask=None):
     hidden_states = _tensor(op, "hidden_states", hidden_states, 2, "[B, L, ...]")
     batch, seqlen = hidden_states.shape[:2]
     # The masks as bool, their union, and (with unused_mask) two byte copies for its check.
-    _arrays.check_new_arrays(op, *[((batch, seqlen), "bool")] * (5 if unused_mask is not None
+    _copies.check_new_arrays(op, *[((batch, seqlen), "bool")] * (5 if unused_mask is not None
                                                                  else 2))
     used = _mask(op, "attention_mask", attention_mask, hidden_states)
     kept = used
@@ -192,7 +192,7 @@ def unpad_input(hidden_states, attention_mask, unused_mask=None):
     cu_seqlens = torch.zeros(batch + 1, dtype=torch.int32, device=lengths.device)
     cu_seqlens[1:] = starts.to(torch.int32)
     max_seqlen = int(lengths.max().item()) if lengths.numel() else 0
-    _arrays.check_new_arrays(op, ((total,), "int64"),
+    _copies.check_new_arrays(op, ((total,), "int64"),
                              ((total,) + tuple(hidden_states.shape[2:]),
                               _dtype_name(hidden_states)))
     indices = torch.nonzero(kept.flatten()).flatten()

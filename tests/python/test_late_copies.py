@@ -1,6 +1,6 @@
 """Inputs the library cannot read in place (a last stride other than 1, batch dims that fold
 into one only in a copy) are copied only after the call's checks, which read stand-ins of them
-(_arrays.LateCopies): invalid calls are refused before any such copy, valid ones give the
+(_copies.LateCopies): invalid calls are refused before any such copy, valid ones give the
 results of contiguous inputs."""
 
 import re
@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 import attncore
-from attncore import _arrays
+from attncore import _copies
 
 
 def _peak_bytes(fn):
@@ -281,7 +281,7 @@ def test_merge_and_assign_read_any_strides_without_a_copy(monkeypatch):
     lse_a, lse_b = lse[..., 0].swapaxes(1, 2), lse[..., 1].swapaxes(1, 2)  # [2, 3, 4]
     want = attncore.merge_attention_states(*(np.ascontiguousarray(x)
                                              for x in (out_a, lse_a, out_b, lse_b)))
-    monkeypatch.setattr(_arrays, "check_copy", refuse_copy)
+    monkeypatch.setattr(_copies, "check_copy", refuse_copy)
     got = attncore.merge_attention_states(out_a, lse_a, out_b, lse_b)
     t_wide, t_lse = torch.from_numpy(wide), torch.from_numpy(lse)
     t_got = attncore.merge_attention_states(t_wide[..., ::2], t_lse[..., 0].transpose(1, 2),
@@ -296,7 +296,7 @@ def test_merge_and_assign_read_any_strides_without_a_copy(monkeypatch):
         cache.reserve(b, 3)
     cache.assign(0, np.array([2, 0, 1], np.int32), np.ascontiguousarray(rows[..., ::2]),
                  np.ascontiguousarray(rows[..., 1::2]))
-    monkeypatch.setattr(_arrays, "check_copy", refuse_copy)
+    monkeypatch.setattr(_copies, "check_copy", refuse_copy)
     cache.assign(1, np.array([2, 0, 1], np.int32), rows[..., ::2], rows[..., 1::2])
     monkeypatch.undo()
     k_pages, v_pages = (np.asarray(x) for x in (cache.k_cache, cache.v_cache))
@@ -318,8 +318,8 @@ def test_paged_varlen_pools_are_copied_once_after_the_checks(monkeypatch):
     assert isinstance(raised, ValueError) and "wrong dtype" in str(raised), raised
     assert peak < 8 << 20, peak
     copies = []
-    compact_copy = _arrays.compact_copy
-    monkeypatch.setattr(_arrays, "compact_copy",
+    compact_copy = _copies.compact_copy
+    monkeypatch.setattr(_copies, "compact_copy",
                         lambda lib, x, *args, **kwargs: copies.append(x.shape) or compact_copy(
                             lib, x, *args, **kwargs))
     attncore.flash_attn_varlen_func(np.zeros((5, 8, 64), np.float32), big, big, cu_q, cu_k, 3, 8,

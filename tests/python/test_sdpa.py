@@ -147,7 +147,7 @@ def test_gqa_heads_are_repeated_only_after_the_calls_checks(monkeypatch):
     passed every check: a call refused for its dropout, scale, backend or mask copies nothing."""
     def no_copy(*args):
         raise AssertionError("the heads were repeated before the call's checks")
-    monkeypatch.setattr(attncore._arrays, "repeat_heads", no_copy)
+    monkeypatch.setattr(attncore._copies, "repeat_heads", no_copy)
     q, k, v = randn(1, 8, 2, 16, seed=1), randn(1, 2, 5, 16, seed=2), randn(1, 4, 5, 16, seed=3)
     for kwargs, error, message in [
             ({"dropout_p": 2.0}, ValueError, "dropout_p"),
