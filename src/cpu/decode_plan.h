@@ -86,7 +86,7 @@ struct DecodePlan {
   // A GQA group's K rows over several heads prefetched this many bytes of each head ahead, into
   // L2 (DirectKvScores::scores): each block's rows before its scores, or, with
   // group_k_spread (AVX-512), each line as the products read the same line of their key's row
-  // (DirectKvScores::score_rows, score_rows_pairs; AVX2 always prefetches a group's rows
+  // (DirectKvBlockScores::score_rows, score_rows_pairs; AVX2 always prefetches a group's rows
   // before its products); with it, too, a group's 16-bit rows over one head ([B, Hkv, L, D])
   // prefetch K line by line through the products, 6 KiB (at most kRowLead keys) ahead
   // (DirectKvScores::scores).
@@ -96,7 +96,7 @@ struct DecodePlan {
   // block's K prefetches over the rows' scores, not all before the first (AVX2 always does).
   bool group_f32_near_spread;
   // A GQA group's 3 or more rows: their K prefetched line by line through their scores
-  // (DirectKvScores::score_rows, score_rows_pairs: group_k_spread) into L1 instead of L2.
+  // (DirectKvBlockScores::score_rows, score_rows_pairs: group_k_spread) into L1 instead of L2.
   bool group_k_into_l1;
   // Those 16-bit rows over several heads prefetch their next chunk of V (group_v_next_chunk) only
   // where its rows do not go on evenly from the chunk's (a page boundary), each row by one chunk
