@@ -330,5 +330,36 @@ TEST(ScoreRange, ScoresThatOverflowF32AreHeld) {
   }
 }
 
+// ALiBi slopes whose bias -slope * distance could pass f32's range are refused (f32, bf16 and
+// f16 inputs: distances up to Lq + Lk); one within it gives every backend the oracle's row,
+// where a slope of -2e38 gave math and flash NaN. Lq = Lk = 3, D = 1, q = k = 1, v_j = j + 1:
+// a slope of -5e37 adds 0, 5e37 and 1e38 by distance, so row i's weight goes to the key
+// farthest from it (the last for row 0, the first for row 2; row 1's two tie).
+TEST(ScoreRange, AlibiSlopesPastF32AreRefused) {
+  const Tensor q = make_tensor(DType::f32, {1, 1, 3, 1}, {1, 1, 1});
+  const Tensor v = make_tensor(DType::f32, {1, 1, 3, 1}, {1, 2, 3});
+  const Tensor huge = make_tensor(DType::f32, {1}, {-2e38});
+  const Tensor large = make_tensor(DType::f32, {1}, {-5e37});
+  Options o;
+  o.alibi_slopes = huge.view();
+  for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
+    try {
+      (void)forward(q, q, v, o, backend);
+      ADD_FAILURE() << name_of(backend) << ": no exception";
+    } catch (const InvalidArgument& e) {
+      EXPECT_EQ(std::string(e.what()),
+                "forward: alibi_slopes holds a slope too large for f32 arithmetic "
+                "(alibi_slopes[0]=-2e+38, expected |slope| <= 5.67137e+37 = FLT_MAX / (Lq + Lk) "
+                "with f32 inputs: the bias slope * distance must be finite)");
+    }
+  }
+  o.alibi_slopes = large.view();
+  for (Backend backend : {Backend::reference, Backend::math, Backend::flash}) {
+    const ForwardResult f = forward(q, q, v, o, backend);
+    EXPECT_TRUE(all_close(read_view(f.out), {3, 2, 1}, 1e-6, std::string(name_of(backend))));
+    for (double lse : read_view(f.lse)) EXPECT_TRUE(std::isfinite(lse)) << name_of(backend);
+  }
+}
+
 }  // namespace
 }  // namespace attncore::test

@@ -87,6 +87,24 @@ TEST(TensorView, TransposedSwapsShapeAndStride) {
   EXPECT_EQ(same.stride, bshd.stride);
 }
 
+// rank is a public field: a view whose rank was written past kMaxRank (or negative) is refused
+// by transposed, which indexed shape[5] of a view of rank 7 (UB) before it was checked.
+TEST(TensorView, TransposedRefusesAnInvalidRank) {
+  float x[8] = {};
+  for (const int rank : {kMaxRank + 1, 7, -1}) {
+    TensorView t = TensorView::contiguous(x, DType::f32, {2, 4});
+    t.rank = rank;
+    try {
+      (void)t.transposed(5, 6);
+      FAIL() << "rank " << rank << ": no exception";
+    } catch (const InvalidArgument& e) {
+      EXPECT_EQ(std::string(e.what()), "TensorView: rank is invalid (rank=" +
+                                           std::to_string(rank) + ", expected 0 to " +
+                                           std::to_string(kMaxRank) + ")");
+    }
+  }
+}
+
 TEST(TensorView, NumelOverflowIsMinusOne) {
   EXPECT_EQ(TensorView::contiguous(nullptr, DType::f32, {kBig, kBig}).numel(), -1);      // 2^64
   EXPECT_EQ(TensorView::contiguous(nullptr, DType::f32, {kBig, kBig / 2}).numel(), -1);  // 2^63

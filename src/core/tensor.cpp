@@ -86,6 +86,10 @@ std::int64_t TensorView::numel() const {
 }
 
 TensorView TensorView::transposed(int d0, int d1) const {
+  if (rank < 0 || rank > kMaxRank) {  // (rank is a public field: never index past shape)
+    throw InvalidArgument("TensorView: rank is invalid (rank=" + std::to_string(rank) +
+                          ", expected 0 to " + std::to_string(kMaxRank) + ")");
+  }
   if (d0 < 0 || d1 < 0 || d0 >= rank || d1 >= rank) {
     throw InvalidArgument(
         "TensorView: transposed dimension out of range (dims=" + std::to_string(d0) + "," +

@@ -2,6 +2,7 @@
 //   <op>: <what> <problem> (<name>=<value>, expected <constraint>)[; <remedy>]
 #include "core/validate.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -151,16 +152,28 @@ void resolve_variant(const Checker& check, const Options& o, Params& p) {
         a.rank == 2 && p.alibi_stride_b != 0 ? p.batch : std::min<std::int64_t>(p.batch, 1);
     const std::int64_t heads =
         p.alibi_stride_h != 0 ? p.heads_q : std::min<std::int64_t>(p.heads_q, 1);
+    // f32, bf16 and f16 calls add the bias -slope * distance in f32: a slope whose bias could
+    // pass f32's range (distances up to Lq + Lk) would make it infinite, and its rows NaN.
+    const double reach = static_cast<double>(std::max(p.seq.lq, p.seq.max_q())) +
+                         static_cast<double>(std::max(p.seq.lk, p.seq.max_k()));
+    const double largest = p.dtype == DType::f64 || reach <= 1.0
+                               ? std::numeric_limits<double>::infinity()
+                               : std::numeric_limits<float>::max() / reach;
     for (std::int64_t b = 0; b < batches; ++b) {
       for (std::int64_t h = 0; h < heads; ++h) {
         const float slope = p.alibi[b * p.alibi_stride_b + h * p.alibi_stride_h];
+        if (std::isfinite(slope) && std::fabs(slope) <= largest) continue;
+        std::string at;  // [b][h] or [h], by appends (GCC 12 warns on "[" + std::string)
+        if (a.rank == 2) at.append("[").append(std::to_string(b)).append("]");
+        at.append("[").append(std::to_string(h)).append("]");
         if (!std::isfinite(slope)) {
-          std::string at;  // [b][h] or [h], by appends (GCC 12 warns on "[" + std::string)
-          if (a.rank == 2) at.append("[").append(std::to_string(b)).append("]");
-          at.append("[").append(std::to_string(h)).append("]");
           check.fail("alibi_slopes holds a slope that is not finite (alibi_slopes" + at + "=" +
                      fmt_double(slope) + ", expected finite slopes)");
         }
+        check.fail("alibi_slopes holds a slope too large for f32 arithmetic (alibi_slopes" + at +
+                   "=" + fmt_double(slope) + ", expected |slope| <= " + fmt_double(largest) +
+                   " = FLT_MAX / (Lq + Lk) with " + std::string(name_of(p.dtype)) +
+                   " inputs: the bias slope * distance must be finite)");
       }
     }
   }

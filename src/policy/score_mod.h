@@ -1,8 +1,9 @@
 // The score modifiers of docs/design.md section 1.2, applied in this order after s = scale * q.k:
-// softcap, ALiBi, additive bias. Each is defined here once, for any arithmetic type T with the
-// usual operators: double or float scalars (the math backend, policy/score_row.h) and the flash
-// kernels' vectors (src/cpu/flash_*-inl.h), which pass their own tanh. Backward multiplies dS by
-// the softcap derivative (ALiBi and the bias pass dS through unchanged).
+// softcap, ALiBi, additive bias. Each is defined here once: softcap for any arithmetic type T
+// with the usual operators, double or float scalars (the math backend, policy/score_row.h) and
+// the flash kernels' vectors (src/cpu/flash_*-inl.h), which pass their own tanh; ALiBi and the
+// bias for scalars, holding a sum that overflows (held). Backward multiplies dS by the softcap
+// derivative (ALiBi and the bias pass dS through unchanged).
 //
 // They work in place on references: the flash kernels call them from functions compiled for
 // their SIMD target, and a vector passed or returned by value between such a function and one
@@ -44,12 +45,6 @@ inline std::int64_t alibi_distance(std::int64_t i, std::int64_t j, std::int64_t 
   return distance < 0 ? -distance : distance;
 }
 
-// ALiBi's term: s += -slope * distance (distance from alibi_distance, converted to T).
-template <class T, class C>
-ATTNCORE_POLICY_INLINE void alibi(T& s, C slope, const T& distance) {
-  s += -slope * distance;
-}
-
 // y, a score of finite terms, held within T's range where their product or sum overflowed:
 // +-max instead of an infinity, which a -inf mask would meet as NaN and its row's softmax as
 // inf - inf (scale 1e38 times q.k of 10 in f32). Such scores of one row share its weight
@@ -64,6 +59,16 @@ template <class T>
 ATTNCORE_POLICY_INLINE void add_bias(T& s, T bias) {
   const bool finite = std::isfinite(s) && std::isfinite(bias);
   s += bias;
+  if (finite) s = held(s);
+}
+
+// ALiBi's term: s += -slope * distance (distance from alibi_distance, converted to T), held
+// where s was finite (validation bounds the slopes so that the term itself is finite).
+// Scalars.
+template <class T, class C>
+ATTNCORE_POLICY_INLINE void alibi(T& s, C slope, const T& distance) {
+  const bool finite = std::isfinite(s);
+  s += -slope * distance;
   if (finite) s = held(s);
 }
 
