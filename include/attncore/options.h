@@ -102,7 +102,8 @@ struct Options {
   // bool: true = takes part; floating (any of f32, f64, bf16, f16): added to the scores.
   std::optional<TensorView> mask{};
   // With an additive mask, backward also returns its gradient (reduced to the mask's shape);
-  // forward ignores it, so one Options value serves both calls.
+  // forward computes nothing for it, so one Options value serves both calls (both refuse it
+  // without an additive mask).
   bool compute_dbias = false;
   // Dropout on the attention probabilities, in [0, 1). The keep decision of element
   // (b, h, i, j) is element (offset + ((b*Hq + h)*Lq + i)*Lk + j) of the Philox4x32-10 stream
