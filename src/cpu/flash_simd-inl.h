@@ -24,6 +24,7 @@
 
 #include "attncore/dtype.h"
 #include "cpu/flash_layout-inl.h"
+#include "policy/score_mod.h"
 
 namespace attncore::detail::ATTNCORE_TARGET_NS {
 
@@ -221,10 +222,9 @@ constexpr float kLog2e = 1.4426950408889634f;
 // them, became infinities, which softmax reads as keys masked out (a row masked with such
 // values alone gave 0 and LSE -inf, where torch averages its values), and a scale of 1e38
 // times q.k of 10 an infinity that a -inf mask made NaN. Infinite and NaN x give their
-// products. (The unfused backends hold theirs alike: policy/score_mod.h, held.)
+// products. (The scalar is policy/score_mod.h's, which the unfused backends use.)
 ATTNCORE_TARGET inline float held_product(float x, float factor) {
-  const float y = x * factor;
-  return std::isfinite(x) ? std::clamp(y, -FLT_MAX, FLT_MAX) : y;
+  return detail::held_product(x, factor);  // (the unfused backends' own, one definition)
 }
 ATTNCORE_TARGET inline Vec held_product(Vec x, float factor) {
   const Vec y = x * factor;

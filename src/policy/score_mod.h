@@ -54,6 +54,13 @@ ATTNCORE_POLICY_INLINE T held(T y) {
   return std::isinf(y) ? std::copysign(std::numeric_limits<T>::max(), y) : y;
 }
 
+// x * factor (a scale times q.k), held where x was finite.
+template <class T>
+ATTNCORE_POLICY_INLINE T held_product(T x, T factor) {
+  const T y = x * factor;
+  return std::isfinite(x) ? held(y) : y;
+}
+
 // The additive bias's term: s += bias, held where both were finite (a -inf bias masks the key).
 template <class T>
 ATTNCORE_POLICY_INLINE void add_bias(T& s, T bias) {

@@ -35,8 +35,7 @@ void finish_scores(const Params& p, const CausalWindowMask& causal_window, std::
   }
   if (p.softcap == 0.0 && !p.alibi && p.mask_kind == MaskKind::none) {
     for (std::int64_t j = visible.begin; j < visible.end; ++j) {  // the common case
-      const T x = s[j] * scale;
-      s[j] = std::isfinite(s[j]) ? held(x) : x;
+      s[j] = held_product(s[j], scale);
     }
     if (dcap) {
       for (std::int64_t j = visible.begin; j < visible.end; ++j) dcap[j] = T(1);
@@ -49,8 +48,7 @@ void finish_scores(const Params& p, const CausalWindowMask& causal_window, std::
       p.alibi ? static_cast<T>(p.alibi[b * p.alibi_stride_b + h * p.alibi_stride_h]) : T(0);
   const std::int64_t mask_row = p.mask_kind == MaskKind::none ? 0 : offset4(p.mask, b, h, i, 0);
   for (std::int64_t j = visible.begin; j < visible.end; ++j) {
-    T x = scale * s[j];
-    if (std::isfinite(s[j])) x = held(x);
+    T x = held_product(s[j], scale);
     if (cap != T(0) && cap != std::numeric_limits<T>::infinity()) {  // see flash's apply_softcap
       softcap(x, cap, inv_cap, [](T& y) { y = std::tanh(y); });
       if (dcap) softcap_derivative(x, inv_cap, dcap[j]);
